@@ -1,0 +1,77 @@
+// Copy engine: a small pool of native threads that moves bytes for the `ipc` backend.
+//
+// Jobs are split into fixed-size chunks and served round-robin across jobs, so one 1 GiB put
+// cannot starve a small one queued behind it and a cancelled job stops at the next chunk.
+// Completions are queued and announced through an eventfd that the Python event loop waits on;
+// no Python runs on these threads and no thread polls.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace transport {
+
+// Which address space each side of a segment lives in.
+enum class CopyKind : int {
+  kLocal = 0,     // dst and src both mapped in this process (memcpy; e.g. a peer's memfd mapping)
+  kCmaWrite = 1,  // dst is in process `pid`, src is local (process_vm_writev)
+  kCmaRead = 2,   // dst is local, src is in process `pid` (process_vm_readv)
+};
+
+enum class CopyStatus : int { kOk = 0, kFailed = 1, kAborted = 2 };
+
+struct Segment {
+  uint64_t dst;
+  uint64_t src;
+  uint64_t len;
+};
+
+struct Completion {
+  uint64_t id;
+  CopyStatus status;
+  int err;         // errno of the first failing chunk, 0 otherwise
+  uint64_t bytes;  // bytes actually copied
+};
+
+class CopyEngine {
+ public:
+  CopyEngine(int threads, uint64_t chunk_bytes);
+  ~CopyEngine();
+  CopyEngine(const CopyEngine&) = delete;
+  CopyEngine& operator=(const CopyEngine&) = delete;
+
+  int event_fd() const { return efd_; }
+  // Queues a job; returns its id. Throws std::runtime_error once shut down.
+  uint64_t submit(CopyKind kind, int pid, const std::vector<Segment>& segments);
+  // Requests that a job stop at its next chunk boundary. Returns false if it already finished.
+  bool cancel(uint64_t id);
+  // Completed jobs since the last call (also clears the eventfd counter).
+  std::vector<Completion> drain();
+  // Aborts queued work, joins the threads. Idempotent.
+  void shutdown();
+
+ private:
+  struct Job;
+  void worker();
+  void finish_chunk(const std::shared_ptr<Job>& job, uint64_t bytes, int err);
+
+  const uint64_t chunk_bytes_;
+  int efd_ = -1;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::unordered_map<uint64_t, std::shared_ptr<Job>> live_;
+  std::vector<Completion> done_;
+  std::vector<std::thread> threads_;
+  uint64_t next_id_ = 1;
+  bool stopping_ = false;
+};
+
+}  // namespace transport
