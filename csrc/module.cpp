@@ -18,6 +18,8 @@ using namespace transport;
 
 NB_MODULE(_C, m) {
   m.doc() = "Native core of transport: copy engine, shareable host memory, CMA.";
+  // Tensors over SharedBuffers may legitimately outlive the interpreter's teardown.
+  nb::set_leak_warnings(false);
 
   nb::class_<CopyEngine>(m, "CopyEngine")
       .def(nb::init<int, uint64_t>(), nb::arg("threads"), nb::arg("chunk_bytes"))

@@ -1,0 +1,49 @@
+"""transport: asynchronous, one-sided tensor movement between processes.
+
+The public surface is what this module re-exports; everything else is private
+(underscored modules) and may change.
+"""
+
+from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import BoundsError as BoundsError
+from ._errors import ClosedError as ClosedError
+from ._errors import DTypeMismatchError as DTypeMismatchError
+from ._errors import LayoutError as LayoutError
+from ._errors import PeerLostError as PeerLostError
+from ._errors import PeerNotFoundError as PeerNotFoundError
+from ._errors import ReadOnlyRegionError as ReadOnlyRegionError
+from ._errors import RegistrationError as RegistrationError
+from ._errors import TransferAbortedError as TransferAbortedError
+from ._errors import TransferTimeoutError as TransferTimeoutError
+from ._errors import TransportError as TransportError
+from ._errors import TransportInternalError as TransportInternalError
+from ._regions import Peer as Peer
+from ._regions import Region as Region
+from ._transfer import Transfer as Transfer
+from ._transfer import TransferOp as TransferOp
+from ._transfer import gather as gather
+from ._transport import Transport as Transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Transport",
+    "Transfer",
+    "TransferOp",
+    "gather",
+    "Peer",
+    "Region",
+    "TransportError",
+    "ClosedError",
+    "PeerLostError",
+    "TransferTimeoutError",
+    "TransferAbortedError",
+    "RegistrationError",
+    "ReadOnlyRegionError",
+    "BoundsError",
+    "DTypeMismatchError",
+    "LayoutError",
+    "BackendUnavailableError",
+    "PeerNotFoundError",
+    "TransportInternalError",
+]

@@ -1,0 +1,134 @@
+"""The ``Transfer`` handle returned by ``Transport.put`` / ``Transport.get``."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import anyio
+
+from ._errors import TransportError
+
+
+class TransferOp(enum.Enum):
+    PUT = "put"
+    GET = "get"
+
+
+class Transfer:
+    """One put or get in flight. Await it (or :func:`gather` many) to learn how it ended.
+
+    The transfer runs in its Transport's task group from the moment ``put``/``get`` returns;
+    awaiting only observes it.
+
+    Attributes:
+        op: PUT or GET.
+        peer: the peer's name.
+        key: the remote region's key.
+        nbytes: bytes moved by this transfer.
+        offset: byte offset into the remote region.
+        backend: name of the backend that carries it (None until chosen).
+
+    Cancellation: :meth:`cancel`, or cancelling a task while it awaits this handle, aborts
+    the transfer. If no byte has moved, the remote region is untouched; if some have, awaiting
+    raises :class:`TransferAbortedError` with ``partial=True`` and the remote range is undefined
+    until the next complete write. A transfer whose bytes are all on the wire may still
+    complete; then awaiting it returns normally.
+    """
+
+    def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int) -> None:
+        self.op = op
+        self.peer = peer
+        self.key = key
+        self.nbytes = nbytes
+        self.offset = offset
+        self.backend: str | None = None
+        self._event = anyio.Event()
+        self._error: TransportError | None = None
+        self._started = time.monotonic()
+        self._finished: float | None = None
+        self._cancel_requested = False
+        self._moving = False  # set once bytes may have started to move
+        self._scope: anyio.CancelScope | None = None
+
+    def done(self) -> bool:
+        """True once the transfer has completed, failed or been aborted."""
+        return self._event.is_set()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from start to completion (or until now, while running)."""
+        end = self._finished if self._finished is not None else time.monotonic()
+        return end - self._started
+
+    def exception(self) -> TransportError | None:
+        """The error the transfer ended with; None while running or after success."""
+        return self._error
+
+    def cancel(self) -> None:
+        """Requests an abort (see the class docstring). No effect once done."""
+        if self.done():
+            return
+        self._cancel_requested = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def wait(self) -> None:
+        """Waits until the transfer ends.
+
+        Raises:
+            TransportError: the error the transfer failed with.
+
+        Cancelling the waiting task cancels the transfer too.
+        """
+        try:
+            await self._event.wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancel()
+            raise
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self.wait().__await__()
+
+    def _finish(self, error: TransportError | None = None) -> None:
+        if self.done():
+            return
+        self._error = error
+        self._finished = time.monotonic()
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "done")
+        return (
+            f"<Transfer {self.op.value} {self.peer}:{self.key!r} {self.nbytes}B @{self.offset} "
+            f"via {self.backend} {state}>"
+        )
+
+
+async def gather(*transfers: Transfer) -> list[Transfer]:
+    """Waits for every transfer to end, then raises the first error, if any.
+
+    Args:
+        transfers: handles from ``put``/``get``.
+
+    Returns:
+        The same handles, all done.
+
+    Raises:
+        TransportError: the first failure (in argument order), after all have ended.
+
+    Cancellation: cancels every transfer not yet done.
+    """
+    try:
+        for t in transfers:
+            await t._event.wait()
+    except anyio.get_cancelled_exc_class():
+        for t in transfers:
+            t.cancel()
+        raise
+    for t in transfers:
+        if t._error is not None:
+            raise t._error
+    return list(transfers)

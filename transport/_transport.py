@@ -1,0 +1,700 @@
+"""``Transport``: one endpoint of one-sided tensor movement.
+
+A Transport owns a task group (its background agent, the copy engine's completion task and
+every transfer run there), its registered regions and its view of peers. It publishes a
+versioned peer record in the rendezvous store; peers read it to learn which backends it speaks
+and where its regions are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import urllib.parse
+from typing import Any, Mapping, Sequence
+
+import anyio
+import torch
+
+from ._agent import AgentServer, ChannelPool, local_address_towards
+from ._errors import (
+    BackendUnavailableError,
+    BoundsError,
+    ClosedError,
+    DTypeMismatchError,
+    LayoutError,
+    PeerLostError,
+    PeerNotFoundError,
+    ReadOnlyRegionError,
+    RegistrationError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    TransportError,
+    TransportInternalError,
+)
+from ._host import host_id, pid_start, process_alive
+from ._native import Copier, load
+from ._regions import Peer, Region
+from ._rendezvous import Store, open_store
+from ._tensors import MemoryKind, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
+from ._transfer import Transfer, TransferOp
+from ._wire import FrameKind, PeerRecord, RegionRecord
+from .backends import PLANNED, REGISTRY, Backend, BackendContext, LocalBuffer, RemoteTarget
+
+log = logging.getLogger(__name__)
+
+LISTEN_ENV = "TRANSPORT_LISTEN"
+_PEER_PREFIX = "peer/"
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.2
+
+
+class Transport:
+    """One endpoint: registers local memory, and puts into / gets from peers' memory.
+
+    Use it as an async context manager; it works under trio and asyncio::
+
+        async with transport.Transport("gen-0", store="file:///tmp/tx") as t:
+            t.register("policy.w", weights)
+            ...
+
+    Args:
+        name: unique name in the rendezvous namespace (no "/").
+        store: rendezvous URL: ``file://DIR`` (default ``$TRANSPORT_STORE`` or a per-user temp
+            dir), ``tcp://HOST:PORT`` (torch TCPStore; add ``?host=1`` in the one process that
+            hosts it) or ``memory://NAME`` (one process).
+        backends: preference order, e.g. ``("ipc", "tcp")``; None means every available one in
+            the default order (ipc, tcp). Naming an unavailable backend raises.
+        timeout: default seconds for every operation; nothing waits longer.
+        listen: ``HOST`` or ``HOST:PORT`` for this endpoint's agent (``$TRANSPORT_LISTEN``);
+            by default the address that reaches a ``tcp://`` store, else 127.0.0.1.
+        copy_threads: native threads that run same-host copies.
+
+    Raises:
+        ValueError: bad arguments (checked here).
+        BackendUnavailableError: on entry, a requested backend cannot run here.
+        RegistrationError: on entry, a live process already uses ``name``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: str | None = None,
+        backends: Sequence[str] | None = None,
+        timeout: float = 60.0,
+        *,
+        listen: str | None = None,
+        copy_threads: int = 2,
+    ) -> None:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if isinstance(backends, str):
+            backends = (backends,)
+        self.name = name
+        self.timeout = float(timeout)
+        self._store_url = store
+        self._requested = tuple(backends) if backends is not None else None
+        self._listen = listen or os.environ.get(LISTEN_ENV)
+        self._copy_threads = copy_threads
+        self._state = "new"
+        self.incarnation = secrets.token_hex(8)
+        self._regions: dict[str, Region] = {}
+        self._by_memory: dict[tuple[int, int, torch.dtype], str] = {}
+        self._shared: list[Any] = []  # SharedBuffers allocated by empty()
+        self._peers: dict[str, PeerRecord] = {}
+        self._inflight: dict[str, set[Transfer]] = {}
+        self._signals: dict[str, int] = {}
+        self._seq = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Transport:
+        if self._state != "new":
+            raise RuntimeError("a Transport can be entered once")
+        self._state = "opening"
+        self._signal_event = anyio.Event()
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._store = await anyio.to_thread.run_sync(lambda: open_store(self._store_url, timeout=self.timeout))
+            stack.callback(self._store.close)
+            self._pid, self._pid_start, self._host = os.getpid(), pid_start(os.getpid()), host_id()
+            backend_classes = self._select_backends()
+            # The copy engine's completion task lives in an outer task group so that transfers
+            # cancelled at close can still learn that the engine has let go of their memory.
+            self._copier = Copier(self._copy_threads)
+            stack.callback(self._copier.close)
+            outer = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(outer.cancel_scope.cancel)
+            await outer.start(self._copier.run)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(self._tg.cancel_scope.cancel)
+            host, port = self._listen_address()
+            self._agent = AgentServer(self, host, port)
+            self._tg.start_soon(self._agent.serve, self._tg)
+            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout)
+            self._backends: list[Backend] = [cls(ctx) for cls in backend_classes]
+            stack.callback(self._close_backends)
+            self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"})
+            stack.callback(self._control.close)
+            await self._claim_name()
+            self._state = "open"
+            self._publish()
+        except BaseException:
+            self._state = "closed"
+            await stack.aclose()
+            raise
+        self._stack = stack
+        log.info("transport %s open (incarnation %s, backends %s, agent %s:%d, store %s)",
+                 self.name, self.incarnation, self.backends, *self._agent.address, self._store.url)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes the endpoint: unpublishes it, aborts transfers still running (they fail with
+        ClosedError) and releases memory mappings, connections and threads. Idempotent."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closed"
+        self._wake_signal_waiters()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
+            try:
+                mine = await self._store.aget(_PEER_PREFIX + self.name)
+                if mine is not None and PeerRecord.decode(mine).incarnation == self.incarnation:
+                    self._store.delete(_PEER_PREFIX + self.name)
+            except TransportError as exc:
+                log.warning("transport %s: could not remove its peer record: %s", self.name, exc)
+        # Not inside the shield: the task groups must be exited in the scope they were entered in.
+        await self._stack.aclose()
+        self._regions.clear()
+        self._by_memory.clear()
+
+    def _close_backends(self) -> None:
+        for b in self._backends:
+            b.close()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            if self._state == "closed":
+                raise ClosedError(f"transport {self.name!r} is closed")
+            raise ClosedError(f"transport {self.name!r} is not open; use `async with Transport(...)`")
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends this endpoint speaks, in preference order."""
+        return tuple(b.name for b in self._backends)
+
+    @property
+    def store_url(self) -> str:
+        return self._store.url
+
+    def _select_backends(self) -> list[type[Backend]]:
+        names = self._requested if self._requested is not None else tuple(REGISTRY)
+        if not names:
+            raise ValueError("backends=() leaves nothing to move bytes with")
+        chosen = []
+        for n in names:
+            if n not in REGISTRY:
+                if n in PLANNED:
+                    raise BackendUnavailableError(PLANNED[n])
+                raise ValueError(f"unknown backend {n!r}; known: {', '.join([*REGISTRY, *PLANNED])}")
+            reason = REGISTRY[n].unavailable_reason()
+            if reason is not None:
+                if self._requested is not None:
+                    raise BackendUnavailableError(f"backend {n!r} is unavailable: {reason}")
+                log.info("backend %s unavailable: %s", n, reason)
+                continue
+            chosen.append(REGISTRY[n])
+        return chosen
+
+    def _listen_address(self) -> tuple[str, int]:
+        if self._listen:
+            host, _, port = self._listen.rpartition(":") if ":" in self._listen else (self._listen, "", "0")
+            return host.strip("[]"), int(port or 0)
+        parsed = urllib.parse.urlparse(self._store.url)
+        if parsed.scheme == "tcp" and parsed.hostname:
+            return local_address_towards(parsed.hostname, parsed.port or 1), 0
+        return "127.0.0.1", 0
+
+    async def _claim_name(self) -> None:
+        data = await self._store.aget(_PEER_PREFIX + self.name)
+        if data is None:
+            return
+        try:
+            old = PeerRecord.decode(data)
+        except TransportError:
+            return  # unreadable leftovers: overwrite
+        if old.host == self._host and process_alive(old.pid, old.pid_start) and old.pid != self._pid:
+            raise RegistrationError(f"name {self.name!r} is in use by a live process (pid {old.pid}) in {self._store.url}")
+        if old.host != self._host:
+            log.warning("transport %s: replacing the record of %s on host %s (assumed restarted)",
+                        self.name, old.name, old.host.hostname)
+
+    # -- regions ------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self._seq += 1
+        regions = {}
+        for key, region in self._regions.items():
+            descs = {}
+            for b in self._backends:
+                d = b.region_descriptor(region)
+                if d is not None:
+                    descs[b.name] = d
+            regions[key] = region.record(descs)
+        record = PeerRecord(
+            name=self.name,
+            incarnation=self.incarnation,
+            seq=self._seq,
+            pid=self._pid,
+            pid_start=self._pid_start,
+            host=self._host,
+            agent=self._agent.address,
+            backends={b.name: b.endpoint_descriptor() for b in self._backends},
+            regions=regions,
+        )
+        self._store.set(_PEER_PREFIX + self.name, record.encode())
+
+    def _new_region(self, key: str, tensor: torch.Tensor, writable: bool) -> Region:
+        if not isinstance(key, str) or not key:
+            raise RegistrationError(f"region key must be a non-empty string, got {key!r}")
+        if key in self._regions:
+            raise RegistrationError(f"{self.name}: key {key!r} is already registered; unregister it first")
+        check_tensor(tensor, f"tensor for {key!r}")
+        if memory_kind(tensor, f"tensor for {key!r}") != MemoryKind.CPU:
+            raise BackendUnavailableError(
+                f"{key!r} is a {tensor.device} tensor; no backend of this build serves device memory yet"
+            )
+        if not tensor.is_contiguous():
+            raise RegistrationError(f"{key!r}: only contiguous tensors can be registered (call .contiguous() first)")
+        shared = None
+        for buf in self._shared:
+            if buf.address <= tensor.data_ptr() and tensor.data_ptr() + nbytes_of(tensor) <= buf.address + buf.nbytes:
+                shared = buf
+        return Region(key, tensor, bool(writable), shared)
+
+    def _add(self, region: Region) -> None:
+        self._regions[region.key] = region
+        self._by_memory.setdefault((region.address, region.nbytes, region.dtype), region.key)
+
+    def register(self, key: str, tensor: torch.Tensor, *, writable: bool = True) -> Region:
+        """Exposes ``tensor`` to peers' ``put``/``get`` under ``key``.
+
+        Args:
+            key: name peers use for this region; unique within this Transport.
+            tensor: a contiguous CPU tensor. The Transport keeps a reference to it until
+                ``unregister``; do not free or resize its storage meanwhile.
+            writable: False refuses remote puts (gets still work).
+
+        Returns:
+            The registered :class:`Region`.
+
+        Raises:
+            ClosedError: the Transport is not open.
+            RegistrationError: bad key, key in use, or a non-contiguous tensor.
+            BackendUnavailableError: the tensor's device is not served.
+        """
+        return self.register_many({key: tensor}, writable=writable)[key]
+
+    def register_many(self, tensors: Mapping[str, torch.Tensor], *, prefix: str = "", writable: bool = True) -> dict[str, Region]:
+        """Registers many tensors at once (one record update), e.g. a ``state_dict()``.
+
+        Args:
+            tensors: key -> tensor; keys are prefixed with ``prefix``.
+            prefix: prepended to every key.
+            writable: as in :meth:`register`.
+
+        Returns:
+            Full key -> Region.
+
+        Raises:
+            As :meth:`register`; on error nothing is registered.
+        """
+        self._check_open()
+        new = {}
+        for k, t in tensors.items():
+            key = prefix + k
+            if key in new:
+                raise RegistrationError(f"key {key!r} appears twice")
+            new[key] = self._new_region(key, t, writable)
+        for region in new.values():
+            self._add(region)
+        self._publish()
+        return new
+
+    def unregister(self, key: str) -> None:
+        """Withdraws ``key``; peers' later transfers to it fail with RegistrationError.
+
+        Raises:
+            ClosedError: the Transport is not open.
+            RegistrationError: ``key`` is not registered.
+        """
+        self._check_open()
+        region = self._regions.pop(key, None)
+        if region is None:
+            raise RegistrationError(f"{self.name}: no region {key!r} to unregister")
+        mem = (region.address, region.nbytes, region.dtype)
+        if self._by_memory.get(mem) == key:
+            del self._by_memory[mem]
+        self._publish()
+
+    def empty(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, *, writable: bool = True) -> torch.Tensor:
+        """Allocates a zeroed, shareable, pre-faulted host tensor and registers it under ``key``.
+
+        Same-host peers map this memory directly (no ptrace permission needed), which is the
+        fastest ``ipc`` path. The memory lives as long as the returned tensor (or views of it).
+
+        Returns:
+            The new tensor.
+
+        Raises:
+            As :meth:`register`; RegistrationError if the allocation fails.
+        """
+        self._check_open()
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        try:
+            buf = load().SharedBuffer(numel * itemsize, f"transport:{self.name}:{key}")
+        except RuntimeError as exc:
+            raise RegistrationError(f"cannot allocate {numel * itemsize} shareable bytes for {key!r}: {exc}") from exc
+        tensor = torch.from_dlpack(buf.array()).view(dtype).view(shape)
+        self._shared.append(buf)
+        self.register(key, tensor, writable=writable)
+        return tensor
+
+    @property
+    def regions(self) -> Mapping[str, Region]:
+        """The regions registered here, by key (read-only view)."""
+        return dict(self._regions)
+
+    # -- peers --------------------------------------------------------------------------------
+
+    def _adopt(self, record: PeerRecord) -> PeerRecord:
+        old = self._peers.get(record.name)
+        if old is not None and old.incarnation != record.incarnation:
+            log.info("transport %s: %s restarted (incarnation %s -> %s)", self.name, record.name, old.incarnation, record.incarnation)
+            for b in self._backends:
+                b.forget_peer(record.name)
+            self._control.forget(record.name)
+        self._peers[record.name] = record
+        return record
+
+    def _stale(self, record: PeerRecord) -> bool:
+        return record.host == self._host and not process_alive(record.pid, record.pid_start)
+
+    async def _fetch(self, name: str) -> PeerRecord | None:
+        data = await self._store.aget(_PEER_PREFIX + name)
+        return PeerRecord.decode(data) if data is not None else None
+
+    async def peer(self, name: str, *, timeout: float | None = None) -> Peer:
+        """Waits until a live peer called ``name`` is visible, and returns what it published.
+
+        A record left by a dead process on this host is ignored (a replacement is awaited).
+
+        Args:
+            name: the peer's name.
+            timeout: seconds to wait (default: the Transport's timeout).
+
+        Returns:
+            A :class:`Peer` (its incarnation, backends and regions).
+
+        Raises:
+            PeerNotFoundError: no live peer of that name appeared in time.
+            ClosedError: the Transport is closed.
+
+        Cancellation: safe at any point; nothing is changed.
+        """
+        self._check_open()
+        timeout = self.timeout if timeout is None else timeout
+        delay, stale = _POLL_MIN_S, False
+        with anyio.move_on_after(timeout):
+            while True:
+                self._check_open()
+                record = await self._fetch(name)
+                if record is not None and not self._stale(record):
+                    return Peer(self._adopt(record))
+                stale = stale or record is not None
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+        hint = " (only a stale record of an exited process was found)" if stale else ""
+        raise PeerNotFoundError(f"no peer named {name!r} appeared in {self._store.url} within {timeout:g}s{hint}")
+
+    async def peers(self) -> list[str]:
+        """Names of the peers currently published in the store (this one included)."""
+        self._check_open()
+        return [k[len(_PEER_PREFIX):] for k in await self._store.akeys(_PEER_PREFIX)]
+
+    async def _resolve(self, name: str, *, refresh: bool = False) -> PeerRecord:
+        record = None if refresh else self._peers.get(name)
+        if record is None:
+            record = await self._fetch(name)
+            if record is None:
+                raise PeerNotFoundError(
+                    f"no peer named {name!r} in {self._store.url} (await transport.peer({name!r}) to wait for it)"
+                )
+            if self._stale(record):
+                raise PeerLostError(f"{name} (pid {record.pid}) has exited; its record in {self._store.url} is stale")
+            record = self._adopt(record)
+        return record
+
+    # -- transfers ----------------------------------------------------------------------------
+
+    def put(self, src: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *, timeout: float | None = None) -> Transfer:
+        """Starts writing ``src`` into ``peer``'s region ``key`` at byte ``offset``.
+
+        The transfer starts now and runs in the background; await the returned handle to know
+        it finished. A non-contiguous ``src`` is staged through a contiguous copy taken now.
+
+        Args:
+            src: CPU tensor with the region's dtype.
+            peer: peer name (or a :class:`Peer`).
+            key: remote region; defaults to the key ``src`` itself is registered under here.
+            offset: byte offset into the remote region (a multiple of the element size).
+            timeout: seconds (default: the Transport's timeout).
+
+        Returns:
+            A :class:`Transfer`; awaiting it returns once the bytes are in the peer's memory.
+            ``src`` may be reused after that (not before).
+
+        Raises (here, or when awaiting the handle; always before any byte moves):
+            ClosedError, PeerNotFoundError, RegistrationError (no such key; ``src`` not
+            registered and no key given), ReadOnlyRegionError, DTypeMismatchError, BoundsError,
+            BackendUnavailableError. While moving: PeerLostError, TransferTimeoutError,
+            TransferAbortedError (see :class:`Transfer` for cancellation).
+        """
+        self._check_open()
+        src = check_tensor(src, "src")
+        if key is None:
+            key = self._by_memory.get((src.data_ptr(), nbytes_of(src), src.dtype))
+            if key is None:
+                raise RegistrationError("src is not registered here; pass key= to name the remote region")
+        kind = memory_kind(src, "src")
+        staged = src if src.is_contiguous() else src.contiguous()
+        return self._start(TransferOp.PUT, staged, kind, peer, key, offset, timeout)
+
+    def get(self, dst: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *, timeout: float | None = None) -> Transfer:
+        """Starts reading ``dst.nbytes`` bytes at byte ``offset`` of ``peer``'s region ``key``
+        into ``dst`` (one-sided: the peer's application does nothing).
+
+        Args:
+            dst: contiguous CPU tensor with the region's dtype.
+            peer: peer name (or a :class:`Peer`).
+            key: remote region; defaults to the key ``dst`` is registered under here.
+            offset: byte offset into the remote region.
+            timeout: seconds (default: the Transport's timeout).
+
+        Returns:
+            A :class:`Transfer`; after awaiting it ``dst`` holds the bytes.
+
+        Raises:
+            As :meth:`put`, and LayoutError for a non-contiguous ``dst``.
+        """
+        self._check_open()
+        dst = check_tensor(dst, "dst")
+        if not dst.is_contiguous():
+            raise LayoutError("dst must be contiguous for get (the bytes land in place)")
+        if key is None:
+            key = self._by_memory.get((dst.data_ptr(), nbytes_of(dst), dst.dtype))
+            if key is None:
+                raise RegistrationError("dst is not registered here; pass key= to name the remote region")
+        return self._start(TransferOp.GET, dst, memory_kind(dst, "dst"), peer, key, offset, timeout)
+
+    def _start(self, op: TransferOp, tensor: torch.Tensor, kind: MemoryKind, peer: str | Peer, key: str, offset: int, timeout: float | None) -> Transfer:
+        name = peer.name if isinstance(peer, Peer) else peer
+        if not isinstance(name, str) or not name:
+            raise PeerNotFoundError(f"peer must be a name or a Peer, got {peer!r}")
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+        xfer = Transfer(op, name, key, nbytes_of(tensor), offset)
+        self._inflight.setdefault(name, set()).add(xfer)
+        self._tg.start_soon(self._run, xfer, tensor, kind, self.timeout if timeout is None else timeout)
+        return xfer
+
+    def _check_remote(self, record: PeerRecord, xfer: Transfer, dtype: torch.dtype) -> RegionRecord:
+        region = record.regions.get(xfer.key)
+        where = f"{xfer.op.value} {xfer.nbytes} bytes at offset {xfer.offset} of {record.name}:{xfer.key!r}"
+        if region is None:
+            known = ", ".join(sorted(record.regions)[:8]) or "none"
+            raise RegistrationError(f"{where}: {record.name} has no region {xfer.key!r} (it has: {known})")
+        if region.dtype != dtype_name(dtype):
+            raise DTypeMismatchError(f"{where}: local dtype {dtype_name(dtype)} but the region is {region.dtype}")
+        itemsize = torch.empty((), dtype=dtype_from_name(region.dtype)).element_size()
+        if xfer.offset < 0 or xfer.offset + xfer.nbytes > region.nbytes:
+            raise BoundsError(f"{where}: outside the region's {region.nbytes} bytes")
+        if xfer.offset % itemsize:
+            raise BoundsError(f"{where}: offset is not a multiple of the {region.dtype} element size {itemsize}")
+        if xfer.op == TransferOp.PUT and not region.writable:
+            raise ReadOnlyRegionError(f"{where}: {record.name} registered {xfer.key!r} read-only")
+        return region
+
+    def _choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
+        reasons = []
+        for b in self._backends:
+            if b.name not in record.backends:
+                reasons.append(f"{b.name}: {record.name} does not speak it")
+            elif kind not in b.memory_kinds:
+                reasons.append(f"{b.name}: does not serve {kind.value} memory")
+            elif (why := b.unreachable_reason(record, region, kind)) is not None:
+                reasons.append(f"{b.name}: {why}")
+            else:
+                return b
+        raise BackendUnavailableError(
+            f"no backend can reach {record.name}:{region.key!r} from {kind.value} memory "
+            f"(we speak {', '.join(self.backends) or 'nothing'}; it speaks {', '.join(record.backends) or 'nothing'}): "
+            + "; ".join(reasons)
+        )
+
+    async def _execute(self, xfer: Transfer, tensor: torch.Tensor, kind: MemoryKind) -> None:
+        record = await self._resolve(xfer.peer)
+        try:
+            region = self._check_remote(record, xfer, tensor.dtype)
+        except (RegistrationError, DTypeMismatchError, BoundsError):
+            # Our copy of the record may predate a (re-)registration: check the current one.
+            record = await self._resolve(xfer.peer, refresh=True)
+            region = self._check_remote(record, xfer, tensor.dtype)
+        backend = self._choose(record, region, kind)
+        xfer.backend = backend.name
+        if xfer.nbytes == 0:
+            return
+        remote = RemoteTarget(record, region, xfer.offset, xfer.nbytes)
+        xfer._moving = True
+        if xfer.op == TransferOp.PUT:
+            await backend.put(LocalBuffer(tensor, kind), remote)
+        else:
+            await backend.get(LocalBuffer(tensor, kind), remote)
+
+    async def _run(self, xfer: Transfer, tensor: torch.Tensor, kind: MemoryKind, timeout: float) -> None:
+        try:
+            with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
+                xfer._scope = scope
+                if xfer._cancel_requested:
+                    scope.cancel()
+                error: TransportError | None = None
+                try:
+                    await self._execute(xfer, tensor, kind)
+                except TransportError as exc:
+                    error = exc
+                except Exception as exc:
+                    log.exception("transport %s: unexpected failure in %r", self.name, xfer)
+                    error = TransportInternalError(f"{xfer!r} failed unexpectedly: {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                xfer._finish(error)
+            if not xfer.done():  # our scope absorbed a cancellation: user cancel or deadline
+                what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
+                partial = xfer._moving
+                if xfer._cancel_requested:
+                    xfer._finish(TransferAbortedError(f"{what} was cancelled" + (" after it started" if partial else ""), partial=partial))
+                else:
+                    xfer._finish(TransferTimeoutError(f"{what} did not complete within {timeout:g}s (via {xfer.backend})"))
+        finally:
+            if not xfer.done():
+                xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
+            self._inflight.get(xfer.peer, set()).discard(xfer)
+
+    async def fence(self, peer: str | Peer, *, timeout: float | None = None) -> None:
+        """Waits until every put/get to ``peer`` started before this call has ended.
+
+        Raises:
+            TransferTimeoutError: they did not all end within the timeout.
+            TransportError: the first error among them (the others still ended).
+            ClosedError: the Transport is closed.
+
+        Cancellation: safe; the transfers themselves keep running.
+        """
+        self._check_open()
+        name = peer.name if isinstance(peer, Peer) else peer
+        pending = list(self._inflight.get(name, ()))
+        timeout = self.timeout if timeout is None else timeout
+        with anyio.move_on_after(timeout):
+            for x in pending:
+                await x._event.wait()
+        unfinished = [x for x in pending if not x.done()]
+        if unfinished:
+            raise TransferTimeoutError(f"fence({name}): {len(unfinished)} of {len(pending)} transfers still running after {timeout:g}s")
+        for x in pending:
+            if x.exception() is not None:
+                raise x.exception()  # type: ignore[misc]
+
+    async def signal(self, peer: str | Peer, name: str, value: int, *, timeout: float | None = None) -> None:
+        """Sets the peer's signal ``name`` to ``value``, ordered after every earlier put to it.
+
+        The peer sees the new value (``wait_signal``) only after all bytes of earlier
+        transfers to it are in its memory: this first fences, then rings the doorbell.
+
+        Raises:
+            As :meth:`fence` (an earlier transfer failed: no signal is sent), PeerNotFoundError,
+            PeerLostError, TransferTimeoutError.
+
+        Cancellation: the signal may or may not have been delivered.
+        """
+        self._check_open()
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"signal value must be an int, got {type(value).__name__}")
+        peer_name = peer.name if isinstance(peer, Peer) else peer
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            with anyio.fail_after(timeout):
+                await self.fence(peer_name, timeout=timeout)
+                record = await self._resolve(peer_name)
+                chan = await self._control.get(record.name, record.incarnation, record.agent)
+                await chan.request(FrameKind.SIGNAL, {"name": name, "value": value})
+        except TimeoutError:
+            raise TransferTimeoutError(f"signal {name!r}={value} to {peer_name} not delivered within {timeout:g}s") from None
+
+    def _wake_signal_waiters(self) -> None:
+        event, self._signal_event = self._signal_event, anyio.Event()
+        event.set()
+
+    def on_signal(self, name: str, value: int) -> None:  # AgentHandler
+        self._signals[name] = value
+        self._wake_signal_waiters()
+
+    def signal_value(self, name: str) -> int | None:
+        """The last value a peer set for signal ``name`` here, or None."""
+        return self._signals.get(name)
+
+    async def wait_signal(self, name: str, at_least: int = 1, *, timeout: float | None = None) -> int:
+        """Waits, locally, until signal ``name`` is at least ``at_least``; returns its value.
+
+        Raises:
+            TransferTimeoutError: not reached within the timeout.
+            ClosedError: the Transport closed meanwhile.
+        """
+        self._check_open()
+        timeout = self.timeout if timeout is None else timeout
+        with anyio.move_on_after(timeout):
+            while True:
+                self._check_open()
+                value = self._signals.get(name)
+                if value is not None and value >= at_least:
+                    return value
+                await self._signal_event.wait()
+        raise TransferTimeoutError(
+            f"{self.name}: signal {name!r} did not reach {at_least} within {timeout:g}s (now {self._signals.get(name)})"
+        )
+
+    # -- agent side (AgentHandler) ------------------------------------------------------------
+
+    def check_access(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> memoryview:
+        key, dtype, offset = meta.get("key"), meta.get("dtype"), meta.get("offset")
+        region = self._regions.get(key) if isinstance(key, str) else None
+        if region is None:
+            raise RegistrationError(f"{self.name} has no region {key!r}")
+        if dtype != dtype_name(region.dtype):
+            raise DTypeMismatchError(f"{self.name}:{key!r} is {dtype_name(region.dtype)}, not {dtype}")
+        if not isinstance(offset, int) or offset < 0 or nbytes < 0 or offset + nbytes > region.nbytes:
+            raise BoundsError(f"{self.name}:{key!r}: {nbytes} bytes at {offset} exceed its {region.nbytes} bytes")
+        if op == FrameKind.PUT and not region.writable:
+            raise ReadOnlyRegionError(f"{self.name}:{key!r} is read-only")
+        return region.view[offset : offset + nbytes]
+
+    def __repr__(self) -> str:
+        return f"<Transport {self.name!r} {self._state} backends={self.backends if self._state == 'open' else '-'}>"

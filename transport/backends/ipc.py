@@ -1,0 +1,163 @@
+"""``ipc``: same-host, one-sided copies into a peer's registered host memory.
+
+Two paths, both run on the native copy engine's threads (never on the event loop):
+
+* the region lives in a library-allocated shareable buffer (``Transport.empty``): this process
+  maps the owner's memfd through ``/proc/<pid>/fd/<n>`` once and copies with ``memcpy``;
+* any other registered tensor: Linux cross-memory attach (``process_vm_writev/readv``) straight
+  into the owner's address range.
+
+Neither needs the target's Python to run: a target blocked in ``time.sleep`` still receives.
+CMA needs ptrace permission (same user, and under Yama ``ptrace_scope=1`` the target must allow
+it); when refused, the backend says so and the Transport falls back to the next backend.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import sys
+
+from .._errors import PeerLostError, TransportInternalError
+from .._host import process_alive
+from .._native import CopyKind, CopyResult, CopyStatus, load
+from .._regions import Region
+from .._tensors import MemoryKind
+from .._wire import PeerRecord, RegionRecord
+from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+
+_ENDPOINT = struct.Struct("<qQ")  # pid, address of a readable probe byte
+_REGION = struct.Struct("<QQqQ")  # address, nbytes, memfd number (-1: none), offset in the memfd
+
+
+class IpcBackend(Backend):
+    name = "ipc"
+    one_sided = True
+    memory_kinds = frozenset({MemoryKind.CPU})
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not sys.platform.startswith("linux"):
+            return "ipc needs Linux (process_vm_writev, memfd)"
+        try:
+            load()
+        except Exception as exc:
+            return str(exc)
+        return None
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._C = load()
+        self._cma: dict[tuple[str, str], str | None] = {}  # (peer, incarnation) -> refusal
+        self._maps: dict[tuple[str, str, str], object] = {}  # (peer, incarnation, key) -> PeerMapping
+        self._map_errors: dict[tuple[str, str, str], str] = {}
+
+    def endpoint_descriptor(self) -> bytes:
+        return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address())
+
+    def region_descriptor(self, region: Region) -> bytes | None:
+        fd, fd_offset = -1, 0
+        if region.shared is not None:
+            fd, fd_offset = region.shared.fd, region.address - region.shared.address
+        return _REGION.pack(region.address, region.nbytes, fd, fd_offset)
+
+    # -- reachability -------------------------------------------------------------------------
+
+    def cma_refusal(self, peer: PeerRecord) -> str | None:
+        """None when CMA into ``peer`` is permitted, else the reason (cached per incarnation)."""
+        cache_key = (peer.name, peer.incarnation)
+        if cache_key not in self._cma:
+            pid, probe = _ENDPOINT.unpack(peer.backends["ipc"])
+            err = self._C.cma_probe(pid, probe, 1)
+            if err == 0:
+                self._cma[cache_key] = None
+            elif err == errno.EPERM:
+                self._cma[cache_key] = (
+                    f"cross-memory attach into {peer.name} (pid {pid}) is not permitted (EPERM): "
+                    "it runs as another user, or Yama ptrace_scope>=1 forbids it; allocate the "
+                    "region with Transport.empty() (shared mapping) or let the target call "
+                    "prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)"
+                )
+            else:
+                self._cma[cache_key] = f"cross-memory attach probe of {peer.name} failed: {os.strerror(err)}"
+        return self._cma[cache_key]
+
+    def _mapping(self, peer: PeerRecord, region: RegionRecord) -> object | None:
+        addr, nbytes, fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+        if fd < 0:
+            return None
+        cache_key = (peer.name, peer.incarnation, region.key)
+        m = self._maps.get(cache_key)
+        if m is not None and m.nbytes >= fd_offset + nbytes:  # type: ignore[attr-defined]
+            return m
+        if cache_key in self._map_errors:
+            return None
+        try:
+            m = self._C.PeerMapping(peer.pid, fd, fd_offset + nbytes, region.writable)
+        except RuntimeError as exc:
+            self._map_errors[cache_key] = str(exc)
+            return None
+        self._maps[cache_key] = m
+        return m
+
+    def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
+        if peer.host != self.ctx.host:
+            return f"{peer.name} is on another host or PID namespace"
+        if "ipc" not in region.descriptors or "ipc" not in peer.backends:
+            return f"{peer.name} published no ipc descriptor for {region.key!r}"
+        if not process_alive(peer.pid, peer.pid_start):
+            return f"{peer.name} (pid {peer.pid}) is no longer running"
+        if self._mapping(peer, region) is not None:
+            return None
+        refusal = self.cma_refusal(peer)
+        if refusal is None:
+            return None
+        mapping_error = self._map_errors.get((peer.name, peer.incarnation, region.key))
+        return refusal + (f"; shared mapping failed too: {mapping_error}" if mapping_error else "")
+
+    # -- data path ----------------------------------------------------------------------------
+
+    async def _copy(self, local: LocalBuffer, remote: RemoteTarget, write: bool) -> None:
+        peer, region = remote.peer, remote.region
+        addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+        mapping = self._mapping(peer, region)
+        if mapping is not None:
+            there = mapping.address + fd_offset + remote.offset  # type: ignore[attr-defined]
+            kind, pid = CopyKind.LOCAL, 0
+        else:
+            there = addr + remote.offset
+            kind, pid = (CopyKind.CMA_WRITE if write else CopyKind.CMA_READ), peer.pid
+        seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
+        # `mapping` stays referenced until the copy finished: it cannot be unmapped under it.
+        result = await self.ctx.copier.copy(kind, pid, [seg])
+        self._raise_for(result, peer, region, remote)
+
+    def _raise_for(self, result: CopyResult, peer: PeerRecord, region: RegionRecord, remote: RemoteTarget) -> None:
+        if result.status == CopyStatus.OK:
+            return
+        what = f"ipc transfer of {remote.nbytes} bytes at offset {remote.offset} of {peer.name}:{region.key!r}"
+        if result.status == CopyStatus.ABORTED:
+            raise PeerLostError(f"{what} was aborted by shutdown after {result.nbytes} bytes")
+        if result.err == errno.ESRCH or not process_alive(peer.pid, peer.pid_start):
+            raise PeerLostError(f"{what} failed: {peer.name} (pid {peer.pid}) has exited")
+        if result.err == errno.EFAULT:
+            raise PeerLostError(
+                f"{what} failed: the range is no longer mapped in {peer.name} "
+                "(was the tensor freed while registered?)"
+            )
+        raise TransportInternalError(f"{what} failed: {result.describe_errno()}")
+
+    async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        await self._copy(local, remote, write=True)
+
+    async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        await self._copy(local, remote, write=False)
+
+    def forget_peer(self, peer: str) -> None:
+        for cache in (self._cma, self._maps, self._map_errors):
+            for k in [k for k in cache if k[0] == peer]:
+                del cache[k]
+
+    def close(self) -> None:
+        self._maps.clear()
