@@ -184,6 +184,7 @@ class TCPStore(Store):
             role = "host" if is_host else "join"
             raise StoreError(f"cannot {role} the TCPStore at {host}:{port}: {exc}") from exc
         self.port = self._store.port
+        self.url = f"tcp://{host}:{self.port}"  # the real port when 0 asked for a free one
         self._indexed: set[str] = set()
 
     def set(self, key: str, value: bytes) -> None:

@@ -259,6 +259,8 @@ class Transport:
             regions=regions,
         )
         self._store.set(_PEER_PREFIX + self.name, record.encode())
+        for b in self._backends:
+            b.published(self._seq)
 
     def _new_region(self, key: str, tensor: torch.Tensor, writable: bool) -> Region:
         if not isinstance(key, str) or not key:
@@ -394,13 +396,14 @@ class Transport:
         data = await self._store.aget(_PEER_PREFIX + name)
         return PeerRecord.decode(data) if data is not None else None
 
-    async def peer(self, name: str, *, timeout: float | None = None) -> Peer:
+    async def peer(self, name: str, *, regions: Sequence[str] = (), timeout: float | None = None) -> Peer:
         """Waits until a live peer called ``name`` is visible, and returns what it published.
 
         A record left by a dead process on this host is ignored (a replacement is awaited).
 
         Args:
             name: the peer's name.
+            regions: also wait until the peer has registered every one of these keys.
             timeout: seconds to wait (default: the Transport's timeout).
 
         Returns:
@@ -420,11 +423,17 @@ class Transport:
                 self._check_open()
                 record = await self._fetch(name)
                 if record is not None and not self._stale(record):
-                    return Peer(self._adopt(record))
-                stale = stale or record is not None
+                    self._adopt(record)
+                    if all(k in record.regions for k in regions):
+                        return Peer(record)
+                else:
+                    stale = stale or record is not None
                 await anyio.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
         hint = " (only a stale record of an exited process was found)" if stale else ""
+        if name in self._peers and not stale:
+            missing = [k for k in regions if k not in self._peers[name].regions]
+            hint = f" with regions {missing}"
         raise PeerNotFoundError(f"no peer named {name!r} appeared in {self._store.url} within {timeout:g}s{hint}")
 
     async def peers(self) -> list[str]:
@@ -554,6 +563,8 @@ class Transport:
 
     async def _execute(self, xfer: Transfer, tensor: torch.Tensor, kind: MemoryKind) -> None:
         record = await self._resolve(xfer.peer)
+        if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
+            record = await self._resolve(xfer.peer, refresh=True)  # it (un)registered since
         try:
             region = self._check_remote(record, xfer, tensor.dtype)
         except (RegistrationError, DTypeMismatchError, BoundsError):
@@ -577,6 +588,7 @@ class Transport:
                 xfer._scope = scope
                 if xfer._cancel_requested:
                     scope.cancel()
+                    await anyio.lowlevel.checkpoint()  # deliver it before anything moves
                 error: TransportError | None = None
                 try:
                     await self._execute(xfer, tensor, kind)

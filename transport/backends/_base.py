@@ -91,6 +91,14 @@ class Backend(abc.ABC):
         """None when this backend can move bytes between ``local`` memory and ``region``."""
         return None
 
+    def published(self, seq: int) -> None:  # noqa: B027 - optional hook
+        """Called after this endpoint published record number ``seq``."""
+
+    def live_seq(self, peer: PeerRecord) -> int | None:
+        """The seq of ``peer``'s latest record if this backend can see it cheaply (else None):
+        lets an initiator notice a newer record before it moves bytes one-sidedly."""
+        return None
+
     @abc.abstractmethod
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Writes ``local`` into the remote region; returns when the bytes are in its memory."""

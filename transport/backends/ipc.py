@@ -14,10 +14,13 @@ it); when refused, the backend says so and the Transport falls back to the next 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import struct
 import sys
+
+import torch
 
 from .._errors import PeerLostError, TransportInternalError
 from .._host import process_alive
@@ -27,7 +30,9 @@ from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
 
-_ENDPOINT = struct.Struct("<qQ")  # pid, address of a readable probe byte
+# pid, address of a readable probe byte, memfd of the control page (-1: none)
+_ENDPOINT = struct.Struct("<qQq")
+_SEQ = struct.Struct("<Q")  # first word of the control page: the published record's seq
 _REGION = struct.Struct("<QQqQ")  # address, nbytes, memfd number (-1: none), offset in the memfd
 
 
@@ -52,9 +57,32 @@ class IpcBackend(Backend):
         self._cma: dict[tuple[str, str], str | None] = {}  # (peer, incarnation) -> refusal
         self._maps: dict[tuple[str, str, str], object] = {}  # (peer, incarnation, key) -> PeerMapping
         self._map_errors: dict[tuple[str, str, str], str] = {}
+        # A page peers map read-only: it holds the seq of our latest published record, so an
+        # initiator notices a (un)registration with one memory load before it writes.
+        self._ctl = self._C.SharedBuffer(4096, f"transport:{ctx.name}:ctl")
+        self._ctl_view = memoryview(torch.from_dlpack(self._ctl.array()).numpy())
+        self._peer_ctl: dict[tuple[str, str], object | None] = {}
 
     def endpoint_descriptor(self) -> bytes:
-        return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address())
+        return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address(), self._ctl.fd)
+
+    def published(self, seq: int) -> None:
+        _SEQ.pack_into(self._ctl_view, 0, seq)
+
+    def live_seq(self, peer: PeerRecord) -> int | None:
+        if peer.host != self.ctx.host or "ipc" not in peer.backends:
+            return None
+        cache_key = (peer.name, peer.incarnation)
+        if cache_key not in self._peer_ctl:
+            _pid, _probe, ctl_fd = _ENDPOINT.unpack(peer.backends["ipc"])
+            try:
+                self._peer_ctl[cache_key] = self._C.PeerMapping(peer.pid, ctl_fd, 4096, False)
+            except RuntimeError:
+                self._peer_ctl[cache_key] = None
+        m = self._peer_ctl[cache_key]
+        if m is None:
+            return None
+        return ctypes.c_uint64.from_address(m.address).value  # type: ignore[attr-defined]
 
     def region_descriptor(self, region: Region) -> bytes | None:
         fd, fd_offset = -1, 0
@@ -68,7 +96,7 @@ class IpcBackend(Backend):
         """None when CMA into ``peer`` is permitted, else the reason (cached per incarnation)."""
         cache_key = (peer.name, peer.incarnation)
         if cache_key not in self._cma:
-            pid, probe = _ENDPOINT.unpack(peer.backends["ipc"])
+            pid, probe, _ctl = _ENDPOINT.unpack(peer.backends["ipc"])
             err = self._C.cma_probe(pid, probe, 1)
             if err == 0:
                 self._cma[cache_key] = None
@@ -155,9 +183,10 @@ class IpcBackend(Backend):
         await self._copy(local, remote, write=False)
 
     def forget_peer(self, peer: str) -> None:
-        for cache in (self._cma, self._maps, self._map_errors):
+        for cache in (self._cma, self._maps, self._map_errors, self._peer_ctl):
             for k in [k for k in cache if k[0] == peer]:
                 del cache[k]
 
     def close(self) -> None:
         self._maps.clear()
+        self._peer_ctl.clear()
