@@ -123,6 +123,11 @@ async def connect(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
+# How a connection ends from our point of view: the peer closed or reset it, it spoke nonsense,
+# or we closed the socket under a waiting task (anyio.ClosedResourceError).
+_CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, anyio.BrokenResourceError)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors carried in ERR frames
 
@@ -306,7 +311,7 @@ class Channel:
                     await discard(self._sock, payload_len)
                 reply.kind, reply.meta = kind, meta
                 reply.event.set()
-        except (OSError, EOFError, WireError) as exc:
+        except _CONNECTION_ENDED as exc:
             self.close(self._lost(str(exc) or type(exc).__name__, exc))
         except anyio.get_cancelled_exc_class():
             self.close(ClosedError(f"connection to {self.peer} closed"))
@@ -399,7 +404,7 @@ class AgentServer:
             while True:
                 kind, rid, meta, plen = await read_frame_head(sock)
                 await self._serve_request(sock, kind, rid, meta, plen)
-        except (OSError, EOFError, WireError) as exc:
+        except _CONNECTION_ENDED as exc:
             log.debug("agent %s: connection from %s ended: %s", self.handler.name, who, exc)
         finally:
             self._conns.discard(sock)

@@ -108,6 +108,7 @@ class Transport:
         self._inflight: dict[str, set[Transfer]] = {}
         self._signals: dict[str, int] = {}
         self._seq = 0
+        self._fallbacks_logged: set[tuple[str, str]] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -554,6 +555,9 @@ class Transport:
             elif (why := b.unreachable_reason(record, region, kind)) is not None:
                 reasons.append(f"{b.name}: {why}")
             else:
+                if reasons and (record.name, b.name) not in self._fallbacks_logged:
+                    self._fallbacks_logged.add((record.name, b.name))
+                    log.warning("transport %s: using %s for %s because %s", self.name, b.name, record.name, "; ".join(reasons))
                 return b
         raise BackendUnavailableError(
             f"no backend can reach {record.name}:{region.key!r} from {kind.value} memory "
@@ -571,6 +575,8 @@ class Transport:
             # Our copy of the record may predate a (re-)registration: check the current one.
             record = await self._resolve(xfer.peer, refresh=True)
             region = self._check_remote(record, xfer, tensor.dtype)
+        if self._stale(record):
+            raise PeerLostError(f"{record.name} (pid {record.pid}) has exited")
         backend = self._choose(record, region, kind)
         xfer.backend = backend.name
         if xfer.nbytes == 0:
