@@ -344,6 +344,9 @@ class Transport:
         mem = (region.address, region.nbytes, region.dtype)
         if self._by_memory.get(mem) == key:
             del self._by_memory[mem]
+        if region.shared is not None and all(r.shared is not region.shared for r in self._regions.values()):
+            # The memory itself lives as long as the tensors over it; we only stop tracking it.
+            self._shared = [b for b in self._shared if b is not region.shared]
         self._publish()
 
     def empty(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, *, writable: bool = True) -> torch.Tensor:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs transport and what it needs into the current Python environment (idempotent).
+# torch is pinned to the CPU build that lies on this kind of machine's disk: any other torch
+# request would download a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=${1:-}
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==${TRANSPORT_TORCH_VERSION:-2.13.0}"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"

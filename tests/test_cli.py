@@ -1,0 +1,127 @@
+"""The command line (``python -m transport ...``) and the quickstart example, run as real processes.
+
+These check that the commands run and report sensibly; they assert no timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transport._bench import parse_size, parse_sizes
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120
+
+
+def run_cli(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Runs ``python -m transport ARGS``; the child is killed if it overruns ``timeout``."""
+    return subprocess.run(
+        [sys.executable, "-m", "transport", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def test_doctor_lists_backends_and_ipc_permissions() -> None:
+    r = run_cli("doctor", timeout=60)
+    assert r.returncode == 0, r.stderr
+    for backend in ("ipc", "tcp", "ucx", "nccl"):
+        assert re.search(rf"^\s+{backend}\s+(available|unavailable: .+)$", r.stdout, re.M), r.stdout
+    assert "torch" in r.stdout
+    assert "cross-memory attach" in r.stdout
+    assert "Yama ptrace_scope" in r.stdout
+
+
+def test_bench_small_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "--sizes", "1MiB", "--iters", "2", "--backends", "ipc,tcp", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for backend in ("ipc", "tcp"):
+        assert f"backend {backend}" in r.stdout
+    assert "put/memcpy" in r.stdout and "latency put 8 B" in r.stdout
+
+    data = json.loads(out.read_text())
+    for k in ("date", "hostname", "cpu_model", "torch_version", "transport_version", "config", "memcpy", "backends"):
+        assert k in data, k
+    assert data["config"]["sizes"] == [1 << 20]
+    assert data["memcpy"][0]["size"] == 1 << 20 and data["memcpy"][0]["gbps"] > 0
+    assert set(data["backends"]) == {"ipc", "tcp"}
+    for name, b in data["backends"].items():
+        assert b["one_sided"] is (name == "ipc")
+        [row] = b["sizes"]
+        assert row["size"] == 1 << 20 and row["iters"] == 2
+        for field in ("put_gbps", "get_gbps", "memcpy_gbps", "put_ratio", "get_ratio"):
+            assert row[field] > 0, (name, field)
+        assert {lat["op"] for lat in b["latency"]} == {"put", "get"}
+        for lat in b["latency"]:
+            assert lat["nbytes"] == 8 and lat["iters"] > 0
+            assert 0 < lat["median_us"] <= lat["p99_us"]
+
+
+def test_bench_rejects_bad_arguments() -> None:
+    assert run_cli("bench", "--sizes", "lots", timeout=60).returncode == 2
+    r = run_cli("bench", "--sizes", "1MiB", "--backends", "carrier-pigeon", timeout=60)
+    assert r.returncode == 1 and "carrier-pigeon" in r.stderr
+
+
+def test_parse_sizes() -> None:
+    assert parse_size("1MiB") == parse_size("1M") == parse_size("1mb") == 1 << 20
+    assert parse_size("1GiB") == 1 << 30 and parse_size("8") == 8 and parse_size("512KiB") == 512 << 10
+    assert parse_sizes("4MiB,1MiB,1M") == (1 << 20, 4 << 20)
+    for bad in ("", "0", "-1M", "1.5", "ten"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_store_serves_until_interrupted() -> None:
+    from transport._rendezvous import open_store
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transport", "store", "--port", "0", "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the store printed nothing within 60 s"
+        line = proc.stdout.readline()
+        m = re.search(r"tcp://127\.0\.0\.1:(\d+)", line)
+        assert m, line + proc.stderr.read()
+        client = open_store(m.group(0), timeout=10)
+        client.set("greeting", b"hello")
+        assert client.get("greeting") == b"hello"
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_quickstart_example_runs() -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=REPO,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "via ipc" in r.stdout and "quickstart: OK" in r.stdout
