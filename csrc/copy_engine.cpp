@@ -57,6 +57,8 @@ int copy_chunk(CopyKind kind, int pid, const Segment& s) {
 
 }  // namespace
 
+int copy_now(CopyKind kind, int pid, const Segment& s) { return copy_chunk(kind, pid, s); }
+
 CopyEngine::CopyEngine(int threads, uint64_t chunk_bytes)
     : chunk_bytes_(chunk_bytes == 0 ? (8ull << 20) : chunk_bytes) {
   efd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

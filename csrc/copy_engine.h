@@ -40,6 +40,10 @@ struct Completion {
   uint64_t bytes;  // bytes actually copied
 };
 
+// Copies one segment on the calling thread; returns 0 or an errno value. For small copies,
+// where handing off to a worker costs more than the copy.
+int copy_now(CopyKind kind, int pid, const Segment& s);
+
 class CopyEngine {
  public:
   CopyEngine(int threads, uint64_t chunk_bytes);

@@ -68,6 +68,15 @@ NB_MODULE(_C, m) {
       .def_prop_ro("address", &PeerMapping::address)
       .def_prop_ro("nbytes", &PeerMapping::nbytes);
 
+  m.def(
+      "copy_now",
+      [](int kind, int pid, uint64_t dst, uint64_t src, uint64_t n) {
+        if (kind < 0 || kind > 2) throw std::invalid_argument("unknown copy kind");
+        return copy_now(static_cast<CopyKind>(kind), pid, {dst, src, n});
+      },
+      nb::arg("kind"), nb::arg("pid"), nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"),
+      nb::call_guard<nb::gil_scoped_release>(),
+      "Copies on the calling thread; returns 0 or errno. For small copies only.");
   m.def("cma_probe", &cma_probe, nb::arg("pid"), nb::arg("address"), nb::arg("nbytes"));
   m.def("probe_address", &probe_address);
   m.def("allow_ptrace_from_any", &allow_ptrace_from_any);

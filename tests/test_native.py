@@ -54,11 +54,11 @@ async def test_copy_engine_reports_a_dead_process():
 
 
 async def test_copy_engine_cancel_stops_between_chunks():
-    src = torch.ones(512 << 20, dtype=torch.uint8)
+    src = torch.ones(256 << 20, dtype=torch.uint8)
     dst = torch.zeros_like(src)
 
     async def body(copier):
-        with anyio.move_on_after(0.01):
+        with anyio.move_on_after(0):  # the job is submitted, then cancelled at once
             await copier.copy(CopyKind.LOCAL, 0, [(dst.data_ptr(), src.data_ptr(), src.numel())])
         # The cancelled copy stopped early: part of dst was never written.
         assert int(dst.sum()) < src.numel()

@@ -274,10 +274,12 @@ class Channel:
                         await send_all(self._sock, frame)
                         if payload is not None:
                             await send_all(self._sock, payload)
-                    except OSError as exc:
-                        err = self._lost(f"send failed: {exc}", exc)
+                    except (OSError, anyio.ClosedResourceError) as exc:
+                        # If the reader already saw the connection die, report that cause.
+                        cause = self._broken or exc
+                        err = self._lost(f"send failed: {cause}", cause)
                         self.close(err)
-                        raise err from exc
+                        raise err from cause
                 if scope.cancelled_caught:
                     # A frame cut in half leaves the stream unusable: drop the connection.
                     err = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")

@@ -25,7 +25,8 @@ def host_id() -> HostId:
 
 
 def pid_start(pid: int) -> int:
-    """The start time (clock ticks since boot) of ``pid``, or -1 if it does not exist.
+    """The start time (clock ticks since boot) of ``pid``, or -1 if it does not exist or has
+    already exited (a zombie waiting to be reaped counts as exited).
 
     A pid and its start time name one process: pids are reused, start times make them unique.
     """
@@ -36,6 +37,8 @@ def pid_start(pid: int) -> int:
         return -1
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):  # killed but not yet reaped by its parent
+        return -1
     return int(fields[19])
 
 

@@ -38,7 +38,7 @@ from ._host import host_id, pid_start, process_alive
 from ._native import Copier, load
 from ._regions import Peer, Region
 from ._rendezvous import Store, open_store
-from ._tensors import MemoryKind, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
+from ._tensors import MemoryKind, check_tensor, dtype_name, memory_kind, nbytes_of
 from ._transfer import Transfer, TransferOp
 from ._wire import FrameKind, PeerRecord, RegionRecord
 from .backends import PLANNED, REGISTRY, Backend, BackendContext, LocalBuffer, RemoteTarget
@@ -363,7 +363,7 @@ class Transport:
         """
         self._check_open()
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = 1
         for s in shape:
             numel *= int(s)
@@ -539,7 +539,7 @@ class Transport:
             raise RegistrationError(f"{where}: {record.name} has no region {xfer.key!r} (it has: {known})")
         if region.dtype != dtype_name(dtype):
             raise DTypeMismatchError(f"{where}: local dtype {dtype_name(dtype)} but the region is {region.dtype}")
-        itemsize = torch.empty((), dtype=dtype_from_name(region.dtype)).element_size()
+        itemsize = dtype.itemsize
         if xfer.offset < 0 or xfer.offset + xfer.nbytes > region.nbytes:
             raise BoundsError(f"{where}: outside the region's {region.nbytes} bytes")
         if xfer.offset % itemsize:

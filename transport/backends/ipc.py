@@ -134,8 +134,6 @@ class IpcBackend(Backend):
             return f"{peer.name} is on another host or PID namespace"
         if "ipc" not in region.descriptors or "ipc" not in peer.backends:
             return f"{peer.name} published no ipc descriptor for {region.key!r}"
-        if not process_alive(peer.pid, peer.pid_start):
-            return f"{peer.name} (pid {peer.pid}) is no longer running"
         if self._mapping(peer, region) is not None:
             return None
         refusal = self.cma_refusal(peer)
