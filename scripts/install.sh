@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore
 extras=${1:-}
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==${TRANSPORT_TORCH_VERSION:-2.13.0}"
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
