@@ -57,7 +57,13 @@ int copy_chunk(CopyKind kind, int pid, const Segment& s) {
 
 }  // namespace
 
-int copy_now(CopyKind kind, int pid, const Segment& s) { return copy_chunk(kind, pid, s); }
+int copy_now(CopyKind kind, int pid, const Segment& s) {
+  int err = copy_chunk(kind, pid, s);
+  // Inline copies run on the event-loop thread; callers use them for flag handshakes with
+  // other processes, so the copy must not be reordered with the thread's next load.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return err;
+}
 
 CopyEngine::CopyEngine(int threads, uint64_t chunk_bytes)
     : chunk_bytes_(chunk_bytes == 0 ? (8ull << 20) : chunk_bytes) {

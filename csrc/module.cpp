@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "copy_engine.h"
@@ -77,6 +78,9 @@ NB_MODULE(_C, m) {
       nb::arg("kind"), nb::arg("pid"), nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"),
       nb::call_guard<nb::gil_scoped_release>(),
       "Copies on the calling thread; returns 0 or errno. For small copies only.");
+  m.def(
+      "memory_fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); },
+      "A full memory fence: orders a flag store before the next load of another process's flag.");
   m.def("cma_probe", &cma_probe, nb::arg("pid"), nb::arg("address"), nb::arg("nbytes"));
   m.def("probe_address", &probe_address);
   m.def("allow_ptrace_from_any", &allow_ptrace_from_any);
