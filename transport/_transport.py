@@ -440,6 +440,16 @@ class Transport:
             hint = f" with regions {missing}"
         raise PeerNotFoundError(f"no peer named {name!r} appeared in {self._store.url} within {timeout:g}s{hint}")
 
+    async def _lookup(self, name: str) -> PeerRecord | None:
+        """The live record of ``name`` now, or None (no waiting). For in-package layers."""
+        try:
+            record = await self._fetch(name)
+        except TransportError:
+            return None
+        if record is None or self._stale(record):
+            return None
+        return self._adopt(record)
+
     async def peers(self) -> list[str]:
         """Names of the peers currently published in the store (this one included)."""
         self._check_open()

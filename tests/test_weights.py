@@ -1,0 +1,267 @@
+"""Weight sync (transport.weights): in-process semantics and real-process scenarios."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+import transport
+from transport import _kernels
+from transport.weights import LayoutMismatchError, Publisher, Subscriber, SyncStatus
+
+from .conftest import PYTHON, python_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=g),
+        "layers.0.w": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "layers.0.b": torch.randn(64, generator=g),
+        "layers.1.w": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(3),
+        "empty": torch.zeros(0),
+    }
+
+
+def zeros_like(m: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in m.items()}
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].shape == b[k].shape and torch.equal(_kernels.as_bytes(a[k]), _kernels.as_bytes(b[k])) for k in a
+    )
+
+
+@pytest.fixture
+def store():
+    return f"memory://{uuid.uuid4().hex}"
+
+
+async def test_publish_apply_bit_for_bit_with_small_buckets(store, backend):
+    src = make_model()
+    async with transport.Transport("trainer", store=store, backends=(backend,)) as tt, \
+            transport.Transport("gen", store=store, backends=(backend,)) as tg:
+        async with Publisher(tt, src, bucket_bytes=10_000, max_inflight=3) as pub, \
+                Subscriber(tg, dst := zeros_like(src), publisher="trainer") as sub:
+            assert len(pub.layout.buckets) > 5
+            assert sub.apply() is None and sub.version is None
+            for v in range(1, 4):
+                for x in src.values():
+                    x.add_(1)
+                report = await pub.publish(v)
+                assert report.done == ["gen"] and report.results["gen"].nbytes == pub.layout.total
+                assert report.results["gen"].acknowledged
+                assert not bitwise_equal(dst, src)  # nothing changes until apply
+                assert sub.apply() == v and sub.version == v
+                assert bitwise_equal(dst, src)
+                assert sub.apply() is None
+            with pytest.raises(ValueError, match="grow"):
+                await pub.publish(2)
+
+
+async def test_fp8_rename_and_subset(store):
+    src = {"model.a": torch.randn(128, 32).to(torch.bfloat16), "model.b": torch.randn(7), "opt.state": torch.randn(5)}
+    dst = {"a": torch.zeros(128, 32, dtype=torch.bfloat16), "b": torch.zeros(7)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        pub = Publisher(tt, src, include=lambda n: n.startswith("model."), rename=lambda n: n.removeprefix("model."),
+                        fp8=lambda name, t: t.dtype == torch.bfloat16)
+        async with pub, Subscriber(tg, dst, publisher="trainer") as sub:
+            assert {e.name: e.wire_dtype for e in pub.layout.entries} == {"a": "float8_e4m3fn", "b": "float32"}
+            await pub.publish(1)
+            assert sub.apply() == 1
+            q, scale = _kernels.quantize_fp8(src["model.a"])
+            assert torch.equal(dst["a"], _kernels.dequantize_fp8(q, scale, torch.bfloat16))
+            rel = (dst["a"].float() - src["model.a"].float()).abs().max() / src["model.a"].float().abs().max()
+            assert rel < 0.07
+            assert torch.equal(dst["b"], src["model.b"])
+
+
+async def test_layout_mismatch_is_reported_not_applied(store):
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, {"w": torch.ones(10)}) as pub:
+            with pytest.raises(LayoutMismatchError, match="shape"):
+                await Subscriber(tg, {"w": torch.zeros(11)}, publisher="trainer").start()
+            with pytest.raises(LayoutMismatchError, match="no local"):
+                await Subscriber(tg, {"v": torch.zeros(10)}, publisher="trainer").start()
+            assert await pub.subscribers() == []
+
+
+async def test_late_subscriber_pulls_bit_for_bit_and_then_follows(store):
+    src = make_model(1)
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("late", store=store) as tl:
+        async with Publisher(tt, src) as pub:
+            await pub.publish(5)
+            for x in src.values():
+                x.mul_(2)  # the live trainer weights move on; the published snapshot must not
+            snapshot_v5 = {k: (v / 2 if v.is_floating_point() else v // 2) for k, v in src.items()}
+            async with Subscriber(tl, dst := zeros_like(src), publisher="trainer") as sub:
+                assert await sub.pull() == 5
+                assert bitwise_equal(dst, snapshot_v5)
+                await pub.publish(6)
+                assert await sub.wait_version(6, timeout=10) == 6
+                assert bitwise_equal(dst, src)
+
+
+async def test_unsubscribe_and_resubscribe(store):
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, {"w": torch.ones(4)}) as pub:
+            sub = Subscriber(tg, {"w": torch.zeros(4)}, publisher="trainer")
+            await sub.start()
+            assert await pub.subscribers() == ["gen"]
+            await sub.aclose()
+            report = await pub.publish(1)
+            assert report.results == {}
+            async with Subscriber(tg, dst := {"w": torch.zeros(4)}, publisher="trainer") as sub2:
+                report = await pub.publish(2)
+                assert report.done == ["gen"]
+                assert sub2.apply() == 2 and torch.equal(dst["w"], torch.ones(4))
+
+
+# --- real processes ---------------------------------------------------------------------------
+
+SHAPES = {"w0": [[512, 1024], "float32"], "w1": [[1024, 512], "float32"], "w2": [[256, 256], "bfloat16"], "b": [[1024], "float32"]}
+
+
+class Peers:
+    def __init__(self, tmp: Path, store: str) -> None:
+        self.tmp, self.store, self.procs = tmp, store, {}
+
+    def start(self, name: str, **extra) -> None:
+        spec = {"name": name, "store": self.store, "publisher": "trainer", "shapes": SHAPES, "out": str(self.tmp / f"{name}.json"), **extra}
+        self.procs[name] = subprocess.Popen([PYTHON, "-m", "tests.weights_peer", json.dumps(spec)], env=python_env(), cwd=ROOT, stderr=subprocess.PIPE)
+
+    async def result(self, name: str, timeout: float = 60) -> dict:
+        proc = self.procs[name]
+        with anyio.fail_after(timeout):
+            while proc.poll() is None:
+                await anyio.sleep(0.02)
+        assert proc.returncode == 0, proc.stderr.read().decode()[-3000:]
+        return json.loads((self.tmp / f"{name}.json").read_text())
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.wait(timeout=30)
+            p.stderr.close()
+
+
+@pytest.fixture
+def peers(tmp_path):
+    ps = Peers(tmp_path, f"file://{tmp_path / 'store'}")
+    yield ps
+    ps.close()
+
+
+def versioned(v: int) -> dict[str, torch.Tensor]:
+    return {k: torch.full(s, float(v % 128), dtype=getattr(torch, d)) for k, (s, d) in SHAPES.items()}
+
+
+async def publish_cycles(t, pub, src, first: int, count: int) -> list:
+    reports = []
+    for v in range(first, first + count):
+        for x in src.values():
+            x.fill_(float(v % 128))  # exact in bfloat16 too: a torn read cannot hide in rounding
+        reports.append(await pub.publish(v))
+    return reports
+
+
+async def test_500_cycles_zero_torn_reads(peers):
+    """Two subscriber processes apply as fast as they can and check every live tensor after
+    every apply while the trainer publishes 500 versions back to back."""
+    src = versioned(0)
+    async with transport.Transport("trainer", store=peers.store, timeout=30) as t:
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        async with Publisher(t, src, bucket_bytes=256 << 10, deadline=10) as pub:
+            for name in ("gen-0", "gen-1"):
+                peers.start(name)
+                await t.wait_signal(f"ready.{name}", timeout=60)
+            reports = await publish_cycles(t, pub, src, 1, 500)
+            for name in ("gen-0", "gen-1"):
+                await t.signal(name, "stop", 1)
+            infos = {n: await peers.result(n) for n in ("gen-0", "gen-1")}
+            staging = pub.staging_bytes
+        rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
+    assert all(set(r.done) == {"gen-0", "gen-1"} for r in reports), [r.results for r in reports if len(r.done) != 2][:2]
+    for name, info in infos.items():
+        assert info["torn"] == 0, (name, info)
+        assert info["checks"] > 500 and info["applied"] > 10 and info["monotonic"], info
+        assert info["final"] == 500 or info["final"] >= 499, info
+        # Bounded staging: two packed slots, nothing that grows with the number of versions.
+        assert info["peak_rss_growth"] <= info["staging_bytes"] + info["model_bytes"] + (64 << 20), info
+    assert rss_growth <= staging + (64 << 20), (rss_growth, staging)
+
+
+async def test_killed_subscriber_does_not_delay_the_others(peers):
+    src = versioned(0)
+    deadline = 5.0
+    async with transport.Transport("trainer", store=peers.store, timeout=30) as t:
+        async with Publisher(t, src, deadline=deadline) as pub:
+            for name in ("gen-0", "gen-1", "gen-2"):
+                peers.start(name)
+                await t.wait_signal(f"ready.{name}", timeout=60)
+            await publish_cycles(t, pub, src, 1, 3)
+            peers.procs["gen-1"].kill()
+            peers.procs["gen-1"].wait(timeout=30)
+            with anyio.fail_after(deadline * 3):
+                reports = await publish_cycles(t, pub, src, 4, 5)
+            for r in reports:
+                assert set(r.done) == {"gen-0", "gen-2"}, r.results
+                assert all(r.results[n].seconds < deadline for n in r.done)
+                assert "gen-1" not in r.done
+            for name in ("gen-0", "gen-2"):
+                await t.signal(name, "stop", 1)
+                info = await peers.result(name)
+                assert info["final"] == 8 and info["torn"] == 0
+
+
+async def test_stopped_subscriber_is_a_straggler_over_tcp(peers):
+    """SIGSTOP one subscriber: over tcp its agent cannot receive, so it becomes a straggler
+    after the deadline while the other keeps getting every version; resumed, it catches up."""
+    src = versioned(0)
+    deadline = 2.0
+    async with transport.Transport("trainer", store=peers.store, backends=("tcp",), timeout=30) as t:
+        async with Publisher(t, src, deadline=deadline) as pub:
+            for name in ("fast", "slow"):
+                peers.start(name, backends=["tcp"])
+                await t.wait_signal(f"ready.{name}", timeout=60)
+            os.kill(peers.procs["slow"].pid, signal.SIGSTOP)
+            try:
+                reports = await publish_cycles(t, pub, src, 1, 3)
+            finally:
+                os.kill(peers.procs["slow"].pid, signal.SIGCONT)
+            for r in reports:
+                assert r.done == ["fast"] and r.results["fast"].seconds < deadline, r.results
+                assert r.results["slow"].status in (SyncStatus.STRAGGLER, SyncStatus.FAILED)
+            reports = await publish_cycles(t, pub, src, 4, 1)
+            assert set(reports[0].done) == {"fast", "slow"}, reports[0].results
+            for name in ("fast", "slow"):
+                await t.signal(name, "stop", 1)
+                info = await peers.result(name)
+                assert info["final"] == 4 and info["torn"] == 0, info
+
+
+async def test_late_joiner_process_pulls_bit_for_bit(peers):
+    src = versioned(0)
+    async with transport.Transport("trainer", store=peers.store, timeout=30) as t:
+        async with Publisher(t, src) as pub:
+            await publish_cycles(t, pub, src, 1, 7)
+            peers.start("late", pull=True)
+            await t.wait_signal("ready.late", timeout=60)
+            await t.signal("late", "stop", 1)
+            info = await peers.result("late")
+    assert info["final"] == 7 and info["torn"] == 0

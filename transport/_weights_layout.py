@@ -1,0 +1,133 @@
+"""The packed layout of a weight-sync stream: which tensor lives at which byte of a version.
+
+The publisher builds it from its state dict (after renaming, filtering and conversion) and
+publishes it as a read-only region; subscribers fetch it and size their buffers from it. Every
+entry is 64-byte aligned; entries are grouped into buckets (contiguous byte ranges) so one
+transfer carries many tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ._errors import TransportError
+from ._tensors import dtype_from_name, dtype_name
+from ._wire import WireError
+
+LAYOUT_FORMAT = "transport.weights.layout"
+LAYOUT_VERSION = 1
+ALIGN = 64
+
+
+class LayoutMismatchError(TransportError):
+    """Publisher and subscriber disagree about the weights (names, shapes, conversions)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in the packed version."""
+
+    name: str  # wire name (after the publisher's rename)
+    shape: tuple[int, ...]
+    src_dtype: str  # the publisher's dtype
+    wire_dtype: str  # what travels (differs when converted, e.g. float8_e4m3fn)
+    offset: int
+    nbytes: int
+    scale_offset: int = -1  # float32 per-tensor scale for fp8 entries, else -1
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    entries: tuple[Entry, ...]
+    buckets: tuple[tuple[int, int], ...]  # [start, end) byte ranges
+    total: int
+
+    @property
+    def layout_id(self) -> int:
+        """A 63-bit fingerprint; publisher and subscriber compare it before any byte moves."""
+        digest = hashlib.sha256(self.encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def encode(self) -> bytes:
+        doc = {
+            "format": LAYOUT_FORMAT,
+            "v": LAYOUT_VERSION,
+            "name": self.name,
+            "total": self.total,
+            "buckets": [list(b) for b in self.buckets],
+            "entries": [
+                [e.name, list(e.shape), e.src_dtype, e.wire_dtype, e.offset, e.nbytes, e.scale_offset]
+                for e in self.entries
+            ],
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> Layout:
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != LAYOUT_FORMAT or doc.get("v") != LAYOUT_VERSION:
+                raise WireError(f"not a version-{LAYOUT_VERSION} weights layout")
+            entries = tuple(
+                Entry(str(n), tuple(int(x) for x in shape), str(sd), str(wd), int(off), int(nb), int(so))
+                for n, shape, sd, wd, off, nb, so in doc["entries"]
+            )
+            buckets = tuple((int(a), int(b)) for a, b in doc["buckets"])
+            layout = Layout(str(doc["name"]), entries, buckets, int(doc["total"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"malformed weights layout: {exc}") from exc
+        for e in layout.entries:
+            dtype_from_name(e.wire_dtype)
+            if e.offset < 0 or e.offset + e.nbytes > layout.total:
+                raise WireError(f"layout entry {e.name!r} lies outside the {layout.total}-byte version")
+        return layout
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def build_layout(
+    name: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    bucket_bytes: int,
+    fp8: Callable[[str, torch.Tensor], bool] | None = None,
+) -> Layout:
+    """Packs ``tensors`` (wire name -> tensor) in order; ``fp8(name, t)`` says which to send
+    as float8 e4m3 with a per-tensor scale.
+
+    Buckets are consecutive byte ranges of at most ``bucket_bytes``: small tensors share a
+    bucket (one transfer carries many), a large tensor spans several (no transfer is huge).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be > 0")
+    entries: list[Entry] = []
+    pos = 0
+    for wire_name, t in tensors.items():
+        convert = bool(fp8 and t.dtype.is_floating_point and fp8(wire_name, t))
+        wire_dtype = torch.float8_e4m3fn if convert else t.dtype
+        nbytes = t.numel() * wire_dtype.itemsize
+        scale_offset = pos + _align(nbytes) if convert else -1
+        entries.append(Entry(wire_name, tuple(t.shape), dtype_name(t.dtype), dtype_name(wire_dtype), pos, nbytes, scale_offset))
+        pos += _align(nbytes) + (ALIGN if convert else 0)
+    step = _align(bucket_bytes)
+    buckets = tuple((start, min(start + step, pos)) for start in range(0, pos, step))
+    return Layout(name, tuple(entries), buckets, pos)
+
+
+def describe(layout: Layout) -> dict[str, Any]:
+    return {"tensors": len(layout.entries), "buckets": len(layout.buckets), "bytes": layout.total}
