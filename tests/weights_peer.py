@@ -34,7 +34,8 @@ async def main(spec: dict) -> None:
             await t.signal(spec["publisher"], f"ready.{spec['name']}", 1)
             checks = torn = applied = 0
             versions = []
-            while t.signal_value("stop") is None:
+            while True:
+                stopping = t.signal_value("stop") is not None  # still apply what came before it
                 v = sub.apply()
                 if v is not None:
                     applied += 1
@@ -45,6 +46,8 @@ async def main(spec: dict) -> None:
                     checks += 1
                     if seen != {float(live % 128)}:
                         torn += 1
+                if stopping:
+                    break
                 await trio.sleep(0)
             rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             info = {

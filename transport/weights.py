@@ -41,8 +41,9 @@ import anyio
 import torch
 
 from . import _kernels
-from ._errors import PeerLostError, TransferTimeoutError, TransportError
+from ._errors import TransferTimeoutError, TransportError
 from ._transport import Transport
+from ._wire import PeerRecord
 from ._weights_layout import Entry, Layout, LayoutMismatchError, build_layout, describe
 
 __all__ = ["Publisher", "Subscriber", "PublishReport", "SyncResult", "SyncStatus", "LayoutMismatchError"]
@@ -117,7 +118,6 @@ class SyncResult:
     nbytes: int  # bytes written into the subscriber
     seconds: float  # from the start of the publish until this subscriber was complete (or given up)
     error: str | None = None
-    acknowledged: bool = False  # the doorbell signal was acknowledged by the subscriber's agent
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ class Publisher:
         self._wire = wire
         self.layout = build_layout(name, wire, bucket_bytes=bucket_bytes, fp8=fp8)
         self.version: int | None = None
+        self._ringing: dict[tuple[str, str], int] = {}
         self._lock = anyio.Lock()
         self._started = False
 
@@ -261,13 +262,16 @@ class Publisher:
 
     async def subscribers(self) -> list[str]:
         """Names of the peers currently subscribed to this stream."""
-        out = []
+        return sorted(await self._discover())
+
+    async def _discover(self) -> dict[str, PeerRecord]:
+        out = {}
         for n in await self.t.peers():
             if n == self.t.name:
                 continue
             record = await self.t._lookup(n)
             if record is not None and self._keys["slot1"] in record.regions and self._keys["ctl"] in record.regions:
-                out.append(n)
+                out[n] = record
         return out
 
     async def publish(self, version: int) -> PublishReport:
@@ -299,19 +303,19 @@ class Publisher:
             snap_s = time.perf_counter() - t0
             self.version = version
             results: dict[str, SyncResult] = {}
-            subs = await self.subscribers()
+            subs = await self._discover()
             async with anyio.create_task_group() as tg:
-                for sub in subs:
-                    tg.start_soon(self._push, sub, version, self._snaps[slot], t0, results)
+                for sub, record in subs.items():
+                    tg.start_soon(self._push, record, version, self._snaps[slot], t0, results)
             return PublishReport(version, time.perf_counter() - t0, snap_s, results)
 
-    async def _push(self, sub: str, version: int, snap: torch.Tensor, t0: float, results: dict[str, SyncResult]) -> None:
-        k, moved = self._keys, [0]
+    async def _push(self, record: PeerRecord, version: int, snap: torch.Tensor, t0: float, results: dict[str, SyncResult]) -> None:
+        sub, moved = record.name, [0]
         handles: list = []
-        status, error, acked = SyncStatus.STRAGGLER, f"not complete within the {self.deadline:g}s deadline", False
+        status, error = SyncStatus.STRAGGLER, f"not complete within the {self.deadline:g}s deadline"
         with anyio.move_on_after(self.deadline):
             try:
-                acked = await self._push_inner(sub, version, snap, handles, moved)
+                await self._push_inner(record, version, snap, handles, moved)
                 status, error = SyncStatus.DONE, None
             except TransportError as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -319,15 +323,41 @@ class Publisher:
                 for h in handles:
                     h.cancel()
         seconds = time.perf_counter() - t0
-        results[sub] = SyncResult(sub, version, status, moved[0], seconds, error, acked)
-        if status != SyncStatus.DONE:
+        results[sub] = SyncResult(sub, version, status, moved[0], seconds, error)
+        if status == SyncStatus.DONE:
+            self._ring(sub, record.incarnation, version)
+        else:
             log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
 
-    async def _push_inner(self, sub: str, version: int, snap: torch.Tensor, handles: list, moved: list[int]) -> bool:
-        t, k = self.t, self._keys
-        peer = await t.peer(sub, regions=[k["ctl"], k["slot1"]], timeout=min(self.deadline, 5.0))
-        if peer.regions[k["slot0"]].nbytes != self.layout.total:
-            raise LayoutMismatchError(f"{sub}'s slots hold {peer.regions[k['slot0']].nbytes} bytes; this layout needs {self.layout.total}")
+    def _ring(self, sub: str, incarnation: str, version: int) -> None:
+        """Rings the doorbell in the background: a subscriber busy generating acknowledges it
+        when it next yields, and nobody waits for that. At most one ring per subscriber is in
+        flight; it always carries the newest version."""
+        key = (sub, incarnation)
+        pending = key in self._ringing
+        self._ringing[key] = version
+        if not pending:
+            self.t._tg.start_soon(self._ring_loop, key)
+
+    async def _ring_loop(self, key: tuple[str, str]) -> None:
+        sub = key[0]
+        try:
+            while True:
+                version = self._ringing[key]
+                try:
+                    await self.t.signal(sub, self._keys["doorbell"], version, timeout=self.deadline)
+                except TransportError as exc:  # its front is set; apply()/wait_version poll it
+                    log.info("publisher %s: doorbell %d to %s not acknowledged: %s", self.t.name, version, sub, exc)
+                    return
+                if self._ringing[key] == version:
+                    return
+        finally:
+            self._ringing.pop(key, None)
+
+    async def _push_inner(self, record: PeerRecord, version: int, snap: torch.Tensor, handles: list, moved: list[int]) -> None:
+        t, k, sub = self.t, self._keys, record.name
+        if record.regions[k["slot0"]].nbytes != self.layout.total:
+            raise LayoutMismatchError(f"{sub}'s slots hold {record.regions[k['slot0']].nbytes} bytes; this layout needs {self.layout.total}")
         ctl = torch.zeros(_CTL_WORDS, dtype=torch.int64)
         await t.get(ctl, sub, key=k["ctl"])
         if int(ctl[_LAYOUT_ID]) != self.layout.layout_id:
@@ -350,12 +380,6 @@ class Publisher:
         moved[0] = self.layout.total
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         await t.put(torch.tensor([_encode_front(version, back)], dtype=torch.int64), sub, key=k["ctl"], offset=_FRONT * 8)
-        try:
-            await t.signal(sub, k["doorbell"], version, timeout=min(self.deadline, 5.0))
-            return True
-        except (TransferTimeoutError, PeerLostError) as exc:
-            log.info("publisher %s: doorbell to %s not acknowledged (%s); its front is set", t.name, sub, exc)
-            return False
 
 
 class Subscriber:
