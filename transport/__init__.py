@@ -4,6 +4,7 @@ The public surface is what this module re-exports; everything else is private
 (underscored modules) and may change.
 """
 
+from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BoundsError as BoundsError
 from ._errors import ClosedError as ClosedError
@@ -45,5 +46,6 @@ __all__ = [
     "LayoutError",
     "BackendUnavailableError",
     "PeerNotFoundError",
+    "AuthenticationError",
     "TransportInternalError",
 ]

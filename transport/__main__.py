@@ -265,7 +265,21 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="address peers use to reach it (default: this host's name)")
     s.add_argument("--timeout", type=float, default=30.0, help="TCPStore operation timeout in seconds (default: 30)")
     s.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
+    f = sub.add_parser("flight", help="read flight-recorder dumps of many processes and say what stalled")
+    f.add_argument("dir", help="directory of dumps (flight_dir= / $TRANSPORT_FLIGHT_DIR of the processes)")
     return p
+
+
+def flight(directory: str) -> int:
+    """Prints the flight-recorder report of every dump in ``directory``; 1 if there is none."""
+    from ._flight import analyze, load_dumps
+
+    dumps = load_dumps(sorted(Path(directory).glob("*.json")))
+    if not dumps:
+        print(f"no flight-recorder dumps in {directory}", file=sys.stderr)
+        return 1
+    print(analyze(dumps))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -277,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return doctor()
     if args.command == "bench":
         return bench(args)
+    if args.command == "flight":
+        return flight(args.dir)
     if args.command == "store":
         if args.host is None:
             args.host = _default_store_host()

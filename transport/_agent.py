@@ -24,7 +24,9 @@ from typing import Any, Mapping, Protocol
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from ._auth import Authenticator
 from ._errors import (
+    AuthenticationError,
     BoundsError,
     ClosedError,
     DTypeMismatchError,
@@ -153,6 +155,7 @@ def frame_to_error(meta: Mapping[str, Any], peer: str) -> TransportError:
         ErrCode.UNKNOWN_KEY: RegistrationError,
         ErrCode.READ_ONLY: ReadOnlyRegionError,
         ErrCode.STALE: PeerLostError,
+        ErrCode.AUTH: AuthenticationError,
     }.get(code, TransportInternalError)
     return cls(msg)
 
@@ -197,20 +200,25 @@ class Channel:
         peer: str,
         peer_incarnation: str,
         hello: Mapping[str, Any],
+        auth: Authenticator,
     ) -> Channel:
         """Connects, says HELLO to the expected incarnation, starts the reply reader.
 
         Raises:
             PeerLostError: the agent is unreachable, or it is another incarnation.
+            AuthenticationError: either side lacks the shared token.
         """
         try:
             sock = await connect(address)
         except OSError as exc:
             raise PeerLostError(f"cannot reach the agent of {peer} at {address[0]}:{address[1]}: {exc}") from exc
         chan = cls(sock, peer)
+        meta = {**hello, "to": peer, "to_incarnation": peer_incarnation}
+        meta.update(auth.hello_fields(meta["from"], meta["from_incarnation"], peer, peer_incarnation))
         try:
             tg.start_soon(chan._read_loop)
-            await chan.request(FrameKind.HELLO, {**hello, "to": peer, "to_incarnation": peer_incarnation})
+            reply = await chan.request(FrameKind.HELLO, meta)
+            auth.check_ok(reply, meta, peer, peer_incarnation)
         except BaseException:
             chan.close()
             raise
@@ -329,6 +337,7 @@ class AgentHandler(Protocol):
 
     name: str
     incarnation: str
+    auth: Authenticator
 
     def check_access(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> memoryview:
         """The slice of registered memory a PUT/GET may touch; raises TransportError if not."""
@@ -402,7 +411,13 @@ class AgentServer:
                     f"not {meta.get('to_incarnation')} (it restarted; fetch its record again)",
                 })
                 return
-            await self._reply(sock, FrameKind.OK, rid, {"incarnation": self.handler.incarnation})
+            try:
+                self.handler.auth.check_hello(meta, self.handler.name, self.handler.incarnation)
+            except AuthenticationError as exc:
+                log.warning("agent %s: refused a connection: %s", self.handler.name, exc)
+                await self._reply(sock, FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
+                return
+            await self._reply(sock, FrameKind.OK, rid, {"incarnation": self.handler.incarnation, **self.handler.auth.ok_fields(meta, self.handler.incarnation)})
             while True:
                 kind, rid, meta, plen = await read_frame_head(sock)
                 await self._serve_request(sock, kind, rid, meta, plen)
@@ -459,9 +474,10 @@ def local_address_towards(host: str, port: int) -> str:
 class ChannelPool:
     """At most one open :class:`Channel` per peer (per incarnation), opened on first use."""
 
-    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any]) -> None:
+    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator) -> None:
         self._tg = tg
         self._hello = dict(hello)
+        self._auth = auth
         self._channels: dict[str, tuple[str, Channel]] = {}
         self._locks: dict[str, anyio.Lock] = {}
 
@@ -474,7 +490,7 @@ class ChannelPool:
                 if inc == incarnation and not chan.broken:
                     return chan
                 chan.close()
-            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello)
+            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello, auth=self._auth)
             self._channels[peer] = (incarnation, chan)
             return chan
 

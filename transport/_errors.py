@@ -14,6 +14,7 @@
     ├── LayoutError              a tensor layout the operation cannot serve (non-contiguous dst)
     ├── BackendUnavailableError  no backend can serve this peer / memory kind (says what to install)
     ├── PeerNotFoundError        no peer of that name appeared within the timeout
+    ├── AuthenticationError      a peer or connection did not present the shared token
     └── TransportInternalError   a bug or an unexpected native failure (details in the message)
 
 Errors about bad input are raised before any byte moves; the remote memory is then unchanged.
@@ -34,6 +35,7 @@ __all__ = [
     "LayoutError",
     "BackendUnavailableError",
     "PeerNotFoundError",
+    "AuthenticationError",
     "TransportInternalError",
 ]
 
@@ -93,6 +95,10 @@ class BackendUnavailableError(TransportError):
 
 class PeerNotFoundError(TransportError):
     """No peer of that name is visible in the rendezvous store (within the timeout)."""
+
+
+class AuthenticationError(TransportError):
+    """A peer record or connection did not carry a valid HMAC of the shared token."""
 
 
 class TransportInternalError(TransportError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import anyio
 
@@ -49,6 +50,9 @@ class Transfer:
         self._finished: float | None = None
         self._cancel_requested = False
         self._moving = False  # set once bytes may have started to move
+        self._incarnation: str | None = None  # the peer incarnation the bytes go to
+        self._abort_error: TransportError | None = None  # set when the Transport aborts it
+        self._rec: Any = None  # its flight-recorder record
         self._scope: anyio.CancelScope | None = None
 
     def done(self) -> bool:

@@ -34,7 +34,10 @@ from ._errors import (
     TransportError,
     TransportInternalError,
 )
+from ._auth import Authenticator
+from ._flight import FlightRecorder, OpState
 from ._host import host_id, pid_start, process_alive
+from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases
 from ._native import Copier, load
 from ._regions import Peer, Region
 from ._rendezvous import Store, open_store
@@ -70,6 +73,14 @@ class Transport:
         listen: ``HOST`` or ``HOST:PORT`` for this endpoint's agent (``$TRANSPORT_LISTEN``);
             by default the address that reaches a ``tcp://`` store, else 127.0.0.1.
         copy_threads: native threads that run same-host copies.
+        token: shared secret (or ``$TRANSPORT_TOKEN``): records and connections without it
+            are refused (HMAC-SHA256; see the README's trust model).
+        heartbeat: seconds between liveness heartbeats (published from a thread).
+        lease: seconds without a heartbeat after which a peer on another host is lost (peers
+            on this host are checked by pid, at every heartbeat).
+        flight_dir: where the flight recorder dumps (or ``$TRANSPORT_FLIGHT_DIR``); None keeps
+            the ring in memory only (``dump_flight_record`` then returns None).
+        flight_capacity: operation records kept in the ring.
 
     Raises:
         ValueError: bad arguments (checked here).
@@ -86,11 +97,18 @@ class Transport:
         *,
         listen: str | None = None,
         copy_threads: int = 2,
+        token: str | bytes | None = None,
+        heartbeat: float = 1.0,
+        lease: float = 10.0,
+        flight_dir: str | os.PathLike[str] | None = None,
+        flight_capacity: int = 4096,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not (heartbeat > 0 and lease > heartbeat):
+            raise ValueError(f"need 0 < heartbeat < lease, got heartbeat={heartbeat!r}, lease={lease!r}")
         if isinstance(backends, str):
             backends = (backends,)
         self.name = name
@@ -109,6 +127,11 @@ class Transport:
         self._signals: dict[str, int] = {}
         self._seq = 0
         self._fallbacks_logged: set[tuple[str, str]] = set()
+        self._auth = Authenticator(token)
+        self._heartbeat_s = float(heartbeat)
+        self._leases = Leases(float(lease))
+        self._lost: dict[tuple[str, str], BaseException] = {}  # (peer, incarnation) -> why
+        self._flight = FlightRecorder(name, self.incarnation, capacity=flight_capacity, dump_dir=flight_dir)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -135,14 +158,19 @@ class Transport:
             host, port = self._listen_address()
             self._agent = AgentServer(self, host, port)
             self._tg.start_soon(self._agent.serve, self._tg)
-            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout)
+            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth)
             self._backends: list[Backend] = [cls(ctx) for cls in backend_classes]
             stack.callback(self._close_backends)
-            self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"})
+            self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}, self._auth)
             stack.callback(self._control.close)
             await self._claim_name()
             self._state = "open"
             self._publish()
+            hb_store = self._store if not self._store.blocking else await anyio.to_thread.run_sync(lambda: open_store(self._store.url, timeout=self.timeout))
+            self._heartbeat = Heartbeat(hb_store, self.name, self.incarnation, self._heartbeat_s)
+            self._heartbeat.start()
+            stack.callback(self._heartbeat.stop)
+            self._tg.start_soon(self._watch_peers)
         except BaseException:
             self._state = "closed"
             await stack.aclose()
@@ -166,7 +194,7 @@ class Transport:
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
             try:
                 mine = await self._store.aget(_PEER_PREFIX + self.name)
-                if mine is not None and PeerRecord.decode(mine).incarnation == self.incarnation:
+                if mine is not None and PeerRecord.decode(self._auth.open_record(mine, self.name)).incarnation == self.incarnation:
                     self._store.delete(_PEER_PREFIX + self.name)
             except TransportError as exc:
                 log.warning("transport %s: could not remove its peer record: %s", self.name, exc)
@@ -184,6 +212,10 @@ class Transport:
             if self._state == "closed":
                 raise ClosedError(f"transport {self.name!r} is closed")
             raise ClosedError(f"transport {self.name!r} is not open; use `async with Transport(...)`")
+
+    @property
+    def auth(self) -> Authenticator:  # AgentHandler
+        return self._auth
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -227,9 +259,9 @@ class Transport:
         if data is None:
             return
         try:
-            old = PeerRecord.decode(data)
+            old = PeerRecord.decode(self._auth.open_record(data, self.name))
         except TransportError:
-            return  # unreadable leftovers: overwrite
+            return  # unreadable or foreign leftovers: overwrite
         if old.host == self._host and process_alive(old.pid, old.pid_start) and old.pid != self._pid:
             raise RegistrationError(f"name {self.name!r} is in use by a live process (pid {old.pid}) in {self._store.url}")
         if old.host != self._host:
@@ -259,7 +291,7 @@ class Transport:
             backends={b.name: b.endpoint_descriptor() for b in self._backends},
             regions=regions,
         )
-        self._store.set(_PEER_PREFIX + self.name, record.encode())
+        self._store.set(_PEER_PREFIX + self.name, self._auth.sign_record(record.encode()))
         for b in self._backends:
             b.published(self._seq)
 
@@ -398,7 +430,10 @@ class Transport:
 
     async def _fetch(self, name: str) -> PeerRecord | None:
         data = await self._store.aget(_PEER_PREFIX + name)
-        return PeerRecord.decode(data) if data is not None else None
+        return PeerRecord.decode(self._auth.open_record(data, name)) if data is not None else None
+
+    def _is_lost(self, record: PeerRecord) -> bool:
+        return (record.name, record.incarnation) in self._lost
 
     async def peer(self, name: str, *, regions: Sequence[str] = (), timeout: float | None = None) -> Peer:
         """Waits until a live peer called ``name`` is visible, and returns what it published.
@@ -421,12 +456,15 @@ class Transport:
         """
         self._check_open()
         timeout = self.timeout if timeout is None else timeout
-        delay, stale = _POLL_MIN_S, False
+        delay, stale, bad = _POLL_MIN_S, False, None
         with anyio.move_on_after(timeout):
             while True:
                 self._check_open()
-                record = await self._fetch(name)
-                if record is not None and not self._stale(record):
+                try:
+                    record = await self._fetch(name)
+                except TransportError as exc:  # malformed, foreign or unauthenticated: keep waiting
+                    record, bad = None, exc
+                if record is not None and not self._stale(record) and not self._is_lost(record):
                     self._adopt(record)
                     if all(k in record.regions for k in regions):
                         return Peer(record)
@@ -434,7 +472,9 @@ class Transport:
                     stale = stale or record is not None
                 await anyio.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
-        hint = " (only a stale record of an exited process was found)" if stale else ""
+        hint = " (only a stale record of an exited or lost process was found)" if stale else ""
+        if bad is not None:
+            hint = f" (its record was rejected: {bad})"
         if name in self._peers and not stale:
             missing = [k for k in regions if k not in self._peers[name].regions]
             hint = f" with regions {missing}"
@@ -466,6 +506,11 @@ class Transport:
             if self._stale(record):
                 raise PeerLostError(f"{name} (pid {record.pid}) has exited; its record in {self._store.url} is stale")
             record = self._adopt(record)
+        if self._is_lost(record):
+            fresh = await self._fetch(name)
+            if fresh is None or self._is_lost(fresh) or self._stale(fresh):
+                raise PeerLostError(f"{name} is lost: {self._lost[(record.name, record.incarnation)]}")
+            record = self._adopt(fresh)  # a replacement (new incarnation) took the name
         return record
 
     # -- transfers ----------------------------------------------------------------------------
@@ -537,6 +582,7 @@ class Transport:
         if not isinstance(offset, int) or isinstance(offset, bool):
             raise TypeError(f"offset must be an int, got {type(offset).__name__}")
         xfer = Transfer(op, name, key, nbytes_of(tensor), offset)
+        xfer._rec = self._flight.start(op.value, name, key, xfer.nbytes)
         self._inflight.setdefault(name, set()).add(xfer)
         self._tg.start_soon(self._run, xfer, tensor, kind, self.timeout if timeout is None else timeout)
         return xfer
@@ -596,6 +642,8 @@ class Transport:
             return
         remote = RemoteTarget(record, region, xfer.offset, xfer.nbytes)
         xfer._moving = True
+        xfer._incarnation = record.incarnation
+        self._flight.transition(xfer._rec, OpState.MOVING, backend=backend.name)
         if xfer.op == TransferOp.PUT:
             await backend.put(LocalBuffer(tensor, kind), remote)
         else:
@@ -618,10 +666,12 @@ class Transport:
                     error = TransportInternalError(f"{xfer!r} failed unexpectedly: {type(exc).__name__}: {exc}")
                     error.__cause__ = exc
                 xfer._finish(error)
-            if not xfer.done():  # our scope absorbed a cancellation: user cancel or deadline
+            if not xfer.done():  # our scope absorbed a cancellation: user cancel, deadline, peer loss
                 what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
                 partial = xfer._moving
-                if xfer._cancel_requested:
+                if xfer._abort_error is not None:
+                    xfer._finish(xfer._abort_error)
+                elif xfer._cancel_requested:
                     xfer._finish(TransferAbortedError(f"{what} was cancelled" + (" after it started" if partial else ""), partial=partial))
                 else:
                     xfer._finish(TransferTimeoutError(f"{what} did not complete within {timeout:g}s (via {xfer.backend})"))
@@ -629,6 +679,95 @@ class Transport:
             if not xfer.done():
                 xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
             self._inflight.get(xfer.peer, set()).discard(xfer)
+            self._record_end(xfer)
+
+    def _record_end(self, xfer: Transfer) -> None:
+        err = xfer.exception()
+        if err is None:
+            state = OpState.DONE
+        elif isinstance(err, (TransferAbortedError, TransferTimeoutError, ClosedError)):
+            state = OpState.ABORTED
+        else:
+            state = OpState.FAILED
+        self._flight.transition(xfer._rec, state, backend=xfer.backend, error=err)
+        if isinstance(err, PeerLostError) and xfer._incarnation is not None:
+            # A backend saw the peer die (e.g. ESRCH, connection reset): act on it for everyone.
+            self._declare_lost(xfer.peer, xfer._incarnation, err)
+        elif isinstance(err, TransferTimeoutError):
+            self._flight.dump(f"timeout: {err}", force=False)
+
+    # -- liveness, exclusion ------------------------------------------------------------------
+
+    def _declare_lost(self, name: str, incarnation: str, why: BaseException, *, excluded: bool = False) -> None:
+        """Marks one incarnation of a peer lost: aborts transfers to it, drops its connections,
+        mappings and keys, records and dumps. Idempotent. Other peers are untouched."""
+        if (name, incarnation) in self._lost:
+            return
+        self._lost[(name, incarnation)] = why
+        log.warning("transport %s: peer %s (incarnation %s) %s: %s", self.name, name, incarnation,
+                    "excluded" if excluded else "lost", why)
+        for xfer in list(self._inflight.get(name, ())):
+            if xfer._incarnation in (None, incarnation) and not xfer.done():
+                what = f"{xfer.op.value} of {xfer.nbytes} bytes to {name}:{xfer.key!r}"
+                if excluded:
+                    xfer._abort_error = TransferAbortedError(f"{what} aborted: {name} was excluded", partial=xfer._moving)
+                else:
+                    xfer._abort_error = PeerLostError(f"{what} aborted: {why}")
+                    xfer._abort_error.__cause__ = why
+                if xfer._scope is not None:
+                    xfer._scope.cancel()
+                else:
+                    xfer.cancel()
+        for b in self._backends:
+            b.forget_peer(name)
+        self._control.forget(name)
+        self._leases.forget(name)
+        self._flight.event("excluded" if excluded else "peer-lost", name, f"incarnation {incarnation}: {why}")
+        self._flight.dump(f"{'excluded' if excluded else 'peer lost'}: {name}: {why}")
+
+    def exclude(self, name: str) -> None:
+        """Drops ``name`` on purpose (e.g. a straggler): its in-flight transfers are aborted
+        with TransferAbortedError and later ones fail with PeerLostError, until it comes back
+        as a new incarnation (a restart). Other peers are untouched.
+
+        Raises:
+            PeerNotFoundError: this Transport has never seen ``name``.
+        """
+        self._check_open()
+        record = self._peers.get(name)
+        if record is None:
+            raise PeerNotFoundError(f"{self.name} has no peer {name!r} to exclude")
+        self._declare_lost(name, record.incarnation, PeerLostError(f"{name} was excluded by {self.name}"), excluded=True)
+
+    async def _watch_peers(self) -> None:
+        while True:
+            await anyio.sleep(self._heartbeat_s)
+            for name, record in list(self._peers.items()):
+                if self._is_lost(record):
+                    continue
+                if record.host == self._host:
+                    why = None if process_alive(record.pid, record.pid_start) else f"{name} (pid {record.pid}) exited"
+                else:
+                    try:
+                        beat = await self._store.aget(HEARTBEAT_PREFIX + name)
+                    except TransportError as exc:
+                        log.warning("transport %s: cannot read heartbeats: %s", self.name, exc)
+                        continue
+                    why = self._leases.expired(name, record.incarnation, beat)
+                if why is not None:
+                    self._declare_lost(name, record.incarnation, PeerLostError(why))
+
+    def dump_flight_record(self, reason: str = "on demand") -> os.PathLike[str] | None:
+        """Writes the flight recorder's ring to its directory now.
+
+        Returns:
+            The file written, or None when no ``flight_dir`` / ``$TRANSPORT_FLIGHT_DIR`` is set.
+        """
+        return self._flight.dump(reason)
+
+    def flight_record(self) -> dict[str, Any]:
+        """The flight recorder's ring as a JSON-ready dict (what a dump would contain)."""
+        return self._flight.snapshot("on demand")
 
     async def fence(self, peer: str | Peer, *, timeout: float | None = None) -> None:
         """Waits until every put/get to ``peer`` started before this call has ended.
@@ -671,14 +810,23 @@ class Transport:
             raise TypeError(f"signal value must be an int, got {type(value).__name__}")
         peer_name = peer.name if isinstance(peer, Peer) else peer
         timeout = self.timeout if timeout is None else timeout
+        rec = self._flight.start("signal", peer_name, name, 8)
         try:
             with anyio.fail_after(timeout):
                 await self.fence(peer_name, timeout=timeout)
                 record = await self._resolve(peer_name)
                 chan = await self._control.get(record.name, record.incarnation, record.agent)
+                self._flight.transition(rec, OpState.MOVING, backend="control")
                 await chan.request(FrameKind.SIGNAL, {"name": name, "value": value})
         except TimeoutError:
-            raise TransferTimeoutError(f"signal {name!r}={value} to {peer_name} not delivered within {timeout:g}s") from None
+            err = TransferTimeoutError(f"signal {name!r}={value} to {peer_name} not delivered within {timeout:g}s")
+            self._flight.transition(rec, OpState.ABORTED, error=err)
+            self._flight.dump(f"timeout: {err}", force=False)
+            raise err from None
+        except BaseException as exc:
+            self._flight.transition(rec, OpState.FAILED if isinstance(exc, TransportError) else OpState.ABORTED, error=exc)
+            raise
+        self._flight.transition(rec, OpState.DONE)
 
     def _wake_signal_waiters(self) -> None:
         event, self._signal_event = self._signal_event, anyio.Event()

@@ -173,6 +173,7 @@ class ErrCode(enum.IntEnum):
     READ_ONLY = 5
     STALE = 6  # the request was meant for another incarnation of this peer
     BAD_REQUEST = 7
+    AUTH = 8  # the connection did not present the shared token
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ def encode_frame(kind: FrameKind, request_id: int, meta: Mapping[str, Any], payl
 
 
 def decode_header(data: bytes) -> FrameHeader:
+    if len(data) != FRAME_HEADER.size:
+        raise WireError(f"frame header of {len(data)} bytes, expected {FRAME_HEADER.size}")
     magic, kind, _flags, _res, rid, meta_len, payload_len = FRAME_HEADER.unpack(data)
     if magic != FRAME_MAGIC:
         raise WireError(f"bad frame magic {magic!r}: not a transport agent connection")

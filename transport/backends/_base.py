@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 from anyio.abc import TaskGroup
 
+from .._auth import Authenticator
 from .._native import Copier
 from .._regions import Region
 from .._tensors import MemoryKind, byte_view
@@ -33,6 +34,7 @@ class BackendContext:
     tg: TaskGroup
     copier: Copier
     timeout: float
+    auth: Authenticator
 
 
 @dataclass

@@ -25,7 +25,7 @@ class TcpBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self._pool = ChannelPool(ctx.tg, {"from": ctx.name, "from_incarnation": ctx.incarnation, "lane": "tcp"})
+        self._pool = ChannelPool(ctx.tg, {"from": ctx.name, "from_incarnation": ctx.incarnation, "lane": "tcp"}, ctx.auth)
 
     def _meta(self, local: LocalBuffer, remote: RemoteTarget) -> dict[str, object]:
         return {

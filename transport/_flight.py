@@ -1,0 +1,213 @@
+"""Flight recorder: a fixed-size ring of operation records, dumped when something goes wrong.
+
+Every Transport records each operation it starts (put, get, signal) with its peer, key, byte
+count, backend and every state change with a timestamp, plus notable events (a peer lost,
+excluded or restarted). The ring keeps the newest ``capacity`` records and counts the ones it
+dropped. It is written as versioned JSON to a directory (``flight_dir=`` or
+``$TRANSPORT_FLIGHT_DIR``) on a transfer timeout, on peer loss, on ``SIGUSR1`` and on demand;
+``python -m transport flight DIR`` reads the dumps of many processes and says which peer and
+which operation stalled (see :func:`analyze`).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+FLIGHT_FORMAT = "transport.flight"
+FLIGHT_VERSION = 1
+FLIGHT_DIR_ENV = "TRANSPORT_FLIGHT_DIR"
+_MIN_AUTO_DUMP_INTERVAL_S = 1.0
+STALL_S = 1.0  # an operation open this long at dump time is reported as stalled
+
+
+class OpState(enum.Enum):
+    STARTED = "started"  # accepted; resolving the peer, validating, choosing a backend
+    MOVING = "moving"  # bytes may be moving
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"  # cancelled, timed out or aborted by close/exclusion
+
+    @property
+    def terminal(self) -> bool:
+        return self in (OpState.DONE, OpState.FAILED, OpState.ABORTED)
+
+
+@dataclass
+class OpRecord:
+    seq: int
+    op: str
+    peer: str
+    key: str
+    nbytes: int
+    started: float  # wall clock (time.time()), comparable across processes of one host
+    backend: str | None = None
+    state: OpState = OpState.STARTED
+    transitions: list[tuple[str, float]] = field(default_factory=list)
+    error_type: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq, "op": self.op, "peer": self.peer, "key": self.key, "nbytes": self.nbytes,
+            "backend": self.backend, "state": self.state.value, "started": self.started,
+            "transitions": [[s, round(t, 6)] for s, t in self.transitions],
+            "error_type": self.error_type, "error": self.error,
+        }
+
+
+class FlightRecorder:
+    """The ring of one Transport. Cheap enough to stay on in production (a dict per operation)."""
+
+    def __init__(self, name: str, incarnation: str, *, capacity: int = 4096, dump_dir: str | os.PathLike[str] | None = None) -> None:
+        self.name = name
+        self.incarnation = incarnation
+        self.capacity = capacity
+        self.dump_dir = Path(dump_dir) if dump_dir else (Path(os.environ[FLIGHT_DIR_ENV]) if os.environ.get(FLIGHT_DIR_ENV) else None)
+        self._records: collections.OrderedDict[int, OpRecord] = collections.OrderedDict()
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=512)
+        self._seq = itertools.count(1)
+        self._dumps = itertools.count(1)
+        self.dropped = 0
+        self._last_auto_dump = 0.0
+        self._lock = threading.Lock()
+        if self.dump_dir is not None:
+            _install_sigusr1(self)
+
+    def start(self, op: str, peer: str, key: str, nbytes: int) -> OpRecord:
+        now = time.time()
+        rec = OpRecord(next(self._seq), op, peer, key, nbytes, now, transitions=[(OpState.STARTED.value, now)])
+        with self._lock:
+            self._records[rec.seq] = rec
+            while len(self._records) > self.capacity:
+                self._records.popitem(last=False)
+                self.dropped += 1
+        return rec
+
+    def transition(self, rec: OpRecord, state: OpState, *, backend: str | None = None, error: BaseException | None = None) -> None:
+        rec.state = state
+        rec.transitions.append((state.value, time.time()))
+        if backend is not None:
+            rec.backend = backend
+        if error is not None:
+            rec.error_type, rec.error = type(error).__name__, str(error)
+
+    def event(self, kind: str, peer: str, detail: str) -> None:
+        self._events.append({"time": time.time(), "event": kind, "peer": peer, "detail": detail})
+
+    def snapshot(self, reason: str) -> dict[str, Any]:
+        with self._lock:
+            records = [r.to_json() for r in self._records.values()]
+        return {
+            "format": FLIGHT_FORMAT, "v": FLIGHT_VERSION, "name": self.name, "incarnation": self.incarnation,
+            "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "reason": reason,
+            "capacity": self.capacity, "dropped": self.dropped, "records": records, "events": list(self._events),
+        }
+
+    def dump(self, reason: str, *, force: bool = True) -> Path | None:
+        """Writes the ring to ``dump_dir`` (atomically); returns the file, or None when no
+        directory is configured or an automatic dump came too soon after the previous one."""
+        if self.dump_dir is None:
+            return None
+        now = time.monotonic()
+        if not force and now - self._last_auto_dump < _MIN_AUTO_DUMP_INTERVAL_S:
+            return None
+        self._last_auto_dump = now
+        path = self.dump_dir / f"{self.name}-{self.incarnation}-{os.getpid()}-{next(self._dumps):04d}.json"
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.snapshot(reason)))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("flight recorder %s: cannot write %s: %s", self.name, path, exc)
+            return None
+        log.info("flight recorder %s: dumped %s (%s)", self.name, path, reason)
+        return path
+
+
+_recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+_sig_lock = threading.Lock()
+_sig_installed = False
+
+
+def _install_sigusr1(rec: FlightRecorder) -> None:
+    """SIGUSR1 dumps every recorder of the process (only from the main thread, and only if
+    the application has not installed its own handler)."""
+    global _sig_installed
+    _recorders.add(rec)
+    with _sig_lock:
+        if _sig_installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            return
+        signal.signal(signal.SIGUSR1, lambda *_: [r.dump("SIGUSR1") for r in list(_recorders)])
+        _sig_installed = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis of many processes' dumps
+
+
+def load_dumps(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """The newest dump of every (name, incarnation) among ``paths``; unreadable files skipped."""
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    for p in paths:
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("format") != FLIGHT_FORMAT or doc.get("v") != FLIGHT_VERSION:
+            continue
+        key = (doc["name"], doc["incarnation"])
+        if key not in newest or doc["time"] > newest[key]["time"]:
+            newest[key] = doc
+    return sorted(newest.values(), key=lambda d: (d["name"], d["time"]))
+
+
+def analyze(dumps: list[dict[str, Any]]) -> str:
+    """A short human-readable report: per (initiator -> peer), the operations that never
+    completed, the last completed one, which side looks stalled, and the errors."""
+    lines: list[str] = []
+    names = {d["name"] for d in dumps}
+    lines.append(f"{len(dumps)} dump(s): " + ", ".join(f"{d['name']} (pid {d['pid']}, {d['reason']}, dropped {d['dropped']})" for d in dumps))
+    for d in dumps:
+        for e in d.get("events", []):
+            lines.append(f"  event  {d['name']}: {e['event']} {e['peer']}: {e['detail']}")
+        by_peer: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        for r in d["records"]:
+            by_peer[r["peer"]].append(r)
+        for peer, recs in sorted(by_peer.items()):
+            open_ = [r for r in recs if r["state"] in ("started", "moving")]
+            done = [r for r in recs if r["state"] == "done"]
+            failed = [r for r in recs if r["state"] in ("failed", "aborted")]
+            stalled = [r for r in open_ if d["time"] - r["started"] >= STALL_S]
+            status = "STALLED" if stalled else ("ERRORS" if failed else ("in flight" if open_ else "ok"))
+            lines.append(f"{d['name']} -> {peer}: {status}  ({len(done)} done, {len(failed)} failed/aborted, {len(open_)} not completed at dump time)")
+            for r in open_[:5]:
+                age = d["time"] - r["started"]
+                where = (f"{peer} (or the link) is not taking the bytes" if r["state"] == "moving"
+                         else f"{d['name']} has not started moving bytes (peer lookup / validation / backend choice)")
+                lines.append(f"    {'STALLED' if age >= STALL_S else 'in flight'}: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B via {r['backend']} — {r['state']} for {age:.2f}s: {where}")
+            if done:
+                r = done[-1]
+                lines.append(f"    last completed: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B via {r['backend']}")
+            for r in failed[-3:]:
+                lines.append(f"    error: #{r['seq']} {r['op']} {r['key']!r}: {r['error_type']}: {r['error']}")
+            if open_ and peer not in names:
+                lines.append(f"    no dump from {peer}: it may be dead, stopped or on another host")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Peer liveness: heartbeats published from a thread, leases checked by observers.
+
+Same-host peers are checked exactly (their pid and start time). Peers on other hosts publish a
+heartbeat counter in the rendezvous store every ``interval`` seconds from a native-free daemon
+thread, so a peer whose event loop is busy (or blocked in ``time.sleep`` while it receives
+one-sided puts) is still alive; an observer declares a peer lost when its counter has not moved
+for ``lease`` seconds of the observer's own clock (no clock synchronisation needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ._errors import TransportError
+from ._rendezvous import Store
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_PREFIX = "hb/"
+
+
+class Heartbeat:
+    """Writes ``hb/<name>`` = ``"<incarnation> <counter>"`` every ``interval`` seconds."""
+
+    def __init__(self, store: Store, name: str, incarnation: str, interval: float) -> None:
+        self._store, self._key, self._inc, self._interval = store, HEARTBEAT_PREFIX + name, incarnation, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"transport-heartbeat-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._beat(0)
+        self._thread.start()
+
+    def _beat(self, n: int) -> None:
+        try:
+            self._store.set(self._key, f"{self._inc} {n}".encode())
+        except TransportError as exc:
+            log.warning("heartbeat %s: %s", self._key, exc)
+
+    def _run(self) -> None:
+        n = 1
+        while not self._stop.wait(self._interval):
+            self._beat(n)
+            n += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval + 5)
+        try:
+            self._store.delete(self._key)
+        except TransportError:
+            pass
+
+
+class Leases:
+    """Tracks when each observed peer's heartbeat last moved."""
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        self._seen: dict[tuple[str, str], tuple[bytes | None, float]] = {}
+
+    def expired(self, name: str, incarnation: str, beat: bytes | None) -> str | None:
+        """None while the lease holds; else why it does not."""
+        now = time.monotonic()
+        key = (name, incarnation)
+        if beat is not None:
+            inc = beat.split(b" ", 1)[0].decode(errors="replace")
+            if inc != incarnation:
+                return f"{name} restarted (incarnation {incarnation} -> {inc})"
+        last = self._seen.get(key)
+        if last is None or last[0] != beat:
+            self._seen[key] = (beat, now)
+            return None
+        if now - last[1] > self.lease:
+            return f"no heartbeat from {name} for {now - last[1]:.1f}s (lease {self.lease:g}s)"
+        return None
+
+    def forget(self, name: str) -> None:
+        for k in [k for k in self._seen if k[0] == name]:
+            del self._seen[k]
