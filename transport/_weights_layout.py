@@ -79,7 +79,7 @@ class Layout:
     def decode(data: bytes) -> Layout:
         try:
             doc = json.loads(data)
-            if doc.get("format") != LAYOUT_FORMAT or doc.get("v") != LAYOUT_VERSION:
+            if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT or doc.get("v") != LAYOUT_VERSION:
                 raise WireError(f"not a version-{LAYOUT_VERSION} weights layout")
             entries = tuple(
                 Entry(str(n), tuple(int(x) for x in shape), str(sd), str(wd), int(off), int(nb), int(so))
@@ -87,10 +87,13 @@ class Layout:
             )
             buckets = tuple((int(a), int(b)) for a, b in doc["buckets"])
             layout = Layout(str(doc["name"]), entries, buckets, int(doc["total"]))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError) as exc:
             raise WireError(f"malformed weights layout: {exc}") from exc
         for e in layout.entries:
-            dtype_from_name(e.wire_dtype)
+            try:
+                dtype_from_name(e.wire_dtype)
+            except ValueError as exc:
+                raise WireError(f"weights layout entry {e.name!r}: {exc}") from exc
             if e.offset < 0 or e.offset + e.nbytes > layout.total:
                 raise WireError(f"layout entry {e.name!r} lies outside the {layout.total}-byte version")
         return layout

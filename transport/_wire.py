@@ -125,7 +125,7 @@ class PeerRecord:
                 backends={k: _unb64(v) for k, v in _typed(doc, "backends", dict).items()},
                 regions=regions,
             )
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise WireError(f"malformed peer record: {exc}") from exc
 
 
@@ -141,6 +141,8 @@ def _b64(b: bytes) -> str:
 
 
 def _unb64(s: str) -> bytes:
+    if not isinstance(s, str):
+        raise TypeError(f"expected base64 text, got {type(s).__name__}")
     return base64.b64decode(s.encode(), validate=True)
 
 
