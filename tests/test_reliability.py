@@ -220,16 +220,20 @@ async def test_corrupt_control_messages_do_not_hurt_the_agent(pair):
     await a.peer("b", regions=["w"])
     host, port = b._agent.address
     garbage = [b"\x00" * 64, b"TXP1" + os.urandom(200), b"GET / HTTP/1.1\r\n\r\n", b"TXP1\x01"]
-    for g in garbage:
-        with socket.create_connection((host, port), timeout=5) as s:
-            s.sendall(g)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(5)
+
+    def send_garbage(g: bytes) -> None:  # in a thread: the agent runs on this test's event loop
+        with socket.create_connection((host, port), timeout=10) as s:
             try:
-                while s.recv(4096):
+                s.sendall(g)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(4096):  # until the agent closes the connection
                     pass
             except OSError:
-                pass
+                pass  # it may reset the connection instead
+
+    for g in garbage:
+        with anyio.fail_after(20):
+            await anyio.to_thread.run_sync(send_garbage, g)
     await a.put(torch.ones(1024), "b", key="w")  # still serving
     assert dst.sum() == 1024
 
