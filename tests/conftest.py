@@ -3,10 +3,16 @@ runs the same scenarios through asyncio.run (tests/test_asyncio.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
+
+import anyio
+import torch
 
 import pytest
 
@@ -56,3 +62,52 @@ def python_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class Target:
+    """A running tests/peer_target.py process, always reaped (killed if still alive)."""
+
+    def __init__(self, tmp: Path, spec: dict, prefix: list[str] | None = None) -> None:
+        self.out = str(tmp / f"{spec['name']}.json")
+        spec = {**spec, "out": self.out}
+        self.proc = subprocess.Popen(
+            [*(prefix or []), PYTHON, "-m", "tests.peer_target", json.dumps(spec)],
+            env=python_env(),
+            cwd=Path(__file__).resolve().parent.parent,
+            stderr=subprocess.PIPE,
+        )
+
+    def go(self) -> None:
+        Path(self.out + ".go").touch()
+
+    async def result(self, timeout: float = 60) -> dict:
+        with anyio.fail_after(timeout):
+            while self.proc.poll() is None:
+                await anyio.sleep(0.02)
+        assert self.proc.returncode == 0, self.proc.stderr.read().decode()[-3000:]
+        return json.loads(Path(self.out).read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def targets(tmp_path):
+    made: list[Target] = []
+
+    def make(spec: dict, prefix: list[str] | None = None) -> Target:
+        made.append(Target(tmp_path, spec, prefix))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()
+
+

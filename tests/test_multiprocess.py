@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import signal
-import subprocess
-from pathlib import Path
 
 import anyio
 import pytest
@@ -15,55 +10,8 @@ import torch
 
 import transport
 
-from .conftest import PYTHON, python_env
+from .conftest import PYTHON, python_env, sha
 from .scenarios import DTYPES, random_tensor
-
-
-def sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-class Target:
-    """A running tests/peer_target.py process, always reaped (killed if still alive)."""
-
-    def __init__(self, tmp: Path, spec: dict, prefix: list[str] | None = None) -> None:
-        self.out = str(tmp / f"{spec['name']}.json")
-        spec = {**spec, "out": self.out}
-        self.proc = subprocess.Popen(
-            [*(prefix or []), PYTHON, "-m", "tests.peer_target", json.dumps(spec)],
-            env=python_env(),
-            cwd=Path(__file__).resolve().parent.parent,
-            stderr=subprocess.PIPE,
-        )
-
-    def go(self) -> None:
-        Path(self.out + ".go").touch()
-
-    async def result(self, timeout: float = 60) -> dict:
-        with anyio.fail_after(timeout):
-            while self.proc.poll() is None:
-                await anyio.sleep(0.02)
-        assert self.proc.returncode == 0, self.proc.stderr.read().decode()[-3000:]
-        return json.loads(Path(self.out).read_text())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.proc.stderr.close()
-
-
-@pytest.fixture
-def targets(tmp_path):
-    made: list[Target] = []
-
-    def make(spec: dict, prefix: list[str] | None = None) -> Target:
-        made.append(Target(tmp_path, spec, prefix))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.close()
 
 
 async def test_target_blocked_in_sleep_receives_64mib_over_ipc(targets, file_store):

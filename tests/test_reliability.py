@@ -19,8 +19,7 @@ import transport
 from transport._flight import analyze, load_dumps
 from transport._rendezvous import open_store
 
-from .conftest import PYTHON, python_env
-from .test_multiprocess import sha, targets  # noqa: F401  (fixture)
+from .conftest import PYTHON, python_env, sha
 
 N = 64 << 20
 
