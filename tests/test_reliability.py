@@ -107,8 +107,9 @@ async def test_sigstop_straggler_over_tcp_times_out_others_continue(targets, fil
             assert (await ps[n].result())["sha256"]["w"] == sha(src)
 
 
-async def test_restarted_target_is_resumed_with_its_new_incarnation(targets, file_store):
-    async with transport.Transport("init", store=file_store, backends=("ipc", "tcp"), timeout=20) as t:
+async def test_restarted_target_is_resumed_with_its_new_incarnation(targets, file_store, tmp_path):
+    flight = tmp_path / "flight"
+    async with transport.Transport("init", store=file_store, backends=("ipc", "tcp"), timeout=20, flight_dir=flight) as t:
         first = targets(spec("gen", file_store, ["ipc", "tcp"], 1 << 20))
         await t.wait_signal("ready", at_least=first.proc.pid, timeout=60)
         old = await t.peer("gen", regions=["w"])
@@ -125,6 +126,8 @@ async def test_restarted_target_is_resumed_with_its_new_incarnation(targets, fil
         await t.put(src, "gen", key="w")
         await t.signal("gen", "done", 1)
         assert (await second.result())["sha256"]["w"] == sha(src)
+    report = flight_report(flight)
+    assert f"peer-lost gen: incarnation {old.incarnation}" in report and "PeerLostError" in report
 
 
 async def test_heartbeat_lease_declares_a_stopped_remote_peer_lost(tmp_path, file_store):
@@ -237,7 +240,7 @@ async def test_corrupt_control_messages_do_not_hurt_the_agent(pair):
     assert dst.sum() == 1024
 
 
-async def test_a_garbled_agent_reply_is_a_peer_lost_error(memory_store):
+async def test_a_garbled_agent_reply_is_a_peer_lost_error(memory_store, tmp_path):
     """A fake agent that answers HELLO with junk: the initiator gets PeerLostError, no hang."""
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
@@ -251,7 +254,7 @@ async def test_a_garbled_agent_reply_is_a_peer_lost_error(memory_store):
         time.sleep(1)
         conn.close()
 
-    async with transport.Transport("a", store=memory_store, backends=("tcp",), timeout=10) as a, \
+    async with transport.Transport("a", store=memory_store, backends=("tcp",), timeout=10, flight_dir=tmp_path) as a, \
             transport.Transport("b", store=memory_store, backends=("tcp",), timeout=10) as b:
         b.register("w", torch.zeros(4))
         b._agent.port = port  # publish the fake agent's address instead of b's
@@ -262,6 +265,8 @@ async def test_a_garbled_agent_reply_is_a_peer_lost_error(memory_store):
                 with pytest.raises(transport.PeerLostError):
                     await a.put(torch.ones(4), "b", key="w")
     lsock.close()
+    report = flight_report(tmp_path)
+    assert "peer-lost b" in report and "a -> b: ERRORS" in report
 
 
 @pytest.mark.parametrize("junk", [b"", b"{}", b"\xff\xfe", b'{"format":"transport.peer","v":1}', b'{"format":"transport.peer","v":99}'])
