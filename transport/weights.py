@@ -83,6 +83,15 @@ def _keys(name: str) -> dict[str, str]:
     }
 
 
+def _withdraw(t: Transport, keys: list[str]) -> None:
+    """Unregisters ``keys`` in order; a closed Transport has withdrawn them already."""
+    for key in keys:
+        try:
+            t.unregister(key)
+        except TransportError:
+            pass
+
+
 def _fence() -> None:
     # Orders this thread's store of a flag before its next load of the other side's flag.
     from ._native import load
@@ -227,11 +236,7 @@ class Publisher:
         """Withdraws the published regions (subscribers can no longer pull)."""
         if self._started:
             self._started = False
-            for key in ("pubctl", "snap0", "snap1", "layout"):
-                try:
-                    self.t.unregister(self._keys[key])
-                except TransportError:
-                    pass
+            _withdraw(self.t, [self._keys[k] for k in ("pubctl", "snap0", "snap1", "layout")])
 
     async def __aenter__(self) -> Publisher:
         await self.start()
@@ -473,11 +478,7 @@ class Subscriber:
         """Unsubscribes (withdraws the slots). The local weights stay as they are."""
         if self._started:
             self._started = False
-            for key in ("slot1", "slot0", "ctl"):
-                try:
-                    self.t.unregister(self._keys[key])
-                except TransportError:
-                    pass
+            _withdraw(self.t, [self._keys[k] for k in ("slot1", "slot0", "ctl")])
 
     async def __aenter__(self) -> Subscriber:
         await self.start()
