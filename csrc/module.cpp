@@ -13,12 +13,118 @@
 
 #include "copy_engine.h"
 #include "host_memory.h"
+#ifdef TRANSPORT_HAVE_UCX
+#include "ucx_engine.h"
+#endif
 
 namespace nb = nanobind;
 using namespace transport;
 
+namespace {
+
+// -- ucx: the engine behind the `ucx` backend (compiled only when UCX headers were found) -----
+void bind_ucx(nb::module_& m) {
+#ifdef TRANSPORT_HAVE_UCX
+  m.attr("ucx_compiled") = true;
+  m.def(
+      "ucx_load",
+      [](const std::string& path) {
+        const ucx::Api& api = ucx::load_api(path);
+        return std::make_tuple(api.path, api.version());
+      },
+      nb::arg("path"), nb::call_guard<nb::gil_scoped_release>(),
+      "dlopens libucp (once per process); returns (loaded path, version). Raises RuntimeError.");
+  nb::class_<ucx::Engine>(m, "UcxEngine")
+      .def(nb::init<const std::string&, const std::string&, int, uint64_t, int>(), nb::arg("library"), nb::arg("name"),
+           nb::arg("lanes"), nb::arg("chunk_bytes"), nb::arg("window"), nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("event_fd", &ucx::Engine::event_fd)
+      .def_prop_ro("lanes", &ucx::Engine::lanes)
+      .def(
+          "worker_address",
+          [](ucx::Engine& e, int lane) {
+            const std::string& a = e.worker_address(lane);
+            return nb::bytes(a.data(), a.size());
+          },
+          nb::arg("lane"))
+      .def(
+          "mem_map",
+          [](ucx::Engine& e, uint64_t address, uint64_t nbytes) {
+            std::string rkey;
+            uint64_t id;
+            {
+              nb::gil_scoped_release release;
+              id = e.mem_map(address, nbytes, &rkey);
+            }
+            return std::make_tuple(id, nb::bytes(rkey.data(), rkey.size()));
+          },
+          nb::arg("address"), nb::arg("nbytes"))
+      .def("mem_unmap", &ucx::Engine::mem_unmap, nb::arg("mem"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "ep_create",
+          [](ucx::Engine& e, int lane, nb::bytes address) {
+            std::string a(address.c_str(), address.size());
+            nb::gil_scoped_release release;
+            return e.ep_create(lane, a);
+          },
+          nb::arg("lane"), nb::arg("address"))
+      .def("ep_close", &ucx::Engine::ep_close, nb::arg("lane"), nb::arg("ep"), nb::arg("force"))
+      .def(
+          "rkey_unpack",
+          [](ucx::Engine& e, int lane, uint64_t ep, nb::bytes packed) {
+            std::string p(packed.c_str(), packed.size());
+            nb::gil_scoped_release release;
+            return e.rkey_unpack(lane, ep, p);
+          },
+          nb::arg("lane"), nb::arg("ep"), nb::arg("packed"))
+      .def("rkey_destroy", &ucx::Engine::rkey_destroy, nb::arg("lane"), nb::arg("rkey"))
+      .def(
+          "submit",
+          [](ucx::Engine& e, int lane, int op, uint64_t ep, uint64_t rkey, uint64_t local, uint64_t remote,
+             uint64_t nbytes) {
+            if (op < 0 || op > 1) throw std::invalid_argument("unknown ucx op");
+            return e.submit(lane, static_cast<ucx::Op>(op), ep, rkey, local, remote, nbytes);
+          },
+          nb::arg("lane"), nb::arg("op"), nb::arg("ep"), nb::arg("rkey"), nb::arg("local"), nb::arg("remote"),
+          nb::arg("nbytes"))
+      .def("cancel", &ucx::Engine::cancel, nb::arg("lane"), nb::arg("job"))
+      .def(
+          "read_word",
+          [](ucx::Engine& e, int lane, uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms) {
+            uint64_t value = 0;
+            int status;
+            {
+              nb::gil_scoped_release release;
+              status = e.read_word(lane, ep, rkey, remote, timeout_ms, &value);
+            }
+            return std::make_tuple(status, value);
+          },
+          nb::arg("lane"), nb::arg("ep"), nb::arg("rkey"), nb::arg("remote"), nb::arg("timeout_ms"),
+          "Reads an 8-byte remote word synchronously (bounded); returns (ucs status, value).")
+      .def("drain",
+           [](ucx::Engine& e) {
+             std::vector<std::tuple<uint64_t, int, int, uint64_t>> out;
+             for (const ucx::Completion& c : e.drain())
+               out.emplace_back(c.id, static_cast<int>(c.status), c.ucs_status, c.bytes);
+             return out;
+           })
+      .def("shutdown", &ucx::Engine::shutdown, nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "ucx_status_string",
+      [](int status) {
+        const ucx::Api* api = ucx::loaded_api();
+        return api != nullptr ? api->describe(static_cast<ucs_status_t>(status))
+                              : "ucs status " + std::to_string(status);
+      },
+      nb::arg("status"));
+#else
+  m.attr("ucx_compiled") = false;
+#endif
+}
+
+}  // namespace
+
 NB_MODULE(_C, m) {
-  m.doc() = "Native core of transport: copy engine, shareable host memory, CMA.";
+  m.doc() = "Native core of transport: copy engine, shareable host memory, CMA, UCX engine.";
   // Tensors over SharedBuffers may legitimately outlive the interpreter's teardown.
   nb::set_leak_warnings(false);
 
@@ -91,4 +197,6 @@ NB_MODULE(_C, m) {
       },
       nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>(),
       "Plain single-threaded memcpy: the same-run baseline of the benchmarks.");
+
+  bind_ucx(m);
 }

@@ -250,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="what can run here (backends, versions, ipc permissions)")
 
     b = sub.add_parser("bench", help="put/get bandwidth and latency per backend vs memcpy")
-    b.add_argument("--backends", default="ipc,tcp", help="comma-separated, in order (default: ipc,tcp)")
+    b.add_argument("--backends", default="ipc,ucx,tcp", help="comma-separated, in order (default: ipc,ucx,tcp; unavailable ones are skipped)")
     b.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 1MiB,64MiB,1GiB (default: 1MiB..1GiB, x4)")
     b.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 256MiB")
     b.add_argument("--iters", type=int, default=None, help="timed transfers per size and op (default: ~8 GiB moved, 5..50)")

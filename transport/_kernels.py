@@ -22,7 +22,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (no copy)."""
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def pack(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:

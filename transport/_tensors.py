@@ -49,4 +49,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """A writable uint8 memoryview over a contiguous CPU tensor's bytes (no copy)."""
     if t.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    # as_strided, not reshape: a contiguous tensor may still carry odd strides on size-1 dims.
+    flat = t.detach().as_strided((t.numel(),), (1,))
+    return memoryview(flat.view(torch.uint8).numpy())

@@ -67,7 +67,7 @@ class Transport(PeerDirectory):
             dir), ``tcp://HOST:PORT`` (torch TCPStore; add ``?host=1`` in the one process that
             hosts it) or ``memory://NAME`` (one process).
         backends: preference order, e.g. ``("ipc", "tcp")``; None means every available one in
-            the default order (ipc, tcp). Naming an unavailable backend raises.
+            the default order (ipc, ucx, tcp). Naming an unavailable backend raises.
         timeout: default seconds for every operation; nothing waits longer.
         listen: ``HOST`` or ``HOST:PORT`` for this endpoint's agent (``$TRANSPORT_LISTEN``);
             by default the address that reaches a ``tcp://`` store, else 127.0.0.1.
@@ -80,6 +80,9 @@ class Transport(PeerDirectory):
         flight_dir: where the flight recorder dumps (or ``$TRANSPORT_FLIGHT_DIR``); None keeps
             the ring in memory only (``dump_flight_record`` then returns None).
         flight_capacity: operation records kept in the ring.
+        lanes: parallel channels per peer for backends that support them (``ucx``: workers
+            with their own progress threads; large transfers are split across them). None
+            means ``$TRANSPORT_UCX_LANES`` or 2.
 
     Raises:
         ValueError: bad arguments (checked here).
@@ -101,6 +104,7 @@ class Transport(PeerDirectory):
         lease: float = 10.0,
         flight_dir: str | os.PathLike[str] | None = None,
         flight_capacity: int = 4096,
+        lanes: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
@@ -116,6 +120,7 @@ class Transport(PeerDirectory):
         self._requested = tuple(backends) if backends is not None else None
         self._listen = listen or os.environ.get(LISTEN_ENV)
         self._copy_threads = copy_threads
+        self._lanes = lanes
         self._state = "new"
         self.incarnation = secrets.token_hex(8)
         self._regions: dict[str, Region] = {}
@@ -157,7 +162,7 @@ class Transport(PeerDirectory):
             host, port = self._listen_address()
             self._agent = AgentServer(self, host, port)
             self._tg.start_soon(self._agent.serve, self._tg)
-            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth)
+            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth, self._lanes)
             self._backends: list[Backend] = [cls(ctx) for cls in backend_classes]
             stack.callback(self._close_backends)
             self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}, self._auth)

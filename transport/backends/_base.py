@@ -35,6 +35,7 @@ class BackendContext:
     copier: Copier
     timeout: float
     auth: Authenticator
+    lanes: int | None = None  # parallel channels per peer where a backend supports it (ucx)
 
 
 @dataclass

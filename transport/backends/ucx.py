@@ -1,0 +1,560 @@
+"""``ucx``: one-sided RMA into peers' registered memory on any host, through libucp.
+
+How it works:
+
+* libucp is loaded at run time by the native extension (``dlopen``): the ``libucx-cu12`` wheel
+  (``pip install 'transport[ucx]'``) by default, else the system loader's ``libucp.so.0``; set
+  ``$TRANSPORT_UCX_LIB`` to a ``libucp.so`` path (or its directory) to choose one, e.g. a
+  system UCX built with InfiniBand support (the PyPI build has no verbs).
+* One UCP context per Transport with its *lanes*: a worker driven by a native progress thread
+  each (:class:`transport._native.UcxEngine`). Every region is mapped once (``ucp_mem_map``);
+  its packed rkey travels in the peer record, the lanes' worker addresses in the endpoint
+  descriptor. Each lane creates one endpoint per peer incarnation (to the peer's lane of the
+  same index), and rkeys are unpacked once per peer incarnation, region and lane.
+  ``put``/``get`` are ``ucp_put_nbx``/``ucp_get_nbx`` in chunks; a put completes after
+  ``ucp_ep_flush_nbx``, i.e. when its bytes are in the peer's memory.
+* Lanes: one worker copies serially (with shared memory the copy itself runs inside
+  ``ucp_put_nbx``, one CPU's worth: about half of memcpy into 4 KiB pages), so a transfer of at
+  least ``_SPLIT_MIN_BYTES`` is split across the lanes and small ones take turns.
+  ``$TRANSPORT_UCX_LANES`` sets the number (default 2; 1 gives exactly one endpoint per peer).
+* One-sided: the target's Python takes no part. With the shared-memory transports (``cma``)
+  the target makes no call at all; with transports that need target progress (``tcp``) the
+  target's native progress thread serves them, so a target blocked in ``time.sleep`` still
+  receives.
+* No UCX peer error handling (``UCP_ERR_HANDLING_MODE_NONE``): it would force slow emulated
+  protocols. Peer failure is detected here instead, through the control plane: a connection
+  to the peer's agent that the peer's kernel resets when the process dies (and a refused
+  connection when its agent is gone). A lost peer's endpoint is force-closed, which ends its
+  transfers in flight with :class:`PeerLostError`; a peer that cannot be watched (its agent is
+  unreachable) still fails by the transfer's timeout, never hangs.
+* UCX configuration (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) comes from the user's environment,
+  read as it is; the library never sets environment variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import importlib.util
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from .._agent import connect, read_frame_head, send_all
+from .._errors import (
+    AuthenticationError,
+    ClosedError,
+    PeerLostError,
+    TransportError,
+    TransportInternalError,
+)
+from .._native import CopyKind, CopyStatus, UcxEngine, UcxOp, UcxPart, UcxResult, load
+from .._regions import Region
+from .._tensors import MemoryKind
+from .._wire import (
+    ErrCode,
+    FrameKind,
+    PeerRecord,
+    RegionRecord,
+    WireError,
+    encode_frame,
+)
+from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+
+log = logging.getLogger(__name__)
+
+LIB_ENV = "TRANSPORT_UCX_LIB"
+LANES_ENV = "TRANSPORT_UCX_LANES"
+INSTALL_HINT = "pip install 'transport[ucx]'"
+DEFAULT_LANES = 2
+_MAX_LANES = 16
+
+# magic, version, lanes, address of the control word, length of its rkey; then the rkey; then
+# per lane: <I length, worker address
+_ENDPOINT = struct.Struct("<4sHHQI")
+_ENDPOINT_MAGIC, _ENDPOINT_VERSION = b"UCXE", 1
+_LEN = struct.Struct("<I")
+_REGION = struct.Struct("<4sQQ")  # magic, address, nbytes; then the packed rkey
+_REGION_MAGIC = b"UCXR"
+
+# UCX statuses that say the link failed rather than the request: the peer is gone or cut off.
+_UCS_LINK_ERRORS = frozenset({-3, -6, -16, -20, -23, -24, -25, *range(-89, -39)})
+
+_WATCH_CONNECT_TIMEOUT_S = 10.0
+# Transfers this large are split across the lanes (page-aligned parts); smaller ones use one.
+_SPLIT_MIN_BYTES = 4 << 20
+_PAGE = 4096
+# live_seq over UCX (peers on other hosts) blocks the event loop for one small read: bounded,
+# and after a read that did not complete the peer is not read again for a while (a stopped
+# peer must not stall the transfers to every other peer).
+_SEQ_READ_TIMEOUT_S = 0.1
+_SEQ_READ_BACKOFF_S = 2.0
+
+
+class UcxStatusError(Exception):
+    """A UCX failure status, as the ``__cause__`` of the TransportError that reports it."""
+
+
+class PeerGoneError(ConnectionError):
+    """The control plane saw the peer go (its agent connection was reset or refused)."""
+
+
+# -- the library -------------------------------------------------------------------------------
+
+
+def _candidates() -> list[str]:
+    explicit = os.environ.get(LIB_ENV)
+    if explicit:  # an explicit choice is not second-guessed: no silent fallback
+        return [os.path.join(explicit, "libucp.so") if os.path.isdir(explicit) else explicit]
+    out = []
+    try:
+        spec = importlib.util.find_spec("libucx")  # the wheel; not imported (no side effects)
+    except (ImportError, ValueError):
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, "lib", "libucp.so")
+        if os.path.isfile(path):
+            out.append(path)
+    out.append("libucp.so.0")  # a system UCX, through ldconfig / LD_LIBRARY_PATH
+    return out
+
+
+@functools.cache
+def library() -> tuple[str | None, str | None, str | None]:
+    """(path, version, None) of the libucp this process uses, or (None, None, why not).
+
+    Loaded once per process (UCX cannot be unloaded); later changes of ``$TRANSPORT_UCX_LIB``
+    have no effect.
+    """
+    try:
+        C = load()
+    except TransportError as exc:
+        return None, None, str(exc)
+    if not getattr(C, "ucx_compiled", False):
+        return None, None, (
+            "transport._C was built without UCX headers; "
+            f"{INSTALL_HINT}, then reinstall transport so that csrc/ is rebuilt against them"
+        )
+    errors = []
+    for candidate in _candidates():
+        try:
+            path, version = C.ucx_load(candidate)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            continue
+        log.debug("ucx: loaded libucp %s from %s", version, path)
+        return str(path), str(version), None
+    return None, None, f"libucp could not be loaded ({'; '.join(errors)}); {INSTALL_HINT}, or set ${LIB_ENV} to a libucp.so"
+
+
+# -- descriptors -------------------------------------------------------------------------------
+
+
+def _lanes_from_env() -> int:
+    raw = os.environ.get(LANES_ENV)
+    if not raw:
+        return DEFAULT_LANES
+    try:
+        lanes = int(raw)
+    except ValueError:
+        lanes = 0
+    if not 1 <= lanes <= _MAX_LANES:
+        raise ValueError(f"${LANES_ENV} must be an integer from 1 to {_MAX_LANES}, got {raw!r}")
+    return lanes
+
+
+@dataclass(frozen=True)
+class _EndpointInfo:
+    addresses: list[bytes]  # worker address per lane
+    ctl_address: int  # the word holding the seq of the peer's latest record
+    ctl_rkey: bytes
+
+
+def _encode_endpoint(addresses: list[bytes], ctl_address: int, ctl_rkey: bytes) -> bytes:
+    out = [_ENDPOINT.pack(_ENDPOINT_MAGIC, _ENDPOINT_VERSION, len(addresses), ctl_address, len(ctl_rkey)), ctl_rkey]
+    for a in addresses:
+        out += [_LEN.pack(len(a)), a]
+    return b"".join(out)
+
+
+def _decode_endpoint(data: bytes, peer: str) -> _EndpointInfo:
+    if len(data) < _ENDPOINT.size:
+        raise WireError(f"{peer}: ucx endpoint descriptor of {len(data)} bytes is too short")
+    magic, version, lanes, ctl_address, ctl_len = _ENDPOINT.unpack_from(data)
+    if magic != _ENDPOINT_MAGIC or version != _ENDPOINT_VERSION or lanes < 1:
+        raise WireError(f"{peer}: not a ucx endpoint descriptor (magic {magic!r}, version {version}, {lanes} lanes)")
+    pos = _ENDPOINT.size + ctl_len
+    if pos > len(data):
+        raise WireError(f"{peer}: truncated ucx endpoint descriptor")
+    ctl_rkey, out = data[_ENDPOINT.size : pos], []
+    for _ in range(lanes):
+        if pos + _LEN.size > len(data):
+            raise WireError(f"{peer}: truncated ucx endpoint descriptor")
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if n == 0 or pos + n > len(data):
+            raise WireError(f"{peer}: truncated ucx endpoint descriptor")
+        out.append(data[pos : pos + n])
+        pos += n
+    return _EndpointInfo(out, ctl_address, ctl_rkey)
+
+
+def _decode_region(data: bytes, where: str) -> tuple[int, int, bytes]:
+    if len(data) < _REGION.size:
+        raise WireError(f"{where}: ucx region descriptor of {len(data)} bytes is too short")
+    magic, address, nbytes = _REGION.unpack_from(data)
+    if magic != _REGION_MAGIC:
+        raise WireError(f"{where}: not a ucx region descriptor (magic {magic!r})")
+    return address, nbytes, data[_REGION.size :]
+
+
+# -- the backend -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Link:
+    """Our endpoints (one per lane) to one peer incarnation, its unpacked rkeys, its liveness."""
+
+    peer: str
+    incarnation: str
+    eps: list[int]  # lane -> endpoint
+    info: _EndpointInfo
+    ctl_rkey: int | None = None  # the peer's control word, unpacked on lane 0
+    seq_backoff_until: float = 0.0  # monotonic time before which its word is not read again
+    rkeys: dict[str, tuple[bytes, list[int], int]] = field(default_factory=dict)  # key -> (descriptor, rkey per lane, address)
+    lost: BaseException | None = None  # set once the peer is known to be gone
+    dropped: bool = False  # forgotten or closed by us: its watcher stops quietly
+    sock: socket.socket | None = None  # the watcher's connection to the peer's agent
+
+
+class UcxBackend(Backend):
+    """UCX RMA (see the module docstring). Host memory only for now."""
+
+    name = "ucx"
+    one_sided = True
+    memory_kinds = frozenset({MemoryKind.CPU})
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return library()[2]
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._C = load()
+        path, _version, why = library()
+        if path is None:
+            raise TransportInternalError(f"ucx backend unavailable: {why}")
+        try:
+            lanes = ctx.lanes if ctx.lanes is not None else _lanes_from_env()
+            if not 1 <= lanes <= _MAX_LANES:
+                raise ValueError(f"lanes must be from 1 to {_MAX_LANES}, got {lanes}")
+        except ValueError as exc:
+            raise TransportInternalError(str(exc)) from None
+        self._engine = UcxEngine(path, f"transport:{ctx.name}", lanes=lanes)
+        try:
+            # The control word: the seq of our latest record, which initiators read before a
+            # transfer (live_seq) so that they notice (un)registrations, as ipc's control page does.
+            self._ctl = torch.zeros(8, dtype=torch.int64)
+            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.data_ptr(), 8)
+            self._endpoint = _encode_endpoint([self._engine.worker_address(i) for i in range(lanes)], self._ctl.data_ptr(), ctl_rkey)
+        except BaseException:
+            self._engine.close()
+            raise
+        ctx.tg.start_soon(self._engine.run)
+        self._seq_buf = torch.zeros(1, dtype=torch.int64)  # where a same-host initiator reads a peer's word into
+        self._next_lane = 0
+        self._mapped: dict[int, tuple[Region, int | None, bytes | None]] = {}  # id(region) -> (region, mem, descriptor)
+        self._described: set[int] = set()
+        self._links: dict[str, _Link] = {}
+        self._refusals: dict[tuple[str, str, str, bytes], str] = {}
+        self._infos: dict[tuple[str, str], _EndpointInfo | None] = {}  # (peer, incarnation) -> decoded descriptor
+        self._closed = False
+
+    # -- registration ----------------------------------------------------------------------
+
+    def endpoint_descriptor(self) -> bytes:
+        return self._endpoint
+
+    def region_descriptor(self, region: Region) -> bytes | None:
+        self._described.add(id(region))
+        entry = self._mapped.get(id(region))
+        if entry is None:
+            mem, rkey = None, b""
+            try:
+                if region.nbytes:
+                    mem, rkey = self._engine.mem_map(region.address, region.nbytes)
+                desc: bytes | None = _REGION.pack(_REGION_MAGIC, region.address, region.nbytes) + rkey
+            except TransportError as exc:
+                # Not fatal to the registration: peers see no ucx descriptor and use another backend.
+                log.warning("transport %s: cannot map %r (%d bytes) for ucx: %s", self.ctx.name, region.key, region.nbytes, exc)
+                desc = None
+            entry = (region, mem, desc)  # holding the region keeps id(region) unique while mapped
+            self._mapped[id(region)] = entry
+        return entry[2]
+
+    def published(self, seq: int) -> None:
+        self._ctl[0] = seq  # one aligned 8-byte store: readers see the old or the new seq
+        # Regions left out of the record just published were unregistered: unmap them.
+        for rid in [rid for rid in self._mapped if rid not in self._described]:
+            _region, mem, _desc = self._mapped.pop(rid)
+            if mem is not None:
+                self._engine.mem_unmap(mem)
+        self._described.clear()
+
+    # -- peers -----------------------------------------------------------------------------
+
+    def _link(self, peer: PeerRecord) -> _Link:
+        link = self._links.get(peer.name)
+        if link is not None and link.incarnation != peer.incarnation:
+            self.forget_peer(peer.name)  # restarted; the Transport may not have told us yet
+            link = None
+        if link is None:
+            info = _decode_endpoint(peer.backends["ucx"], peer.name)  # raises WireError: no silent None here
+            addresses = info.addresses
+            eps: list[int] = []
+            try:
+                for lane in range(self._engine.lanes):
+                    eps.append(self._engine.connect(lane, addresses[lane % len(addresses)]))
+            except TransportError:
+                for lane, ep in enumerate(eps):
+                    self._engine.disconnect(lane, ep, force=True)
+                raise
+            link = _Link(peer.name, peer.incarnation, eps, info)
+            self._links[peer.name] = link
+            self.ctx.tg.start_soon(self._watch, link, peer.agent)
+        return link
+
+    def _rkey(self, link: _Link, region: RegionRecord) -> tuple[list[int], int]:
+        """The region's rkey on every lane, and its remote address."""
+        desc = region.descriptors["ucx"]
+        cached = link.rkeys.get(region.key)
+        if cached is not None and cached[0] == desc:
+            return cached[1], cached[2]
+        address, _nbytes, packed = _decode_region(desc, f"{link.peer}:{region.key!r}")
+        rkeys: list[int] = []
+        try:
+            for lane, ep in enumerate(link.eps):
+                rkeys.append(self._engine.unpack_rkey(lane, ep, packed))
+        except TransportError:
+            for lane, rkey in enumerate(rkeys):
+                self._engine.destroy_rkey(lane, rkey)
+            raise
+        if cached is not None:  # re-registered: the old keys go once no transfer uses them
+            for lane, rkey in enumerate(cached[1]):
+                self._engine.destroy_rkey(lane, rkey)
+        link.rkeys[region.key] = (desc, rkeys, address)
+        return rkeys, address
+
+    def live_seq(self, peer: PeerRecord) -> int | None:
+        """The seq in the peer's control word: same-host peers by one cross-memory-attach read
+        (microseconds), others by a bounded 8-byte UCX get. None when it cannot be read."""
+        info = self._info(peer)
+        if info is None:
+            return None
+        if peer.host == self.ctx.host:
+            err = self._C.copy_now(int(CopyKind.CMA_READ), peer.pid, self._seq_buf.data_ptr(), info.ctl_address, 8)
+            if err == 0:
+                return int(self._seq_buf[0])
+        return self._read_seq_over_ucx(peer)
+
+    def _info(self, peer: PeerRecord) -> _EndpointInfo | None:
+        cache_key = (peer.name, peer.incarnation)
+        if cache_key not in self._infos:
+            try:
+                self._infos[cache_key] = _decode_endpoint(peer.backends["ucx"], peer.name) if "ucx" in peer.backends else None
+            except WireError as exc:
+                log.warning("transport %s: %s", self.ctx.name, exc)
+                self._infos[cache_key] = None
+        return self._infos[cache_key]
+
+    def _read_seq_over_ucx(self, peer: PeerRecord) -> int | None:
+        try:
+            link = self._link(peer)
+            if link.lost is not None or anyio.current_time() < link.seq_backoff_until:
+                return None
+            if link.ctl_rkey is None:
+                link.ctl_rkey = self._engine.unpack_rkey(0, link.eps[0], link.info.ctl_rkey)
+            seq = self._engine.read_word(0, link.eps[0], link.ctl_rkey, link.info.ctl_address, min(_SEQ_READ_TIMEOUT_S, self.ctx.timeout))
+        except (TransportError, WireError) as exc:
+            log.debug("transport %s: cannot read the record seq of %s over ucx: %s", self.ctx.name, peer.name, exc)
+            return None
+        if seq is None:
+            log.info("transport %s: %s did not answer a read of its record seq within %gs; not asking again for %gs",
+                     self.ctx.name, peer.name, _SEQ_READ_TIMEOUT_S, _SEQ_READ_BACKOFF_S)
+            link.seq_backoff_until = anyio.current_time() + _SEQ_READ_BACKOFF_S
+        return seq
+
+    def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
+        desc = region.descriptors.get("ucx")
+        if "ucx" not in peer.backends or desc is None:
+            return f"{peer.name} published no ucx descriptor for {region.key!r}"
+        if region.nbytes == 0:
+            return None
+        cache_key = (peer.name, peer.incarnation, region.key, desc)
+        if cache_key in self._refusals:
+            return self._refusals[cache_key]
+        try:
+            link = self._link(peer)
+            if link.lost is None:  # a lost peer is reported by the transfer, not skipped over
+                self._rkey(link, region)
+        except (TransportInternalError, WireError) as exc:
+            self._refusals[cache_key] = f"cannot reach {peer.name}:{region.key!r} over ucx: {exc}"
+            return self._refusals[cache_key]
+        return None
+
+    async def _watch(self, link: _Link, agent: tuple[str, int]) -> None:
+        """Watches the peer through a connection to its agent: the peer's kernel resets it
+        when the process dies. Needs nothing from the peer's Python (a sleeping peer is not
+        mistaken for a dead one)."""
+        try:
+            with anyio.fail_after(_WATCH_CONNECT_TIMEOUT_S):
+                sock = await connect(agent)
+        except (OSError, TimeoutError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED:
+                self._lose(link, PeerGoneError(f"its agent at {agent[0]}:{agent[1]} refused a connection: {exc}"))
+            else:
+                log.info("transport %s: cannot watch %s through its agent at %s:%d (%s); a failure of it will surface as a timeout",
+                         self.ctx.name, link.peer, agent[0], agent[1], exc or "timed out")
+            return
+        if link.dropped:
+            sock.close()
+            return
+        link.sock = sock
+        try:
+            hello = {"from": self.ctx.name, "from_incarnation": self.ctx.incarnation, "lane": "ucx-watch",
+                     "to": link.peer, "to_incarnation": link.incarnation}
+            hello.update(self.ctx.auth.hello_fields(self.ctx.name, self.ctx.incarnation, link.peer, link.incarnation))
+            await send_all(sock, encode_frame(FrameKind.HELLO, 1, hello, 0))
+            kind, _rid, meta, _plen = await read_frame_head(sock)
+            if kind == FrameKind.ERR and meta.get("code") == ErrCode.STALE:
+                raise PeerGoneError(f"another incarnation answers at its agent's address: {meta.get('message')}")
+            try:
+                if kind != FrameKind.OK:
+                    raise AuthenticationError(str(meta.get("message", kind.name)))
+                self.ctx.auth.check_ok(meta, hello, link.peer, link.incarnation)
+            except AuthenticationError as exc:  # a refusal is not a death: stop watching, say why
+                log.warning("transport %s: cannot watch %s through its agent (%s); a failure of it will surface "
+                            "through heartbeats or a timeout", self.ctx.name, link.peer, exc)
+                return
+            while True:  # the agent sends nothing more: readable means closed or reset
+                await anyio.wait_readable(sock)
+                try:
+                    if not sock.recv(4096):
+                        raise PeerGoneError(f"its agent at {agent[0]}:{agent[1]} closed the connection")
+                except BlockingIOError:
+                    continue
+        except (OSError, EOFError, WireError) as exc:  # PeerGoneError is an OSError
+            if not link.dropped:
+                self._lose(link, exc)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # we closed it (forget_peer / close)
+        finally:
+            link.sock = None
+            if sock.fileno() >= 0:
+                sock.close()
+
+    def _lose(self, link: _Link, cause: BaseException) -> None:
+        if link.lost is not None or link.dropped:
+            return
+        link.lost = cause
+        log.info("transport %s: ucx peer %s (incarnation %s) is gone: %s", self.ctx.name, link.peer, link.incarnation, cause)
+        # Ends its transfers in flight; afterwards UCX no longer touches their memory.
+        for lane, ep in enumerate(link.eps):
+            self._engine.disconnect(lane, ep, force=True)
+
+    @staticmethod
+    def _stop_watching(link: _Link) -> None:
+        link.dropped = True
+        sock = link.sock
+        if sock is not None and sock.fileno() >= 0:
+            with contextlib.suppress(RuntimeError):  # wakes the watcher, which then ends quietly
+                anyio.notify_closing(sock)
+            sock.close()
+
+    def _drop(self, link: _Link) -> None:
+        self._stop_watching(link)
+        if link.lost is None:  # a restarted or closed peer: no goodbye to wait for
+            for lane, ep in enumerate(link.eps):
+                self._engine.disconnect(lane, ep, force=True)
+
+    def forget_peer(self, peer: str) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None:
+            self._drop(link)
+        self._refusals = {k: v for k, v in self._refusals.items() if k[0] != peer}
+        self._infos = {k: v for k, v in self._infos.items() if k[0] != peer}
+
+    # -- data path -------------------------------------------------------------------------
+
+    async def _move(self, op: UcxOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+        peer, region = remote.peer, remote.region
+        what = f"ucx {op.name.lower()} of {remote.nbytes} bytes at offset {remote.offset} of {peer.name}:{region.key!r}"
+        try:
+            link = self._link(peer)
+            if link.lost is not None:
+                raise self._lost_error(what, link)
+            rkeys, address = self._rkey(link, region)
+        except (TransportInternalError, WireError) as exc:
+            raise TransportInternalError(f"{what}: {exc}") from exc
+        parts = self._split(link, rkeys, local.address, address + remote.offset, remote.nbytes)
+        # `local` (the tensor) is kept referenced by the engine until UCX lets go of its memory.
+        result = await self._engine.transfer(op, parts, keep=local)
+        if result.status == CopyStatus.OK:
+            return
+        self._raise_for(result, what, link)
+
+    def _split(self, link: _Link, rkeys: list[int], local: int, remote: int, nbytes: int) -> list[UcxPart]:
+        lanes = len(link.eps)
+        if lanes == 1 or nbytes < _SPLIT_MIN_BYTES:
+            lane = self._next_lane % lanes  # small transfers take turns
+            self._next_lane += 1
+            return [UcxPart(lane, link.eps[lane], rkeys[lane], local, remote, nbytes)]
+        share = -(-nbytes // lanes)
+        share += -share % _PAGE  # page-aligned parts: no page is pinned by two lanes at once
+        parts = []
+        for lane in range(lanes):
+            start = lane * share
+            if start >= nbytes:
+                break
+            n = min(share, nbytes - start)
+            parts.append(UcxPart(lane, link.eps[lane], rkeys[lane], local + start, remote + start, n))
+        return parts
+
+    def _lost_error(self, what: str, link: _Link) -> PeerLostError:
+        err = PeerLostError(f"{what} failed: {link.peer} is gone ({link.lost})")
+        err.__cause__ = link.lost
+        return err
+
+    def _raise_for(self, result: UcxResult, what: str, link: _Link) -> None:
+        if link.lost is not None:
+            raise self._lost_error(what, link)
+        if result.status == CopyStatus.ABORTED:
+            raise ClosedError(f"{what} was aborted after {result.nbytes} bytes: the transport is closing")
+        cause = UcxStatusError(result.describe())
+        if result.ucs_status in _UCS_LINK_ERRORS:
+            self._lose(link, cause)
+            raise PeerLostError(f"{what} failed after {result.nbytes} bytes: {cause}") from cause
+        raise TransportInternalError(f"{what} failed after {result.nbytes} bytes: {cause}") from cause
+
+    async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        await self._move(UcxOp.PUT, local, remote)
+
+    async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        await self._move(UcxOp.GET, local, remote)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links.values():
+            self._stop_watching(link)
+        self._links.clear()
+        # Closes endpoints, aborts what is in flight, destroys the worker (bounded).
+        self._engine.close()
+        self._mapped.clear()
