@@ -72,6 +72,29 @@ async def test_publish_apply_bit_for_bit_with_small_buckets(store, backend):
                 await pub.publish(2)
 
 
+async def test_zero_copy_apply_repoints_the_tensors(store):
+    src = make_model(2)
+    src["big"] = torch.randn(100_000)  # spans several buckets: sent straight from live memory
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, bucket_bytes=64 << 10) as pub, \
+                Subscriber(tg, dst := zeros_like(src), publisher="trainer", zero_copy=True) as sub:
+            assert pub._direct, "no bucket was planned to go straight from the live tensors"
+            assert sub.staging_bytes == 3 * pub.layout.total
+            seen_slots = set()
+            for v in range(1, 6):
+                for x in src.values():
+                    x.add_(1)
+                await pub.publish(v)
+                assert sub.apply() == v
+                assert bitwise_equal(dst, src)
+                ptr = dst["big"].data_ptr()
+                seen_slots.add(next(i for i, s in enumerate(sub._slots) if s.data_ptr() <= ptr < s.data_ptr() + s.numel()))
+            assert len(seen_slots) >= 2, "the tensors never moved between slots"
+            late = zeros_like(src)
+            async with transport.Transport("late", store=store) as tl, Subscriber(tl, late, publisher="trainer") as s2:
+                assert await s2.pull() == 5 and bitwise_equal(late, src)  # the snapshot was completed too
+
+
 async def test_fp8_rename_and_subset(store):
     src = {"model.a": torch.randn(128, 32).to(torch.bfloat16), "model.b": torch.randn(7), "opt.state": torch.randn(5)}
     dst = {"a": torch.zeros(128, 32, dtype=torch.bfloat16), "b": torch.zeros(7)}
@@ -180,7 +203,8 @@ async def publish_cycles(t, pub, src, first: int, count: int) -> list:
     return reports
 
 
-async def test_500_cycles_zero_torn_reads(peers):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+async def test_500_cycles_zero_torn_reads(peers, zero_copy):
     """Two subscriber processes apply as fast as they can and check every live tensor after
     every apply while the trainer publishes 500 versions back to back."""
     src = versioned(0)
@@ -188,7 +212,7 @@ async def test_500_cycles_zero_torn_reads(peers):
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         async with Publisher(t, src, bucket_bytes=256 << 10, deadline=10) as pub:
             for name in ("gen-0", "gen-1"):
-                peers.start(name)
+                peers.start(name, zero_copy=zero_copy)
                 await t.wait_signal(f"ready.{name}", timeout=60)
             reports = await publish_cycles(t, pub, src, 1, 500)
             for name in ("gen-0", "gen-1"):

@@ -28,7 +28,7 @@ async def main(spec: dict) -> None:
     local = model(spec["shapes"])
     async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"), timeout=30) as t:
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        async with Subscriber(t, local, publisher=spec["publisher"], name="policy") as sub:
+        async with Subscriber(t, local, publisher=spec["publisher"], name="policy", zero_copy=spec.get("zero_copy", False)) as sub:
             if spec.get("pull"):
                 await sub.pull()
             await t.signal(spec["publisher"], f"ready.{spec['name']}", 1)

@@ -50,23 +50,34 @@ __all__ = ["Publisher", "Subscriber", "PublishReport", "SyncResult", "SyncStatus
 
 log = logging.getLogger(__name__)
 
-# Control blocks are int64[8]. A "front" word encodes (version, slot) as ((version << 1) | slot) + 1
+# Control blocks are int64[8]. A "front" word encodes (version, slot) as ((version << 2) | slot) + 1
 # so that 0 means "nothing yet" and one aligned 8-byte store publishes both at once.
-_FRONT, _READING, _APPLIED, _LAYOUT_ID = 0, 1, 2, 3  # subscriber control block
+# Subscriber control block: _READING is the slot being read (copy mode: while applying;
+# zero-copy mode: the slot the model lives in), _TRYING the slot a zero-copy apply is claiming.
+_FRONT, _READING, _APPLIED, _LAYOUT_ID, _TRYING = 0, 1, 2, 3, 4
 _GEN0 = 4  # publisher control block: _FRONT, _LAYOUT_ID, and per-slot generations at 4 and 5
 _CTL_WORDS = 8
 _POLL_S = 0.002
 
 
 def _encode_front(version: int, slot: int) -> int:
-    return ((version << 1) | slot) + 1
+    return ((version << 2) | slot) + 1  # two bits of slot: copy mode has 2 slots, zero-copy 3
 
 
 def _decode_front(word: int) -> tuple[int, int] | None:
     if word <= 0:
         return None
     word -= 1
-    return word >> 1, word & 1
+    return word >> 2, word & 3
+
+
+def _free_slot(ctl: torch.Tensor, nslots: int) -> int | None:
+    """A subscriber slot the publisher may write: not the front (the newest complete version,
+    which the subscriber may apply at any moment), not the one it reads or lives in, not the
+    one a zero-copy apply is claiming."""
+    front = _decode_front(int(ctl[_FRONT]))
+    busy = {int(ctl[_READING]), int(ctl[_TRYING])} | ({front[1]} if front is not None else set())
+    return next((s for s in range(nslots) if s not in busy), None)
 
 
 def _keys(name: str) -> dict[str, str]:
@@ -79,6 +90,7 @@ def _keys(name: str) -> dict[str, str]:
         "ctl": p + "ctl",
         "slot0": p + "slot0",
         "slot1": p + "slot1",
+        "slot2": p + "slot2",  # zero-copy subscribers only
         "doorbell": p + "version",
     }
 
@@ -99,7 +111,7 @@ def _fence() -> None:
     load().memory_fence()
 
 
-def _tensors_of(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _tensors_of(target: torch.nn.Module | Mapping[str, torch.Tensor], *, detach: bool = True) -> dict[str, torch.Tensor]:
     items = target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module) else target
     out = {}
     for k, v in items.items():
@@ -107,7 +119,7 @@ def _tensors_of(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[st
             raise TypeError(f"{k!r} is a {type(v).__name__}, not a tensor")
         if v.device.type != "cpu":
             raise TransportError(f"{k!r} is on {v.device}; weight sync serves cpu tensors in this build")
-        out[k] = v.detach()
+        out[k] = v.detach() if detach else v  # the subscriber keeps the very objects (set_)
     return out
 
 
@@ -229,8 +241,10 @@ class Publisher:
         ctl[_LAYOUT_ID] = self.layout.layout_id
         self._ctl = t.empty(k["pubctl"], _CTL_WORDS, torch.int64, writable=False)
         self._ctl.copy_(ctl)
+        self._plan_sources()
         self._started = True
-        log.info("publisher %s/%s: %s", t.name, self.name, describe(self.layout))
+        log.info("publisher %s/%s: %s (%d of %d buckets sent straight from the live tensors)", t.name, self.name,
+                 describe(self.layout), len(self._direct), len(self.layout.buckets))
 
     async def aclose(self) -> None:
         """Withdraws the published regions (subscribers can no longer pull)."""
@@ -245,25 +259,43 @@ class Publisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _snapshot(self, version: int) -> int:
-        """Packs the current tensors into the back snapshot; returns its slot. Runs in a thread."""
-        front = _decode_front(int(self._ctl[_FRONT]))
-        slot = 0 if front is None else 1 - front[1]
-        snap, gen = self._snaps[slot], _GEN0 + slot
-        self._ctl[gen] += 1  # odd: being written
-        _fence()
+    def _plan_sources(self) -> None:
+        """Which buckets can be sent straight from the live tensors (a byte range inside one
+        unconverted tensor) and which must be packed first (several small tensors, or fp8)."""
+        self._direct: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        for start, end in self.layout.buckets:
+            for e in self.layout.entries:
+                if e.offset <= start and end <= e.offset + e.nbytes and e.scale_offset < 0:
+                    self._direct[(start, end)] = (_kernels.as_bytes(self._wire[e.name]), e.offset)
+                    break
+        self._packed_ranges = [b for b in self.layout.buckets if b not in self._direct]
+
+    def _pack(self, slot: int, ranges: list[tuple[int, int]]) -> None:
+        """Packs the bytes of ``ranges`` of the version into snapshot ``slot`` (fp8 tensors
+        that touch them are quantised whole). Runs in a worker thread."""
+        snap = self._snaps[slot]
         with torch.no_grad():
             for e in self.layout.entries:
+                end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
+                parts = [(max(a, e.offset), min(b, e.offset + e.nbytes)) for a, b in ranges if a < end and b > e.offset]
+                if not parts:
+                    continue
                 src = self._wire[e.name]
                 if e.scale_offset >= 0:
                     q, scale = _kernels.quantize_fp8(src)
                     _kernels.pack(snap, [q, scale], [e.offset, e.scale_offset])
-                else:
-                    _kernels.pack(snap, [src], [e.offset])
-        _fence()
-        self._ctl[gen] += 1  # even: stable
-        self._ctl[_FRONT] = _encode_front(version, slot)
-        return slot
+                    continue
+                data = _kernels.as_bytes(src.contiguous())
+                for lo, hi in parts:
+                    if hi > lo:
+                        snap[lo:hi].copy_(data[lo - e.offset : hi - e.offset])
+
+    def _source(self, snap: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        direct = self._direct.get((start, end))
+        if direct is None:
+            return snap[start:end]
+        data, offset = direct
+        return data[start - offset : end - offset]
 
     async def subscribers(self) -> list[str]:
         """Names of the peers currently subscribed to this stream."""
@@ -304,14 +336,25 @@ class Publisher:
             raise ValueError(f"version must grow: {version} after {self.version}")
         async with self._lock:
             t0 = time.perf_counter()
-            slot = await anyio.to_thread.run_sync(self._snapshot, version)
+            front = _decode_front(int(self._ctl[_FRONT]))
+            slot = 0 if front is None else 1 - front[1]
+            gen = _GEN0 + slot
+            self._ctl[gen] += 1  # odd: the snapshot is being written (pullers skip it)
+            _fence()
+            # Only what cannot go straight from the live tensors is packed before the pushes;
+            # the rest of the snapshot (for pull) is filled while and after they run.
+            await anyio.to_thread.run_sync(self._pack, slot, self._packed_ranges)
             snap_s = time.perf_counter() - t0
-            self.version = version
             results: dict[str, SyncResult] = {}
             subs = await self._discover()
             async with anyio.create_task_group() as tg:
                 for sub, record in subs.items():
                     tg.start_soon(self._push, record, version, self._snaps[slot], t0, results)
+                await anyio.to_thread.run_sync(self._pack, slot, list(self._direct))
+            _fence()
+            self._ctl[gen] += 1  # even: stable
+            self._ctl[_FRONT] = _encode_front(version, slot)
+            self.version = version
             return PublishReport(version, time.perf_counter() - t0, snap_s, results)
 
     async def _push(self, record: PeerRecord, version: int, snap: torch.Tensor, t0: float, results: dict[str, SyncResult]) -> None:
@@ -367,9 +410,8 @@ class Publisher:
         await t.get(ctl, sub, key=k["ctl"])
         if int(ctl[_LAYOUT_ID]) != self.layout.layout_id:
             raise LayoutMismatchError(f"{sub} subscribed to a different layout of {self.name!r} (restart it or let it re-subscribe)")
-        front = _decode_front(int(ctl[_FRONT]))
-        back = 0 if front is None else 1 - front[1]
-        while int(ctl[_READING]) == back:  # it is still applying that slot: let it finish
+        nslots = 3 if k["slot2"] in record.regions else 2
+        while (back := _free_slot(ctl, nslots)) is None:  # it is applying or living in them
             await anyio.sleep(_POLL_S)
             await t.get(ctl, sub, key=k["ctl"])
         slot_key = k[f"slot{back}"]
@@ -377,7 +419,7 @@ class Publisher:
         for start, end in self.layout.buckets:
             if len(window) >= self.max_inflight:
                 await window.pop(0)
-            h = t.put(snap[start:end], sub, key=slot_key, offset=start)
+            h = t.put(self._source(snap, start, end), sub, key=slot_key, offset=start)
             handles.append(h)
             window.append(h)
         for h in window:
@@ -400,6 +442,11 @@ class Subscriber:
         name: the stream name.
         rename: wire name -> local name, or None to ignore that tensor.
         strict: raise if a wire tensor has no local counterpart (else ignore it).
+        zero_copy: apply by re-pointing the local tensors at the received slot (``set_``)
+            instead of copying: ``apply()`` costs no copy, at the price of a third slot (the
+            local tensors' own memory is released after the first apply, so the total is the
+            same as in copy mode). Tensors that need conversion (fp8, another dtype) are still
+            copied. Keep no other views of the tensors' old storage.
     """
 
     def __init__(
@@ -411,11 +458,13 @@ class Subscriber:
         name: str = "policy",
         rename: Callable[[str], str | None] | None = None,
         strict: bool = True,
+        zero_copy: bool = False,
     ) -> None:
         self.t = transport
+        self.zero_copy = zero_copy
         self.publisher = publisher
         self.name = name
-        self._local = _tensors_of(target)
+        self._local = _tensors_of(target, detach=False)
         self._rename = rename
         self._strict = strict
         self._keys = _keys(name)
@@ -430,7 +479,7 @@ class Subscriber:
 
     @property
     def staging_bytes(self) -> int:
-        return 2 * self.layout.total
+        return len(self._slots) * self.layout.total
 
     @property
     def latest(self) -> int | None:
@@ -454,12 +503,15 @@ class Subscriber:
         self._plan = list(self._match(self.layout))
         ctl = torch.zeros(_CTL_WORDS, dtype=torch.int64)
         ctl[_READING] = -1
+        ctl[_TRYING] = -1
         ctl[_APPLIED] = -1
         ctl[_LAYOUT_ID] = self.layout.layout_id
         self._ctl = t.empty(k["ctl"], _CTL_WORDS, torch.int64)
         self._ctl.copy_(ctl)
         # slot1 last: publishers treat a peer as subscribed once it is registered.
-        self._slots = [t.empty(k[f"slot{i}"], self.layout.total, torch.uint8) for i in (0, 1)]
+        nslots = (0, 2, 1) if self.zero_copy else (0, 1)
+        slots = {i: t.empty(k[f"slot{i}"], self.layout.total, torch.uint8) for i in nslots}
+        self._slots = [slots[i] for i in sorted(slots)]
         self._started = True
 
     def _match(self, layout: Layout) -> Iterator[tuple[Entry, torch.Tensor]]:
@@ -478,7 +530,7 @@ class Subscriber:
         """Unsubscribes (withdraws the slots). The local weights stay as they are."""
         if self._started:
             self._started = False
-            _withdraw(self.t, [self._keys[k] for k in ("slot1", "slot0", "ctl")])
+            _withdraw(self.t, [self._keys[k] for k in ("slot1", "slot2", "slot0", "ctl") if self._keys[k] in self.t.regions])
 
     async def __aenter__(self) -> Subscriber:
         await self.start()
@@ -497,15 +549,17 @@ class Subscriber:
                 dst.copy_(src)
 
     def apply(self) -> int | None:
-        """Copies the newest complete version into the local weights, if newer than the live one.
+        """Makes the newest complete version live, if newer than the live one.
 
-        Never blocks on the network and never applies a torn or mixed version.
+        Copy mode copies the received slot into the local tensors; zero-copy mode re-points
+        them at it. Never blocks on the network and never applies a torn or mixed version.
 
         Returns:
             The version applied now, or None if there was nothing newer.
         """
         if not self._started:
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
+        claim = _TRYING if self.zero_copy else _READING
         with self._apply_lock:
             ctl = self._ctl
             while True:
@@ -513,19 +567,40 @@ class Subscriber:
                 front = _decode_front(word)
                 if front is None or (self._applied is not None and front[0] <= self._applied):
                     return None
-                ctl[_READING] = front[1]
+                ctl[claim] = front[1]
                 _fence()
                 if int(ctl[_FRONT]) == word:  # the publisher had not moved on: the slot is ours
                     break
-                ctl[_READING] = -1
+                ctl[claim] = -1
             try:
-                self._unpack(self._slots[front[1]])
+                if self.zero_copy:
+                    self._repoint(self._slots[front[1]])
+                else:
+                    self._unpack(self._slots[front[1]])
             finally:
                 _fence()
-                ctl[_READING] = -1
+                if self.zero_copy:
+                    ctl[_READING] = front[1]  # the tensors live there now; the old slot is free
+                    _fence()
+                    ctl[_TRYING] = -1
+                else:
+                    ctl[_READING] = -1
             ctl[_APPLIED] = front[0]
             self._applied = front[0]
             return front[0]
+
+    def _repoint(self, slot: torch.Tensor) -> None:
+        storage = slot.untyped_storage()
+        with torch.no_grad():
+            for e, dst in self._plan:
+                if e.scale_offset < 0 and e.wire_dtype == str(dst.dtype).removeprefix("torch.") and e.numel:
+                    strides = torch.empty(e.shape, device="meta").stride()
+                    dst.set_(storage, e.offset // dst.element_size(), e.shape, strides)
+                else:
+                    src = _kernels.view_in(slot, e.offset, getattr(torch, e.wire_dtype), e.shape)
+                    if e.scale_offset >= 0:
+                        src = _kernels.dequantize_fp8(src, _kernels.view_in(slot, e.scale_offset, torch.float32, ()), dst.dtype)
+                    dst.copy_(src)
 
     async def wait_version(self, version: int, *, timeout: float | None = None) -> int:
         """Waits until a version ≥ ``version`` is complete here, applies it, returns it.
