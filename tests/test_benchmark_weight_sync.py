@@ -1,0 +1,109 @@
+"""Smoke test of the weight-sync benchmark (``python -m benchmarks.weight_sync``).
+
+A tiny real run (a 2 MiB Llama-shaped state dict, K = 1 and 2, every method: transport over ipc
+and tcp with copying and zero-copy apply, per-parameter and bucketed broadcast) checks that the
+entry point works end to end and that its JSON has the documented structure with positive
+numbers and bit-for-bit verified weights. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks._broadcast import plan_buckets
+from benchmarks._models import checksum, llama_like, make_state, stamp, stamp_mismatches
+from benchmarks._roles import schedule
+from benchmarks.weight_sync import parse_size
+from transport.backends import REGISTRY
+
+from .conftest import PYTHON, ROOT, python_env
+
+BACKENDS = [b for b in ("ipc", "tcp") if REGISTRY[b].unavailable_reason() is None]
+BASELINES = ["broadcast/param", "broadcast/bucketed"]
+
+
+def test_llama_like_hits_the_size_with_llama_names() -> None:
+    for target in (16 << 20, 256 << 20, 1 << 30):
+        c = llama_like(target)
+        assert abs(c.nbytes - target) / target < 0.02
+        shapes = c.shapes()
+        assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                "model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(shapes)
+        assert len(shapes) == 9 * c.layers + 3
+        assert shapes["model.layers.0.self_attn.k_proj.weight"][0] < shapes["model.layers.0.self_attn.q_proj.weight"][0]
+
+
+def test_state_stamps_and_checksum() -> None:
+    state = make_state(llama_like(2 << 20), seed=0)
+    stamp(state, 7)
+    assert stamp_mismatches(state, 7) == 0 and stamp_mismatches(state, 8) == len(state)
+    copy = {k: v.clone() for k, v in state.items()}
+    assert checksum(copy) == checksum(state)
+    next(iter(copy.values())).view(-1)[-1] += 1
+    assert checksum(copy) != checksum(state)
+
+
+def test_buckets_schedule_and_sizes() -> None:
+    state = make_state(llama_like(2 << 20), seed=None)
+    tensors = list(state.values())
+    buckets = plan_buckets(tensors, 64 << 10)
+    assert sorted(s.index for b in buckets for s in b.slices) == list(range(len(tensors)))
+    assert all(b.nbytes <= 64 << 10 or len(b.slices) == 1 for b in buckets)
+    steps = schedule(2, 3, 1)
+    assert [s.version for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert [s.warmup for s in steps] == [True, True, False, False, False, False]
+    assert [s.straggle for s in steps] == [False] * 5 + [True]
+    assert parse_size("256MiB") == 256 << 20 and parse_size("0.25G") == 1 << 28 and parse_size("1GB") == 1 << 30
+
+
+@pytest.mark.skipif(not BACKENDS, reason="neither ipc nor tcp can run here")
+def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
+    out = tmp_path / "ws.json"
+    md = tmp_path / "ws.md"
+    cmd = [PYTHON, "-m", "benchmarks.weight_sync", "--sizes", "2MiB", "--ks", "1,2", "--backends", ",".join(BACKENDS),
+           "--versions", "2", "--warmup", "1", "--straggler-versions", "1", "--straggler-delay", "0.2",
+           "--timeout", "60", "--group-timeout", "200", "--json", str(out), "--markdown", str(md), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=python_env(), capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| size | K | method |" in proc.stdout
+
+    doc = json.loads(out.read_text())
+    assert {"benchmark", "date", "command", "machine", "config", "summary", "groups"} <= set(doc)
+    assert doc["machine"]["nproc"] >= 1
+    methods = [f"transport/{b}" for b in BACKENDS] + [f"transport/{b}/zero-copy" for b in BACKENDS] + BASELINES
+    assert doc["config"]["methods"] == methods
+    assert [(g["k"], g["skipped"]) for g in doc["groups"]] == [(1, None), (2, None)]
+    for g in doc["groups"]:
+        gens = [f"gen-{i}" for i in range(g["k"])]
+        assert g["verified"] == {m: True for m in methods}
+        assert set(g["peak_rss_gib"]) == {"trainer", *gens}
+        for m in methods:
+            phases = g["versions"][m]
+            assert len(phases["normal"]) == 3  # 1 warm-up + 2 timed
+            assert ("straggler" in phases) == (g["k"] == 2)
+            for recs in phases.values():
+                for r in recs:
+                    assert r["blocked_s"] > 0 and r["mismatched_tensors"] == 0
+                    assert set(r["completion_s"]) == set(gens) and all(v > 0 for v in r["completion_s"].values())
+                    if m.startswith("transport/"):
+                        assert set(r["status"].values()) == {"done"} and r["snapshot_s"] > 0
+                        assert all(v > 0 for v in r["data_complete_s"].values())
+            med = g["medians"][m]["normal"]
+            assert med["versions"] == 2 and med["complete_s"] > 0 and med["blocked_s"] > 0
+
+    rows = doc["summary"]["rows"]
+    assert {(r["k"], r["method"]) for r in rows} == {(k, m) for k in (1, 2) for m in methods}
+    for r in rows:
+        assert r["complete_s"] > 0 and r["blocked_s"] > 0 and r["vs_best_broadcast"] > 0 and r["verified"]
+        if r["k"] == 2:
+            assert r["others_s"] > 0 and r["others_straggler_s"] > 0 and r["others_ratio"] > 0
+            assert r["straggler_s"] > 0  # the straggler itself got every version
+    assert {(s["k"], s["size"]) for s in doc["summary"]["speedups"]} == {(1, 2 << 20), (2, 2 << 20)}
+    assert all(s["speedup"] > 0 for s in doc["summary"]["speedups"])
+    assert doc["summary"]["targets"]["measured"] is False  # no 1 GiB point in a smoke run
+    text = md.read_text()
+    assert "Machine:" in text and "Command:" in text and "| size | K | method |" in text
