@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import platform
 import queue as queue_mod
-import re
 import resource
 import shlex
 import subprocess
@@ -49,12 +48,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transport._bench import parse_size  # one size syntax for both benchmarks
+
 from . import _report
 from ._broadcast import Baseline
 from ._models import llama_like
 from ._progress import Progress
 from ._report import GroupResult, size_label
-from ._roles import GroupSpec, Role, backend_of, is_transport, run_process, transport_method
+from ._roles import (
+    GroupSpec,
+    Role,
+    backend_of,
+    is_transport,
+    run_process,
+    transport_method,
+)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = "256MiB,1GiB"
@@ -68,28 +76,8 @@ _MEMORY_HEADROOM = 1 * GiB  # left for the OS and the launcher
 _JOIN_S = 15.0
 _POLL_S = 0.5
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(|k|m|g|t)(i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
-
-
 class BenchmarkError(RuntimeError):
     """A group's processes failed, timed out, or delivered wrong weights."""
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"1GiB"``, ``"0.25G"``, ``"1GB"`` or a byte count; units are binary
-    (``GB`` is read as ``GiB``: these are state-dict sizes, not bandwidths).
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (e.g. 256MiB, 1GiB, 0.25G)")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return n
 
 
 def _csv(text: str) -> list[str]:
