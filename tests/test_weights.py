@@ -289,3 +289,20 @@ async def test_late_joiner_process_pulls_bit_for_bit(peers):
             await t.signal("late", "stop", 1)
             info = await peers.result("late")
     assert info["final"] == 7 and info["torn"] == 0
+
+
+def test_layout_buckets_cover_the_version_and_isolate_large_tensors():
+    from transport._weights_layout import DIRECT_MIN, build_layout
+
+    tensors = {"a": torch.zeros(10), "big": torch.zeros(3 * DIRECT_MIN, dtype=torch.uint8), "b": torch.zeros(7),
+               "c": torch.zeros(DIRECT_MIN // 4 + 3), "small": torch.zeros(100, 100), "d": torch.zeros(5).bfloat16()}
+    layout = build_layout("x", tensors, bucket_bytes=DIRECT_MIN)
+    pos = 0
+    for a, b in layout.buckets:
+        assert a == pos and b > a
+        pos = b
+    assert pos == layout.total
+    for e in layout.entries:
+        inside = [(a, b) for a, b in layout.buckets if e.offset <= a and b <= e.offset + e.nbytes]
+        if e.nbytes >= DIRECT_MIN:  # covered exactly by buckets of its own
+            assert sum(b - a for a, b in inside) == e.nbytes, e.name

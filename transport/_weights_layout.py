@@ -22,6 +22,7 @@ from ._wire import WireError
 LAYOUT_FORMAT = "transport.weights.layout"
 LAYOUT_VERSION = 1
 ALIGN = 64
+DIRECT_MIN = 1 << 20  # tensors this large travel in buckets of their own
 
 
 class LayoutMismatchError(TransportError):
@@ -113,8 +114,9 @@ def build_layout(
     """Packs ``tensors`` (wire name -> tensor) in order; ``fp8(name, t)`` says which to send
     as float8 e4m3 with a per-tensor scale.
 
-    Buckets are consecutive byte ranges of at most ``bucket_bytes``: small tensors share a
-    bucket (one transfer carries many), a large tensor spans several (no transfer is huge).
+    Buckets are consecutive byte ranges that cover the version: small tensors share a bucket
+    (one transfer carries many), a tensor of ``DIRECT_MIN`` bytes or more has its own buckets
+    of at most ``bucket_bytes`` each (no transfer is huge, and none needs packing).
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
@@ -127,9 +129,25 @@ def build_layout(
         scale_offset = pos + _align(nbytes) if convert else -1
         entries.append(Entry(wire_name, tuple(t.shape), dtype_name(t.dtype), dtype_name(wire_dtype), pos, nbytes, scale_offset))
         pos += _align(nbytes) + (ALIGN if convert else 0)
-    step = _align(bucket_bytes)
-    buckets = tuple((start, min(start + step, pos)) for start in range(0, pos, step))
-    return Layout(name, tuple(entries), buckets, pos)
+    # Tensors of DIRECT_MIN bytes or more get buckets of their own (split into pieces of at most
+    # bucket_bytes), so the publisher can put them straight from live memory; smaller ones
+    # share buckets of up to bucket_bytes.
+    buckets: list[tuple[int, int]] = []
+    small_start = 0
+    own = min(DIRECT_MIN, bucket_bytes)  # a tensor this large never shares a bucket
+    for e in entries:
+        if e.nbytes < own:
+            if e.offset + e.nbytes - small_start > bucket_bytes and e.offset > small_start:
+                buckets.append((small_start, e.offset))
+                small_start = e.offset
+            continue
+        if e.offset > small_start:
+            buckets.append((small_start, e.offset))
+        buckets.extend((a, min(a + bucket_bytes, e.offset + e.nbytes)) for a in range(e.offset, e.offset + e.nbytes, bucket_bytes))
+        small_start = e.offset + e.nbytes  # the alignment padding goes with the next small bucket
+    if pos > small_start:
+        buckets.append((small_start, pos))
+    return Layout(name, tuple(entries), tuple(buckets), pos)
 
 
 def describe(layout: Layout) -> dict[str, Any]:
