@@ -26,6 +26,8 @@ Every process reports through a ``multiprocessing`` queue (plain dicts): ``versi
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import enum
 import gc
 import logging
@@ -125,6 +127,14 @@ def _release(state: dict[str, torch.Tensor]) -> None:
     slots until the first apply."""
     for t in state.values():
         t.set_(torch.zeros(1, dtype=t.dtype).untyped_storage(), 0, t.shape, (0,) * t.dim())
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Returns freed heap memory to the OS (glibc keeps freed chunks that are not at the top of
+    its heap, so the model's released storage would otherwise still count)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _own(state: dict[str, torch.Tensor]) -> None:

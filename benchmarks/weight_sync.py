@@ -487,6 +487,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.close()
         wall_s = time.monotonic() - t0
         load = other_load(cpu0, CpuSample.take())
+    lib_end = library()
+    if (lib_end.get("commit"), lib_end.get("uncommitted")) != (info["library"].get("commit"), info["library"].get("uncommitted")):
+        notes.append(f"the library changed during the run ({_library_line(info['library'])} -> {_library_line(lib_end)}): "
+                     "groups started after the change measured the new code; rerun")
     info["other_load_during_run"] = load
     notes.append(f"other processes on this machine used {load['other_cpu_s']:g} CPU-seconds during the run "
                  f"(on average {load['other_cores_avg']:g} of {info['nproc']} cores, {100 * load['other_share']:.0f}%)"
