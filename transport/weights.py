@@ -342,7 +342,8 @@ class Publisher:
             self._ctl[gen] += 1  # odd: the snapshot is being written (pullers skip it)
             _fence()
             # Only what cannot go straight from the live tensors is packed before the pushes;
-            # the rest of the snapshot (for pull) is filled while and after they run.
+            # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
+            # would compete with the pushes for the same memory bandwidth and cores.
             await anyio.to_thread.run_sync(self._pack, slot, self._packed_ranges)
             snap_s = time.perf_counter() - t0
             results: dict[str, SyncResult] = {}
@@ -350,7 +351,7 @@ class Publisher:
             async with anyio.create_task_group() as tg:
                 for sub, record in subs.items():
                     tg.start_soon(self._push, record, version, self._snaps[slot], t0, results)
-                await anyio.to_thread.run_sync(self._pack, slot, list(self._direct))
+            await anyio.to_thread.run_sync(self._pack, slot, list(self._direct))
             _fence()
             self._ctl[gen] += 1  # even: stable
             self._ctl[_FRONT] = _encode_front(version, slot)
