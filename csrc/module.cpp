@@ -12,7 +12,12 @@
 #include <cstring>
 
 #include "copy_engine.h"
+#include "cuda_driver.h"
+#include "cuda_ops.h"
 #include "host_memory.h"
+#ifdef TRANSPORT_HAVE_KERNELS
+#include "transport_kernels_image.h"  // generated from csrc/kernels/*.cu by nvcc (CMakeLists.txt)
+#endif
 #ifdef TRANSPORT_HAVE_UCX
 #include "ucx_engine.h"
 #endif
@@ -21,6 +26,64 @@ namespace nb = nanobind;
 using namespace transport;
 
 namespace {
+
+// -- cuda: the driver (dlopen'ed at run time) and the operations built on it ----------------
+// Without a driver every cuda_* call raises transport._C.CudaUnavailable (its message says
+// why); a refused driver call raises transport._C.CudaError with the driver's error name.
+void bind_cuda(nb::module_& m) {
+  nb::exception<cuda::Unavailable>(m, "CudaUnavailable", PyExc_RuntimeError);
+  nb::exception<cuda::Error>(m, "CudaError", PyExc_RuntimeError);
+  m.def("cuda_load", [](const std::string& path) { return cuda::load(path); }, nb::arg("path") = "",
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Loads the CUDA driver once; returns '' when usable, else why not (later calls repeat the first outcome).");
+  m.def("cuda_driver_version", &cuda::driver_version);
+  m.def("cuda_device_count", &cuda::device_count);
+  m.def("cuda_device_uuid", &cuda::device_uuid, nb::arg("device"));
+  m.def("cuda_device_name", &cuda::device_name, nb::arg("device"));
+  m.def("cuda_allocation", &cuda::allocation, nb::arg("ptr"),
+        "(base, size, device, legacy_ipc_capable) of the device allocation holding ptr.");
+  m.def("cuda_ipc_export", [](uint64_t base, int device) { return nb::bytes(cuda::ipc_export(base, device).data(), 64); },
+        nb::arg("base"), nb::arg("device"));
+  m.def("cuda_ipc_open", [](nb::bytes h, int device) { return cuda::ipc_open(std::string(h.c_str(), h.size()), device); },
+        nb::arg("handle"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("cuda_ipc_close", &cuda::ipc_close, nb::arg("ptr"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("cuda_stream_create", &cuda::stream_create, nb::arg("device"));
+  m.def("cuda_stream_destroy", &cuda::stream_destroy, nb::arg("stream"), nb::arg("device"));
+  m.def("cuda_event_create", &cuda::event_create, nb::arg("device"));
+  m.def("cuda_event_destroy", &cuda::event_destroy, nb::arg("event"), nb::arg("device"));
+  m.def("cuda_copy_and_wait", &cuda::copy_and_wait, nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"), nb::arg("stream"),
+        nb::arg("wait_event"), nb::arg("done_event"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>(),
+        "Copies on `stream` after `wait_event` (0: none) and blocks until done. Call from a worker thread.");
+  m.def("cuda_host_register", &cuda::host_register, nb::arg("ptr"), nb::arg("nbytes"), nb::arg("read_only"), nb::arg("device"),
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("cuda_host_unregister", &cuda::host_unregister, nb::arg("ptr"), nb::arg("device"),
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("cuda_module_load", [](nb::bytes image, int device) { return cuda::module_load(std::string(image.c_str(), image.size()), device); },
+        nb::arg("image"), nb::arg("device"));
+  m.def("cuda_module_function", &cuda::module_function, nb::arg("module"), nb::arg("name"), nb::arg("device"));
+  m.def(
+      "cuda_launch",
+      [](uint64_t f, std::tuple<unsigned, unsigned, unsigned> grid, std::tuple<unsigned, unsigned, unsigned> block,
+         unsigned shared, uint64_t stream, nb::bytes params, int device) {
+        cuda::launch(f, grid, block, shared, stream, std::string(params.c_str(), params.size()), device);
+      },
+      nb::arg("function"), nb::arg("grid"), nb::arg("block"), nb::arg("shared_bytes"), nb::arg("stream"), nb::arg("params"),
+      nb::arg("device"));
+  m.def("kernels_image", []() -> nb::object {
+#ifdef TRANSPORT_HAVE_KERNELS
+    return nb::bytes(reinterpret_cast<const char*>(kTransportKernelsImage), kTransportKernelsImageSize);
+#else
+    return nb::none();
+#endif
+  }, "The fatbin of csrc/kernels (None when the build had no nvcc).");
+  m.def("kernels_arches", []() -> std::string {
+#ifdef TRANSPORT_KERNELS_ARCHES
+    return TRANSPORT_KERNELS_ARCHES;
+#else
+    return "";
+#endif
+  });
+}
 
 // -- ucx: the engine behind the `ucx` backend (compiled only when UCX headers were found) -----
 void bind_ucx(nb::module_& m) {
@@ -199,4 +262,5 @@ NB_MODULE(_C, m) {
       "Plain single-threaded memcpy: the same-run baseline of the benchmarks.");
 
   bind_ucx(m);
+  bind_cuda(m);
 }

@@ -17,15 +17,19 @@ import torch
 import pytest
 
 import transport
+from transport._tensors import MemoryKind
 from transport.backends import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def backend_params() -> list:
-    """Every implemented backend; one that cannot run on this machine skips with its reason."""
+    """Every implemented backend that moves host memory (the conformance suite's tensors); one
+    that cannot run on this machine skips with its reason."""
     out = []
     for name, cls in REGISTRY.items():
+        if MemoryKind.CPU not in cls.memory_kinds:
+            continue  # device-memory only (nccl): tested in its own file
         why = cls.unavailable_reason()
         marks = [pytest.mark.skip(reason=f"{name} unavailable: {why}")] if why else []
         out.append(pytest.param(name, id=name, marks=marks))

@@ -1,8 +1,9 @@
 """Command line: ``python -m transport <command>`` (also installed as ``transport``).
 
 Commands:
-    doctor  what can run here: backends, versions, and whether same-host ipc between two
-            unrelated processes is permitted (cross-memory attach, shared mappings, Yama).
+    doctor  what can run here: backends, versions (the NCCL library in use), and whether
+            same-host ipc between two unrelated processes is permitted (cross-memory attach,
+            shared mappings, Yama).
     bench   put/get bandwidth and latency per backend against an in-process memcpy baseline
             (see :mod:`transport._bench`).
     store   hosts a TCPStore rendezvous for ``tcp://HOST:PORT`` stores until interrupted.
@@ -107,6 +108,20 @@ def _probe_ipc() -> dict[str, Any]:
     return {"cma": cma, "mapping": result["mapping_error"]}
 
 
+def _describe_cuda() -> str:
+    """The CUDA driver and devices this process sees, and the kernels this build embeds."""
+    from . import _cuda
+    from ._native import load
+
+    arches = load().kernels_arches()
+    kernels = f"kernels built for {arches}" if arches else "no kernels in this build (nvcc was not found)"
+    why = _cuda.unavailable_reason()
+    if why is not None:
+        return f"unavailable: {why}; {kernels}"
+    gpus = ", ".join(f"{i}: {_cuda.device_name(i)} ({_cuda.device_uuid(i)})" for i in range(_cuda.device_count()))
+    return f"driver {_cuda.driver_version()}, devices {gpus}; {kernels}"
+
+
 def doctor() -> int:
     """Prints what can run here. Returns 0 when at least one backend is available."""
     import torch
@@ -122,6 +137,10 @@ def doctor() -> int:
     width = max(len(n) for n in avail)
     for name, reason in avail.items():
         print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
+    from ._nccl import describe as describe_nccl
+
+    print(f"CUDA: {_describe_cuda()}")
+    print(f"NCCL library: {describe_nccl()}")
 
     if sys.platform.startswith("linux"):
         print("same-host ipc into an unrelated process of this user:")

@@ -344,6 +344,10 @@ class AgentHandler(Protocol):
 
     def on_signal(self, name: str, value: int) -> None: ...
 
+    async def backend_request(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Serves a BACKEND request (routed to the backend ``meta["backend"]``); returns the
+        reply's metadata or raises TransportError."""
+
 
 @dataclass
 class AgentServer:
@@ -438,6 +442,17 @@ class AgentServer:
                 return
             self.handler.on_signal(name, value)
             await self._reply(sock, FrameKind.OK, rid, {})
+            return
+        if kind == FrameKind.BACKEND:
+            if plen:
+                await discard(sock, plen)
+            try:
+                answer = await self.handler.backend_request(meta)
+            except TransportError as exc:
+                code, msg = error_to_frame(exc)
+                await self._reply(sock, FrameKind.ERR, rid, {"code": code, "message": msg})
+                return
+            await self._reply(sock, FrameKind.OK, rid, answer)
             return
         if kind not in (FrameKind.PUT, FrameKind.GET):
             raise WireError(f"unexpected {kind.name} request")

@@ -24,10 +24,14 @@ class Region:
     tensor: torch.Tensor
     writable: bool
     shared: Any = None  # transport._C.SharedBuffer or None
-    view: memoryview = field(init=False, repr=False)
+    device: str = "cpu"  # "cpu" or "cuda:<GPU UUID>" (as published in the peer record)
+    view: memoryview | None = field(init=False, repr=False)  # the bytes, for host memory only
+    # Backends' per-registration state (e.g. an exported CUDA IPC descriptor): it lives and dies
+    # with this registration, so a later tensor at the same address never inherits it.
+    backend_state: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.view = byte_view(self.tensor)
+        self.view = byte_view(self.tensor) if self.tensor.device.type == "cpu" else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,6 +53,7 @@ class Region:
             nbytes=self.nbytes,
             writable=self.writable,
             descriptors=dict(descriptors),
+            device=self.device,
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import anyio
 import torch
 
+from . import _cuda
 from ._agent import AgentServer, ChannelPool, local_address_towards
 from ._errors import (
     BackendUnavailableError,
@@ -25,14 +26,11 @@ from ._errors import (
     ClosedError,
     DTypeMismatchError,
     LayoutError,
-    PeerLostError,
     PeerNotFoundError,
     ReadOnlyRegionError,
     RegistrationError,
-    TransferAbortedError,
     TransferTimeoutError,
     TransportError,
-    TransportInternalError,
 )
 from ._auth import Authenticator
 from ._flight import FlightRecorder, OpState
@@ -42,17 +40,18 @@ from ._native import Copier, load
 from ._peers import _PEER_PREFIX, PeerDirectory
 from ._regions import Peer, Region
 from ._rendezvous import open_store
+from ._routing import TransferRunner
 from ._tensors import MemoryKind, check_tensor, dtype_name, memory_kind, nbytes_of
 from ._transfer import Transfer, TransferOp
-from ._wire import FrameKind, PeerRecord, RegionRecord
-from .backends import PLANNED, REGISTRY, Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._wire import FrameKind, PeerRecord
+from .backends import PLANNED, REGISTRY, Backend, BackendContext, LocalBuffer
 
 log = logging.getLogger(__name__)
 
 LISTEN_ENV = "TRANSPORT_LISTEN"
 
 
-class Transport(PeerDirectory):
+class Transport(PeerDirectory, TransferRunner):
     """One endpoint: registers local memory, and puts into / gets from peers' memory.
 
     Use it as an async context manager; it works under trio and asyncio::
@@ -136,6 +135,7 @@ class Transport(PeerDirectory):
         self._leases = Leases(float(lease))
         self._lost: dict[tuple[str, str], BaseException] = {}  # (peer, incarnation) -> why
         self._flight = FlightRecorder(name, self.incarnation, capacity=flight_capacity, dump_dir=flight_dir)
+        self._cuda: _cuda.CudaEngine | None = None  # staging for CUDA tensors over host-memory backends
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ class Transport(PeerDirectory):
             host, port = self._listen_address()
             self._agent = AgentServer(self, host, port)
             self._tg.start_soon(self._agent.serve, self._tg)
-            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth, self._lanes)
+            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth, self._lanes, self._store)
             self._backends: list[Backend] = [cls(ctx) for cls in backend_classes]
             stack.callback(self._close_backends)
             self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}, self._auth)
@@ -210,6 +210,9 @@ class Transport(PeerDirectory):
     def _close_backends(self) -> None:
         for b in self._backends:
             b.close()
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda = None
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -305,12 +308,15 @@ class Transport(PeerDirectory):
         if key in self._regions:
             raise RegistrationError(f"{self.name}: key {key!r} is already registered; unregister it first")
         check_tensor(tensor, f"tensor for {key!r}")
-        if memory_kind(tensor, f"tensor for {key!r}") != MemoryKind.CPU:
-            raise BackendUnavailableError(
-                f"{key!r} is a {tensor.device} tensor; no backend of this build serves device memory yet"
-            )
+        kind = memory_kind(tensor, f"tensor for {key!r}")
         if not tensor.is_contiguous():
             raise RegistrationError(f"{key!r}: only contiguous tensors can be registered (call .contiguous() first)")
+        if kind == MemoryKind.CUDA:
+            if (why := _cuda.unavailable_reason()) is not None:
+                raise BackendUnavailableError(f"cannot register the {tensor.device} tensor {key!r}: {why}")
+            if not any(MemoryKind.CUDA in b.memory_kinds for b in self._backends):
+                raise BackendUnavailableError(f"cannot register the {tensor.device} tensor {key!r}: none of {self.backends} serves device memory (ipc and nccl do)")
+            return Region(key, tensor, bool(writable), device=_cuda.device_label(tensor.device.index))
         shared = None
         for buf in self._shared:
             if buf.address <= tensor.data_ptr() and tensor.data_ptr() + nbytes_of(tensor) <= buf.address + buf.nbytes:
@@ -485,120 +491,13 @@ class Transport(PeerDirectory):
             raise PeerNotFoundError(f"peer must be a name or a Peer, got {peer!r}")
         if not isinstance(offset, int) or isinstance(offset, bool):
             raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+        # CUDA: the transfer must see the work the caller queued so far, and only that.
+        local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
         xfer = Transfer(op, name, key, nbytes_of(tensor), offset)
         xfer._rec = self._flight.start(op.value, name, key, xfer.nbytes)
         self._inflight.setdefault(name, set()).add(xfer)
-        self._tg.start_soon(self._run, xfer, tensor, kind, self.timeout if timeout is None else timeout)
+        self._tg.start_soon(self._run, xfer, local, self.timeout if timeout is None else timeout)
         return xfer
-
-    def _check_remote(self, record: PeerRecord, xfer: Transfer, dtype: torch.dtype) -> RegionRecord:
-        region = record.regions.get(xfer.key)
-        where = f"{xfer.op.value} {xfer.nbytes} bytes at offset {xfer.offset} of {record.name}:{xfer.key!r}"
-        if region is None:
-            known = ", ".join(sorted(record.regions)[:8]) or "none"
-            raise RegistrationError(f"{where}: {record.name} has no region {xfer.key!r} (it has: {known})")
-        if region.dtype != dtype_name(dtype):
-            raise DTypeMismatchError(f"{where}: local dtype {dtype_name(dtype)} but the region is {region.dtype}")
-        itemsize = dtype.itemsize
-        if xfer.offset < 0 or xfer.offset + xfer.nbytes > region.nbytes:
-            raise BoundsError(f"{where}: outside the region's {region.nbytes} bytes")
-        if xfer.offset % itemsize:
-            raise BoundsError(f"{where}: offset is not a multiple of the {region.dtype} element size {itemsize}")
-        if xfer.op == TransferOp.PUT and not region.writable:
-            raise ReadOnlyRegionError(f"{where}: {record.name} registered {xfer.key!r} read-only")
-        return region
-
-    def _choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
-        reasons = []
-        for b in self._backends:
-            if b.name not in record.backends:
-                reasons.append(f"{b.name}: {record.name} does not speak it")
-            elif kind not in b.memory_kinds:
-                reasons.append(f"{b.name}: does not serve {kind.value} memory")
-            elif (why := b.unreachable_reason(record, region, kind)) is not None:
-                reasons.append(f"{b.name}: {why}")
-            else:
-                if reasons and (record.name, b.name) not in self._fallbacks_logged:
-                    self._fallbacks_logged.add((record.name, b.name))
-                    log.warning("transport %s: using %s for %s because %s", self.name, b.name, record.name, "; ".join(reasons))
-                return b
-        raise BackendUnavailableError(
-            f"no backend can reach {record.name}:{region.key!r} from {kind.value} memory "
-            f"(we speak {', '.join(self.backends) or 'nothing'}; it speaks {', '.join(record.backends) or 'nothing'}): "
-            + "; ".join(reasons)
-        )
-
-    async def _execute(self, xfer: Transfer, tensor: torch.Tensor, kind: MemoryKind) -> None:
-        record = await self._resolve(xfer.peer)
-        if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
-            record = await self._resolve(xfer.peer, refresh=True)  # it (un)registered since
-        try:
-            region = self._check_remote(record, xfer, tensor.dtype)
-        except (RegistrationError, DTypeMismatchError, BoundsError):
-            # Our copy of the record may predate a (re-)registration: check the current one.
-            record = await self._resolve(xfer.peer, refresh=True)
-            region = self._check_remote(record, xfer, tensor.dtype)
-        if self._stale(record):
-            raise PeerLostError(f"{record.name} (pid {record.pid}) has exited")
-        backend = self._choose(record, region, kind)
-        xfer.backend = backend.name
-        if xfer.nbytes == 0:
-            return
-        remote = RemoteTarget(record, region, xfer.offset, xfer.nbytes)
-        xfer._moving = True
-        xfer._incarnation = record.incarnation
-        self._flight.transition(xfer._rec, OpState.MOVING, backend=backend.name)
-        if xfer.op == TransferOp.PUT:
-            await backend.put(LocalBuffer(tensor, kind), remote)
-        else:
-            await backend.get(LocalBuffer(tensor, kind), remote)
-
-    async def _run(self, xfer: Transfer, tensor: torch.Tensor, kind: MemoryKind, timeout: float) -> None:
-        try:
-            with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
-                xfer._scope = scope
-                if xfer._cancel_requested:
-                    scope.cancel()
-                    await anyio.lowlevel.checkpoint()  # deliver it before anything moves
-                error: TransportError | None = None
-                try:
-                    await self._execute(xfer, tensor, kind)
-                except TransportError as exc:
-                    error = exc
-                except Exception as exc:
-                    log.exception("transport %s: unexpected failure in %r", self.name, xfer)
-                    error = TransportInternalError(f"{xfer!r} failed unexpectedly: {type(exc).__name__}: {exc}")
-                    error.__cause__ = exc
-                xfer._finish(error)
-            if not xfer.done():  # our scope absorbed a cancellation: user cancel, deadline, peer loss
-                what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
-                partial = xfer._moving
-                if xfer._abort_error is not None:
-                    xfer._finish(xfer._abort_error)
-                elif xfer._cancel_requested:
-                    xfer._finish(TransferAbortedError(f"{what} was cancelled" + (" after it started" if partial else ""), partial=partial))
-                else:
-                    xfer._finish(TransferTimeoutError(f"{what} did not complete within {timeout:g}s (via {xfer.backend})"))
-        finally:
-            if not xfer.done():
-                xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
-            self._inflight.get(xfer.peer, set()).discard(xfer)
-            self._record_end(xfer)
-
-    def _record_end(self, xfer: Transfer) -> None:
-        err = xfer.exception()
-        if err is None:
-            state = OpState.DONE
-        elif isinstance(err, (TransferAbortedError, TransferTimeoutError, ClosedError)):
-            state = OpState.ABORTED
-        else:
-            state = OpState.FAILED
-        self._flight.transition(xfer._rec, state, backend=xfer.backend, error=err)
-        if isinstance(err, PeerLostError) and xfer._incarnation is not None:
-            # A backend saw the peer die (e.g. ESRCH, connection reset): act on it for everyone.
-            self._declare_lost(xfer.peer, xfer._incarnation, err)
-        elif isinstance(err, TransferTimeoutError):
-            self._flight.dump(f"timeout: {err}", force=False)
 
     # -- flight recorder ----------------------------------------------------------------------
 
@@ -707,7 +606,9 @@ class Transport(PeerDirectory):
 
     # -- agent side (AgentHandler) ------------------------------------------------------------
 
-    def check_access(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> memoryview:
+    def check_region(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> Region:
+        """The registered region a remote PUT/GET of ``nbytes`` at ``meta["offset"]`` may touch
+        (key, dtype, bounds and writability checked); raises TransportError if none."""
         key, dtype, offset = meta.get("key"), meta.get("dtype"), meta.get("offset")
         region = self._regions.get(key) if isinstance(key, str) else None
         if region is None:
@@ -718,7 +619,21 @@ class Transport(PeerDirectory):
             raise BoundsError(f"{self.name}:{key!r}: {nbytes} bytes at {offset} exceed its {region.nbytes} bytes")
         if op == FrameKind.PUT and not region.writable:
             raise ReadOnlyRegionError(f"{self.name}:{key!r} is read-only")
+        return region
+
+    def check_access(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> memoryview:  # AgentHandler
+        region = self.check_region(op, meta, nbytes)
+        if region.view is None:
+            raise BackendUnavailableError(f"{self.name}:{region.key!r} is device memory; the agent's byte stream cannot reach it")
+        offset = meta["offset"]
         return region.view[offset : offset + nbytes]
+
+    async def backend_request(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:  # AgentHandler
+        name = meta.get("backend")
+        for b in self._backends:
+            if b.name == name:
+                return await b.serve_request(meta, self.check_region)
+        raise BackendUnavailableError(f"{self.name} does not run backend {name!r} (it runs {', '.join(self.backends)})")
 
     def __repr__(self) -> str:
         return f"<Transport {self.name!r} {self._state} backends={self.backends if self._state == 'open' else '-'}>"

@@ -36,6 +36,7 @@ class RegionRecord:
     nbytes: int
     writable: bool
     descriptors: Mapping[str, bytes] = field(default_factory=dict)  # backend name -> opaque
+    device: str = "cpu"  # "cpu" or "cuda:<uuid>" (the GPU's UUID: ordinals differ between processes)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class PeerRecord:
                     "nbytes": r.nbytes,
                     "writable": r.writable,
                     "desc": {k: _b64(v) for k, v in r.descriptors.items()},
+                    **({"device": r.device} if r.device != "cpu" else {}),
                 }
                 for r in self.regions.values()
             ],
@@ -110,6 +112,7 @@ class PeerRecord:
                     nbytes=_typed(r, "nbytes", int),
                     writable=_typed(r, "writable", bool),
                     descriptors={k: _unb64(v) for k, v in _typed(r, "desc", dict).items()},
+                    device=_typed(r, "device", str) if "device" in r else "cpu",
                 )
                 regions[rec.key] = rec
             host = _typed(doc, "host", list)
@@ -160,6 +163,7 @@ class FrameKind(enum.IntEnum):
     PUT = 2
     GET = 3
     SIGNAL = 4
+    BACKEND = 5  # a backend's own control request (meta["backend"] names it), e.g. nccl's recv
     OK = 16
     DATA = 17
     ERR = 18

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from anyio.abc import TaskGroup
 
 from .._auth import Authenticator
+from .._errors import TransportInternalError
 from .._native import Copier
 from .._regions import Region
+from .._rendezvous import Store
 from .._tensors import MemoryKind, byte_view
-from .._wire import HostId, PeerRecord, RegionRecord
+from .._wire import FrameKind, HostId, PeerRecord, RegionRecord
+
+RegionCheck = Callable[[FrameKind, Mapping[str, Any], int], Region]
 
 
 @dataclass
@@ -36,6 +40,7 @@ class BackendContext:
     timeout: float
     auth: Authenticator
     lanes: int | None = None  # parallel channels per peer where a backend supports it (ucx)
+    store: Store | None = None  # the rendezvous store (e.g. for exchanging NCCL unique ids)
 
 
 @dataclass
@@ -44,6 +49,9 @@ class LocalBuffer:
 
     tensor: torch.Tensor
     kind: MemoryKind
+    # CUDA only: a torch.cuda.Event recorded on the caller's current stream when the transfer
+    # was started. A backend makes its own stream wait on it before touching ``tensor``.
+    ready: Any = None
     _view: memoryview | None = field(default=None, repr=False)
 
     @property
@@ -109,6 +117,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Reads the remote range into ``local``."""
+
+    async def serve_request(self, meta: Mapping[str, Any], check_region: RegionCheck) -> Mapping[str, Any]:
+        """Serves a control request a peer's instance of this backend sent to our agent
+        (``FrameKind.BACKEND``), e.g. "post the receive for my send". ``check_region(op, meta,
+        nbytes)`` validates key/dtype/bounds/writability and returns the local :class:`Region`.
+        Returns the reply's metadata; raises TransportError to refuse."""
+        raise TransportInternalError(f"backend {self.name} serves no requests")
 
     def forget_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Drops cached connections, mappings and keys of ``peer`` (it left or restarted)."""

@@ -7,7 +7,10 @@ Two paths, both run on the native copy engine's threads (never on the event loop
 * any other registered tensor: Linux cross-memory attach (``process_vm_writev/readv``) straight
   into the owner's address range.
 
-Neither needs the target's Python to run: a target blocked in ``time.sleep`` still receives.
+Device memory (CUDA tensors, registered or local) goes through CUDA IPC handles and
+``cuMemcpyAsync`` instead: see :mod:`transport.backends._cuda_ipc`.
+
+None of these needs the target's Python to run: a target blocked in ``time.sleep`` still receives.
 CMA needs ptrace permission (same user, and under Yama ``ptrace_scope=1`` the target must allow
 it); when refused, the backend says so and the Transport falls back to the next backend.
 """
@@ -29,6 +32,7 @@ from .._regions import Region
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._cuda_ipc import CudaIpc, is_device
 
 # pid, address of a readable probe byte, memfd of the control page (-1: none)
 _ENDPOINT = struct.Struct("<qQq")
@@ -39,7 +43,7 @@ _REGION = struct.Struct("<QQqQ")  # address, nbytes, memfd number (-1: none), of
 class IpcBackend(Backend):
     name = "ipc"
     one_sided = True
-    memory_kinds = frozenset({MemoryKind.CPU})
+    memory_kinds = frozenset({MemoryKind.CPU, MemoryKind.CUDA})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -62,6 +66,7 @@ class IpcBackend(Backend):
         self._ctl = self._C.SharedBuffer(4096, f"transport:{ctx.name}:ctl")
         self._ctl_view = memoryview(torch.from_dlpack(self._ctl.array()).numpy())
         self._peer_ctl: dict[tuple[str, str], object | None] = {}
+        self._cuda = CudaIpc(ctx.incarnation)
 
     def endpoint_descriptor(self) -> bytes:
         return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address(), self._ctl.fd)
@@ -85,6 +90,8 @@ class IpcBackend(Backend):
         return ctypes.c_uint64.from_address(m.address).value  # type: ignore[attr-defined]
 
     def region_descriptor(self, region: Region) -> bytes | None:
+        if region.device != "cpu":
+            return self._cuda.region_descriptor(region)
         fd, fd_offset = -1, 0
         if region.shared is not None:
             fd, fd_offset = region.shared.fd, region.address - region.shared.address
@@ -119,6 +126,8 @@ class IpcBackend(Backend):
         m = self._maps.get(cache_key)
         if m is not None and m.nbytes >= fd_offset + nbytes:  # type: ignore[attr-defined]
             return m
+        if m is not None:  # too small for this region: replaced below, so no longer pinned
+            self._cuda.unpin(m.address, m.nbytes)  # type: ignore[attr-defined]
         if cache_key in self._map_errors:
             return None
         try:
@@ -134,6 +143,9 @@ class IpcBackend(Backend):
             return f"{peer.name} is on another host or PID namespace"
         if "ipc" not in region.descriptors or "ipc" not in peer.backends:
             return f"{peer.name} published no ipc descriptor for {region.key!r}"
+        if is_device(region) or local == MemoryKind.CUDA:
+            has_mapping = not is_device(region) and self._mapping(peer, region) is not None
+            return self._cuda.unreachable_reason(peer, region, local, has_mapping, lambda: self.cma_refusal(peer))
         if self._mapping(peer, region) is not None:
             return None
         refusal = self.cma_refusal(peer)
@@ -146,6 +158,9 @@ class IpcBackend(Backend):
 
     async def _copy(self, local: LocalBuffer, remote: RemoteTarget, write: bool) -> None:
         peer, region = remote.peer, remote.region
+        if is_device(region) or local.kind == MemoryKind.CUDA:
+            await self._copy_cuda(local, remote, write)
+            return
         addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
         mapping = self._mapping(peer, region)
         if mapping is not None:
@@ -158,6 +173,25 @@ class IpcBackend(Backend):
         # `mapping` stays referenced until the copy finished: it cannot be unmapped under it.
         result = await self.ctx.copier.copy(kind, pid, [seg])
         self._raise_for(result, peer, region, remote)
+
+    async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, write: bool) -> None:
+        peer, region = remote.peer, remote.region
+        host_address = host_pin = cma = None
+        if not is_device(region):
+            addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+            mapping = self._mapping(peer, region)
+            if mapping is not None:
+                host_address = mapping.address + fd_offset + remote.offset  # type: ignore[attr-defined]
+                host_pin = (mapping.address, mapping.nbytes, not region.writable)  # type: ignore[attr-defined]
+            else:
+                there = addr + remote.offset
+
+                async def cma(staging: int, n: int) -> None:
+                    kind = CopyKind.CMA_WRITE if write else CopyKind.CMA_READ
+                    seg = (there, staging, n) if write else (staging, there, n)
+                    self._raise_for(await self.ctx.copier.copy(kind, peer.pid, [seg]), peer, region, remote)
+
+        await self._cuda.copy(peer, local, remote, write, host_address, host_pin, cma)
 
     def _raise_for(self, result: CopyResult, peer: PeerRecord, region: RegionRecord, remote: RemoteTarget) -> None:
         if result.status == CopyStatus.OK:
@@ -181,10 +215,15 @@ class IpcBackend(Backend):
         await self._copy(local, remote, write=False)
 
     def forget_peer(self, peer: str) -> None:
+        self._cuda.forget_peer(peer)
+        for k, m in self._maps.items():
+            if k[0] == peer:
+                self._cuda.unpin(m.address, m.nbytes)  # type: ignore[attr-defined]
         for cache in (self._cma, self._maps, self._map_errors, self._peer_ctl):
             for k in [k for k in cache if k[0] == peer]:
                 del cache[k]
 
     def close(self) -> None:
+        self._cuda.close()  # unpins the mappings before they are unmapped below
         self._maps.clear()
         self._peer_ctl.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .._agent import ChannelPool
 from .._tensors import MemoryKind, dtype_name
-from .._wire import FrameKind
+from .._wire import FrameKind, PeerRecord, RegionRecord
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
 
 
@@ -26,6 +26,11 @@ class TcpBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self._pool = ChannelPool(ctx.tg, {"from": ctx.name, "from_incarnation": ctx.incarnation, "lane": "tcp"}, ctx.auth)
+
+    def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
+        if region.device != "cpu":
+            return f"{region.key!r} is device memory ({region.device}); the agent's byte stream writes host memory only"
+        return None
 
     def _meta(self, local: LocalBuffer, remote: RemoteTarget) -> dict[str, object]:
         return {

@@ -282,6 +282,8 @@ class UcxBackend(Backend):
         return self._endpoint
 
     def region_descriptor(self, region: Region) -> bytes | None:
+        if region.device != "cpu":
+            return None  # device memory: not mapped (this build's UCX path is host memory only)
         self._described.add(id(region))
         entry = self._mapped.get(id(region))
         if entry is None:
@@ -391,6 +393,8 @@ class UcxBackend(Backend):
         return seq
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
+        if region.device != "cpu":
+            return f"{region.key!r} is device memory ({region.device}); this ucx backend maps host memory only"
         desc = region.descriptors.get("ucx")
         if "ucx" not in peer.backends or desc is None:
             return f"{peer.name} published no ucx descriptor for {region.key!r}"

@@ -1,0 +1,206 @@
+#include "cuda_ops.h"
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "cuda_driver.h"
+
+namespace transport::cuda {
+
+namespace {
+
+std::mutex g_ctx_mu;
+std::map<int, CUcontext> g_ctx;  // device -> retained primary context (kept for the process)
+
+// Makes `device`'s primary context current on this thread and returns the driver API.
+const Api& on(int device) {
+  const Api& a = api();
+  CUcontext ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_ctx_mu);
+    auto it = g_ctx.find(device);
+    if (it != g_ctx.end()) {
+      ctx = it->second;
+    } else {
+      CUdevice dev = 0;
+      check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
+      check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(device) + ")");
+      g_ctx[device] = ctx;
+    }
+  }
+  check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(device) + ")");
+  return a;
+}
+
+template <typename T>
+T* as(uint64_t handle) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(handle));
+}
+
+template <typename T>
+uint64_t handle(T* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+int driver_version() {
+  int v = 0;
+  check(api().cuDriverGetVersion(&v), "cuDriverGetVersion");
+  return v;
+}
+
+int device_count() {
+  int n = 0;
+  check(api().cuDeviceGetCount(&n), "cuDeviceGetCount");
+  return n;
+}
+
+std::string device_uuid(int device) {
+  const Api& a = api();
+  CUdevice dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
+  CUuuid u{};
+  check(a.cuDeviceGetUuid(&u, dev), "cuDeviceGetUuid(" + std::to_string(device) + ")");
+  const unsigned char* b = u.bytes;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+                b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+  return buf;
+}
+
+std::string device_name(int device) {
+  const Api& a = api();
+  CUdevice dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
+  char name[256] = {0};
+  check(a.cuDeviceGetName(name, sizeof(name) - 1, dev), "cuDeviceGetName");
+  return name;
+}
+
+std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr) {
+  const Api& a = api();
+  unsigned mem_type = 0;
+  check(a.cuPointerGetAttribute(&mem_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr),
+        "cuPointerGetAttribute(MEMORY_TYPE, " + hex(ptr) + ")");
+  if (mem_type != CU_MEMORYTYPE_DEVICE) {
+    throw Error("address " + hex(ptr) + " is not device memory (memory type " + std::to_string(mem_type) + ")", 1);
+  }
+  int ordinal = -1;
+  check(a.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+        "cuPointerGetAttribute(DEVICE_ORDINAL, " + hex(ptr) + ")");
+  on(ordinal);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  check(a.cuMemGetAddressRange(&base, &size, ptr), "cuMemGetAddressRange(" + hex(ptr) + ")");
+  int ipc_capable = 1;
+  // Older drivers do not know the attribute: then assume a legacy (cuMemAlloc) allocation.
+  if (a.cuPointerGetAttribute(&ipc_capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr) != CUDA_SUCCESS) {
+    ipc_capable = 1;
+  }
+  return {base, size, ordinal, ipc_capable != 0};
+}
+
+std::string ipc_export(uint64_t base, int device) {
+  const Api& a = on(device);
+  CUipcMemHandle h{};
+  check(a.cuIpcGetMemHandle(&h, base), "cuIpcGetMemHandle(" + hex(base) + ")");
+  return std::string(h.reserved, sizeof(h.reserved));
+}
+
+uint64_t ipc_open(const std::string& handle_bytes, int device) {
+  if (handle_bytes.size() != sizeof(CUipcMemHandle)) {
+    throw Error("a CUDA IPC handle has 64 bytes, got " + std::to_string(handle_bytes.size()), 1);
+  }
+  const Api& a = on(device);
+  CUipcMemHandle h{};
+  std::memcpy(h.reserved, handle_bytes.data(), sizeof(h.reserved));
+  CUdeviceptr ptr = 0;
+  check(a.cuIpcOpenMemHandle(&ptr, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle");
+  return ptr;
+}
+
+void ipc_close(uint64_t ptr, int device) {
+  check(on(device).cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle(" + hex(ptr) + ")");
+}
+
+uint64_t stream_create(int device) {
+  CUstream s = nullptr;
+  check(on(device).cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  return handle(s);
+}
+
+void stream_destroy(uint64_t stream, int device) {
+  check(on(device).cuStreamDestroy(as<CUstream_st>(stream)), "cuStreamDestroy");
+}
+
+uint64_t event_create(int device) {
+  CUevent e = nullptr;
+  check(on(device).cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  return handle(e);
+}
+
+void event_destroy(uint64_t event, int device) {
+  check(on(device).cuEventDestroy(as<CUevent_st>(event)), "cuEventDestroy");
+}
+
+void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream, uint64_t wait_event, uint64_t done_event,
+                   int device) {
+  const Api& a = on(device);
+  CUstream s = as<CUstream_st>(stream);
+  if (wait_event) check(a.cuStreamWaitEvent(s, as<CUevent_st>(wait_event), 0), "cuStreamWaitEvent");
+  if (nbytes) {
+    check(a.cuMemcpyAsync(dst, src, nbytes, s),
+          "cuMemcpyAsync(dst " + hex(dst) + ", src " + hex(src) + ", " + std::to_string(nbytes) + " bytes)");
+  }
+  CUevent done = as<CUevent_st>(done_event);
+  check(a.cuEventRecord(done, s), "cuEventRecord");
+  check(a.cuEventSynchronize(done), "cuEventSynchronize (the copy)");
+}
+
+void host_register(uint64_t ptr, uint64_t nbytes, bool read_only, int device) {
+  unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | (read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0u);
+  check(on(device).cuMemHostRegister(as<void>(ptr), nbytes, flags),
+        "cuMemHostRegister(" + hex(ptr) + ", " + std::to_string(nbytes) + " bytes)");
+}
+
+void host_unregister(uint64_t ptr, int device) {
+  check(on(device).cuMemHostUnregister(as<void>(ptr)), "cuMemHostUnregister(" + hex(ptr) + ")");
+}
+
+uint64_t module_load(const std::string& image, int device) {
+  CUmodule m = nullptr;
+  check(on(device).cuModuleLoadData(&m, image.data()), "cuModuleLoadData (" + std::to_string(image.size()) + "-byte image)");
+  return handle(m);
+}
+
+uint64_t module_function(uint64_t module, const std::string& name, int device) {
+  CUfunction f = nullptr;
+  check(on(device).cuModuleGetFunction(&f, as<CUmod_st>(module), name.c_str()), "cuModuleGetFunction(" + name + ")");
+  return handle(f);
+}
+
+void launch(uint64_t function, std::tuple<unsigned, unsigned, unsigned> grid, std::tuple<unsigned, unsigned, unsigned> block,
+            unsigned shared_bytes, uint64_t stream, const std::string& params, int device) {
+  const Api& a = on(device);
+  std::string buf = params;  // the driver reads it during the call only
+  size_t size = buf.size();
+  void* extra[] = {reinterpret_cast<void*>(1), buf.data(),  // CU_LAUNCH_PARAM_BUFFER_POINTER
+                   reinterpret_cast<void*>(2), &size,       // CU_LAUNCH_PARAM_BUFFER_SIZE
+                   reinterpret_cast<void*>(0)};             // CU_LAUNCH_PARAM_END
+  auto [gx, gy, gz] = grid;
+  auto [bx, by, bz] = block;
+  check(a.cuLaunchKernel(as<CUfunc_st>(function), gx, gy, gz, bx, by, bz, shared_bytes, as<CUstream_st>(stream), nullptr,
+                         size ? extra : nullptr),
+        "cuLaunchKernel");
+}
+
+}  // namespace transport::cuda

@@ -1,0 +1,341 @@
+"""CUDA memory: the driver, device identities, allocations, CUDA IPC, streams, pinned staging
+and the kernel module, over the driver calls of ``transport._C`` (``csrc/cuda_*.cpp``).
+
+The driver (``libcuda.so.1``, or ``$TRANSPORT_CUDA_LIB``) is loaded at run time, so everything
+builds and imports without one. Without a driver every entry point here raises
+:class:`BackendUnavailableError` saying why.
+
+Stream semantics (shared by every backend that moves CUDA memory): a transfer of a CUDA tensor
+makes a transport-owned stream wait for an event recorded on the caller's current stream when
+the transfer was *started* (so it sees all work queued before it), and completes only once the
+copy finished on the device (so a completed Transfer means the bytes are in place).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from ._errors import BackendUnavailableError, TransportInternalError
+from ._native import load
+
+log = logging.getLogger(__name__)
+
+# Pinned staging buffers are pooled up to this many bytes; beyond it they are freed on release.
+STAGING_POOL_BYTES = 1 << 30
+
+
+def unavailable_reason() -> str | None:
+    """None when a CUDA driver with at least one device is usable here, else why not."""
+    reason = load().cuda_load()
+    return reason or None
+
+
+def _c() -> Any:
+    """The native module, after checking that the driver is usable.
+
+    Raises:
+        BackendUnavailableError: no usable CUDA driver (the message says why).
+    """
+    c = load()
+    reason = c.cuda_load()
+    if reason:
+        raise BackendUnavailableError(reason)
+    return c
+
+
+def _call(what: str, fn: Any, *args: Any) -> Any:
+    """Runs a native CUDA call, mapping its failures into the error tree."""
+    c = load()
+    try:
+        return fn(*args)
+    except c.CudaUnavailable as exc:
+        raise BackendUnavailableError(str(exc)) from exc
+    except c.CudaError as exc:
+        raise TransportInternalError(f"{what}: {exc}") from exc
+
+
+def driver_version() -> str:
+    """The driver's CUDA version, e.g. "12.4"."""
+    v = _call("cuDriverGetVersion", _c().cuda_driver_version)
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def device_count() -> int:
+    return int(_call("cuDeviceGetCount", _c().cuda_device_count))
+
+
+@functools.lru_cache(maxsize=None)
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index`` ("GPU-..."): what identifies a GPU
+    across processes, whose ordinals differ with ``CUDA_VISIBLE_DEVICES``."""
+    return str(_call(f"cuDeviceGetUuid({index})", _c().cuda_device_uuid, index))
+
+
+def device_name(index: int) -> str:
+    return str(_call(f"cuDeviceGetName({index})", _c().cuda_device_name, index))
+
+
+def device_label(index: int) -> str:
+    """How a region on device ``index`` is published: "cuda:<uuid>"."""
+    return f"cuda:{device_uuid(index)}"
+
+
+def local_index(label: str) -> int | None:
+    """This process's ordinal of the GPU a peer published as ``label``, or None if not visible."""
+    uuid = label.removeprefix("cuda:")
+    for i in range(device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The device allocation a pointer lies in (what CUDA IPC exports)."""
+
+    base: int
+    size: int
+    device: int
+    ipc_capable: bool  # False for VMM allocations, e.g. PyTorch's expandable segments
+
+
+def allocation(ptr: int) -> Allocation:
+    base, size, device, ipc = _call(f"allocation of 0x{ptr:x}", _c().cuda_allocation, ptr)
+    return Allocation(int(base), int(size), int(device), bool(ipc))
+
+
+def ipc_export(alloc: Allocation) -> bytes:
+    """The 64-byte legacy CUDA IPC handle of ``alloc``."""
+    if not alloc.ipc_capable:
+        raise BackendUnavailableError(
+            f"the allocation at 0x{alloc.base:x} cannot be exported with CUDA IPC (a VMM allocation, e.g. "
+            "PyTorch's expandable segments: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False for "
+            "tensors you register)"
+        )
+    return bytes(_call("cuIpcGetMemHandle", _c().cuda_ipc_export, alloc.base, alloc.device))
+
+
+class Kernels:
+    """The kernels of ``csrc/kernels`` loaded on one device (see :func:`kernels`)."""
+
+    def __init__(self, device: int) -> None:
+        c = _c()
+        image = c.kernels_image()
+        if image is None:
+            raise BackendUnavailableError("this build of transport has no CUDA kernels (nvcc was not found when it was built)")
+        self.device = device
+        self.arches = c.kernels_arches()
+        try:
+            self._module = c.cuda_module_load(image, device)
+        except c.CudaError as exc:  # e.g. no code for this GPU, or PTX newer than the driver
+            raise BackendUnavailableError(
+                f"the kernels ({self.arches}) do not load on device {device}: {exc} (rebuild for this GPU or update the driver)"
+            ) from exc
+        self._functions: dict[str, int] = {}
+
+    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], params: bytes, stream: int, shared_bytes: int = 0) -> None:
+        """Enqueues kernel ``name`` on ``stream`` (a CUstream handle, e.g.
+        ``torch.cuda.current_stream().cuda_stream``); ``params`` are its arguments packed as the
+        C ABI lays them out."""
+        c = load()
+        f = self._functions.get(name)
+        if f is None:
+            f = self._functions[name] = _call(f"kernel {name}", c.cuda_module_function, self._module, name, self.device)
+        _call(f"launch of {name}", c.cuda_launch, f, grid, block, shared_bytes, stream, params, self.device)
+
+
+_kernels_lock = threading.Lock()
+_kernels: dict[int, Kernels] = {}
+
+
+def kernels(device: int) -> Kernels:
+    """The kernel module on ``device`` (loaded once per process and device).
+
+    Raises:
+        BackendUnavailableError: no driver, or a build without kernels.
+    """
+    with _kernels_lock:
+        k = _kernels.get(device)
+        if k is None:
+            k = _kernels[device] = Kernels(device)
+        return k
+
+
+def ready_event(t: torch.Tensor) -> Any:
+    """A ``torch.cuda.Event`` recorded now on ``t``'s device's current stream: what a transfer
+    of ``t`` waits for before touching it."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
+class PinnedBuffer:
+    """A page-locked host buffer from :class:`CudaEngine`'s staging pool."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self.nbytes = nbytes
+        self.address = self.tensor.data_ptr()
+        _call("cuMemHostRegister", _c().cuda_host_register, self.address, self.tensor.numel(), False, device)
+        self._device = device
+
+    def free(self) -> None:
+        _call("cuMemHostUnregister", load().cuda_host_unregister, self.address, self._device)
+
+
+class CudaEngine:
+    """One Transport's CUDA resources: a stream per device, a pool of done-events, pinned
+    staging buffers, page-locked peer mappings, and CUDA IPC imports cached per peer."""
+
+    def __init__(self) -> None:
+        self._c = _c()
+        self._streams: dict[int, int] = {}
+        self._events: dict[int, list[int]] = {}
+        self._imports: dict[tuple[str, str, bytes], tuple[int, int]] = {}  # (peer, incarnation, handle) -> (ptr, device)
+        self._holds: dict[tuple[str, str, bytes], int] = {}  # imports in use by running copies
+        self._closing: set[tuple[str, str, bytes]] = set()  # forgotten while in use
+        self._pinned_maps: dict[tuple[int, int], int] = {}  # (address, nbytes) -> device
+        self._pin_refused: set[tuple[int, int]] = set()
+        self._staging: list[PinnedBuffer] = []
+        self._lock = threading.Lock()  # events are returned from worker threads
+
+    def _stream(self, device: int) -> int:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = _call("cuStreamCreate", self._c.cuda_stream_create, device)
+        return s
+
+    def _event(self, device: int) -> int:
+        with self._lock:
+            pool = self._events.setdefault(device, [])
+            if pool:
+                return pool.pop()
+        return _call("cuEventCreate", self._c.cuda_event_create, device)
+
+    async def copy(self, dst: int, src: int, nbytes: int, device: int, ready: Any = None) -> None:
+        """Copies ``nbytes`` (device or host addresses) on this engine's stream for ``device``,
+        after ``ready`` (a torch.cuda.Event or None), and returns once the copy is done.
+
+        Cancellation: takes effect once the enqueued copy has finished on the device (it cannot
+        be recalled), so no buffer is reused or freed under a running copy.
+        """
+        stream, done = self._stream(device), self._event(device)
+        wait = int(ready.cuda_event) if ready is not None else 0
+
+        def run() -> None:
+            try:
+                self._c.cuda_copy_and_wait(dst, src, nbytes, stream, wait, done, device)
+            finally:
+                with self._lock:
+                    self._events.setdefault(device, []).append(done)
+
+        try:
+            await anyio.to_thread.run_sync(run)
+        except self._c.CudaError as exc:
+            raise TransportInternalError(f"CUDA copy of {nbytes} bytes 0x{src:x} -> 0x{dst:x} on device {device}: {exc}") from exc
+
+    def acquire_ipc(self, peer: str, incarnation: str, handle: bytes, device: int) -> tuple[tuple[str, str, bytes], int]:
+        """(import key, address in this process) of a peer's exported allocation, opened once
+        per peer incarnation and held until :meth:`release_ipc`: a forgotten peer's import is
+        closed only after the copies using it finished, never under a running copy."""
+        key = (peer, incarnation, handle)
+        hit = self._imports.get(key)
+        if hit is None:
+            ptr = _call(f"opening {peer}'s CUDA IPC handle on device {device}", self._c.cuda_ipc_open, handle, device)
+            hit = self._imports[key] = (int(ptr), device)
+        self._holds[key] = self._holds.get(key, 0) + 1
+        return key, hit[0]
+
+    def release_ipc(self, key: tuple[str, str, bytes]) -> None:
+        left = self._holds.get(key, 0) - 1
+        if left > 0:
+            self._holds[key] = left
+            return
+        self._holds.pop(key, None)
+        if key in self._closing:
+            self._closing.discard(key)
+            self._close_import(key)
+
+    def _close_import(self, key: tuple[str, str, bytes]) -> None:
+        hit = self._imports.pop(key, None)
+        if hit is not None:
+            self._quietly(f"closing {key[0]}'s CUDA IPC import", self._c.cuda_ipc_close, hit[0], hit[1])
+
+    def pin(self, address: int, nbytes: int, read_only: bool, device: int) -> None:
+        """Page-locks a host range once (e.g. this process's mapping of a peer's shared region),
+        so device copies to and from it are DMA, not staged by the driver. If the driver
+        refuses, copies still work (the driver stages them); that is logged once."""
+        key = (address, nbytes)
+        if key in self._pinned_maps or key in self._pin_refused:
+            return
+        try:
+            self._c.cuda_host_register(address, nbytes, read_only, device)
+        except self._c.CudaError as exc:
+            self._pin_refused.add(key)
+            log.warning("cuda: could not page-lock a %d-byte peer mapping (%s); its copies go through the driver's staging", nbytes, exc)
+            return
+        self._pinned_maps[key] = device
+
+    def unpin(self, address: int, nbytes: int) -> None:
+        self._pin_refused.discard((address, nbytes))
+        device = self._pinned_maps.pop((address, nbytes), None)
+        if device is not None:
+            self._quietly("cuMemHostUnregister", self._c.cuda_host_unregister, address, device)
+
+    def acquire_staging(self, nbytes: int, device: int) -> PinnedBuffer:
+        """A pinned buffer of at least ``nbytes`` (reused from the pool when one fits)."""
+        with self._lock:
+            fits = [b for b in self._staging if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._staging.remove(best)
+                return best
+        return PinnedBuffer(max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length()), device)
+
+    def release_staging(self, buf: PinnedBuffer) -> None:
+        with self._lock:
+            if sum(b.nbytes for b in self._staging) + buf.nbytes <= STAGING_POOL_BYTES:
+                self._staging.append(buf)
+                return
+        self._quietly("cuMemHostUnregister", buf.free)
+
+    def forget_peer(self, peer: str) -> None:
+        """Closes the IPC imports of every incarnation of ``peer`` (those in use by a copy once
+        it finished)."""
+        for key in [k for k in self._imports if k[0] == peer]:
+            if self._holds.get(key):
+                self._closing.add(key)
+            else:
+                self._close_import(key)
+
+    def close(self) -> None:
+        # Called once every transfer has finished: nothing holds an import any more.
+        for key in list(self._imports):
+            self._close_import(key)
+        self._holds.clear()
+        self._closing.clear()
+        for address, nbytes in list(self._pinned_maps):
+            self.unpin(address, nbytes)
+        for buf in self._staging:
+            self._quietly("cuMemHostUnregister", buf.free)
+        self._staging.clear()
+        for device, events in self._events.items():
+            for e in events:
+                self._quietly("cuEventDestroy", self._c.cuda_event_destroy, e, device)
+        self._events.clear()
+        for device, s in self._streams.items():
+            self._quietly("cuStreamDestroy", self._c.cuda_stream_destroy, s, device)
+        self._streams.clear()
+
+    def _quietly(self, what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # releasing must not fail a close; say it happened
+            log.warning("cuda: %s failed: %s", what, exc)

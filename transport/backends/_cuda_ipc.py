@@ -1,0 +1,149 @@
+"""The CUDA half of the ``ipc`` backend: same-host copies that touch device memory.
+
+* A registered CUDA tensor is published as its allocation's legacy CUDA IPC handle plus the
+  tensor's offset in that allocation (found with ``cuMemGetAddressRange``, as PyTorch's own
+  storage sharing does, so tensors carved out of the caching allocator's blocks work). A peer
+  opens the handle once (cached per peer incarnation, closed when the peer goes away) and
+  copies with ``cuMemcpyAsync`` on a transport-owned stream.
+* Device <-> a peer's host region: into its shared mapping (``Transport.empty``), page-locked
+  once with ``cuMemHostRegister``; or, for other host regions, through a pinned staging buffer
+  and cross-memory attach.
+
+See :mod:`transport._cuda` for the stream semantics.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable
+
+from .. import _cuda
+from .._errors import BackendUnavailableError, TransportInternalError
+from .._regions import Region
+from .._tensors import MemoryKind
+from .._wire import PeerRecord, RegionRecord
+from ._base import LocalBuffer, RemoteTarget
+
+_DEVICE_REGION = struct.Struct("<64sQQQ")  # IPC handle, allocation base, offset in it, nbytes
+_REFUSED = b"!"  # a descriptor that carries why the region cannot be exported instead
+
+
+def is_device(region: RegionRecord) -> bool:
+    return region.device != "cpu"
+
+
+class CudaIpc:
+    """CUDA IPC for one :class:`IpcBackend` (created on the first device-memory use)."""
+
+    def __init__(self, incarnation: str) -> None:
+        self._incarnation = incarnation
+        self._engine: _cuda.CudaEngine | None = None
+
+    @property
+    def engine(self) -> _cuda.CudaEngine:
+        if self._engine is None:
+            self._engine = _cuda.CudaEngine()
+        return self._engine
+
+    def region_descriptor(self, region: Region) -> bytes:
+        desc = region.backend_state.get("ipc")  # exported once per registration
+        if desc is None and region.nbytes == 0:  # nothing to export (its data_ptr may be 0)
+            desc = region.backend_state["ipc"] = _DEVICE_REGION.pack(b"\0" * 64, 0, 0, 0)
+        if desc is None:
+            try:
+                alloc = _cuda.allocation(region.address)
+                handle = _cuda.ipc_export(alloc)
+                desc = _DEVICE_REGION.pack(handle, alloc.base, region.address - alloc.base, region.nbytes)
+            except (BackendUnavailableError, TransportInternalError) as exc:
+                desc = _REFUSED + str(exc).encode()
+            region.backend_state["ipc"] = desc
+        return desc
+
+    def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind, has_mapping: bool, cma_refusal: Callable[[], str | None]) -> str | None:
+        reason = _cuda.unavailable_reason()
+        if reason is not None:
+            return reason
+        if is_device(region):
+            if region.nbytes == 0:
+                return None
+            desc = region.descriptors["ipc"]
+            if desc.startswith(_REFUSED):
+                return f"{peer.name} cannot export {region.key!r}: {desc[1:].decode(errors='replace')}"
+            if peer.incarnation != self._incarnation and local != MemoryKind.CUDA and _cuda.local_index(region.device) is None:
+                return f"{peer.name}'s GPU {region.device.removeprefix('cuda:')} is not visible to this process"
+            return None
+        # Device memory here, host memory there: its shared mapping, or CMA through staging.
+        return None if has_mapping else cma_refusal()
+
+    def _open_device(self, region: RegionRecord, local: LocalBuffer | None) -> int | None:
+        """The device to open a peer's allocation on: the same GPU if this process sees it,
+        else the local tensor's (peer access is enabled lazily)."""
+        index = _cuda.local_index(region.device)
+        if index is None and local is not None and local.kind == MemoryKind.CUDA:
+            index = local.tensor.device.index
+        return index
+
+    def _device_copy_target(self, peer: PeerRecord, remote: RemoteTarget, local: LocalBuffer) -> tuple[int, int, tuple | None]:
+        """(address of the remote range in this process, device to copy on, the IPC import held
+        for the copy or None); release the import with ``engine.release_ipc``."""
+        handle, base, offset, _nbytes = _DEVICE_REGION.unpack(remote.region.descriptors["ipc"])
+        device = self._open_device(remote.region, local)
+        if device is None:
+            raise BackendUnavailableError(f"{peer.name}'s GPU {remote.region.device} is not visible here")
+        if peer.incarnation == self._incarnation:  # our own region: cannot open our own handle
+            return base + offset + remote.offset, device, None
+        held = self.engine.acquire_ipc(peer.name, peer.incarnation, handle, device)
+        return held[1] + offset + remote.offset, device, held[0]
+
+    async def copy(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, write: bool, host_address: int | None, host_pin: tuple[int, int, bool] | None, cma: Callable[[int, int], Any] | None) -> None:
+        """Moves ``remote.nbytes`` between ``local`` and ``remote`` where at least one side is
+        device memory.
+
+        Args:
+            host_address: the remote host range's address in this process (its shared mapping),
+                or None for a device region or a host region reachable by CMA only.
+            host_pin: (address, nbytes, read_only) of that mapping, page-locked once.
+            cma: for a CMA-only host region: ``await cma(staging_address, nbytes)`` moves the
+                bytes between a local staging buffer and the peer.
+        """
+        eng, n = self.engine, remote.nbytes
+        if is_device(remote.region):
+            there, device, held = self._device_copy_target(peer, remote, local)
+            dst, src = (there, local.address) if write else (local.address, there)
+            try:
+                await eng.copy(dst, src, n, device, local.ready)
+            finally:
+                if held is not None:
+                    eng.release_ipc(held)
+            return
+        device = local.tensor.device.index  # the region is host memory, so this side is the GPU
+        if host_address is not None:
+            if host_pin is not None:
+                eng.pin(*host_pin, device)
+            dst, src = (host_address, local.address) if write else (local.address, host_address)
+            await eng.copy(dst, src, n, device, local.ready)
+            return
+        assert cma is not None
+        buf = eng.acquire_staging(n, device)
+        try:
+            if write:
+                await eng.copy(buf.address, local.address, n, device, local.ready)
+                await cma(buf.address, n)
+            else:
+                await cma(buf.address, n)
+                await eng.copy(local.address, buf.address, n, device, local.ready)
+        finally:
+            eng.release_staging(buf)
+
+    def forget_peer(self, peer: str) -> None:
+        if self._engine is not None:
+            self._engine.forget_peer(peer)
+
+    def unpin(self, address: int, nbytes: int) -> None:
+        if self._engine is not None:
+            self._engine.unpin(address, nbytes)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
