@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import anyio
 import torch
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # Pinned staging buffers are pooled up to this many bytes; beyond it they are freed on release.
 STAGING_POOL_BYTES = 1 << 30
+# Device memory moved through host staging goes in pieces of at most this size.
+STAGING_CHUNK = 64 << 20
 
 
 def unavailable_reason() -> str | None:
@@ -305,6 +307,29 @@ class CudaEngine:
                 self._staging.append(buf)
                 return
         self._quietly("cuMemHostUnregister", buf.free)
+
+    async def staged(self, address: int, nbytes: int, device: int, ready: Any, outbound: bool,
+                     move: Callable[[PinnedBuffer, int, int], Awaitable[None]], granule: int = 1) -> None:
+        """Moves ``nbytes`` of device memory at ``address`` through one pinned buffer of at most
+        ``STAGING_CHUNK`` bytes, piece by piece (a huge tensor never needs a huge pinned buffer).
+
+        ``outbound``: device -> buffer, then ``await move(buf, pos, size)`` sends the piece at
+        byte ``pos``; else ``move`` fills the buffer first and it is copied to the device.
+        Pieces are multiples of ``granule`` bytes (the element size).
+        """
+        chunk = max(granule, STAGING_CHUNK // granule * granule)
+        buf = self.acquire_staging(min(nbytes, chunk), device)
+        try:
+            for pos in range(0, nbytes, chunk):
+                size = min(chunk, nbytes - pos)
+                if outbound:
+                    await self.copy(buf.address, address + pos, size, device, ready)
+                    await move(buf, pos, size)
+                else:
+                    await move(buf, pos, size)
+                    await self.copy(address + pos, buf.address, size, device, ready)
+        finally:
+            self.release_staging(buf)
 
     def forget_peer(self, peer: str) -> None:
         """Closes the IPC imports of every incarnation of ``peer`` (those in use by a copy once

@@ -110,20 +110,16 @@ class TransferRunner:
             await backend.get(local, remote)
 
     async def _staged(self: Transport, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
-        """Moves a CUDA tensor over a host-memory backend through a pinned staging buffer."""
-        engine = self._cuda_engine()
-        device, n = local.tensor.device.index, remote.nbytes
-        buf = engine.acquire_staging(n, device)
-        try:
-            host = LocalBuffer(buf.tensor[:n].view(local.tensor.dtype), MemoryKind.CPU)
-            if op == TransferOp.PUT:
-                await engine.copy(buf.address, local.address, n, device, local.ready)
-                await backend.put(host, remote)
-            else:
-                await backend.get(host, remote)
-                await engine.copy(local.address, buf.address, n, device, local.ready)
-        finally:
-            engine.release_staging(buf)
+        """Moves a CUDA tensor over a host-memory backend through pinned staging, in pieces."""
+        dtype = local.tensor.dtype
+
+        async def move(buf: _cuda.PinnedBuffer, pos: int, size: int) -> None:
+            host = LocalBuffer(buf.tensor[:size].view(dtype), MemoryKind.CPU)
+            part = RemoteTarget(remote.peer, remote.region, remote.offset + pos, size)
+            await (backend.put(host, part) if op == TransferOp.PUT else backend.get(host, part))
+
+        await self._cuda_engine().staged(local.address, remote.nbytes, local.tensor.device.index, local.ready,
+                                         op == TransferOp.PUT, move, dtype.itemsize)
 
     def _cuda_engine(self: Transport) -> _cuda.CudaEngine:
         if self._cuda is None:

@@ -15,7 +15,7 @@ See :mod:`transport._cuda` for the stream semantics.
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable
+from typing import Awaitable, Callable
 
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
@@ -25,7 +25,8 @@ from .._wire import PeerRecord, RegionRecord
 from ._base import LocalBuffer, RemoteTarget
 
 _DEVICE_REGION = struct.Struct("<64sQQQ")  # IPC handle, allocation base, offset in it, nbytes
-_REFUSED = b"!"  # a descriptor that carries why the region cannot be exported instead
+_REFUSED = b"!"
+STAGING_CHUNK = 64 << 20  # device <-> a CMA-only host region is staged in pieces of this size  # a descriptor that carries why the region cannot be exported instead
 
 
 def is_device(region: RegionRecord) -> bool:
@@ -95,7 +96,7 @@ class CudaIpc:
         held = self.engine.acquire_ipc(peer.name, peer.incarnation, handle, device)
         return held[1] + offset + remote.offset, device, held[0]
 
-    async def copy(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, write: bool, host_address: int | None, host_pin: tuple[int, int, bool] | None, cma: Callable[[int, int], Any] | None) -> None:
+    async def copy(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, write: bool, host_address: int | None, host_pin: tuple[int, int, bool] | None, cma: Callable[[_cuda.PinnedBuffer, int, int], Awaitable[None]] | None) -> None:
         """Moves ``remote.nbytes`` between ``local`` and ``remote`` where at least one side is
         device memory.
 
@@ -103,8 +104,8 @@ class CudaIpc:
             host_address: the remote host range's address in this process (its shared mapping),
                 or None for a device region or a host region reachable by CMA only.
             host_pin: (address, nbytes, read_only) of that mapping, page-locked once.
-            cma: for a CMA-only host region: ``await cma(staging_address, nbytes)`` moves the
-                bytes between a local staging buffer and the peer.
+            cma: for a CMA-only host region: ``await cma(staging, pos, nbytes)`` moves ``nbytes``
+                at byte ``pos`` of the transfer between the pinned ``staging`` buffer and the peer.
         """
         eng, n = self.engine, remote.nbytes
         if is_device(remote.region):
@@ -124,16 +125,7 @@ class CudaIpc:
             await eng.copy(dst, src, n, device, local.ready)
             return
         assert cma is not None
-        buf = eng.acquire_staging(n, device)
-        try:
-            if write:
-                await eng.copy(buf.address, local.address, n, device, local.ready)
-                await cma(buf.address, n)
-            else:
-                await cma(buf.address, n)
-                await eng.copy(local.address, buf.address, n, device, local.ready)
-        finally:
-            eng.release_staging(buf)
+        await eng.staged(local.address, n, device, local.ready, write, cma)
 
     def forget_peer(self, peer: str) -> None:
         if self._engine is not None:

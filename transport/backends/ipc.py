@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from .._cuda import PinnedBuffer
 from .._errors import PeerLostError, TransportInternalError
 from .._host import process_alive
 from .._native import CopyKind, CopyResult, CopyStatus, load
@@ -186,9 +187,9 @@ class IpcBackend(Backend):
             else:
                 there = addr + remote.offset
 
-                async def cma(staging: int, n: int) -> None:
+                async def cma(staging: PinnedBuffer, pos: int, n: int) -> None:
                     kind = CopyKind.CMA_WRITE if write else CopyKind.CMA_READ
-                    seg = (there, staging, n) if write else (staging, there, n)
+                    seg = (there + pos, staging.address, n) if write else (staging.address, there + pos, n)
                     self._raise_for(await self.ctx.copier.copy(kind, peer.pid, [seg]), peer, region, remote)
 
         await self._cuda.copy(peer, local, remote, write, host_address, host_pin, cma)
