@@ -48,14 +48,8 @@ from transport._rendezvous import FileStore, MemoryStore
 from transport._tensors import MemoryKind
 from transport._wire import FrameKind, PeerRecord, RegionRecord, WireError
 from transport.backends import BackendContext, availability
-from transport.backends.nccl import (
-    NcclBackend,
-    comm_id,
-    decode_endpoint,
-    encode_endpoint,
-    publish_unique_id,
-    read_unique_id,
-)
+from transport.backends._nccl_links import comm_id, publish_unique_id, read_unique_id
+from transport.backends.nccl import NcclBackend, decode_endpoint, encode_endpoint
 
 from .conftest import PYTHON, ROOT, python_env
 
@@ -179,7 +173,7 @@ import sys, anyio
 from transport._auth import Authenticator
 from transport._nccl import library
 from transport._rendezvous import FileStore
-from transport.backends.nccl import publish_unique_id
+from transport.backends._nccl_links import publish_unique_id
 lib, why = library()
 uid = lib.unique_id()
 anyio.run(publish_unique_id, FileStore(sys.argv[1]), Authenticator(sys.argv[2]), sys.argv[3], uid)
@@ -360,7 +354,7 @@ async def test_open_close_self_and_unknown_requests() -> None:
         await publish_unique_id(a.ctx.store, a.ctx.auth, cid, LIB.unique_id())  # type: ignore[arg-type]
         with pytest.raises(TransportInternalError, match="b sees no GPU GPU-00000000-0000-0000-0000-00000000beef"):
             await a.request(record, open_meta)
-        assert served._served == {}
+        assert served._links._served == {}
 
         assert await a.request(record, a._meta("close", cid=cid)) == {"comm": "closed"}
         with pytest.raises(TransportInternalError, match="no local nccl transfer 7 is waiting"):

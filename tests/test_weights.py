@@ -72,6 +72,15 @@ async def test_publish_apply_bit_for_bit_with_small_buckets(store, backend):
                 await pub.publish(2)
 
 
+async def test_tensors_on_other_devices_are_refused_up_front(store):
+    async with transport.Transport("gen", store=store) as tg:
+        for zero_copy in (False, True):
+            with pytest.raises(transport.TransportError, match="'w' is on meta; weight sync serves cpu and cuda tensors"):
+                Subscriber(tg, {"w": torch.empty(4, device="meta")}, publisher="trainer", zero_copy=zero_copy)
+        with pytest.raises(transport.TransportError, match="'w' is on meta"):
+            Publisher(tg, {"w": torch.empty(4, device="meta")})
+
+
 async def test_zero_copy_apply_repoints_the_tensors(store):
     src = make_model(2)
     src["big"] = torch.randn(100_000)  # spans several buckets: sent straight from live memory

@@ -117,8 +117,8 @@ def _tensors_of(target: torch.nn.Module | Mapping[str, torch.Tensor], *, detach:
     for k, v in items.items():
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"{k!r} is a {type(v).__name__}, not a tensor")
-        if v.device.type != "cpu":
-            raise TransportError(f"{k!r} is on {v.device}; weight sync serves cpu tensors in this build")
+        if v.device.type not in ("cpu", "cuda"):
+            raise TransportError(f"{k!r} is on {v.device}; weight sync serves cpu and cuda tensors")
         out[k] = v.detach() if detach else v  # the subscriber keeps the very objects (set_)
     return out
 
@@ -174,7 +174,7 @@ class Publisher:
 
     Args:
         transport: an open Transport.
-        state: an ``nn.Module`` or a name -> tensor mapping (CPU). Tensors are read at each
+        state: an ``nn.Module`` or a name -> tensor mapping (CPU or CUDA). Tensors are read at each
             publish, so in-place optimizer updates are picked up.
         name: the stream name; subscribers name the same one.
         bucket_bytes: target size of one transfer (many tensors are packed per bucket).
@@ -438,7 +438,7 @@ class Subscriber:
 
     Args:
         transport: an open Transport.
-        target: the ``nn.Module`` or name -> tensor mapping that receives the weights (CPU).
+        target: the ``nn.Module`` or name -> tensor mapping that receives the weights (CPU or CUDA).
         publisher: the publisher's Transport name.
         name: the stream name.
         rename: wire name -> local name, or None to ignore that tensor.
@@ -447,7 +447,11 @@ class Subscriber:
             instead of copying: ``apply()`` costs no copy, at the price of a third slot (the
             local tensors' own memory is released after the first apply, so the total is the
             same as in copy mode). Tensors that need conversion (fp8, another dtype) are still
-            copied. Keep no other views of the tensors' old storage.
+            copied. Keep no other views of the tensors' old storage. CPU targets only (the
+            slots are host memory); a GPU model is applied by copy (host -> device).
+
+    Raises:
+        ValueError: ``zero_copy`` with tensors that are not on the CPU.
     """
 
     def __init__(
@@ -466,6 +470,9 @@ class Subscriber:
         self.publisher = publisher
         self.name = name
         self._local = _tensors_of(target, detach=False)
+        if zero_copy and (on := sorted({str(t.device) for t in self._local.values() if t.device.type != "cpu"})):
+            raise ValueError(f"zero_copy=True re-points tensors at host-memory slots; the target has tensors on {', '.join(on)} "
+                             "(use the default copy apply for GPU models)")
         self._rename = rename
         self._strict = strict
         self._keys = _keys(name)

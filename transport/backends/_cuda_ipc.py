@@ -36,8 +36,9 @@ def is_device(region: RegionRecord) -> bool:
 class CudaIpc:
     """CUDA IPC for one :class:`IpcBackend` (created on the first device-memory use)."""
 
-    def __init__(self, incarnation: str) -> None:
-        self._incarnation = incarnation
+    def __init__(self, pid: int) -> None:
+        self._pid = pid  # a region of this very process (another Transport in it, or ourselves)
+        # is used at its own address: CUDA IPC cannot open a handle in the process that made it
         self._engine: _cuda.CudaEngine | None = None
 
     @property
@@ -70,7 +71,7 @@ class CudaIpc:
             desc = region.descriptors["ipc"]
             if desc.startswith(_REFUSED):
                 return f"{peer.name} cannot export {region.key!r}: {desc[1:].decode(errors='replace')}"
-            if peer.incarnation != self._incarnation and local != MemoryKind.CUDA and _cuda.local_index(region.device) is None:
+            if peer.pid != self._pid and local != MemoryKind.CUDA and _cuda.local_index(region.device) is None:
                 return f"{peer.name}'s GPU {region.device.removeprefix('cuda:')} is not visible to this process"
             return None
         # Device memory here, host memory there: its shared mapping, or CMA through staging.
@@ -91,7 +92,7 @@ class CudaIpc:
         device = self._open_device(remote.region, local)
         if device is None:
             raise BackendUnavailableError(f"{peer.name}'s GPU {remote.region.device} is not visible here")
-        if peer.incarnation == self._incarnation:  # our own region: cannot open our own handle
+        if peer.pid == self._pid:  # a region of this process: its own address
             return base + offset + remote.offset, device, None
         held = self.engine.acquire_ipc(peer.name, peer.incarnation, handle, device)
         return held[1] + offset + remote.offset, device, held[0]

@@ -67,7 +67,7 @@ class IpcBackend(Backend):
         self._ctl = self._C.SharedBuffer(4096, f"transport:{ctx.name}:ctl")
         self._ctl_view = memoryview(torch.from_dlpack(self._ctl.array()).numpy())
         self._peer_ctl: dict[tuple[str, str], object | None] = {}
-        self._cuda = CudaIpc(ctx.incarnation)
+        self._cuda = CudaIpc(ctx.pid)
 
     def endpoint_descriptor(self) -> bytes:
         return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address(), self._ctl.fd)
