@@ -391,7 +391,8 @@ class NcclBackend(Backend):
 
     async def _serve_self(self, meta: Mapping[str, Any], check_region: RegionCheck) -> dict[str, Any]:
         ticket_id = meta.get("ticket")
-        ticket = self._tickets.get(ticket_id) if meta.get("from_incarnation") == self.ctx.incarnation else None  # type: ignore[arg-type]
+        mine = isinstance(ticket_id, int) and meta.get("from_incarnation") == self.ctx.incarnation
+        ticket = self._tickets.get(ticket_id) if mine else None  # type: ignore[arg-type]
         if ticket is None:
             raise TransportInternalError(f"{self.ctx.name}: no local nccl transfer {ticket_id!r} is waiting (self transfers come from this very Transport)")
         direction, nbytes = _direction(meta), meta_int(meta, "nbytes")
