@@ -57,6 +57,7 @@ std::string do_load(const std::string& path) {
             resolve(lib, a.cuDeviceGetUuid, {"cuDeviceGetUuid_v2", "cuDeviceGetUuid"}, missing) &&
             resolve(lib, a.cuDeviceGetName, {"cuDeviceGetName"}, missing) &&
             resolve(lib, a.cuDevicePrimaryCtxRetain, {"cuDevicePrimaryCtxRetain"}, missing) &&
+            resolve(lib, a.cuCtxGetCurrent, {"cuCtxGetCurrent"}, missing) &&
             resolve(lib, a.cuCtxSetCurrent, {"cuCtxSetCurrent"}, missing) &&
             resolve(lib, a.cuPointerGetAttribute, {"cuPointerGetAttribute"}, missing) &&
             resolve(lib, a.cuMemGetAddressRange, {"cuMemGetAddressRange_v2"}, missing) &&

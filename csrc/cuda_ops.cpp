@@ -14,25 +14,42 @@ namespace {
 std::mutex g_ctx_mu;
 std::map<int, CUcontext> g_ctx;  // device -> retained primary context (kept for the process)
 
-// Makes `device`'s primary context current on this thread and returns the driver API.
-const Api& on(int device) {
-  const Api& a = api();
+CUcontext primary_context(const Api& a, int device) {
+  std::lock_guard<std::mutex> lock(g_ctx_mu);
+  auto it = g_ctx.find(device);
+  if (it != g_ctx.end()) return it->second;
+  CUdevice dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
   CUcontext ctx = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_ctx_mu);
-    auto it = g_ctx.find(device);
-    if (it != g_ctx.end()) {
-      ctx = it->second;
-    } else {
-      CUdevice dev = 0;
-      check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
-      check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(device) + ")");
-      g_ctx[device] = ctx;
+  check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(device) + ")");
+  g_ctx[device] = ctx;
+  return ctx;
+}
+
+// Makes `device`'s primary context (PyTorch's) current on this thread for the guard's lifetime,
+// then restores the caller's: the current device of the application (torch.cuda.current_device)
+// never changes under it.
+class OnDevice {
+ public:
+  explicit OnDevice(int device) : a(api()) {
+    CUcontext ctx = primary_context(a, device);
+    check(a.cuCtxGetCurrent(&prev_), "cuCtxGetCurrent");
+    if (prev_ != ctx) {
+      check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(device) + ")");
+      restore_ = true;
     }
   }
-  check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(device) + ")");
-  return a;
-}
+  ~OnDevice() {
+    if (restore_) a.cuCtxSetCurrent(prev_);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+  const Api& a;
+
+ private:
+  CUcontext prev_ = nullptr;
+  bool restore_ = false;
+};
 
 template <typename T>
 T* as(uint64_t handle) {
@@ -97,7 +114,7 @@ std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr) {
   int ordinal = -1;
   check(a.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
         "cuPointerGetAttribute(DEVICE_ORDINAL, " + hex(ptr) + ")");
-  on(ordinal);
+  OnDevice on(ordinal);
   CUdeviceptr base = 0;
   size_t size = 0;
   check(a.cuMemGetAddressRange(&base, &size, ptr), "cuMemGetAddressRange(" + hex(ptr) + ")");
@@ -110,7 +127,8 @@ std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr) {
 }
 
 std::string ipc_export(uint64_t base, int device) {
-  const Api& a = on(device);
+  OnDevice on(device);
+  const Api& a = on.a;
   CUipcMemHandle h{};
   check(a.cuIpcGetMemHandle(&h, base), "cuIpcGetMemHandle(" + hex(base) + ")");
   return std::string(h.reserved, sizeof(h.reserved));
@@ -120,7 +138,8 @@ uint64_t ipc_open(const std::string& handle_bytes, int device) {
   if (handle_bytes.size() != sizeof(CUipcMemHandle)) {
     throw Error("a CUDA IPC handle has 64 bytes, got " + std::to_string(handle_bytes.size()), 1);
   }
-  const Api& a = on(device);
+  OnDevice on(device);
+  const Api& a = on.a;
   CUipcMemHandle h{};
   std::memcpy(h.reserved, handle_bytes.data(), sizeof(h.reserved));
   CUdeviceptr ptr = 0;
@@ -129,32 +148,38 @@ uint64_t ipc_open(const std::string& handle_bytes, int device) {
 }
 
 void ipc_close(uint64_t ptr, int device) {
-  check(on(device).cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle(" + hex(ptr) + ")");
+  OnDevice on(device);
+  check(on.a.cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle(" + hex(ptr) + ")");
 }
 
 uint64_t stream_create(int device) {
   CUstream s = nullptr;
-  check(on(device).cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  OnDevice on(device);
+  check(on.a.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   return handle(s);
 }
 
 void stream_destroy(uint64_t stream, int device) {
-  check(on(device).cuStreamDestroy(as<CUstream_st>(stream)), "cuStreamDestroy");
+  OnDevice on(device);
+  check(on.a.cuStreamDestroy(as<CUstream_st>(stream)), "cuStreamDestroy");
 }
 
 uint64_t event_create(int device) {
   CUevent e = nullptr;
-  check(on(device).cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  OnDevice on(device);
+  check(on.a.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
   return handle(e);
 }
 
 void event_destroy(uint64_t event, int device) {
-  check(on(device).cuEventDestroy(as<CUevent_st>(event)), "cuEventDestroy");
+  OnDevice on(device);
+  check(on.a.cuEventDestroy(as<CUevent_st>(event)), "cuEventDestroy");
 }
 
 void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream, uint64_t wait_event, uint64_t done_event,
                    int device) {
-  const Api& a = on(device);
+  OnDevice on(device);
+  const Api& a = on.a;
   CUstream s = as<CUstream_st>(stream);
   if (wait_event) check(a.cuStreamWaitEvent(s, as<CUevent_st>(wait_event), 0), "cuStreamWaitEvent");
   if (nbytes) {
@@ -168,29 +193,34 @@ void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream,
 
 void host_register(uint64_t ptr, uint64_t nbytes, bool read_only, int device) {
   unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | (read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0u);
-  check(on(device).cuMemHostRegister(as<void>(ptr), nbytes, flags),
+  OnDevice on(device);
+  check(on.a.cuMemHostRegister(as<void>(ptr), nbytes, flags),
         "cuMemHostRegister(" + hex(ptr) + ", " + std::to_string(nbytes) + " bytes)");
 }
 
 void host_unregister(uint64_t ptr, int device) {
-  check(on(device).cuMemHostUnregister(as<void>(ptr)), "cuMemHostUnregister(" + hex(ptr) + ")");
+  OnDevice on(device);
+  check(on.a.cuMemHostUnregister(as<void>(ptr)), "cuMemHostUnregister(" + hex(ptr) + ")");
 }
 
 uint64_t module_load(const std::string& image, int device) {
   CUmodule m = nullptr;
-  check(on(device).cuModuleLoadData(&m, image.data()), "cuModuleLoadData (" + std::to_string(image.size()) + "-byte image)");
+  OnDevice on(device);
+  check(on.a.cuModuleLoadData(&m, image.data()), "cuModuleLoadData (" + std::to_string(image.size()) + "-byte image)");
   return handle(m);
 }
 
 uint64_t module_function(uint64_t module, const std::string& name, int device) {
   CUfunction f = nullptr;
-  check(on(device).cuModuleGetFunction(&f, as<CUmod_st>(module), name.c_str()), "cuModuleGetFunction(" + name + ")");
+  OnDevice on(device);
+  check(on.a.cuModuleGetFunction(&f, as<CUmod_st>(module), name.c_str()), "cuModuleGetFunction(" + name + ")");
   return handle(f);
 }
 
 void launch(uint64_t function, std::tuple<unsigned, unsigned, unsigned> grid, std::tuple<unsigned, unsigned, unsigned> block,
             unsigned shared_bytes, uint64_t stream, const std::string& params, int device) {
-  const Api& a = on(device);
+  OnDevice on(device);
+  const Api& a = on.a;
   std::string buf = params;  // the driver reads it during the call only
   size_t size = buf.size();
   void* extra[] = {reinterpret_cast<void*>(1), buf.data(),  // CU_LAUNCH_PARAM_BUFFER_POINTER

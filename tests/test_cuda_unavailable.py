@@ -73,11 +73,13 @@ def test_every_native_cuda_call_raises_unavailable():
         lambda: _cuda.allocation(1 << 20),
         lambda: _cuda.ipc_export(_cuda.Allocation(1 << 20, 4096, 0, True)),
         lambda: _cuda.kernels(0),
+        lambda: _cuda.stream_create(0),
+        lambda: _cuda.stream_destroy(1, 0),
         lambda: _cuda.CudaEngine(),
         lambda: _cuda.PinnedBuffer(4096, 0),
     ],
     ids=["driver_version", "device_count", "device_uuid", "device_name", "device_label", "local_index", "allocation",
-         "ipc_export", "kernels", "CudaEngine", "PinnedBuffer"],
+         "ipc_export", "kernels", "stream_create", "stream_destroy", "CudaEngine", "PinnedBuffer"],
 )
 def test_every_python_cuda_entry_point_raises_backend_unavailable(call):
     with pytest.raises(transport.BackendUnavailableError, match="libcuda.so.1"):
@@ -89,7 +91,7 @@ def test_public_functions_of_the_cuda_module_are_all_covered():
               if callable(v) and not inspect.isclass(v) and not n.startswith("_") and getattr(v, "__module__", "") == _cuda.__name__}
     # unavailable_reason answers instead of raising; ready_event needs a CUDA tensor to exist.
     assert public == {"unavailable_reason", "ready_event", "driver_version", "device_count", "device_uuid", "device_name",
-                      "device_label", "local_index", "allocation", "ipc_export", "kernels"}
+                      "device_label", "local_index", "allocation", "ipc_export", "kernels", "stream_create", "stream_destroy"}
 
 
 @pytest.mark.parametrize(

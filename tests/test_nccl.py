@@ -24,6 +24,7 @@ import secrets
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -38,8 +39,10 @@ from transport._errors import (
     BackendUnavailableError,
     BoundsError,
     DTypeMismatchError,
+    PeerLostError,
     ReadOnlyRegionError,
     RegistrationError,
+    TransferAbortedError,
     TransferTimeoutError,
     TransportInternalError,
 )
@@ -48,8 +51,9 @@ from transport._rendezvous import FileStore, MemoryStore
 from transport._tensors import MemoryKind
 from transport._wire import FrameKind, PeerRecord, RegionRecord, WireError
 from transport.backends import BackendContext, availability
-from transport.backends._nccl_links import comm_id, publish_unique_id, read_unique_id
-from transport.backends.nccl import NcclBackend, decode_endpoint, encode_endpoint
+from transport.backends import _nccl_links
+from transport.backends._nccl_links import Link, comm_id, publish_unique_id, read_unique_id
+from transport.backends.nccl import NcclBackend, _Ticket, decode_endpoint, encode_endpoint
 
 from .conftest import PYTHON, ROOT, python_env
 
@@ -219,6 +223,19 @@ def test_init_without_a_gpu_is_a_clear_error() -> None:
         _nccl.Communicator.start(LIB, b"abc", 1, 0, 0, "solo")
 
 
+@needs_lib
+def test_a_blocking_override_is_refused_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL_COMM_BLOCKING=1 would make rank 0's init wait, holding the event loop, for a peer
+    that is asked to join only afterwards."""
+    assert LIB is not None
+    monkeypatch.setenv(_nccl.COMM_BLOCKING_ENV, "1")
+    with pytest.raises(_nccl.NcclError, match="NCCL_COMM_BLOCKING=1 makes every communicator blocking") as info:
+        _nccl.Communicator.start(LIB, bytes(_nccl.UNIQUE_ID_BYTES), 2, 0, 0, "c")
+    assert info.value.code == _nccl.NcclResult.INVALID_USAGE
+    monkeypatch.setenv(_nccl.COMM_BLOCKING_ENV, "0")
+    assert not _nccl.forced_blocking()
+
+
 # -- descriptors and reachability -------------------------------------------------------------
 
 
@@ -376,6 +393,77 @@ async def test_a_transport_without_nccl_refuses_nccl_requests() -> None:
         async with nccl_backend("a", MemoryStore(space)) as a:
             with pytest.raises(TransportInternalError, match="c does not run backend 'nccl'"):
                 await a.request(record, _post(a, nbytes=32))
+
+
+# -- abort paths, with a communicator that fails on demand ----------------------------------------
+
+
+class FakeComm:
+    """Stands in for :class:`transport._nccl.Communicator`: records calls, fails on demand."""
+
+    rank, nranks, device = 0, 2, 0
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self.failure: _nccl.NcclError | None = None
+        self.calls: list[str] = []
+
+    def state(self) -> _nccl.NcclResult:
+        if self.failure is not None:
+            raise self.failure
+        return _nccl.NcclResult.SUCCESS
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def grouped(self, what: str, calls: Any) -> _nccl.NcclResult:
+        self.calls.append(what)
+        return _nccl.NcclResult.SUCCESS
+
+
+class DoneEvent:
+    """A CUDA event whose work has finished (as it has once an abort cut the work short)."""
+
+    def query(self) -> bool:
+        return True
+
+
+@needs_lib
+async def test_a_completed_event_on_an_aborted_link_is_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    destroyed: list[str] = []
+    monkeypatch.setattr(_nccl_links, "_destroy_stream", lambda handle, device, cid: destroyed.append(cid))
+    async with nccl_backend("a", MemoryStore(secrets.token_hex(4))) as a:
+        link = Link("a>b/1", "b", "i", FakeComm(), None, 1, None, None)  # type: ignore[arg-type]
+        await a._links.wait(link, DoneEvent(), "nccl get")
+        a._links.fail(link, PeerLostError("b left"), tell=False)
+        assert link.comm.aborted and destroyed == ["a>b/1"]
+        with pytest.raises(PeerLostError, match=r"nccl get: comm a>b/1 was aborted: b left"):
+            await a._links.wait(link, DoneEvent(), "nccl get")
+
+        failing = Link("a>b/2", "b", "i", FakeComm(), None, 2, None, None)  # type: ignore[arg-type]
+        failing.comm.failure = _nccl.NcclError("ncclRecv", _nccl.NcclResult.REMOTE_ERROR)
+        with pytest.raises(PeerLostError, match=r"nccl get failed on comm a>b/2 with b: ncclRecv: REMOTE_ERROR"):
+            await a._links.wait(failing, DoneEvent(), "nccl get")
+        assert failing.lost is not None and failing.comm.aborted and destroyed == ["a>b/1", "a>b/2"]
+
+
+@needs_lib
+async def test_a_self_transfer_cancelled_while_its_comm_opens_is_never_enqueued(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with nccl_backend("a", MemoryStore(secrets.token_hex(4))) as a:
+        tensor = SimpleNamespace(device=torch.device("cuda", 0), data_ptr=lambda: 1 << 20)
+        ticket = _Ticket("get", SimpleNamespace(tensor=tensor), ready=None)  # type: ignore[arg-type]
+        a._tickets[7] = ticket
+        comm = FakeComm()
+
+        async def self_link(device: int) -> Link:
+            del a._tickets[7]  # the transfer is cancelled (its tensor may be freed) meanwhile
+            return Link("self", "a", a.ctx.incarnation, comm, None, 1, None, None)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(a._links, "self_link", self_link)
+        meta = a._meta("self", ticket=7, dir="get", key="w", dtype="float32", offset=0, nbytes=8)
+        with pytest.raises(TransferAbortedError, match="cancelled before it was enqueued"):
+            await a.serve_request(meta, lambda op, m, n: SimpleNamespace(key="w", tensor=tensor))
+        assert comm.calls == [] and ticket.link is None and not comm.aborted
 
 
 # -- GPU -----------------------------------------------------------------------------------------

@@ -170,6 +170,16 @@ def kernels(device: int) -> Kernels:
         return k
 
 
+def stream_create(device: int) -> int:
+    """A new CUstream on ``device``, non-blocking w.r.t. the legacy default stream and shared
+    with nobody (torch's stream pool hands the same streams to everyone)."""
+    return int(_call("cuStreamCreate", _c().cuda_stream_create, device))
+
+
+def stream_destroy(stream: int, device: int) -> None:
+    _call("cuStreamDestroy", _c().cuda_stream_destroy, stream, device)
+
+
 def ready_event(t: torch.Tensor) -> Any:
     """A ``torch.cuda.Event`` recorded now on ``t``'s device's current stream: what a transfer
     of ``t`` waits for before touching it."""

@@ -55,6 +55,10 @@ WINDOW_VERSION = (2, 29, 0)
 # Since 2.30 NCCL can put two ranks on one GPU when NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
 MULTI_RANK_GPU_VERSION = (2, 30, 0)
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+# NCCL lets this variable (or the same line in /etc/nccl.conf, ~/.nccl.conf) override the
+# config's ``blocking = 0``; a blocking init would then wait, holding the event loop, for a
+# peer that is only asked to join after it returns.
+COMM_BLOCKING_ENV = "NCCL_COMM_BLOCKING"
 
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 2e-3
 
@@ -398,6 +402,19 @@ def describe() -> str:
     return f"{lib.version_string} from {lib.path} ({lib.how}); one-sided windows (ncclPutSignal): {windows}"
 
 
+def forced_blocking() -> bool:
+    """True when NCCL will make communicators blocking whatever their config says. Read from the
+    C environment, where NCCL also puts the settings of its configuration files once it ran."""
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    libc.getenv.argtypes = [ctypes.c_char_p]
+    value = libc.getenv(COMM_BLOCKING_ENV.encode())
+    try:
+        return value is not None and int(value.decode(errors="replace").strip()) == 1
+    except ValueError:
+        return False
+
+
 # -- uuids ---------------------------------------------------------------------------------------
 
 
@@ -448,6 +465,9 @@ class Communicator:
         """
         if len(uid) != UNIQUE_ID_BYTES:
             raise NcclError(f"ncclCommInitRankConfig of comm {name}", NcclResult.INVALID_ARGUMENT, f"unique id of {len(uid)} bytes, not {UNIQUE_ID_BYTES}")
+        if forced_blocking():
+            raise NcclError(f"ncclCommInitRankConfig of comm {name}", NcclResult.INVALID_USAGE,
+                            f"{COMM_BLOCKING_ENV}=1 makes every communicator blocking; transport needs non-blocking ones (unset it)")
         uid_s = UniqueId()
         ctypes.memmove(ctypes.byref(uid_s), uid, UNIQUE_ID_BYTES)
         name_b = name.encode()[:255]

@@ -233,7 +233,7 @@ class Links:
         handle = 0
         try:
             with torch.cuda.device(comm.device):  # also restores the current device the driver call sets
-                handle = _cuda._call("cuStreamCreate", _cuda._c().cuda_stream_create, comm.device)
+                handle = _cuda.stream_create(comm.device)
                 stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", comm.device))
                 ack_dev = torch.zeros(ACK_SLOTS, dtype=torch.int64, device=f"cuda:{comm.device}")
                 # The zeros are written (and the block was last used) on the current stream,
@@ -430,7 +430,7 @@ class Links:
 def _destroy_stream(handle: int, device: int, cid: str) -> None:
     try:
         with torch.cuda.device(device):
-            _cuda._call("cuStreamDestroy", _cuda._c().cuda_stream_destroy, handle, device)
+            _cuda.stream_destroy(handle, device)
     except Exception as exc:  # releasing must not fail an abort; say it happened
         log.warning("nccl: destroying the stream of comm %s failed: %s", cid, exc)
 
