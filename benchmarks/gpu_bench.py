@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from transport._bench import format_size, parse_sizes
+from transport._bench import LoggedProcess, format_size, parse_sizes
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_SIZES = "1MiB,64MiB,1GiB"
@@ -321,41 +321,15 @@ def measure_baselines(buf: Buffers, sizes: Sequence[int], iters: int | None, war
 # The target process
 
 
-class TargetProcess:
+class TargetProcess(LoggedProcess):
     """``python -m benchmarks.gpu_bench serve``; its output goes to a log quoted on failure."""
 
     def __init__(self, store: str, nbytes: int, timeout: float, log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "serve", "--store", store, "--nbytes", str(nbytes),
                "--timeout", str(timeout), "--parent", str(os.getpid())]
         root = Path(__file__).resolve().parent.parent
         env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def tail(self, limit: int = 3000) -> str:
-        try:
-            return self.log_path.read_bytes()[-limit:].decode(errors="replace")
-        except OSError as exc:
-            return f"(cannot read {self.log_path}: {exc})"
-
-    def failure(self) -> str | None:
-        rc = self.proc.poll()
-        return None if rc is None else f"the target process exited with code {rc}; its output ends with:\n{self.tail()}"
-
-    def stop(self, timeout: float = 30.0) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.stop()
+        super().__init__(cmd, log_path, env=env, cwd=root)
 
 
 async def serve(store: str, nbytes: int, timeout: float, parent: int) -> None:
@@ -484,7 +458,7 @@ async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Seque
                     raise BenchError(failure)
                 await trio.sleep(0.05)
         if scope.cancelled_caught:
-            raise BenchError(f"the target was not ready within {START_TIMEOUT_S:g}s; its output ends with:\n{target.tail()}")
+            raise BenchError(f"the target was not ready within {START_TIMEOUT_S:g}s; its output ends with:\n{target.output_tail()}")
         await t.peer(TARGET, regions=[DEV_KEY, HOST_KEY], timeout=timeout)
         try:
             await measure_transport(t, target, buf, sizes, iters, warmup, baselines, rows)
@@ -651,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             rc = target.stop()
             if rc != 0:
-                raise BenchError(f"the target process exited with code {rc}; its output ends with:\n{target.tail()}")
+                raise BenchError(f"the target process exited with code {rc}; its output ends with:\n{target.output_tail()}")
         del buf
         torch.cuda.empty_cache()
         if args.no_nccl:

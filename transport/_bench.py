@@ -339,32 +339,20 @@ async def _timed(op: Callable[[], Awaitable[object]], iters: int, warmup: int) -
     return times
 
 
-class _TargetProcess:
-    """The target: a separate process serving one region until the exit doorbell rings.
+class LoggedProcess:
+    """A benchmark's helper process whose output goes to a log file, quoted when it fails.
+    :meth:`stop` always leaves it joined: it waits a bounded time for a clean exit, then kills it.
+    (Also used by ``benchmarks/gpu_bench.py``.)"""
 
-    Its output goes to a log file whose tail is quoted when it fails. :meth:`stop` always
-    leaves it joined: it waits a bounded time for a clean exit, then kills it.
-    """
-
-    def __init__(self, store_url: str, config: BenchConfig, backends: Sequence[str], log_path: Path) -> None:
+    def __init__(self, cmd: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "transport._bench", "serve",
-            "--store", store_url,
-            "--name", TARGET_NAME,
-            "--nbytes", str(config.region_bytes),
-            "--backends", ",".join(backends),
-            "--timeout", str(config.timeout),
-            "--lifetime", str(_lifetime_bound(config)),
-            "--parent", str(os.getpid()),
-        ]  # fmt: skip
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
         except BaseException:
             self._log.close()
             raise
-        log.info("bench target started: pid %d", self.proc.pid)
+        log.info("bench helper process started: pid %d", self.proc.pid)
 
     def failure(self) -> str | None:
         """None while it runs, else how it ended and the tail of its output."""
@@ -384,7 +372,7 @@ class _TargetProcess:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            log.warning("bench target (pid %d) did not exit within %gs; killing it", self.proc.pid, timeout)
+            log.warning("bench helper process (pid %d) did not exit within %gs; killing it", self.proc.pid, timeout)
             self.proc.kill()
             return self.proc.wait(timeout=timeout)
         finally:
@@ -395,6 +383,23 @@ class _TargetProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.stop()
+
+
+class _TargetProcess(LoggedProcess):
+    """The target: a separate process serving one region until the exit doorbell rings."""
+
+    def __init__(self, store_url: str, config: BenchConfig, backends: Sequence[str], log_path: Path) -> None:
+        cmd = [
+            sys.executable, "-m", "transport._bench", "serve",
+            "--store", store_url,
+            "--name", TARGET_NAME,
+            "--nbytes", str(config.region_bytes),
+            "--backends", ",".join(backends),
+            "--timeout", str(config.timeout),
+            "--lifetime", str(_lifetime_bound(config)),
+            "--parent", str(os.getpid()),
+        ]  # fmt: skip
+        super().__init__(cmd, log_path)
 
 
 def _lifetime_bound(config: BenchConfig) -> float:
