@@ -315,3 +315,13 @@ def test_layout_buckets_cover_the_version_and_isolate_large_tensors():
         inside = [(a, b) for a, b in layout.buckets if e.offset <= a and b <= e.offset + e.nbytes]
         if e.nbytes >= DIRECT_MIN:  # covered exactly by buckets of its own
             assert sum(b - a for a, b in inside) == e.nbytes, e.name
+
+
+async def test_gpu_slots_without_a_driver_say_why(store):
+    if transport._cuda.unavailable_reason() is None:
+        pytest.skip("a CUDA driver is present (tests/test_weights_cuda.py covers GPU slots)")
+    async with transport.Transport("gen", store=store) as tg:
+        with pytest.raises(transport.BackendUnavailableError, match="slots on cuda: no CUDA driver"):
+            Subscriber(tg, make_model(), publisher="trainer", device="cuda")
+        with pytest.raises(ValueError, match="device= must be cpu or a CUDA device"):
+            Subscriber(tg, make_model(), publisher="trainer", device="meta")

@@ -58,7 +58,29 @@ async def test_gpu_model_to_gpu_model(backend):
             assert all(t.is_cuda for t in dst.values())
 
 
-async def test_zero_copy_refuses_gpu_targets():
+async def test_zero_copy_needs_the_slots_where_the_tensors_are():
     async with transport.Transport("gen", store=f"memory://{uuid.uuid4().hex}") as tg:
-        with pytest.raises(ValueError, match="zero_copy=True re-points tensors at host-memory slots.*cuda:0"):
+        with pytest.raises(ValueError, match="zero_copy=True re-points tensors at the slots on cpu.*cuda:0"):
             Subscriber(tg, gpu_model(0), publisher="trainer", zero_copy=True)
+        Subscriber(tg, gpu_model(0), publisher="trainer", zero_copy=True, device="cuda:0")
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
+async def test_slots_in_gpu_memory(zero_copy):
+    """device="cuda": the publisher writes into the generator's GPU slots (CUDA IPC), apply() is
+    a device copy or a re-point."""
+    store = f"memory://{uuid.uuid4().hex}"
+    src, dst = gpu_model(1), {k: torch.zeros_like(v) for k, v in gpu_model(2).items()}
+    async with transport.Transport("trainer", store=store, backends=("ipc",)) as tt, \
+            transport.Transport("gen", store=store, backends=("ipc",)) as tg:
+        async with Publisher(tt, src, bucket_bytes=1 << 20) as pub, \
+                Subscriber(tg, dst, publisher="trainer", device="cuda", zero_copy=zero_copy) as sub:
+            assert all(s.is_cuda for s in sub._slots)
+            for v in (1, 2, 3):
+                for x in src.values():
+                    x.add_(1)
+                report = await pub.publish(v)
+                assert report.done == ["gen"], report
+                assert await sub.wait_version(v, timeout=30) == v
+                assert same(src, dst)
+                assert all(t.is_cuda for t in dst.values())

@@ -40,8 +40,8 @@ from typing import Callable, Iterator, Mapping
 import anyio
 import torch
 
-from . import _kernels
-from ._errors import TransferTimeoutError, TransportError
+from . import _cuda, _kernels
+from ._errors import BackendUnavailableError, TransferTimeoutError, TransportError
 from ._transport import Transport
 from ._wire import PeerRecord
 from ._weights_layout import Entry, Layout, LayoutMismatchError, build_layout, describe
@@ -447,11 +447,18 @@ class Subscriber:
             instead of copying: ``apply()`` costs no copy, at the price of a third slot (the
             local tensors' own memory is released after the first apply, so the total is the
             same as in copy mode). Tensors that need conversion (fp8, another dtype) are still
-            copied. Keep no other views of the tensors' old storage. CPU targets only (the
-            slots are host memory); a GPU model is applied by copy (host -> device).
+            copied. Keep no other views of the tensors' old storage. The tensors must live on
+            ``device``, where the slots are.
+        device: where the staging slots live. ``"cpu"`` (default): shareable host memory that
+            every backend reaches; a GPU model is applied by a host -> device copy. A CUDA
+            device: the publisher writes straight into GPU memory (``ipc`` on one host,
+            ``nccl`` across hosts; not ``ucx``/``tcp``), ``apply()`` is a device copy, or with
+            ``zero_copy`` a re-point of the GPU tensors.
 
     Raises:
-        ValueError: ``zero_copy`` with tensors that are not on the CPU.
+        ValueError: ``zero_copy`` with tensors that are not on ``device``; a ``device`` that is
+            neither the CPU nor a CUDA device.
+        BackendUnavailableError: slots on a CUDA device without a usable CUDA driver.
     """
 
     def __init__(
@@ -464,15 +471,24 @@ class Subscriber:
         rename: Callable[[str], str | None] | None = None,
         strict: bool = True,
         zero_copy: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.t = transport
         self.zero_copy = zero_copy
+        self.device = torch.device(device)
         self.publisher = publisher
         self.name = name
         self._local = _tensors_of(target, detach=False)
-        if zero_copy and (on := sorted({str(t.device) for t in self._local.values() if t.device.type != "cpu"})):
-            raise ValueError(f"zero_copy=True re-points tensors at host-memory slots; the target has tensors on {', '.join(on)} "
-                             "(use the default copy apply for GPU models)")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device= must be cpu or a CUDA device, not {self.device}")
+        if self.device.type == "cuda":
+            if (why := _cuda.unavailable_reason()) is not None:
+                raise BackendUnavailableError(f"slots on {self.device}: {why}")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        if zero_copy and (on := sorted({str(t.device) for t in self._local.values() if t.device != self.device})):
+            raise ValueError(f"zero_copy=True re-points tensors at the slots on {self.device}; the target has tensors on "
+                             f"{', '.join(on)} (pass device= where they live, or use the default copy apply)")
         self._rename = rename
         self._strict = strict
         self._keys = _keys(name)
@@ -509,6 +525,9 @@ class Subscriber:
         await t.get(raw, self.publisher, key=k["layout"])
         self.layout = Layout.decode(raw.numpy().tobytes())
         self._plan = list(self._match(self.layout))
+        # Devices whose queued copies read a device slot in apply() (a host slot is consumed by
+        # the time copy_ returns): apply() waits for them before it lets the slot go.
+        self._gpus = sorted({dst.device.index for _, dst in self._plan if dst.is_cuda} | {self.device.index}) if self.device.type == "cuda" else []
         ctl = torch.zeros(_CTL_WORDS, dtype=torch.int64)
         ctl[_READING] = -1
         ctl[_TRYING] = -1
@@ -518,9 +537,16 @@ class Subscriber:
         self._ctl.copy_(ctl)
         # slot1 last: publishers treat a peer as subscribed once it is registered.
         nslots = (0, 2, 1) if self.zero_copy else (0, 1)
-        slots = {i: t.empty(k[f"slot{i}"], self.layout.total, torch.uint8) for i in nslots}
+        slots = {i: self._new_slot(k[f"slot{i}"]) for i in nslots}
         self._slots = [slots[i] for i in sorted(slots)]
         self._started = True
+
+    def _new_slot(self, key: str) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.t.empty(key, self.layout.total, torch.uint8)
+        slot = torch.zeros(self.layout.total, dtype=torch.uint8, device=self.device)
+        self.t.register(key, slot)
+        return slot
 
     def _match(self, layout: Layout) -> Iterator[tuple[Entry, torch.Tensor]]:
         for e in layout.entries:
@@ -585,6 +611,8 @@ class Subscriber:
                     self._repoint(self._slots[front[1]])
                 else:
                     self._unpack(self._slots[front[1]])
+                    for d in self._gpus:  # the slot is released below: the device copies must be done
+                        torch.cuda.current_stream(d).synchronize()
             finally:
                 _fence()
                 if self.zero_copy:
