@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "cuda_driver.h"
 
@@ -103,9 +104,13 @@ std::string device_name(int device) {
   return name;
 }
 
-std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr) {
+std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr, int device) {
   const Api& a = api();
-  unsigned mem_type = 0;
+  // Pointer queries can fail with CUDA_ERROR_INVALID_CONTEXT on a thread with no current
+  // context: make the caller's guess of the device (the tensor's) current for them.
+  std::optional<OnDevice> hint;
+  if (device >= 0) hint.emplace(device);
+  unsigned mem_type = 0;  // a CUmemorytype
   check(a.cuPointerGetAttribute(&mem_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr),
         "cuPointerGetAttribute(MEMORY_TYPE, " + hex(ptr) + ")");
   if (mem_type != CU_MEMORYTYPE_DEVICE) {
@@ -115,15 +120,18 @@ std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr) {
   check(a.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
         "cuPointerGetAttribute(DEVICE_ORDINAL, " + hex(ptr) + ")");
   OnDevice on(ordinal);
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  check(a.cuMemGetAddressRange(&base, &size, ptr), "cuMemGetAddressRange(" + hex(ptr) + ")");
-  int ipc_capable = 1;
+  int ipc_capable = 0;  // a boolean: an int holds it whether the driver writes 1 or 4 bytes
   // Older drivers do not know the attribute: then assume a legacy (cuMemAlloc) allocation.
   if (a.cuPointerGetAttribute(&ipc_capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr) != CUDA_SUCCESS) {
     ipc_capable = 1;
   }
-  return {base, size, ordinal, ipc_capable != 0};
+  // A VMM allocation (e.g. PyTorch's expandable segments) cannot be exported with legacy IPC;
+  // its range is not needed, and the caller refuses it with a message that says why.
+  if (!ipc_capable) return {ptr, 0, ordinal, false};
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  check(a.cuMemGetAddressRange(&base, &size, ptr), "cuMemGetAddressRange(" + hex(ptr) + ")");
+  return {base, size, ordinal, true};
 }
 
 std::string ipc_export(uint64_t base, int device) {

@@ -17,8 +17,9 @@ int device_count();
 std::string device_uuid(int device);  // "GPU-xxxxxxxx-xxxx-..." as nvidia-smi prints it
 std::string device_name(int device);
 
-// The allocation `ptr` lies in: (base, size, device ordinal, legacy-IPC-capable).
-std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr);
+// The allocation `ptr` lies in: (base, size, device ordinal, legacy-IPC-capable); `device` (-1:
+// unknown) is made current for the queries. Not IPC-capable: (ptr, 0, ordinal, false).
+std::tuple<uint64_t, uint64_t, int, bool> allocation(uint64_t ptr, int device = -1);
 
 // Legacy CUDA IPC: a 64-byte handle for the allocation starting at `base`; its mapping in this
 // process (on `device`); and closing it.

@@ -40,12 +40,19 @@ void bind_cuda(nb::module_& m) {
   m.def("cuda_device_count", &cuda::device_count);
   m.def("cuda_device_uuid", &cuda::device_uuid, nb::arg("device"));
   m.def("cuda_device_name", &cuda::device_name, nb::arg("device"));
-  m.def("cuda_allocation", &cuda::allocation, nb::arg("ptr"),
-        "(base, size, device, legacy_ipc_capable) of the device allocation holding ptr.");
+  m.def("cuda_allocation", &cuda::allocation, nb::arg("ptr"), nb::arg("device") = -1,
+        "(base, size, device, legacy_ipc_capable) of the device allocation holding ptr; `device` (-1: unknown) "
+        "is the context made current for the queries.");
   m.def("cuda_ipc_export", [](uint64_t base, int device) { return nb::bytes(cuda::ipc_export(base, device).data(), 64); },
         nb::arg("base"), nb::arg("device"));
-  m.def("cuda_ipc_open", [](nb::bytes h, int device) { return cuda::ipc_open(std::string(h.c_str(), h.size()), device); },
-        nb::arg("handle"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>());
+  m.def(
+      "cuda_ipc_open",
+      [](nb::bytes h, int device) {
+        std::string handle(h.c_str(), h.size());  // read the Python object while the GIL is held
+        nb::gil_scoped_release unlocked;
+        return cuda::ipc_open(handle, device);
+      },
+      nb::arg("handle"), nb::arg("device"));
   m.def("cuda_ipc_close", &cuda::ipc_close, nb::arg("ptr"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_stream_create", &cuda::stream_create, nb::arg("device"));
   m.def("cuda_stream_destroy", &cuda::stream_destroy, nb::arg("stream"), nb::arg("device"));

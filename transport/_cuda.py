@@ -27,6 +27,8 @@ from ._native import load
 
 log = logging.getLogger(__name__)
 
+_ImportKey = tuple[str, str, bytes, int]  # a peer's IPC import: (peer, incarnation, handle, device)
+
 # Pinned staging buffers are pooled up to this many bytes; beyond it they are freed on release.
 STAGING_POOL_BYTES = 1 << 30
 # Device memory moved through host staging goes in pieces of at most this size.
@@ -108,8 +110,10 @@ class Allocation:
     ipc_capable: bool  # False for VMM allocations, e.g. PyTorch's expandable segments
 
 
-def allocation(ptr: int) -> Allocation:
-    base, size, device, ipc = _call(f"allocation of 0x{ptr:x}", _c().cuda_allocation, ptr)
+def allocation(ptr: int, device: int = -1) -> Allocation:
+    """The allocation ``ptr`` lies in; ``device`` (-1: unknown) is the device it is expected on,
+    whose context is made current for the driver's pointer queries."""
+    base, size, device, ipc = _call(f"allocation of 0x{ptr:x}", _c().cuda_allocation, ptr, device)
     return Allocation(int(base), int(size), int(device), bool(ipc))
 
 
@@ -188,6 +192,34 @@ def ready_event(t: torch.Tensor) -> Any:
     return ev
 
 
+# Legacy CUDA IPC opens a handle once per process and device (a second open of the same handle
+# fails), so the imports of every CudaEngine in the process share one table:
+# (handle, device) -> [address, number of engine imports using it].
+_ipc_lock = threading.Lock()
+_ipc_opened: dict[tuple[bytes, int], list[int]] = {}
+
+
+def _ipc_open(handle: bytes, device: int, what: str) -> int:
+    with _ipc_lock:
+        hit = _ipc_opened.get((handle, device))
+        if hit is None:
+            hit = _ipc_opened[(handle, device)] = [int(_call(what, _c().cuda_ipc_open, handle, device)), 0]
+        hit[1] += 1
+        return hit[0]
+
+
+def _ipc_close(handle: bytes, device: int) -> None:
+    with _ipc_lock:
+        hit = _ipc_opened.get((handle, device))
+        if hit is None:
+            return
+        hit[1] -= 1
+        if hit[1] > 0:
+            return
+        del _ipc_opened[(handle, device)]
+        load().cuda_ipc_close(hit[0], device)
+
+
 class PinnedBuffer:
     """A page-locked host buffer from :class:`CudaEngine`'s staging pool."""
 
@@ -210,11 +242,14 @@ class CudaEngine:
         self._c = _c()
         self._streams: dict[int, int] = {}
         self._events: dict[int, list[int]] = {}
-        self._imports: dict[tuple[str, str, bytes], tuple[int, int]] = {}  # (peer, incarnation, handle) -> (ptr, device)
-        self._holds: dict[tuple[str, str, bytes], int] = {}  # imports in use by running copies
-        self._closing: set[tuple[str, str, bytes]] = set()  # forgotten while in use
+        self._imports: dict[_ImportKey, int] = {}  # (peer, incarnation, handle, device) -> address
+        self._holds: dict[_ImportKey, int] = {}  # imports in use by running copies
+        self._closing: set[_ImportKey] = set()  # forgotten while in use
         self._pinned_maps: dict[tuple[int, int], int] = {}  # (address, nbytes) -> device
         self._pin_refused: set[tuple[int, int]] = set()
+        self._pinning: dict[tuple[int, int], anyio.Event] = {}  # registrations running on a worker thread
+        self._pin_holds: dict[tuple[int, int], int] = {}  # ranges in use by running copies
+        self._unpin_later: set[tuple[int, int]] = set()  # unpinned while in use
         self._staging: list[PinnedBuffer] = []
         self._lock = threading.Lock()  # events are returned from worker threads
 
@@ -238,10 +273,13 @@ class CudaEngine:
         Cancellation: takes effect once the enqueued copy has finished on the device (it cannot
         be recalled), so no buffer is reused or freed under a running copy.
         """
-        stream, done = self._stream(device), self._event(device)
+        stream = self._stream(device)
         wait = int(ready.cuda_event) if ready is not None else 0
 
         def run() -> None:
+            # Taken here, not before the await: a cancellation that stops the thread from
+            # starting would otherwise lose the event.
+            done = self._event(device)
             try:
                 self._c.cuda_copy_and_wait(dst, src, nbytes, stream, wait, done, device)
             finally:
@@ -253,19 +291,18 @@ class CudaEngine:
         except self._c.CudaError as exc:
             raise TransportInternalError(f"CUDA copy of {nbytes} bytes 0x{src:x} -> 0x{dst:x} on device {device}: {exc}") from exc
 
-    def acquire_ipc(self, peer: str, incarnation: str, handle: bytes, device: int) -> tuple[tuple[str, str, bytes], int]:
+    def acquire_ipc(self, peer: str, incarnation: str, handle: bytes, device: int) -> tuple[_ImportKey, int]:
         """(import key, address in this process) of a peer's exported allocation, opened once
-        per peer incarnation and held until :meth:`release_ipc`: a forgotten peer's import is
-        closed only after the copies using it finished, never under a running copy."""
-        key = (peer, incarnation, handle)
-        hit = self._imports.get(key)
-        if hit is None:
-            ptr = _call(f"opening {peer}'s CUDA IPC handle on device {device}", self._c.cuda_ipc_open, handle, device)
-            hit = self._imports[key] = (int(ptr), device)
+        per peer incarnation and device and held until :meth:`release_ipc`: a forgotten peer's
+        import is closed only after the copies using it finished, never under a running copy."""
+        key = (peer, incarnation, handle, device)
+        ptr = self._imports.get(key)
+        if ptr is None:
+            ptr = self._imports[key] = _ipc_open(handle, device, f"opening {peer}'s CUDA IPC handle on device {device}")
         self._holds[key] = self._holds.get(key, 0) + 1
-        return key, hit[0]
+        return key, ptr
 
-    def release_ipc(self, key: tuple[str, str, bytes]) -> None:
+    def release_ipc(self, key: _ImportKey) -> None:
         left = self._holds.get(key, 0) - 1
         if left > 0:
             self._holds[key] = left
@@ -275,41 +312,75 @@ class CudaEngine:
             self._closing.discard(key)
             self._close_import(key)
 
-    def _close_import(self, key: tuple[str, str, bytes]) -> None:
-        hit = self._imports.pop(key, None)
-        if hit is not None:
-            self._quietly(f"closing {key[0]}'s CUDA IPC import", self._c.cuda_ipc_close, hit[0], hit[1])
+    def _close_import(self, key: _ImportKey) -> None:
+        if self._imports.pop(key, None) is not None:
+            self._quietly(f"closing {key[0]}'s CUDA IPC import", _ipc_close, key[2], key[3])
 
-    def pin(self, address: int, nbytes: int, read_only: bool, device: int) -> None:
+    async def pin(self, address: int, nbytes: int, read_only: bool, device: int) -> tuple[int, int]:
         """Page-locks a host range once (e.g. this process's mapping of a peer's shared region),
-        so device copies to and from it are DMA, not staged by the driver. If the driver
-        refuses, copies still work (the driver stages them); that is logged once."""
+        so device copies to and from it are DMA, not staged by the driver, and holds it for
+        one copy: pass the returned key to :meth:`release_pin` once that copy finished (an
+        :meth:`unpin` meanwhile waits for it). If the driver refuses, copies still work (the
+        driver stages them); that is logged once.
+
+        The registration (slow for a large range) runs on a worker thread. Cancellation: no
+        hold is left behind; a registration under way completes and is kept.
+        """
         key = (address, nbytes)
-        if key in self._pinned_maps or key in self._pin_refused:
-            return
+        self._pin_holds[key] = self._pin_holds.get(key, 0) + 1
         try:
-            self._c.cuda_host_register(address, nbytes, read_only, device)
-        except self._c.CudaError as exc:
-            self._pin_refused.add(key)
-            log.warning("cuda: could not page-lock a %d-byte peer mapping (%s); its copies go through the driver's staging", nbytes, exc)
+            while (pending := self._pinning.get(key)) is not None:
+                await pending.wait()
+            if key not in self._pinned_maps and key not in self._pin_refused:
+                self._pinning[key] = pending = anyio.Event()
+                try:
+                    await anyio.to_thread.run_sync(self._c.cuda_host_register, address, nbytes, read_only, device)
+                except self._c.CudaError as exc:
+                    self._pin_refused.add(key)
+                    log.warning("cuda: could not page-lock a %d-byte peer mapping (%s); its copies go through the driver's staging", nbytes, exc)
+                else:
+                    self._pinned_maps[key] = device
+                finally:
+                    del self._pinning[key]
+                    pending.set()
+        except BaseException:
+            self.release_pin(key)
+            raise
+        return key
+
+    def release_pin(self, key: tuple[int, int]) -> None:
+        left = self._pin_holds.get(key, 0) - 1
+        if left > 0:
+            self._pin_holds[key] = left
             return
-        self._pinned_maps[key] = device
+        self._pin_holds.pop(key, None)
+        if key in self._unpin_later:
+            self._unpin_later.discard(key)
+            self.unpin(*key)
 
     def unpin(self, address: int, nbytes: int) -> None:
-        self._pin_refused.discard((address, nbytes))
-        device = self._pinned_maps.pop((address, nbytes), None)
+        """Undoes :meth:`pin` (call it before the range is unmapped); while a copy holds the
+        range, once that copy finished, never under a running DMA."""
+        key = (address, nbytes)
+        if self._pin_holds.get(key):
+            self._unpin_later.add(key)
+            return
+        self._pin_refused.discard(key)
+        device = self._pinned_maps.pop(key, None)
         if device is not None:
             self._quietly("cuMemHostUnregister", self._c.cuda_host_unregister, address, device)
 
-    def acquire_staging(self, nbytes: int, device: int) -> PinnedBuffer:
-        """A pinned buffer of at least ``nbytes`` (reused from the pool when one fits)."""
+    async def acquire_staging(self, nbytes: int, device: int) -> PinnedBuffer:
+        """A pinned buffer of at least ``nbytes`` (reused from the pool when one fits; a new
+        one is page-locked on a worker thread)."""
         with self._lock:
             fits = [b for b in self._staging if b.nbytes >= nbytes]
             if fits:
                 best = min(fits, key=lambda b: b.nbytes)
                 self._staging.remove(best)
                 return best
-        return PinnedBuffer(max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length()), device)
+        size = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+        return await anyio.to_thread.run_sync(PinnedBuffer, size, device)
 
     def release_staging(self, buf: PinnedBuffer) -> None:
         with self._lock:
@@ -328,7 +399,7 @@ class CudaEngine:
         Pieces are multiples of ``granule`` bytes (the element size).
         """
         chunk = max(granule, STAGING_CHUNK // granule * granule)
-        buf = self.acquire_staging(min(nbytes, chunk), device)
+        buf = await self.acquire_staging(min(nbytes, chunk), device)
         try:
             for pos in range(0, nbytes, chunk):
                 size = min(chunk, nbytes - pos)
@@ -356,6 +427,8 @@ class CudaEngine:
             self._close_import(key)
         self._holds.clear()
         self._closing.clear()
+        self._pin_holds.clear()
+        self._unpin_later.clear()
         for address, nbytes in list(self._pinned_maps):
             self.unpin(address, nbytes)
         for buf in self._staging:

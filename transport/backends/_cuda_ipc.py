@@ -25,8 +25,7 @@ from .._wire import PeerRecord, RegionRecord
 from ._base import LocalBuffer, RemoteTarget
 
 _DEVICE_REGION = struct.Struct("<64sQQQ")  # IPC handle, allocation base, offset in it, nbytes
-_REFUSED = b"!"
-STAGING_CHUNK = 64 << 20  # device <-> a CMA-only host region is staged in pieces of this size  # a descriptor that carries why the region cannot be exported instead
+_REFUSED = b"!"  # a descriptor that carries why the region cannot be exported instead
 
 
 def is_device(region: RegionRecord) -> bool:
@@ -53,7 +52,7 @@ class CudaIpc:
             desc = region.backend_state["ipc"] = _DEVICE_REGION.pack(b"\0" * 64, 0, 0, 0)
         if desc is None:
             try:
-                alloc = _cuda.allocation(region.address)
+                alloc = _cuda.allocation(region.address, region.tensor.device.index)
                 handle = _cuda.ipc_export(alloc)
                 desc = _DEVICE_REGION.pack(handle, alloc.base, region.address - alloc.base, region.nbytes)
             except (BackendUnavailableError, TransportInternalError) as exc:
@@ -120,10 +119,13 @@ class CudaIpc:
             return
         device = local.tensor.device.index  # the region is host memory, so this side is the GPU
         if host_address is not None:
-            if host_pin is not None:
-                eng.pin(*host_pin, device)
-            dst, src = (host_address, local.address) if write else (local.address, host_address)
-            await eng.copy(dst, src, n, device, local.ready)
+            pinned = await eng.pin(*host_pin, device) if host_pin is not None else None
+            try:
+                dst, src = (host_address, local.address) if write else (local.address, host_address)
+                await eng.copy(dst, src, n, device, local.ready)
+            finally:
+                if pinned is not None:  # an unpin asked for meanwhile happens now, not under the DMA
+                    eng.release_pin(pinned)
             return
         assert cma is not None
         await eng.staged(local.address, n, device, local.ready, write, cma)
