@@ -509,6 +509,16 @@ async def test_one_rank_put_and_get_to_self(memory_store: str) -> None:
             await t.put(torch.ones(16, device="cuda"), "solo", key="ro")
         await t.get(torch.empty(16, device="cuda"), "solo", key="ro")
 
+        # Host tensors reach a device region through a GPU staging buffer (nccl moves device
+        # memory only): what a publisher's packed host buckets need for GPU slots across hosts.
+        host = torch.randn(n)
+        h = t.put(host, "solo", key="dst")
+        await h
+        assert h.backend == "nccl" and torch.equal(dst.cpu(), host)
+        host_back = torch.empty(1000)
+        await t.get(host_back, "solo", key="dst", offset=4 * 5000)
+        assert torch.equal(host_back, host[5000:6000])
+
 
 _PEER_CHILD = r"""
 import json, sys, time, anyio, torch, transport

@@ -8,12 +8,12 @@ outcome (flight recorder, peer loss).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
-from . import _cuda
+from . import _cuda, _kernels
 from ._errors import (
     BackendUnavailableError,
     BoundsError,
@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("transport._transport")
 
 
+def _staging_kind(kind: MemoryKind) -> MemoryKind:
+    """The memory a transfer of ``kind`` memory is staged through for a backend that does not
+    serve ``kind``."""
+    return MemoryKind.CPU if kind == MemoryKind.CUDA else MemoryKind.CUDA
+
+
 class TransferRunner:
     def _check_remote(self: Transport, record: PeerRecord, xfer: Transfer, dtype: torch.dtype) -> RegionRecord:
         region = record.regions.get(xfer.key)
@@ -59,15 +65,18 @@ class TransferRunner:
 
     def _choose(self: Transport, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
         """The first backend that can move bytes between ``kind`` memory here and ``region``.
-        A host-memory backend serves local CUDA tensors through pinned staging (see _execute)."""
+        A host-memory backend serves local CUDA tensors through pinned staging, a device-memory
+        backend (nccl) local host tensors through a device buffer (see _staged)."""
         reasons = []
         for b in self._backends:
-            # The memory it would touch here: the tensor itself, or a host staging copy of it.
-            touch = kind if kind in b.memory_kinds else MemoryKind.CPU
+            # The memory it would touch here: the tensor itself, or a staging copy of it.
+            touch = kind if kind in b.memory_kinds else _staging_kind(kind)
             if b.name not in record.backends:
                 reasons.append(f"{b.name}: {record.name} does not speak it")
             elif touch not in b.memory_kinds:
                 reasons.append(f"{b.name}: does not serve {kind.value} memory")
+            elif touch != kind and touch == MemoryKind.CUDA and (why := _cuda.unavailable_reason()) is not None:
+                reasons.append(f"{b.name}: serves {kind.value} memory through a GPU buffer, but {why}")
             elif (why := b.unreachable_reason(record, region, touch)) is not None:
                 reasons.append(f"{b.name}: {why}")
             else:
@@ -110,8 +119,12 @@ class TransferRunner:
             await backend.get(local, remote)
 
     async def _staged(self: Transport, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
-        """Moves a CUDA tensor over a host-memory backend through pinned staging, in pieces."""
+        """Moves a CUDA tensor over a host-memory backend through pinned staging, or a host
+        tensor over a device-memory backend through a GPU buffer, in pieces."""
         dtype = local.tensor.dtype
+        if local.kind == MemoryKind.CPU:
+            await self._staged_on_gpu(backend, op, local, remote)
+            return
 
         async def move(buf: _cuda.PinnedBuffer, pos: int, size: int) -> None:
             host = LocalBuffer(buf.tensor[:size].view(dtype), MemoryKind.CPU)
@@ -120,6 +133,25 @@ class TransferRunner:
 
         await self._cuda_engine().staged(local.address, remote.nbytes, local.tensor.device.index, local.ready,
                                          op == TransferOp.PUT, move, dtype.itemsize)
+
+    async def _staged_on_gpu(self: Transport, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+        host, n, dtype = _kernels.as_bytes(local.tensor), remote.nbytes, local.tensor.dtype
+        chunk = max(dtype.itemsize, _cuda.STAGING_CHUNK // dtype.itemsize * dtype.itemsize)
+        gpu = torch.empty(min(n, chunk), dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        for pos in range(0, n, chunk):
+            size = min(chunk, n - pos)
+            part = RemoteTarget(remote.peer, remote.region, remote.offset + pos, size)
+
+            def copy(dst: torch.Tensor, src: torch.Tensor) -> Any:  # on a worker thread: may block
+                dst.copy_(src)
+                return _cuda.ready_event(gpu)
+
+            if op == TransferOp.PUT:
+                ready = await anyio.to_thread.run_sync(copy, gpu[:size], host[pos : pos + size])
+                await backend.put(LocalBuffer(gpu[:size].view(dtype), MemoryKind.CUDA, ready), part)
+            else:
+                await backend.get(LocalBuffer(gpu[:size].view(dtype), MemoryKind.CUDA, _cuda.ready_event(gpu)), part)
+                await anyio.to_thread.run_sync(copy, host[pos : pos + size], gpu[:size])
 
     def _cuda_engine(self: Transport) -> _cuda.CudaEngine:
         if self._cuda is None:
