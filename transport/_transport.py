@@ -332,8 +332,9 @@ class Transport(PeerDirectory, TransferRunner):
 
         Args:
             key: name peers use for this region; unique within this Transport.
-            tensor: a contiguous CPU tensor. The Transport keeps a reference to it until
-                ``unregister``; do not free or resize its storage meanwhile.
+            tensor: a contiguous CPU or CUDA tensor (any caching-allocator tensor, slices
+                included; not expandable-segments memory). The Transport keeps a reference to
+                it until ``unregister``; do not free or resize its storage meanwhile.
             writable: False refuses remote puts (gets still work).
 
         Returns:
@@ -342,7 +343,8 @@ class Transport(PeerDirectory, TransferRunner):
         Raises:
             ClosedError: the Transport is not open.
             RegistrationError: bad key, key in use, or a non-contiguous tensor.
-            BackendUnavailableError: the tensor's device is not served.
+            BackendUnavailableError: the tensor's device is not served (a CUDA tensor without
+                a usable CUDA driver, or with no backend that serves device memory).
         """
         return self.register_many({key: tensor}, writable=writable)[key]
 
@@ -431,8 +433,13 @@ class Transport(PeerDirectory, TransferRunner):
         The transfer starts now and runs in the background; await the returned handle to know
         it finished. A non-contiguous ``src`` is staged through a contiguous copy taken now.
 
+        CUDA ``src``: the transfer waits for the work queued on the caller's current stream
+        *now* (an event recorded by this call), reads ``src`` on a transport-owned stream, and
+        completes once the copy has finished on the device.
+
         Args:
-            src: CPU tensor with the region's dtype.
+            src: CPU or CUDA tensor with the region's dtype (the region may be host or device
+                memory; see the README's "GPU memory" for which backend serves which pair).
             peer: peer name (or a :class:`Peer`).
             key: remote region; defaults to the key ``src`` itself is registered under here.
             offset: byte offset into the remote region (a multiple of the element size).
@@ -462,8 +469,11 @@ class Transport(PeerDirectory, TransferRunner):
         """Starts reading ``dst.nbytes`` bytes at byte ``offset`` of ``peer``'s region ``key``
         into ``dst`` (one-sided: the peer's application does nothing).
 
+        CUDA ``dst``: the transfer waits for the work queued on the caller's current stream
+        now, and completes once the bytes are in ``dst`` (later work on any stream sees them).
+
         Args:
-            dst: contiguous CPU tensor with the region's dtype.
+            dst: contiguous CPU or CUDA tensor with the region's dtype.
             peer: peer name (or a :class:`Peer`).
             key: remote region; defaults to the key ``dst`` is registered under here.
             offset: byte offset into the remote region.
