@@ -5,6 +5,7 @@ other peers are unaffected, and what the flight recorder says."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,7 +18,8 @@ import torch
 
 import transport
 from transport._flight import analyze, load_dumps
-from transport._rendezvous import open_store
+from transport._liveness import Heartbeat
+from transport._rendezvous import FileStore, open_store
 
 from .conftest import PYTHON, python_env, sha
 
@@ -277,3 +279,25 @@ async def test_corrupt_or_truncated_records_are_typed_errors(memory_store, junk)
             await a.peer("bad", timeout=0.2)
         with pytest.raises(transport.TransportError):
             await a.put(torch.ones(4), "bad", key="w")
+
+
+def test_heartbeat_reports_a_failing_store_once_and_its_recovery(tmp_path, caplog):
+    """A store that stops answering gives one warning (not one per interval) and one recovery line."""
+    store_dir = tmp_path / "store"
+    hb = Heartbeat(FileStore(store_dir), "p", "inc", 0.02)
+    caplog.set_level(logging.DEBUG, logger="transport._liveness")
+    hb.start()
+    try:
+        store_dir.rename(tmp_path / "away")  # the store is gone (atomically): every beat fails
+        time.sleep(0.3)
+        (tmp_path / "away").rename(store_dir)  # and back
+        deadline = time.monotonic() + 10
+        while not any("answers again" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        hb.stop()
+    records = [r for r in caplog.records if r.name == "transport._liveness"]
+    warnings = [r for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write" in warnings[0].getMessage(), [r.getMessage() for r in records]
+    assert sum(r.levelno == logging.DEBUG and "still failing" in r.getMessage() for r in records) >= 3
+    assert sum("answers again" in r.getMessage() for r in records) == 1

@@ -27,6 +27,7 @@ class Heartbeat:
     def __init__(self, store: Store, name: str, incarnation: str, interval: float) -> None:
         self._store, self._key, self._inc, self._interval = store, HEARTBEAT_PREFIX + name, incarnation, interval
         self._stop = threading.Event()
+        self._failing = False  # the last beat failed: repeats are logged at debug level
         self._thread = threading.Thread(target=self._run, name=f"transport-heartbeat-{name}", daemon=True)
 
     def start(self) -> None:
@@ -34,10 +35,21 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self, n: int) -> None:
+        """One beat. A store that stops answering is reported once (a warning), then at debug
+        level every interval, and its recovery once: a gone store host is not log spam."""
         try:
             self._store.set(self._key, f"{self._inc} {n}".encode())
         except TransportError as exc:
-            log.warning("heartbeat %s: %s", self._key, exc)
+            if self._failing:
+                log.debug("heartbeat %s: still failing: %s", self._key, exc)
+            else:
+                log.warning("heartbeat %s: %s (peers on other hosts will declare this one lost if it persists; "
+                            "repeats are logged at debug level)", self._key, exc)
+                self._failing = True
+            return
+        if self._failing:
+            log.info("heartbeat %s: the store answers again", self._key)
+            self._failing = False
 
     def _run(self) -> None:
         n = 1
