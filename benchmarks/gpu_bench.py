@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import multiprocessing
@@ -618,14 +619,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
             store = f"file://{tmp}/store"
             target = TargetProcess(store, max(sizes), args.timeout, Path(tmp) / "target.log")
-            try:
-                trio.run(initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows)
-            except BaseException:
-                target.kill()
-                raise
-            rc = target.stop()
-            if rc != 0:
-                raise BenchError(f"the target process exited with code {rc}; its output ends with:\n{target.output_tail()}")
+            run = functools.partial(trio.run, initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows)
+            target.supervise(run, BenchError)
         del buf
         torch.cuda.empty_cache()
         if args.no_nccl:

@@ -33,11 +33,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES: tuple[int, ...] = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
@@ -384,6 +385,19 @@ class LoggedProcess:
             self.proc.kill()
         self.stop()
 
+    def supervise(self, call: Callable[[], _T], error: type[Exception] = BenchError) -> _T:
+        """Runs ``call`` while the process serves it: kills the process if ``call`` fails, else
+        joins it and raises ``error`` (with the tail of its output) unless it exited with 0."""
+        try:
+            result = call()
+        except BaseException:
+            self.kill()
+            raise
+        rc = self.stop()
+        if rc != 0:
+            raise error(f"the target process exited with code {rc}; its output ends with:\n{self.output_tail()}")
+        return result
+
 
 class _TargetProcess(LoggedProcess):
     """The target: a separate process serving one region until the exit doorbell rings."""
@@ -559,14 +573,7 @@ def run(config: BenchConfig) -> BenchReport:
     with tempfile.TemporaryDirectory(prefix="transport-bench-") as tmp:
         store_url = f"file://{tmp}/store"
         target = _TargetProcess(store_url, config, backends, Path(tmp) / "target.log")
-        try:
-            results = trio.run(_initiate, config, backends, store_url, target, src, dst, memcpy_gbps)
-        except BaseException:
-            target.kill()
-            raise
-        rc = target.stop()
-        if rc != 0:
-            raise BenchError(f"the target process exited with code {rc}; its output ends with:\n{target.output_tail()}")
+        results = target.supervise(lambda: trio.run(_initiate, config, backends, store_url, target, src, dst, memcpy_gbps))
     return BenchReport(
         config=config,
         machine=machine_info(),
