@@ -162,7 +162,7 @@ class Transport(PeerDirectory, TransferRunner):
             host, port = self._listen_address()
             self._agent = AgentServer(self, host, port)
             self._tg.start_soon(self._agent.serve, self._tg)
-            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth, self._lanes, self._store)
+            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth, self._lanes, self._store, self._cuda_engine)
             self._backends: list[Backend] = [cls(ctx) for cls in backend_classes]
             stack.callback(self._close_backends)
             self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}, self._auth)

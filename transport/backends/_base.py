@@ -41,6 +41,9 @@ class BackendContext:
     auth: Authenticator
     lanes: int | None = None  # parallel channels per peer where a backend supports it (ucx)
     store: Store | None = None  # the rendezvous store (e.g. for exchanging NCCL unique ids)
+    # The Transport's one transport._cuda.CudaEngine (streams, pinned staging, IPC imports),
+    # created on first use; the Transport closes it after its backends.
+    cuda: Callable[[], Any] | None = None
 
 
 @dataclass

@@ -35,16 +35,16 @@ def is_device(region: RegionRecord) -> bool:
 class CudaIpc:
     """CUDA IPC for one :class:`IpcBackend` (created on the first device-memory use)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, engine: Callable[[], _cuda.CudaEngine]) -> None:
         self._pid = pid  # a region of this very process (another Transport in it, or ourselves)
         # is used at its own address: CUDA IPC cannot open a handle in the process that made it
-        self._engine: _cuda.CudaEngine | None = None
+        self._engine_of = engine  # the Transport's engine (it closes it, after this backend)
+        self._used = False
 
     @property
     def engine(self) -> _cuda.CudaEngine:
-        if self._engine is None:
-            self._engine = _cuda.CudaEngine()
-        return self._engine
+        self._used = True
+        return self._engine_of()
 
     def region_descriptor(self, region: Region) -> bytes:
         desc = region.backend_state.get("ipc")  # exported once per registration
@@ -131,14 +131,10 @@ class CudaIpc:
         await eng.staged(local.address, n, device, local.ready, write, cma)
 
     def forget_peer(self, peer: str) -> None:
-        if self._engine is not None:
-            self._engine.forget_peer(peer)
+        if self._used:
+            self.engine.forget_peer(peer)
 
     def unpin(self, address: int, nbytes: int) -> None:
-        if self._engine is not None:
-            self._engine.unpin(address, nbytes)
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        """Call before a host mapping this backend may have page-locked is unmapped."""
+        if self._used:
+            self.engine.unpin(address, nbytes)

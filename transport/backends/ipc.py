@@ -67,7 +67,8 @@ class IpcBackend(Backend):
         self._ctl = self._C.SharedBuffer(4096, f"transport:{ctx.name}:ctl")
         self._ctl_view = memoryview(torch.from_dlpack(self._ctl.array()).numpy())
         self._peer_ctl: dict[tuple[str, str], object | None] = {}
-        self._cuda = CudaIpc(ctx.pid)
+        assert ctx.cuda is not None
+        self._cuda = CudaIpc(ctx.pid, ctx.cuda)
 
     def endpoint_descriptor(self) -> bytes:
         return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address(), self._ctl.fd)
@@ -225,6 +226,7 @@ class IpcBackend(Backend):
                 del cache[k]
 
     def close(self) -> None:
-        self._cuda.close()  # unpins the mappings before they are unmapped below
+        for m in self._maps.values():  # page-locked mappings are unpinned before they are unmapped
+            self._cuda.unpin(m.address, m.nbytes)  # type: ignore[attr-defined]
         self._maps.clear()
         self._peer_ctl.clear()
