@@ -135,7 +135,7 @@ class Transport(PeerDirectory, TransferRunner):
         self._leases = Leases(float(lease))
         self._lost: dict[tuple[str, str], BaseException] = {}  # (peer, incarnation) -> why
         self._flight = FlightRecorder(name, self.incarnation, capacity=flight_capacity, dump_dir=flight_dir)
-        self._cuda: _cuda.CudaEngine | None = None  # staging for CUDA tensors over host-memory backends
+        self._cuda: _cuda.CudaEngine | None = None  # ipc's CUDA copies and all staging; made on first use
 
     # -- lifecycle ----------------------------------------------------------------------------
 
