@@ -93,7 +93,16 @@ class CudaIpc:
             raise BackendUnavailableError(f"{peer.name}'s GPU {remote.region.device} is not visible here")
         if peer.pid == self._pid:  # a region of this process: its own address
             return base + offset + remote.offset, device, None
-        held = self.engine.acquire_ipc(peer.name, peer.incarnation, handle, device)
+        try:
+            held = self.engine.acquire_ipc(peer.name, peer.incarnation, handle, device)
+        except TransportInternalError as exc:
+            if _cuda.local_index(remote.region.device) is not None:
+                raise
+            raise BackendUnavailableError(
+                f"{peer.name}'s GPU {remote.region.device.removeprefix('cuda:')} is not visible to this process and its "
+                f"CUDA IPC handle does not open on device {device} ({exc}): give both processes a view of both GPUs "
+                "(CUDA_VISIBLE_DEVICES), or use nccl"
+            ) from exc
         return held[1] + offset + remote.offset, device, held[0]
 
     async def copy(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, write: bool, host_address: int | None, host_pin: tuple[int, int, bool] | None, cma: Callable[[_cuda.PinnedBuffer, int, int], Awaitable[None]] | None) -> None:
