@@ -89,8 +89,9 @@ def test_every_python_cuda_entry_point_raises_backend_unavailable(call):
 def test_public_functions_of_the_cuda_module_are_all_covered():
     public = {n for n, v in vars(_cuda).items()
               if callable(v) and not inspect.isclass(v) and not n.startswith("_") and getattr(v, "__module__", "") == _cuda.__name__}
-    # unavailable_reason answers instead of raising; ready_event needs a CUDA tensor to exist.
-    assert public == {"unavailable_reason", "ready_event", "driver_version", "device_count", "device_uuid", "device_name",
+    # unavailable_reason answers instead of raising; ready_event needs a CUDA tensor to exist;
+    # staging_chunk/staging_pieces are arithmetic (tested below).
+    assert public == {"unavailable_reason", "ready_event", "staging_chunk", "staging_pieces", "driver_version", "device_count", "device_uuid", "device_name",
                       "device_label", "local_index", "allocation", "ipc_export", "kernels", "stream_create", "stream_destroy"}
 
 
@@ -140,3 +141,14 @@ async def test_cpu_only_initiator_cannot_reach_a_peers_gpu_region(memory_store):
             msg = str(info.value)
             assert "ipc: no CUDA driver" in msg and "tcp: 'w' is device memory" in msg
         assert torch.equal(region.tensor, torch.zeros(16))
+
+
+def test_staging_pieces_cover_the_bytes_in_whole_elements():
+    chunk = _cuda.STAGING_CHUNK
+    assert _cuda.staging_pieces(0, 4) == []
+    assert _cuda.staging_pieces(10, 2) == [(0, 10)]
+    assert _cuda.staging_pieces(2 * chunk + 6, 2) == [(0, chunk), (chunk, chunk), (2 * chunk, 6)]
+    granule = 12  # an element size that does not divide the chunk
+    pieces = _cuda.staging_pieces(3 * chunk, granule)
+    assert all(size % granule == 0 for _, size in pieces[:-1]) and sum(size for _, size in pieces) == 3 * chunk
+    assert all(a + s == b for (a, s), (b, _) in zip(pieces, pieces[1:]))

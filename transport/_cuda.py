@@ -35,6 +35,17 @@ STAGING_POOL_BYTES = 1 << 30
 STAGING_CHUNK = 64 << 20
 
 
+def staging_chunk(granule: int) -> int:
+    """The largest multiple of ``granule`` (an element size) within ``STAGING_CHUNK``."""
+    return max(granule, STAGING_CHUNK // granule * granule)
+
+
+def staging_pieces(nbytes: int, granule: int) -> list[tuple[int, int]]:
+    """(byte offset, size) of the pieces ``nbytes`` are staged in."""
+    chunk = staging_chunk(granule)
+    return [(pos, min(chunk, nbytes - pos)) for pos in range(0, nbytes, chunk)]
+
+
 def unavailable_reason() -> str | None:
     """None when a CUDA driver with at least one device is usable here, else why not."""
     reason = load().cuda_load()
@@ -398,11 +409,9 @@ class CudaEngine:
         byte ``pos``; else ``move`` fills the buffer first and it is copied to the device.
         Pieces are multiples of ``granule`` bytes (the element size).
         """
-        chunk = max(granule, STAGING_CHUNK // granule * granule)
-        buf = await self.acquire_staging(min(nbytes, chunk), device)
+        buf = await self.acquire_staging(min(nbytes, staging_chunk(granule)), device)
         try:
-            for pos in range(0, nbytes, chunk):
-                size = min(chunk, nbytes - pos)
+            for pos, size in staging_pieces(nbytes, granule):
                 if outbound:
                     await self.copy(buf.address, address + pos, size, device, ready)
                     await move(buf, pos, size)

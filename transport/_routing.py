@@ -136,22 +136,22 @@ class TransferRunner:
 
     async def _staged_on_gpu(self: Transport, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         host, n, dtype = _kernels.as_bytes(local.tensor), remote.nbytes, local.tensor.dtype
-        chunk = max(dtype.itemsize, _cuda.STAGING_CHUNK // dtype.itemsize * dtype.itemsize)
-        gpu = torch.empty(min(n, chunk), dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-        for pos in range(0, n, chunk):
-            size = min(chunk, n - pos)
+        gpu = torch.empty(min(n, _cuda.staging_chunk(dtype.itemsize)), dtype=torch.uint8,
+                          device=torch.device("cuda", torch.cuda.current_device()))
+
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> Any:  # on a worker thread: it may block
+            dst.copy_(src)
+            return _cuda.ready_event(gpu)  # what the backend waits for before reading the buffer
+
+        for pos, size in _cuda.staging_pieces(n, dtype.itemsize):
             part = RemoteTarget(remote.peer, remote.region, remote.offset + pos, size)
-
-            def copy(dst: torch.Tensor, src: torch.Tensor) -> Any:  # on a worker thread: may block
-                dst.copy_(src)
-                return _cuda.ready_event(gpu)
-
+            piece = gpu[:size]
             if op == TransferOp.PUT:
-                ready = await anyio.to_thread.run_sync(copy, gpu[:size], host[pos : pos + size])
-                await backend.put(LocalBuffer(gpu[:size].view(dtype), MemoryKind.CUDA, ready), part)
+                ready = await anyio.to_thread.run_sync(copy, piece, host[pos : pos + size])
+                await backend.put(LocalBuffer(piece.view(dtype), MemoryKind.CUDA, ready), part)
             else:
-                await backend.get(LocalBuffer(gpu[:size].view(dtype), MemoryKind.CUDA, _cuda.ready_event(gpu)), part)
-                await anyio.to_thread.run_sync(copy, host[pos : pos + size], gpu[:size])
+                await backend.get(LocalBuffer(piece.view(dtype), MemoryKind.CUDA, _cuda.ready_event(gpu)), part)
+                await anyio.to_thread.run_sync(copy, host[pos : pos + size], piece)
 
     def _cuda_engine(self: Transport) -> _cuda.CudaEngine:
         if self._cuda is None:
