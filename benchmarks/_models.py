@@ -68,7 +68,10 @@ class DecoderConfig:
         return self.params * DTYPE.itemsize
 
     def describe(self) -> dict[str, Any]:
-        return {**asdict(self), "params": self.params, "tensors": len(self.shapes()), "nbytes": self.nbytes, "dtype": "bfloat16"}
+        return {
+            **asdict(self), "params": self.params, "tensors": len(self.shapes()), "nbytes": self.nbytes,
+            "dtype": "bfloat16",
+        }
 
 
 def _config(hidden: int, layers: int, vocab: int) -> DecoderConfig:

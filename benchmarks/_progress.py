@@ -17,7 +17,9 @@ class Progress:
         enabled: False draws nothing.
     """
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True, every_s: float = 10.0) -> None:
+    def __init__(
+        self, total: int, *, stream: TextIO | None = None, enabled: bool = True, every_s: float = 10.0
+    ) -> None:
         self.total = max(1, total)
         self.n = 0
         self.stream = stream or sys.stderr

@@ -55,11 +55,15 @@ class GroupResult:
             "skipped": self.skipped, "wall_s": round(self.wall_s, 2), "verified": self.verified,
             "peak_rss_gib": {k: round(v / GiB, 3) for k, v in self.peak_rss.items()},
             "versions": self.records,
-            "medians": {m: {ph: phase_stats(recs, self.straggler) for ph, recs in by.items()} for m, by in self.records.items()},
+            "medians": {
+                m: {ph: phase_stats(recs, self.straggler) for ph, recs in by.items()} for m, by in self.records.items()
+            },
         }
 
 
-def assemble(messages: Sequence[dict[str, Any]], generators: Sequence[str]) -> tuple[Records, dict[str, bool], list[str]]:
+def assemble(
+    messages: Sequence[dict[str, Any]], generators: Sequence[str]
+) -> tuple[Records, dict[str, bool], list[str]]:
     """Joins the trainer's ``version`` messages with the generators' ``arrival`` messages.
 
     Returns:
@@ -86,7 +90,9 @@ def assemble(messages: Sequence[dict[str, Any]], generators: Sequence[str]) -> t
         rec["completion_s"] = {g: got[g]["arrival"] - m["t_start"] for g in generators}
         rec["mismatched_tensors"] = sum(got[g]["mismatches"] for g in generators)
         if rec["mismatched_tensors"]:
-            problems.append(f"{m['method']} version {m['version']}: {rec['mismatched_tensors']} tensors without the version's stamp")
+            problems.append(
+                f"{m['method']} version {m['version']}: {rec['mismatched_tensors']} tensors without the version's stamp"
+            )
         bad = {g: s for g, s in m.get("status", {}).items() if s != "done"}
         if bad:
             problems.append(f"{m['method']} version {m['version']}: publish statuses {bad}")
@@ -129,7 +135,11 @@ def summary_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
         if g.skipped:
             continue
         stats = {m: {ph: phase_stats(recs, g.straggler) for ph, recs in by.items()} for m, by in g.records.items()}
-        bcast = [stats[m][NORMAL]["complete_s"] for m in g.methods if not is_transport(m) and m in stats and stats[m].get(NORMAL)]
+        bcast = [
+            stats[m][NORMAL]["complete_s"]
+            for m in g.methods
+            if not is_transport(m) and m in stats and stats[m].get(NORMAL)
+        ]
         best_bcast = min(bcast) if bcast else None
         for m in g.methods:
             normal, strag = stats.get(m, {}).get(NORMAL, {}), stats.get(m, {}).get(STRAGGLER, {})
@@ -171,7 +181,7 @@ def speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def targets(rows: Sequence[dict[str, Any]], delay: float, size: int = GiB, k: int = 2) -> dict[str, Any]:
     """The issue's acceptance numbers, checked on the (1 GiB, K = 2) point."""
     here = [r for r in rows if r["size"] == size and r["k"] == k]
-    sp = [s for s in speedups(here)]
+    sp = list(speedups(here))
     if not sp:
         return {"measured": False, "note": f"the run has no {size_label(size)}, K={k} point with both kinds of method"}
     s = sp[0]
@@ -194,7 +204,8 @@ def targets(rows: Sequence[dict[str, Any]], delay: float, size: int = GiB, k: in
         out["straggler"] = {
             "delay_s": delay, "best_transport": s["transport"], "transport": tr, "broadcast": bd,
             "transport_holds": tr[s["transport"]]["holds"],  # 2a: the best backend's others stay within 1.2x
-            "broadcast_holds": bool(bd) and all(v["holds"] for v in bd.values()),  # 2b: every baseline's others grow >= delay
+            # 2b: every baseline's others grow >= delay
+            "broadcast_holds": bool(bd) and all(v["holds"] for v in bd.values()),
         }
     return out
 
@@ -234,12 +245,17 @@ def speedup_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """Where transport's time goes: snapshot packing, data in the generators' slots, applied."""
-    lines = ["| size | K | method | snapshot (s) | data in all slots (s) | all applied (s) | trainer blocked (s) |", "|" + " --- |" * 7]
+    lines = [
+        "| size | K | method | snapshot (s) | data in all slots (s) | all applied (s) | trainer blocked (s) |",
+        "|" + " --- |" * 7,
+    ]
     for r in rows:
         if r.get("snapshot_s") is None:
             continue
-        lines.append(f"| {r['size_label']} | {r['k']} | {r['method']} | {_f(r['snapshot_s'])} | {_f(r['data_complete_s'])} "
-                     f"| {_f(r['complete_s'])} | {_f(r['blocked_s'])} |")
+        lines.append(
+            f"| {r['size_label']} | {r['k']} | {r['method']} | {_f(r['snapshot_s'])} | {_f(r['data_complete_s'])} "
+            f"| {_f(r['complete_s'])} | {_f(r['blocked_s'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -248,20 +264,27 @@ def targets_text(t: dict[str, Any]) -> str:
         return f"Targets: not checked ({t.get('note')})."
     s = t["speedup"]
     lines = [
-        (f"Target 1 ({t['size_label']}, K={t['k']}): {s['transport']} {s['transport_s']:.3f} s vs {s['broadcast']} "
-         f"{s['broadcast_s']:.3f} s = {s['value']:.2f}× faster (target ≥ {s['target']:g}×): {'HOLDS' if s['holds'] else 'MISSED'}"),
+        (
+            f"Target 1 ({t['size_label']}, K={t['k']}): {s['transport']} {s['transport_s']:.3f} s vs {s['broadcast']} "
+            f"{s['broadcast_s']:.3f} s = {s['value']:.2f}× faster (target ≥ {s['target']:g}×): "
+            f"{'HOLDS' if s['holds'] else 'MISSED'}"
+        ),
     ]
     st = t.get("straggler")
     if st:
         ok = {True: "HOLDS", False: "MISSED"}
         tr = ", ".join(f"{m} {v['others_ratio']:.2f}×" for m, v in st["transport"].items())
-        lines.append(f"Target 2a (one generator busy {st['delay_s']:g} s): the others' completion under transport, with / "
-                     f"without the straggler: {tr} (target ≤ {TARGET_OTHERS_RATIO:g}× for {st['best_transport']}): "
-                     f"{ok[st['transport_holds']]}")
-        bc = "; ".join(f"{m} +{v['others_delay_s']:.3f} s ({100 * v['others_delay_s'] / st['delay_s']:.0f}% of the delay; "
-                       f"they finish {v['others_straggler_s']:.3f} s after the start, "
-                       f"{'after' if v['others_wait_for_straggler'] else 'before'} the straggler wakes): {ok[v['holds']]}"
-                       for m, v in st["broadcast"].items())
+        lines.append(
+            f"Target 2a (one generator busy {st['delay_s']:g} s): the others' completion under transport, with / "
+            f"without the straggler: {tr} (target ≤ {TARGET_OTHERS_RATIO:g}× for {st['best_transport']}): "
+            f"{ok[st['transport_holds']]}"
+        )
+        bc = "; ".join(
+            f"{m} +{v['others_delay_s']:.3f} s ({100 * v['others_delay_s'] / st['delay_s']:.0f}% of the delay; "
+            f"they finish {v['others_straggler_s']:.3f} s after the start, "
+            f"{'after' if v['others_wait_for_straggler'] else 'before'} the straggler wakes): {ok[v['holds']]}"
+            for m, v in st["broadcast"].items()
+        )
         lines.append(f"Target 2b: the others' completion under broadcast grows by at least the delay: {bc}")
     return "\n".join(lines)
 
@@ -294,7 +317,11 @@ def plot(groups: Sequence[GroupResult], path: Path, title: str) -> Path | None:
         for i, (key, what) in enumerate(panels):
             ax = axes[i][j]
             for m in methods:
-                pts = sorted((r["size"] / GiB, r[key]) for r in rows if r["k"] == k and r["method"] == m and r.get(key) is not None)
+                pts = sorted(
+                    (r["size"] / GiB, r[key])
+                    for r in rows
+                    if r["k"] == k and r["method"] == m and r.get(key) is not None
+                )
                 if pts:
                     ls, mk = styles[m]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, marker=mk, color=colors[m], label=m)

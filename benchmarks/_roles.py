@@ -183,7 +183,9 @@ async def _transport_trainer(spec: GroupSpec, method: str, state: dict[str, torc
             await t.wait_signal(f"ready.{g}", at_least=steps[-1].version + 1, timeout=spec.timeout)
 
 
-async def _transport_generator(spec: GroupSpec, method: str, index: int, state: dict[str, torch.Tensor], emit: Emit) -> None:
+async def _transport_generator(
+    spec: GroupSpec, method: str, index: int, state: dict[str, torch.Tensor], emit: Emit
+) -> None:
     import transport
     from transport.weights import Subscriber
 
@@ -201,7 +203,7 @@ async def _transport_generator(spec: GroupSpec, method: str, index: int, state: 
             await t.signal(TRAINER, f"ready.{name}", step.version, timeout=spec.timeout)
             straggling = step.straggle and index == spec.straggler
             if straggling:
-                time.sleep(spec.straggler_delay)  # noqa: ASYNC251 - on purpose: busy, its event loop does not run
+                time.sleep(spec.straggler_delay)  # on purpose: busy, its event loop does not run
             await sub.wait_version(step.version, timeout=spec.timeout)
             arrival = time.time()
             emit({

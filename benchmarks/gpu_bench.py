@@ -39,49 +39,36 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import queue as queue_mod
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from transport._bench import LoggedProcess, format_size, parse_sizes
+import transport
 
-MiB, GiB = 1 << 20, 1 << 30
+from ._capabilities import cuda_unavailable_reason
+from ._errors import BenchError
+from ._gpu_report import BASELINE_NAMES, DEV_KEY, HOST_KEY, OPS, Report, Row, format_markdown, machine
+from ._procs import CHECKOUT, LoggedProcess, checkout_env, module_command
+from ._sizes import GiB, format_size, parse_sizes
+from ._stats import median
+
 DEFAULT_SIZES = "1MiB,64MiB,1GiB"
 TARGET = "gpu-bench-target"
 INITIATOR = "gpu-bench-initiator"
-DEV_KEY, HOST_KEY = "bench.dev", "bench.host"
 EXIT_SIGNAL = "bench.exit"
 READY_SIGNAL = "bench.ready"
 START_TIMEOUT_S = 120.0  # the target imports torch, initialises CUDA, allocates and registers
 NCCL_DEADLINE_S = 120.0
-CRITERION = 0.8  # the issue's bar: d2d put across processes >= 0.8x the same-run device copy
 _AUTO_BYTES = 16 * GiB
 _AUTO_MIN_ITERS, _AUTO_MAX_ITERS = 10, 50
-
-# op -> (direction, local memory, remote region key, baseline)
-OPS: dict[str, tuple[str, str, str, str]] = {
-    "d2d put": ("put", "dev", DEV_KEY, "d2d"),
-    "d2d get": ("get", "dev", DEV_KEY, "d2d"),
-    "d2h get": ("get", "pinned", DEV_KEY, "d2h"),
-    "h2d put": ("put", "pinned", DEV_KEY, "h2d"),
-    "d2h put": ("put", "dev", HOST_KEY, "d2h"),
-    "h2d get": ("get", "dev", HOST_KEY, "h2d"),
-}
-BASELINE_NAMES = {"d2d": "device copy_", "h2d": "pinned->device copy_", "d2h": "device->pinned copy_"}
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not run or data came back wrong."""
 
 
 def needs_gpu_reason() -> str | None:
@@ -91,163 +78,17 @@ def needs_gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no usable GPU (no driver or no device)"
     try:
-        from transport import _cuda
+        why = cuda_unavailable_reason()
     except ImportError as exc:
-        return f"this build of transport has no CUDA support (transport._cuda: {exc})"
-    why = _cuda.unavailable_reason()
+        return f"this build of transport has no CUDA support ({exc})"
     return f"transport cannot use CUDA here: {why}" if why else None
 
 
 def iters_for(size: int, iters: int | None) -> int:
+    """Timed operations per point at ``size`` (``iters`` when given, else 10..50 by size)."""
     if iters is not None:
         return iters
     return max(_AUTO_MIN_ITERS, min(_AUTO_MAX_ITERS, math.ceil(_AUTO_BYTES / size)))
-
-
-def median(values: Sequence[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
-# -------------------------------------------------------------------------------------------------
-# Machine facts
-
-
-def _run_text(cmd: list[str]) -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
-
-
-def driver_version() -> str:
-    v = _run_text(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    if v:
-        return v.splitlines()[0].strip()
-    try:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        v = pynvml.nvmlSystemGetDriverVersion()
-        return v.decode() if isinstance(v, bytes) else str(v)
-    except Exception:  # noqa: BLE001 - any failure just means "unknown"
-        return "unknown"
-
-
-def machine() -> dict[str, Any]:
-    from transport import __version__
-
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(),
-        "gpu": torch.cuda.get_device_name(0),
-        "gpu_count": torch.cuda.device_count(),
-        "gpu_memory_gib": round(props.total_memory / GiB, 1),
-        "gpu_sms": props.multi_processor_count,
-        "driver": driver_version(),
-        "cuda_torch": torch.version.cuda,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "transport": __version__,
-        "cpu_count": os.cpu_count(),
-    }
-
-
-# -------------------------------------------------------------------------------------------------
-# Results
-
-
-@dataclass
-class Row:
-    op: str
-    size: int
-    iters: int
-    gbps: float
-    baseline: str
-    baseline_gbps: float
-    baseline_events_gbps: float
-
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.baseline_gbps if self.baseline_gbps > 0 else float("nan")
-
-
-@dataclass
-class Report:
-    machine: dict[str, Any]
-    config: dict[str, Any]
-    rows: list[Row]
-    baselines: dict[str, dict[int, tuple[float, float]]]  # kind -> size -> (wall GB/s, events GB/s)
-    nccl: dict[str, Any]
-    error: str | None = None
-    elapsed_s: float = 0.0
-
-    def criterion(self) -> dict[str, Any] | None:
-        puts = [r for r in self.rows if r.op == "d2d put"]
-        if not puts:
-            return None
-        r = max(puts, key=lambda r: r.size)
-        return {"op": "d2d put", "size": r.size, "ratio": r.ratio, "threshold": CRITERION, "met": r.ratio >= CRITERION}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": 1,
-            **self.machine,
-            "config": self.config,
-            "rows": [{**asdict(r), "ratio": r.ratio} for r in self.rows],
-            "baselines": {k: [{"size": n, "gbps": w, "events_gbps": e} for n, (w, e) in sorted(v.items())] for k, v in self.baselines.items()},
-            "nccl_broadcast": self.nccl,
-            "criterion": self.criterion(),
-            "error": self.error,
-            "elapsed_s": self.elapsed_s,
-        }
-
-
-def format_markdown(rep: Report) -> str:
-    m, c = rep.machine, rep.config
-    lines = [
-        "# transport GPU micro-benchmark",
-        "",
-        f"- date: {m['date']} on {m['hostname']}",
-        f"- GPU: {m['gpu']} ({m['gpu_sms']} SMs, {m['gpu_memory_gib']} GiB; {m['gpu_count']} visible), driver {m['driver']}",
-        f"- torch {m['torch']} (CUDA {m['cuda_torch']}), Python {m['python']}, transport {m['transport']}",
-        (
-            f"- two processes on GPU 0 over `ipc`; median of the timed operations after {c['warmup']} warm-up ones, one at a time;"
-            " GB/s = 1e9 bytes/s; ratio = transport / the same-run torch `copy_` baseline, both timed with synchronize + perf_counter"
-            " (the events column: the baseline's kernel time alone, CUDA events)"
-        ),
-        "",
-        "| op | size | transport GB/s | baseline | baseline GB/s | ratio | baseline GB/s (events) | iters |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    order = list(OPS)
-    for r in sorted(rep.rows, key=lambda r: (order.index(r.op), r.size)):
-        lines.append(
-            f"| {r.op} | {format_size(r.size)} | {r.gbps:.1f} | {BASELINE_NAMES[r.baseline]} | {r.baseline_gbps:.1f} | "
-            f"{r.ratio:.2f} | {r.baseline_events_gbps:.1f} | {r.iters} |"
-        )
-    crit = rep.criterion()
-    lines.append("")
-    if crit is not None:
-        verdict = "met" if crit["met"] else "NOT met"
-        lines.append(f"d2d put at {format_size(crit['size'])}: {crit['ratio']:.2f}x the same-run device copy (criterion >= {CRITERION}: {verdict})")
-    nccl = rep.nccl
-    if "skipped" in nccl:
-        lines.append(f"nccl broadcast: skipped: {nccl['skipped']}")
-    elif "error" in nccl:
-        lines.append(f"nccl broadcast: failed: {nccl['error']}")
-    else:
-        lines += ["", "nccl broadcast (rank 0 on GPU 0 -> rank 1 on GPU 1, timed on the receiver):", "",
-                  "| size | GB/s | iters |", "| --- | --- | --- |"]
-        for s in nccl.get("sizes", []):
-            lines.append(f"| {format_size(s['size'])} | {s['gbps']:.1f} | {s['iters']} |")
-    if rep.error:
-        lines += ["", f"**the run failed**: {rep.error}"]
-    lines += ["", f"total {rep.elapsed_s:.1f} s"]
-    return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -301,8 +142,11 @@ class Buffers:
         return (self.pin_src if direction == "put" else self.pin_dst)[:n]
 
 
-def measure_baselines(buf: Buffers, sizes: Sequence[int], iters: int | None, warmup: int) -> dict[str, dict[int, tuple[float, float]]]:
-    out: dict[str, dict[int, tuple[float, float]]] = {"d2d": {}, "h2d": {}, "d2h": {}}
+Baselines = dict[str, dict[int, tuple[float, float]]]  # kind -> size -> (wall GB/s, events GB/s)
+
+
+def measure_baselines(buf: Buffers, sizes: Sequence[int], iters: int | None, warmup: int) -> Baselines:
+    out: Baselines = {"d2d": {}, "h2d": {}, "d2h": {}}
     for n in sizes:
         k = iters_for(n, iters)
         ops = {
@@ -326,17 +170,15 @@ class TargetProcess(LoggedProcess):
     """``python -m benchmarks.gpu_bench serve``; its output goes to a log quoted on failure."""
 
     def __init__(self, store: str, nbytes: int, timeout: float, log_path: Path) -> None:
-        cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "serve", "--store", store, "--nbytes", str(nbytes),
-               "--timeout", str(timeout), "--parent", str(os.getpid())]
-        root = Path(__file__).resolve().parent.parent
-        env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        super().__init__(cmd, log_path, env=env, cwd=root)
+        cmd = module_command(
+            "gpu_bench", "serve", "--store", store, "--nbytes", str(nbytes), "--timeout", str(timeout),
+            "--parent", str(os.getpid()),
+        )  # fmt: skip
+        super().__init__(cmd, log_path, env=checkout_env(), cwd=CHECKOUT)
 
 
 async def serve(store: str, nbytes: int, timeout: float, parent: int) -> None:
     import trio
-
-    import transport
 
     async with transport.Transport(TARGET, store=store, backends=("ipc",), timeout=timeout) as t:
         dev = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
@@ -357,7 +199,9 @@ async def serve(store: str, nbytes: int, timeout: float, parent: int) -> None:
 def serve_main(argv: Sequence[str]) -> int:
     import trio
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench serve", description="the benchmark's target process (internal)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_bench serve", description="the benchmark's target process (internal)"
+    )
     p.add_argument("--store", required=True)
     p.add_argument("--nbytes", type=int, required=True)
     p.add_argument("--timeout", type=float, default=60.0)
@@ -381,7 +225,7 @@ def _all_equal(t: torch.Tensor, value: int) -> bool:
 
 async def measure_transport(
     t: Any, target: TargetProcess, buf: Buffers, sizes: Sequence[int], iters: int | None, warmup: int,
-    baselines: dict[str, dict[int, tuple[float, float]]], rows: list[Row],
+    baselines: Baselines, rows: list[Row],
 ) -> None:
     """Appends one Row per (size, op) to ``rows`` as it goes (a failure keeps what was measured)."""
 
@@ -407,7 +251,11 @@ async def measure_transport(
         wall, events = baselines[OPS[op][3]][n]
         row = Row(op, n, k, n / median(times) / 1e9, OPS[op][3], wall, events)
         rows.append(row)
-        print(f"gpu_bench: {op} {format_size(n)}: {row.gbps:.1f} GB/s ({row.ratio:.2f}x {BASELINE_NAMES[row.baseline]})", file=sys.stderr, flush=True)
+        print(
+            f"gpu_bench: {op} {format_size(n)}: {row.gbps:.1f} GB/s ({row.ratio:.2f}x {BASELINE_NAMES[row.baseline]})",
+            file=sys.stderr,
+            flush=True,
+        )
         return row.gbps
 
     async def verify(what: str, ok: bool) -> None:
@@ -446,10 +294,8 @@ async def measure_transport(
 
 
 async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Sequence[int], iters: int | None,
-                   warmup: int, timeout: float, baselines: dict[str, dict[int, tuple[float, float]]], rows: list[Row]) -> None:
+                   warmup: int, timeout: float, baselines: Baselines, rows: list[Row]) -> None:
     import trio
-
-    import transport
 
     async with transport.Transport(INITIATOR, store=store, backends=("ipc",), timeout=timeout) as t:
         with trio.move_on_after(START_TIMEOUT_S) as scope:
@@ -459,7 +305,9 @@ async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Seque
                     raise BenchError(failure)
                 await trio.sleep(0.05)
         if scope.cancelled_caught:
-            raise BenchError(f"the target was not ready within {START_TIMEOUT_S:g}s; its output ends with:\n{target.output_tail()}")
+            raise BenchError(
+                f"the target was not ready within {START_TIMEOUT_S:g}s; its output ends with:\n{target.output_tail()}"
+            )
         await t.peer(TARGET, regions=[DEV_KEY, HOST_KEY], timeout=timeout)
         try:
             await measure_transport(t, target, buf, sizes, iters, warmup, baselines, rows)
@@ -598,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {"sizes": sizes, "iters": args.iters, "warmup": args.warmup, "timeout": args.timeout,
               "iters_per_size": {str(n): iters_for(n, args.iters) for n in sizes}}
     rows: list[Row] = []
-    baselines: dict[str, dict[int, tuple[float, float]]] = {}
+    baselines: Baselines = {}
     nccl: dict[str, Any] = {"skipped": "not run"}
     error = None
 
@@ -619,7 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
             store = f"file://{tmp}/store"
             target = TargetProcess(store, max(sizes), args.timeout, Path(tmp) / "target.log")
-            run = functools.partial(trio.run, initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows)
+            run = functools.partial(
+                trio.run, initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows
+            )
             target.supervise(run, BenchError)
         del buf
         torch.cuda.empty_cache()

@@ -48,9 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transport._bench import parse_size  # one size syntax for both benchmarks
-
-from . import _report
+from . import _capabilities, _report
 from ._broadcast import Baseline
 from ._models import llama_like
 from ._progress import Progress
@@ -63,6 +61,7 @@ from ._roles import (
     run_process,
     transport_method,
 )
+from ._sizes import parse_size  # one size syntax for every benchmark
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = "256MiB,1GiB"
@@ -89,23 +88,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=None, help=f"state dict sizes, comma-separated (default {DEFAULT_SIZES})")
     p.add_argument("--ks", default=None, help=f"numbers of generators, comma-separated (default {DEFAULT_KS})")
-    p.add_argument("--backends", default=DEFAULT_BACKENDS, help=f"transport backends, one method each (default {DEFAULT_BACKENDS})")
+    p.add_argument("--backends", default=DEFAULT_BACKENDS,
+                   help=f"transport backends, one method each (default {DEFAULT_BACKENDS})")
     p.add_argument("--apply", default="copy,zero-copy",
-                   help="how generators apply a version: copy (Subscriber default), zero-copy (zero_copy=True); default both")
-    p.add_argument("--baselines", default=DEFAULT_BASELINES, help="broadcast variants: param, bucketed (default both; 'none' for none)")
+                   help="how generators apply a version: copy (Subscriber default), zero-copy (zero_copy=True); "
+                        "default both")
+    p.add_argument("--baselines", default=DEFAULT_BASELINES,
+                   help="broadcast variants: param, bucketed (default both; 'none' for none)")
     p.add_argument("--versions", type=int, default=None, help="timed versions per method (default 5)")
-    p.add_argument("--straggler-versions", type=int, default=None, help="timed versions with a straggler (default 3; 0 = none)")
+    p.add_argument("--straggler-versions", type=int, default=None,
+                   help="timed versions with a straggler (default 3; 0 = none)")
     p.add_argument("--warmup", type=int, default=2,
-                   help="untimed versions before the timed ones (default 2: the first write into each of a subscriber's "
-                        "two slots also maps its pages into the publisher)")
-    p.add_argument("--straggler-delay", type=float, default=None, help="seconds the straggler is busy per version (default 1.0)")
+                   help="untimed versions before the timed ones (default 2: the first write into each of a "
+                        "subscriber's two slots also maps its pages into the publisher)")
+    p.add_argument("--straggler-delay", type=float, default=None,
+                   help="seconds the straggler is busy per version (default 1.0)")
     p.add_argument("--bucket-mib", type=float, default=64.0, help="bucket size of the bucketed broadcast (default 64)")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait inside a group (seconds, default 120)")
-    p.add_argument("--group-timeout", type=float, default=900.0, help="bound on one (size, K) group (seconds, default 900)")
-    p.add_argument("--quick", action="store_true", help="a fast run: sizes 16MiB,64MiB, K 1,2, 3 versions, 0.5 s straggler")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="bound on every wait inside a group (seconds, default 120)")
+    p.add_argument("--group-timeout", type=float, default=900.0,
+                   help="bound on one (size, K) group (seconds, default 900)")
+    p.add_argument("--quick", action="store_true",
+                   help="a fast run: sizes 16MiB,64MiB, K 1,2, 3 versions, 0.5 s straggler")
     p.add_argument("--json", type=Path, default=None, help="write every measurement and the summary here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
-    p.add_argument("--markdown", type=Path, default=None, help="write a Markdown report (date, machine, command, tables)")
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="write a Markdown report (date, machine, command, tables)")
     p.add_argument("--record", type=Path, default=None, help="directory: write weight_sync-DATE.md/.json/.png there")
     p.add_argument("--note", action="append", default=[], help="a line for the record (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -115,7 +123,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.sizes = a.sizes or quick.get("sizes", DEFAULT_SIZES)
     a.ks = a.ks or quick.get("ks", DEFAULT_KS)
     a.versions = a.versions if a.versions is not None else quick.get("versions", 5)
-    a.straggler_versions = a.straggler_versions if a.straggler_versions is not None else quick.get("straggler_versions", 3)
+    if a.straggler_versions is None:
+        a.straggler_versions = quick.get("straggler_versions", 3)
     a.straggler_delay = a.straggler_delay if a.straggler_delay is not None else quick.get("straggler_delay", 1.0)
     try:
         a.size_list = sorted({parse_size(s) for s in _csv(a.sizes)})
@@ -161,7 +170,8 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "host": platform.node(), "cpu": cpu, "nproc": os.cpu_count(), "memory_gib": round(_meminfo("MemTotal") / GiB, 1),
+        "host": platform.node(), "cpu": cpu, "nproc": os.cpu_count(),
+        "memory_gib": round(_meminfo("MemTotal") / GiB, 1),
         "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
     }
 
@@ -174,8 +184,8 @@ def library() -> dict[str, Any]:
     root = Path(transport.__file__).resolve().parent.parent
     out: dict[str, Any] = {"version": getattr(transport, "__version__", "?"), "path": str(root)}
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "transport", "csrc"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
@@ -238,12 +248,10 @@ def memory_needed(state_bytes: int, k: int, methods: Sequence[str], bucket_bytes
 
 def available_backends(names: Sequence[str]) -> tuple[list[str], list[str]]:
     """(available, reasons for the others)."""
-    from transport.backends import REGISTRY
-
+    known = _capabilities.available_backends()
     ok, why = [], []
     for n in names:
-        cls = REGISTRY.get(n)
-        reason = "unknown backend" if cls is None else cls.unavailable_reason()
+        reason = known[n] if n in known else "unknown backend"
         if reason is None:
             ok.append(n)
         else:
@@ -384,7 +392,8 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
         args.json.write_text(json.dumps(doc, indent=1))
         written.append(args.json)
     if args.plot:
-        title = f"Weight sync, trainer → K generators, bf16 Llama-shaped state dict ({info['nproc']}-core {info['cpu']}, {started[:10]})"
+        title = (f"Weight sync, trainer → K generators, bf16 Llama-shaped state dict "
+                 f"({info['nproc']}-core {info['cpu']}, {started[:10]})")
         png = _report.plot(groups, args.plot, title)
         if png is None:
             print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
@@ -394,8 +403,8 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
         md = [
             f"# Weight sync benchmark: transport vs broadcast, {started[:10]}",
             "",
-            (f"Machine: {info['nproc']} cores ({info['cpu']}), {info['memory_gib']} GiB, no GPU; Python {info['python']}, "
-             f"torch {info['torch']} ({info['platform']})."),
+            (f"Machine: {info['nproc']} cores ({info['cpu']}), {info['memory_gib']} GiB, no GPU; "
+             f"Python {info['python']}, torch {info['torch']} ({info['platform']})."),
             "",
             f"Command: `{cmd}` (run from the repository root; {wall_s / 60:.1f} min).",
             "",
@@ -409,7 +418,7 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
             "Peak resident memory per process (the publisher's RSS also counts the subscribers' slots it maps, "
             "pages shared with them): "
             + "; ".join(f"{size_label(g.size)} K={g.k}: trainer {g.peak_rss.get('trainer', 0) / GiB:.1f} GiB, "
-                        f"generators {max((v for k, v in g.peak_rss.items() if k != 'trainer'), default=0) / GiB:.1f} GiB"
+                        f"generators {_peak_generator_rss(g) / GiB:.1f} GiB"
                         for g in groups) + ".",
             "",
             text,
@@ -431,6 +440,11 @@ def _library_line(lib: dict[str, Any]) -> str:
         if lib["uncommitted"]:
             line += f" with uncommitted changes in {', '.join(lib['uncommitted'])}"
     return line + "."
+
+
+def _peak_generator_rss(group: GroupResult) -> int:
+    """The largest peak RSS (bytes) among the group's generators, 0 without any."""
+    return max((v for k, v in group.peak_rss.items() if k != "trainer"), default=0)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -463,7 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 have = _meminfo("MemAvailable") - _MEMORY_HEADROOM
                 if have > 0 and need > have:
                     notes.append(f"skipped {size_label(size)} K={k}: needs ~{need / GiB:.1f} GiB "
-                                 f"({k + 1} processes × (model + 2 staging copies + runtime)), {have / GiB:.1f} GiB available")
+                                 f"({k + 1} processes × (model + 2 staging copies + runtime)), "
+                                 f"{have / GiB:.1f} GiB available")
                     print(notes[-1], file=sys.stderr)
                     continue
                 gdir = os.path.join(tmp, f"{size}-{k}")
@@ -488,8 +503,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         wall_s = time.monotonic() - t0
         load = other_load(cpu0, CpuSample.take())
     lib_end = library()
-    if (lib_end.get("commit"), lib_end.get("uncommitted")) != (info["library"].get("commit"), info["library"].get("uncommitted")):
-        notes.append(f"the library changed during the run ({_library_line(info['library'])} -> {_library_line(lib_end)}): "
+    lib_start = info["library"]
+    if (lib_end.get("commit"), lib_end.get("uncommitted")) != (lib_start.get("commit"), lib_start.get("uncommitted")):
+        notes.append(f"the library changed during the run ({_library_line(lib_start)} -> {_library_line(lib_end)}): "
                      "groups started after the change measured the new code; rerun")
     info["other_load_during_run"] = load
     notes.append(f"other processes on this machine used {load['other_cpu_s']:g} CPU-seconds during the run "

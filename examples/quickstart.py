@@ -45,7 +45,8 @@ async def generator(store: str) -> bool:
         weights = t.empty("weights", (N,), dtype=torch.float32)  # zeroed, shareable
         status = t.empty("status", (1,), dtype=torch.int64)
         status[0] = SLEEPING
-        print(f"generator: registered 'weights' ({weights.nbytes} bytes); blocking in time.sleep({SLEEP_S:g})", flush=True)
+        print(f"generator: registered 'weights' ({weights.nbytes} bytes); blocking in time.sleep({SLEEP_S:g})",
+              flush=True)
         time.sleep(SLEEP_S)  # deliberately blocks the event loop: the trainer's put needs none of it
         status[0] = AWAKE
         version = await t.wait_signal("weights.version", at_least=1)
@@ -124,7 +125,7 @@ def main() -> int:
         failed = False
         try:
             trio.run(trainer, store, child)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the program reports any failure and exits 1
             print(f"trainer: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
             failed = True
         finally:

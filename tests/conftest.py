@@ -12,9 +12,8 @@ import uuid
 from pathlib import Path
 
 import anyio
-import torch
-
 import pytest
+import torch
 
 import transport
 from transport._tensors import MemoryKind

@@ -104,7 +104,7 @@ def expandable_in_use() -> bool | None:
     """Whether torch's caching allocator handed out expandable segments (None: cannot tell)."""
     try:
         return any(seg.get("is_expandable", False) for seg in torch.cuda.memory_snapshot())
-    except Exception:  # noqa: BLE001 - an older torch: cannot tell
+    except Exception:  # an older torch: cannot tell
         return None
 
 
@@ -113,7 +113,8 @@ async def main(spec: dict) -> None:
     parent = os.getppid()
     deadline = time.monotonic() + float(spec.get("lifetime", 240))
     info: dict[str, Any] = {"pid": os.getpid(), "serial": spec.get("serial", 1)}
-    async with transport.Transport(name, store=spec["store"], backends=spec.get("backends", ["ipc"]), timeout=spec.get("timeout", 30)) as t:
+    async with transport.Transport(name, store=spec["store"], backends=spec.get("backends", ["ipc"]),
+                                   timeout=spec.get("timeout", 30)) as t:
         regions: dict[str, torch.Tensor] = {}
         guards: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         keep = []

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-import trio
 import torch
+import trio
 
 import transport
 
@@ -24,7 +24,8 @@ import transport
 async def main(spec: dict) -> None:
     if spec.get("undumpable"):
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: refuse ptrace/CMA
-    async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"), timeout=spec.get("timeout", 30)) as t:
+    async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"),
+                                   timeout=spec.get("timeout", 30)) as t:
         regions = {}
         for r in spec["regions"]:
             dtype = getattr(torch, r["dtype"])
@@ -44,7 +45,9 @@ async def main(spec: dict) -> None:
             info["woke_by_go"] = os.path.exists(go)
         else:
             await t.wait_signal("done", timeout=spec.get("timeout", 30))
-        info["sha256"] = {k: hashlib.sha256(v.view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in regions.items()}
+        info["sha256"] = {
+            k: hashlib.sha256(v.view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in regions.items()
+        }
         with open(spec["out"] + ".tmp", "w") as f:
             json.dump(info, f)
         os.replace(spec["out"] + ".tmp", spec["out"])

@@ -21,14 +21,21 @@ def random_tensor(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(n, generator=g).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), (n,), generator=g, dtype=torch.int64).to(dtype)
+    low, high = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+    return torch.randint(low, high, (n,), generator=g, dtype=torch.int64).to(dtype)
 
 
 def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y)
+    return (
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y)
+    )
 
 
-async def roundtrip(a: transport.Transport, b: transport.Transport, dtype: torch.dtype, numel: int, seed: int = 0) -> str:
+async def roundtrip(
+    a: transport.Transport, b: transport.Transport, dtype: torch.dtype, numel: int, seed: int = 0
+) -> str:
     """put random data into b's region, check b's memory, get it back; returns the backend used."""
     dst = torch.zeros(numel, dtype=dtype)
     b.register("r", dst)

@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks._broadcast import plan_buckets
+from benchmarks._capabilities import available_backends
 from benchmarks._models import checksum, llama_like, make_state, stamp, stamp_mismatches
 from benchmarks._roles import schedule
 from benchmarks.weight_sync import parse_size
-from transport.backends import REGISTRY
 
 from .conftest import PYTHON, ROOT, python_env
 
-BACKENDS = [b for b in ("ipc", "tcp") if REGISTRY[b].unavailable_reason() is None]
+_AVAILABILITY = available_backends()
+BACKENDS = [b for b in ("ipc", "tcp") if _AVAILABILITY.get(b, "unknown backend") is None]
 BASELINES = ["broadcast/param", "broadcast/bucketed"]
 
 
@@ -79,7 +80,7 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert [(g["k"], g["skipped"]) for g in doc["groups"]] == [(1, None), (2, None)]
     for g in doc["groups"]:
         gens = [f"gen-{i}" for i in range(g["k"])]
-        assert g["verified"] == {m: True for m in methods}
+        assert g["verified"] == dict.fromkeys(methods, True)
         assert set(g["peak_rss_gib"]) == {"trainer", *gens}
         for m in methods:
             phases = g["versions"][m]

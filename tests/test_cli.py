@@ -1,5 +1,7 @@
 """The command line (``python -m transport ...``) and the quickstart example, run as real processes.
 
+``python -m transport bench`` is a thin entry to the harness in ``benchmarks/`` (``benchmarks.p2p``).
+
 These check that the commands run and report sensibly; they assert no timings.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from transport._bench import parse_size, parse_sizes
+from benchmarks._sizes import parse_size, parse_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
@@ -75,12 +77,39 @@ def test_bench_rejects_bad_arguments() -> None:
     assert r.returncode == 1 and "carrier-pigeon" in r.stderr
 
 
+def test_bench_help_lists_the_harness_options() -> None:
+    r = run_cli("bench", "--help", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "python -m transport bench" in r.stdout
+    for flag in ("--backends", "--sizes", "--max-size", "--iters", "--warmup", "--latency-iters", "--latency-size",
+                 "--timeout", "--json"):
+        assert flag in r.stdout, flag
+
+
+def test_bench_without_the_harness_says_to_use_a_checkout() -> None:
+    # As in an installed wheel: no benchmarks package to import.
+    code = (
+        "import sys; sys.modules['benchmarks'] = None; "
+        "from transport.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "bench", "--sizes", "1MiB"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and "source checkout" in r.stderr, r.stderr
+
+
+def test_other_commands_still_reject_unknown_arguments() -> None:
+    r = run_cli("doctor", "--sizes", "1MiB", timeout=60)
+    assert r.returncode == 2 and "unrecognized arguments: --sizes 1MiB" in r.stderr, r.stderr
+
+
 def test_parse_sizes() -> None:
     assert parse_size("1MiB") == parse_size("1M") == parse_size("1mb") == 1 << 20
     assert parse_size("1GiB") == 1 << 30 and parse_size("8") == 8 and parse_size("512KiB") == 512 << 10
     assert parse_sizes("4MiB,1MiB,1M") == (1 << 20, 4 << 20)
     for bad in ("", "0", "-1M", "1.5", "ten"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"not a size|positive whole number"):
             parse_size(bad)
 
 

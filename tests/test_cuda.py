@@ -83,7 +83,7 @@ class CudaPeer:
         self.out = tmp / f"{self.name}-{serial}.json"
         self.log_path = tmp / f"{self.name}-{serial}.log"
         spec = {"store": store, "initiator": INIT, "backends": ["ipc"], **spec, "out": str(self.out)}
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self._log = open(self.log_path, "wb")  # closed in close()
         self.proc = subprocess.Popen(
             [PYTHON, "-m", "tests.cuda_peer", json.dumps(spec)],
             env={**python_env(), **(env or {})},
@@ -99,7 +99,9 @@ class CudaPeer:
         with anyio.fail_after(START_S):
             while t.signal_value(f"ready.{self.name}") is None or t.signal_value(f"ready.{self.name}") < serial:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n{self.output()}")
+                    raise AssertionError(
+                        f"{self.name} exited with {self.proc.returncode} before it was ready:\n{self.output()}"
+                    )
                 await anyio.sleep(0.02)
         if t.signal_value(f"regerr.{self.name}"):
             return None  # type: ignore[return-value]  # registration failed, by request
@@ -218,7 +220,8 @@ async def test_device_to_device_put_get_dtypes_and_sizes(peers, file_store):
 
 async def test_zero_size_transfers_and_regions(peers, file_store):
     async with opened(file_store) as t:
-        p = peers({"name": "zero", "regions": [cuda_region("empty", "float32", 0), cuda_region("one", "float32", 1, fill=0x3C)]})
+        p = peers({"name": "zero",
+                   "regions": [cuda_region("empty", "float32", 0), cuda_region("one", "float32", 1, fill=0x3C)]})
         await p.ready(t, ["empty", "one"])
         check = Checker(t)
         nothing = torch.empty(0, dtype=torch.float32, device="cuda")
@@ -250,13 +253,17 @@ async def test_offsets_and_slices_inside_larger_allocations(peers, file_store):
         check = Checker(t)
         guards0 = await check.guards("slices", ["small", "large"])
         for key, sl in (("small", small), ("large", large)):
-            assert guards0[key] == digest(torch.full((sl["before"] + sl["after"],), sl["guard"], dtype=torch.uint8)), key
+            guard = torch.full((sl["before"] + sl["after"],), sl["guard"], dtype=torch.uint8)
+            assert guards0[key] == digest(guard), key
         expected = {
             "win": torch.zeros(8192, dtype=torch.float32, device="cuda"),
             "small": torch.zeros(8192, dtype=torch.bfloat16, device="cuda"),
             "large": torch.zeros(2 * MiB + 1, dtype=torch.float32, device="cuda"),
         }
-        cases = [("win", 1000, 4097), ("small", 123, 4097), ("large", MiB - 3, MiB + 4), ("small", 8191, 1), ("win", 0, 8192)]
+        cases = [
+            ("win", 1000, 4097), ("small", 123, 4097), ("large", MiB - 3, MiB + 4), ("small", 8191, 1),
+            ("win", 0, 8192),
+        ]
         for i, (key, at, n) in enumerate(cases):
             exp = expected[key]
             src = random_bytes(n, exp.dtype, seed=100 + i)
@@ -284,7 +291,9 @@ async def test_host_device_puts_and_gets(peers, file_store, host_region):
     host region of each kind (Transport.empty, plain torch.zeros, pinned)."""
     n = 16 * MiB + 3  # 64 MiB + 12 bytes of float32: more than any staging chunk, not a multiple of one
     async with opened(file_store) as t:
-        p = peers({"name": "mixed", "regions": [cuda_region("dev", "float32", n), {"key": "hst", "dtype": "float32", "numel": n, "where": host_region}]})
+        p = peers({"name": "mixed", "regions": [
+            cuda_region("dev", "float32", n), {"key": "hst", "dtype": "float32", "numel": n, "where": host_region},
+        ]})
         await p.ready(t, ["dev", "hst"])
         check = Checker(t)
         for i, pinned in enumerate((True, False)):
@@ -330,18 +339,23 @@ async def test_bad_input_raises_typed_errors_and_leaves_the_target_unchanged(pee
         ones = torch.ones(n, dtype=torch.float32, device="cuda")
         bad = [
             ("put past the end", transport.BoundsError, lambda: t.put(ones, "strict", key="w", offset=4)),
-            ("put too large", transport.BoundsError, lambda: t.put(torch.ones(n + 1, device="cuda"), "strict", key="w")),
+            ("put too large", transport.BoundsError,
+             lambda: t.put(torch.ones(n + 1, device="cuda"), "strict", key="w")),
             ("negative offset", transport.BoundsError, lambda: t.put(ones[:1], "strict", key="w", offset=-4)),
             ("offset at the end", transport.BoundsError, lambda: t.put(ones[:1], "strict", key="w", offset=4 * n)),
             ("misaligned offset", transport.BoundsError, lambda: t.put(ones[:1], "strict", key="w", offset=2)),
             ("dtype", transport.DTypeMismatchError, lambda: t.put(ones.to(torch.bfloat16), "strict", key="w")),
-            ("dtype from host", transport.DTypeMismatchError, lambda: t.put(torch.ones(n, dtype=torch.int32), "strict", key="w")),
+            ("dtype from host", transport.DTypeMismatchError,
+             lambda: t.put(torch.ones(n, dtype=torch.int32), "strict", key="w")),
             ("read-only", transport.ReadOnlyRegionError, lambda: t.put(ones, "strict", key="ro")),
             ("read-only from host", transport.ReadOnlyRegionError, lambda: t.put(torch.ones(n), "strict", key="ro")),
             ("no such key", transport.RegistrationError, lambda: t.put(ones, "strict", key="nope")),
-            ("get too large", transport.BoundsError, lambda: t.get(torch.empty(n + 1, device="cuda"), "strict", key="w")),
-            ("get dtype", transport.DTypeMismatchError, lambda: t.get(torch.empty(n, dtype=torch.int32, device="cuda"), "strict", key="w")),
-            ("get strided dst", transport.LayoutError, lambda: t.get(torch.empty(2 * n, device="cuda")[::2], "strict", key="w")),
+            ("get too large", transport.BoundsError,
+             lambda: t.get(torch.empty(n + 1, device="cuda"), "strict", key="w")),
+            ("get dtype", transport.DTypeMismatchError,
+             lambda: t.get(torch.empty(n, dtype=torch.int32, device="cuda"), "strict", key="w")),
+            ("get strided dst", transport.LayoutError,
+             lambda: t.get(torch.empty(2 * n, device="cuda")[::2], "strict", key="w")),
         ]
         for what, error, start in bad:
             try:
@@ -447,7 +461,8 @@ async def test_expandable_segments_memory_gives_a_clear_error(peers, file_store)
             assert "expandable" in err["message"].lower(), err
         else:  # registered; the put must be refused
             check = Checker(t)
-            with anyio.fail_after(30), pytest.raises((transport.BackendUnavailableError, transport.RegistrationError)) as caught:
+            refused = (transport.BackendUnavailableError, transport.RegistrationError)
+            with anyio.fail_after(30), pytest.raises(refused) as caught:
                 await t.put(torch.ones(n, dtype=torch.uint8, device="cuda"), "expandable", key="w")
             assert "expandable" in str(caught.value).lower(), caught.value
             seen = await check.digests("expandable", ["w"])
@@ -483,7 +498,9 @@ async def test_restarted_target_receives_in_its_new_memory(peers, file_store, ho
         assert new.incarnation != old.incarnation
         b = random_bytes(n, torch.uint8, seed=2)
         await t.put(b, "gen", key="w")
-        assert (await check.digests("gen", ["w"]))["w"] == digest(b), "the put did not reach the new incarnation's memory"
+        assert (await check.digests("gen", ["w"]))["w"] == digest(b), (
+            "the put did not reach the new incarnation's memory"
+        )
         back = torch.empty_like(b)
         await t.get(back, "gen", key="w")
         assert same_bytes(back, b)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import subprocess
 import sys
 
@@ -15,14 +16,17 @@ import pytest
 import torch
 
 import transport
-from transport import _cuda
+from transport import _cuda, _staging
+from transport._native import cuda as native_cuda
 from transport._native import load
-from transport._peers import _PEER_PREFIX
+from transport._peers import PEER_PREFIX
 from transport._wire import PeerRecord, RegionRecord
 
 from .conftest import python_env
 
-pytestmark = pytest.mark.skipif(_cuda.unavailable_reason() is None, reason="a CUDA driver is present: these test its absence")
+pytestmark = pytest.mark.skipif(
+    _cuda.unavailable_reason() is None, reason="a CUDA driver is present: these test its absence"
+)
 
 # Arguments of the right types for each native cuda_* function (the driver is never reached).
 _NATIVE_ARGS = {
@@ -57,8 +61,20 @@ def test_every_native_cuda_call_raises_unavailable():
     names = sorted(n for n in dir(c) if n.startswith("cuda_") and n != "cuda_load")
     assert names == sorted(_NATIVE_ARGS), "a cuda_* binding was added or removed: list its arguments above"
     for name in names:
-        with pytest.raises(c.CudaUnavailable, match="libcuda.so.1"):
+        with pytest.raises(c.CudaUnavailable, match=r"libcuda\.so\.1"):
             getattr(c, name)(*_NATIVE_ARGS[name])
+
+
+def test_every_typed_driver_call_raises_backend_unavailable():
+    """transport._native.cuda: one typed function per cuda_* binding, the same failure mapped
+    into the error tree."""
+    for name, args in _NATIVE_ARGS.items():
+        fn = getattr(native_cuda, name.removeprefix("cuda_"))
+        with pytest.raises(transport.BackendUnavailableError, match=r"libcuda\.so\.1"):
+            fn(*args)
+    with pytest.raises(transport.BackendUnavailableError, match=r"libcuda\.so\.1"):
+        native_cuda.require_driver()
+    assert native_cuda.unavailable_reason() == _cuda.unavailable_reason()
 
 
 @pytest.mark.parametrize(
@@ -82,17 +98,18 @@ def test_every_native_cuda_call_raises_unavailable():
          "ipc_export", "kernels", "stream_create", "stream_destroy", "CudaEngine", "PinnedBuffer"],
 )
 def test_every_python_cuda_entry_point_raises_backend_unavailable(call):
-    with pytest.raises(transport.BackendUnavailableError, match="libcuda.so.1"):
+    with pytest.raises(transport.BackendUnavailableError, match=r"libcuda\.so\.1"):
         call()
 
 
 def test_public_functions_of_the_cuda_module_are_all_covered():
     public = {n for n, v in vars(_cuda).items()
-              if callable(v) and not inspect.isclass(v) and not n.startswith("_") and getattr(v, "__module__", "") == _cuda.__name__}
+              if callable(v) and not inspect.isclass(v) and not n.startswith("_")
+              and getattr(v, "__module__", "") == _cuda.__name__}
     # unavailable_reason answers instead of raising; ready_event needs a CUDA tensor to exist;
-    # staging_chunk/staging_pieces are arithmetic (tested below).
-    assert public == {"unavailable_reason", "ready_event", "staging_chunk", "staging_pieces", "driver_version", "device_count", "device_uuid", "device_name",
-                      "device_label", "local_index", "allocation", "ipc_export", "kernels", "stream_create", "stream_destroy"}
+    assert public == {"unavailable_reason", "ready_event", "driver_version", "device_count", "device_uuid",
+                      "device_name", "device_label", "local_index", "allocation", "ipc_export", "kernels",
+                      "stream_create", "stream_destroy"}
 
 
 @pytest.mark.parametrize(
@@ -129,8 +146,8 @@ async def test_cpu_only_initiator_cannot_reach_a_peers_gpu_region(memory_store):
         host = torch.zeros(16, dtype=torch.float32)
         peer.register("w", host)
         # What the same peer publishes when "w" is a CUDA tensor: the device region record.
-        region = peer._regions["w"]
-        key = _PEER_PREFIX + "gpu-peer"
+        region = peer.regions["w"]
+        key = PEER_PREFIX + "gpu-peer"
         record = PeerRecord.decode(peer._auth.open_record(peer._store.get(key), "gpu-peer"))
         gpu = dataclasses.replace(record.regions["w"], device="cuda:GPU-0badc0de-0000-0000-0000-000000000000",
                                   descriptors={"ipc": b"\0" * 88})
@@ -144,11 +161,11 @@ async def test_cpu_only_initiator_cannot_reach_a_peers_gpu_region(memory_store):
 
 
 def test_staging_pieces_cover_the_bytes_in_whole_elements():
-    chunk = _cuda.STAGING_CHUNK
-    assert _cuda.staging_pieces(0, 4) == []
-    assert _cuda.staging_pieces(10, 2) == [(0, 10)]
-    assert _cuda.staging_pieces(2 * chunk + 6, 2) == [(0, chunk), (chunk, chunk), (2 * chunk, 6)]
+    chunk = _staging.STAGING_CHUNK
+    assert _staging.staging_pieces(0, 4) == []
+    assert _staging.staging_pieces(10, 2) == [(0, 10)]
+    assert _staging.staging_pieces(2 * chunk + 6, 2) == [(0, chunk), (chunk, chunk), (2 * chunk, 6)]
     granule = 12  # an element size that does not divide the chunk
-    pieces = _cuda.staging_pieces(3 * chunk, granule)
+    pieces = _staging.staging_pieces(3 * chunk, granule)
     assert all(size % granule == 0 for _, size in pieces[:-1]) and sum(size for _, size in pieces) == 3 * chunk
-    assert all(a + s == b for (a, s), (b, _) in zip(pieces, pieces[1:]))
+    assert all(a + s == b for (a, s), (b, _) in itertools.pairwise(pieces))

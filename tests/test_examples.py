@@ -28,7 +28,9 @@ def assert_synced_after_joining(history: list[dict], g: str) -> None:
     """Generators subscribe when their process is up; from then on every publish reaches them."""
     joined = next(i for i, r in enumerate(history) if g in r["sync_status"])
     assert joined < len(history) // 2, f"{g} joined only at step {joined + 1}"
-    assert all(r["sync_status"].get(g) == "done" for r in history[joined:]), [r["sync_status"] for r in history[joined:]]
+    assert all(r["sync_status"].get(g) == "done" for r in history[joined:]), [
+        r["sync_status"] for r in history[joined:]
+    ]
 
 
 def test_trains_and_syncs_every_step(tmp_path):
@@ -44,7 +46,7 @@ def test_trains_and_syncs_every_step(tmp_path):
 
 
 def test_slow_generator_does_not_slow_the_others(tmp_path):
-    _, history, summary = run_example(tmp_path, "--steps", "40", "--slow-generator", "gen-1", "--slow-seconds", "0.3")
+    _, history, _summary = run_example(tmp_path, "--steps", "40", "--slow-generator", "gen-1", "--slow-seconds", "0.3")
     # Once subscribed, the slow one still receives every version (one-sided ipc puts need
     # nothing from it), like the fast one ...
     assert_synced_after_joining(history, "gen-0")
@@ -59,8 +61,12 @@ def test_kill_and_replace_a_generator(tmp_path):
     assert "killed gen-2" in stdout
     assert len(history) == 250
     after = [r for r in history if r["step"] > 16]
-    assert any("gen-2" not in r["sync_status"] or r["sync_status"]["gen-2"] != "done" for r in after), "the kill was not seen"
-    assert any(r["sync_status"].get("gen-2") == "done" and "gen-2" in r["batches"] for r in after[-50:]), "the replacement never rejoined"
+    assert any("gen-2" not in r["sync_status"] or r["sync_status"]["gen-2"] != "done" for r in after), (
+        "the kill was not seen"
+    )
+    assert any(r["sync_status"].get("gen-2") == "done" and "gen-2" in r["batches"] for r in after[-50:]), (
+        "the replacement never rejoined"
+    )
     assert_synced_after_joining(history, "gen-0")
     assert_synced_after_joining(history, "gen-1")
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import transport
 from transport._auth import Authenticator
-from transport._weights_layout import Layout
 from transport._wire import FRAME_HEADER, PeerRecord, WireError, decode_header, decode_meta
+from transport.weights._layout import Layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
 REGION_NUMEL = 257  # float32 region "r": 1028 bytes
@@ -29,9 +29,11 @@ def live_pair(request):
     """A pair of Transports running on an event loop in a background thread for the module."""
     backend = request.param
     store = f"memory://{uuid.uuid4().hex}"
-    with anyio.from_thread.start_blocking_portal("trio") as portal, \
-            portal.wrap_async_context_manager(transport.Transport("a", store=store, backends=(backend,), timeout=10)) as a, \
-            portal.wrap_async_context_manager(transport.Transport("b", store=store, backends=(backend,), timeout=10)) as b:
+    with (
+        anyio.from_thread.start_blocking_portal("trio") as portal,
+        portal.wrap_async_context_manager(transport.Transport("a", store=store, backends=(backend,), timeout=10)) as a,
+        portal.wrap_async_context_manager(transport.Transport("b", store=store, backends=(backend,), timeout=10)) as b,
+    ):
         region = torch.zeros(REGION_NUMEL, dtype=torch.float32)
         b.register("r", region)
         b.register("ro", torch.zeros(8), writable=False)
@@ -58,7 +60,10 @@ def transfer_args(draw):
 def make(dtype: torch.dtype, numel: int, strided: bool, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     n = numel * 2 if strided else numel
-    base = torch.randint(0, 100, (n,), generator=g).to(dtype) if dtype != torch.bool else torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype != torch.bool:
+        base = torch.randint(0, 100, (n,), generator=g).to(dtype)
+    else:
+        base = torch.randint(0, 2, (n,), generator=g).bool()
     return base[::2] if strided else base
 
 
@@ -86,8 +91,12 @@ def test_put_get_arguments(live_pair, args):
         assert not valid, f"valid arguments raised: {args}"
         assert torch.equal(region, before), "a refused transfer changed the region"
         return
-    assert valid or (op == "get" and key == "ro" and peer == "b" and dtype == torch.float32 and 0 <= offset and offset % 4 == 0 and offset + nbytes <= 32) \
-        or (nbytes == 0 and peer == "b" and key in ("r", "ro") and dtype == torch.float32 and 0 <= offset), f"invalid arguments succeeded: {args}"
+    assert (
+        valid
+        or (op == "get" and key == "ro" and peer == "b" and dtype == torch.float32
+            and 0 <= offset and offset % 4 == 0 and offset + nbytes <= 32)
+        or (nbytes == 0 and peer == "b" and key in ("r", "ro") and dtype == torch.float32 and 0 <= offset)
+    ), f"invalid arguments succeeded: {args}"
     lo = offset // 4
     if op == "put" and key == "r":
         assert torch.equal(region[lo : lo + t.numel()], t.contiguous()), "wrong bytes landed"
@@ -123,8 +132,10 @@ def test_decoders_reject_random_bytes(data):
 
 @FUZZ
 @given(doc=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-                        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20),
-       field=st.sampled_from(["name", "incarnation", "seq", "pid", "pid_start", "host", "agent", "backends", "regions"]))
+                        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                        max_leaves=20),
+       field=st.sampled_from(
+           ["name", "incarnation", "seq", "pid", "pid_start", "host", "agent", "backends", "regions"]))
 def test_peer_record_with_mutated_fields(doc, field):
     import json
 

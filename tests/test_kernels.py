@@ -81,7 +81,7 @@ def test_pack_writes_each_tensors_bytes_at_its_offset(seed):
     offsets, size = odd_offsets(rng, tensors)
     out = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     expected = bytearray(raw(out))
-    for t, off in zip(tensors, offsets):
+    for t, off in zip(tensors, offsets, strict=True):
         expected[off : off + t.numel() * t.element_size()] = raw(t)
     K.pack(out, tensors, offsets)
     assert raw(out) == bytes(expected)  # tensors in place, the gaps untouched
@@ -104,7 +104,7 @@ def test_unpack_round_trips_pack_exactly(seed):
     K.pack(bucket, tensors, offsets)
     dsts = [torch.empty_like(t) for t in tensors]
     K.unpack(bucket, dsts, offsets, [t.dtype for t in tensors])
-    for t, d in zip(tensors, dsts):
+    for t, d in zip(tensors, dsts, strict=True):
         assert d.shape == t.shape and d.dtype == t.dtype
         assert raw(d) == raw(t)
 
@@ -121,7 +121,7 @@ def test_unpack_casts_to_each_destination_dtype_and_layout():
         torch.empty(33, dtype=torch.float16),
     ]
     K.unpack(bucket, dsts, offsets, [t.dtype for t in stored])
-    for s, d in zip(stored, dsts):
+    for s, d in zip(stored, dsts, strict=True):
         assert torch.equal(d, s.to(d.dtype))
 
 
@@ -152,7 +152,8 @@ def random_copies(rng: random.Random, src_len: int, dst_len: int, big: bool = Fa
     """Random (src offset, dst offset, nbytes) with disjoint destinations in [0, dst_len), sizes
     of every alignment class and unaligned starts."""
     sizes = (0, 1, 2, 3, 7, 15, 16, 17, 31, 33, 100, 255, 1000, 4097) + ((70_001, 300_007) if big else ())
-    copies, pos = [], rng.randrange(0, 16)
+    copies: list[tuple[int, int, int]] = []
+    pos = rng.randrange(0, 16)
     while True:
         n = rng.choice(sizes)
         if pos + n > dst_len:
@@ -241,7 +242,8 @@ def quantize_cases(dtype: torch.dtype) -> list[torch.Tensor]:
         torch.full((33,), -3.25, dtype=dtype),  # all equal: every code is -448
         (torch.rand(1001, generator=g) * 2 - 1).mul(finfo.max).to(dtype),  # huge
         (torch.randn(999, generator=g) * finfo.smallest_normal).to(dtype),  # subnormal range
-        torch.cat([torch.randn(500, generator=g), torch.randn(500, generator=g) * 2.0**-12]).to(dtype),  # e4m3 subnormals
+        # e4m3 subnormals
+        torch.cat([torch.randn(500, generator=g), torch.randn(500, generator=g) * 2.0**-12]).to(dtype),
         torch.randn(3, 5, 7, generator=g).to(dtype).transpose(0, 2),  # non-contiguous
         torch.cat([torch.tensor([448.0], dtype=torch.float64), TIES, -TIES]).to(dtype),  # scale 1, exact ties
     ]
@@ -268,7 +270,8 @@ def test_quantize_fp8_reference_special_cases():
     q, scale = K.quantize_fp8(torch.zeros(4, dtype=torch.bfloat16))
     assert scale.item() == 1.0 and not q.view(torch.uint8).any()
     q, scale = K.quantize_fp8(torch.tensor([2.0, -2.0, 2.0], dtype=torch.bfloat16))
-    assert scale.item() == torch.tensor(2.0 / 448).item() and q.view(torch.uint8).tolist() == [0x7E, 0xFE, 0x7E]  # +-448
+    assert scale.item() == torch.tensor(2.0 / 448).item()
+    assert q.view(torch.uint8).tolist() == [0x7E, 0xFE, 0x7E]  # +-448
     q, scale = K.quantize_fp8(torch.tensor([], dtype=torch.bfloat16))
     assert q.numel() == 0 and scale.item() == 1.0
     # -0.0 and values that round to zero keep their sign.
@@ -382,7 +385,11 @@ def find_cuobjdump() -> str | None:
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")  # the nvidia-cuda-cuobjdump wheel (dev extra)
-    wheel = [os.path.join(p, sub, "bin", "cuobjdump") for p in (spec.submodule_search_locations or []) for sub in ("cu13", "cu12", "cuda_cuobjdump")] if spec else []
+    wheel = [
+        os.path.join(p, sub, "bin", "cuobjdump")
+        for p in (spec.submodule_search_locations or [])
+        for sub in ("cu13", "cu12", "cuda_cuobjdump")
+    ] if spec else []
     for candidate in (
         shutil.which("cuobjdump"),
         *wheel,
@@ -475,13 +482,13 @@ def test_gpu_pack_unpack_match_cpu(seed):
     assert torch.equal(bucket_d.cpu(), bucket)
     dsts = [torch.empty_like(t, device="cuda") for t in tensors]
     K.unpack(bucket_d, dsts, offsets, [t.dtype for t in tensors])
-    for t, d in zip(tensors, dsts):
+    for t, d in zip(tensors, dsts, strict=True):
         assert raw(d.cpu()) == raw(t)
 
 
 def gpu_quantize_cases() -> list[torch.Tensor]:
     every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    cases = quantize_cases(torch.bfloat16) + [every_bf16, every_bf16[every_bf16.float().isfinite()]]
+    cases = [*quantize_cases(torch.bfloat16), every_bf16, every_bf16[every_bf16.float().isfinite()]]
     cases.append(torch.tensor([1.0, float("inf"), -3.0, float("-inf")], dtype=torch.bfloat16))
     return cases
 

@@ -19,7 +19,10 @@ async def test_target_blocked_in_sleep_receives_64mib_over_ipc(targets, file_sto
     async with transport.Transport("init", store=file_store, backends=("ipc",)) as t:
         target = targets({
             "name": "sleeper", "store": file_store, "backends": ["ipc"], "initiator": "init", "mode": "sleep",
-            "regions": [{"key": "cma", "dtype": "uint8", "numel": n}, {"key": "shm", "dtype": "uint8", "numel": n, "shared": True}],
+            "regions": [
+                {"key": "cma", "dtype": "uint8", "numel": n},
+                {"key": "shm", "dtype": "uint8", "numel": n, "shared": True},
+            ],
         })
         await t.wait_signal("ready", timeout=60)
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
@@ -37,12 +40,15 @@ async def test_target_blocked_in_sleep_receives_64mib_over_ipc(targets, file_sto
     assert info["sha256"] == {"cma": sha(src), "shm": sha(src)}
 
 
-@pytest.mark.parametrize(("backend", "shared"), [("ipc", False), ("ipc", True), ("tcp", False)], ids=["ipc-cma", "ipc-shm", "tcp"])
+@pytest.mark.parametrize(
+    ("backend", "shared"), [("ipc", False), ("ipc", True), ("tcp", False)], ids=["ipc-cma", "ipc-shm", "tcp"]
+)
 async def test_cross_process_conformance(targets, file_store, backend, shared):
     sizes = {"float32": 1_000_003, "bfloat16": 4097, "float16": 7, "int8": 1, "uint8": 0, "int64": 65536, "bool": 12345}
     regions = [{"key": k, "dtype": k, "numel": n, "shared": shared} for k, n in sizes.items()]
     async with transport.Transport("init", store=file_store, backends=(backend,)) as t:
-        target = targets({"name": "server", "store": file_store, "backends": [backend], "initiator": "init", "mode": "serve", "regions": regions})
+        target = targets({"name": "server", "store": file_store, "backends": [backend], "initiator": "init",
+                          "mode": "serve", "regions": regions})
         await t.wait_signal("ready", timeout=60)
         await t.peer("server", regions=list(sizes))
         expected = {}
@@ -63,8 +69,8 @@ async def test_cross_process_conformance(targets, file_store, backend, shared):
 
 async def test_dead_target_raises_peer_lost(targets, file_store, backend):
     async with transport.Transport("init", store=file_store, backends=(backend,), timeout=10) as t:
-        target = targets({"name": "victim", "store": file_store, "backends": [backend], "initiator": "init", "mode": "serve",
-                          "regions": [{"key": "w", "dtype": "float32", "numel": 1 << 20}]})
+        target = targets({"name": "victim", "store": file_store, "backends": [backend], "initiator": "init",
+                          "mode": "serve", "regions": [{"key": "w", "dtype": "float32", "numel": 1 << 20}]})
         await t.wait_signal("ready", timeout=60)
         await t.peer("victim", regions=["w"])
         await t.put(torch.ones(1 << 20), "victim", key="w")
@@ -99,9 +105,11 @@ async def main():
         await t.signal("locked", "done", 1)
 trio.run(main)
 """)
-    target = targets({"name": "locked", "store": file_store, "backends": ["ipc", "tcp"], "initiator": "init", "mode": "serve",
-                      "undumpable": True, "regions": [{"key": "w", "dtype": "float32", "numel": 1000}]})
-    proc = await anyio.run_process(["setpriv", "--bounding-set=-sys_ptrace", PYTHON, str(script)], env=python_env(), check=False)
+    target = targets({"name": "locked", "store": file_store, "backends": ["ipc", "tcp"], "initiator": "init",
+                      "mode": "serve", "undumpable": True,
+                      "regions": [{"key": "w", "dtype": "float32", "numel": 1000}]})
+    proc = await anyio.run_process(["setpriv", "--bounding-set=-sys_ptrace", PYTHON, str(script)], env=python_env(),
+                                   check=False)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
     assert "BACKEND tcp" in out

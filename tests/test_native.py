@@ -10,7 +10,9 @@ import anyio
 import pytest
 import torch
 
-from transport._native import Copier, CopyKind, CopyStatus, load
+import transport
+from transport import _native
+from transport._native import Copier, CopyKind, CopyStatus, PeerMapping, load
 
 C = load()
 
@@ -41,13 +43,19 @@ async def test_copy_engine_memcpy_and_cma_self():
     await with_copier(body)
 
 
-async def test_copy_engine_reports_a_dead_process():
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
     proc = subprocess.Popen(["true"])
     proc.wait()
+    return proc.pid
+
+
+async def test_copy_engine_reports_a_dead_process():
+    pid = dead_pid()
     src = torch.ones(16, dtype=torch.uint8)
 
     async def body(copier):
-        r = await copier.copy(CopyKind.CMA_WRITE, proc.pid, [(0x1000, src.data_ptr(), 16)])
+        r = await copier.copy(CopyKind.CMA_WRITE, pid, [(0x1000, src.data_ptr(), 16)])
         assert r.status == CopyStatus.FAILED and r.err == errno.ESRCH
 
     await with_copier(body)
@@ -81,6 +89,54 @@ def test_shared_buffer_is_visible_through_proc_fd():
 
 def test_cma_probe():
     assert C.cma_probe(os.getpid(), C.probe_address(), 1) == 0
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    assert C.cma_probe(proc.pid, C.probe_address(), 1) == errno.ESRCH
+    assert C.cma_probe(dead_pid(), C.probe_address(), 1) == errno.ESRCH
+
+
+def test_typed_wrappers_share_a_word_between_a_buffer_and_a_peers_mapping():
+    buf = _native.shared_buffer(8192, "t")
+    view = PeerMapping(os.getpid(), buf.fd, 8192, False)  # what a same-host peer does
+    assert view.nbytes == 8192 and view.address != buf.address
+    buf.write_u64(8, 0x0123_4567_89AB_CDEF)
+    assert view.read_u64(8) == 0x0123_4567_89AB_CDEF and view.read_u64() == 0
+    assert torch.from_dlpack(buf.array())[8] == 0xEF  # little-endian: the array sees the same bytes
+    for bad in (-8, 4, 8192):
+        with pytest.raises(ValueError, match="aligned 8-byte word"):
+            view.read_u64(bad)
+        with pytest.raises(ValueError, match="aligned 8-byte word"):
+            buf.write_u64(bad, 1)
+    with pytest.raises(RuntimeError, match="No such file"):
+        PeerMapping(os.getpid(), 99_999, 10, True)
+
+
+def test_typed_copy_functions():
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    assert _native.copy_now(CopyKind.CMA_READ, os.getpid(), dst.data_ptr(), src.data_ptr(), 64) == 0
+    assert torch.equal(dst, src)
+    _native.memory_fence()
+    assert _native.cma_probe(os.getpid(), _native.probe_address()) == 0
+
+
+def test_extension_loads_lazily_and_is_typed_through_one_name():
+    from transport._native._extension import _C
+
+    assert _native.unavailable_reason() is None
+    assert _C.copy_now is load().copy_now  # the stand-in hands out the extension's own objects
+    assert os.path.samefile(_native.extension_path(), load().__file__)
+    with pytest.raises(AttributeError):
+        _C.__wrapped__  # noqa: B018 -- introspection does not load anything
+
+
+def test_ipc_probe_from_an_unrelated_child():
+    probe = _native.probe_ipc(timeout=30)
+    assert isinstance(probe, _native.IpcProbe)
+    assert probe.cma_errno in (0, errno.EPERM)
+    assert probe.mapping_error is None or isinstance(probe.mapping_error, str)
+
+
+def test_ucx_library_is_found_or_says_why():
+    path, version, why = _native.ucx.library()
+    assert (path is not None and version is not None and why is None) or (path is None and why)
+    if path is not None:
+        assert "Success" in _native.ucx.status_string(0)
+    assert issubclass(_native.cuda.CudaError, transport.TransportInternalError)

@@ -18,7 +18,9 @@ from transport._flight import analyze, load_dumps
 
 from .conftest import PYTHON, ROOT, python_env
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"
+)
 
 SUBNET = "10.78.0"  # only ever configured inside the namespaces this test creates
 
@@ -55,7 +57,8 @@ INITIATOR = """
 import json, sys, time, trio, torch, transport
 spec = json.loads(sys.argv[1])
 async def main():
-    async with transport.Transport("init", store=spec["store"], backends=("tcp",), timeout=30, flight_dir=spec["flight"]) as t:
+    async with transport.Transport("init", store=spec["store"], backends=("tcp",), timeout=30,
+                                   flight_dir=spec["flight"]) as t:
         for _ in range(2):
             await t.wait_signal("ready", timeout=60)
         await t.peer("far", regions=["w"])
@@ -80,7 +83,8 @@ async def main():
         back = torch.empty_like(src)
         await t.get(back, "near", key="w")
         await t.signal("near", "done", 1)
-        print("RESULT", json.dumps({"far_error": far_error, "near_ok": near_ok, "near_correct": bool(torch.equal(back, src))}), flush=True)
+        result = {"far_error": far_error, "near_ok": near_ok, "near_correct": bool(torch.equal(back, src))}
+        print("RESULT", json.dumps(result), flush=True)
 trio.run(main)
 """
 

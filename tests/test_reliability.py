@@ -111,7 +111,8 @@ async def test_sigstop_straggler_over_tcp_times_out_others_continue(targets, fil
 
 async def test_restarted_target_is_resumed_with_its_new_incarnation(targets, file_store, tmp_path):
     flight = tmp_path / "flight"
-    async with transport.Transport("init", store=file_store, backends=("ipc", "tcp"), timeout=20, flight_dir=flight) as t:
+    async with transport.Transport("init", store=file_store, backends=("ipc", "tcp"), timeout=20,
+                                   flight_dir=flight) as t:
         first = targets(spec("gen", file_store, ["ipc", "tcp"], 1 << 20))
         await t.wait_signal("ready", at_least=first.proc.pid, timeout=60)
         old = await t.peer("gen", regions=["w"])
@@ -136,15 +137,17 @@ async def test_heartbeat_lease_declares_a_stopped_remote_peer_lost(tmp_path, fil
     """A peer in another PID namespace counts as another host: no pid check, only heartbeats.
     SIGSTOP freezes its heartbeat thread; after the lease it is lost and operations fail fast."""
     flight = tmp_path / "flight"
-    async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30, heartbeat=0.2, lease=1.5, flight_dir=flight) as t:
+    async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30, heartbeat=0.2, lease=1.5,
+                                   flight_dir=flight) as t:
         child = subprocess.Popen(
-            ["unshare", "--pid", "--fork", PYTHON, "-m", "tests.peer_target", json.dumps({**spec("remote", file_store, ["tcp"], 1024), "out": str(tmp_path / "remote.json")})],
+            ["unshare", "--pid", "--fork", PYTHON, "-m", "tests.peer_target",
+             json.dumps({**spec("remote", file_store, ["tcp"], 1024), "out": str(tmp_path / "remote.json")})],
             env=python_env(), start_new_session=True,
         )
         try:
             await t.wait_signal("ready", timeout=60)
             peer = await t.peer("remote", regions=["w"])
-            assert peer._record.host != t._host  # really treated as remote
+            assert peer._record.host != t._directory.me.host  # really treated as remote
             await t.put(torch.ones(1024, dtype=torch.uint8), "remote", key="w")
             os.killpg(child.pid, signal.SIGSTOP)
             t0 = time.monotonic()
@@ -271,7 +274,9 @@ async def test_a_garbled_agent_reply_is_a_peer_lost_error(memory_store, tmp_path
     assert "peer-lost b" in report and "a -> b: ERRORS" in report
 
 
-@pytest.mark.parametrize("junk", [b"", b"{}", b"\xff\xfe", b'{"format":"transport.peer","v":1}', b'{"format":"transport.peer","v":99}'])
+@pytest.mark.parametrize(
+    "junk", [b"", b"{}", b"\xff\xfe", b'{"format":"transport.peer","v":1}', b'{"format":"transport.peer","v":99}']
+)
 async def test_corrupt_or_truncated_records_are_typed_errors(memory_store, junk):
     async with transport.Transport("a", store=memory_store, timeout=5) as a:
         open_store(memory_store).set("peer/bad", junk)

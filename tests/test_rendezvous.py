@@ -63,12 +63,12 @@ def test_tcp_store_port_zero_reports_real_port():
 
 
 def _record(**over) -> PeerRecord:
-    base = dict(
-        name="gen-0", incarnation="ab12", seq=3, pid=42, pid_start=99,
-        host=HostId("h", "boot", 7), agent=("127.0.0.1", 5000),
-        backends={"ipc": b"\x01\x02", "tcp": b""},
-        regions={"w": RegionRecord("w", "bfloat16", (2, 3), 12, True, {"ipc": b"\x00" * 32})},
-    )
+    base = {
+        "name": "gen-0", "incarnation": "ab12", "seq": 3, "pid": 42, "pid_start": 99,
+        "host": HostId("h", "boot", 7), "agent": ("127.0.0.1", 5000),
+        "backends": {"ipc": b"\x01\x02", "tcp": b""},
+        "regions": {"w": RegionRecord("w", "bfloat16", (2, 3), 12, True, {"ipc": b"\x00" * 32})},
+    }
     base.update(over)
     return PeerRecord(**base)
 

@@ -29,7 +29,9 @@ from transport.backends.ucx import UcxBackend
 from .conftest import PYTHON, ROOT, python_env
 from .scenarios import DTYPES, random_tensor
 
-needs_ucx = pytest.mark.skipif(UcxBackend.unavailable_reason() is not None, reason=f"ucx unavailable: {UcxBackend.unavailable_reason()}")
+needs_ucx = pytest.mark.skipif(
+    UcxBackend.unavailable_reason() is not None, reason=f"ucx unavailable: {UcxBackend.unavailable_reason()}"
+)
 
 INSTALL_HINT = "pip install 'transport[ucx]'"
 
@@ -52,8 +54,9 @@ class Proc:
     def __init__(self, tmp: Path, name: str, cmd: list[str], env: dict[str, str]) -> None:
         self.name = name
         self.log = tmp / f"{name}.log"
-        self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._logf, stderr=subprocess.STDOUT)
+        self._logf = open(self.log, "wb")  # closed in close()
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._logf,
+                                     stderr=subprocess.STDOUT)
 
     async def wait(self, timeout: float) -> int:
         with anyio.fail_after(timeout):
@@ -115,7 +118,8 @@ trio.run(main)
 """)
     env = python_env()
     env["TRANSPORT_UCX_LIB"] = str(tmp_path / "nowhere" / "libucp.so")
-    proc = subprocess.run([PYTHON, str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([PYTHON, str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(" ", 1)[0]: line for line in proc.stdout.splitlines()}
     assert INSTALL_HINT in lines["REASON"], lines["REASON"]
@@ -161,8 +165,12 @@ async def test_target_blocked_in_sleep_receives_over_ucx(procs, file_store, tmp_
     out = str(tmp_path / "sleeper.json")
     async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
         target = procs("sleeper", peer_target({
-            "name": "sleeper", "store": file_store, "backends": ["ucx"], "initiator": "init", "mode": "sleep", "out": out,
-            "regions": [{"key": "plain", "dtype": "uint8", "numel": n}, {"key": "shm", "dtype": "uint8", "numel": n, "shared": True}],
+            "name": "sleeper", "store": file_store, "backends": ["ucx"], "initiator": "init", "mode": "sleep",
+            "out": out,
+            "regions": [
+                {"key": "plain", "dtype": "uint8", "numel": n},
+                {"key": "shm", "dtype": "uint8", "numel": n, "shared": True},
+            ],
         }))
         await t.wait_signal("ready", timeout=60)
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
@@ -186,7 +194,8 @@ async def test_cross_process_conformance_over_ucx(procs, file_store, tmp_path):
     out = str(tmp_path / "server.json")
     async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
         server = procs("server", peer_target({
-            "name": "server", "store": file_store, "backends": ["ucx"], "initiator": "init", "mode": "serve", "out": out,
+            "name": "server", "store": file_store, "backends": ["ucx"], "initiator": "init", "mode": "serve",
+            "out": out,
             "regions": [{"key": k, "dtype": k, "numel": n} for k, n in sizes.items()],
         }))
         await t.wait_signal("ready", timeout=60)
@@ -278,10 +287,11 @@ async def test_two_hosts_move_data_over_ucx_tcp(hosts, procs, tmp_path):
     store = f"tcp://{hosts.addr_a}:{_STORE_PORT}"
     common = {"timeout": 60}
     t_out, i_out = str(tmp_path / "target.json"), str(tmp_path / "initiator.json")
-    target = procs("target", hosts.run_in(hosts.a, role({**common, "role": "target", "name": "tgt", "peer": "ini",
-                                                          "store": store + "?host=1", "out": t_out}), own_pid_namespace=True), tcp_env())
-    initiator = procs("initiator", hosts.run_in(hosts.b, role({**common, "role": "initiator", "name": "ini", "peer": "tgt",
-                                                               "store": store, "out": i_out})), tcp_env())
+    target_cmd = role({**common, "role": "target", "name": "tgt", "peer": "ini", "store": store + "?host=1",
+                       "out": t_out})
+    target = procs("target", hosts.run_in(hosts.a, target_cmd, own_pid_namespace=True), tcp_env())
+    initiator_cmd = role({**common, "role": "initiator", "name": "ini", "peer": "tgt", "store": store, "out": i_out})
+    initiator = procs("initiator", hosts.run_in(hosts.b, initiator_cmd), tcp_env())
     assert await initiator.wait(180) == 0, initiator.tail() + target.tail()
     assert await target.wait(60) == 0, target.tail()
     tgt, ini = json.loads(Path(t_out).read_text()), json.loads(Path(i_out).read_text())
@@ -308,10 +318,11 @@ async def test_dead_peer_on_another_host_raises_peer_lost(hosts, procs, tmp_path
     store = f"tcp://{hosts.addr_a}:{_STORE_PORT}"
     s_out, v_out = str(tmp_path / "streamer.json"), str(tmp_path / "victim.json")
     common = {"timeout": 20}
-    streamer = procs("streamer", hosts.run_in(hosts.a, role({**common, "role": "streamer", "name": "ini", "peer": "victim",
-                                                             "store": store + "?host=1", "out": s_out})), tcp_env())
-    victim = procs("victim", hosts.run_in(hosts.b, role({**common, "role": "victim", "name": "victim", "peer": "ini",
-                                                         "store": store, "out": v_out}), own_pid_namespace=True), tcp_env())
+    streamer_cmd = role({**common, "role": "streamer", "name": "ini", "peer": "victim", "store": store + "?host=1",
+                         "out": s_out})
+    streamer = procs("streamer", hosts.run_in(hosts.a, streamer_cmd), tcp_env())
+    victim_cmd = role({**common, "role": "victim", "name": "victim", "peer": "ini", "store": store, "out": v_out})
+    victim = procs("victim", hosts.run_in(hosts.b, victim_cmd, own_pid_namespace=True), tcp_env())
     with anyio.fail_after(120):
         while not Path(s_out + ".streaming").exists():
             assert streamer.proc.poll() is None and victim.proc.poll() is None, streamer.tail() + victim.tail()
@@ -355,12 +366,16 @@ async def test_a_stopped_peer_on_another_host_delays_no_other_peer(hosts, procs,
     common = {"timeout": 20}
     init = procs("straggle", hosts.run_in(hosts.a, role({**common, "role": "straggle", "name": "ini", "slow_timeout": 2,
                                                          "store": store + "?host=1", "out": out})), tcp_env())
-    peers = {name: procs(name, hosts.run_in(hosts.b, role({**common, "role": "victim", "name": name, "peer": "ini", "store": store,
-                                                           "out": str(tmp_path / f"{name}.json")}), own_pid_namespace=True), tcp_env())
-             for name in ("slow", "fast")}
+    peers = {}
+    for name in ("slow", "fast"):
+        victim_cmd = role({**common, "role": "victim", "name": name, "peer": "ini", "store": store,
+                           "out": str(tmp_path / f"{name}.json")})
+        peers[name] = procs(name, hosts.run_in(hosts.b, victim_cmd, own_pid_namespace=True), tcp_env())
     with anyio.fail_after(120):
         while not Path(out + ".stop").exists():
-            assert all(p.proc.poll() is None for p in (init, *peers.values())), init.tail() + peers["slow"].tail() + peers["fast"].tail()
+            assert all(p.proc.poll() is None for p in (init, *peers.values())), (
+                init.tail() + peers["slow"].tail() + peers["fast"].tail()
+            )
             await anyio.sleep(0.02)
     (slow_pid,) = _children(peers["slow"].proc.pid)
     os.kill(slow_pid, signal.SIGSTOP)

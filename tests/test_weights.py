@@ -75,7 +75,8 @@ async def test_publish_apply_bit_for_bit_with_small_buckets(store, backend):
 async def test_tensors_on_other_devices_are_refused_up_front(store):
     async with transport.Transport("gen", store=store) as tg:
         for zero_copy in (False, True):
-            with pytest.raises(transport.TransportError, match="'w' is on meta; weight sync serves cpu and cuda tensors"):
+            msg = "'w' is on meta; weight sync serves cpu and cuda tensors"
+            with pytest.raises(transport.TransportError, match=msg):
                 Subscriber(tg, {"w": torch.empty(4, device="meta")}, publisher="trainer", zero_copy=zero_copy)
         with pytest.raises(transport.TransportError, match="'w' is on meta"):
             Publisher(tg, {"w": torch.empty(4, device="meta")})
@@ -97,7 +98,8 @@ async def test_zero_copy_apply_repoints_the_tensors(store):
                 assert sub.apply() == v
                 assert bitwise_equal(dst, src)
                 ptr = dst["big"].data_ptr()
-                seen_slots.add(next(i for i, s in enumerate(sub._slots) if s.data_ptr() <= ptr < s.data_ptr() + s.numel()))
+                seen_slots.add(next(i for i, s in enumerate(sub._slots)
+                                    if s.data_ptr() <= ptr < s.data_ptr() + s.numel()))
             assert len(seen_slots) >= 2, "the tensors never moved between slots"
             late = zeros_like(src)
             async with transport.Transport("late", store=store) as tl, Subscriber(tl, late, publisher="trainer") as s2:
@@ -162,25 +164,66 @@ async def test_unsubscribe_and_resubscribe(store):
                 assert sub2.apply() == 2 and torch.equal(dst["w"], torch.ones(4))
 
 
+async def test_large_non_contiguous_tensor_is_packed_not_sent_raw(store):
+    src = {"wt": torch.randn(600, 1024).t(), "b": torch.randn(8)}  # 2.4 MB, transposed: its storage order differs
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, bucket_bytes=1 << 20) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros(v.shape) for k, v in src.items()}, publisher="trainer") as sub:
+            assert not pub._direct  # only contiguous tensors go straight from live memory
+            await pub.publish(1)
+            assert sub.apply() == 1
+            assert all(torch.equal(dst[k], src[k]) for k in src)
+
+
+async def test_close_stops_the_doorbells_promptly(store):
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        pub = Publisher(tt, {"w": torch.ones(4)})
+        sub = Subscriber(tg, {"w": torch.zeros(4)}, publisher="trainer")
+        with anyio.fail_after(10):  # around start..aclose: the publisher's task group lives in between
+            await pub.start()
+            try:
+                await sub.start()
+                for v in range(1, 4):
+                    assert (await pub.publish(v)).done == ["gen"]
+            finally:
+                await pub.aclose()
+        assert not pub._ringing  # the doorbell loops ended with the publisher
+        try:
+            await pub.aclose()  # idempotent
+            assert sub.apply() == 3  # the fronts were set before the doorbells
+            with pytest.raises(transport.TransportError, match="not started"):
+                await pub.publish(4)
+        finally:
+            await sub.aclose()
+
+
 # --- real processes ---------------------------------------------------------------------------
 
-SHAPES = {"w0": [[512, 1024], "float32"], "w1": [[1024, 512], "float32"], "w2": [[256, 256], "bfloat16"], "b": [[1024], "float32"]}
+SHAPES: dict[str, tuple[list[int], str]] = {
+    "w0": ([512, 1024], "float32"),
+    "w1": ([1024, 512], "float32"),
+    "w2": ([256, 256], "bfloat16"),
+    "b": ([1024], "float32"),
+}
 
 
 class Peers:
     def __init__(self, tmp: Path, store: str) -> None:
-        self.tmp, self.store, self.procs = tmp, store, {}
+        self.tmp, self.store = tmp, store
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, **extra) -> None:
-        spec = {"name": name, "store": self.store, "publisher": "trainer", "shapes": SHAPES, "out": str(self.tmp / f"{name}.json"), **extra}
-        self.procs[name] = subprocess.Popen([PYTHON, "-m", "tests.weights_peer", json.dumps(spec)], env=python_env(), cwd=ROOT, stderr=subprocess.PIPE)
+        spec = {"name": name, "store": self.store, "publisher": "trainer", "shapes": SHAPES,
+                "out": str(self.tmp / f"{name}.json"), **extra}
+        self.procs[name] = subprocess.Popen([PYTHON, "-m", "tests.weights_peer", json.dumps(spec)], env=python_env(),
+                                            cwd=ROOT, stderr=subprocess.PIPE)
 
     async def result(self, name: str, timeout: float = 60) -> dict:
         proc = self.procs[name]
         with anyio.fail_after(timeout):
-            while proc.poll() is None:
+            while proc.poll() is None:  # a child process has no event to wait on
                 await anyio.sleep(0.02)
-        assert proc.returncode == 0, proc.stderr.read().decode()[-3000:]
+        assert proc.returncode == 0, proc.stderr.read().decode()[-3000:] if proc.stderr else proc.returncode
         return json.loads((self.tmp / f"{name}.json").read_text())
 
     def close(self) -> None:
@@ -189,7 +232,8 @@ class Peers:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait(timeout=30)
-            p.stderr.close()
+            if p.stderr is not None:
+                p.stderr.close()
 
 
 @pytest.fixture
@@ -301,7 +345,7 @@ async def test_late_joiner_process_pulls_bit_for_bit(peers):
 
 
 def test_layout_buckets_cover_the_version_and_isolate_large_tensors():
-    from transport._weights_layout import DIRECT_MIN, build_layout
+    from transport.weights._layout import DIRECT_MIN, build_layout
 
     tensors = {"a": torch.zeros(10), "big": torch.zeros(3 * DIRECT_MIN, dtype=torch.uint8), "b": torch.zeros(7),
                "c": torch.zeros(DIRECT_MIN // 4 + 3), "small": torch.zeros(100, 100), "d": torch.zeros(5).bfloat16()}

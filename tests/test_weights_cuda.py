@@ -60,7 +60,7 @@ async def test_gpu_model_to_gpu_model(backend):
 
 async def test_zero_copy_needs_the_slots_where_the_tensors_are():
     async with transport.Transport("gen", store=f"memory://{uuid.uuid4().hex}") as tg:
-        with pytest.raises(ValueError, match="zero_copy=True re-points tensors at the slots on cpu.*cuda:0"):
+        with pytest.raises(ValueError, match=r"zero_copy=True re-points tensors at the slots on cpu.*cuda:0"):
             Subscriber(tg, gpu_model(0), publisher="trainer", zero_copy=True)
         Subscriber(tg, gpu_model(0), publisher="trainer", zero_copy=True, device="cuda:0")
 

@@ -115,7 +115,8 @@ async def streamer(t: transport.Transport, spec: dict) -> dict:
                 await trio.Path(spec["out"] + ".streaming").touch()  # the harness kills the victim now
     except transport.TransportError as exc:
         out.update(error=type(exc).__name__, message=str(exc), cause=type(exc.__cause__).__name__,
-                   puts=puts, backend=h.backend if h else None, after_s=time.monotonic() - (started or time.monotonic()))
+                   puts=puts, backend=h.backend if h else None,
+                   after_s=time.monotonic() - (started or time.monotonic()))
     try:
         await t.put(src, peer, key="w")
         out["again"] = "completed"

@@ -13,8 +13,8 @@ import os
 import resource
 import sys
 
-import trio
 import torch
+import trio
 
 import transport
 from transport.weights import Subscriber
@@ -28,7 +28,8 @@ async def main(spec: dict) -> None:
     local = model(spec["shapes"])
     async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"), timeout=30) as t:
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        async with Subscriber(t, local, publisher=spec["publisher"], name="policy", zero_copy=spec.get("zero_copy", False)) as sub:
+        zero_copy = spec.get("zero_copy", False)
+        async with Subscriber(t, local, publisher=spec["publisher"], name="policy", zero_copy=zero_copy) as sub:
             if spec.get("pull"):
                 await sub.pull()
             await t.signal(spec["publisher"], f"ready.{spec['name']}", 1)
@@ -42,13 +43,14 @@ async def main(spec: dict) -> None:
                     versions.append(v)
                 live = sub.version
                 if live is not None:
-                    seen = {float(x.flatten()[0]) for x in local.values()} | {float(x.min()) for x in local.values()} | {float(x.max()) for x in local.values()}
+                    seen = {float(x.flatten()[0]) for x in local.values()}
+                    seen |= {float(x.min()) for x in local.values()} | {float(x.max()) for x in local.values()}
                     checks += 1
                     if seen != {float(live % 128)}:
                         torn += 1
                 if stopping:
                     break
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             info = {
                 "checks": checks, "torn": torn, "applied": applied, "final": sub.version,
@@ -56,9 +58,14 @@ async def main(spec: dict) -> None:
                 "peak_rss_growth": (rss1 - rss0) * 1024, "staging_bytes": sub.staging_bytes,
                 "model_bytes": sum(x.numel() * x.element_size() for x in local.values()),
             }
-    with open(spec["out"] + ".tmp", "w") as f:
+    write_result(info, spec["out"])
+
+
+def write_result(info: dict, out: str) -> None:
+    """Writes ``info`` to ``out`` atomically (the test waits for the file)."""
+    with open(out + ".tmp", "w") as f:
         json.dump(info, f)
-    os.replace(spec["out"] + ".tmp", spec["out"])
+    os.replace(out + ".tmp", out)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,17 @@ from ._errors import TransferAbortedError as TransferAbortedError
 from ._errors import TransferTimeoutError as TransferTimeoutError
 from ._errors import TransportError as TransportError
 from ._errors import TransportInternalError as TransportInternalError
-from ._regions import Peer as Peer
+from ._peers import Peer as Peer
+from ._public import rehome
 from ._regions import Region as Region
+from ._rendezvous import serve_store as serve_store
+from ._support import available_backends as available_backends
+from ._support import cuda_unavailable_reason as cuda_unavailable_reason
 from ._transfer import Transfer as Transfer
-from ._transfer import TransferOp as TransferOp
 from ._transfer import gather as gather
 from ._transport import Transport as Transport
+from ._wire import TransferOp as TransferOp
+from .backends import register_backend as register_backend
 
 __version__ = "0.1.0"
 
@@ -32,6 +37,10 @@ __all__ = [
     "Transfer",
     "TransferOp",
     "gather",
+    "serve_store",
+    "register_backend",
+    "available_backends",
+    "cuda_unavailable_reason",
     "Peer",
     "Region",
     "TransportError",
@@ -49,3 +58,5 @@ __all__ = [
     "AuthenticationError",
     "TransportInternalError",
 ]
+
+rehome(globals(), __all__, __name__)

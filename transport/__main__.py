@@ -4,26 +4,27 @@ Commands:
     doctor  what can run here: backends, versions (the NCCL library in use), and whether
             same-host ipc between two unrelated processes is permitted (cross-memory attach,
             shared mappings, Yama).
-    bench   put/get bandwidth and latency per backend against an in-process memcpy baseline
-            (see :mod:`transport._bench`).
+    bench   put/get bandwidth and latency per backend against an in-process memcpy baseline: a
+            thin entry to the harness in the source checkout's ``benchmarks/`` package
+            (:mod:`benchmarks.p2p`, also run as ``python -m benchmarks.p2p``).
     store   hosts a TCPStore rendezvous for ``tcp://HOST:PORT`` stores until interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import os
 import platform
 import signal
 import socket
-import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
-from typing import Any, Sequence
+from types import FrameType, ModuleType
+from typing import Any
 
 _PROBE_TIMEOUT_S = 5.0
 _YAMA_PATH = Path("/proc/sys/kernel/yama/ptrace_scope")
@@ -33,25 +34,6 @@ _YAMA_MEANING = {
     2: "admin-only: attaching needs CAP_SYS_PTRACE",
     3: "no attach: ptrace is disabled",
 }
-
-# The probe runs in a child that loads only the torch-free native extension (fast start), and
-# reads from its *parent*: a parent is not the child's descendant, so Yama ptrace_scope=1 judges
-# this pair as it judges two unrelated peers. (A parent probing its own child would be allowed
-# under Yama=1 and report a false "works".)
-_PROBE_CHILD = r"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("transport._C", sys.argv[1])
-C = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(C)
-pid, addr, fd, nbytes = (int(x) for x in sys.argv[2:6])
-out = {"cma_errno": C.cma_probe(pid, addr, 1)}
-try:
-    C.PeerMapping(pid, fd, nbytes, True)
-    out["mapping_error"] = None
-except Exception as exc:
-    out["mapping_error"] = str(exc)
-print(json.dumps(out), flush=True)
-"""
 
 
 # -------------------------------------------------------------------------------------------------
@@ -66,7 +48,7 @@ def _yama_scope() -> int | None:
 
 
 def _probe_ipc() -> dict[str, Any]:
-    """Runs the ipc permission probe with a short-lived child; always joins it.
+    """Runs the ipc permission probe (a short-lived child process; always joined).
 
     Returns:
         ``{"cma": None | reason, "mapping": None | reason}``, or ``{"error": reason}`` when the
@@ -74,46 +56,29 @@ def _probe_ipc() -> dict[str, Any]:
     """
     import errno as errno_mod
 
-    from ._native import load
+    from ._errors import TransportError
+    from ._native import probe_ipc
 
     try:
-        c = load()
-    except Exception as exc:  # the extension is missing: nothing native can be probed
+        probe = probe_ipc(_PROBE_TIMEOUT_S)
+    except (TransportError, RuntimeError) as exc:  # no extension, no memfd, or the child failed
         return {"error": str(exc)}
-    page = 4096
-    buf = c.SharedBuffer(page, "transport-doctor")  # a memfd, as Transport.empty() makes
-    cmd = [sys.executable, "-c", _PROBE_CHILD, c.__file__, str(os.getpid()), str(c.probe_address()), str(buf.fd), str(page)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = proc.communicate(timeout=_PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate(timeout=_PROBE_TIMEOUT_S)
-        return {"error": f"the probe process did not finish within {_PROBE_TIMEOUT_S:g}s"}
-    finally:
-        del buf
-    if proc.returncode != 0:
-        return {"error": f"the probe process failed (exit {proc.returncode}): {err.decode(errors='replace').strip()[-500:]}"}
-    try:
-        result = json.loads(out.decode().strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"error": f"unexpected probe output: {out[-200:]!r}"}
-    e = int(result["cma_errno"])
+    e = probe.cma_errno
     if e == 0:
         cma = None
     elif e == errno_mod.EPERM:
         cma = "refused (EPERM): another user, or Yama ptrace_scope forbids it"
     else:
         cma = f"failed: {errno_mod.errorcode.get(e, e)}: {os.strerror(e)}"
-    return {"cma": cma, "mapping": result["mapping_error"]}
+    return {"cma": cma, "mapping": probe.mapping_error}
 
 
 def _describe_cuda() -> str:
     """The CUDA driver and devices this process sees, and the kernels this build embeds."""
     from . import _cuda
-    from ._native import load
+    from ._native import cuda
 
-    arches = load().kernels_arches()
+    arches = cuda.kernels_arches()
     kernels = f"kernels built for {arches}" if arches else "no kernels in this build (nvcc was not found)"
     why = _cuda.unavailable_reason()
     if why is not None:
@@ -129,7 +94,9 @@ def doctor() -> int:
     from . import __version__
     from .backends import availability
 
-    print(f"transport {__version__}, torch {torch.__version__}, Python {platform.python_version()}, {platform.platform()}")
+    print(
+        f"transport {__version__}, torch {torch.__version__}, Python {platform.python_version()}, {platform.platform()}"
+    )
     root_note = " (root: ptrace restrictions do not apply)" if os.getuid() == 0 else ""
     print(f"host {socket.gethostname()}, uid {os.getuid()}{root_note}")
     print("backends:")
@@ -137,7 +104,7 @@ def doctor() -> int:
     width = max(len(n) for n in avail)
     for name, reason in avail.items():
         print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
-    from ._nccl import describe as describe_nccl
+    from .backends.nccl import describe as describe_nccl
 
     print(f"CUDA: {_describe_cuda()}")
     print(f"NCCL library: {describe_nccl()}")
@@ -164,55 +131,43 @@ def doctor() -> int:
 # bench
 
 
-def _is_interrupt(exc: BaseException) -> bool:
-    """True for KeyboardInterrupt, also when trio delivered it inside a task group (then it
-    arrives wrapped in a BaseExceptionGroup)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return True
-    inner = getattr(exc, "exceptions", None)
-    return isinstance(inner, tuple) and bool(inner) and all(_is_interrupt(e) for e in inner)
+_BENCH_HARNESS = "benchmarks.p2p"
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Runs the micro-benchmark with the parsed arguments; prints the tables (and writes JSON)."""
-    from . import _bench
-    from ._errors import TransportError
+def _bench_harness() -> ModuleType | None:
+    """The benchmark harness (``benchmarks.p2p``), or None when it cannot be imported.
 
+    The harness is not part of the library: it lives in the source checkout's ``benchmarks/``
+    package. When this ``transport`` is a checkout (an editable install), that checkout's harness
+    is used, whatever the working directory.
+    """
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "benchmarks" / "p2p.py").is_file() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     try:
-        sizes = _bench.parse_sizes(args.sizes) if args.sizes else _bench.DEFAULT_SIZES
-        if args.max_size:
-            cap = _bench.parse_size(args.max_size)
-            sizes = tuple(n for n in sizes if n <= cap)
-            if not sizes:
-                raise ValueError(f"--max-size {args.max_size} leaves no size to measure")
-        config = _bench.BenchConfig(
-            backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
-            sizes=sizes,
-            iters=args.iters,
-            warmup=args.warmup,
-            latency_iters=args.latency_iters,
-            latency_bytes=_bench.parse_size(args.latency_size),
-            timeout=args.timeout,
+        return importlib.import_module(_BENCH_HARNESS)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", _BENCH_HARNESS):
+            raise  # the harness is there but something it imports is missing: say so
+        return None
+
+
+def bench(argv: Sequence[str]) -> int:
+    """Runs the micro-benchmark (``benchmarks.p2p``) with its command-line arguments.
+
+    Returns:
+        Its exit code; 2 when the harness is not importable here (not a source checkout).
+    """
+    harness = _bench_harness()
+    if harness is None:
+        print(
+            "transport bench: the benchmark harness (the benchmarks/ package) is not importable here; "
+            "run it from a source checkout of transport (its root directory, or an editable install)",
+            file=sys.stderr,
         )
-    except ValueError as exc:
-        print(f"transport bench: {exc}", file=sys.stderr)
         return 2
-    try:
-        report = _bench.run(config)
-    except (ValueError, _bench.BenchError, TransportError) as exc:
-        print(f"transport bench: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except BaseException as exc:
-        if not _is_interrupt(exc):
-            raise
-        print("transport bench: interrupted", file=sys.stderr)  # the target was killed and joined
-        return 130
-    print(_bench.format_report(report))
-    if args.json:
-        path = Path(args.json)
-        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"results written to {path}")
-    return 0
+    code: int = harness.main(list(argv), prog="python -m transport bench")
+    return code
 
 
 # -------------------------------------------------------------------------------------------------
@@ -262,22 +217,16 @@ def _default_store_host() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transport", description="transport: one-sided tensor movement between processes")
+    p = argparse.ArgumentParser(
+        prog="python -m transport", description="transport: one-sided tensor movement between processes"
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("doctor", help="what can run here (backends, versions, ipc permissions)")
 
-    b = sub.add_parser("bench", help="put/get bandwidth and latency per backend vs memcpy")
-    b.add_argument("--backends", default="ipc,ucx,tcp", help="comma-separated, in order (default: ipc,ucx,tcp; unavailable ones are skipped)")
-    b.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 1MiB,64MiB,1GiB (default: 1MiB..1GiB, x4)")
-    b.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 256MiB")
-    b.add_argument("--iters", type=int, default=None, help="timed transfers per size and op (default: ~8 GiB moved, 5..50)")
-    b.add_argument("--warmup", type=int, default=1, help="untimed transfers before each series (default: 1)")
-    b.add_argument("--latency-iters", type=int, default=1000, help="small transfers timed for latency (default: 1000)")
-    b.add_argument("--latency-size", default="8", help="small transfer size (default: 8 bytes)")
-    b.add_argument("--timeout", type=float, default=120.0, help="seconds bounding each transfer and wait (default: 120)")
-    b.add_argument("--json", default=None, metavar="PATH", help="also write all results as JSON here")
+    # Its options belong to the harness (benchmarks.p2p), which parses them: `bench --help` lists them.
+    sub.add_parser("bench", help="put/get bandwidth and latency per backend vs memcpy", add_help=False)
 
     s = sub.add_parser("store", help="host a TCPStore rendezvous (tcp://HOST:PORT) until Ctrl-C")
     s.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
@@ -303,13 +252,16 @@ def flight(directory: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns the process exit code (0 success, 1 failure, 2 bad usage)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "doctor":
         return doctor()
     if args.command == "bench":
-        return bench(args)
+        return bench(rest)
     if args.command == "flight":
         return flight(args.dir)
     if args.command == "store":

@@ -5,8 +5,9 @@ frames (see :mod:`transport._wire`): HELLO once, then PUT / GET / SIGNAL request
 by OK / DATA / ERR with the same request id. Requests are pipelined: many may be outstanding
 on one connection, and a reader task matches replies to them.
 
-The agent serves the ``tcp`` backend (bytes go straight from the socket into the registered
-region, after the key, dtype, bounds and writability checks) and the ordered ``signal`` doorbell.
+The agent authenticates connections and dispatches their requests to a :class:`Routes` object
+(signals, backends' own requests, and the ``tcp`` backend's byte ranges); it touches no region
+itself.
 
 Sockets are raw non-blocking sockets driven by ``anyio.wait_readable/wait_writable``, so the
 same code runs under trio and asyncio and ``recv_into`` lands data in place without copies.
@@ -14,12 +15,15 @@ same code runs under trio and asyncio and ``recv_into`` lands data in place with
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import os
 import logging
+import os
 import socket
+import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -37,7 +41,17 @@ from ._errors import (
     TransportError,
     TransportInternalError,
 )
-from ._wire import FRAME_HEADER, ErrCode, FrameKind, WireError, decode_header, decode_meta, encode_frame
+from ._wire import (
+    FRAME_HEADER,
+    ErrCode,
+    FrameKind,
+    RangeRequest,
+    SignalRequest,
+    WireError,
+    decode_header,
+    decode_meta,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +132,7 @@ async def connect(address: tuple[str, int]) -> socket.socket:
             await anyio.wait_writable(sock)
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
-                raise OSError(err, os.strerror(err))
+                raise OSError(err, os.strerror(err)) from None
     except BaseException:
         sock.close()
         raise
@@ -165,7 +179,7 @@ def frame_to_error(meta: Mapping[str, Any], peer: str) -> TransportError:
 
 
 class _Reply:
-    __slots__ = ("event", "into", "kind", "meta", "error")
+    __slots__ = ("error", "event", "into", "kind", "meta")
 
     def __init__(self, into: memoryview | None) -> None:
         self.event = anyio.Event()
@@ -190,6 +204,7 @@ class Channel:
         self._replies: dict[int, _Reply] = {}
         self._send_lock = anyio.Lock()
         self._broken: BaseException | None = None
+        self._closed = anyio.Event()
 
     @classmethod
     async def open(
@@ -228,19 +243,25 @@ class Channel:
     def broken(self) -> bool:
         return self._broken is not None
 
+    async def wait_closed(self) -> BaseException:
+        """Waits until the connection is closed or broken; returns why (a PeerLostError when
+        the other side went away, a ClosedError when we closed it)."""
+        await self._closed.wait()
+        assert self._broken is not None
+        return self._broken
+
     def close(self, reason: BaseException | None = None) -> None:
         if self._broken is None:
             self._broken = reason or ClosedError(f"connection to {self.peer} closed")
+        self._closed.set()
         for reply in self._replies.values():
             if not reply.event.is_set():
                 reply.error = self._broken
                 reply.event.set()
         self._replies.clear()
         if self._sock.fileno() >= 0:
-            try:
+            with contextlib.suppress(Exception):  # waking readers is best effort; we close anyway
                 anyio.notify_closing(self._sock)
-            except Exception:
-                pass
             self._sock.close()
 
     def _lost(self, what: str, cause: BaseException | None) -> PeerLostError:
@@ -290,9 +311,9 @@ class Channel:
                         raise err from cause
                 if scope.cancelled_caught:
                     # A frame cut in half leaves the stream unusable: drop the connection.
-                    err = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")
-                    self.close(self._lost("send timed out", err))
-                    raise err
+                    late = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")
+                    self.close(self._lost("send timed out", late))
+                    raise late
         except BaseException:
             if not reply.event.is_set():
                 self._replies.pop(rid, None)
@@ -332,28 +353,54 @@ class Channel:
 # Server side
 
 
-class AgentHandler(Protocol):
-    """What the agent needs from its Transport."""
+class Conn:
+    """The serving side of one agent connection, as a route sees it."""
 
-    name: str
-    incarnation: str
-    auth: Authenticator
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
 
-    def check_access(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> memoryview:
-        """The slice of registered memory a PUT/GET may touch; raises TransportError if not."""
+    async def reply(self, kind: FrameKind, rid: int, meta: Mapping[str, Any],
+                    payload: memoryview | None = None) -> None:
+        await send_all(self.sock, encode_frame(kind, rid, meta, len(payload) if payload is not None else 0))
+        if payload is not None:
+            await send_all(self.sock, payload)
 
-    def on_signal(self, name: str, value: int) -> None: ...
+    async def refuse(self, rid: int, exc: TransportError) -> None:
+        code, msg = error_to_frame(exc)
+        await self.reply(FrameKind.ERR, rid, {"code": code, "message": msg})
+
+    async def recv_into(self, view: memoryview) -> None:
+        await recv_into_exactly(self.sock, view)
+
+    async def discard(self, nbytes: int) -> None:
+        if nbytes:
+            await discard(self.sock, nbytes)
+
+
+class Routes(Protocol):
+    """Where the agent sends each request after HELLO; the agent itself touches no region."""
+
+    def signal(self, request: SignalRequest) -> None:
+        """SIGNAL: sets a signal here."""
 
     async def backend_request(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Serves a BACKEND request (routed to the backend ``meta["backend"]``); returns the
-        reply's metadata or raises TransportError."""
+        """BACKEND: a backend's own request (``meta["backend"]`` names it); returns the reply's
+        metadata or raises TransportError."""
+
+    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
+                            payload_len: int) -> None:
+        """PUT / GET (the ``tcp`` backend's target side): serves the bytes and replies on ``conn``."""
 
 
 @dataclass
 class AgentServer:
-    """Accepts agent connections and serves them with ``handler``."""
+    """Accepts agent connections for the endpoint ``name`` (``incarnation``), authenticates
+    them, and dispatches their requests to ``routes``."""
 
-    handler: AgentHandler
+    name: str
+    incarnation: str
+    auth: Authenticator
+    routes: Routes
     host: str = "127.0.0.1"
     port: int = 0
 
@@ -389,89 +436,87 @@ class AgentServer:
     def close(self) -> None:
         for s in [self._lsock, *self._conns]:
             if s.fileno() >= 0:
-                try:
+                with contextlib.suppress(Exception):  # waking readers is best effort
                     anyio.notify_closing(s)
-                except Exception:
-                    pass
                 s.close()
         self._conns.clear()
 
-    async def _reply(self, sock: socket.socket, kind: FrameKind, rid: int, meta: Mapping[str, Any], payload: memoryview | None = None) -> None:
-        await send_all(sock, encode_frame(kind, rid, meta, len(payload) if payload is not None else 0))
-        if payload is not None:
-            await send_all(sock, payload)
-
     async def _serve_conn(self, sock: socket.socket) -> None:
         who = "?"
+        conn = Conn(sock)
         try:
             kind, rid, meta, plen = await read_frame_head(sock)
             if kind != FrameKind.HELLO or plen:
                 raise WireError("connection did not start with HELLO")
             who = str(meta.get("from", "?"))
-            if meta.get("to_incarnation") != self.handler.incarnation:
-                await self._reply(sock, FrameKind.ERR, rid, {
+            if meta.get("to_incarnation") != self.incarnation:
+                await conn.reply(FrameKind.ERR, rid, {
                     "code": ErrCode.STALE,
-                    "message": f"{self.handler.name} is incarnation {self.handler.incarnation}, "
+                    "message": f"{self.name} is incarnation {self.incarnation}, "
                     f"not {meta.get('to_incarnation')} (it restarted; fetch its record again)",
                 })
                 return
             try:
-                self.handler.auth.check_hello(meta, self.handler.name, self.handler.incarnation)
+                self.auth.check_hello(meta, self.name, self.incarnation)
             except AuthenticationError as exc:
-                log.warning("agent %s: refused a connection: %s", self.handler.name, exc)
-                await self._reply(sock, FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
+                log.warning("agent %s: refused a connection: %s", self.name, exc)
+                await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
                 return
-            await self._reply(sock, FrameKind.OK, rid, {"incarnation": self.handler.incarnation, **self.handler.auth.ok_fields(meta, self.handler.incarnation)})
+            await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation,
+                                                 **self.auth.ok_fields(meta, self.incarnation)})
             while True:
                 kind, rid, meta, plen = await read_frame_head(sock)
-                await self._serve_request(sock, kind, rid, meta, plen)
+                await self._dispatch(conn, kind, rid, meta, plen)
         except _CONNECTION_ENDED as exc:
-            log.debug("agent %s: connection from %s ended: %s", self.handler.name, who, exc)
+            log.debug("agent %s: connection from %s ended: %s", self.name, who, exc)
         finally:
             self._conns.discard(sock)
             if sock.fileno() >= 0:
                 sock.close()
 
-    async def _serve_request(self, sock: socket.socket, kind: FrameKind, rid: int, meta: dict[str, Any], plen: int) -> None:
+    async def _dispatch(self, conn: Conn, kind: FrameKind, rid: int, meta: dict[str, Any], plen: int) -> None:
         if kind == FrameKind.SIGNAL:
-            if plen:
-                await discard(sock, plen)
-            name, value = meta.get("name"), meta.get("value")
-            if not isinstance(name, str) or not isinstance(value, int) or isinstance(value, bool):
-                await self._reply(sock, FrameKind.ERR, rid, {"code": ErrCode.BAD_REQUEST, "message": "bad SIGNAL"})
+            await conn.discard(plen)
+            try:
+                signal = SignalRequest.from_meta(meta)
+            except WireError:
+                await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.BAD_REQUEST, "message": "bad SIGNAL"})
                 return
-            self.handler.on_signal(name, value)
-            await self._reply(sock, FrameKind.OK, rid, {})
+            self.routes.signal(signal)
+            await conn.reply(FrameKind.OK, rid, {})
             return
         if kind == FrameKind.BACKEND:
-            if plen:
-                await discard(sock, plen)
+            await conn.discard(plen)
             try:
-                answer = await self.handler.backend_request(meta)
+                answer = await self.routes.backend_request(meta)
             except TransportError as exc:
-                code, msg = error_to_frame(exc)
-                await self._reply(sock, FrameKind.ERR, rid, {"code": code, "message": msg})
+                await conn.refuse(rid, exc)
                 return
-            await self._reply(sock, FrameKind.OK, rid, answer)
+            await conn.reply(FrameKind.OK, rid, answer)
             return
         if kind not in (FrameKind.PUT, FrameKind.GET):
             raise WireError(f"unexpected {kind.name} request")
-        nbytes = meta.get("nbytes")
         try:
-            if not isinstance(nbytes, int) or (kind == FrameKind.PUT and nbytes != plen):
+            request = RangeRequest.from_meta(meta)
+            if kind == FrameKind.PUT and request.nbytes != plen:
                 raise TransportInternalError("request byte count does not match its payload")
-            view = self.handler.check_access(kind, meta, nbytes)
         except TransportError as exc:
-            if plen:
-                await discard(sock, plen)  # keep the stream in step; nothing is written
-            code, msg = error_to_frame(exc)
-            await self._reply(sock, FrameKind.ERR, rid, {"code": code, "message": msg})
+            await conn.discard(plen)  # keep the stream in step; nothing is written
+            await conn.refuse(rid, exc)
             return
-        if kind == FrameKind.PUT:
-            await recv_into_exactly(sock, view)
-            await self._reply(sock, FrameKind.OK, rid, {})
-        else:
-            await self._reply(sock, FrameKind.DATA, rid, {}, view)
+        await self.routes.range_request(conn, kind, rid, request, plen)
+
+
+def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:
+    """Where an agent listens: ``listen`` (``HOST`` or ``HOST:PORT``) if given, else the local
+    address that reaches a ``tcp://`` store (any port), else 127.0.0.1."""
+    if listen:
+        host, _, port = listen.rpartition(":") if ":" in listen else (listen, "", "0")
+        return host.strip("[]"), int(port or 0)
+    parsed = urllib.parse.urlparse(store_url)
+    if parsed.scheme == "tcp" and parsed.hostname:
+        return local_address_towards(parsed.hostname, parsed.port or 1), 0
+    return "127.0.0.1", 0
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -505,15 +550,16 @@ class ChannelPool:
                 if inc == incarnation and not chan.broken:
                     return chan
                 chan.close()
-            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello, auth=self._auth)
+            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello,
+                                      auth=self._auth)
             self._channels[peer] = (incarnation, chan)
             return chan
 
-    def forget(self, peer: str) -> None:
+    def forget_peer(self, peer: str) -> None:
         cached = self._channels.pop(peer, None)
         if cached is not None:
             cached[1].close()
 
     def close(self) -> None:
         for peer in list(self._channels):
-            self.forget(peer)
+            self.forget_peer(peer)

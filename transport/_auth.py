@@ -17,7 +17,8 @@ import hmac
 import os
 import secrets
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ._errors import AuthenticationError
 
@@ -58,9 +59,11 @@ class Authenticator:
         """The record inside ``data``. Raises AuthenticationError when a token is set and the
         tag is missing or wrong."""
         signed = data.startswith(_SIGNED_PREFIX)
-        tag, body = (data[len(_SIGNED_PREFIX) : len(_SIGNED_PREFIX) + 64], data[len(_SIGNED_PREFIX) + 65 :]) if signed else (b"", data)
+        start = len(_SIGNED_PREFIX)
+        tag, body = (data[start : start + 64], data[start + 65 :]) if signed else (b"", data)
         if self.enabled and not (signed and self._check(tag.decode("ascii", "replace"), "record", body.hex())):
-            raise AuthenticationError(f"the record of {peer!r} is {'signed with another token' if signed else 'not signed'}; ignoring it")
+            how = "signed with another token" if signed else "not signed"
+            raise AuthenticationError(f"the record of {peer!r} is {how}; ignoring it")
         return body
 
     # -- connections ------------------------------------------------------------------------
@@ -77,7 +80,7 @@ class Authenticator:
         nonce, ts = meta.get("nonce"), meta.get("ts")
         ok = isinstance(nonce, str) and isinstance(ts, (int, float)) and self._check(
             meta.get("mac"), "hello", meta.get("from"), meta.get("from_incarnation"), server, server_inc, nonce, ts)
-        if not ok:
+        if not ok or not isinstance(nonce, str) or not isinstance(ts, (int, float)):
             raise AuthenticationError(f"connection from {meta.get('from')!r} presented no valid token")
         now = time.time()
         if abs(now - float(ts)) > _MAX_SKEW_S or nonce in self._seen:

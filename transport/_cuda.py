@@ -1,5 +1,6 @@
 """CUDA memory: the driver, device identities, allocations, CUDA IPC, streams, pinned staging
-and the kernel module, over the driver calls of ``transport._C`` (``csrc/cuda_*.cpp``).
+and the kernel module: the policy (caches, pools, streams per device, torch's streams and events)
+over the typed driver calls of :mod:`transport._native.cuda`.
 
 The driver (``libcuda.so.1``, or ``$TRANSPORT_CUDA_LIB``) is loaded at run time, so everything
 builds and imports without one. Without a driver every entry point here raises
@@ -16,85 +17,63 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import torch
 
-from ._errors import BackendUnavailableError, TransportInternalError
-from ._native import load
+from ._errors import BackendUnavailableError, TransportError, TransportInternalError
+from ._native import cuda as driver
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 log = logging.getLogger(__name__)
 
-_ImportKey = tuple[str, str, bytes, int]  # a peer's IPC import: (peer, incarnation, handle, device)
+IpcImportKey = tuple[str, str, bytes, int]  # a peer's IPC import: (peer, incarnation, handle, device)
 
 # Pinned staging buffers are pooled up to this many bytes; beyond it they are freed on release.
 STAGING_POOL_BYTES = 1 << 30
-# Device memory moved through host staging goes in pieces of at most this size.
-STAGING_CHUNK = 64 << 20
-
-
-def staging_chunk(granule: int) -> int:
-    """The largest multiple of ``granule`` (an element size) within ``STAGING_CHUNK``."""
-    return max(granule, STAGING_CHUNK // granule * granule)
-
-
-def staging_pieces(nbytes: int, granule: int) -> list[tuple[int, int]]:
-    """(byte offset, size) of the pieces ``nbytes`` are staged in."""
-    chunk = staging_chunk(granule)
-    return [(pos, min(chunk, nbytes - pos)) for pos in range(0, nbytes, chunk)]
-
-
 def unavailable_reason() -> str | None:
     """None when a CUDA driver with at least one device is usable here, else why not."""
-    reason = load().cuda_load()
-    return reason or None
+    return driver.unavailable_reason()
 
 
-def _c() -> Any:
-    """The native module, after checking that the driver is usable.
+def _call(what: str, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    """Runs a driver call of :mod:`transport._native.cuda`; a refused call is reported with
+    ``what`` was being done.
 
     Raises:
         BackendUnavailableError: no usable CUDA driver (the message says why).
+        TransportInternalError: the driver refused the call.
     """
-    c = load()
-    reason = c.cuda_load()
-    if reason:
-        raise BackendUnavailableError(reason)
-    return c
-
-
-def _call(what: str, fn: Any, *args: Any) -> Any:
-    """Runs a native CUDA call, mapping its failures into the error tree."""
-    c = load()
     try:
-        return fn(*args)
-    except c.CudaUnavailable as exc:
-        raise BackendUnavailableError(str(exc)) from exc
-    except c.CudaError as exc:
+        return fn(*args, **kwargs)
+    except driver.CudaError as exc:
         raise TransportInternalError(f"{what}: {exc}") from exc
 
 
 def driver_version() -> str:
     """The driver's CUDA version, e.g. "12.4"."""
-    v = _call("cuDriverGetVersion", _c().cuda_driver_version)
+    v = _call("cuDriverGetVersion", driver.driver_version)
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
 def device_count() -> int:
-    return int(_call("cuDeviceGetCount", _c().cuda_device_count))
+    return _call("cuDeviceGetCount", driver.device_count)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_uuid(index: int) -> str:
     """The UUID of this process's CUDA device ``index`` ("GPU-..."): what identifies a GPU
     across processes, whose ordinals differ with ``CUDA_VISIBLE_DEVICES``."""
-    return str(_call(f"cuDeviceGetUuid({index})", _c().cuda_device_uuid, index))
+    return _call(f"cuDeviceGetUuid({index})", driver.device_uuid, index)
 
 
 def device_name(index: int) -> str:
-    return str(_call(f"cuDeviceGetName({index})", _c().cuda_device_name, index))
+    return _call(f"cuDeviceGetName({index})", driver.device_name, index)
 
 
 def device_label(index: int) -> str:
@@ -124,8 +103,8 @@ class Allocation:
 def allocation(ptr: int, device: int = -1) -> Allocation:
     """The allocation ``ptr`` lies in; ``device`` (-1: unknown) is the device it is expected on,
     whose context is made current for the driver's pointer queries."""
-    base, size, device, ipc = _call(f"allocation of 0x{ptr:x}", _c().cuda_allocation, ptr, device)
-    return Allocation(int(base), int(size), int(device), bool(ipc))
+    base, size, device, ipc = _call(f"allocation of 0x{ptr:x}", driver.allocation, ptr, device)
+    return Allocation(base, size, device, ipc)
 
 
 def ipc_export(alloc: Allocation) -> bytes:
@@ -136,36 +115,44 @@ def ipc_export(alloc: Allocation) -> bytes:
             "PyTorch's expandable segments: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False for "
             "tensors you register)"
         )
-    return bytes(_call("cuIpcGetMemHandle", _c().cuda_ipc_export, alloc.base, alloc.device))
+    return _call("cuIpcGetMemHandle", driver.ipc_export, alloc.base, alloc.device)
 
 
 class Kernels:
     """The kernels of ``csrc/kernels`` loaded on one device (see :func:`kernels`)."""
 
     def __init__(self, device: int) -> None:
-        c = _c()
-        image = c.kernels_image()
+        driver.require_driver()
+        image = driver.kernels_image()
         if image is None:
-            raise BackendUnavailableError("this build of transport has no CUDA kernels (nvcc was not found when it was built)")
-        self.device = device
-        self.arches = c.kernels_arches()
-        try:
-            self._module = c.cuda_module_load(image, device)
-        except c.CudaError as exc:  # e.g. no code for this GPU, or PTX newer than the driver
             raise BackendUnavailableError(
-                f"the kernels ({self.arches}) do not load on device {device}: {exc} (rebuild for this GPU or update the driver)"
+                "this build of transport has no CUDA kernels (nvcc was not found when it was built)"
+            )
+        self.device = device
+        self.arches = driver.kernels_arches()
+        try:
+            self._module = driver.module_load(image, device)
+        except driver.CudaError as exc:  # e.g. no code for this GPU, or PTX newer than the driver
+            raise BackendUnavailableError(
+                f"the kernels ({self.arches}) do not load on device {device}: {exc} "
+                "(rebuild for this GPU or update the driver)"
             ) from exc
         self._functions: dict[str, int] = {}
 
-    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], params: bytes, stream: int, shared_bytes: int = 0) -> None:
+    def launch(self, name: str, grid: driver.Dim3, block: driver.Dim3, params: bytes, stream: int,
+               shared_bytes: int = 0) -> None:
         """Enqueues kernel ``name`` on ``stream`` (a CUstream handle, e.g.
         ``torch.cuda.current_stream().cuda_stream``); ``params`` are its arguments packed as the
-        C ABI lays them out."""
-        c = load()
+        C ABI lays them out (:mod:`transport._native.kernels`).
+
+        Raises:
+            BackendUnavailableError: no usable CUDA driver.
+            TransportInternalError: the driver refused the kernel or the launch.
+        """
         f = self._functions.get(name)
         if f is None:
-            f = self._functions[name] = _call(f"kernel {name}", c.cuda_module_function, self._module, name, self.device)
-        _call(f"launch of {name}", c.cuda_launch, f, grid, block, shared_bytes, stream, params, self.device)
+            f = self._functions[name] = _call(f"kernel {name}", driver.module_function, self._module, name, self.device)
+        _call(f"launch of {name}", driver.launch, f, grid, block, shared_bytes, stream, params, self.device)
 
 
 _kernels_lock = threading.Lock()
@@ -188,11 +175,11 @@ def kernels(device: int) -> Kernels:
 def stream_create(device: int) -> int:
     """A new CUstream on ``device``, non-blocking w.r.t. the legacy default stream and shared
     with nobody (torch's stream pool hands the same streams to everyone)."""
-    return int(_call("cuStreamCreate", _c().cuda_stream_create, device))
+    return _call("cuStreamCreate", driver.stream_create, device)
 
 
 def stream_destroy(stream: int, device: int) -> None:
-    _call("cuStreamDestroy", _c().cuda_stream_destroy, stream, device)
+    _call("cuStreamDestroy", driver.stream_destroy, stream, device)
 
 
 def ready_event(t: torch.Tensor) -> Any:
@@ -214,7 +201,7 @@ def _ipc_open(handle: bytes, device: int, what: str) -> int:
     with _ipc_lock:
         hit = _ipc_opened.get((handle, device))
         if hit is None:
-            hit = _ipc_opened[(handle, device)] = [int(_call(what, _c().cuda_ipc_open, handle, device)), 0]
+            hit = _ipc_opened[(handle, device)] = [_call(what, driver.ipc_open, handle, device), 0]
         hit[1] += 1
         return hit[0]
 
@@ -228,7 +215,7 @@ def _ipc_close(handle: bytes, device: int) -> None:
         if hit[1] > 0:
             return
         del _ipc_opened[(handle, device)]
-        load().cuda_ipc_close(hit[0], device)
+        driver.ipc_close(hit[0], device)
 
 
 class PinnedBuffer:
@@ -238,11 +225,11 @@ class PinnedBuffer:
         self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.nbytes = nbytes
         self.address = self.tensor.data_ptr()
-        _call("cuMemHostRegister", _c().cuda_host_register, self.address, self.tensor.numel(), False, device)
+        _call("cuMemHostRegister", driver.host_register, self.address, self.tensor.numel(), False, device)
         self._device = device
 
     def free(self) -> None:
-        _call("cuMemHostUnregister", load().cuda_host_unregister, self.address, self._device)
+        _call("cuMemHostUnregister", driver.host_unregister, self.address, self._device)
 
 
 class CudaEngine:
@@ -250,12 +237,12 @@ class CudaEngine:
     staging buffers, page-locked peer mappings, and CUDA IPC imports cached per peer."""
 
     def __init__(self) -> None:
-        self._c = _c()
+        driver.require_driver()
         self._streams: dict[int, int] = {}
         self._events: dict[int, list[int]] = {}
-        self._imports: dict[_ImportKey, int] = {}  # (peer, incarnation, handle, device) -> address
-        self._holds: dict[_ImportKey, int] = {}  # imports in use by running copies
-        self._closing: set[_ImportKey] = set()  # forgotten while in use
+        self._imports: dict[IpcImportKey, int] = {}  # (peer, incarnation, handle, device) -> address
+        self._holds: dict[IpcImportKey, int] = {}  # imports in use by running copies
+        self._closing: set[IpcImportKey] = set()  # forgotten while in use
         self._pinned_maps: dict[tuple[int, int], int] = {}  # (address, nbytes) -> device
         self._pin_refused: set[tuple[int, int]] = set()
         self._pinning: dict[tuple[int, int], anyio.Event] = {}  # registrations running on a worker thread
@@ -267,7 +254,7 @@ class CudaEngine:
     def _stream(self, device: int) -> int:
         s = self._streams.get(device)
         if s is None:
-            s = self._streams[device] = _call("cuStreamCreate", self._c.cuda_stream_create, device)
+            s = self._streams[device] = _call("cuStreamCreate", driver.stream_create, device)
         return s
 
     def _event(self, device: int) -> int:
@@ -275,7 +262,7 @@ class CudaEngine:
             pool = self._events.setdefault(device, [])
             if pool:
                 return pool.pop()
-        return _call("cuEventCreate", self._c.cuda_event_create, device)
+        return _call("cuEventCreate", driver.event_create, device)
 
     async def copy(self, dst: int, src: int, nbytes: int, device: int, ready: Any = None) -> None:
         """Copies ``nbytes`` (device or host addresses) on this engine's stream for ``device``,
@@ -292,17 +279,18 @@ class CudaEngine:
             # starting would otherwise lose the event.
             done = self._event(device)
             try:
-                self._c.cuda_copy_and_wait(dst, src, nbytes, stream, wait, done, device)
+                driver.copy_and_wait(dst, src, nbytes, stream, wait, done, device)
             finally:
                 with self._lock:
                     self._events.setdefault(device, []).append(done)
 
         try:
             await anyio.to_thread.run_sync(run)
-        except self._c.CudaError as exc:
-            raise TransportInternalError(f"CUDA copy of {nbytes} bytes 0x{src:x} -> 0x{dst:x} on device {device}: {exc}") from exc
+        except driver.CudaError as exc:
+            what = f"CUDA copy of {nbytes} bytes 0x{src:x} -> 0x{dst:x} on device {device}"
+            raise TransportInternalError(f"{what}: {exc}") from exc
 
-    def acquire_ipc(self, peer: str, incarnation: str, handle: bytes, device: int) -> tuple[_ImportKey, int]:
+    def acquire_ipc(self, peer: str, incarnation: str, handle: bytes, device: int) -> tuple[IpcImportKey, int]:
         """(import key, address in this process) of a peer's exported allocation, opened once
         per peer incarnation and device and held until :meth:`release_ipc`: a forgotten peer's
         import is closed only after the copies using it finished, never under a running copy."""
@@ -313,7 +301,7 @@ class CudaEngine:
         self._holds[key] = self._holds.get(key, 0) + 1
         return key, ptr
 
-    def release_ipc(self, key: _ImportKey) -> None:
+    def release_ipc(self, key: IpcImportKey) -> None:
         left = self._holds.get(key, 0) - 1
         if left > 0:
             self._holds[key] = left
@@ -323,7 +311,7 @@ class CudaEngine:
             self._closing.discard(key)
             self._close_import(key)
 
-    def _close_import(self, key: _ImportKey) -> None:
+    def _close_import(self, key: IpcImportKey) -> None:
         if self._imports.pop(key, None) is not None:
             self._quietly(f"closing {key[0]}'s CUDA IPC import", _ipc_close, key[2], key[3])
 
@@ -345,10 +333,11 @@ class CudaEngine:
             if key not in self._pinned_maps and key not in self._pin_refused:
                 self._pinning[key] = pending = anyio.Event()
                 try:
-                    await anyio.to_thread.run_sync(self._c.cuda_host_register, address, nbytes, read_only, device)
-                except self._c.CudaError as exc:
+                    await anyio.to_thread.run_sync(driver.host_register, address, nbytes, read_only, device)
+                except driver.CudaError as exc:
                     self._pin_refused.add(key)
-                    log.warning("cuda: could not page-lock a %d-byte peer mapping (%s); its copies go through the driver's staging", nbytes, exc)
+                    log.warning("cuda: could not page-lock a %d-byte peer mapping (%s); its copies go through "
+                                "the driver's staging", nbytes, exc)
                 else:
                     self._pinned_maps[key] = device
                 finally:
@@ -379,7 +368,7 @@ class CudaEngine:
         self._pin_refused.discard(key)
         device = self._pinned_maps.pop(key, None)
         if device is not None:
-            self._quietly("cuMemHostUnregister", self._c.cuda_host_unregister, address, device)
+            self._quietly("cuMemHostUnregister", driver.host_unregister, address, device)
 
     async def acquire_staging(self, nbytes: int, device: int) -> PinnedBuffer:
         """A pinned buffer of at least ``nbytes`` (reused from the pool when one fits; a new
@@ -399,27 +388,6 @@ class CudaEngine:
                 self._staging.append(buf)
                 return
         self._quietly("cuMemHostUnregister", buf.free)
-
-    async def staged(self, address: int, nbytes: int, device: int, ready: Any, outbound: bool,
-                     move: Callable[[PinnedBuffer, int, int], Awaitable[None]], granule: int = 1) -> None:
-        """Moves ``nbytes`` of device memory at ``address`` through one pinned buffer of at most
-        ``STAGING_CHUNK`` bytes, piece by piece (a huge tensor never needs a huge pinned buffer).
-
-        ``outbound``: device -> buffer, then ``await move(buf, pos, size)`` sends the piece at
-        byte ``pos``; else ``move`` fills the buffer first and it is copied to the device.
-        Pieces are multiples of ``granule`` bytes (the element size).
-        """
-        buf = await self.acquire_staging(min(nbytes, staging_chunk(granule)), device)
-        try:
-            for pos, size in staging_pieces(nbytes, granule):
-                if outbound:
-                    await self.copy(buf.address, address + pos, size, device, ready)
-                    await move(buf, pos, size)
-                else:
-                    await move(buf, pos, size)
-                    await self.copy(address + pos, buf.address, size, device, ready)
-        finally:
-            self.release_staging(buf)
 
     def forget_peer(self, peer: str) -> None:
         """Closes the IPC imports of every incarnation of ``peer`` (those in use by a copy once
@@ -445,14 +413,14 @@ class CudaEngine:
         self._staging.clear()
         for device, events in self._events.items():
             for e in events:
-                self._quietly("cuEventDestroy", self._c.cuda_event_destroy, e, device)
+                self._quietly("cuEventDestroy", driver.event_destroy, e, device)
         self._events.clear()
         for device, s in self._streams.items():
-            self._quietly("cuStreamDestroy", self._c.cuda_stream_destroy, s, device)
+            self._quietly("cuStreamDestroy", driver.stream_destroy, s, device)
         self._streams.clear()
 
-    def _quietly(self, what: str, fn: Any, *args: Any) -> None:
+    def _quietly(self, what: str, fn: Callable[_P, None], *args: _P.args, **kwargs: _P.kwargs) -> None:
         try:
-            fn(*args)
-        except Exception as exc:  # releasing must not fail a close; say it happened
+            fn(*args, **kwargs)
+        except TransportError as exc:  # releasing must not fail a close; say it happened
             log.warning("cuda: %s failed: %s", what, exc)

@@ -22,9 +22,10 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,13 @@ class OpRecord:
 class FlightRecorder:
     """The ring of one Transport. Cheap enough to stay on in production (a dict per operation)."""
 
-    def __init__(self, name: str, incarnation: str, *, capacity: int = 4096, dump_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, name: str, incarnation: str, *, capacity: int = 4096,
+                 dump_dir: str | os.PathLike[str] | None = None) -> None:
         self.name = name
         self.incarnation = incarnation
         self.capacity = capacity
-        self.dump_dir = Path(dump_dir) if dump_dir else (Path(os.environ[FLIGHT_DIR_ENV]) if os.environ.get(FLIGHT_DIR_ENV) else None)
+        env = os.environ.get(FLIGHT_DIR_ENV)
+        self.dump_dir = Path(dump_dir) if dump_dir else (Path(env) if env else None)
         self._records: collections.OrderedDict[int, OpRecord] = collections.OrderedDict()
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=512)
         self._seq = itertools.count(1)
@@ -98,7 +101,8 @@ class FlightRecorder:
                 self.dropped += 1
         return rec
 
-    def transition(self, rec: OpRecord, state: OpState, *, backend: str | None = None, error: BaseException | None = None) -> None:
+    def transition(self, rec: OpRecord, state: OpState, *, backend: str | None = None,
+                   error: BaseException | None = None) -> None:
         rec.state = state
         rec.transitions.append((state.value, time.time()))
         if backend is not None:
@@ -184,7 +188,8 @@ def analyze(dumps: list[dict[str, Any]]) -> str:
     completed, the last completed one, which side looks stalled, and the errors."""
     lines: list[str] = []
     names = {d["name"] for d in dumps}
-    lines.append(f"{len(dumps)} dump(s): " + ", ".join(f"{d['name']} (pid {d['pid']}, {d['reason']}, dropped {d['dropped']})" for d in dumps))
+    heads = [f"{d['name']} (pid {d['pid']}, {d['reason']}, dropped {d['dropped']})" for d in dumps]
+    lines.append(f"{len(dumps)} dump(s): " + ", ".join(heads))
     for d in dumps:
         for e in d.get("events", []):
             lines.append(f"  event  {d['name']}: {e['event']} {e['peer']}: {e['detail']}")
@@ -197,15 +202,19 @@ def analyze(dumps: list[dict[str, Any]]) -> str:
             failed = [r for r in recs if r["state"] in ("failed", "aborted")]
             stalled = [r for r in open_ if d["time"] - r["started"] >= STALL_S]
             status = "STALLED" if stalled else ("ERRORS" if failed else ("in flight" if open_ else "ok"))
-            lines.append(f"{d['name']} -> {peer}: {status}  ({len(done)} done, {len(failed)} failed/aborted, {len(open_)} not completed at dump time)")
+            lines.append(f"{d['name']} -> {peer}: {status}  ({len(done)} done, {len(failed)} failed/aborted, "
+                         f"{len(open_)} not completed at dump time)")
             for r in open_[:5]:
                 age = d["time"] - r["started"]
                 where = (f"{peer} (or the link) is not taking the bytes" if r["state"] == "moving"
                          else f"{d['name']} has not started moving bytes (peer lookup / validation / backend choice)")
-                lines.append(f"    {'STALLED' if age >= STALL_S else 'in flight'}: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B via {r['backend']} — {r['state']} for {age:.2f}s: {where}")
+                label = "STALLED" if age >= STALL_S else "in flight"
+                lines.append(f"    {label}: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B via {r['backend']} — "
+                             f"{r['state']} for {age:.2f}s: {where}")
             if done:
                 r = done[-1]
-                lines.append(f"    last completed: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B via {r['backend']}")
+                lines.append(f"    last completed: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B "
+                             f"via {r['backend']}")
             for r in failed[-3:]:
                 lines.append(f"    error: #{r['seq']} {r['op']} {r['key']!r}: {r['error_type']}: {r['error']}")
             if open_ and peer not in names:

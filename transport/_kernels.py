@@ -18,24 +18,26 @@ orders later use of the outputs through that stream.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
-import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._errors import BackendUnavailableError
+from ._native import kernels as abi
+
+if TYPE_CHECKING:
+    from ._cuda import Kernels
 
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
-# Launch geometry. _BLOCK_THREADS is kBlockThreads in transport_kernels.cu (its __launch_bounds__).
-_BLOCK_THREADS = 256
+# Launch geometry: every block has abi.BLOCK_THREADS threads (the kernels' __launch_bounds__).
+_BLOCK = (abi.BLOCK_THREADS, 1, 1)
 _MAX_GRID = 4096
 # batched_copy splits long ranges into pieces so that blocks balance: about _TARGET_PIECES pieces
 # per launch (enough for every SM of an H100 several times over), each between MIN_PIECE (a block
@@ -44,7 +46,7 @@ _MAX_GRID = 4096
 MIN_PIECE = 64 << 10
 MAX_PIECE = 1 << 20
 _TARGET_PIECES = 1024
-SEGMENT_BYTES = 24  # struct Segment { uint64 src, dst, nbytes; }
+SEGMENT_BYTES = abi.SEGMENT_BYTES  # struct Segment { uint64 src, dst, nbytes; }
 
 Segment = tuple[int, int, int]  # (src address, dst address, nbytes)
 
@@ -87,16 +89,16 @@ def pack(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[i
     offsets = [int(o) for o in offsets]
     if len(tensors) != len(offsets):
         raise ValueError(f"{len(tensors)} tensors but {len(offsets)} offsets")
-    _check_ranges(out.numel(), [(off, _nbytes(t)) for t, off in zip(tensors, offsets)], "tensor")
+    _check_ranges(out.numel(), [(off, _nbytes(t)) for t, off in zip(tensors, offsets, strict=True)], "tensor")
     srcs = [t.contiguous() for t in tensors]
     if out.is_cuda and out.is_contiguous() and all(s.device == out.device for s in srcs):
         kernels = _kernels_for(out.device)
         if kernels is not None:
             base = out.data_ptr()
-            copies = [(s.data_ptr(), base + off, _nbytes(s)) for s, off in zip(srcs, offsets)]
+            copies = [(s.data_ptr(), base + off, _nbytes(s)) for s, off in zip(srcs, offsets, strict=True)]
             _launch_batched_copy(kernels, out.device, copies)
             return
-    for s, off in zip(srcs, offsets):
+    for s, off in zip(srcs, offsets, strict=True):
         n = _nbytes(s)
         if n:
             out[off : off + n].copy_(as_bytes(s))
@@ -119,7 +121,9 @@ def view_in(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[
     return buf[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
-def unpack(buf: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
+def unpack(
+    buf: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int], dtypes: Sequence[torch.dtype]
+) -> None:
     """Copies from the uint8 buffer into each destination (cast to its dtype).
 
     A destination that is contiguous, of the stored dtype and on ``buf``'s device receives the
@@ -228,7 +232,7 @@ def batched_copy_reference(segments: Iterable[Segment]) -> None:
     blocks run in no particular order)."""
     for src, dst, n in segments:
         if n:
-            ctypes.memmove(dst, src, n)
+            abi.host_memmove(dst, src, n)
 
 
 def batched_copy(copies: Sequence[Segment], device: torch.device | int) -> None:
@@ -245,15 +249,15 @@ def batched_copy(copies: Sequence[Segment], device: torch.device | int) -> None:
 
 
 # -- launches -------------------------------------------------------------------------------------
-# Parameters are packed with struct's native ("@") layout: each field at its natural alignment,
-# no trailing padding, which is the C ABI layout cuLaunchKernel expects in its parameter buffer.
+# Kernel names and parameter layouts are the native ABI: transport._native.kernels.
 
 
 def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    index: int | None = device.index  # None: the current device (torch's stubs say int)
+    return index if index is not None else torch.cuda.current_device()
 
 
-def _kernels_for(device: torch.device) -> Any | None:
+def _kernels_for(device: torch.device) -> Kernels | None:
     """The kernels loaded on a CUDA device, or None when this build or machine cannot run them."""
     from . import _cuda
 
@@ -272,7 +276,7 @@ def _grid_for(n: int, per_block: int) -> tuple[int, int, int]:
     return (max(1, min(_MAX_GRID, -(-n // per_block))), 1, 1)
 
 
-def _launch_batched_copy(kernels: Any, device: torch.device, copies: list[Segment]) -> None:
+def _launch_batched_copy(kernels: Kernels, device: torch.device, copies: list[Segment]) -> None:
     table = segment_table(copies, piece_bytes(sum(n for _, _, n in copies)))
     if not table:
         return
@@ -282,49 +286,43 @@ def _launch_batched_copy(kernels: Any, device: torch.device, copies: list[Segmen
     # is enqueued is safe, the memory is reused only by later work on the same stream.
     device_table = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
     kernels.launch(
-        "transport_batched_copy",
+        abi.BATCHED_COPY,
         _grid_for(len(table), 1),
-        (_BLOCK_THREADS, 1, 1),
-        struct.pack("@Qi", device_table.data_ptr(), len(table)),
+        _BLOCK,
+        abi.batched_copy_params(device_table.data_ptr(), len(table)),
         _stream(device),
     )
 
 
-def _launch_quantize_bf16(kernels: Any, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_quantize_bf16(kernels: Kernels, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = t.detach().contiguous()
     n = x.numel()
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
-    grid = _grid_for(n, _BLOCK_THREADS * 8)
+    grid = _grid_for(n, abi.BLOCK_THREADS * 8)
     stream = _stream(x.device)
+    kernels.launch(abi.AMAX_BF16, grid, _BLOCK, abi.amax_bf16_params(x.data_ptr(), n, amax.data_ptr()), stream)
     kernels.launch(
-        "transport_amax_bf16",
+        abi.QUANTIZE_BF16_FP8,
         grid,
-        (_BLOCK_THREADS, 1, 1),
-        struct.pack("@QQQ", x.data_ptr(), n, amax.data_ptr()),
-        stream,
-    )
-    kernels.launch(
-        "transport_quantize_bf16_fp8",
-        grid,
-        (_BLOCK_THREADS, 1, 1),
-        struct.pack("@QQQQQ", x.data_ptr(), n, amax.data_ptr(), q.data_ptr(), scale.data_ptr()),
+        _BLOCK,
+        abi.quantize_bf16_fp8_params(x.data_ptr(), n, amax.data_ptr(), q.data_ptr(), scale.data_ptr()),
         stream,
     )
     return q, scale
 
 
-def _launch_dequantize_bf16(kernels: Any, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _launch_dequantize_bf16(kernels: Kernels, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = q.contiguous()
     scale = scale.to(device=q.device, dtype=torch.float32).contiguous()
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     n = q.numel()
     kernels.launch(
-        "transport_dequantize_fp8_bf16",
-        _grid_for(n, _BLOCK_THREADS * 8),
-        (_BLOCK_THREADS, 1, 1),
-        struct.pack("@QQQQ", q.data_ptr(), n, scale.data_ptr(), out.data_ptr()),
+        abi.DEQUANTIZE_FP8_BF16,
+        _grid_for(n, abi.BLOCK_THREADS * 8),
+        _BLOCK,
+        abi.dequantize_fp8_bf16_params(q.data_ptr(), n, scale.data_ptr(), out.data_ptr()),
         _stream(q.device),
     )
     return out

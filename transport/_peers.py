@@ -1,85 +1,261 @@
-"""Peers as one Transport sees them: lookup, waiting, liveness, loss and exclusion.
+"""Peers as one Transport sees them: its own record in the store, lookup, waiting, liveness,
+loss and exclusion.
 
-``PeerDirectory`` is a mixin of :class:`transport.Transport`; it uses the Transport's store,
-backends, control connections, flight recorder and in-flight transfers. One peer's loss or
-exclusion only ever touches that peer's state.
+:class:`PeerDirectory` owns every piece of peer state (the records seen, the incarnations
+declared lost, the heartbeat and the leases). Parts that hold per-peer state (backends,
+connection pools, the transfer engine) subscribe to it and are told when a peer restarts or is
+lost; one peer's loss only ever touches that peer's state.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import anyio
+from anyio.abc import TaskGroup
 
-from ._errors import PeerLostError, PeerNotFoundError, TransferAbortedError, TransportError
+from ._agent import Channel
+from ._auth import Authenticator
+from ._errors import AuthenticationError, PeerLostError, PeerNotFoundError, RegistrationError, TransportError
+from ._flight import FlightRecorder
 from ._host import process_alive
-from ._liveness import HEARTBEAT_PREFIX
-from ._regions import Peer
-from ._wire import PeerRecord
-
-if TYPE_CHECKING:
-    from ._transport import Transport
+from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases
+from ._rendezvous import Store
+from ._wire import HostId, PeerRecord, RegionRecord
 
 log = logging.getLogger("transport._transport")
 
-_PEER_PREFIX = "peer/"
+PEER_PREFIX = "peer/"
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.2
+_WATCH_CONNECT_TIMEOUT_S = 10.0
+
+
+class Peer:
+    """What a peer has published: its identity, backends and registered regions.
+
+    Attributes:
+        name: the peer's name.
+        incarnation: changes every time a process takes the name anew (a restart).
+        backends: the backends the peer speaks.
+        regions: key -> region description (dtype, shape, nbytes, writable).
+    """
+
+    def __init__(self, record: PeerRecord) -> None:
+        self._record = record
+
+    @property
+    def name(self) -> str:
+        return self._record.name
+
+    @property
+    def incarnation(self) -> str:
+        return self._record.incarnation
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(self._record.backends)
+
+    @property
+    def regions(self) -> Mapping[str, RegionRecord]:
+        return self._record.regions
+
+    def __repr__(self) -> str:
+        return (
+            f"Peer({self.name!r}, incarnation={self.incarnation!r}, backends={self.backends}, "
+            f"regions={len(self.regions)})"
+        )
+
+
+def peer_name(peer: object) -> str:
+    """The name a ``peer`` argument (a name or a :class:`Peer`) stands for.
+
+    Raises:
+        PeerNotFoundError: it is neither.
+    """
+    name = peer.name if isinstance(peer, Peer) else peer
+    if not isinstance(name, str) or not name:
+        raise PeerNotFoundError(f"peer must be a name or a Peer, got {peer!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class Me:
+    """This process's identity as its peer record carries it."""
+
+    name: str
+    incarnation: str
+    pid: int
+    pid_start: int
+    host: HostId
+
+
+# Told when a peer's state must go: forget(name) on a restart or a loss.
+Forget = Callable[[str], None]
+# Told when one incarnation of a peer is lost or excluded: lost(name, incarnation, why, excluded).
+Lost = Callable[[str, str, BaseException, bool], None]
 
 
 class PeerDirectory:
-    """Peer lookup and liveness for a Transport (see the module docstring)."""
+    """Peer lookup and liveness for one Transport (see the module docstring).
 
-    def _adopt(self: Transport, record: PeerRecord) -> PeerRecord:
+    Args:
+        me: this endpoint's identity.
+        store: the rendezvous store.
+        auth: signs our record and opens peers' records.
+        flight: where losses are recorded (and dumped).
+        heartbeat_s: seconds between our heartbeats and between liveness checks of peers.
+        lease_s: seconds without a heartbeat after which a peer on another host is lost.
+    """
+
+    def __init__(self, me: Me, store: Store, auth: Authenticator, flight: FlightRecorder,
+                 heartbeat_s: float, lease_s: float) -> None:
+        self.me = me
+        self._store = store
+        self._auth = auth
+        self._flight = flight
+        self._heartbeat_s = heartbeat_s
+        self._leases = Leases(lease_s)
+        self._peers: dict[str, PeerRecord] = {}
+        self._lost: dict[tuple[str, str], BaseException] = {}  # (peer, incarnation) -> why
+        self._forget: list[Forget] = []
+        self._on_lost: list[Lost] = []
+        self._heartbeat: Heartbeat | None = None
+        self._tg: TaskGroup | None = None
+        self._watchers: dict[tuple[str, str], Channel | None] = {}  # (peer, incarnation) -> its connection
+        self.closed = False
+
+    def subscribe(self, *, forget: Forget | None = None, lost: Lost | None = None) -> None:
+        """Registers a part that holds per-peer state."""
+        if forget is not None:
+            self._forget.append(forget)
+        if lost is not None:
+            self._on_lost.append(lost)
+
+    @property
+    def store_url(self) -> str:
+        return self._store.url
+
+    # -- our own record -------------------------------------------------------------------
+
+    async def claim(self) -> None:
+        """Checks that no live process on this host holds our name.
+
+        Raises:
+            RegistrationError: one does.
+        """
+        data = await self._store.aget(PEER_PREFIX + self.me.name)
+        if data is None:
+            return
+        try:
+            old = PeerRecord.decode(self._auth.open_record(data, self.me.name))
+        except TransportError:
+            return  # unreadable or foreign leftovers: overwrite
+        if old.host == self.me.host and process_alive(old.pid, old.pid_start) and old.pid != self.me.pid:
+            raise RegistrationError(
+                f"name {self.me.name!r} is in use by a live process (pid {old.pid}) in {self._store.url}"
+            )
+        if old.host != self.me.host:
+            log.warning("transport %s: replacing the record of %s on host %s (assumed restarted)",
+                        self.me.name, old.name, old.host.hostname)
+
+    def publish(self, record: PeerRecord) -> None:
+        """Signs and writes our record (``record.name`` is ours)."""
+        self._store.set(PEER_PREFIX + self.me.name, self._auth.sign_record(record.encode()))
+
+    async def withdraw(self) -> None:
+        """Removes our record if it is still ours (not a successor's). Logs, never raises."""
+        try:
+            mine = await self._store.aget(PEER_PREFIX + self.me.name)
+            if mine is not None and self._decode(mine, self.me.name).incarnation == self.me.incarnation:
+                self._store.delete(PEER_PREFIX + self.me.name)
+        except TransportError as exc:
+            log.warning("transport %s: could not remove its peer record: %s", self.me.name, exc)
+
+    def start(self, tg: TaskGroup, heartbeat_store: Store) -> None:
+        """Starts publishing our heartbeat (from a thread, through ``heartbeat_store``) and
+        checking peers' liveness (tasks in ``tg``)."""
+        self._tg = tg
+        self._heartbeat = Heartbeat(heartbeat_store, self.me.name, self.me.incarnation, self._heartbeat_s)
+        self._heartbeat.start()
+        tg.start_soon(self._check_loop)
+
+    def close(self) -> None:
+        self.closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        for key in list(self._watchers):
+            self._unwatch(key)
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def _decode(self, data: bytes, name: str) -> PeerRecord:
+        return PeerRecord.decode(self._auth.open_record(data, name))
+
+    async def fetch(self, name: str) -> PeerRecord | None:
+        """The record published under ``name`` now (not adopted), or None.
+
+        Raises:
+            TransportError: it is malformed, foreign or unauthenticated.
+        """
+        data = await self._store.aget(PEER_PREFIX + name)
+        return self._decode(data, name) if data is not None else None
+
+    def stale(self, record: PeerRecord) -> bool:
+        """Whether ``record`` was left by a process on this host that has exited."""
+        return record.host == self.me.host and not process_alive(record.pid, record.pid_start)
+
+    def is_lost(self, record: PeerRecord) -> bool:
+        return (record.name, record.incarnation) in self._lost
+
+    def known(self, name: str) -> PeerRecord | None:
+        """The record of ``name`` this directory last adopted, or None."""
+        return self._peers.get(name)
+
+    def _adopt(self, record: PeerRecord) -> PeerRecord:
         old = self._peers.get(record.name)
         if old is not None and old.incarnation != record.incarnation:
-            log.info("transport %s: %s restarted (incarnation %s -> %s)", self.name, record.name, old.incarnation, record.incarnation)
-            for b in self._backends:
-                b.forget_peer(record.name)
-            self._control.forget(record.name)
+            log.info("transport %s: %s restarted (incarnation %s -> %s)", self.me.name, record.name,
+                     old.incarnation, record.incarnation)
+            for forget in self._forget:
+                forget(record.name)
+            self._unwatch_peer(record.name)
         self._peers[record.name] = record
         return record
 
-    def _stale(self: Transport, record: PeerRecord) -> bool:
-        return record.host == self._host and not process_alive(record.pid, record.pid_start)
+    async def lookup(self, name: str) -> PeerRecord | None:
+        """The live record of ``name`` now, or None (no waiting; unreadable counts as none)."""
+        try:
+            record = await self.fetch(name)
+        except TransportError:
+            return None
+        if record is None or self.stale(record):
+            return None
+        return self._adopt(record)
 
-    async def _fetch(self: Transport, name: str) -> PeerRecord | None:
-        data = await self._store.aget(_PEER_PREFIX + name)
-        return PeerRecord.decode(self._auth.open_record(data, name)) if data is not None else None
+    async def names(self) -> list[str]:
+        return [k[len(PEER_PREFIX):] for k in await self._store.akeys(PEER_PREFIX)]
 
-    def _is_lost(self: Transport, record: PeerRecord) -> bool:
-        return (record.name, record.incarnation) in self._lost
-
-    async def peer(self: Transport, name: str, *, regions: Sequence[str] = (), timeout: float | None = None) -> Peer:
-        """Waits until a live peer called ``name`` is visible, and returns what it published.
-
-        A record left by a dead process on this host is ignored (a replacement is awaited).
-
-        Args:
-            name: the peer's name.
-            regions: also wait until the peer has registered every one of these keys.
-            timeout: seconds to wait (default: the Transport's timeout).
-
-        Returns:
-            A :class:`Peer` (its incarnation, backends and regions).
+    async def wait(self, name: str, regions: Sequence[str], timeout: float,
+                   check_open: Callable[[], None]) -> Peer:
+        """Polls until a live peer ``name`` with every key in ``regions`` is published.
 
         Raises:
-            PeerNotFoundError: no live peer of that name appeared in time.
-            ClosedError: the Transport is closed.
-
-        Cancellation: safe at any point; nothing is changed.
+            PeerNotFoundError: none appeared within ``timeout``.
+            ClosedError: (from ``check_open``) the Transport closed meanwhile.
         """
-        self._check_open()
-        timeout = self.timeout if timeout is None else timeout
         delay, stale, bad = _POLL_MIN_S, False, None
         with anyio.move_on_after(timeout):
             while True:
-                self._check_open()
+                check_open()
                 try:
-                    record = await self._fetch(name)
+                    record = await self.fetch(name)
                 except TransportError as exc:  # malformed, foreign or unauthenticated: keep waiting
                     record, bad = None, exc
-                if record is not None and not self._stale(record) and not self._is_lost(record):
+                if record is not None and not self.stale(record) and not self.is_lost(record):
                     self._adopt(record)
                     if all(k in record.regions for k in regions):
                         return Peer(record)
@@ -95,94 +271,134 @@ class PeerDirectory:
             hint = f" with regions {missing}"
         raise PeerNotFoundError(f"no peer named {name!r} appeared in {self._store.url} within {timeout:g}s{hint}")
 
-    async def _lookup(self: Transport, name: str) -> PeerRecord | None:
-        """The live record of ``name`` now, or None (no waiting). For in-package layers."""
-        try:
-            record = await self._fetch(name)
-        except TransportError:
-            return None
-        if record is None or self._stale(record):
-            return None
-        return self._adopt(record)
+    async def resolve(self, name: str, *, refresh: bool = False) -> PeerRecord:
+        """The record a transfer to ``name`` goes by: the adopted one, or a fresh one.
 
-    async def peers(self: Transport) -> list[str]:
-        """Names of the peers currently published in the store (this one included)."""
-        self._check_open()
-        return [k[len(_PEER_PREFIX):] for k in await self._store.akeys(_PEER_PREFIX)]
-
-    async def _resolve(self: Transport, name: str, *, refresh: bool = False) -> PeerRecord:
+        Raises:
+            PeerNotFoundError: nothing is published under ``name``.
+            PeerLostError: its process has exited, or it was lost and not replaced.
+        """
         record = None if refresh else self._peers.get(name)
         if record is None:
-            record = await self._fetch(name)
+            record = await self.fetch(name)
             if record is None:
                 raise PeerNotFoundError(
                     f"no peer named {name!r} in {self._store.url} (await transport.peer({name!r}) to wait for it)"
                 )
-            if self._stale(record):
+            if self.stale(record):
                 raise PeerLostError(f"{name} (pid {record.pid}) has exited; its record in {self._store.url} is stale")
             record = self._adopt(record)
-        if self._is_lost(record):
-            fresh = await self._fetch(name)
-            if fresh is None or self._is_lost(fresh) or self._stale(fresh):
+        if self.is_lost(record):
+            fresh = await self.fetch(name)
+            if fresh is None or self.is_lost(fresh) or self.stale(fresh):
                 raise PeerLostError(f"{name} is lost: {self._lost[(record.name, record.incarnation)]}")
             record = self._adopt(fresh)  # a replacement (new incarnation) took the name
         return record
 
-    def _declare_lost(self: Transport, name: str, incarnation: str, why: BaseException, *, excluded: bool = False) -> None:
-        """Marks one incarnation of a peer lost: aborts transfers to it, drops its connections,
-        mappings and keys, records and dumps. Idempotent. Other peers are untouched."""
+    # -- loss -----------------------------------------------------------------------------
+
+    def declare_lost(self, name: str, incarnation: str, why: BaseException, *, excluded: bool = False) -> None:
+        """Marks one incarnation of a peer lost: subscribers abort its transfers and drop its
+        connections, mappings and keys; records and dumps. Idempotent. Other peers are untouched."""
         if (name, incarnation) in self._lost:
             return
         self._lost[(name, incarnation)] = why
-        log.warning("transport %s: peer %s (incarnation %s) %s: %s", self.name, name, incarnation,
+        log.warning("transport %s: peer %s (incarnation %s) %s: %s", self.me.name, name, incarnation,
                     "excluded" if excluded else "lost", why)
-        for xfer in list(self._inflight.get(name, ())):
-            if xfer._incarnation in (None, incarnation) and not xfer.done():
-                what = f"{xfer.op.value} of {xfer.nbytes} bytes to {name}:{xfer.key!r}"
-                if excluded:
-                    xfer._abort_error = TransferAbortedError(f"{what} aborted: {name} was excluded", partial=xfer._moving)
-                else:
-                    xfer._abort_error = PeerLostError(f"{what} aborted: {why}")
-                    xfer._abort_error.__cause__ = why
-                if xfer._scope is not None:
-                    xfer._scope.cancel()
-                else:
-                    xfer.cancel()
-        for b in self._backends:
-            b.forget_peer(name)
-        self._control.forget(name)
+        for lost in self._on_lost:
+            lost(name, incarnation, why, excluded)
+        for forget in self._forget:
+            forget(name)
+        self._unwatch_peer(name)
         self._leases.forget(name)
         self._flight.event("excluded" if excluded else "peer-lost", name, f"incarnation {incarnation}: {why}")
         self._flight.dump(f"{'excluded' if excluded else 'peer lost'}: {name}: {why}")
 
-    def exclude(self: Transport, name: str) -> None:
-        """Drops ``name`` on purpose (e.g. a straggler): its in-flight transfers are aborted
-        with TransferAbortedError and later ones fail with PeerLostError, until it comes back
-        as a new incarnation (a restart). Other peers are untouched.
+    def exclude(self, name: str) -> None:
+        """See ``Transport.exclude``.
 
         Raises:
-            PeerNotFoundError: this Transport has never seen ``name``.
+            PeerNotFoundError: this directory has never seen ``name``.
         """
-        self._check_open()
         record = self._peers.get(name)
         if record is None:
-            raise PeerNotFoundError(f"{self.name} has no peer {name!r} to exclude")
-        self._declare_lost(name, record.incarnation, PeerLostError(f"{name} was excluded by {self.name}"), excluded=True)
+            raise PeerNotFoundError(f"{self.me.name} has no peer {name!r} to exclude")
+        self.declare_lost(name, record.incarnation, PeerLostError(f"{name} was excluded by {self.me.name}"),
+                          excluded=True)
 
-    async def _watch_peers(self: Transport) -> None:
+    async def _check_loop(self) -> None:
+        """Checks every adopted peer each heartbeat interval (pid on this host, heartbeat lease
+        elsewhere) and declares the dead ones lost. Runs until cancelled."""
         while True:
             await anyio.sleep(self._heartbeat_s)
             for name, record in list(self._peers.items()):
-                if self._is_lost(record):
+                if self.is_lost(record):
                     continue
-                if record.host == self._host:
+                if record.host == self.me.host:
                     why = None if process_alive(record.pid, record.pid_start) else f"{name} (pid {record.pid}) exited"
                 else:
                     try:
                         beat = await self._store.aget(HEARTBEAT_PREFIX + name)
                     except TransportError as exc:
-                        log.warning("transport %s: cannot read heartbeats: %s", self.name, exc)
+                        log.warning("transport %s: cannot read heartbeats: %s", self.me.name, exc)
                         continue
                     why = self._leases.expired(name, record.incarnation, beat)
                 if why is not None:
-                    self._declare_lost(name, record.incarnation, PeerLostError(why))
+                    self.declare_lost(name, record.incarnation, PeerLostError(why))
+
+    # -- watching a peer through its agent connection -------------------------------------
+
+    def watch(self, record: PeerRecord) -> None:
+        """Also watches ``record``'s process through a connection to its agent: the peer's
+        kernel closes it the moment the process dies, which one-sided backends (ucx) need to
+        learn quickly. Nothing is asked of the peer's Python, so a busy or sleeping peer is not
+        mistaken for a dead one. Idempotent; a refusal (auth) only stops the watching."""
+        key = (record.name, record.incarnation)
+        if self._tg is None or self.closed or key in self._watchers or self.is_lost(record):
+            return
+        self._watchers[key] = None
+        self._tg.start_soon(self._watch_connection, record)
+
+    async def _watch_connection(self, record: PeerRecord) -> None:
+        key = (record.name, record.incarnation)
+        assert self._tg is not None
+        agent = f"{record.agent[0]}:{record.agent[1]}"
+        hello = {"from": self.me.name, "from_incarnation": self.me.incarnation, "lane": "watch"}
+        try:
+            with anyio.fail_after(_WATCH_CONNECT_TIMEOUT_S):
+                chan = await Channel.open(self._tg, record.agent, peer=record.name, peer_incarnation=record.incarnation,
+                                          hello=hello, auth=self._auth)
+        except (TimeoutError, AuthenticationError, PeerLostError) as exc:
+            cause = exc.__cause__
+            unreachable = isinstance(cause, OSError) and cause.errno != errno.ECONNREFUSED
+            if isinstance(exc, PeerLostError) and not unreachable:  # refused, or another incarnation answers
+                self._lost_by_watch(record, f"its agent at {agent}: {exc}")
+            else:
+                log.info("transport %s: cannot watch %s through its agent at %s (%s); a failure of it will "
+                         "surface through heartbeats or a timeout", self.me.name, record.name, agent,
+                         str(exc) or type(exc).__name__)
+            return
+        if key not in self._watchers:  # forgotten meanwhile
+            chan.close()
+            return
+        self._watchers[key] = chan
+        why = await chan.wait_closed()
+        if isinstance(why, PeerLostError) and self._watchers.get(key) is chan:
+            self._lost_by_watch(record, f"its agent at {agent} closed the connection ({why})")
+
+    def _lost_by_watch(self, record: PeerRecord, why: str) -> None:
+        self._watchers.pop((record.name, record.incarnation), None)
+        if not self.closed:
+            self.declare_lost(record.name, record.incarnation, PeerLostError(f"{record.name} is gone: {why}"))
+
+    def _unwatch(self, key: tuple[str, str]) -> None:
+        chan = self._watchers.pop(key, None)
+        if chan is not None:
+            chan.close()
+
+    def _unwatch_peer(self, name: str) -> None:
+        for key in [k for k in self._watchers if k[0] == name]:
+            self._unwatch(key)
+
+
+__all__ = ["PEER_PREFIX", "Me", "Peer", "PeerDirectory", "peer_name"]

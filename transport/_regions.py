@@ -1,14 +1,22 @@
-"""Registered regions (local) and peers (remote views of what they registered)."""
+"""Registered regions: the local table, and the one rule every transfer is checked against.
+
+:func:`check` is used by both ends of a transfer: the initiator checks against the region as
+its peer published it (before any byte moves), the target against its own live registration
+(before it lets any byte in). Same rule, same words.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Protocol
 
 import torch
 
-from ._tensors import byte_view, dtype_name, nbytes_of
-from ._wire import PeerRecord, RegionRecord
+from . import _cuda, _native
+from ._errors import BackendUnavailableError, BoundsError, DTypeMismatchError, ReadOnlyRegionError, RegistrationError
+from ._tensors import MemoryKind, byte_view, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
+from ._wire import RegionRecord, TransferOp
 
 
 @dataclass(eq=False)
@@ -23,7 +31,7 @@ class Region:
     key: str
     tensor: torch.Tensor
     writable: bool
-    shared: Any = None  # transport._C.SharedBuffer or None
+    shared: Any = None  # the native shareable buffer it lives in, if any
     device: str = "cpu"  # "cpu" or "cuda:<GPU UUID>" (as published in the peer record)
     view: memoryview | None = field(init=False, repr=False)  # the bytes, for host memory only
     # Backends' per-registration state (e.g. an exported CUDA IPC descriptor): it lives and dies
@@ -57,37 +65,179 @@ class Region:
         )
 
 
-class Peer:
-    """What a peer has published: its identity, backends and registered regions.
+def check(
+    op: TransferOp,
+    owner: str,
+    key: object,
+    region: RegionRecord | Region | None,
+    dtype: object,
+    offset: object,
+    nbytes: object,
+    *,
+    known: Sequence[str] = (),
+) -> None:
+    """The one rule for a transfer of ``nbytes`` ``dtype`` bytes at byte ``offset`` of
+    ``owner``'s region ``key`` (``region``, or None when ``owner`` has no such key).
 
-    Attributes:
-        name: the peer's name.
-        incarnation: changes every time a process takes the name anew (a restart).
-        backends: the backends the peer speaks.
-        regions: key -> region description (dtype, shape, nbytes, writable).
+    Every argument but ``op`` and ``owner`` may come off the wire, so each is type-checked.
+
+    Raises:
+        RegistrationError: no such region (``known`` lists some keys it does have).
+        DTypeMismatchError: ``dtype`` is not the region's.
+        BoundsError: the range is negative, outside the region, or not element-aligned.
+        ReadOnlyRegionError: a put into a region registered read-only.
+    """
+    where = f"{op.value} of {nbytes} bytes at offset {offset} of {owner}:{key!r}"
+    if region is None:
+        has = f" (it has: {', '.join(sorted(known)[:8])})" if known else ""
+        raise RegistrationError(f"{where}: {owner} has no region {key!r}{has}")
+    region_dtype = region.dtype if isinstance(region.dtype, str) else dtype_name(region.dtype)
+    if dtype != region_dtype:
+        raise DTypeMismatchError(f"{where}: the data is {dtype} but the region is {region_dtype}")
+    if not isinstance(offset, int) or not isinstance(nbytes, int) or isinstance(offset, bool) \
+            or isinstance(nbytes, bool):
+        raise BoundsError(f"{where}: offset and size must be integers")
+    if offset < 0 or nbytes < 0 or offset + nbytes > region.nbytes:
+        raise BoundsError(f"{where}: exceeds its {region.nbytes} bytes")
+    itemsize = dtype_from_name(region_dtype).itemsize
+    if offset % itemsize:
+        raise BoundsError(f"{where}: offset is not a multiple of the {region_dtype} element size {itemsize}")
+    if op == TransferOp.PUT and not region.writable:
+        raise ReadOnlyRegionError(f"{where}: {owner}:{key!r} is read-only")
+
+
+class Describer(Protocol):
+    """What builds a region's published descriptors: a backend."""
+
+    @property
+    def name(self) -> str: ...
+
+    def region_descriptor(self, region: Region) -> bytes | None: ...
+
+
+class RegionTable:
+    """The regions one Transport has registered, by key, and the shareable buffers behind them.
+
+    Args:
+        owner: the Transport's name (for messages).
+        device_kinds: whether a backend that serves device memory runs here (a CUDA tensor can
+            only be registered then).
     """
 
-    def __init__(self, record: PeerRecord) -> None:
-        self._record = record
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._regions: dict[str, Region] = {}
+        self._by_memory: dict[tuple[int, int, torch.dtype], str] = {}
+        self._shared: list[Any] = []  # buffers allocated by allocate()
 
-    @property
-    def name(self) -> str:
-        return self._record.name
+    def __iter__(self) -> Iterator[Region]:
+        return iter(list(self._regions.values()))
 
-    @property
-    def incarnation(self) -> str:
-        return self._record.incarnation
+    def __len__(self) -> int:
+        return len(self._regions)
 
-    @property
-    def backends(self) -> tuple[str, ...]:
-        return tuple(self._record.backends)
+    def get(self, key: object) -> Region | None:
+        return self._regions.get(key) if isinstance(key, str) else None
 
-    @property
-    def regions(self) -> Mapping[str, RegionRecord]:
-        return self._record.regions
+    def as_dict(self) -> dict[str, Region]:
+        return dict(self._regions)
 
-    def __repr__(self) -> str:
-        return (
-            f"Peer({self.name!r}, incarnation={self.incarnation!r}, backends={self.backends}, "
-            f"regions={len(self.regions)})"
-        )
+    def key_of(self, tensor: torch.Tensor) -> str | None:
+        """The key ``tensor`` (its exact memory and dtype) is registered under, or None."""
+        return self._by_memory.get((tensor.data_ptr(), nbytes_of(tensor), tensor.dtype))
+
+    def prepare(self, tensors: Mapping[str, torch.Tensor], prefix: str, writable: bool,
+                serves_device: bool, backends: Sequence[str]) -> dict[str, Region]:
+        """Validates and builds the regions for ``tensors`` without adding them.
+
+        Raises:
+            RegistrationError, BackendUnavailableError: as ``Transport.register``; nothing changes.
+        """
+        new: dict[str, Region] = {}
+        for k, t in tensors.items():
+            key = prefix + k if isinstance(k, str) else k
+            if key in new:
+                raise RegistrationError(f"key {key!r} appears twice")
+            new[key] = self._new_region(key, t, writable, serves_device, backends)
+        return new
+
+    def _new_region(self, key: object, tensor: torch.Tensor, writable: bool, serves_device: bool,
+                    backends: Sequence[str]) -> Region:
+        if not isinstance(key, str) or not key:
+            raise RegistrationError(f"region key must be a non-empty string, got {key!r}")
+        if key in self._regions:
+            raise RegistrationError(f"{self.owner}: key {key!r} is already registered; unregister it first")
+        check_tensor(tensor, f"tensor for {key!r}")
+        kind = memory_kind(tensor, f"tensor for {key!r}")
+        if not tensor.is_contiguous():
+            raise RegistrationError(f"{key!r}: only contiguous tensors can be registered (call .contiguous() first)")
+        if kind == MemoryKind.CUDA:
+            if (why := _cuda.unavailable_reason()) is not None:
+                raise BackendUnavailableError(f"cannot register the {tensor.device} tensor {key!r}: {why}")
+            if not serves_device:
+                raise BackendUnavailableError(
+                    f"cannot register the {tensor.device} tensor {key!r}: none of {tuple(backends)} serves device "
+                    "memory (ipc and nccl do)"
+                )
+            return Region(key, tensor, bool(writable), device=_cuda.device_label(tensor.device.index))
+        shared = None
+        for buf in self._shared:
+            if buf.address <= tensor.data_ptr() and tensor.data_ptr() + nbytes_of(tensor) <= buf.address + buf.nbytes:
+                shared = buf
+        return Region(key, tensor, bool(writable), shared)
+
+    def add(self, regions: Mapping[str, Region]) -> None:
+        for region in regions.values():
+            self._regions[region.key] = region
+            self._by_memory.setdefault((region.address, region.nbytes, region.dtype), region.key)
+
+    def remove(self, key: str) -> Region:
+        """Withdraws ``key``.
+
+        Raises:
+            RegistrationError: ``key`` is not registered.
+        """
+        region = self._regions.pop(key, None) if isinstance(key, str) else None
+        if region is None:
+            raise RegistrationError(f"{self.owner}: no region {key!r} to unregister")
+        mem = (region.address, region.nbytes, region.dtype)
+        if self._by_memory.get(mem) == key:
+            del self._by_memory[mem]
+        if region.shared is not None and all(r.shared is not region.shared for r in self._regions.values()):
+            # The memory itself lives as long as the tensors over it; we only stop tracking it.
+            self._shared = [b for b in self._shared if b is not region.shared]
+        return region
+
+    def allocate(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed, shareable, pre-faulted host tensor for ``key`` (not yet registered).
+
+        Raises:
+            RegistrationError: the allocation failed.
+        """
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = 1
+        for s in dims:
+            numel *= int(s)
+        nbytes = numel * dtype.itemsize
+        try:
+            buf = _native.shared_buffer(nbytes, f"transport:{self.owner}:{key}")
+        except RuntimeError as exc:
+            raise RegistrationError(f"cannot allocate {nbytes} shareable bytes for {key!r}: {exc}") from exc
+        self._shared.append(buf)
+        return torch.from_dlpack(buf.array()).view(dtype).view(dims)
+
+    def records(self, describers: Sequence[Describer]) -> dict[str, RegionRecord]:
+        """Every region as published, with each backend's descriptor for it."""
+        out = {}
+        for key, region in self._regions.items():
+            descs = {}
+            for b in describers:
+                d = b.region_descriptor(region)
+                if d is not None:
+                    descs[b.name] = d
+            out[key] = region.record(descs)
+        return out
+
+    def clear(self) -> None:
+        self._regions.clear()
+        self._by_memory.clear()

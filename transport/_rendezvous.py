@@ -69,6 +69,12 @@ class Store(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     async def aget(self, key: str) -> bytes | None:
         if self.blocking:
             return await anyio.to_thread.run_sync(self.get, key)
@@ -193,7 +199,7 @@ class TCPStore(Store):
                 n = self._store.add(self._INDEX_N, 1)
                 self._store.set(f"__index/{n}", key)
             self._indexed.add(key)
-            self._store.set(key, value)
+            self._store.set(key, value)  # type: ignore[arg-type]  # TCPStore.set takes bytes too (str in its stub)
         except Exception as exc:
             raise StoreError(f"TCPStore {self.url}: set {key!r} failed: {exc}") from exc
 
@@ -243,3 +249,28 @@ def open_store(url: str | None, *, timeout: float = 30.0) -> Store:
         is_host = query.get("host", ["0"])[0].lower() in ("1", "true", "yes")
         return TCPStore(parsed.hostname, parsed.port, is_host=is_host, timeout=timeout)
     raise StoreError(f"unknown store URL {url!r}: use file://DIR, tcp://HOST:PORT or memory://NAME")
+
+
+def serve_store(address: str = "127.0.0.1:0", *, timeout: float = 30.0) -> Store:
+    """Hosts a ``tcp://`` rendezvous store in this process, for peers on any host to join.
+
+    Pass the returned store's ``url`` as ``store=`` to every Transport (in this process or
+    others). The store lives until ``close()`` (or the process exits); use it as a context
+    manager to close it on exit.
+
+    Args:
+        address: ``HOST:PORT`` to listen on; port 0 picks a free one (``url`` tells which).
+            Use ``0.0.0.0:PORT`` to be reachable from other hosts.
+        timeout: seconds a store operation may take.
+
+    Returns:
+        The hosted store (``url``, ``close()``).
+
+    Raises:
+        StoreError: the address cannot be listened on.
+        ValueError: a malformed address.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, got {address!r}")
+    return open_store(f"tcp://{host}:{port}?host=1", timeout=timeout)

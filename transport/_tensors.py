@@ -1,12 +1,16 @@
-"""Small helpers that look at torch tensors: dtype names, byte views, memory kinds."""
+"""Tensors as the library sees them: dtype names, byte views, memory kinds, and the two sides
+of one transfer as backends get them (:class:`LocalBuffer`, :class:`RemoteTarget`)."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ._errors import BackendUnavailableError, LayoutError
+from ._wire import PeerRecord, RegionRecord
 
 
 class MemoryKind(enum.Enum):
@@ -51,4 +55,36 @@ def byte_view(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     # as_strided, not reshape: a contiguous tensor may still carry odd strides on size-1 dims.
     flat = t.detach().as_strided((t.numel(),), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a Buffer
+
+
+@dataclass
+class LocalBuffer:
+    """The local side of one transfer: a contiguous tensor (staged if the caller's was not)."""
+
+    tensor: torch.Tensor
+    kind: MemoryKind
+    # CUDA only: a torch.cuda.Event recorded on the caller's current stream when the transfer
+    # was started. A backend makes its own stream wait on it before touching ``tensor``.
+    ready: Any = None
+    _view: memoryview | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> int:
+        return self.tensor.data_ptr()
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = byte_view(self.tensor)
+        return self._view
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """The remote side of one transfer, already validated against the peer's record."""
+
+    peer: PeerRecord
+    region: RegionRecord
+    offset: int
+    nbytes: int

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import Any
 
 import anyio
 
 from ._errors import TransportError
-
-
-class TransferOp(enum.Enum):
-    PUT = "put"
-    GET = "get"
+from ._wire import TransferOp
 
 
 class Transfer:

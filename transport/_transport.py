@@ -1,57 +1,66 @@
 """``Transport``: one endpoint of one-sided tensor movement.
 
-A Transport owns a task group (its background agent, the copy engine's completion task and
-every transfer run there), its registered regions and its view of peers. It publishes a
-versioned peer record in the rendezvous store; peers read it to learn which backends it speaks
-and where its regions are.
+The Transport is a thin front. It checks arguments, opens and closes its parts in order, and
+delegates every public method to the part that owns the state:
+
+* :class:`~transport._regions.RegionTable`: what this endpoint has registered;
+* :class:`~transport._peers.PeerDirectory`: our record, peers' records, liveness and loss;
+* :class:`~transport._transfers.TransferEngine`: puts and gets in flight;
+* :class:`~transport._signals.Signals`: the signal table and doorbells;
+* :class:`~transport._agent.AgentServer`: this endpoint's server for peers' requests;
+* the backends (:mod:`transport.backends`), which move the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
-import urllib.parse
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import anyio
 import torch
 
 from . import _cuda
-from ._agent import AgentServer, ChannelPool, local_address_towards
-from ._errors import (
-    BackendUnavailableError,
-    BoundsError,
-    ClosedError,
-    DTypeMismatchError,
-    LayoutError,
-    PeerNotFoundError,
-    ReadOnlyRegionError,
-    RegistrationError,
-    TransferTimeoutError,
-    TransportError,
-)
+from ._agent import AgentServer, ChannelPool, Conn, listen_address
 from ._auth import Authenticator
-from ._flight import FlightRecorder, OpState
-from ._host import host_id, pid_start, process_alive
-from ._liveness import Heartbeat, Leases
-from ._native import Copier, load
-from ._peers import _PEER_PREFIX, PeerDirectory
-from ._regions import Peer, Region
+from ._errors import BackendUnavailableError, ClosedError, LayoutError, RegistrationError
+from ._flight import FlightRecorder
+from ._host import host_id, pid_start
+from ._native import Copier
+from ._peers import Me, Peer, PeerDirectory, peer_name
+from ._regions import Region, RegionTable, check
 from ._rendezvous import open_store
-from ._routing import TransferRunner
-from ._tensors import MemoryKind, check_tensor, dtype_name, memory_kind, nbytes_of
-from ._transfer import Transfer, TransferOp
-from ._wire import FrameKind, PeerRecord
-from .backends import PLANNED, REGISTRY, Backend, BackendContext, LocalBuffer
+from ._signals import Signals
+from ._tensors import MemoryKind, check_tensor, memory_kind
+from ._transfer import Transfer
+from ._transfers import TransferEngine
+from ._wire import FrameKind, PeerRecord, RangeRequest, SignalRequest, TransferOp
+from .backends import Backend, BackendContext, backend_class, default_backends
+from .backends.tcp import serve_range
 
 log = logging.getLogger(__name__)
 
 LISTEN_ENV = "TRANSPORT_LISTEN"
 
 
-class Transport(PeerDirectory, TransferRunner):
+def _seconds(value: object, what: str) -> float:
+    """``value`` as a finite positive number of seconds.
+
+    Raises:
+        TypeError: not a number. ValueError: not finite and positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class Transport:
     """One endpoint: registers local memory, and puts into / gets from peers' memory.
 
     Use it as an async context manager; it works under trio and asyncio::
@@ -115,26 +124,19 @@ class Transport(PeerDirectory, TransferRunner):
             backends = (backends,)
         self.name = name
         self.timeout = float(timeout)
+        self.incarnation = secrets.token_hex(8)
         self._store_url = store
         self._requested = tuple(backends) if backends is not None else None
         self._listen = listen or os.environ.get(LISTEN_ENV)
         self._copy_threads = copy_threads
         self._lanes = lanes
+        self._heartbeat_s, self._lease_s = float(heartbeat), float(lease)
         self._state = "new"
-        self.incarnation = secrets.token_hex(8)
-        self._regions: dict[str, Region] = {}
-        self._by_memory: dict[tuple[int, int, torch.dtype], str] = {}
-        self._shared: list[Any] = []  # SharedBuffers allocated by empty()
-        self._peers: dict[str, PeerRecord] = {}
-        self._inflight: dict[str, set[Transfer]] = {}
-        self._signals: dict[str, int] = {}
-        self._seq = 0
-        self._fallbacks_logged: set[tuple[str, str]] = set()
         self._auth = Authenticator(token)
-        self._heartbeat_s = float(heartbeat)
-        self._leases = Leases(float(lease))
-        self._lost: dict[tuple[str, str], BaseException] = {}  # (peer, incarnation) -> why
         self._flight = FlightRecorder(name, self.incarnation, capacity=flight_capacity, dump_dir=flight_dir)
+        self._regions = RegionTable(name)
+        self._backends: list[Backend] = []
+        self._seq = 0
         self._cuda: _cuda.CudaEngine | None = None  # ipc's CUDA copies and all staging; made on first use
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -143,38 +145,9 @@ class Transport(PeerDirectory, TransferRunner):
         if self._state != "new":
             raise RuntimeError("a Transport can be entered once")
         self._state = "opening"
-        self._signal_event = anyio.Event()
         stack = contextlib.AsyncExitStack()
         try:
-            self._store = await anyio.to_thread.run_sync(lambda: open_store(self._store_url, timeout=self.timeout))
-            stack.callback(self._store.close)
-            self._pid, self._pid_start, self._host = os.getpid(), pid_start(os.getpid()), host_id()
-            backend_classes = self._select_backends()
-            # The copy engine's completion task lives in an outer task group so that transfers
-            # cancelled at close can still learn that the engine has let go of their memory.
-            self._copier = Copier(self._copy_threads)
-            stack.callback(self._copier.close)
-            outer = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(outer.cancel_scope.cancel)
-            await outer.start(self._copier.run)
-            self._tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(self._tg.cancel_scope.cancel)
-            host, port = self._listen_address()
-            self._agent = AgentServer(self, host, port)
-            self._tg.start_soon(self._agent.serve, self._tg)
-            ctx = BackendContext(self.name, self.incarnation, self._pid, self._host, self._tg, self._copier, self.timeout, self._auth, self._lanes, self._store, self._cuda_engine)
-            self._backends: list[Backend] = [cls(ctx) for cls in backend_classes]
-            stack.callback(self._close_backends)
-            self._control = ChannelPool(self._tg, {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}, self._auth)
-            stack.callback(self._control.close)
-            await self._claim_name()
-            self._state = "open"
-            self._publish()
-            hb_store = self._store if not self._store.blocking else await anyio.to_thread.run_sync(lambda: open_store(self._store.url, timeout=self.timeout))
-            self._heartbeat = Heartbeat(hb_store, self.name, self.incarnation, self._heartbeat_s)
-            self._heartbeat.start()
-            stack.callback(self._heartbeat.stop)
-            self._tg.start_soon(self._watch_peers)
+            await self._open(stack)
         except BaseException:
             self._state = "closed"
             await stack.aclose()
@@ -183,6 +156,49 @@ class Transport(PeerDirectory, TransferRunner):
         log.info("transport %s open (incarnation %s, backends %s, agent %s:%d, store %s)",
                  self.name, self.incarnation, self.backends, *self._agent.address, self._store.url)
         return self
+
+    async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        self._store = await anyio.to_thread.run_sync(lambda: open_store(self._store_url, timeout=self.timeout))
+        stack.callback(self._store.close)
+        pid = os.getpid()
+        me = Me(self.name, self.incarnation, pid, pid_start(pid), host_id())
+        backend_classes = self._select_backends()
+        # The copy engine's completion task lives in an outer task group so that transfers
+        # cancelled at close can still learn that the engine has let go of their memory.
+        self._copier = Copier(self._copy_threads)
+        stack.callback(self._copier.close)
+        outer = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(outer.cancel_scope.cancel)
+        await outer.start(self._copier.run)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        self._directory = PeerDirectory(me, self._store, self._auth, self._flight, self._heartbeat_s, self._lease_s)
+        stack.callback(self._directory.close)
+        routes = _Routes(self.name, self._regions)
+        host, port = listen_address(self._listen, self._store.url)
+        self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
+        tg.start_soon(self._agent.serve, tg)
+        ctx = BackendContext(self.name, self.incarnation, me.pid, me.host, tg, self._copier, self.timeout,
+                             self._auth, self._lanes, self._store, self._cuda_engine, self._directory.watch)
+        self._backends = routes.backends = [cls(ctx) for cls in backend_classes]
+        stack.callback(self._close_backends)
+        for b in self._backends:
+            self._directory.subscribe(forget=b.forget_peer)
+        self._directory.subscribe(forget=self._forget_cuda)
+        hello = {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}
+        self._control = ChannelPool(tg, hello, self._auth)
+        stack.callback(self._control.close)
+        self._directory.subscribe(forget=self._control.forget_peer)
+        self._transfers = TransferEngine(self.name, tg, self._directory, self._backends, self._flight,
+                                         self._cuda_engine)
+        self._signals = routes.signals = Signals(self.name, self._directory, self._transfers, self._control,
+                                                 self._flight)
+        await self._directory.claim()
+        self._state = "open"
+        self._publish()
+        hb_store = self._store if not self._store.blocking else await anyio.to_thread.run_sync(
+            lambda: open_store(self._store.url, timeout=self.timeout))
+        self._directory.start(tg, hb_store)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -194,18 +210,12 @@ class Transport(PeerDirectory, TransferRunner):
             self._state = "closed"
             return
         self._state = "closed"
-        self._wake_signal_waiters()
+        self._signals.wake()
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
-            try:
-                mine = await self._store.aget(_PEER_PREFIX + self.name)
-                if mine is not None and PeerRecord.decode(self._auth.open_record(mine, self.name)).incarnation == self.incarnation:
-                    self._store.delete(_PEER_PREFIX + self.name)
-            except TransportError as exc:
-                log.warning("transport %s: could not remove its peer record: %s", self.name, exc)
+            await self._directory.withdraw()
         # Not inside the shield: the task groups must be exited in the scope they were entered in.
         await self._stack.aclose()
         self._regions.clear()
-        self._by_memory.clear()
 
     def _close_backends(self) -> None:
         for b in self._backends:
@@ -214,15 +224,23 @@ class Transport(PeerDirectory, TransferRunner):
             self._cuda.close()
             self._cuda = None
 
+    def _cuda_engine(self) -> _cuda.CudaEngine:
+        if self._cuda is None:
+            self._cuda = _cuda.CudaEngine()
+        return self._cuda
+
+    def _forget_cuda(self, peer: str) -> None:
+        if self._cuda is not None:
+            self._cuda.forget_peer(peer)
+
     def _check_open(self) -> None:
         if self._state != "open":
             if self._state == "closed":
                 raise ClosedError(f"transport {self.name!r} is closed")
             raise ClosedError(f"transport {self.name!r} is not open; use `async with Transport(...)`")
 
-    @property
-    def auth(self) -> Authenticator:  # AgentHandler
-        return self._auth
+    def _timeout(self, timeout: object) -> float:
+        return self.timeout if timeout is None else _seconds(timeout, "timeout")
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -231,101 +249,41 @@ class Transport(PeerDirectory, TransferRunner):
 
     @property
     def store_url(self) -> str:
+        """The rendezvous store's URL (pass it to peers)."""
         return self._store.url
 
     def _select_backends(self) -> list[type[Backend]]:
-        names = self._requested if self._requested is not None else tuple(REGISTRY)
+        names = self._requested if self._requested is not None else default_backends()
         if not names:
             raise ValueError("backends=() leaves nothing to move bytes with")
         chosen = []
-        for n in names:
-            if n not in REGISTRY:
-                if n in PLANNED:
-                    raise BackendUnavailableError(PLANNED[n])
-                raise ValueError(f"unknown backend {n!r}; known: {', '.join([*REGISTRY, *PLANNED])}")
-            reason = REGISTRY[n].unavailable_reason()
-            if reason is not None:
-                if self._requested is not None:
-                    raise BackendUnavailableError(f"backend {n!r} is unavailable: {reason}")
-                log.info("backend %s unavailable: %s", n, reason)
-                continue
-            chosen.append(REGISTRY[n])
+        for cls in [backend_class(n) for n in names]:
+            if (reason := cls.unavailable_reason()) is None:
+                chosen.append(cls)
+            elif self._requested is not None:
+                raise BackendUnavailableError(f"backend {cls.name!r} is unavailable: {reason}")
+            else:
+                log.info("backend %s unavailable: %s", cls.name, reason)
         return chosen
-
-    def _listen_address(self) -> tuple[str, int]:
-        if self._listen:
-            host, _, port = self._listen.rpartition(":") if ":" in self._listen else (self._listen, "", "0")
-            return host.strip("[]"), int(port or 0)
-        parsed = urllib.parse.urlparse(self._store.url)
-        if parsed.scheme == "tcp" and parsed.hostname:
-            return local_address_towards(parsed.hostname, parsed.port or 1), 0
-        return "127.0.0.1", 0
-
-    async def _claim_name(self) -> None:
-        data = await self._store.aget(_PEER_PREFIX + self.name)
-        if data is None:
-            return
-        try:
-            old = PeerRecord.decode(self._auth.open_record(data, self.name))
-        except TransportError:
-            return  # unreadable or foreign leftovers: overwrite
-        if old.host == self._host and process_alive(old.pid, old.pid_start) and old.pid != self._pid:
-            raise RegistrationError(f"name {self.name!r} is in use by a live process (pid {old.pid}) in {self._store.url}")
-        if old.host != self._host:
-            log.warning("transport %s: replacing the record of %s on host %s (assumed restarted)",
-                        self.name, old.name, old.host.hostname)
 
     # -- regions ------------------------------------------------------------------------------
 
     def _publish(self) -> None:
         self._seq += 1
-        regions = {}
-        for key, region in self._regions.items():
-            descs = {}
-            for b in self._backends:
-                d = b.region_descriptor(region)
-                if d is not None:
-                    descs[b.name] = d
-            regions[key] = region.record(descs)
-        record = PeerRecord(
+        me = self._directory.me
+        self._directory.publish(PeerRecord(
             name=self.name,
             incarnation=self.incarnation,
             seq=self._seq,
-            pid=self._pid,
-            pid_start=self._pid_start,
-            host=self._host,
+            pid=me.pid,
+            pid_start=me.pid_start,
+            host=me.host,
             agent=self._agent.address,
             backends={b.name: b.endpoint_descriptor() for b in self._backends},
-            regions=regions,
-        )
-        self._store.set(_PEER_PREFIX + self.name, self._auth.sign_record(record.encode()))
+            regions=self._regions.records(self._backends),
+        ))
         for b in self._backends:
             b.published(self._seq)
-
-    def _new_region(self, key: str, tensor: torch.Tensor, writable: bool) -> Region:
-        if not isinstance(key, str) or not key:
-            raise RegistrationError(f"region key must be a non-empty string, got {key!r}")
-        if key in self._regions:
-            raise RegistrationError(f"{self.name}: key {key!r} is already registered; unregister it first")
-        check_tensor(tensor, f"tensor for {key!r}")
-        kind = memory_kind(tensor, f"tensor for {key!r}")
-        if not tensor.is_contiguous():
-            raise RegistrationError(f"{key!r}: only contiguous tensors can be registered (call .contiguous() first)")
-        if kind == MemoryKind.CUDA:
-            if (why := _cuda.unavailable_reason()) is not None:
-                raise BackendUnavailableError(f"cannot register the {tensor.device} tensor {key!r}: {why}")
-            if not any(MemoryKind.CUDA in b.memory_kinds for b in self._backends):
-                raise BackendUnavailableError(f"cannot register the {tensor.device} tensor {key!r}: none of {self.backends} serves device memory (ipc and nccl do)")
-            return Region(key, tensor, bool(writable), device=_cuda.device_label(tensor.device.index))
-        shared = None
-        for buf in self._shared:
-            if buf.address <= tensor.data_ptr() and tensor.data_ptr() + nbytes_of(tensor) <= buf.address + buf.nbytes:
-                shared = buf
-        return Region(key, tensor, bool(writable), shared)
-
-    def _add(self, region: Region) -> None:
-        self._regions[region.key] = region
-        self._by_memory.setdefault((region.address, region.nbytes, region.dtype), region.key)
 
     def register(self, key: str, tensor: torch.Tensor, *, writable: bool = True) -> Region:
         """Exposes ``tensor`` to peers' ``put``/``get`` under ``key``.
@@ -348,7 +306,8 @@ class Transport(PeerDirectory, TransferRunner):
         """
         return self.register_many({key: tensor}, writable=writable)[key]
 
-    def register_many(self, tensors: Mapping[str, torch.Tensor], *, prefix: str = "", writable: bool = True) -> dict[str, Region]:
+    def register_many(self, tensors: Mapping[str, torch.Tensor], *, prefix: str = "",
+                      writable: bool = True) -> dict[str, Region]:
         """Registers many tensors at once (one record update), e.g. a ``state_dict()``.
 
         Args:
@@ -363,14 +322,9 @@ class Transport(PeerDirectory, TransferRunner):
             As :meth:`register`; on error nothing is registered.
         """
         self._check_open()
-        new = {}
-        for k, t in tensors.items():
-            key = prefix + k
-            if key in new:
-                raise RegistrationError(f"key {key!r} appears twice")
-            new[key] = self._new_region(key, t, writable)
-        for region in new.values():
-            self._add(region)
+        serves_device = any(MemoryKind.CUDA in b.memory_kinds for b in self._backends)
+        new = self._regions.prepare(tensors, prefix, writable, serves_device, self.backends)
+        self._regions.add(new)
         self._publish()
         return new
 
@@ -382,18 +336,11 @@ class Transport(PeerDirectory, TransferRunner):
             RegistrationError: ``key`` is not registered.
         """
         self._check_open()
-        region = self._regions.pop(key, None)
-        if region is None:
-            raise RegistrationError(f"{self.name}: no region {key!r} to unregister")
-        mem = (region.address, region.nbytes, region.dtype)
-        if self._by_memory.get(mem) == key:
-            del self._by_memory[mem]
-        if region.shared is not None and all(r.shared is not region.shared for r in self._regions.values()):
-            # The memory itself lives as long as the tensors over it; we only stop tracking it.
-            self._shared = [b for b in self._shared if b is not region.shared]
+        self._regions.remove(key)
         self._publish()
 
-    def empty(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, *, writable: bool = True) -> torch.Tensor:
+    def empty(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, *,
+              writable: bool = True) -> torch.Tensor:
         """Allocates a zeroed, shareable, pre-faulted host tensor and registers it under ``key``.
 
         Same-host peers map this memory directly (no ptrace permission needed), which is the
@@ -406,28 +353,19 @@ class Transport(PeerDirectory, TransferRunner):
             As :meth:`register`; RegistrationError if the allocation fails.
         """
         self._check_open()
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        itemsize = dtype.itemsize
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        try:
-            buf = load().SharedBuffer(numel * itemsize, f"transport:{self.name}:{key}")
-        except RuntimeError as exc:
-            raise RegistrationError(f"cannot allocate {numel * itemsize} shareable bytes for {key!r}: {exc}") from exc
-        tensor = torch.from_dlpack(buf.array()).view(dtype).view(shape)
-        self._shared.append(buf)
+        tensor = self._regions.allocate(key, shape, dtype)
         self.register(key, tensor, writable=writable)
         return tensor
 
     @property
     def regions(self) -> Mapping[str, Region]:
         """The regions registered here, by key (read-only view)."""
-        return dict(self._regions)
+        return self._regions.as_dict()
 
     # -- transfers ----------------------------------------------------------------------------
 
-    def put(self, src: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *, timeout: float | None = None) -> Transfer:
+    def put(self, src: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *,
+            timeout: float | None = None) -> Transfer:
         """Starts writing ``src`` into ``peer``'s region ``key`` at byte ``offset``.
 
         The transfer starts now and runs in the background; await the returned handle to know
@@ -457,15 +395,13 @@ class Transport(PeerDirectory, TransferRunner):
         """
         self._check_open()
         src = check_tensor(src, "src")
-        if key is None:
-            key = self._by_memory.get((src.data_ptr(), nbytes_of(src), src.dtype))
-            if key is None:
-                raise RegistrationError("src is not registered here; pass key= to name the remote region")
+        key = self._key_for(src, key, "src")
         kind = memory_kind(src, "src")
         staged = src if src.is_contiguous() else src.contiguous()
-        return self._start(TransferOp.PUT, staged, kind, peer, key, offset, timeout)
+        return self._transfers.start(TransferOp.PUT, staged, kind, peer_name(peer), key, offset, self._timeout(timeout))
 
-    def get(self, dst: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *, timeout: float | None = None) -> Transfer:
+    def get(self, dst: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *,
+            timeout: float | None = None) -> Transfer:
         """Starts reading ``dst.nbytes`` bytes at byte ``offset`` of ``peer``'s region ``key``
         into ``dst`` (one-sided: the peer's application does nothing).
 
@@ -489,39 +425,16 @@ class Transport(PeerDirectory, TransferRunner):
         dst = check_tensor(dst, "dst")
         if not dst.is_contiguous():
             raise LayoutError("dst must be contiguous for get (the bytes land in place)")
+        key = self._key_for(dst, key, "dst")
+        kind = memory_kind(dst, "dst")
+        return self._transfers.start(TransferOp.GET, dst, kind, peer_name(peer), key, offset, self._timeout(timeout))
+
+    def _key_for(self, tensor: torch.Tensor, key: str | None, what: str) -> str:
         if key is None:
-            key = self._by_memory.get((dst.data_ptr(), nbytes_of(dst), dst.dtype))
+            key = self._regions.key_of(tensor)
             if key is None:
-                raise RegistrationError("dst is not registered here; pass key= to name the remote region")
-        return self._start(TransferOp.GET, dst, memory_kind(dst, "dst"), peer, key, offset, timeout)
-
-    def _start(self, op: TransferOp, tensor: torch.Tensor, kind: MemoryKind, peer: str | Peer, key: str, offset: int, timeout: float | None) -> Transfer:
-        name = peer.name if isinstance(peer, Peer) else peer
-        if not isinstance(name, str) or not name:
-            raise PeerNotFoundError(f"peer must be a name or a Peer, got {peer!r}")
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-        # CUDA: the transfer must see the work the caller queued so far, and only that.
-        local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
-        xfer = Transfer(op, name, key, nbytes_of(tensor), offset)
-        xfer._rec = self._flight.start(op.value, name, key, xfer.nbytes)
-        self._inflight.setdefault(name, set()).add(xfer)
-        self._tg.start_soon(self._run, xfer, local, self.timeout if timeout is None else timeout)
-        return xfer
-
-    # -- flight recorder ----------------------------------------------------------------------
-
-    def dump_flight_record(self, reason: str = "on demand") -> os.PathLike[str] | None:
-        """Writes the flight recorder's ring to its directory now.
-
-        Returns:
-            The file written, or None when no ``flight_dir`` / ``$TRANSPORT_FLIGHT_DIR`` is set.
-        """
-        return self._flight.dump(reason)
-
-    def flight_record(self) -> dict[str, Any]:
-        """The flight recorder's ring as a JSON-ready dict (what a dump would contain)."""
-        return self._flight.snapshot("on demand")
+                raise RegistrationError(f"{what} is not registered here; pass key= to name the remote region")
+        return key
 
     async def fence(self, peer: str | Peer, *, timeout: float | None = None) -> None:
         """Waits until every put/get to ``peer`` started before this call has ended.
@@ -534,18 +447,9 @@ class Transport(PeerDirectory, TransferRunner):
         Cancellation: safe; the transfers themselves keep running.
         """
         self._check_open()
-        name = peer.name if isinstance(peer, Peer) else peer
-        pending = list(self._inflight.get(name, ()))
-        timeout = self.timeout if timeout is None else timeout
-        with anyio.move_on_after(timeout):
-            for x in pending:
-                await x._event.wait()
-        unfinished = [x for x in pending if not x.done()]
-        if unfinished:
-            raise TransferTimeoutError(f"fence({name}): {len(unfinished)} of {len(pending)} transfers still running after {timeout:g}s")
-        for x in pending:
-            if x.exception() is not None:
-                raise x.exception()  # type: ignore[misc]
+        await self._transfers.fence(peer_name(peer), self._timeout(timeout))
+
+    # -- signals ------------------------------------------------------------------------------
 
     async def signal(self, peer: str | Peer, name: str, value: int, *, timeout: float | None = None) -> None:
         """Sets the peer's signal ``name`` to ``value``, ordered after every earlier put to it.
@@ -562,37 +466,11 @@ class Transport(PeerDirectory, TransferRunner):
         self._check_open()
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"signal value must be an int, got {type(value).__name__}")
-        peer_name = peer.name if isinstance(peer, Peer) else peer
-        timeout = self.timeout if timeout is None else timeout
-        rec = self._flight.start("signal", peer_name, name, 8)
-        try:
-            with anyio.fail_after(timeout):
-                await self.fence(peer_name, timeout=timeout)
-                record = await self._resolve(peer_name)
-                chan = await self._control.get(record.name, record.incarnation, record.agent)
-                self._flight.transition(rec, OpState.MOVING, backend="control")
-                await chan.request(FrameKind.SIGNAL, {"name": name, "value": value})
-        except TimeoutError:
-            err = TransferTimeoutError(f"signal {name!r}={value} to {peer_name} not delivered within {timeout:g}s")
-            self._flight.transition(rec, OpState.ABORTED, error=err)
-            self._flight.dump(f"timeout: {err}", force=False)
-            raise err from None
-        except BaseException as exc:
-            self._flight.transition(rec, OpState.FAILED if isinstance(exc, TransportError) else OpState.ABORTED, error=exc)
-            raise
-        self._flight.transition(rec, OpState.DONE)
-
-    def _wake_signal_waiters(self) -> None:
-        event, self._signal_event = self._signal_event, anyio.Event()
-        event.set()
-
-    def on_signal(self, name: str, value: int) -> None:  # AgentHandler
-        self._signals[name] = value
-        self._wake_signal_waiters()
+        await self._signals.send(peer_name(peer), name, value, self._timeout(timeout))
 
     def signal_value(self, name: str) -> int | None:
         """The last value a peer set for signal ``name`` here, or None."""
-        return self._signals.get(name)
+        return self._signals.value(name)
 
     async def wait_signal(self, name: str, at_least: int = 1, *, timeout: float | None = None) -> int:
         """Waits, locally, until signal ``name`` is at least ``at_least``; returns its value.
@@ -602,48 +480,109 @@ class Transport(PeerDirectory, TransferRunner):
             ClosedError: the Transport closed meanwhile.
         """
         self._check_open()
-        timeout = self.timeout if timeout is None else timeout
-        with anyio.move_on_after(timeout):
-            while True:
-                self._check_open()
-                value = self._signals.get(name)
-                if value is not None and value >= at_least:
-                    return value
-                await self._signal_event.wait()
-        raise TransferTimeoutError(
-            f"{self.name}: signal {name!r} did not reach {at_least} within {timeout:g}s (now {self._signals.get(name)})"
-        )
+        return await self._signals.wait(name, at_least, self._timeout(timeout), self._check_open)
 
-    # -- agent side (AgentHandler) ------------------------------------------------------------
+    # -- peers --------------------------------------------------------------------------------
 
-    def check_region(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> Region:
-        """The registered region a remote PUT/GET of ``nbytes`` at ``meta["offset"]`` may touch
-        (key, dtype, bounds and writability checked); raises TransportError if none."""
-        key, dtype, offset = meta.get("key"), meta.get("dtype"), meta.get("offset")
-        region = self._regions.get(key) if isinstance(key, str) else None
-        if region is None:
-            raise RegistrationError(f"{self.name} has no region {key!r}")
-        if dtype != dtype_name(region.dtype):
-            raise DTypeMismatchError(f"{self.name}:{key!r} is {dtype_name(region.dtype)}, not {dtype}")
-        if not isinstance(offset, int) or offset < 0 or nbytes < 0 or offset + nbytes > region.nbytes:
-            raise BoundsError(f"{self.name}:{key!r}: {nbytes} bytes at {offset} exceed its {region.nbytes} bytes")
-        if op == FrameKind.PUT and not region.writable:
-            raise ReadOnlyRegionError(f"{self.name}:{key!r} is read-only")
-        return region
+    async def peer(self, name: str, *, regions: Sequence[str] = (), timeout: float | None = None) -> Peer:
+        """Waits until a live peer called ``name`` is visible, and returns what it published.
 
-    def check_access(self, op: FrameKind, meta: Mapping[str, Any], nbytes: int) -> memoryview:  # AgentHandler
-        region = self.check_region(op, meta, nbytes)
-        if region.view is None:
-            raise BackendUnavailableError(f"{self.name}:{region.key!r} is device memory; the agent's byte stream cannot reach it")
-        offset = meta["offset"]
-        return region.view[offset : offset + nbytes]
+        A record left by a dead process on this host is ignored (a replacement is awaited).
 
-    async def backend_request(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:  # AgentHandler
-        name = meta.get("backend")
-        for b in self._backends:
-            if b.name == name:
-                return await b.serve_request(meta, self.check_region)
-        raise BackendUnavailableError(f"{self.name} does not run backend {name!r} (it runs {', '.join(self.backends)})")
+        Args:
+            name: the peer's name.
+            regions: also wait until the peer has registered every one of these keys.
+            timeout: seconds to wait (default: the Transport's timeout).
+
+        Returns:
+            A :class:`Peer` (its incarnation, backends and regions).
+
+        Raises:
+            PeerNotFoundError: no live peer of that name appeared in time.
+            ClosedError: the Transport is closed.
+
+        Cancellation: safe at any point; nothing is changed.
+        """
+        self._check_open()
+        return await self._directory.wait(name, regions, self._timeout(timeout), self._check_open)
+
+    async def lookup(self, name: str) -> Peer | None:
+        """The live peer called ``name`` as published now, or None; never waits for one.
+
+        Unlike :meth:`peer` this does not poll: a missing, unreadable, stale (its process
+        exited) or lost record is None.
+
+        Raises:
+            ClosedError: the Transport is closed.
+
+        Cancellation: safe at any point; nothing is changed.
+        """
+        self._check_open()
+        record = await self._directory.lookup(name)
+        return None if record is None or self._directory.is_lost(record) else Peer(record)
+
+    async def peers(self) -> list[str]:
+        """Names of the peers currently published in the store (this one included)."""
+        self._check_open()
+        return await self._directory.names()
+
+    def exclude(self, name: str) -> None:
+        """Drops ``name`` on purpose (e.g. a straggler): its in-flight transfers are aborted
+        with TransferAbortedError and later ones fail with PeerLostError, until it comes back
+        as a new incarnation (a restart). Other peers are untouched.
+
+        Raises:
+            PeerNotFoundError: this Transport has never seen ``name``.
+        """
+        self._check_open()
+        self._directory.exclude(name)
+
+    # -- flight recorder ----------------------------------------------------------------------
+
+    def dump_flight_record(self, reason: str = "on demand") -> os.PathLike[str] | None:
+        """Writes the flight recorder's ring to its directory now.
+
+        Returns:
+            The file written, or None when no ``flight_dir`` / ``$TRANSPORT_FLIGHT_DIR`` is set.
+        """
+        return self._flight.dump(reason)
+
+    def flight_record(self) -> dict[str, Any]:
+        """The flight recorder's ring as a JSON-ready dict (what a dump would contain)."""
+        return self._flight.snapshot("on demand")
 
     def __repr__(self) -> str:
         return f"<Transport {self.name!r} {self._state} backends={self.backends if self._state == 'open' else '-'}>"
+
+
+class _Routes:
+    """What this endpoint's agent serves: signals, backends' own requests and tcp ranges."""
+
+    def __init__(self, name: str, regions: RegionTable) -> None:
+        self._name = name
+        self._regions = regions
+        self.signals: Signals | None = None  # set once the parts exist (the agent starts first)
+        self.backends: Sequence[Backend] = ()
+
+    def signal(self, request: SignalRequest) -> None:
+        if self.signals is not None:
+            self.signals.deliver(request)
+
+    async def backend_request(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        name = meta.get("backend")
+        for b in self.backends:
+            if b.name == name:
+                return await b.serve_request(meta, self._check)
+        runs = ", ".join(b.name for b in self.backends)
+        raise BackendUnavailableError(f"{self._name} does not run backend {name!r} (it runs {runs})")
+
+    def _check(self, op: TransferOp, meta: Mapping[str, Any], nbytes: int) -> Region:
+        key = meta.get("key")
+        region = self._regions.get(key)
+        check(op, self._name, key, region, meta.get("dtype"), meta.get("offset"), nbytes)
+        assert region is not None
+        return region
+
+    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
+                            payload_len: int) -> None:
+        await serve_range(self._regions, conn, kind, rid, request, payload_len)

@@ -13,10 +13,22 @@ import base64
 import enum
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ._errors import TransportInternalError
+
+
+class TransferOp(enum.Enum):
+    """The direction of a transfer: ``PUT`` writes into the peer, ``GET`` reads from it.
+
+    The one spelling of direction in the library (backends, staging, wire and flight records).
+    """
+
+    PUT = "put"
+    GET = "get"
+
 
 RECORD_FORMAT = "transport.peer"
 RECORD_VERSION = 1
@@ -134,7 +146,7 @@ class PeerRecord:
 
 def _typed(doc: Any, key: str, typ: type) -> Any:
     value = doc[key]
-    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+    if (typ is int and isinstance(value, bool)) or not isinstance(value, typ):
         raise TypeError(f"field {key!r} should be {typ.__name__}, got {type(value).__name__}")
     return value
 
@@ -218,3 +230,55 @@ def decode_meta(data: bytes) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise WireError("frame metadata is not an object")
     return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed requests (the metadata of PUT / GET / SIGNAL frames), validated on arrival
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise WireError(f"request field {key!r} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _str(meta: Mapping[str, Any], key: str) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str):
+        raise WireError(f"request field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class RangeRequest:
+    """A PUT or GET of ``nbytes`` ``dtype`` bytes at byte ``offset`` of region ``key``."""
+
+    key: str
+    dtype: str
+    offset: int
+    nbytes: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"key": self.key, "dtype": self.dtype, "offset": self.offset, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RangeRequest:
+        """Raises WireError for a missing or mistyped field."""
+        return cls(_str(meta, "key"), _str(meta, "dtype"), _int(meta, "offset"), _int(meta, "nbytes"))
+
+
+@dataclass(frozen=True)
+class SignalRequest:
+    """Sets signal ``name`` to ``value`` at the receiving endpoint."""
+
+    name: str
+    value: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> SignalRequest:
+        """Raises WireError for a missing or mistyped field."""
+        return cls(_str(meta, "name"), _int(meta, "value"))

@@ -79,7 +79,9 @@ def _decode(cfg: Config, rec: torch.Tensor) -> tuple[int, int, torch.Tensor, tor
 # -- trainer ----------------------------------------------------------------------------------
 
 
-async def _collect(t: transport.Transport, cfg: Config, inboxes: dict[str, torch.Tensor], consumed: dict[str, int], tg) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+async def _collect(
+    t: transport.Transport, cfg: Config, inboxes: dict[str, torch.Tensor], consumed: dict[str, int], tg
+) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
     """Waits (bounded) until at least one generator has a new batch; takes every new one."""
     with anyio.fail_after(cfg.timeout):
         while True:
@@ -146,7 +148,8 @@ async def trainer(cfg: Config) -> dict:
                     f"{g} {r.seconds * 1e3:6.1f}ms{'' if r.status == SyncStatus.DONE else ' ' + r.status.value}"
                     for g, r in sorted(report.results.items())
                 )
-                print(f"step {step:4d}  reward {row['reward']:.3f}  staleness {row['staleness_mean']:.1f} (max {row['staleness_max']})  "
+                print(f"step {step:4d}  reward {row['reward']:.3f}  "
+                      f"staleness {row['staleness_mean']:.1f} (max {row['staleness_max']})  "
                       f"batches {len(batches)}  sync: {syncs}", flush=True)
                 if cfg.notify:
                     tg.start_soon(_notify, t, cfg.notify, step)
@@ -187,6 +190,7 @@ async def generator(cfg: Config, name: str) -> dict:
             while t.signal_value("stop") is None:
                 sub.apply()  # between batches: take the newest complete version, never a torn one
                 version = sub.version
+                assert version is not None  # pulled or waited for before the loop
                 pr = prompts(cfg.prompts_per_batch, cfg.digits, rng).repeat_interleave(cfg.group, 0)
                 seqs = generate(policy, pr, rng)
                 r = reward(seqs, cfg.digits)
@@ -219,4 +223,6 @@ def run_role(role: str, cfg_dict: dict, name: str | None = None) -> dict:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out) / "trainer.json").write_text(json.dumps({"config": asdict(cfg), **result}))
         return {"steps": len(result["history"])}
+    if name is None:
+        raise ValueError("a generator needs a name")
     return trio.run(generator, cfg, name)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -32,13 +33,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.rlhf_sync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m examples.rlhf_sync", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--generators", type=int, default=2, help="number of generator processes (>= 2)")
     p.add_argument("--backends", default=None, help="comma-separated preference, e.g. ipc,tcp (default: all available)")
     p.add_argument("--slow-generator", default=None, help="name of a generator to slow down, e.g. gen-1")
-    p.add_argument("--slow-seconds", type=float, default=0.5, help="extra seconds per batch for the slow generator (blocking)")
-    p.add_argument("--kill-at", type=int, default=None, help="kill the last generator at this step and start a replacement")
+    p.add_argument("--slow-seconds", type=float, default=0.5,
+                   help="extra seconds per batch for the slow generator (blocking)")
+    p.add_argument("--kill-at", type=int, default=None,
+                   help="kill the last generator at this step and start a replacement")
     p.add_argument("--deadline", type=float, default=5.0, help="publish deadline per generator (seconds)")
     p.add_argument("--launcher", choices=("local", "ray"), default="local")
     p.add_argument("--store", default=None, help="rendezvous URL (default: a fresh file:// temp dir; tcp:// for ray)")
@@ -90,7 +94,8 @@ def launch_local(cfg: Config, args: argparse.Namespace) -> int:
             anyio.run(wait_for_step, cfg, args.kill_at, args.timeout)
             procs[victim].kill()
             procs[victim].join(30)
-            print(f"launcher: killed {victim} (pid {procs[victim].pid}) at step {args.kill_at}; starting a replacement", flush=True)
+            print(f"launcher: killed {victim} (pid {procs[victim].pid}) at step {args.kill_at}; "
+                  "starting a replacement", flush=True)
             procs[victim] = ctx.Process(target=run_role, args=("generator", cfgd, victim), name=victim + "-replacement")
             procs[victim].start()
         procs["trainer"].join(max(1.0, deadline - time.monotonic()))
@@ -115,13 +120,16 @@ def launch_ray(cfg: Config, args: argparse.Namespace) -> int:
     try:
         import ray
     except ImportError:
-        raise SystemExit("--launcher ray needs Ray: pip install 'ray>=2.40' (or pip install -e '.[examples]')") from None
+        raise SystemExit(
+            "--launcher ray needs Ray: pip install 'ray>=2.40' (or pip install -e '.[examples]')"
+        ) from None
     ray.init(num_cpus=len(cfg.generators) + 2, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         Role = ray.remote(num_cpus=1)(_RayRole)
         cfgd = asdict(cfg)
-        actors = {g: Role.options(name=g).remote() for g in cfg.generators}
+        # Ray adds `.remote` to an actor's methods at runtime, which its type hints do not model: handles are Any.
+        actors: dict[str, Any] = {g: Role.options(name=g).remote() for g in cfg.generators}
         actors["trainer"] = Role.options(name="trainer").remote()
         futures = {g: actors[g].run.remote("generator", cfgd, g) for g in cfg.generators}
         futures["trainer"] = actors["trainer"].run.remote("trainer", cfgd)
@@ -134,10 +142,13 @@ def launch_ray(cfg: Config, args: argparse.Namespace) -> int:
             futures[victim] = actors[victim].run.remote("generator", cfgd, victim)
         ray.get(futures["trainer"], timeout=args.timeout)
         for g in cfg.generators:
+            # A generator's task may fail in any way (Ray wraps every error), e.g. a replacement that came up
+            # after the trainer finished: reported, not fatal.
             try:
                 print(f"launcher: {g} finished: {ray.get(futures[g], timeout=60)}", flush=True)
-            except Exception as exc:  # e.g. a replacement that came up after the trainer finished
-                print(f"launcher: {g} did not finish cleanly: {type(exc).__name__}: {str(exc).splitlines()[-1]}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                last = str(exc).splitlines()[-1]
+                print(f"launcher: {g} did not finish cleanly: {type(exc).__name__}: {last}", flush=True)
         return 0
     finally:
         ray.shutdown()
@@ -214,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         store_host = None
         store = args.store
         if store is None and args.launcher == "ray":
-            from transport._rendezvous import open_store
+            import transport
 
-            store_host = open_store("tcp://127.0.0.1:0?host=1")  # this process hosts it; actors join
+            store_host = transport.serve_store("127.0.0.1:0")  # this process hosts it; actors join
             store = store_host.url
         cfg = make_config(args, store or f"file://{tmp}/store")
         print(f"rlhf_sync: trainer + {len(cfg.generators)} generators ({args.launcher}), store {cfg.store}, "

@@ -10,10 +10,10 @@ backend is called; a backend only moves bytes and maps its own failures to the e
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import torch
 from anyio.abc import TaskGroup
 
 from .._auth import Authenticator
@@ -21,10 +21,11 @@ from .._errors import TransportInternalError
 from .._native import Copier
 from .._regions import Region
 from .._rendezvous import Store
-from .._tensors import MemoryKind, byte_view
-from .._wire import FrameKind, HostId, PeerRecord, RegionRecord
+from .._tensors import LocalBuffer, MemoryKind, RemoteTarget
+from .._wire import HostId, PeerRecord, RegionRecord, TransferOp
 
-RegionCheck = Callable[[FrameKind, Mapping[str, Any], int], Region]
+# check_region(op, meta, nbytes): the live region a request may touch (transport._regions.check).
+RegionCheck = Callable[[TransferOp, Mapping[str, Any], int], Region]
 
 
 @dataclass
@@ -44,42 +45,48 @@ class BackendContext:
     # The Transport's one transport._cuda.CudaEngine (streams, pinned staging, IPC imports),
     # created on first use; the Transport closes it after its backends.
     cuda: Callable[[], Any] | None = None
-
-
-@dataclass
-class LocalBuffer:
-    """The local side of one transfer: a contiguous tensor (staged if the caller's was not)."""
-
-    tensor: torch.Tensor
-    kind: MemoryKind
-    # CUDA only: a torch.cuda.Event recorded on the caller's current stream when the transfer
-    # was started. A backend makes its own stream wait on it before touching ``tensor``.
-    ready: Any = None
-    _view: memoryview | None = field(default=None, repr=False)
-
-    @property
-    def address(self) -> int:
-        return self.tensor.data_ptr()
-
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            self._view = byte_view(self.tensor)
-        return self._view
-
-
-@dataclass(frozen=True)
-class RemoteTarget:
-    """The remote side of one transfer, already validated against the peer's record."""
-
-    peer: PeerRecord
-    region: RegionRecord
-    offset: int
-    nbytes: int
+    # Asks the Transport to watch a peer's process through its agent connection (the peer is
+    # then declared lost, and forget_peer called, the moment it dies). For one-sided backends.
+    watch: Callable[[PeerRecord], None] | None = None
 
 
 class Backend(abc.ABC):
-    """Moves bytes between local buffers and peers' registered regions."""
+    """Moves bytes between local buffers and peers' registered regions.
+
+    **The contract.** A subclass sets three class attributes:
+
+    * ``name``: the registry name (``register_backend(name, cls)`` checks they match), also the
+      key of its descriptors in peer records;
+    * ``one_sided``: True when the target's Python takes no part in a transfer (its event loop
+      may be blocked); False when the target's agent serves it (``tcp``, ``nccl``);
+    * ``memory_kinds``: the local memory it moves directly (``MemoryKind.CPU`` / ``CUDA``). The
+      Transport stages a tensor of another kind through a bounce buffer (``transport._staging``).
+
+    Lifecycle: :meth:`unavailable_reason` is asked before an instance exists (None: it can run
+    here). One instance per Transport is made with its :class:`BackendContext` when the
+    Transport opens, and :meth:`close` is called once when it closes, after every transfer has
+    ended. All methods run on the Transport's event loop (trio or asyncio, through anyio);
+    blocking work goes to a thread or to native code.
+
+    What the Transport guarantees before :meth:`put` / :meth:`get`: the peer's record is current
+    as far as the Transport knows; key, dtype, bounds, alignment and writability were checked
+    against it (``transport._regions.check``); ``local`` is contiguous and exactly
+    ``remote.nbytes`` long; :meth:`unreachable_reason` returned None for this pair. A backend
+    only moves bytes, and raises from the error tree: ``PeerLostError`` when the peer is gone
+    (the Transport then declares it lost for every part), ``TransferTimeoutError`` /
+    ``TransportInternalError`` otherwise. It never lets a foreign exception escape.
+
+    Cancellation: :meth:`put` / :meth:`get` are cancelled when the transfer is cancelled, times
+    out, or its peer is lost. They must then stop issuing work and return (or re-raise)
+    promptly, and must not let any memory they were given be touched after they return: keep
+    the buffer referenced by whatever still may (the native engines do this).
+
+    Per-peer state (connections, mappings, keys) is dropped in :meth:`forget_peer`, which the
+    Transport calls when a peer restarts (new incarnation), is lost or is excluded.
+
+    ``transport.testing.check_backend`` runs the conformance suite against a backend; a
+    third-party backend registered with ``transport.register_backend`` must pass it.
+    """
 
     name: ClassVar[str]
     one_sided: ClassVar[bool]  # True when the target's Python takes no part in a transfer
@@ -120,6 +127,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Reads the remote range into ``local``."""
+
+    async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+        """:meth:`put` or :meth:`get`, by ``op``."""
+        if op == TransferOp.PUT:
+            await self.put(local, remote)
+        else:
+            await self.get(local, remote)
 
     async def serve_request(self, meta: Mapping[str, Any], check_region: RegionCheck) -> Mapping[str, Any]:
         """Serves a control request a peer's instance of this backend sent to our agent

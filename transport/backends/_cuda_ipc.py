@@ -15,13 +15,13 @@ See :mod:`transport._cuda` for the stream semantics.
 from __future__ import annotations
 
 import struct
-from typing import Awaitable, Callable
+from collections.abc import Callable
 
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
 from .._regions import Region
 from .._tensors import MemoryKind
-from .._wire import PeerRecord, RegionRecord
+from .._wire import PeerRecord, RegionRecord, TransferOp
 from ._base import LocalBuffer, RemoteTarget
 
 _DEVICE_REGION = struct.Struct("<64sQQQ")  # IPC handle, allocation base, offset in it, nbytes
@@ -60,7 +60,14 @@ class CudaIpc:
             region.backend_state["ipc"] = desc
         return desc
 
-    def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind, has_mapping: bool, cma_refusal: Callable[[], str | None]) -> str | None:
+    def unreachable_reason(
+        self,
+        peer: PeerRecord,
+        region: RegionRecord,
+        local: MemoryKind,
+        has_mapping: bool,
+        cma_refusal: Callable[[], str | None],
+    ) -> str | None:
         reason = _cuda.unavailable_reason()
         if reason is not None:
             return reason
@@ -84,7 +91,9 @@ class CudaIpc:
             index = local.tensor.device.index
         return index
 
-    def _device_copy_target(self, peer: PeerRecord, remote: RemoteTarget, local: LocalBuffer) -> tuple[int, int, tuple | None]:
+    def _device_copy_target(
+        self, peer: PeerRecord, remote: RemoteTarget, local: LocalBuffer
+    ) -> tuple[int, int, _cuda.IpcImportKey | None]:
         """(address of the remote range in this process, device to copy on, the IPC import held
         for the copy or None); release the import with ``engine.release_ipc``."""
         handle, base, offset, _nbytes = _DEVICE_REGION.unpack(remote.region.descriptors["ipc"])
@@ -99,45 +108,40 @@ class CudaIpc:
             if _cuda.local_index(remote.region.device) is not None:
                 raise
             raise BackendUnavailableError(
-                f"{peer.name}'s GPU {remote.region.device.removeprefix('cuda:')} is not visible to this process and its "
-                f"CUDA IPC handle does not open on device {device} ({exc}): give both processes a view of both GPUs "
-                "(CUDA_VISIBLE_DEVICES), or use nccl"
+                f"{peer.name}'s GPU {remote.region.device.removeprefix('cuda:')} is not visible to this process "
+                f"and its CUDA IPC handle does not open on device {device} ({exc}): give both processes a view of "
+                "both GPUs (CUDA_VISIBLE_DEVICES), or use nccl"
             ) from exc
         return held[1] + offset + remote.offset, device, held[0]
 
-    async def copy(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, write: bool, host_address: int | None, host_pin: tuple[int, int, bool] | None, cma: Callable[[_cuda.PinnedBuffer, int, int], Awaitable[None]] | None) -> None:
-        """Moves ``remote.nbytes`` between ``local`` and ``remote`` where at least one side is
-        device memory.
+    def engine_factory(self) -> _cuda.CudaEngine:
+        """The engine, for a bounce buffer (``transport._staging.bounce``)."""
+        return self.engine
 
-        Args:
-            host_address: the remote host range's address in this process (its shared mapping),
-                or None for a device region or a host region reachable by CMA only.
-            host_pin: (address, nbytes, read_only) of that mapping, page-locked once.
-            cma: for a CMA-only host region: ``await cma(staging, pos, nbytes)`` moves ``nbytes``
-                at byte ``pos`` of the transfer between the pinned ``staging`` buffer and the peer.
-        """
-        eng, n = self.engine, remote.nbytes
-        if is_device(remote.region):
-            there, device, held = self._device_copy_target(peer, remote, local)
-            dst, src = (there, local.address) if write else (local.address, there)
-            try:
-                await eng.copy(dst, src, n, device, local.ready)
-            finally:
-                if held is not None:
-                    eng.release_ipc(held)
-            return
-        device = local.tensor.device.index  # the region is host memory, so this side is the GPU
-        if host_address is not None:
-            pinned = await eng.pin(*host_pin, device) if host_pin is not None else None
-            try:
-                dst, src = (host_address, local.address) if write else (local.address, host_address)
-                await eng.copy(dst, src, n, device, local.ready)
-            finally:
-                if pinned is not None:  # an unpin asked for meanwhile happens now, not under the DMA
-                    eng.release_pin(pinned)
-            return
-        assert cma is not None
-        await eng.staged(local.address, n, device, local.ready, write, cma)
+    async def copy_device(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
+        """Moves ``remote.nbytes`` between ``local`` (host or device) and the peer's device region."""
+        eng = self.engine
+        there, device, held = self._device_copy_target(peer, remote, local)
+        dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
+        try:
+            await eng.copy(dst, src, remote.nbytes, device, local.ready)
+        finally:
+            if held is not None:
+                eng.release_ipc(held)
+
+    async def copy_mapped(self, local: LocalBuffer, there: int, mapping: tuple[int, int, bool], nbytes: int,
+                          op: TransferOp) -> None:
+        """Moves ``nbytes`` between the CUDA tensor ``local`` and a peer's host region mapped here
+        at ``there``; ``mapping`` = (address, nbytes, read_only) of the whole mapping, which is
+        page-locked once so the copy is DMA."""
+        eng = self.engine
+        device = local.tensor.device.index
+        pinned = await eng.pin(*mapping, device)
+        try:
+            dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
+            await eng.copy(dst, src, nbytes, device, local.ready)
+        finally:  # an unpin asked for meanwhile happens now, not under the DMA
+            eng.release_pin(pinned)
 
     def forget_peer(self, peer: str) -> None:
         if self._used:

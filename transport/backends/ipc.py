@@ -17,28 +17,36 @@ it); when refused, the backend says so and the Transport falls back to the next 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import struct
 import sys
+from typing import TypeVar
 
-import torch
-
-from .._cuda import PinnedBuffer
+from .. import _native
 from .._errors import PeerLostError, TransportInternalError
 from .._host import process_alive
-from .._native import CopyKind, CopyResult, CopyStatus, load
+from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping
 from .._regions import Region
+from .._staging import bounce
 from .._tensors import MemoryKind
-from .._wire import PeerRecord, RegionRecord
+from .._wire import PeerRecord, RegionRecord, TransferOp
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
 from ._cuda_ipc import CudaIpc, is_device
 
 # pid, address of a readable probe byte, memfd of the control page (-1: none)
 _ENDPOINT = struct.Struct("<qQq")
-_SEQ = struct.Struct("<Q")  # first word of the control page: the published record's seq
+_CTL_SEQ = 0  # byte offset in the control page of the published record's seq (a u64)
 _REGION = struct.Struct("<QQqQ")  # address, nbytes, memfd number (-1: none), offset in the memfd
+
+_Key = TypeVar("_Key", bound=tuple[str, ...])  # (peer, incarnation, ...)
+_Value = TypeVar("_Value")
+
+
+def _forget(cache: dict[_Key, _Value], peer: str) -> None:
+    """Drops the entries of every incarnation of ``peer``."""
+    for k in [k for k in cache if k[0] == peer]:
+        del cache[k]
 
 
 class IpcBackend(Backend):
@@ -50,31 +58,26 @@ class IpcBackend(Backend):
     def unavailable_reason(cls) -> str | None:
         if not sys.platform.startswith("linux"):
             return "ipc needs Linux (process_vm_writev, memfd)"
-        try:
-            load()
-        except Exception as exc:
-            return str(exc)
-        return None
+        return _native.unavailable_reason()
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self._C = load()
         self._cma: dict[tuple[str, str], str | None] = {}  # (peer, incarnation) -> refusal
-        self._maps: dict[tuple[str, str, str], object] = {}  # (peer, incarnation, key) -> PeerMapping
+        self._maps: dict[tuple[str, str, str], PeerMapping] = {}  # (peer, incarnation, key) -> mapping
         self._map_errors: dict[tuple[str, str, str], str] = {}
         # A page peers map read-only: it holds the seq of our latest published record, so an
         # initiator notices a (un)registration with one memory load before it writes.
-        self._ctl = self._C.SharedBuffer(4096, f"transport:{ctx.name}:ctl")
-        self._ctl_view = memoryview(torch.from_dlpack(self._ctl.array()).numpy())
-        self._peer_ctl: dict[tuple[str, str], object | None] = {}
-        assert ctx.cuda is not None
+        self._ctl = _native.shared_buffer(4096, f"transport:{ctx.name}:ctl")
+        self._peer_ctl: dict[tuple[str, str], PeerMapping | None] = {}
+        if ctx.cuda is None:
+            raise TransportInternalError("the ipc backend needs the Transport's CUDA engine (BackendContext.cuda)")
         self._cuda = CudaIpc(ctx.pid, ctx.cuda)
 
     def endpoint_descriptor(self) -> bytes:
-        return _ENDPOINT.pack(self.ctx.pid, self._C.probe_address(), self._ctl.fd)
+        return _ENDPOINT.pack(self.ctx.pid, _native.probe_address(), self._ctl.fd)
 
     def published(self, seq: int) -> None:
-        _SEQ.pack_into(self._ctl_view, 0, seq)
+        self._ctl.write_u64(_CTL_SEQ, seq)
 
     def live_seq(self, peer: PeerRecord) -> int | None:
         if peer.host != self.ctx.host or "ipc" not in peer.backends:
@@ -83,13 +86,13 @@ class IpcBackend(Backend):
         if cache_key not in self._peer_ctl:
             _pid, _probe, ctl_fd = _ENDPOINT.unpack(peer.backends["ipc"])
             try:
-                self._peer_ctl[cache_key] = self._C.PeerMapping(peer.pid, ctl_fd, 4096, False)
+                self._peer_ctl[cache_key] = PeerMapping(peer.pid, ctl_fd, 4096, False)
             except RuntimeError:
                 self._peer_ctl[cache_key] = None
         m = self._peer_ctl[cache_key]
         if m is None:
             return None
-        return ctypes.c_uint64.from_address(m.address).value  # type: ignore[attr-defined]
+        return m.read_u64(_CTL_SEQ)
 
     def region_descriptor(self, region: Region) -> bytes | None:
         if region.device != "cpu":
@@ -106,7 +109,7 @@ class IpcBackend(Backend):
         cache_key = (peer.name, peer.incarnation)
         if cache_key not in self._cma:
             pid, probe, _ctl = _ENDPOINT.unpack(peer.backends["ipc"])
-            err = self._C.cma_probe(pid, probe, 1)
+            err = _native.cma_probe(pid, probe)
             if err == 0:
                 self._cma[cache_key] = None
             elif err == errno.EPERM:
@@ -120,20 +123,20 @@ class IpcBackend(Backend):
                 self._cma[cache_key] = f"cross-memory attach probe of {peer.name} failed: {os.strerror(err)}"
         return self._cma[cache_key]
 
-    def _mapping(self, peer: PeerRecord, region: RegionRecord) -> object | None:
-        addr, nbytes, fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+    def _mapping(self, peer: PeerRecord, region: RegionRecord) -> PeerMapping | None:
+        _addr, nbytes, fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
         if fd < 0:
             return None
         cache_key = (peer.name, peer.incarnation, region.key)
         m = self._maps.get(cache_key)
-        if m is not None and m.nbytes >= fd_offset + nbytes:  # type: ignore[attr-defined]
+        if m is not None and m.nbytes >= fd_offset + nbytes:
             return m
         if m is not None:  # too small for this region: replaced below, so no longer pinned
-            self._cuda.unpin(m.address, m.nbytes)  # type: ignore[attr-defined]
+            self._cuda.unpin(m.address, m.nbytes)
         if cache_key in self._map_errors:
             return None
         try:
-            m = self._C.PeerMapping(peer.pid, fd, fd_offset + nbytes, region.writable)
+            m = PeerMapping(peer.pid, fd, fd_offset + nbytes, region.writable)
         except RuntimeError as exc:
             self._map_errors[cache_key] = str(exc)
             return None
@@ -158,15 +161,16 @@ class IpcBackend(Backend):
 
     # -- data path ----------------------------------------------------------------------------
 
-    async def _copy(self, local: LocalBuffer, remote: RemoteTarget, write: bool) -> None:
+    async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+        write = op == TransferOp.PUT
         peer, region = remote.peer, remote.region
         if is_device(region) or local.kind == MemoryKind.CUDA:
-            await self._copy_cuda(local, remote, write)
+            await self._copy_cuda(local, remote, op)
             return
         addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
         mapping = self._mapping(peer, region)
         if mapping is not None:
-            there = mapping.address + fd_offset + remote.offset  # type: ignore[attr-defined]
+            there = mapping.address + fd_offset + remote.offset
             kind, pid = CopyKind.LOCAL, 0
         else:
             there = addr + remote.offset
@@ -176,24 +180,31 @@ class IpcBackend(Backend):
         result = await self.ctx.copier.copy(kind, pid, [seg])
         self._raise_for(result, peer, region, remote)
 
-    async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, write: bool) -> None:
+    async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
         peer, region = remote.peer, remote.region
-        host_address = host_pin = cma = None
-        if not is_device(region):
-            addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
-            mapping = self._mapping(peer, region)
-            if mapping is not None:
-                host_address = mapping.address + fd_offset + remote.offset  # type: ignore[attr-defined]
-                host_pin = (mapping.address, mapping.nbytes, not region.writable)  # type: ignore[attr-defined]
-            else:
-                there = addr + remote.offset
-
-                async def cma(staging: PinnedBuffer, pos: int, n: int) -> None:
-                    kind = CopyKind.CMA_WRITE if write else CopyKind.CMA_READ
-                    seg = (there + pos, staging.address, n) if write else (staging.address, there + pos, n)
-                    self._raise_for(await self.ctx.copier.copy(kind, peer.pid, [seg]), peer, region, remote)
-
-        await self._cuda.copy(peer, local, remote, write, host_address, host_pin, cma)
+        if is_device(region):
+            await self._cuda.copy_device(peer, local, remote, op)
+            return
+        addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+        mapping = self._mapping(peer, region)
+        if mapping is not None:
+            there = mapping.address + fd_offset + remote.offset
+            await self._cuda.copy_mapped(local, there, (mapping.address, mapping.nbytes, not region.writable),
+                                         remote.nbytes, op)
+            return
+        # Reachable by cross-memory attach only: through pinned staging, piece by piece.
+        there, kind = addr + remote.offset, (CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ)
+        async with bounce(local, remote.nbytes, self._cuda.engine_factory) as b:
+            for pos, size in b.pieces:
+                staging = b.buffer(size).address
+                if op == TransferOp.PUT:
+                    await b.load(pos, size)
+                    seg = (there + pos, staging, size)
+                else:
+                    seg = (staging, there + pos, size)
+                self._raise_for(await self.ctx.copier.copy(kind, peer.pid, [seg]), peer, region, remote)
+                if op == TransferOp.GET:
+                    await b.store(pos, size)
 
     def _raise_for(self, result: CopyResult, peer: PeerRecord, region: RegionRecord, remote: RemoteTarget) -> None:
         if result.status == CopyStatus.OK:
@@ -211,22 +222,23 @@ class IpcBackend(Backend):
         raise TransportInternalError(f"{what} failed: {result.describe_errno()}")
 
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
-        await self._copy(local, remote, write=True)
+        await self.move(TransferOp.PUT, local, remote)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
-        await self._copy(local, remote, write=False)
+        await self.move(TransferOp.GET, local, remote)
 
     def forget_peer(self, peer: str) -> None:
         self._cuda.forget_peer(peer)
         for k, m in self._maps.items():
             if k[0] == peer:
-                self._cuda.unpin(m.address, m.nbytes)  # type: ignore[attr-defined]
-        for cache in (self._cma, self._maps, self._map_errors, self._peer_ctl):
-            for k in [k for k in cache if k[0] == peer]:
-                del cache[k]
+                self._cuda.unpin(m.address, m.nbytes)
+        _forget(self._cma, peer)
+        _forget(self._maps, peer)
+        _forget(self._map_errors, peer)
+        _forget(self._peer_ctl, peer)
 
     def close(self) -> None:
         for m in self._maps.values():  # page-locked mappings are unpinned before they are unmapped
-            self._cuda.unpin(m.address, m.nbytes)  # type: ignore[attr-defined]
+            self._cuda.unpin(m.address, m.nbytes)
         self._maps.clear()
         self._peer_ctl.clear()

@@ -7,7 +7,7 @@ How it works:
   ``$TRANSPORT_UCX_LIB`` to a ``libucp.so`` path (or its directory) to choose one, e.g. a
   system UCX built with InfiniBand support (the PyPI build has no verbs).
 * One UCP context per Transport with its *lanes*: a worker driven by a native progress thread
-  each (:class:`transport._native.UcxEngine`). Every region is mapped once (``ucp_mem_map``);
+  each (:class:`transport._native.ucx.UcxEngine`). Every region is mapped once (``ucp_mem_map``);
   its packed rkey travels in the peer record, the lanes' worker addresses in the endpoint
   descriptor. Each lane creates one endpoint per peer incarnation (to the peer's lane of the
   same index), and rkeys are unpacked once per peer incarnation, region and lane.
@@ -22,10 +22,11 @@ How it works:
   target's native progress thread serves them, so a target blocked in ``time.sleep`` still
   receives.
 * No UCX peer error handling (``UCP_ERR_HANDLING_MODE_NONE``): it would force slow emulated
-  protocols. Peer failure is detected here instead, through the control plane: a connection
-  to the peer's agent that the peer's kernel resets when the process dies (and a refused
-  connection when its agent is gone). A lost peer's endpoint is force-closed, which ends its
-  transfers in flight with :class:`PeerLostError`; a peer that cannot be watched (its agent is
+  protocols. Peer failure is detected by the Transport's peer directory instead (the backend
+  asks it to ``watch`` every peer it links to): a connection to the peer's agent that the
+  peer's kernel resets when the process dies (and a refused connection when its agent is gone).
+  The peer is then declared lost: its transfers in flight end with :class:`PeerLostError` and
+  ``forget_peer`` force-closes its endpoints; a peer that cannot be watched (its agent is
   unreachable) still fails by the transfer's timeout, never hangs.
 * UCX configuration (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) comes from the user's environment,
   read as it is; the library never sets environment variables.
@@ -33,45 +34,30 @@ How it works:
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import functools
-import importlib.util
 import logging
 import os
-import socket
 import struct
 from dataclasses import dataclass, field
 
 import anyio
 import torch
 
-from .._agent import connect, read_frame_head, send_all
 from .._errors import (
-    AuthenticationError,
     ClosedError,
     PeerLostError,
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyKind, CopyStatus, UcxEngine, UcxOp, UcxPart, UcxResult, load
+from .._native import CopyKind, CopyStatus, copy_now
+from .._native.ucx import UcxEngine, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind
-from .._wire import (
-    ErrCode,
-    FrameKind,
-    PeerRecord,
-    RegionRecord,
-    WireError,
-    encode_frame,
-)
+from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
 
 log = logging.getLogger(__name__)
 
-LIB_ENV = "TRANSPORT_UCX_LIB"
 LANES_ENV = "TRANSPORT_UCX_LANES"
-INSTALL_HINT = "pip install 'transport[ucx]'"
 DEFAULT_LANES = 2
 _MAX_LANES = 16
 
@@ -86,7 +72,6 @@ _REGION_MAGIC = b"UCXR"
 # UCX statuses that say the link failed rather than the request: the peer is gone or cut off.
 _UCS_LINK_ERRORS = frozenset({-3, -6, -16, -20, -23, -24, -25, *range(-89, -39)})
 
-_WATCH_CONNECT_TIMEOUT_S = 10.0
 # Transfers this large are split across the lanes (page-aligned parts); smaller ones use one.
 _SPLIT_MIN_BYTES = 4 << 20
 _PAGE = 4096
@@ -99,58 +84,6 @@ _SEQ_READ_BACKOFF_S = 2.0
 
 class UcxStatusError(Exception):
     """A UCX failure status, as the ``__cause__`` of the TransportError that reports it."""
-
-
-class PeerGoneError(ConnectionError):
-    """The control plane saw the peer go (its agent connection was reset or refused)."""
-
-
-# -- the library -------------------------------------------------------------------------------
-
-
-def _candidates() -> list[str]:
-    explicit = os.environ.get(LIB_ENV)
-    if explicit:  # an explicit choice is not second-guessed: no silent fallback
-        return [os.path.join(explicit, "libucp.so") if os.path.isdir(explicit) else explicit]
-    out = []
-    try:
-        spec = importlib.util.find_spec("libucx")  # the wheel; not imported (no side effects)
-    except (ImportError, ValueError):
-        spec = None
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = os.path.join(root, "lib", "libucp.so")
-        if os.path.isfile(path):
-            out.append(path)
-    out.append("libucp.so.0")  # a system UCX, through ldconfig / LD_LIBRARY_PATH
-    return out
-
-
-@functools.cache
-def library() -> tuple[str | None, str | None, str | None]:
-    """(path, version, None) of the libucp this process uses, or (None, None, why not).
-
-    Loaded once per process (UCX cannot be unloaded); later changes of ``$TRANSPORT_UCX_LIB``
-    have no effect.
-    """
-    try:
-        C = load()
-    except TransportError as exc:
-        return None, None, str(exc)
-    if not getattr(C, "ucx_compiled", False):
-        return None, None, (
-            "transport._C was built without UCX headers; "
-            f"{INSTALL_HINT}, then reinstall transport so that csrc/ is rebuilt against them"
-        )
-    errors = []
-    for candidate in _candidates():
-        try:
-            path, version = C.ucx_load(candidate)
-        except RuntimeError as exc:
-            errors.append(str(exc))
-            continue
-        log.debug("ucx: loaded libucp %s from %s", version, path)
-        return str(path), str(version), None
-    return None, None, f"libucp could not be loaded ({'; '.join(errors)}); {INSTALL_HINT}, or set ${LIB_ENV} to a libucp.so"
 
 
 # -- descriptors -------------------------------------------------------------------------------
@@ -227,10 +160,9 @@ class _Link:
     info: _EndpointInfo
     ctl_rkey: int | None = None  # the peer's control word, unpacked on lane 0
     seq_backoff_until: float = 0.0  # monotonic time before which its word is not read again
-    rkeys: dict[str, tuple[bytes, list[int], int]] = field(default_factory=dict)  # key -> (descriptor, rkey per lane, address)
+    # region key -> (descriptor, rkey per lane, remote address)
+    rkeys: dict[str, tuple[bytes, list[int], int]] = field(default_factory=dict)
     lost: BaseException | None = None  # set once the peer is known to be gone
-    dropped: bool = False  # forgotten or closed by us: its watcher stops quietly
-    sock: socket.socket | None = None  # the watcher's connection to the peer's agent
 
 
 class UcxBackend(Backend):
@@ -246,7 +178,6 @@ class UcxBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self._C = load()
         path, _version, why = library()
         if path is None:
             raise TransportInternalError(f"ucx backend unavailable: {why}")
@@ -262,7 +193,8 @@ class UcxBackend(Backend):
             # transfer (live_seq) so that they notice (un)registrations, as ipc's control page does.
             self._ctl = torch.zeros(8, dtype=torch.int64)
             self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.data_ptr(), 8)
-            self._endpoint = _encode_endpoint([self._engine.worker_address(i) for i in range(lanes)], self._ctl.data_ptr(), ctl_rkey)
+            addresses = [self._engine.worker_address(i) for i in range(lanes)]
+            self._endpoint = _encode_endpoint(addresses, self._ctl.data_ptr(), ctl_rkey)
         except BaseException:
             self._engine.close()
             raise
@@ -294,7 +226,8 @@ class UcxBackend(Backend):
                 desc: bytes | None = _REGION.pack(_REGION_MAGIC, region.address, region.nbytes) + rkey
             except TransportError as exc:
                 # Not fatal to the registration: peers see no ucx descriptor and use another backend.
-                log.warning("transport %s: cannot map %r (%d bytes) for ucx: %s", self.ctx.name, region.key, region.nbytes, exc)
+                log.warning("transport %s: cannot map %r (%d bytes) for ucx: %s",
+                            self.ctx.name, region.key, region.nbytes, exc)
                 desc = None
             entry = (region, mem, desc)  # holding the region keeps id(region) unique while mapped
             self._mapped[id(region)] = entry
@@ -329,7 +262,8 @@ class UcxBackend(Backend):
                 raise
             link = _Link(peer.name, peer.incarnation, eps, info)
             self._links[peer.name] = link
-            self.ctx.tg.start_soon(self._watch, link, peer.agent)
+            if self.ctx.watch is not None:
+                self.ctx.watch(peer)  # the Transport declares it lost (and forgets it here) when it dies
         return link
 
     def _rkey(self, link: _Link, region: RegionRecord) -> tuple[list[int], int]:
@@ -360,7 +294,7 @@ class UcxBackend(Backend):
         if info is None:
             return None
         if peer.host == self.ctx.host:
-            err = self._C.copy_now(int(CopyKind.CMA_READ), peer.pid, self._seq_buf.data_ptr(), info.ctl_address, 8)
+            err = copy_now(CopyKind.CMA_READ, peer.pid, self._seq_buf.data_ptr(), info.ctl_address, 8)
             if err == 0:
                 return int(self._seq_buf[0])
         return self._read_seq_over_ucx(peer)
@@ -369,7 +303,8 @@ class UcxBackend(Backend):
         cache_key = (peer.name, peer.incarnation)
         if cache_key not in self._infos:
             try:
-                self._infos[cache_key] = _decode_endpoint(peer.backends["ucx"], peer.name) if "ucx" in peer.backends else None
+                data = peer.backends.get("ucx")
+                self._infos[cache_key] = _decode_endpoint(data, peer.name) if data is not None else None
             except WireError as exc:
                 log.warning("transport %s: %s", self.ctx.name, exc)
                 self._infos[cache_key] = None
@@ -382,7 +317,8 @@ class UcxBackend(Backend):
                 return None
             if link.ctl_rkey is None:
                 link.ctl_rkey = self._engine.unpack_rkey(0, link.eps[0], link.info.ctl_rkey)
-            seq = self._engine.read_word(0, link.eps[0], link.ctl_rkey, link.info.ctl_address, min(_SEQ_READ_TIMEOUT_S, self.ctx.timeout))
+            timeout = min(_SEQ_READ_TIMEOUT_S, self.ctx.timeout)
+            seq = self._engine.read_word(0, link.eps[0], link.ctl_rkey, link.info.ctl_address, timeout)
         except (TransportError, WireError) as exc:
             log.debug("transport %s: cannot read the record seq of %s over ucx: %s", self.ctx.name, peer.name, exc)
             return None
@@ -412,77 +348,17 @@ class UcxBackend(Backend):
             return self._refusals[cache_key]
         return None
 
-    async def _watch(self, link: _Link, agent: tuple[str, int]) -> None:
-        """Watches the peer through a connection to its agent: the peer's kernel resets it
-        when the process dies. Needs nothing from the peer's Python (a sleeping peer is not
-        mistaken for a dead one)."""
-        try:
-            with anyio.fail_after(_WATCH_CONNECT_TIMEOUT_S):
-                sock = await connect(agent)
-        except (OSError, TimeoutError) as exc:
-            if isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED:
-                self._lose(link, PeerGoneError(f"its agent at {agent[0]}:{agent[1]} refused a connection: {exc}"))
-            else:
-                log.info("transport %s: cannot watch %s through its agent at %s:%d (%s); a failure of it will surface as a timeout",
-                         self.ctx.name, link.peer, agent[0], agent[1], exc or "timed out")
-            return
-        if link.dropped:
-            sock.close()
-            return
-        link.sock = sock
-        try:
-            hello = {"from": self.ctx.name, "from_incarnation": self.ctx.incarnation, "lane": "ucx-watch",
-                     "to": link.peer, "to_incarnation": link.incarnation}
-            hello.update(self.ctx.auth.hello_fields(self.ctx.name, self.ctx.incarnation, link.peer, link.incarnation))
-            await send_all(sock, encode_frame(FrameKind.HELLO, 1, hello, 0))
-            kind, _rid, meta, _plen = await read_frame_head(sock)
-            if kind == FrameKind.ERR and meta.get("code") == ErrCode.STALE:
-                raise PeerGoneError(f"another incarnation answers at its agent's address: {meta.get('message')}")
-            try:
-                if kind != FrameKind.OK:
-                    raise AuthenticationError(str(meta.get("message", kind.name)))
-                self.ctx.auth.check_ok(meta, hello, link.peer, link.incarnation)
-            except AuthenticationError as exc:  # a refusal is not a death: stop watching, say why
-                log.warning("transport %s: cannot watch %s through its agent (%s); a failure of it will surface "
-                            "through heartbeats or a timeout", self.ctx.name, link.peer, exc)
-                return
-            while True:  # the agent sends nothing more: readable means closed or reset
-                await anyio.wait_readable(sock)
-                try:
-                    if not sock.recv(4096):
-                        raise PeerGoneError(f"its agent at {agent[0]}:{agent[1]} closed the connection")
-                except BlockingIOError:
-                    continue
-        except (OSError, EOFError, WireError) as exc:  # PeerGoneError is an OSError
-            if not link.dropped:
-                self._lose(link, exc)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # we closed it (forget_peer / close)
-        finally:
-            link.sock = None
-            if sock.fileno() >= 0:
-                sock.close()
-
     def _lose(self, link: _Link, cause: BaseException) -> None:
-        if link.lost is not None or link.dropped:
+        if link.lost is not None:
             return
         link.lost = cause
-        log.info("transport %s: ucx peer %s (incarnation %s) is gone: %s", self.ctx.name, link.peer, link.incarnation, cause)
+        log.info("transport %s: ucx peer %s (incarnation %s) is gone: %s", self.ctx.name, link.peer,
+                 link.incarnation, cause)
         # Ends its transfers in flight; afterwards UCX no longer touches their memory.
         for lane, ep in enumerate(link.eps):
             self._engine.disconnect(lane, ep, force=True)
 
-    @staticmethod
-    def _stop_watching(link: _Link) -> None:
-        link.dropped = True
-        sock = link.sock
-        if sock is not None and sock.fileno() >= 0:
-            with contextlib.suppress(RuntimeError):  # wakes the watcher, which then ends quietly
-                anyio.notify_closing(sock)
-            sock.close()
-
     def _drop(self, link: _Link) -> None:
-        self._stop_watching(link)
         if link.lost is None:  # a restarted or closed peer: no goodbye to wait for
             for lane, ep in enumerate(link.eps):
                 self._engine.disconnect(lane, ep, force=True)
@@ -496,7 +372,7 @@ class UcxBackend(Backend):
 
     # -- data path -------------------------------------------------------------------------
 
-    async def _move(self, op: UcxOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+    async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         peer, region = remote.peer, remote.region
         what = f"ucx {op.name.lower()} of {remote.nbytes} bytes at offset {remote.offset} of {peer.name}:{region.key!r}"
         try:
@@ -547,17 +423,15 @@ class UcxBackend(Backend):
         raise TransportInternalError(f"{what} failed after {result.nbytes} bytes: {cause}") from cause
 
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
-        await self._move(UcxOp.PUT, local, remote)
+        await self.move(TransferOp.PUT, local, remote)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
-        await self._move(UcxOp.GET, local, remote)
+        await self.move(TransferOp.GET, local, remote)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for link in self._links.values():
-            self._stop_watching(link)
         self._links.clear()
         # Closes endpoints, aborts what is in flight, destroys the worker (bounded).
         self._engine.close()

@@ -1,138 +1,38 @@
-"""The single place that talks to the native extension ``transport._C``.
+"""The UCX engine (``csrc/ucx_*.cpp``) and the libucp it runs on.
 
-It loads the extension lazily, turns native failures into the error tree, and runs the native
-engines' completions into the event loop: one task per engine waits on its eventfd
-(``anyio.wait_readable``), so no thread polls and no Python runs on the native threads. Two
-engines: the copy engine (same-host copies, ``ipc``) and the UCX engine (``ucx``).
+libucp is loaded at run time by the native extension (``dlopen``), so everything builds and
+imports without it: the ``libucx-cu12`` wheel (``pip install 'transport[ucx]'``) by default,
+else the system loader's ``libucp.so.0``; ``$TRANSPORT_UCX_LIB`` (a ``libucp.so`` path, or its
+directory) chooses one. :class:`UcxEngine` is the async front of one UCP context and its lanes;
+completions of every lane arrive through one eventfd, which :meth:`UcxEngine.run` waits on in
+the event loop.
 """
 
 from __future__ import annotations
 
-import enum
-import errno
+import functools
+import importlib.util
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import ParamSpec, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
 
-from ._errors import ClosedError, TransportInternalError
+from .._errors import ClosedError, TransportError, TransportInternalError
+from .._wire import TransferOp
+from ._extension import _C
+from .copy import CopyStatus
 
 log = logging.getLogger(__name__)
 
-# The engine always finishes a job quickly once it is cancelled (at most one chunk per thread);
-# this bounds the shielded wait for that, so a wedged engine cannot hang a close.
-_ABORT_GRACE_S = 10.0
-# Copies up to this size run inline on the event loop thread (a few microseconds at most).
-INLINE_MAX_BYTES = 64 << 10
+LIB_ENV = "TRANSPORT_UCX_LIB"
+INSTALL_HINT = "pip install 'transport[ucx]'"
 
-
-def load() -> Any:
-    """The ``transport._C`` module.
-
-    Raises:
-        TransportInternalError: the extension is missing or does not load.
-    """
-    try:
-        from . import _C
-    except ImportError as exc:
-        raise TransportInternalError(
-            f"the native extension transport._C did not load ({exc}); reinstall with "
-            "`pip install -e .` so that csrc/ is compiled"
-        ) from exc
-    return _C
-
-
-class CopyKind(enum.IntEnum):
-    LOCAL = 0  # both sides mapped here (memcpy)
-    CMA_WRITE = 1  # dst lives in another process
-    CMA_READ = 2  # src lives in another process
-
-
-class CopyStatus(enum.IntEnum):
-    OK = 0
-    FAILED = 1
-    ABORTED = 2
-
-
-@dataclass(frozen=True)
-class CopyResult:
-    status: CopyStatus
-    err: int
-    nbytes: int
-
-    def describe_errno(self) -> str:
-        return f"{errno.errorcode.get(self.err, self.err)}: {os.strerror(self.err)}"
-
-
-class _Pending:
-    __slots__ = ("event", "result")
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.result: CopyResult | None = None
-
-
-class Copier:
-    """Async front of the native ``CopyEngine`` (threads + eventfd).
-
-    Start :meth:`run` in a task group before calling :meth:`copy`; call :meth:`close` after that
-    task has ended.
-    """
-
-    def __init__(self, threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
-        self._C = load()
-        self._engine = self._C.CopyEngine(threads, chunk_bytes)
-        self._pending: dict[int, _Pending] = {}
-
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        fd = self._engine.event_fd
-        task_status.started()
-        while True:
-            await anyio.wait_readable(fd)
-            for job_id, status, err, nbytes in self._engine.drain():
-                pending = self._pending.pop(job_id, None)
-                if pending is not None:
-                    pending.result = CopyResult(CopyStatus(status), err, nbytes)
-                    pending.event.set()
-
-    async def copy(self, kind: CopyKind, pid: int, segments: Sequence[tuple[int, int, int]]) -> CopyResult:
-        """Copies ``(dst, src, nbytes)`` segments on the engine's threads (a single small one
-        is copied right here: that takes less time than waking a thread would).
-
-        Cancellation: the job is stopped at its next chunk boundary and this waits (shielded,
-        bounded) until the engine has let go of the memory; then the cancellation propagates.
-        Some chunks may already have been copied.
-        """
-        if len(segments) == 1 and segments[0][2] <= INLINE_MAX_BYTES:
-            dst, src, n = segments[0]
-            err = self._C.copy_now(int(kind), pid, dst, src, n)
-            await anyio.lowlevel.checkpoint()
-            return CopyResult(CopyStatus.FAILED if err else CopyStatus.OK, err, 0 if err else n)
-        try:
-            job_id = self._engine.submit(int(kind), pid, list(segments))
-        except RuntimeError as exc:
-            raise TransportInternalError(f"copy engine refused the job: {exc}") from exc
-        pending = _Pending()
-        self._pending[job_id] = pending
-        try:
-            await pending.event.wait()
-        except anyio.get_cancelled_exc_class():
-            self._engine.cancel(job_id)
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_ABORT_GRACE_S):
-                await pending.event.wait()
-            raise
-        assert pending.result is not None
-        return pending.result
-
-    def close(self) -> None:
-        """Aborts queued jobs and joins the threads. Call after :meth:`run` has stopped."""
-        self._engine.shutdown()
-
-
-# -- UCX engine ------------------------------------------------------------------------------
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # What the native UCX engine raises: RuntimeError (a UCX or system failure, or shut down),
 # ValueError / IndexError (bad arguments: a bug here).
@@ -144,9 +44,60 @@ _UCX_NATIVE_ERRORS = (RuntimeError, ValueError, IndexError)
 _UCX_ABORT_GRACE_S = 0.5
 
 
-class UcxOp(enum.IntEnum):
-    PUT = 0
-    GET = 1
+# -- the library -------------------------------------------------------------------------------
+
+
+def _candidates() -> list[str]:
+    explicit = os.environ.get(LIB_ENV)
+    if explicit:  # an explicit choice is not second-guessed: no silent fallback
+        return [os.path.join(explicit, "libucp.so") if os.path.isdir(explicit) else explicit]
+    out = []
+    try:
+        spec = importlib.util.find_spec("libucx")  # the wheel; not imported (no side effects)
+    except (ImportError, ValueError):
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, "lib", "libucp.so")
+        if os.path.isfile(path):
+            out.append(path)
+    out.append("libucp.so.0")  # a system UCX, through ldconfig / LD_LIBRARY_PATH
+    return out
+
+
+@functools.cache
+def library() -> tuple[str | None, str | None, str | None]:
+    """(path, version, None) of the libucp this process uses, or (None, None, why not).
+
+    Loaded once per process (UCX cannot be unloaded); later changes of ``$TRANSPORT_UCX_LIB``
+    have no effect.
+    """
+    try:
+        compiled = getattr(_C, "ucx_compiled", False)
+    except TransportError as exc:
+        return None, None, str(exc)
+    if not compiled:
+        return None, None, (
+            "transport._C was built without UCX headers; "
+            f"{INSTALL_HINT}, then reinstall transport so that csrc/ is rebuilt against them"
+        )
+    errors = []
+    for candidate in _candidates():
+        try:
+            path, version = _C.ucx_load(candidate)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            continue
+        log.debug("ucx: loaded libucp %s from %s", version, path)
+        return str(path), str(version), None
+    why = "; ".join(errors)
+    return None, None, f"libucp could not be loaded ({why}); {INSTALL_HINT}, or set ${LIB_ENV} to a libucp.so"
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+# ``ucx::Op`` in csrc/ucx_lane.h: the native spelling of a transfer's direction.
+_NATIVE_OP = {TransferOp.PUT: 0, TransferOp.GET: 1}
 
 
 @dataclass(frozen=True)
@@ -172,7 +123,13 @@ class UcxResult:
     nbytes: int
 
     def describe(self) -> str:
-        return str(load().ucx_status_string(self.ucs_status))
+        """UCX's words for ``ucs_status``."""
+        return status_string(self.ucs_status)
+
+
+def status_string(ucs_status: int) -> str:
+    """UCX's description of a ``ucs_status_t`` (a number when no libucp is loaded)."""
+    return str(_C.ucx_status_string(ucs_status))
 
 
 class _UcxPending:
@@ -221,10 +178,10 @@ class UcxEngine:
         TransportInternalError: libucp does not load or UCX cannot start.
     """
 
-    def __init__(self, library: str, name: str, *, lanes: int = 1, chunk_bytes: int = 8 << 20, window: int = 4) -> None:
-        self._C = load()
+    def __init__(self, library: str, name: str, *, lanes: int = 1, chunk_bytes: int = 8 << 20,
+                 window: int = 4) -> None:
         try:
-            self._engine = self._C.UcxEngine(library, name, lanes, chunk_bytes, window)
+            self._engine = _C.UcxEngine(library, name, lanes, chunk_bytes, window)
         except _UCX_NATIVE_ERRORS as exc:
             raise TransportInternalError(f"cannot start UCX from {library}: {exc}") from exc
         self.lanes = lanes
@@ -235,28 +192,33 @@ class UcxEngine:
         """The packed address peers create endpoints to ``lane`` from."""
         return bytes(self._engine.worker_address(lane))
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+    def _call(self, what: str, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if self._closed:
             raise ClosedError(f"{what}: the ucx engine is closed")
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except _UCX_NATIVE_ERRORS as exc:
             if self._closed:
                 raise ClosedError(f"{what}: the ucx engine is closed") from exc
             raise TransportInternalError(f"{what}: {exc}") from exc
 
-    def _post(self, fn: Any, *args: Any) -> None:
+    def _post(self, fn: Callable[_P, None], *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Fire-and-forget calls (unmap, close, destroy): after close there is nothing left to
         release, and a lane shutting down releases everything itself."""
         if self._closed:
             return
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except _UCX_NATIVE_ERRORS as exc:
             log.debug("ucx engine: %s ignored: %s", getattr(fn, "__name__", fn), exc)
 
     def mem_map(self, address: int, nbytes: int) -> tuple[int, bytes]:
-        """Registers host memory; returns (handle, packed rkey for peers)."""
+        """Registers host memory; returns (handle, packed rkey for peers).
+
+        Raises:
+            ClosedError: the engine is closed.
+            TransportInternalError: UCX refused the registration.
+        """
         mem, rkey = self._call(f"ucp_mem_map of {nbytes} bytes", self._engine.mem_map, address, nbytes)
         return int(mem), bytes(rkey)
 
@@ -265,7 +227,12 @@ class UcxEngine:
 
     def connect(self, lane: int, address: bytes) -> int:
         """An endpoint of ``lane`` to the worker at ``address`` (wire-up finishes in the
-        background)."""
+        background).
+
+        Raises:
+            ClosedError: the engine is closed.
+            TransportInternalError: UCX refused the endpoint.
+        """
         return int(self._call("ucp_ep_create", self._engine.ep_create, lane, address))
 
     def disconnect(self, lane: int, ep: int, *, force: bool) -> None:
@@ -273,18 +240,32 @@ class UcxEngine:
         self._post(self._engine.ep_close, lane, ep, force)
 
     def unpack_rkey(self, lane: int, ep: int, packed: bytes) -> int:
+        """The rkey of a peer's packed rkey, usable on endpoint ``ep`` of ``lane``.
+
+        Raises:
+            ClosedError: the engine is closed.
+            TransportInternalError: UCX refused the rkey.
+        """
         return int(self._call("ucp_ep_rkey_unpack", self._engine.rkey_unpack, lane, ep, packed))
 
     def read_word(self, lane: int, ep: int, rkey: int, remote: int, timeout: float) -> int | None:
         """Reads the 8-byte word at ``remote`` synchronously (the caller blocks, at most
-        ``timeout`` seconds); None if it could not be read (timeout, closed endpoint)."""
-        status, value = self._call("ucp_get_nbx of 8 bytes", self._engine.read_word, lane, ep, rkey, remote, max(1, int(timeout * 1000)))
+        ``timeout`` seconds); None if it could not be read (timeout, closed endpoint).
+
+        Raises:
+            ClosedError: the engine is closed.
+            TransportInternalError: the engine refused the read.
+        """
+        timeout_ms = max(1, int(timeout * 1000))
+        status, value = self._call("ucp_get_nbx of 8 bytes", self._engine.read_word, lane, ep, rkey, remote, timeout_ms)
         return int(value) if status == 0 else None
 
     def destroy_rkey(self, lane: int, rkey: int) -> None:
         self._post(self._engine.rkey_destroy, lane, rkey)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Delivers the lanes' completions to the waiting :meth:`transfer` calls, until
+        cancelled or closed."""
         fd = self._engine.event_fd
         task_status.started()
         while not self._closed:
@@ -297,7 +278,7 @@ class UcxEngine:
             if pending is not None:
                 pending.add(CopyStatus(status), ucs_status, nbytes)
 
-    async def transfer(self, op: UcxOp, parts: Sequence[UcxPart], keep: object) -> UcxResult:
+    async def transfer(self, op: TransferOp, parts: Sequence[UcxPart], keep: object) -> UcxResult:
         """Runs the parts of one transfer (on their lanes, concurrently); returns how it ended.
         A put has completed once its bytes are in the peer's memory (its endpoints were
         flushed).
@@ -318,7 +299,8 @@ class UcxEngine:
         jobs: list[tuple[int, int]] = []
         try:
             for part in parts:
-                job = self._engine.submit(part.lane, int(op), part.ep, part.rkey, part.local, part.remote, part.nbytes)
+                job = self._engine.submit(part.lane, _NATIVE_OP[op], part.ep, part.rkey, part.local, part.remote,
+                                          part.nbytes)
                 self._pending[job] = pending
                 jobs.append((part.lane, job))
         except _UCX_NATIVE_ERRORS as exc:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
-from ._errors import TransportError
-from ._tensors import dtype_from_name, dtype_name
-from ._wire import WireError
+from .._errors import TransportError
+from .._tensors import dtype_from_name, dtype_name
+from .._wire import WireError
 
 LAYOUT_FORMAT = "transport.weights.layout"
 LAYOUT_VERSION = 1
@@ -51,6 +52,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class Layout:
+    """Where every tensor of one version lies in the packed bytes, and how they are bucketed."""
+
     name: str
     entries: tuple[Entry, ...]
     buckets: tuple[tuple[int, int], ...]  # [start, end) byte ranges
@@ -63,6 +66,7 @@ class Layout:
         return int.from_bytes(digest[:8], "little") >> 1
 
     def encode(self) -> bytes:
+        """The layout as canonical JSON bytes (what the publisher registers)."""
         doc = {
             "format": LAYOUT_FORMAT,
             "v": LAYOUT_VERSION,
@@ -78,6 +82,11 @@ class Layout:
 
     @staticmethod
     def decode(data: bytes) -> Layout:
+        """Parses and validates bytes made by :meth:`encode`.
+
+        Raises:
+            WireError: not a layout of this format and version, or an entry lies outside it.
+        """
         try:
             doc = json.loads(data)
             if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT or doc.get("v") != LAYOUT_VERSION:
@@ -117,6 +126,9 @@ def build_layout(
     Buckets are consecutive byte ranges that cover the version: small tensors share a bucket
     (one transfer carries many), a tensor of ``DIRECT_MIN`` bytes or more has its own buckets
     of at most ``bucket_bytes`` each (no transfer is huge, and none needs packing).
+
+    Raises:
+        ValueError: ``bucket_bytes`` is not positive.
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
@@ -127,7 +139,9 @@ def build_layout(
         wire_dtype = torch.float8_e4m3fn if convert else t.dtype
         nbytes = t.numel() * wire_dtype.itemsize
         scale_offset = pos + _align(nbytes) if convert else -1
-        entries.append(Entry(wire_name, tuple(t.shape), dtype_name(t.dtype), dtype_name(wire_dtype), pos, nbytes, scale_offset))
+        entries.append(
+            Entry(wire_name, tuple(t.shape), dtype_name(t.dtype), dtype_name(wire_dtype), pos, nbytes, scale_offset)
+        )
         pos += _align(nbytes) + (ALIGN if convert else 0)
     # Tensors of DIRECT_MIN bytes or more get buckets of their own (split into pieces of at most
     # bucket_bytes), so the publisher can put them straight from live memory; smaller ones
@@ -143,7 +157,8 @@ def build_layout(
             continue
         if e.offset > small_start:
             buckets.append((small_start, e.offset))
-        buckets.extend((a, min(a + bucket_bytes, e.offset + e.nbytes)) for a in range(e.offset, e.offset + e.nbytes, bucket_bytes))
+        end = e.offset + e.nbytes
+        buckets.extend((a, min(a + bucket_bytes, end)) for a in range(e.offset, end, bucket_bytes))
         small_start = e.offset + e.nbytes  # the alignment padding goes with the next small bucket
     if pos > small_start:
         buckets.append((small_start, pos))
@@ -151,4 +166,28 @@ def build_layout(
 
 
 def describe(layout: Layout) -> dict[str, Any]:
+    """A short summary for logs."""
     return {"tensors": len(layout.entries), "buckets": len(layout.buckets), "bytes": layout.total}
+
+
+def tensors_of(target: torch.nn.Module | Mapping[str, torch.Tensor], *, detach: bool = True) -> dict[str, torch.Tensor]:
+    """The name -> tensor map of a module's ``state_dict`` (or of a mapping), in order.
+
+    Args:
+        target: an ``nn.Module`` or a name -> tensor mapping.
+        detach: return detached views; False keeps the very objects (a subscriber re-points
+            them with ``set_``).
+
+    Raises:
+        TypeError: a value is not a tensor.
+        TransportError: a tensor is on neither the CPU nor a CUDA device.
+    """
+    items = target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module) else target
+    out = {}
+    for k, v in items.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{k!r} is a {type(v).__name__}, not a tensor")
+        if v.device.type not in ("cpu", "cuda"):
+            raise TransportError(f"{k!r} is on {v.device}; weight sync serves cpu and cuda tensors")
+        out[k] = v.detach() if detach else v
+    return out

@@ -1,4 +1,4 @@
-"""libnccl, loaded at run time with ctypes, and non-blocking communicators driven from async code.
+"""libnccl, loaded at run time with ctypes: the only nccl code that touches ctypes.
 
 Which library: ``$TRANSPORT_NCCL_LIB`` (a ``libnccl.so.2`` path, or its directory) when set, and
 then nothing else; otherwise the ``libnccl.so.2`` this process has already loaded (torch's CUDA
@@ -18,6 +18,9 @@ The config struct is NCCL's versioned, size-prefixed ``ncclConfig_t``: NCCL copi
 to its default, so a prefix of the layout (copied from ``nccl.h``) is read correctly by every
 NCCL from 2.14 on. The fields used here: ``blocking`` (2.14) and ``commName`` (2.27, used when
 the loaded library has it, so NCCL's own logs name the communicator).
+
+Errors: a failed call raises :class:`NcclError` carrying the ``ncclResult_t``
+(:class:`NcclResult`); the backend maps it into the transport error tree.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import glob
 import importlib.util
 import logging
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,12 +48,14 @@ LIB_NAME = "libnccl.so.2"
 UNIQUE_ID_BYTES = 128
 NCCL_API_MAGIC = 0xCAFEBEEF
 NCCL_CONFIG_UNDEF_INT = -(2**31)  # INT_MIN
-NCCL_WIN_DEFAULT = 0x00
 
 # ncclCommInitRankConfig and the config struct appeared in 2.14.
 MIN_VERSION = (2, 14, 0)
 # ncclCommWindowRegister appeared in 2.27; ncclPutSignal / ncclWaitSignal (one-sided puts) in 2.29.
+# Only their presence is probed (doctor, the endpoint descriptor): transfers use send/recv.
 WINDOW_VERSION = (2, 29, 0)
+WINDOW_SYMBOLS = ("ncclCommWindowRegister", "ncclCommWindowDeregister", "ncclPutSignal", "ncclWaitSignal",
+                  "ncclMemAlloc", "ncclMemFree")
 # Since 2.30 NCCL can put two ranks on one GPU when NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
 MULTI_RANK_GPU_VERSION = (2, 30, 0)
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
@@ -127,6 +131,8 @@ class NcclError(Exception):
 
 
 class UniqueId(ctypes.Structure):
+    """``ncclUniqueId``."""
+
     _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
@@ -161,12 +167,6 @@ class _ConfigV22700(ctypes.Structure):
     ]
 
 
-class WaitSignalDesc(ctypes.Structure):
-    """``ncclWaitSignalDesc_t`` (NCCL 2.29)."""
-
-    _fields_ = [("opCnt", ctypes.c_int), ("peer", ctypes.c_int), ("sigIdx", ctypes.c_int), ("ctx", ctypes.c_int)]
-
-
 def config_layout(version: tuple[int, int, int]) -> type[_ConfigV21400 | _ConfigV22700]:
     """The config prefix this library version reads (and that :func:`make_config` fills)."""
     return _ConfigV22700 if version >= _ConfigV22700.VERSION else _ConfigV21400
@@ -195,14 +195,13 @@ def make_config(version: tuple[int, int, int], name: bytes | None) -> ctypes.Str
 
 _c_int_p = ctypes.POINTER(ctypes.c_int)
 _vp = ctypes.c_void_p
+# The calls this package makes; a library lacking one is not usable.
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ncclGetVersion": (ctypes.c_int, [_c_int_p]),
     "ncclGetUniqueId": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
     "ncclCommInitRankConfig": (ctypes.c_int, [ctypes.POINTER(_vp), ctypes.c_int, UniqueId, ctypes.c_int, _vp]),
     "ncclCommGetAsyncError": (ctypes.c_int, [_vp, _c_int_p]),
     "ncclCommAbort": (ctypes.c_int, [_vp]),
-    "ncclCommFinalize": (ctypes.c_int, [_vp]),
-    "ncclCommDestroy": (ctypes.c_int, [_vp]),
     "ncclSend": (ctypes.c_int, [_vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _vp, _vp]),
     "ncclRecv": (ctypes.c_int, [_vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _vp, _vp]),
     "ncclGroupStart": (ctypes.c_int, []),
@@ -210,27 +209,23 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ncclGetErrorString": (ctypes.c_char_p, [ctypes.c_int]),
     "ncclGetLastError": (ctypes.c_char_p, [_vp]),
 }
-# Looked up only when present (dlsym-style): older libraries lack them.
-_OPTIONAL: dict[str, tuple[Any, list[Any]]] = {
-    "ncclCommWindowRegister": (ctypes.c_int, [_vp, _vp, ctypes.c_size_t, ctypes.POINTER(_vp), ctypes.c_int]),
-    "ncclCommWindowDeregister": (ctypes.c_int, [_vp, _vp]),
-    "ncclPutSignal": (ctypes.c_int, [_vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _vp, ctypes.c_size_t,
-                                     ctypes.c_int, ctypes.c_int, ctypes.c_uint, _vp, _vp]),
-    "ncclWaitSignal": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(WaitSignalDesc), _vp, _vp]),
-    "ncclMemAlloc": (ctypes.c_int, [ctypes.POINTER(_vp), ctypes.c_size_t]),
-    "ncclMemFree": (ctypes.c_int, [_vp]),
-}
-_WINDOW_SYMBOLS = ("ncclCommWindowRegister", "ncclCommWindowDeregister", "ncclPutSignal", "ncclWaitSignal", "ncclMemAlloc", "ncclMemFree")
 
 
 @dataclass(frozen=True)
 class Library:
-    """A loaded libnccl."""
+    """A loaded libnccl.
+
+    Attributes:
+        path: the file it was loaded from.
+        version: (major, minor, patch) as ncclGetVersion reports it.
+        how: "already loaded", "wheel", "system" or "$TRANSPORT_NCCL_LIB".
+        fns: the ctypes.CDLL, with argtypes/restype set for the calls in ``_SIGNATURES``.
+    """
 
     path: str
     version: tuple[int, int, int]
-    how: str  # "already loaded", "wheel", "system", "$TRANSPORT_NCCL_LIB"
-    fns: Any  # the ctypes.CDLL, with argtypes/restype set
+    how: str
+    fns: Any
 
     @property
     def version_string(self) -> str:
@@ -238,8 +233,8 @@ class Library:
 
     @property
     def has_windows(self) -> bool:
-        """NCCL >= 2.29 with every window/one-sided symbol present."""
-        return self.version >= WINDOW_VERSION and all(hasattr(self.fns, s) for s in _WINDOW_SYMBOLS)
+        """NCCL >= 2.29 with every window/one-sided symbol present (a symbol probe only)."""
+        return self.version >= WINDOW_VERSION and all(hasattr(self.fns, s) for s in WINDOW_SYMBOLS)
 
     def error_string(self, code: int) -> str:
         s = self.fns.ncclGetErrorString(int(code))
@@ -250,7 +245,11 @@ class Library:
         return s.decode(errors="replace").strip() if s else ""
 
     def check(self, op: str, rc: int, comm: int | None = None) -> NcclResult:
-        """SUCCESS or IN_PROGRESS; raises NcclError for any other result."""
+        """SUCCESS or IN_PROGRESS.
+
+        Raises:
+            NcclError: any other result, with NCCL's last error message.
+        """
         if rc in (NcclResult.SUCCESS, NcclResult.IN_PROGRESS):
             return NcclResult(rc)
         detail = self.last_error(comm) or self.error_string(rc)
@@ -258,7 +257,11 @@ class Library:
 
     def unique_id(self) -> bytes:
         """A fresh ncclUniqueId (128 bytes). Needs no GPU; starts NCCL's bootstrap root listener
-        in this process, which the rank-0 communicator of this id then uses."""
+        in this process, which the rank-0 communicator of this id then uses.
+
+        Raises:
+            NcclError: NCCL could not make one.
+        """
         uid = UniqueId()
         self.check("ncclGetUniqueId", self.fns.ncclGetUniqueId(ctypes.byref(uid)))
         return bytes(uid)  # the raw 128 bytes (``uid.internal`` would stop at the first NUL)
@@ -268,10 +271,6 @@ def _bind(lib: ctypes.CDLL) -> None:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)  # AttributeError: not an NCCL library
         fn.restype, fn.argtypes = restype, argtypes
-    for name, (restype, argtypes) in _OPTIONAL.items():
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.restype, fn.argtypes = restype, argtypes
 
 
 class _DlInfo(ctypes.Structure):
@@ -283,7 +282,7 @@ def _path_of(lib: ctypes.CDLL, fallback: str) -> str:
     try:
         info = _DlInfo()
         if ctypes.CDLL(None).dladdr(ctypes.cast(lib.ncclGetVersion, _vp), ctypes.byref(info)) and info.dli_fname:
-            return os.path.realpath(info.dli_fname.decode())
+            return str(os.path.realpath(info.dli_fname.decode()))
     except (OSError, AttributeError):
         pass
     return fallback
@@ -355,7 +354,8 @@ def library() -> tuple[Library | None, str | None]:
 def _checked(lib: Library) -> tuple[Library | None, str | None]:
     if lib.version < MIN_VERSION:
         need = ".".join(map(str, MIN_VERSION))
-        return None, f"NCCL {lib.version_string} at {lib.path} is older than {need} (no non-blocking communicators); {INSTALL_HINT}"
+        return None, (f"NCCL {lib.version_string} at {lib.path} is older than {need} (no non-blocking communicators); "
+                      f"{INSTALL_HINT}")
     log.debug("nccl: using NCCL %s from %s (%s)", lib.version_string, lib.path, lib.how)
     return lib, None
 
@@ -366,40 +366,13 @@ def multi_rank_gpu(lib: Library) -> bool:
     return lib.version >= MULTI_RANK_GPU_VERSION and os.environ.get(MULTI_RANK_GPU_ENV, "").strip() == "1"
 
 
-def gpu_reason() -> str | None:
-    """None when this process can drive a GPU for NCCL (CUDA driver, CUDA torch, a device)."""
-    import torch
-
-    reasons = []
-    if torch.version.cuda is None:
-        reasons.append(f"torch {torch.__version__} is built without CUDA (install a CUDA build of torch)")
+def cuda_driver_error() -> str | None:
+    """None when ``libcuda.so.1`` loads in this process, else the loader's message."""
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
-        reasons.append(f"no CUDA driver ({exc})")
-    if not reasons and torch.cuda.device_count() == 0:
-        reasons.append("no CUDA device is visible (torch.cuda.device_count() == 0)")
-    return "; ".join(reasons) or None
-
-
-def unavailable_reason() -> str | None:
-    """None when NCCL can run here, else exactly why not."""
-    lib, why = library()
-    if lib is None:
-        return why
-    gpu = gpu_reason()
-    if gpu is not None:
-        return f"NCCL {lib.version_string} loads ({lib.path}), but {gpu}: nccl moves GPU memory"
+        return str(exc)
     return None
-
-
-def describe() -> str:
-    """One line for ``python -m transport doctor``: the library in use, or why there is none."""
-    lib, why = library()
-    if lib is None:
-        return f"not loaded: {why}"
-    windows = "yes" if lib.has_windows else f"no (needs NCCL >= {'.'.join(map(str, WINDOW_VERSION))})"
-    return f"{lib.version_string} from {lib.path} ({lib.how}); one-sided windows (ncclPutSignal): {windows}"
 
 
 def forced_blocking() -> bool:
@@ -415,19 +388,6 @@ def forced_blocking() -> bool:
         return False
 
 
-# -- uuids ---------------------------------------------------------------------------------------
-
-
-def normalize_uuid(label: str) -> str:
-    """A GPU UUID as bare lowercase hex, from "cuda:GPU-xxxxxxxx-...", "GPU-..." or torch's form."""
-    s = label.strip().lower()
-    s = s.removeprefix("cuda:").removeprefix("gpu-")
-    return re.sub(r"[^0-9a-f]", "", s)
-
-
-# -- communicators -----------------------------------------------------------------------------
-
-
 def on_device(device: int) -> contextlib.AbstractContextManager[Any]:
     """Makes ``device`` current for NCCL calls that use the current device (init, groups). A torch
     without CUDA cannot select one; NCCL then reports for itself that there is no GPU."""
@@ -436,17 +396,20 @@ def on_device(device: int) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
 
 
+# -- communicators -----------------------------------------------------------------------------
+
 
 class Communicator:
     """One non-blocking NCCL communicator of ``nranks`` ranks on CUDA device ``device``.
 
     Every method is called from one thread (the event loop's): NCCL requires that no other
     thread uses a communicator while it is aborted. Enqueueing methods return SUCCESS or
-    IN_PROGRESS; after IN_PROGRESS, :meth:`settle` before recording events or issuing
-    dependent work on the stream.
+    IN_PROGRESS; after IN_PROGRESS, :meth:`settle` (or :meth:`settled`) before recording
+    events or issuing dependent work on the stream.
     """
 
-    def __init__(self, lib: Library, handle: int, nranks: int, rank: int, device: int, name: str, config: Any = None) -> None:
+    def __init__(self, lib: Library, handle: int, nranks: int, rank: int, device: int, name: str,
+                 config: Any = None) -> None:
         self.lib = lib
         self._config = config  # NCCL keeps pointers into it (commName) while the comm lives
         self._handle: int | None = handle
@@ -454,24 +417,25 @@ class Communicator:
         self.rank = rank
         self.device = device
         self.name = name
-        self.aborted = False
+        self._aborted = False
 
     @classmethod
     def start(cls, lib: Library, uid: bytes, nranks: int, rank: int, device: int, name: str) -> Communicator:
         """Starts ``ncclCommInitRankConfig`` (non-blocking) on ``device``; :meth:`settle` finishes it.
 
         Raises:
-            NcclError: NCCL refused at once (e.g. no usable GPU or driver).
+            NcclError: NCCL refused at once (e.g. no usable GPU or driver), the unique id is not
+                128 bytes, or ``NCCL_COMM_BLOCKING=1`` would make the communicator blocking.
         """
+        op = f"ncclCommInitRankConfig of comm {name}"
         if len(uid) != UNIQUE_ID_BYTES:
-            raise NcclError(f"ncclCommInitRankConfig of comm {name}", NcclResult.INVALID_ARGUMENT, f"unique id of {len(uid)} bytes, not {UNIQUE_ID_BYTES}")
+            raise NcclError(op, NcclResult.INVALID_ARGUMENT, f"unique id of {len(uid)} bytes, not {UNIQUE_ID_BYTES}")
         if forced_blocking():
-            raise NcclError(f"ncclCommInitRankConfig of comm {name}", NcclResult.INVALID_USAGE,
-                            f"{COMM_BLOCKING_ENV}=1 makes every communicator blocking; transport needs non-blocking ones (unset it)")
+            raise NcclError(op, NcclResult.INVALID_USAGE, f"{COMM_BLOCKING_ENV}=1 makes every communicator blocking; "
+                                                          "transport needs non-blocking ones (unset it)")
         uid_s = UniqueId()
         ctypes.memmove(ctypes.byref(uid_s), uid, UNIQUE_ID_BYTES)
-        name_b = name.encode()[:255]
-        cfg = make_config(lib.version, name_b)
+        cfg = make_config(lib.version, name.encode()[:255])
         handle = _vp()
         op = f"ncclCommInitRankConfig(rank {rank} of {nranks}, cuda:{device}) of comm {name}"
         with on_device(device):
@@ -486,7 +450,16 @@ class Communicator:
         return cls(lib, handle.value, nranks, rank, device, name, cfg)
 
     @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    @property
     def handle(self) -> int:
+        """The ncclComm_t.
+
+        Raises:
+            NcclError: the communicator was aborted.
+        """
         if self._handle is None:
             raise NcclError(f"comm {self.name}", NcclResult.INVALID_USAGE, "the communicator was aborted")
         return self._handle
@@ -495,12 +468,18 @@ class Communicator:
         return f"{op} on comm {self.name} (rank {self.rank} of {self.nranks}, cuda:{self.device})"
 
     def state(self) -> NcclResult:
-        """SUCCESS (ready), IN_PROGRESS (busy); raises NcclError when the communicator failed."""
+        """SUCCESS (ready) or IN_PROGRESS (busy).
+
+        Raises:
+            NcclError: the communicator failed or was aborted.
+        """
         s = ctypes.c_int()
-        self.lib.check(self._what("ncclCommGetAsyncError"), self.lib.fns.ncclCommGetAsyncError(self.handle, ctypes.byref(s)), self._handle)
+        rc = self.lib.fns.ncclCommGetAsyncError(self.handle, ctypes.byref(s))
+        self.lib.check(self._what("ncclCommGetAsyncError"), rc, self._handle)
         if s.value in (NcclResult.SUCCESS, NcclResult.IN_PROGRESS):
             return NcclResult(s.value)
-        raise NcclError(self._what("communicator failed"), s.value, self.lib.last_error(self._handle) or self.lib.error_string(s.value))
+        detail = self.lib.last_error(self._handle) or self.lib.error_string(s.value)
+        raise NcclError(self._what("communicator failed"), s.value, detail)
 
     async def settle(self, op: str) -> None:
         """Waits (polling, with backoff) until the communicator is no longer in progress.
@@ -512,7 +491,7 @@ class Communicator:
         """
         delay = 0.0
         while True:
-            if self.aborted:
+            if self._aborted:
                 raise NcclError(self._what(op), NcclResult.INVALID_USAGE, "the communicator was aborted")
             try:
                 if self.state() == NcclResult.SUCCESS:
@@ -522,21 +501,46 @@ class Communicator:
             await anyio.sleep(delay)
             delay = min(max(2 * delay, _POLL_MIN_S), _POLL_MAX_S)
 
+    async def settled(self, result: NcclResult, op: str) -> None:
+        """Returns once an enqueue that answered ``result`` is done (:meth:`settle` after
+        IN_PROGRESS, e.g. NCCL connecting a channel at first use).
+
+        Raises:
+            NcclError: as :meth:`settle`. Cancellation: as :meth:`settle`.
+        """
+        if result == NcclResult.IN_PROGRESS:
+            await self.settle(op)
+
     def _enqueue(self, op: str, call: Callable[[], int]) -> NcclResult:
         with on_device(self.device):
             return self.lib.check(self._what(op), call(), self._handle)
 
     def send(self, ptr: int, nbytes: int, peer: int, stream: int) -> NcclResult:
+        """Enqueues ``ncclSend`` of ``nbytes`` at device address ``ptr`` to rank ``peer`` on
+        ``stream`` (a CUstream handle).
+
+        Raises:
+            NcclError: NCCL refused, or the communicator was aborted.
+        """
         return self._enqueue(f"ncclSend of {nbytes} bytes to rank {peer}",
                              lambda: self.lib.fns.ncclSend(ptr, nbytes, NcclDataType.UINT8, peer, self.handle, stream))
 
     def recv(self, ptr: int, nbytes: int, peer: int, stream: int) -> NcclResult:
+        """Enqueues ``ncclRecv`` of ``nbytes`` into device address ``ptr`` from rank ``peer``.
+
+        Raises:
+            NcclError: NCCL refused, or the communicator was aborted.
+        """
         return self._enqueue(f"ncclRecv of {nbytes} bytes from rank {peer}",
                              lambda: self.lib.fns.ncclRecv(ptr, nbytes, NcclDataType.UINT8, peer, self.handle, stream))
 
     def grouped(self, what: str, calls: Sequence[Callable[[], NcclResult]]) -> NcclResult:
         """Runs ``calls`` (enqueueing methods of this communicator) between ncclGroupStart and
-        ncclGroupEnd, so that they progress together (e.g. a send to self and its receive)."""
+        ncclGroupEnd, so that they progress together (e.g. a send to self and its receive).
+
+        Raises:
+            NcclError: a call or the group failed (the group is closed either way).
+        """
         fns = self.lib.fns
         with on_device(self.device):
             self._enqueue(f"ncclGroupStart for {what}", fns.ncclGroupStart)
@@ -548,58 +552,14 @@ class Communicator:
                 raise
             return self._enqueue(f"ncclGroupEnd for {what}", fns.ncclGroupEnd)
 
-    # -- windows (NCCL >= 2.29; see Library.has_windows) --------------------------------------
-
-    def window_register(self, ptr: int, nbytes: int) -> tuple[ctypes.c_void_p, NcclResult]:
-        """Collective: every rank registers its buffer; returns (window, result). The window
-        handle may be filled in only once :meth:`settle` returns: keep ``window`` (the ctypes
-        out-parameter) referenced until then and read ``window.value`` afterwards."""
-        win = _vp()
-        rc = self._enqueue(f"ncclCommWindowRegister of {nbytes} bytes at 0x{ptr:x}",
-                           lambda: self.lib.fns.ncclCommWindowRegister(self.handle, ptr, nbytes, ctypes.byref(win), NCCL_WIN_DEFAULT))
-        return win, rc
-
-    def window_deregister(self, win: int) -> None:
-        """Local: releases this rank's registration (no NCCL op may still use the window)."""
-        if self._handle is not None and not self.aborted:
-            self._enqueue("ncclCommWindowDeregister", lambda: self.lib.fns.ncclCommWindowDeregister(self.handle, win))
-
-    def put_signal(self, ptr: int, nbytes: int, peer: int, win: int, offset: int, stream: int) -> NcclResult:
-        return self._enqueue(f"ncclPutSignal of {nbytes} bytes to rank {peer} at window offset {offset}",
-                             lambda: self.lib.fns.ncclPutSignal(ptr, nbytes, NcclDataType.UINT8, peer, win, offset, 0, 0, 0, self.handle, stream))
-
-    def wait_signal(self, peer: int, count: int, stream: int) -> NcclResult:
-        desc = WaitSignalDesc(count, peer, 0, 0)
-        return self._enqueue(f"ncclWaitSignal for {count} signal(s) from rank {peer}",
-                             lambda: self.lib.fns.ncclWaitSignal(1, ctypes.byref(desc), self.handle, stream))
-
-    # -- teardown -------------------------------------------------------------------------------
-
     def abort(self) -> None:
         """``ncclCommAbort``: stops every operation of this communicator on the device, frees it.
         Idempotent. Blocks until NCCL has let go of the buffers its operations used."""
-        if self.aborted:
+        if self._aborted:
             return
-        self.aborted = True
+        self._aborted = True
         handle, self._handle = self._handle, None
         if handle:
             rc = self.lib.fns.ncclCommAbort(handle)
             if rc != NcclResult.SUCCESS:
                 log.warning("nccl: ncclCommAbort of comm %s returned %s", self.name, self.lib.error_string(rc))
-
-    async def finalize(self, deadline_s: float) -> None:
-        """Graceful end: ``ncclCommFinalize`` (flushes, synchronizes with the other ranks), then
-        ``ncclCommDestroy``; aborts instead when that does not finish within ``deadline_s``."""
-        if self.aborted or self._handle is None:
-            return
-        try:
-            with anyio.fail_after(deadline_s):
-                self._enqueue("ncclCommFinalize", lambda: self.lib.fns.ncclCommFinalize(self.handle))
-                await self.settle("ncclCommFinalize")
-        except (NcclError, TimeoutError) as exc:
-            log.info("nccl: comm %s did not finalize (%s); aborting it", self.name, exc or "timed out")
-            self.abort()
-            return
-        self.aborted = True
-        handle, self._handle = self._handle, None
-        self.lib.fns.ncclCommDestroy(handle)

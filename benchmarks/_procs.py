@@ -1,0 +1,133 @@
+"""Helper processes of the benchmarks: a benchmark module run as a child, its output in a log file.
+
+A benchmark's target process is a real separate process (``python -m benchmarks.<module> ...``).
+:class:`LoggedProcess` starts it with this checkout importable, sends its output to a log file
+(quoted when it fails) and always leaves it joined.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from ._errors import BenchError
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_EXIT_TIMEOUT_S = 20.0
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The source checkout this ``benchmarks`` package lives in."""
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``python -m benchmarks.<module> ARGS`` with this interpreter.
+
+    Args:
+        module: a module of this package, e.g. ``"_p2p_target"``.
+        args: its arguments.
+
+    Returns:
+        The argv, for :class:`LoggedProcess`.
+    """
+    return [sys.executable, "-m", f"{__package__}.{module}", *args]
+
+
+def checkout_env() -> dict[str, str]:
+    """This process's environment with the checkout first on ``PYTHONPATH``, so that a child can
+    import ``benchmarks`` from any working directory."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": str(CHECKOUT) + (os.pathsep + path if path else "")}
+
+
+class LoggedProcess:
+    """A benchmark's helper process whose output goes to a log file, quoted when it fails.
+
+    :meth:`stop` always leaves it joined: it waits a bounded time for a clean exit, then kills it.
+
+    Args:
+        cmd: the command line (see :func:`module_command`).
+        log_path: file that receives the process's stdout and stderr.
+        env: its environment (default: this process's; :func:`checkout_env` for a benchmark module).
+        cwd: its working directory (default: this process's).
+
+    Raises:
+        OSError: the process could not be started (the log file is closed again).
+    """
+
+    def __init__(
+        self, cmd: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # closed in stop()
+        try:
+            self.proc = subprocess.Popen(
+                list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+            )
+        except BaseException:
+            self._log.close()
+            raise
+        log.info("bench helper process started: pid %d", self.proc.pid)
+
+    def failure(self) -> str | None:
+        """None while it runs, else how it ended and the tail of its output."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        return f"the target process exited with code {rc}; its output ends with:\n{self.output_tail()}"
+
+    def output_tail(self, limit: int = 3000) -> str:
+        """The last ``limit`` bytes of its output, decoded (or why the log cannot be read)."""
+        try:
+            return self.log_path.read_bytes()[-limit:].decode(errors="replace")
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc})"
+
+    def stop(self, timeout: float = _EXIT_TIMEOUT_S) -> int:
+        """Joins the process (killing it after ``timeout`` s); returns its exit code."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("bench helper process (pid %d) did not exit within %gs; killing it", self.proc.pid, timeout)
+            self.proc.kill()
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        """Kills the process (if still running) and joins it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.stop()
+
+    def supervise(self, call: Callable[[], _T], error: type[Exception] = BenchError) -> _T:
+        """Runs ``call`` while the process serves it, then joins the process.
+
+        Args:
+            call: the benchmark run against this process (blocking).
+            error: the exception raised when the process ends badly.
+
+        Returns:
+            What ``call`` returned.
+
+        Raises:
+            error: ``call`` succeeded but the process exited with a code other than 0 (the message
+                quotes the tail of its output).
+            BaseException: whatever ``call`` raised (KeyboardInterrupt included); the process is
+                killed and joined first.
+        """
+        try:
+            result = call()
+        except BaseException:
+            self.kill()
+            raise
+        rc = self.stop()
+        if rc != 0:
+            raise error(f"the target process exited with code {rc}; its output ends with:\n{self.output_tail()}")
+        return result

@@ -1,0 +1,393 @@
+"""Point-to-point micro-benchmark: put/get bandwidth and small-transfer latency per backend, with a baseline.
+
+    python -m transport bench --sizes 1MiB,256MiB        # the library's thin entry to this module
+    python -m benchmarks.p2p --backends ipc --json out.json
+
+Layout of one run:
+
+* a **target** process (``python -m benchmarks._p2p_target ...``, a real separate process)
+  opens a Transport on a temporary ``file://`` store, allocates one destination region of the
+  largest size with :meth:`transport.Transport.empty` (shareable, pre-faulted) and then only waits
+  for the exit doorbell: its application code takes no part in any transfer;
+* this process is the **initiator**: under trio, one Transport per backend (``backends=(b,)``)
+  puts into and gets from the target's region, one transfer at a time (each awaited before the
+  next), after a warm-up, and reports the median;
+* in the same run, the **baseline**: a single-threaded native ``memcpy`` (the C library's)
+  between two pre-faulted buffers of this process, at the same sizes; tables show backend GB/s /
+  memcpy GB/s.
+
+GB/s means 1e9 bytes per second. Nothing here asserts on timings: it measures and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import torch
+
+import transport
+
+from ._capabilities import available_backends, is_one_sided
+from ._errors import BenchError
+from ._p2p_report import (
+    DEFAULT_SIZES,
+    BackendResult,
+    BenchConfig,
+    BenchReport,
+    LatencyResult,
+    SizeResult,
+    format_report,
+    machine_info,
+)
+from ._p2p_target import EXIT_SIGNAL, PARENT_POLL_S, REGION_KEY, TARGET_NAME
+from ._procs import CHECKOUT, LoggedProcess, checkout_env, module_command
+from ._sizes import format_size, parse_size, parse_sizes
+from ._stats import median, percentile
+
+log = logging.getLogger(__name__)
+
+_LATENCY_WARMUP = 50
+_TARGET_START_TIMEOUT_S = 60.0  # the target imports torch and pre-faults the largest region
+
+
+def _prefaulted(nbytes: int, value: int) -> torch.Tensor:
+    """A uint8 tensor whose pages are all touched, so no page fault lands inside a timing."""
+    return torch.empty(nbytes, dtype=torch.uint8).fill_(value)
+
+
+@functools.cache
+def _libc_memcpy() -> Callable[..., object]:
+    """The C library's ``memcpy`` (single-threaded; ctypes releases the GIL around the call)."""
+    fn = ctypes.CDLL(None).memcpy
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    fn.restype = None
+    return fn
+
+
+def measure_memcpy(src: torch.Tensor, dst: torch.Tensor, size: int, iters: int, warmup: int) -> float:
+    """Median GB/s of ``memcpy(dst, src, size)`` (native, single-threaded, GIL released).
+
+    Args:
+        src: source buffer of at least ``size`` bytes (pre-faulted).
+        dst: destination buffer of at least ``size`` bytes (pre-faulted).
+        size: bytes per copy.
+        iters: timed copies.
+        warmup: untimed copies first.
+
+    Returns:
+        Bandwidth in GB/s (1e9 bytes/s) of the median copy.
+    """
+    copy = _libc_memcpy()
+    # Arguments converted once, outside the timing: only the call and the copy are timed.
+    args = (ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(size))
+    for _ in range(warmup):
+        copy(*args)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        copy(*args)
+        times.append(time.perf_counter() - t0)
+    return size / median(times) / 1e9
+
+
+async def _timed(op: Callable[[], Awaitable[object]], iters: int, warmup: int) -> list[float]:
+    """Runs ``op`` ``warmup`` times, then ``iters`` times; returns the timed durations (s)."""
+    for _ in range(warmup):
+        await op()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await op()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class _TargetProcess(LoggedProcess):
+    """The target: a separate process serving one region until the exit doorbell rings."""
+
+    def __init__(self, store_url: str, config: BenchConfig, backends: Sequence[str], log_path: Path) -> None:
+        cmd = module_command(
+            "_p2p_target",
+            "--store", store_url,
+            "--name", TARGET_NAME,
+            "--nbytes", str(config.region_bytes),
+            "--backends", ",".join(backends),
+            "--timeout", str(config.timeout),
+            "--lifetime", str(_lifetime_bound(config)),
+            "--parent", str(os.getpid()),
+        )  # fmt: skip
+        super().__init__(cmd, log_path, env=checkout_env(), cwd=CHECKOUT)
+
+
+def _lifetime_bound(config: BenchConfig) -> float:
+    """An upper bound on a whole run (every transfer is bounded by ``config.timeout``), so the
+    target exits by itself even if no doorbell ever comes."""
+    per_backend = sum(config.iters_for(n) + config.warmup for n in config.sizes) * 2 + config.latency_iters * 2 + 2
+    return _TARGET_START_TIMEOUT_S + config.timeout * (per_backend * len(config.backends) + 2)
+
+
+async def _wait_for_target(t: transport.Transport, target: _TargetProcess, nbytes: int, timeout: float) -> None:
+    """Waits until the target has published a region of ``nbytes`` under REGION_KEY.
+
+    Raises:
+        BenchError: the target exited, or did not publish in time.
+    """
+    import trio
+
+    with trio.move_on_after(timeout):
+        while True:
+            failure = target.failure()
+            if failure is not None:
+                raise BenchError(failure)
+            try:
+                peer = await t.peer(TARGET_NAME, timeout=PARENT_POLL_S)
+            except transport.PeerNotFoundError:
+                continue
+            region = peer.regions.get(REGION_KEY)
+            if region is not None and region.nbytes >= nbytes:
+                return
+            await trio.sleep(0.02)
+    raise BenchError(
+        f"the target did not publish its {nbytes}-byte region within {timeout:g}s; "
+        f"its output ends with:\n{target.output_tail()}"
+    )
+
+
+async def _measure_backend(
+    t: transport.Transport,
+    name: str,
+    config: BenchConfig,
+    target: _TargetProcess,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    memcpy_gbps: dict[int, float],
+) -> BackendResult:
+    """Bandwidth at every size and small-transfer latency, through Transport ``t``.
+
+    Raises:
+        BenchError: the target process exited meanwhile, or data came back wrong.
+    """
+    def check_target() -> None:
+        # Polling also reaps a dead target: an unreaped (zombie) child still looks alive to
+        # the library, and puts into its shared mapping would keep "succeeding".
+        failure = target.failure()
+        if failure is not None:
+            raise BenchError(f"{name}: {failure}")
+
+    result = BackendResult(name, is_one_sided(name))
+    for i, size in enumerate(config.sizes):
+        iters = config.iters_for(size)
+        value = (7 * i + 3 * len(name) + 11) % 251 + 1  # differs per size: stale bytes would show
+        s_view, d_view = src[:size], dst[:size]
+        s_view.fill_(value)
+        d_view.fill_(0)
+        put_times = await _timed(functools.partial(t.put, s_view, TARGET_NAME, key=REGION_KEY), iters, config.warmup)
+        get_times = await _timed(functools.partial(t.get, d_view, TARGET_NAME, key=REGION_KEY), iters, config.warmup)
+        # Not timed: the bytes that came back are the bytes that were put.
+        if not torch.equal(s_view, d_view):
+            raise BenchError(f"{name}: {format_size(size)} read back from the target differs from what was put")
+        check_target()
+        sr = SizeResult(
+            size=size,
+            iters=iters,
+            put_gbps=size / median(put_times) / 1e9,
+            get_gbps=size / median(get_times) / 1e9,
+            memcpy_gbps=memcpy_gbps[size],
+        )
+        log.info("%s %s: put %.2f GB/s, get %.2f GB/s", name, format_size(size), sr.put_gbps, sr.get_gbps)
+        result.sizes.append(sr)
+
+    n = config.latency_bytes
+    small_src, small_dst = src[:n], dst[:n]
+    warmup = min(_LATENCY_WARMUP, config.latency_iters)
+    for op, call in (
+        ("put", functools.partial(t.put, small_src, TARGET_NAME, key=REGION_KEY)),
+        ("get", functools.partial(t.get, small_dst, TARGET_NAME, key=REGION_KEY)),
+    ):
+        times = await _timed(call, config.latency_iters, warmup)
+        us = [x * 1e6 for x in times]
+        result.latency.append(LatencyResult(op, n, len(us), median(us), percentile(us, 99)))
+    check_target()
+    return result
+
+
+async def _initiate(
+    config: BenchConfig,
+    backends: Sequence[str],
+    store_url: str,
+    target: _TargetProcess,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    memcpy_gbps: dict[int, float],
+) -> list[BackendResult]:
+    """The initiator: one Transport per backend, measured in turn; then rings the exit bell."""
+    results = []
+    for i, name in enumerate(backends):
+        async with transport.Transport(
+            f"bench-initiator-{name}",
+            store=store_url,
+            backends=(name,),
+            timeout=config.timeout,
+            copy_threads=config.copy_threads,
+        ) as t:
+            start_timeout = _TARGET_START_TIMEOUT_S + config.timeout if i == 0 else config.timeout
+            await _wait_for_target(t, target, config.region_bytes, start_timeout)
+            results.append(await _measure_backend(t, name, config, target, src, dst, memcpy_gbps))
+            if i == len(backends) - 1:
+                await t.signal(TARGET_NAME, EXIT_SIGNAL, 1)
+    return results
+
+
+def run(config: BenchConfig) -> BenchReport:
+    """Runs the benchmark (blocking; starts and always joins the target process).
+
+    Returns:
+        The report; print it with :func:`format_report`.
+
+    Raises:
+        BenchError: the target failed, a transfer failed, or data came back wrong.
+        ValueError: an unknown backend name.
+    """
+    import trio
+
+    started = time.perf_counter()
+    avail = available_backends()
+    unknown = [b for b in config.backends if b not in avail]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(avail)}")
+    backends = [b for b in config.backends if avail[b] is None]
+    skipped = {b: str(avail[b]) for b in config.backends if avail[b] is not None}
+    if not backends:
+        reasons = "; ".join(f"{b}: {r}" for b, r in skipped.items())
+        raise BenchError(f"none of the requested backends is available: {reasons}")
+
+    nbytes = config.region_bytes
+    src = _prefaulted(nbytes, 1)
+    dst = _prefaulted(nbytes, 2)
+    memcpy_gbps = {n: measure_memcpy(src, dst, n, config.iters_for(n), max(1, config.warmup)) for n in config.sizes}
+
+    with tempfile.TemporaryDirectory(prefix="transport-bench-") as tmp:
+        store_url = f"file://{tmp}/store"
+        target = _TargetProcess(store_url, config, backends, Path(tmp) / "target.log")
+        initiate = functools.partial(trio.run, _initiate, config, backends, store_url, target, src, dst, memcpy_gbps)
+        results = target.supervise(initiate)
+    return BenchReport(
+        config=config,
+        machine=machine_info(),
+        memcpy_gbps=memcpy_gbps,
+        backends=results,
+        skipped=skipped,
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+# -------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's options to ``p`` (``python -m transport bench`` has the same ones)."""
+    p.add_argument(
+        "--backends",
+        default="ipc,ucx,tcp",
+        help="comma-separated, in order (default: ipc,ucx,tcp; unavailable ones are skipped)",
+    )
+    p.add_argument(
+        "--sizes", default=None, help="comma-separated sizes, e.g. 1MiB,64MiB,1GiB (default: 1MiB..1GiB, x4)"
+    )
+    p.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 256MiB")
+    p.add_argument(
+        "--iters", type=int, default=None, help="timed transfers per size and op (default: ~8 GiB moved, 5..50)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed transfers before each series (default: 1)")
+    p.add_argument(
+        "--latency-iters", type=int, default=1000, help="small transfers timed for latency (default: 1000)"
+    )
+    p.add_argument("--latency-size", default="8", help="small transfer size (default: 8 bytes)")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds bounding each transfer and wait (default: 120)"
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="also write all results as JSON here")
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    """The configuration the parsed options ask for.
+
+    Raises:
+        ValueError: a bad size, or an option out of range.
+    """
+    sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
+    if args.max_size:
+        cap = parse_size(args.max_size)
+        sizes = tuple(n for n in sizes if n <= cap)
+        if not sizes:
+            raise ValueError(f"--max-size {args.max_size} leaves no size to measure")
+    return BenchConfig(
+        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
+        sizes=sizes,
+        iters=args.iters,
+        warmup=args.warmup,
+        latency_iters=args.latency_iters,
+        latency_bytes=parse_size(args.latency_size),
+        timeout=args.timeout,
+    )
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """True for KeyboardInterrupt, also when trio delivered it inside a task group (then it
+    arrives wrapped in a BaseExceptionGroup)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    inner = getattr(exc, "exceptions", None)
+    return isinstance(inner, tuple) and bool(inner) and all(_is_interrupt(e) for e in inner)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.p2p") -> int:
+    """Runs the benchmark with command-line arguments; prints the tables (and writes JSON).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        prog: the program name shown in usage and help.
+
+    Returns:
+        The exit code: 0 success, 1 the run failed, 2 bad arguments, 130 interrupted.
+    """
+    p = argparse.ArgumentParser(prog=prog, description="put/get bandwidth and latency per backend vs memcpy")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        print(f"transport bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = run(config)
+    except (ValueError, BenchError, transport.TransportError) as exc:
+        print(f"transport bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        print("transport bench: interrupted", file=sys.stderr)  # the target was killed and joined
+        return 130
+    print(format_report(report))
+    if args.json:
+        path = Path(args.json)
+        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"results written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Guards the public surface and the package's shape.
+
+* the public names (``transport``, ``transport.weights``, ``transport.testing``) and the
+  public methods of ``Transport`` are exactly the documented ones (README "Public API");
+* public names report ``transport`` (or ``transport.backends``, public for backend authors) as
+  their module, never a private one;
+* layering: no import cycle among ``transport`` modules, only ``transport._native`` touches the
+  extension or ctypes, and nothing outside ``transport/`` imports a private module (tests of
+  internals excepted);
+* size: ``Transport`` is one class of at most 500 lines, and no module exceeds 600 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import transport
+import transport.testing
+import transport.weights
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "transport"
+
+PUBLIC = {
+    "Transport", "Transfer", "TransferOp", "gather", "Peer", "Region", "serve_store", "register_backend",
+    "available_backends", "cuda_unavailable_reason",
+    "TransportError", "ClosedError", "PeerLostError", "TransferTimeoutError", "TransferAbortedError",
+    "RegistrationError", "ReadOnlyRegionError", "BoundsError", "DTypeMismatchError", "LayoutError",
+    "BackendUnavailableError", "PeerNotFoundError", "AuthenticationError", "TransportInternalError",
+}
+TRANSPORT_METHODS = {
+    "aclose", "register", "register_many", "unregister", "empty", "regions", "put", "get", "fence",
+    "signal", "signal_value", "wait_signal", "peer", "lookup", "peers", "exclude", "dump_flight_record",
+    "flight_record", "backends", "store_url",
+}
+WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport"}
+
+
+def test_public_names_are_exactly_the_documented_ones() -> None:
+    assert set(transport.__all__) == PUBLIC
+    for name in transport.__all__:
+        assert hasattr(transport, name), name
+
+
+def test_public_names_report_a_public_module() -> None:
+    for name in transport.__all__:
+        module = getattr(transport, name).__module__
+        assert module in ("transport", "transport.backends"), (name, module)
+
+
+def test_transport_methods_are_exactly_the_documented_ones() -> None:
+    public = {n for n, _ in inspect.getmembers(transport.Transport) if not n.startswith("_")}
+    assert public == TRANSPORT_METHODS
+
+
+def test_every_public_method_has_a_docstring() -> None:
+    for name in TRANSPORT_METHODS:
+        assert inspect.getdoc(getattr(transport.Transport, name)), name
+
+
+def test_weights_and_testing_exports() -> None:
+    assert WEIGHTS <= set(transport.weights.__all__)
+    assert {"check_backend"} <= set(transport.testing.__all__)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
+    """Absolute names of the modules ``module`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                prefix = ".".join(base[: len(base) - node.level + 1])
+                mod = f"{prefix}.{node.module}" if node.module else prefix
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def test_no_import_cycle_among_transport_modules() -> None:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        deps = set()
+        for i in _imports(m, p, top_level_only=True):
+            parts = i.split(".")
+            # Importing a.b.c runs a.b's __init__ too (the root package is where every import starts).
+            deps.update(".".join(parts[:k]) for k in range(2, len(parts) + 1))
+        graph[m] = {d for d in deps if d in mods and d != m}
+    # A package's __init__ importing its own submodules is not a cycle.
+    for m in graph:
+        graph[m] = {i for i in graph[m] if not i.startswith(m + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(n):], n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_only_native_touches_the_extension_and_ctypes() -> None:
+    offenders = []
+    for m, p in _modules().items():
+        if m.startswith("transport._native"):
+            continue
+        names = _imports(m, p, top_level_only=False)
+        if "ctypes" in names or any(n == "transport._C" or n.startswith("transport._C.") for n in names):
+            offenders.append(m)
+    assert not offenders
+    assert (PKG / "_native" / "_C.pyi").is_file()
+
+
+def test_transport_is_one_small_class_and_modules_stay_small() -> None:
+    assert transport.Transport.__mro__[1:] == (object,), "no mixins"
+    tree = ast.parse((PKG / "_transport.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Transport"]
+    assert cls.end_lineno is not None and cls.end_lineno - cls.lineno + 1 <= 500
+    big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 600}
+    assert not big

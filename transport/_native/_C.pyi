@@ -1,0 +1,147 @@
+# Type stubs of the native extension transport._C (csrc/module.cpp). The extension is installed as
+# transport._C; code in transport/_native reaches it as `_C` (see _extension.py), typed by this file.
+# Keep it in step with csrc/module.cpp: every binding there has its signature here.
+#
+# Failures: a native failure arrives as RuntimeError (ValueError / IndexError for bad arguments);
+# the cuda_* functions raise CudaUnavailable without a usable driver and CudaError when the driver
+# refuses a call. Addresses, handles, streams, events, modules and functions are plain integers.
+
+from collections.abc import Sequence
+
+# -- copy engine and host memory -----------------------------------------------------------------
+
+class CopyEngine:
+    """Copies (dst, src, nbytes) segments on its threads; completions through an eventfd."""
+
+    def __init__(self, threads: int, chunk_bytes: int) -> None: ...
+    @property
+    def event_fd(self) -> int: ...
+    def submit(self, kind: int, pid: int, segments: Sequence[tuple[int, int, int]]) -> int:
+        """Queues a job of CopyKind `kind`; returns its id. Raises ValueError for an unknown kind."""
+    def cancel(self, arg: int, /) -> bool: ...
+    def drain(self) -> list[tuple[int, int, int, int]]:
+        """(job id, CopyStatus, errno, bytes copied) of every job finished since the last drain."""
+    def shutdown(self) -> None: ...
+
+class SharedBuffer:
+    """A page-aligned memfd mapping that same-host peers can map through /proc/<pid>/fd."""
+
+    def __init__(self, nbytes: int, name: str) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def fd(self) -> int: ...
+    def array(self) -> object:
+        """A 1-D uint8 DLPack capsule over the buffer that keeps it alive (torch.from_dlpack)."""
+
+class PeerMapping:
+    """This process's mapping of another process's memfd `fd` (through /proc/<pid>/fd/<fd>)."""
+
+    def __init__(self, pid: int, fd: int, nbytes: int, writable: bool) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+def copy_now(kind: int, pid: int, dst: int, src: int, nbytes: int) -> int:
+    """Copies on the calling thread; returns 0 or errno. For small copies only."""
+
+def memory_fence() -> None:
+    """A full memory fence: orders a flag store before the next load of another process's flag."""
+
+def cma_probe(pid: int, address: int, nbytes: int) -> int:
+    """0 if `nbytes` at `address` of process `pid` can be read by cross-memory attach, else errno."""
+
+def probe_address() -> int:
+    """The address of a readable byte in this process (what peers' cma_probe reads)."""
+
+def allow_ptrace_from_any() -> int:
+    """prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY); returns 0 or errno."""
+
+def memcpy(dst: int, src: int, nbytes: int) -> None:
+    """Plain single-threaded memcpy: the same-run baseline of the benchmarks."""
+
+# -- ucx (UcxEngine, ucx_load and ucx_status_string exist only when ucx_compiled is True) ---------
+
+ucx_compiled: bool
+
+def ucx_load(path: str) -> tuple[str, str]:
+    """Loads libucp with dlopen (once per process); returns (loaded path, version). Raises RuntimeError."""
+
+def ucx_status_string(status: int) -> str: ...
+
+class UcxEngine:
+    """One UCP context and its lanes (a worker and a progress thread each)."""
+
+    def __init__(self, library: str, name: str, lanes: int, chunk_bytes: int, window: int) -> None: ...
+    @property
+    def event_fd(self) -> int: ...
+    @property
+    def lanes(self) -> int: ...
+    def worker_address(self, lane: int) -> bytes: ...
+    def mem_map(self, address: int, nbytes: int) -> tuple[int, bytes]:
+        """(memory handle, packed rkey) of a ucp_mem_map of the range."""
+    def mem_unmap(self, mem: int) -> None: ...
+    def ep_create(self, lane: int, address: bytes) -> int: ...
+    def ep_close(self, lane: int, ep: int, force: bool) -> None: ...
+    def rkey_unpack(self, lane: int, ep: int, packed: bytes) -> int: ...
+    def rkey_destroy(self, lane: int, rkey: int) -> None: ...
+    def submit(self, lane: int, op: int, ep: int, rkey: int, local: int, remote: int, nbytes: int) -> int:
+        """Queues a put (op 0) or get (op 1) on `lane`; returns its job id (unique across lanes)."""
+    def cancel(self, lane: int, job: int) -> None: ...
+    def read_word(self, lane: int, ep: int, rkey: int, remote: int, timeout_ms: int) -> tuple[int, int]:
+        """Reads an 8-byte remote word synchronously (bounded); returns (ucs status, value)."""
+    def drain(self) -> list[tuple[int, int, int, int]]:
+        """(job id, CopyStatus, ucs status, bytes) of every job finished since the last drain."""
+    def shutdown(self) -> None: ...
+
+# -- cuda: the driver (loaded at run time) and the operations built on it ------------------------
+
+class CudaUnavailable(RuntimeError):
+    """No usable CUDA driver; the message says why."""
+
+class CudaError(RuntimeError):
+    """The driver refused a call; the message names the call and the driver's error."""
+
+def cuda_load(path: str = "") -> str:
+    """Loads the CUDA driver once; returns '' when usable, else why not (later calls repeat the first outcome)."""
+
+def cuda_driver_version() -> int: ...
+def cuda_device_count() -> int: ...
+def cuda_device_uuid(device: int) -> str: ...
+def cuda_device_name(device: int) -> str: ...
+def cuda_allocation(ptr: int, device: int = -1) -> tuple[int, int, int, bool]:
+    """(base, size, device, legacy_ipc_capable) of the device allocation holding ptr."""
+
+def cuda_ipc_export(base: int, device: int) -> bytes: ...
+def cuda_ipc_open(handle: bytes, device: int) -> int: ...
+def cuda_ipc_close(ptr: int, device: int) -> None: ...
+def cuda_stream_create(device: int) -> int: ...
+def cuda_stream_destroy(stream: int, device: int) -> None: ...
+def cuda_event_create(device: int) -> int: ...
+def cuda_event_destroy(event: int, device: int) -> None: ...
+def cuda_copy_and_wait(
+    dst: int, src: int, nbytes: int, stream: int, wait_event: int, done_event: int, device: int
+) -> None:
+    """Copies on `stream` after `wait_event` (0: none) and blocks until done. Call from a worker thread."""
+
+def cuda_host_register(ptr: int, nbytes: int, read_only: bool, device: int) -> None: ...
+def cuda_host_unregister(ptr: int, device: int) -> None: ...
+def cuda_module_load(image: bytes, device: int) -> int: ...
+def cuda_module_function(module: int, name: str, device: int) -> int: ...
+def cuda_launch(
+    function: int,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    shared_bytes: int,
+    stream: int,
+    params: bytes,
+    device: int,
+) -> None: ...
+def kernels_image() -> bytes | None:
+    """The fatbin of csrc/kernels (None when the build had no nvcc)."""
+
+def kernels_arches() -> str:
+    """The GPU architectures the kernels were built for, comma-separated ('' without kernels)."""

@@ -1,0 +1,255 @@
+"""Same-host memory: the native copy engine, shareable host buffers, peers' mappings and CMA.
+
+The copy engine (``ipc``'s data path) runs copies on its own threads and reports completions
+through an eventfd, which :meth:`Copier.run` waits on in the event loop (``anyio.wait_readable``),
+so no thread polls and no Python runs on the native threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+
+from .._errors import TransportInternalError
+from ._extension import _C
+
+# The engine always finishes a job quickly once it is cancelled (at most one chunk per thread);
+# this bounds the shielded wait for that, so a wedged engine cannot hang a close.
+_ABORT_GRACE_S = 10.0
+# Copies up to this size run inline on the event loop thread (a few microseconds at most).
+INLINE_MAX_BYTES = 64 << 10
+
+Segment = tuple[int, int, int]  # (dst address, src address, nbytes)
+
+
+class CopyKind(enum.IntEnum):
+    """Where the two sides of a copy live (``CopyKind`` in csrc/copy_engine.h)."""
+
+    LOCAL = 0  # both sides mapped here (memcpy)
+    CMA_WRITE = 1  # dst lives in another process
+    CMA_READ = 2  # src lives in another process
+
+
+class CopyStatus(enum.IntEnum):
+    """How a native job ended (``CopyStatus`` in csrc/copy_engine.h; the UCX engine's too)."""
+
+    OK = 0
+    FAILED = 1
+    ABORTED = 2
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """How a copy ended: ``err`` is the errno of its first failing chunk (0 if none), ``nbytes``
+    the bytes of its completed chunks."""
+
+    status: CopyStatus
+    err: int
+    nbytes: int
+
+    def describe_errno(self) -> str:
+        return f"{errno.errorcode.get(self.err, self.err)}: {os.strerror(self.err)}"
+
+
+def copy_now(kind: CopyKind, pid: int, dst: int, src: int, nbytes: int) -> int:
+    """Copies ``nbytes`` from ``src`` to ``dst`` on the calling thread (the GIL released); for
+    small copies only. ``pid`` is the other process of a CMA copy (0 for ``LOCAL``).
+
+    Returns:
+        0, or the errno of the failure (e.g. ``ESRCH``: the process is gone, ``EFAULT``: the
+        range is not mapped there).
+    """
+    return _C.copy_now(int(kind), pid, dst, src, nbytes)
+
+
+def memory_fence() -> None:
+    """A full (sequentially consistent) memory fence: orders this thread's store of a flag
+    before its next load of another process's flag."""
+    _C.memory_fence()
+
+
+def cma_probe(pid: int, address: int, nbytes: int = 1) -> int:
+    """Reads ``nbytes`` (at most 64) at ``address`` of process ``pid`` by cross-memory attach.
+
+    Returns:
+        0 when that worked, else the errno (``EPERM``: ptrace permission refused).
+    """
+    return _C.cma_probe(pid, address, nbytes)
+
+
+def probe_address() -> int:
+    """The address of a readable byte in this process: what a peer's :func:`cma_probe` reads."""
+    return _C.probe_address()
+
+
+def _check_word(offset: int, nbytes: int) -> None:
+    if offset < 0 or offset % 8 or offset + 8 > nbytes:
+        raise ValueError(f"no aligned 8-byte word at offset {offset} of {nbytes} bytes")
+
+
+class SharedBuffer:
+    """A zeroed, page-aligned host buffer in a memfd, which same-host peers map through
+    ``/proc/<pid>/fd/<fd>`` (see :class:`PeerMapping`). Create it with :func:`shared_buffer`.
+
+    The memory lives while this object or any array (or tensor) made by :meth:`array` does.
+    """
+
+    def __init__(self, native: _C.SharedBuffer) -> None:
+        self._native = native
+
+    @property
+    def address(self) -> int:
+        return self._native.address
+
+    @property
+    def nbytes(self) -> int:
+        return self._native.nbytes
+
+    @property
+    def fd(self) -> int:
+        """The memfd's descriptor number in this process."""
+        return self._native.fd
+
+    def array(self) -> object:
+        """A 1-D uint8 DLPack capsule over the whole buffer (``torch.from_dlpack``); it keeps
+        the memory alive."""
+        return self._native.array()
+
+    def write_u64(self, offset: int, value: int) -> None:
+        """Stores the 8-byte word at byte ``offset`` (8-aligned) with one store: a concurrent
+        reader (e.g. a peer's :meth:`PeerMapping.read_u64`) sees the old or the new value.
+
+        Raises:
+            ValueError: no aligned word at ``offset`` inside the buffer.
+        """
+        _check_word(offset, self.nbytes)
+        ctypes.c_uint64.from_address(self.address + offset).value = value
+
+
+def shared_buffer(nbytes: int, name: str) -> SharedBuffer:
+    """A new :class:`SharedBuffer` of ``nbytes``; ``name`` shows in ``/proc/<pid>/fd``.
+
+    Raises:
+        RuntimeError: the memfd could not be created or mapped (the message says why).
+    """
+    return SharedBuffer(_C.SharedBuffer(nbytes, name))
+
+
+class PeerMapping:
+    """This process's mapping of another same-host process's memfd (its :class:`SharedBuffer`),
+    through ``/proc/<pid>/fd/<fd>``; unmapped when this object is garbage.
+
+    Args:
+        pid: the process owning the memfd.
+        fd: the memfd's descriptor number in that process.
+        nbytes: how much of it to map, from its start.
+        writable: map read-write (else read-only).
+
+    Raises:
+        RuntimeError: the memfd cannot be opened or mapped (the process is gone, ptrace
+            permission is refused, ...; the message says why).
+    """
+
+    def __init__(self, pid: int, fd: int, nbytes: int, writable: bool) -> None:
+        self._native = _C.PeerMapping(pid, fd, nbytes, writable)
+
+    @property
+    def address(self) -> int:
+        return self._native.address
+
+    @property
+    def nbytes(self) -> int:
+        return self._native.nbytes
+
+    def read_u64(self, offset: int = 0) -> int:
+        """The 8-byte word at byte ``offset`` (8-aligned), read with one load: a concurrent
+        writer's aligned store is seen entirely or not at all.
+
+        Raises:
+            ValueError: no aligned word at ``offset`` inside the mapping.
+        """
+        _check_word(offset, self.nbytes)
+        return ctypes.c_uint64.from_address(self.address + offset).value
+
+
+class _Pending:
+    __slots__ = ("event", "result")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.result: CopyResult | None = None
+
+
+class Copier:
+    """Async front of the native ``CopyEngine`` (threads + eventfd).
+
+    Start :meth:`run` in a task group before calling :meth:`copy`; call :meth:`close` after that
+    task has ended.
+
+    Args:
+        threads: the engine's copy threads.
+        chunk_bytes: a job is copied (and can be stopped) in chunks of this size.
+
+    Raises:
+        TransportInternalError: the native extension does not load.
+    """
+
+    def __init__(self, threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
+        self._engine = _C.CopyEngine(threads, chunk_bytes)
+        self._pending: dict[int, _Pending] = {}
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Delivers the engine's completions to the waiting :meth:`copy` calls, until cancelled."""
+        fd = self._engine.event_fd
+        task_status.started()
+        while True:
+            await anyio.wait_readable(fd)
+            for job_id, status, err, nbytes in self._engine.drain():
+                pending = self._pending.pop(job_id, None)
+                if pending is not None:
+                    pending.result = CopyResult(CopyStatus(status), err, nbytes)
+                    pending.event.set()
+
+    async def copy(self, kind: CopyKind, pid: int, segments: Sequence[Segment]) -> CopyResult:
+        """Copies ``(dst, src, nbytes)`` segments on the engine's threads (a single small one
+        is copied right here: that takes less time than waking a thread would).
+
+        Cancellation: the job is stopped at its next chunk boundary and this waits (shielded,
+        bounded) until the engine has let go of the memory; then the cancellation propagates.
+        Some chunks may already have been copied.
+
+        Raises:
+            TransportInternalError: the engine refused the job (e.g. it is shut down).
+        """
+        if len(segments) == 1 and segments[0][2] <= INLINE_MAX_BYTES:
+            dst, src, n = segments[0]
+            err = _C.copy_now(int(kind), pid, dst, src, n)
+            await anyio.lowlevel.checkpoint()
+            return CopyResult(CopyStatus.FAILED if err else CopyStatus.OK, err, 0 if err else n)
+        try:
+            job_id = self._engine.submit(int(kind), pid, list(segments))
+        except RuntimeError as exc:
+            raise TransportInternalError(f"copy engine refused the job: {exc}") from exc
+        pending = _Pending()
+        self._pending[job_id] = pending
+        try:
+            await pending.event.wait()
+        except anyio.get_cancelled_exc_class():
+            self._engine.cancel(job_id)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_ABORT_GRACE_S):
+                await pending.event.wait()
+            raise
+        if pending.result is None:  # the result is set before the event
+            raise TransportInternalError(f"copy engine: job {job_id} ended without a result")
+        return pending.result
+
+    def close(self) -> None:
+        """Aborts queued jobs and joins the threads. Call after :meth:`run` has stopped."""
+        self._engine.shutdown()

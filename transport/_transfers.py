@@ -1,0 +1,245 @@
+"""The transfer engine: every put and get from start to settled outcome.
+
+It owns the in-flight table. For one transfer it resolves the peer's record, checks the range
+against it (:func:`transport._regions.check`), chooses a backend, moves the bytes (through a
+bounce buffer when the backend does not serve the tensor's memory) and settles the outcome in
+the handle and the flight recorder. A backend that sees its peer die reports it here, and the
+engine tells the peer directory, which tells everyone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+from anyio.abc import TaskGroup
+
+from . import _cuda
+from ._errors import (
+    BackendUnavailableError,
+    BoundsError,
+    ClosedError,
+    DTypeMismatchError,
+    PeerLostError,
+    RegistrationError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    TransportError,
+    TransportInternalError,
+)
+from ._flight import FlightRecorder, OpState
+from ._peers import PeerDirectory
+from ._regions import check
+from ._staging import bounce, staging_kind
+from ._tensors import MemoryKind, dtype_name, nbytes_of
+from ._transfer import Transfer
+from ._wire import PeerRecord, RegionRecord, TransferOp
+from .backends import Backend, LocalBuffer, RemoteTarget
+
+log = logging.getLogger("transport._transport")
+
+
+class TransferEngine:
+    """Starts, runs and settles transfers for one Transport.
+
+    Args:
+        name: the Transport's name (for messages).
+        tg: the task group transfers run in.
+        directory: peer records and liveness.
+        backends: the backends in preference order.
+        flight: the flight recorder.
+        cuda: the Transport's CUDA engine, made on first use (pinned staging).
+    """
+
+    def __init__(self, name: str, tg: TaskGroup, directory: PeerDirectory, backends: Sequence[Backend],
+                 flight: FlightRecorder, cuda: Callable[[], _cuda.CudaEngine]) -> None:
+        self.name = name
+        self._tg = tg
+        self._directory = directory
+        self._backends = tuple(backends)
+        self._flight = flight
+        self._cuda = cuda
+        self._inflight: dict[str, set[Transfer]] = {}
+        self._fallbacks_logged: set[tuple[str, str]] = set()
+        directory.subscribe(lost=self.abort_peer)
+
+    # -- starting -------------------------------------------------------------------------
+
+    def start(self, op: TransferOp, tensor: torch.Tensor, kind: MemoryKind, peer: str, key: str, offset: int,
+              timeout: float) -> Transfer:
+        """Starts one transfer in the background and returns its handle (see ``Transport.put``)."""
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+        # CUDA: the transfer must see the work the caller queued so far, and only that.
+        local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
+        xfer = Transfer(op, peer, key, nbytes_of(tensor), offset)
+        xfer._rec = self._flight.start(op.value, peer, key, xfer.nbytes)
+        self._inflight.setdefault(peer, set()).add(xfer)
+        self._tg.start_soon(self._run, xfer, local, timeout)
+        return xfer
+
+    async def fence(self, peer: str, timeout: float) -> None:
+        """Waits until every transfer to ``peer`` started before this call has ended.
+
+        Raises:
+            TransferTimeoutError: they did not all end within ``timeout``.
+            TransportError: the first error among them (the others still ended).
+        """
+        pending = list(self._inflight.get(peer, ()))
+        with anyio.move_on_after(timeout):
+            for x in pending:
+                await x._event.wait()
+        unfinished = [x for x in pending if not x.done()]
+        if unfinished:
+            raise TransferTimeoutError(
+                f"fence({peer}): {len(unfinished)} of {len(pending)} transfers still running after {timeout:g}s"
+            )
+        for x in pending:
+            err = x.exception()
+            if err is not None:
+                raise err
+
+    def abort_peer(self, name: str, incarnation: str, why: BaseException, excluded: bool) -> None:
+        """Aborts the transfers in flight to one incarnation of ``name`` (it was lost or excluded)."""
+        for xfer in list(self._inflight.get(name, ())):
+            if xfer._incarnation in (None, incarnation) and not xfer.done():
+                what = f"{xfer.op.value} of {xfer.nbytes} bytes to {name}:{xfer.key!r}"
+                if excluded:
+                    xfer._abort_error = TransferAbortedError(f"{what} aborted: {name} was excluded",
+                                                             partial=xfer._moving)
+                else:
+                    xfer._abort_error = PeerLostError(f"{what} aborted: {why}")
+                    xfer._abort_error.__cause__ = why
+                if xfer._scope is not None:
+                    xfer._scope.cancel()
+                else:
+                    xfer.cancel()
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def _check_remote(self, record: PeerRecord, xfer: Transfer, dtype: torch.dtype) -> RegionRecord:
+        region = record.regions.get(xfer.key)
+        check(xfer.op, record.name, xfer.key, region, dtype_name(dtype), xfer.offset, xfer.nbytes,
+              known=list(record.regions))
+        assert region is not None
+        return region
+
+    def choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
+        """The first backend that can move bytes between ``kind`` memory here and ``region``.
+        A host-memory backend serves local CUDA tensors through pinned staging, a device-memory
+        backend (nccl) local host tensors through a device buffer.
+
+        Raises:
+            BackendUnavailableError: none can, with every backend's reason.
+        """
+        reasons = []
+        for b in self._backends:
+            # The memory it would touch here: the tensor itself, or a staging copy of it.
+            touch = kind if kind in b.memory_kinds else staging_kind(kind)
+            if b.name not in record.backends:
+                reasons.append(f"{b.name}: {record.name} does not speak it")
+            elif touch not in b.memory_kinds:
+                reasons.append(f"{b.name}: does not serve {kind.value} memory")
+            elif touch != kind and touch == MemoryKind.CUDA and (why := _cuda.unavailable_reason()) is not None:
+                reasons.append(f"{b.name}: serves {kind.value} memory through a GPU buffer, but {why}")
+            elif (why := b.unreachable_reason(record, region, touch)) is not None:
+                reasons.append(f"{b.name}: {why}")
+            else:
+                if reasons and (record.name, b.name) not in self._fallbacks_logged:
+                    self._fallbacks_logged.add((record.name, b.name))
+                    log.warning("transport %s: using %s for %s because %s", self.name, b.name, record.name,
+                                "; ".join(reasons))
+                return b
+        ours = ", ".join(b.name for b in self._backends) or "nothing"
+        theirs = ", ".join(record.backends) or "nothing"
+        raise BackendUnavailableError(
+            f"no backend can reach {record.name}:{region.key!r} from {kind.value} memory "
+            f"(we speak {ours}; it speaks {theirs}): " + "; ".join(reasons)
+        )
+
+    # -- moving ---------------------------------------------------------------------------
+
+    async def _execute(self, xfer: Transfer, local: LocalBuffer) -> None:
+        tensor, kind = local.tensor, local.kind
+        record = await self._directory.resolve(xfer.peer)
+        if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
+            record = await self._directory.resolve(xfer.peer, refresh=True)  # it (un)registered since
+        try:
+            region = self._check_remote(record, xfer, tensor.dtype)
+        except (RegistrationError, DTypeMismatchError, BoundsError):
+            # Our copy of the record may predate a (re-)registration: check the current one.
+            record = await self._directory.resolve(xfer.peer, refresh=True)
+            region = self._check_remote(record, xfer, tensor.dtype)
+        if self._directory.stale(record):
+            raise PeerLostError(f"{record.name} (pid {record.pid}) has exited")
+        backend = self.choose(record, region, kind)
+        xfer.backend = backend.name
+        if xfer.nbytes == 0:
+            return
+        remote = RemoteTarget(record, region, xfer.offset, xfer.nbytes)
+        xfer._moving = True
+        xfer._incarnation = record.incarnation
+        self._flight.transition(xfer._rec, OpState.MOVING, backend=backend.name)
+        if kind in backend.memory_kinds:
+            await backend.move(xfer.op, local, remote)
+            return
+        async with bounce(local, remote.nbytes, self._cuda) as b:
+            for pos, size in b.pieces:
+                part = RemoteTarget(record, region, remote.offset + pos, size)
+                if xfer.op == TransferOp.PUT:
+                    await b.load(pos, size)
+                    await backend.move(xfer.op, b.buffer(size), part)
+                else:
+                    await backend.move(xfer.op, b.buffer(size), part)
+                    await b.store(pos, size)
+
+    async def _run(self, xfer: Transfer, local: LocalBuffer, timeout: float) -> None:
+        try:
+            with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
+                xfer._scope = scope
+                if xfer._cancel_requested:
+                    scope.cancel()
+                    await anyio.lowlevel.checkpoint()  # deliver it before anything moves
+                error: TransportError | None = None
+                try:
+                    await self._execute(xfer, local)
+                except TransportError as exc:
+                    error = exc
+                except Exception as exc:
+                    log.exception("transport %s: unexpected failure in %r", self.name, xfer)
+                    error = TransportInternalError(f"{xfer!r} failed unexpectedly: {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                xfer._finish(error)
+            if not xfer.done():  # our scope absorbed a cancellation: user cancel, deadline, peer loss
+                what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
+                partial = xfer._moving
+                if xfer._abort_error is not None:
+                    xfer._finish(xfer._abort_error)
+                elif xfer._cancel_requested:
+                    suffix = " after it started" if partial else ""
+                    xfer._finish(TransferAbortedError(f"{what} was cancelled{suffix}", partial=partial))
+                else:
+                    late = f"{what} did not complete within {timeout:g}s (via {xfer.backend})"
+                    xfer._finish(TransferTimeoutError(late))
+        finally:
+            if not xfer.done():
+                xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
+            self._inflight.get(xfer.peer, set()).discard(xfer)
+            self._settle(xfer)
+
+    def _settle(self, xfer: Transfer) -> None:
+        err = xfer.exception()
+        if err is None:
+            state = OpState.DONE
+        elif isinstance(err, (TransferAbortedError, TransferTimeoutError, ClosedError)):
+            state = OpState.ABORTED
+        else:
+            state = OpState.FAILED
+        self._flight.transition(xfer._rec, state, backend=xfer.backend, error=err)
+        if isinstance(err, PeerLostError) and xfer._incarnation is not None:
+            # A backend saw the peer die (e.g. ESRCH, connection reset): act on it for everyone.
+            self._directory.declare_lost(xfer.peer, xfer._incarnation, err)
+        elif isinstance(err, TransferTimeoutError):
+            self._flight.dump(f"timeout: {err}", force=False)

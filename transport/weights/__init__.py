@@ -1,0 +1,46 @@
+"""Weight sync: a ``Publisher`` on the trainer, a ``Subscriber`` on each generator.
+
+After every optimizer step the trainer calls ``await publisher.publish(version)``; every
+subscribed generator receives the whole state dict **independently and concurrently**, and
+applies it between its own generation steps with ``subscriber.apply()``. Nothing is collective:
+generators subscribe and leave at any time (through the rendezvous), a slow or dead generator
+is reported as a straggler after ``deadline`` seconds and never delays the others, and a
+generator that joins late (or restarts) catches up with ``await subscriber.pull()``.
+
+How a version travels, and why it is never torn:
+
+* The publisher packs the state dict (after ``rename``/``include``/``fp8`` hooks) into one of
+  two **snapshot** buffers, guarded by a per-slot generation counter (a seqlock), and publishes
+  the layout (names, shapes, dtypes, byte offsets, buckets) as a read-only region.
+* Each subscriber registers two **slots** of the packed size and a small control block. The
+  publisher writes a version into the slot the subscriber is *not* about to read, bucket by
+  bucket (many tensors per transfer, at most ``max_inflight`` transfers in flight per
+  subscriber), and only when every byte is in the subscriber's memory does it write the slot's
+  number and the version into the control block (the *front*) and ring a doorbell signal.
+* ``apply()`` announces which slot it is reading in the control block, re-checks the front (the
+  classic two-flag handshake, with memory barriers on both sides), and copies that slot into the
+  model. The publisher never writes the slot a subscriber has announced; if the subscriber is
+  still reading it, the publisher waits (at most until the deadline).
+* ``pull()`` reads the publisher's current snapshot one-sidedly and keeps it only if the slot's
+  generation counter did not move during the read.
+
+Memory: the publisher holds two packed copies of the (converted) weights, each subscriber two
+packed slots; nothing else grows with the model or the number of subscribers.
+
+Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
+words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_report`` (what a publish
+reports), ``_subscriber`` (``Subscriber``). Packing and unpacking use the batched gather/scatter
+of ``transport._kernels``.
+"""
+
+from .._public import rehome
+from ._layout import LayoutMismatchError as LayoutMismatchError
+from ._publisher import Publisher as Publisher
+from ._report import PublishReport as PublishReport
+from ._report import SyncResult as SyncResult
+from ._report import SyncStatus as SyncStatus
+from ._subscriber import Subscriber as Subscriber
+
+__all__ = ["LayoutMismatchError", "PublishReport", "Publisher", "Subscriber", "SyncResult", "SyncStatus"]
+
+rehome(globals(), __all__, __name__)

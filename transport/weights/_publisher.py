@@ -1,0 +1,386 @@
+"""The trainer side of weight sync: ``Publisher``.
+
+A publish packs what cannot travel straight from the live tensors into one of two snapshots,
+pushes the version into every current subscriber independently (bucket by bucket, into the slot
+the subscriber is not about to read), makes it the subscriber's front, and rings its doorbell in
+the background. See :mod:`transport.weights` for the whole protocol.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from .. import _kernels
+from .._errors import TransportError
+from ._control import (
+    CTL_WORDS,
+    FRONT,
+    GEN0,
+    LAYOUT_ID,
+    POLL_S,
+    StreamKeys,
+    decode_front,
+    encode_front,
+    free_slot,
+    memory_barrier,
+    withdraw,
+)
+from ._layout import Entry, LayoutMismatchError, build_layout, describe, tensors_of
+from ._report import PublishReport, SyncResult, SyncStatus
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from .. import Peer, Transfer, Transport
+
+log = logging.getLogger("transport.weights")
+
+Bucket = tuple[int, int]  # [start, end) byte range of a version
+
+
+class Publisher:
+    """Trainer side: publishes versions of a state dict to every current subscriber.
+
+    Use as ``async with Publisher(t, model) as pub:`` (or ``await pub.start()`` /
+    ``await pub.aclose()``). The publisher rings doorbells in a task group of its own that lives
+    from ``start`` to ``aclose``, so those two nest like the ``async with`` they stand for: the
+    same task, and no cancel scope (``move_on_after``, a task group) entered between them may
+    still be open at ``aclose``.
+
+    Args:
+        transport: an open Transport.
+        state: an ``nn.Module`` or a name -> tensor mapping (CPU or CUDA). Tensors are read at each
+            publish, so in-place optimizer updates are picked up.
+        name: the stream name; subscribers name the same one.
+        bucket_bytes: target size of one transfer (many tensors are packed per bucket).
+        max_inflight: transfers in flight per subscriber.
+        deadline: seconds a publish waits for any one subscriber; slower ones are stragglers.
+        rename: trainer name -> wire name, or None to leave the tensor out.
+        include: keep only tensors for which this returns True (applied before ``rename``).
+        fp8: send tensors for which ``fp8(wire_name, tensor)`` is True as float8 e4m3 with a
+            per-tensor scale (subscribers convert back to their own dtype on apply).
+
+    Raises:
+        ValueError: ``max_inflight`` < 1, ``deadline`` not positive, ``bucket_bytes`` not
+            positive, or two tensors map to one wire name.
+        TypeError: a state value is not a tensor.
+        TransportError: a tensor is on neither the CPU nor a CUDA device.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        state: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        name: str = "policy",
+        bucket_bytes: int = 16 << 20,
+        max_inflight: int = 4,
+        deadline: float = 30.0,
+        rename: Callable[[str], str | None] | None = None,
+        include: Callable[[str], bool] | None = None,
+        fp8: Callable[[str, torch.Tensor], bool] | None = None,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        if not deadline > 0:
+            raise ValueError("deadline must be > 0")
+        self.t = transport
+        self.name = name
+        self.deadline = float(deadline)
+        self.max_inflight = max_inflight
+        self._keys = StreamKeys.of(name)
+        wire: dict[str, torch.Tensor] = {}
+        for k, v in tensors_of(state).items():
+            if include is not None and not include(k):
+                continue
+            w = rename(k) if rename is not None else k
+            if w is None:
+                continue
+            if w in wire:
+                raise ValueError(f"two tensors map to the wire name {w!r}")
+            wire[w] = v
+        self._wire = wire
+        self.layout = build_layout(name, wire, bucket_bytes=bucket_bytes, fp8=fp8)
+        self.version: int | None = None
+        self._ringing: dict[tuple[str, str], int] = {}  # (subscriber, incarnation) -> newest version to ring
+        self._rings: TaskGroup | None = None  # runs the doorbell loops; open between start and aclose
+        self._lock = anyio.Lock()
+        self._started = False
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes this publisher holds for staging: two packed snapshots."""
+        return 2 * self.layout.total
+
+    async def start(self) -> None:
+        """Registers the layout, the snapshots and the control block (read-only to peers), and
+        opens the task group that rings doorbells.
+
+        Raises:
+            RegistrationError: the stream's keys are registered already (another publisher of
+                this stream on this Transport).
+            ClosedError: the Transport is closed.
+        """
+        t, k = self.t, self._keys
+        layout_bytes = self.layout.encode()
+        layout_t = t.empty(k.layout, len(layout_bytes), torch.uint8, writable=False)
+        layout_t.copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
+        self._snaps = [t.empty(key, self.layout.total, torch.uint8, writable=False) for key in k.snapshots]
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+        ctl[LAYOUT_ID] = self.layout.layout_id
+        self._ctl = t.empty(k.pubctl, CTL_WORDS, torch.int64, writable=False)
+        self._ctl.copy_(ctl)
+        self._plan_sources()
+        rings = anyio.create_task_group()
+        await rings.__aenter__()
+        self._rings = rings
+        self._started = True
+        log.info("publisher %s/%s: %s (%d of %d buckets sent straight from the live tensors)", t.name, self.name,
+                 describe(self.layout), len(self._direct), len(self.layout.buckets))
+
+    async def aclose(self) -> None:
+        """Withdraws the published regions (subscribers can no longer pull) and stops the
+        doorbells still ringing (their subscribers' fronts are set: apply()/wait_version see
+        the versions without them).
+
+        Call it from the task that called :meth:`start`, outside every cancel scope entered
+        since (see the class docstring). Idempotent. Bounded: the doorbells are cancelled, not
+        awaited.
+
+        Cancellation: the regions are withdrawn and the doorbells stopped all the same.
+        """
+        if not self._started:
+            return
+        self._started = False
+        rings, self._rings = self._rings, None
+        try:
+            withdraw(self.t, [self._keys.pubctl, *self._keys.snapshots, self._keys.layout])
+        finally:
+            if rings is not None:
+                # Whatever leaves the ``async with`` body passes through unchanged (it is not
+                # handed to the task group, which would wrap it in an exception group); only a
+                # doorbell loop that failed unexpectedly surfaces here, as the group it raised.
+                rings.cancel_scope.cancel()
+                await rings.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> Publisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _plan_sources(self) -> None:
+        """Which buckets can be sent straight from the live tensors (a byte range inside one
+        unconverted contiguous tensor) and which must be packed first (several small tensors, or
+        fp8), and which entries each bucket holds."""
+        self._direct: dict[Bucket, tuple[torch.Tensor, int]] = {}
+        for start, end in self.layout.buckets:
+            for e in self.layout.entries:
+                src = self._wire[e.name]
+                if e.offset <= start and end <= e.offset + e.nbytes and e.scale_offset < 0 and src.is_contiguous():
+                    self._direct[(start, end)] = (_kernels.as_bytes(src), e.offset)
+                    break
+        self._packed_ranges = [b for b in self.layout.buckets if b not in self._direct]
+        # Bucket -> the entries with bytes in it (an fp8 entry's bytes run to the end of its scale).
+        starts = [a for a, _ in self.layout.buckets]
+        self._members: dict[Bucket, list[Entry]] = {b: [] for b in self.layout.buckets}
+        for e in self.layout.entries:
+            end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
+            if end <= e.offset:
+                continue  # no bytes
+            for i in range(max(0, bisect.bisect_right(starts, e.offset) - 1), len(starts)):
+                bucket = self.layout.buckets[i]
+                if bucket[0] >= end:
+                    break
+                if bucket[1] > e.offset:
+                    self._members[bucket].append(e)
+
+    def _pack(self, slot: int, ranges: list[Bucket]) -> None:
+        """Packs the bytes of ``ranges`` of the version into snapshot ``slot`` with one
+        ``_kernels.pack`` per bucket. fp8 tensors that touch them are quantised whole, once.
+
+        Runs in a worker thread; CUDA sources are read on that thread's current stream (the
+        default stream), and every copy into the host snapshot has completed when this returns.
+        """
+        snap = self._snaps[slot]
+        quantized: set[str] = set()
+        plain: tuple[str, torch.Tensor] | None = None  # the last plain tensor's bytes (spans buckets)
+        with torch.no_grad():
+            for a, b in ranges:
+                tensors: list[torch.Tensor] = []
+                offsets: list[int] = []
+                for e in self._members[(a, b)]:
+                    src = self._wire[e.name]
+                    if e.scale_offset >= 0:
+                        if e.name not in quantized:
+                            quantized.add(e.name)
+                            q, scale = _kernels.quantize_fp8(src)
+                            tensors += [q, scale]
+                            offsets += [e.offset, e.scale_offset]
+                        continue
+                    if plain is None or plain[0] != e.name:
+                        plain = (e.name, _kernels.as_bytes(src.contiguous()))
+                    lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+                    tensors.append(plain[1][lo - e.offset : hi - e.offset])
+                    offsets.append(lo)
+                _kernels.pack(snap, tensors, offsets)
+
+    def _source(self, snap: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        direct = self._direct.get((start, end))
+        if direct is None:
+            return snap[start:end]
+        data, offset = direct
+        return data[start - offset : end - offset]
+
+    async def subscribers(self) -> list[str]:
+        """Names of the peers currently subscribed to this stream.
+
+        Raises:
+            ClosedError: the Transport is closed.
+        """
+        return sorted(await self._discover())
+
+    async def _discover(self) -> dict[str, Peer]:
+        out = {}
+        for n in await self.t.peers():
+            if n == self.t.name:
+                continue
+            peer = await self.t.lookup(n)
+            if peer is not None and self._keys.slots[1] in peer.regions and self._keys.ctl in peer.regions:
+                out[n] = peer
+        return out
+
+    async def publish(self, version: int) -> PublishReport:
+        """Snapshots the state dict as ``version`` and pushes it to every current subscriber.
+
+        Subscribers are served independently and concurrently; this returns when each one is
+        complete, failed, or hit the deadline (a straggler: its transfers are aborted and its
+        live weights stay on the previous complete version).
+
+        Args:
+            version: must grow from one publish to the next.
+
+        Returns:
+            A :class:`PublishReport` with one :class:`SyncResult` per subscriber.
+
+        Raises:
+            ValueError: ``version`` does not grow.
+            TransportError: the publisher is not started.
+            ClosedError: the Transport is closed.
+
+        Cancellation: aborts the pushes in flight; subscribers keep their last complete version.
+        """
+        if not self._started:
+            raise TransportError("publisher not started; use `async with Publisher(...)`")
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version must grow: {version} after {self.version}")
+        async with self._lock:
+            t0 = time.perf_counter()
+            front = decode_front(int(self._ctl[FRONT]))
+            slot = 0 if front is None else 1 - front[1]
+            gen = GEN0 + slot
+            self._ctl[gen] += 1  # odd: the snapshot is being written (pullers skip it)
+            memory_barrier()
+            # Only what cannot go straight from the live tensors is packed before the pushes;
+            # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
+            # would compete with the pushes for the same memory bandwidth and cores.
+            await anyio.to_thread.run_sync(self._pack, slot, self._packed_ranges)
+            snap_s = time.perf_counter() - t0
+            results: dict[str, SyncResult] = {}
+            subs = await self._discover()
+            async with anyio.create_task_group() as tg:
+                for peer in subs.values():
+                    tg.start_soon(self._push, peer, version, self._snaps[slot], t0, results)
+            await anyio.to_thread.run_sync(self._pack, slot, list(self._direct))
+            memory_barrier()
+            self._ctl[gen] += 1  # even: stable
+            self._ctl[FRONT] = encode_front(version, slot)
+            self.version = version
+            return PublishReport(version, time.perf_counter() - t0, snap_s, results)
+
+    async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
+                    results: dict[str, SyncResult]) -> None:
+        sub, moved = peer.name, [0]
+        handles: list[Transfer] = []
+        status = SyncStatus.STRAGGLER
+        error: str | None = f"not complete within the {self.deadline:g}s deadline"
+        with anyio.move_on_after(self.deadline):
+            try:
+                await self._push_inner(peer, version, snap, handles, moved)
+                status, error = SyncStatus.DONE, None
+            except TransportError as exc:
+                status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
+            finally:
+                for h in handles:
+                    h.cancel()
+        seconds = time.perf_counter() - t0
+        results[sub] = SyncResult(sub, version, status, moved[0], seconds, error)
+        if status == SyncStatus.DONE:
+            self._ring(sub, peer.incarnation, version)
+        else:
+            log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
+
+    def _ring(self, sub: str, incarnation: str, version: int) -> None:
+        """Rings the doorbell in the background: a subscriber busy generating acknowledges it
+        when it next yields, and nobody waits for that. At most one ring per subscriber is in
+        flight; it always carries the newest version."""
+        if self._rings is None:  # closing: the front is set, the subscriber sees it without a ring
+            return
+        key = (sub, incarnation)
+        pending = key in self._ringing
+        self._ringing[key] = version
+        if not pending:
+            self._rings.start_soon(self._ring_loop, key)
+
+    async def _ring_loop(self, key: tuple[str, str]) -> None:
+        sub = key[0]
+        try:
+            while True:
+                version = self._ringing[key]
+                try:
+                    await self.t.signal(sub, self._keys.doorbell, version, timeout=self.deadline)
+                except TransportError as exc:  # its front is set; apply()/wait_version poll it
+                    log.info("publisher %s: doorbell %d to %s not acknowledged: %s", self.t.name, version, sub, exc)
+                    return
+                if self._ringing[key] == version:
+                    return
+        finally:
+            self._ringing.pop(key, None)
+
+    async def _push_inner(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer],
+                          moved: list[int]) -> None:
+        t, k, sub = self.t, self._keys, peer.name
+        slot_bytes = peer.regions[k.slots[0]].nbytes
+        if slot_bytes != self.layout.total:
+            raise LayoutMismatchError(f"{sub}'s slots hold {slot_bytes} bytes; this layout needs {self.layout.total}")
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+        await t.get(ctl, sub, key=k.ctl)
+        if int(ctl[LAYOUT_ID]) != self.layout.layout_id:
+            raise LayoutMismatchError(
+                f"{sub} subscribed to a different layout of {self.name!r} (restart it or let it re-subscribe)"
+            )
+        nslots = 3 if k.slots[2] in peer.regions else 2
+        while (back := free_slot(ctl, nslots)) is None:  # it is applying or living in them
+            await anyio.sleep(POLL_S)
+            await t.get(ctl, sub, key=k.ctl)
+        window: list[Transfer] = []
+        for start, end in self.layout.buckets:
+            if len(window) >= self.max_inflight:
+                await window.pop(0)
+            h = t.put(self._source(snap, start, end), sub, key=k.slots[back], offset=start)
+            handles.append(h)
+            window.append(h)
+        for h in window:
+            await h
+        moved[0] = self.layout.total
+        # Every byte is in its memory (puts complete only then): now make the slot the front.
+        front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
+        await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
