@@ -7,14 +7,21 @@ its peer published it (before any byte moves), the target against its own live r
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from . import _cuda, _native
-from ._errors import BackendUnavailableError, BoundsError, DTypeMismatchError, ReadOnlyRegionError, RegistrationError
+from ._errors import (
+    BackendUnavailableError,
+    BoundsError,
+    DTypeMismatchError,
+    ReadOnlyRegionError,
+    RegistrationError,
+    TransportError,
+)
 from ._tensors import MemoryKind, byte_view, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
 from ._wire import RegionRecord, TransferOp
 
@@ -74,36 +81,39 @@ def check(
     offset: object,
     nbytes: object,
     *,
-    known: Sequence[str] = (),
+    known: Collection[str] = (),
 ) -> None:
     """The one rule for a transfer of ``nbytes`` ``dtype`` bytes at byte ``offset`` of
     ``owner``'s region ``key`` (``region``, or None when ``owner`` has no such key).
 
     Every argument but ``op`` and ``owner`` may come off the wire, so each is type-checked.
+    It runs for every transfer: nothing is formatted unless it fails.
 
     Raises:
-        RegistrationError: no such region (``known`` lists some keys it does have).
+        RegistrationError: no such region (``known``: keys it does have, for the message).
         DTypeMismatchError: ``dtype`` is not the region's.
         BoundsError: the range is negative, outside the region, or not element-aligned.
         ReadOnlyRegionError: a put into a region registered read-only.
     """
-    where = f"{op.value} of {nbytes} bytes at offset {offset} of {owner}:{key!r}"
+
+    def refuse(error: type[TransportError], why: str) -> TransportError:
+        return error(f"{op.value} of {nbytes} bytes at offset {offset} of {owner}:{key!r}: {why}")
+
     if region is None:
         has = f" (it has: {', '.join(sorted(known)[:8])})" if known else ""
-        raise RegistrationError(f"{where}: {owner} has no region {key!r}{has}")
+        raise refuse(RegistrationError, f"{owner} has no region {key!r}{has}")
     region_dtype = region.dtype if isinstance(region.dtype, str) else dtype_name(region.dtype)
     if dtype != region_dtype:
-        raise DTypeMismatchError(f"{where}: the data is {dtype} but the region is {region_dtype}")
-    if not isinstance(offset, int) or not isinstance(nbytes, int) or isinstance(offset, bool) \
-            or isinstance(nbytes, bool):
-        raise BoundsError(f"{where}: offset and size must be integers")
+        raise refuse(DTypeMismatchError, f"the data is {dtype} but the region is {region_dtype}")
+    if type(offset) is not int or type(nbytes) is not int:  # bool is no byte count either
+        raise refuse(BoundsError, "offset and size must be integers")
     if offset < 0 or nbytes < 0 or offset + nbytes > region.nbytes:
-        raise BoundsError(f"{where}: exceeds its {region.nbytes} bytes")
+        raise refuse(BoundsError, f"exceeds its {region.nbytes} bytes")
     itemsize = dtype_from_name(region_dtype).itemsize
     if offset % itemsize:
-        raise BoundsError(f"{where}: offset is not a multiple of the {region_dtype} element size {itemsize}")
+        raise refuse(BoundsError, f"offset is not a multiple of the {region_dtype} element size {itemsize}")
     if op == TransferOp.PUT and not region.writable:
-        raise ReadOnlyRegionError(f"{where}: {owner}:{key!r} is read-only")
+        raise refuse(ReadOnlyRegionError, f"{owner}:{key!r} is read-only")
 
 
 class Describer(Protocol):

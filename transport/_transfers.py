@@ -122,7 +122,7 @@ class TransferEngine:
     def _check_remote(self, record: PeerRecord, xfer: Transfer, dtype: torch.dtype) -> RegionRecord:
         region = record.regions.get(xfer.key)
         check(xfer.op, record.name, xfer.key, region, dtype_name(dtype), xfer.offset, xfer.nbytes,
-              known=list(record.regions))
+              known=record.regions.keys())
         assert region is not None
         return region
 

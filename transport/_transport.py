@@ -93,7 +93,7 @@ class Transport:
             means ``$TRANSPORT_UCX_LANES`` or 2.
 
     Raises:
-        ValueError: bad arguments (checked here).
+        ValueError, TypeError: bad arguments (checked here).
         BackendUnavailableError: on entry, a requested backend cannot run here.
         RegistrationError: on entry, a live process already uses ``name``.
     """
@@ -116,14 +116,12 @@ class Transport:
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if not (heartbeat > 0 and lease > heartbeat):
             raise ValueError(f"need 0 < heartbeat < lease, got heartbeat={heartbeat!r}, lease={lease!r}")
         if isinstance(backends, str):
             backends = (backends,)
         self.name = name
-        self.timeout = float(timeout)
+        self.timeout = _seconds(timeout, "timeout")
         self.incarnation = secrets.token_hex(8)
         self._store_url = store
         self._requested = tuple(backends) if backends is not None else None
@@ -184,7 +182,6 @@ class Transport:
         stack.callback(self._close_backends)
         for b in self._backends:
             self._directory.subscribe(forget=b.forget_peer)
-        self._directory.subscribe(forget=self._forget_cuda)
         hello = {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}
         self._control = ChannelPool(tg, hello, self._auth)
         stack.callback(self._control.close)
@@ -228,10 +225,6 @@ class Transport:
         if self._cuda is None:
             self._cuda = _cuda.CudaEngine()
         return self._cuda
-
-    def _forget_cuda(self, peer: str) -> None:
-        if self._cuda is not None:
-            self._cuda.forget_peer(peer)
 
     def _check_open(self) -> None:
         if self._state != "open":
