@@ -500,10 +500,12 @@ class Transport:
         return await self._directory.wait(name, regions, self._timeout(timeout), self._check_open)
 
     async def lookup(self, name: str) -> Peer | None:
-        """The live peer called ``name`` as published now, or None; never waits for one.
+        """The peer called ``name`` as published now, or None; never waits for one.
 
-        Unlike :meth:`peer` this does not poll: a missing, unreadable, stale (its process
-        exited) or lost record is None.
+        Unlike :meth:`peer` this does not poll. None means nothing usable is published: no
+        record, an unreadable one, or one left by an exited process on this host. A peer this
+        Transport declared lost or excluded is returned as published (transfers to it fail with
+        ``PeerLostError`` until it restarts), so callers can report it.
 
         Raises:
             ClosedError: the Transport is closed.
@@ -512,7 +514,7 @@ class Transport:
         """
         self._check_open()
         record = await self._directory.lookup(name)
-        return None if record is None or self._directory.is_lost(record) else Peer(record)
+        return None if record is None else Peer(record)
 
     async def peers(self) -> list[str]:
         """Names of the peers currently published in the store (this one included)."""

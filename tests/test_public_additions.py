@@ -1,0 +1,96 @@
+"""The public names added by the architecture issue: lookup, serve_store, timeout checks at the
+call, available_backends, cuda_unavailable_reason (the registry and the kit have their own files)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+import torch
+import trio
+
+import transport
+
+
+def _store() -> str:
+    return f"memory://{uuid.uuid4().hex}"
+
+
+async def test_lookup_never_waits_and_sees_what_is_published_now() -> None:
+    store = _store()
+    async with transport.Transport("a", store=store, backends=("tcp",)) as a:
+        with trio.fail_after(2):  # no polling: an absent peer is None at once
+            assert await a.lookup("b") is None
+        async with transport.Transport("b", store=store, backends=("tcp",)) as b:
+            b.register("w", torch.zeros(4))
+            peer = await a.lookup("b")
+            assert peer is not None and peer.name == "b" and peer.incarnation == b.incarnation
+            assert "w" in peer.regions and peer.backends == ("tcp",)
+        assert await a.lookup("b") is None  # its record was withdrawn when it closed
+    with pytest.raises(transport.ClosedError):
+        await a.lookup("b")
+
+
+async def test_lookup_still_shows_a_peer_declared_lost() -> None:
+    store = _store()
+    async with transport.Transport("a", store=store, backends=("tcp",)) as a, \
+            transport.Transport("b", store=store, backends=("tcp",)) as b:
+        await a.peer("b")
+        a.exclude("b")
+        peer = await a.lookup("b")
+        assert peer is not None and peer.incarnation == b.incarnation  # reported, not hidden
+        b.register("w", torch.zeros(4))
+        with pytest.raises(transport.PeerLostError):
+            await a.put(torch.ones(4), "b", key="w")
+
+
+async def test_serve_store_hosts_a_tcp_rendezvous() -> None:
+    with transport.serve_store("127.0.0.1:0", timeout=10) as store:
+        assert store.url.startswith("tcp://127.0.0.1:")
+        async with transport.Transport("a", store=store.url, backends=("tcp",)) as a, \
+                transport.Transport("b", store=store.url, backends=("tcp",)) as b:
+            dst = torch.zeros(16)
+            b.register("w", dst)
+            await a.peer("b", regions=["w"])
+            await a.put(torch.arange(16, dtype=torch.float32), "b", key="w")
+            assert torch.equal(dst, torch.arange(16, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", ":80", "host:port", ""])
+def test_serve_store_refuses_a_malformed_address(address: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        transport.serve_store(address)
+
+
+@pytest.mark.parametrize(("timeout", "error"), [(math.nan, ValueError), (math.inf, ValueError), (-1.0, ValueError),
+                                                (0, ValueError), ("1", TypeError), (True, TypeError)])
+async def test_a_bad_timeout_is_refused_at_the_call_and_harms_nothing(timeout: object, error: type) -> None:
+    store = _store()
+    async with transport.Transport("a", store=store, backends=("tcp",)) as a, \
+            transport.Transport("b", store=store, backends=("tcp",)) as b:
+        dst = torch.zeros(8)
+        b.register("w", dst)
+        await a.peer("b", regions=["w"])
+        src = torch.ones(8)
+        for call in (lambda: a.put(src, "b", key="w", timeout=timeout),  # type: ignore[arg-type]
+                     lambda: a.get(src, "b", key="w", timeout=timeout)):  # type: ignore[arg-type]
+            with pytest.raises(error):
+                call()
+        with pytest.raises(error):
+            await a.fence("b", timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(error):
+            await a.wait_signal("s", timeout=timeout)  # type: ignore[arg-type]
+        assert torch.equal(dst, torch.zeros(8))  # nothing moved
+        await a.put(src, "b", key="w")  # and the Transport still works
+        assert torch.equal(dst, src)
+    with pytest.raises(error):
+        transport.Transport("c", store=store, timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_machine_support_is_answered_not_raised() -> None:
+    backends = transport.available_backends()
+    assert list(backends)[:4] == ["ipc", "ucx", "nccl", "tcp"]
+    assert backends["tcp"] is None  # tcp runs everywhere
+    reason = transport.cuda_unavailable_reason()
+    assert reason is None or (isinstance(reason, str) and reason)
