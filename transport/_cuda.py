@@ -191,8 +191,8 @@ def ready_event(t: torch.Tensor) -> Any:
 
 
 # Legacy CUDA IPC opens a handle once per process and device (a second open of the same handle
-# fails), so the imports of every CudaEngine in the process share one table:
-# (handle, device) -> [address, number of engine imports using it].
+# fails), so the imports of every CudaCopier in the process share one table:
+# (handle, device) -> [address, number of copiers' imports using it].
 _ipc_lock = threading.Lock()
 _ipc_opened: dict[tuple[bytes, int], list[int]] = {}
 
@@ -219,7 +219,7 @@ def _ipc_close(handle: bytes, device: int) -> None:
 
 
 class PinnedBuffer:
-    """A page-locked host buffer from :class:`CudaEngine`'s staging pool."""
+    """A page-locked host buffer from :class:`CudaCopier`'s staging pool."""
 
     def __init__(self, nbytes: int, device: int) -> None:
         self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -232,7 +232,7 @@ class PinnedBuffer:
         _call("cuMemHostUnregister", driver.host_unregister, self.address, self._device)
 
 
-class CudaEngine:
+class CudaCopier:
     """One Transport's CUDA resources: a stream per device, a pool of done-events, pinned
     staging buffers, page-locked peer mappings, and CUDA IPC imports cached per peer."""
 
@@ -265,7 +265,7 @@ class CudaEngine:
         return _call("cuEventCreate", driver.event_create, device)
 
     async def copy(self, dst: int, src: int, nbytes: int, device: int, ready: Any = None) -> None:
-        """Copies ``nbytes`` (device or host addresses) on this engine's stream for ``device``,
+        """Copies ``nbytes`` (device or host addresses) on this copier's stream for ``device``,
         after ``ready`` (a torch.cuda.Event or None), and returns once the copy is done.
 
         Cancellation: takes effect once the enqueued copy has finished on the device (it cannot

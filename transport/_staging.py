@@ -7,7 +7,7 @@ A :class:`Bounce` is driven by whoever moves the bytes, piece by piece (one piec
 :func:`staging_pieces`), so a huge tensor never needs a huge buffer and no
 closure is handed down to be called back::
 
-    async with bounce(local, nbytes, engine) as b:
+    async with bounce(local, nbytes, copier) as b:
         for pos, size in b.pieces:
             if op is PUT:
                 await b.load(pos, size)           # the tensor -> the buffer
@@ -71,11 +71,11 @@ class Bounce(abc.ABC):
 
 
 class PinnedBounce(Bounce):
-    """A CUDA tensor through one pinned host buffer of the engine's pool."""
+    """A CUDA tensor through one pinned host buffer of the CUDA copier's pool."""
 
-    def __init__(self, engine: _cuda.CudaEngine, local: LocalBuffer, nbytes: int, buf: _cuda.PinnedBuffer) -> None:
+    def __init__(self, copier: _cuda.CudaCopier, local: LocalBuffer, nbytes: int, buf: _cuda.PinnedBuffer) -> None:
         super().__init__(local, nbytes)
-        self._engine = engine
+        self._copier = copier
         self._device = local.tensor.device.index
         self._buf = buf
 
@@ -88,10 +88,10 @@ class PinnedBounce(Bounce):
         return LocalBuffer(self._buf.tensor[:size].view(self.local.tensor.dtype), MemoryKind.CPU)
 
     async def load(self, pos: int, size: int) -> None:
-        await self._engine.copy(self._buf.address, self.local.address + pos, size, self._device, self.local.ready)
+        await self._copier.copy(self._buf.address, self.local.address + pos, size, self._device, self.local.ready)
 
     async def store(self, pos: int, size: int) -> None:
-        await self._engine.copy(self.local.address + pos, self._buf.address, size, self._device, self.local.ready)
+        await self._copier.copy(self.local.address + pos, self._buf.address, size, self._device, self.local.ready)
 
 
 class DeviceBounce(Bounce):
@@ -119,13 +119,13 @@ class DeviceBounce(Bounce):
 
 
 @contextlib.asynccontextmanager
-async def bounce(local: LocalBuffer, nbytes: int, engine: Callable[[], _cuda.CudaEngine]) -> AsyncIterator[Bounce]:
+async def bounce(local: LocalBuffer, nbytes: int, copier: Callable[[], _cuda.CudaCopier]) -> AsyncIterator[Bounce]:
     """A bounce buffer for moving ``nbytes`` of ``local`` over a backend of the other memory
-    kind: pinned host memory (from ``engine()``'s pool) for a CUDA tensor, a buffer on the
+    kind: pinned host memory (from ``copier()``'s pool) for a CUDA tensor, a buffer on the
     current GPU for a host tensor. At most one staging chunk, whatever ``nbytes`` is."""
     chunk = min(nbytes, staging_chunk(local.tensor.dtype.itemsize))
     if local.kind == MemoryKind.CUDA:
-        eng = engine()
+        eng = copier()
         buf = await eng.acquire_staging(chunk, local.tensor.device.index)
         try:
             yield PinnedBounce(eng, local, nbytes, buf)

@@ -50,11 +50,11 @@ class TransferEngine:
         directory: peer records and liveness.
         backends: the backends in preference order.
         flight: the flight recorder.
-        cuda: the Transport's CUDA engine, made on first use (pinned staging).
+        cuda: the Transport's CUDA copier, made on first use (pinned staging).
     """
 
     def __init__(self, name: str, tg: TaskGroup, directory: PeerDirectory, backends: Sequence[Backend],
-                 flight: FlightRecorder, cuda: Callable[[], _cuda.CudaEngine]) -> None:
+                 flight: FlightRecorder, cuda: Callable[[], _cuda.CudaCopier]) -> None:
         self.name = name
         self._tg = tg
         self._directory = directory

@@ -135,7 +135,7 @@ class Transport:
         self._regions = RegionTable(name)
         self._backends: list[Backend] = []
         self._seq = 0
-        self._cuda: _cuda.CudaEngine | None = None  # ipc's CUDA copies and all staging; made on first use
+        self._cuda: _cuda.CudaCopier | None = None  # ipc's CUDA copies and all staging; made on first use
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -177,7 +177,7 @@ class Transport:
         self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
         tg.start_soon(self._agent.serve, tg)
         ctx = BackendContext(self.name, self.incarnation, me.pid, me.host, tg, self._copier, self.timeout,
-                             self._auth, self._lanes, self._store, self._cuda_engine, self._directory.watch)
+                             self._auth, self._lanes, self._store, self._cuda_copier, self._directory.watch)
         self._backends = routes.backends = [cls(ctx) for cls in backend_classes]
         stack.callback(self._close_backends)
         for b in self._backends:
@@ -187,7 +187,7 @@ class Transport:
         stack.callback(self._control.close)
         self._directory.subscribe(forget=self._control.forget_peer)
         self._transfers = TransferEngine(self.name, tg, self._directory, self._backends, self._flight,
-                                         self._cuda_engine)
+                                         self._cuda_copier)
         self._signals = routes.signals = Signals(self.name, self._directory, self._transfers, self._control,
                                                  self._flight)
         await self._directory.claim()
@@ -221,9 +221,9 @@ class Transport:
             self._cuda.close()
             self._cuda = None
 
-    def _cuda_engine(self) -> _cuda.CudaEngine:
+    def _cuda_copier(self) -> _cuda.CudaCopier:
         if self._cuda is None:
-            self._cuda = _cuda.CudaEngine()
+            self._cuda = _cuda.CudaCopier()
         return self._cuda
 
     def _check_open(self) -> None:

@@ -35,16 +35,16 @@ def is_device(region: RegionRecord) -> bool:
 class CudaIpc:
     """CUDA IPC for one :class:`IpcBackend` (created on the first device-memory use)."""
 
-    def __init__(self, pid: int, engine: Callable[[], _cuda.CudaEngine]) -> None:
+    def __init__(self, pid: int, copier: Callable[[], _cuda.CudaCopier]) -> None:
         self._pid = pid  # a region of this very process (another Transport in it, or ourselves)
         # is used at its own address: CUDA IPC cannot open a handle in the process that made it
-        self._engine_of = engine  # the Transport's engine (it closes it, after this backend)
+        self._copier_of = copier  # the Transport's CUDA copier (it closes it, after this backend)
         self._used = False
 
     @property
-    def engine(self) -> _cuda.CudaEngine:
+    def copier(self) -> _cuda.CudaCopier:
         self._used = True
-        return self._engine_of()
+        return self._copier_of()
 
     def region_descriptor(self, region: Region) -> bytes:
         desc = region.backend_state.get("ipc")  # exported once per registration
@@ -95,7 +95,7 @@ class CudaIpc:
         self, peer: PeerRecord, remote: RemoteTarget, local: LocalBuffer
     ) -> tuple[int, int, _cuda.IpcImportKey | None]:
         """(address of the remote range in this process, device to copy on, the IPC import held
-        for the copy or None); release the import with ``engine.release_ipc``."""
+        for the copy or None); release the import with ``copier.release_ipc``."""
         handle, base, offset, _nbytes = _DEVICE_REGION.unpack(remote.region.descriptors["ipc"])
         device = self._open_device(remote.region, local)
         if device is None:
@@ -103,7 +103,7 @@ class CudaIpc:
         if peer.pid == self._pid:  # a region of this process: its own address
             return base + offset + remote.offset, device, None
         try:
-            held = self.engine.acquire_ipc(peer.name, peer.incarnation, handle, device)
+            held = self.copier.acquire_ipc(peer.name, peer.incarnation, handle, device)
         except TransportInternalError as exc:
             if _cuda.local_index(remote.region.device) is not None:
                 raise
@@ -114,13 +114,13 @@ class CudaIpc:
             ) from exc
         return held[1] + offset + remote.offset, device, held[0]
 
-    def engine_factory(self) -> _cuda.CudaEngine:
-        """The engine, for a bounce buffer (``transport._staging.bounce``)."""
-        return self.engine
+    def copier_factory(self) -> _cuda.CudaCopier:
+        """The CUDA copier, for a bounce buffer (``transport._staging.bounce``)."""
+        return self.copier
 
     async def copy_device(self, peer: PeerRecord, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
         """Moves ``remote.nbytes`` between ``local`` (host or device) and the peer's device region."""
-        eng = self.engine
+        eng = self.copier
         there, device, held = self._device_copy_target(peer, remote, local)
         dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
         try:
@@ -134,7 +134,7 @@ class CudaIpc:
         """Moves ``nbytes`` between the CUDA tensor ``local`` and a peer's host region mapped here
         at ``there``; ``mapping`` = (address, nbytes, read_only) of the whole mapping, which is
         page-locked once so the copy is DMA."""
-        eng = self.engine
+        eng = self.copier
         device = local.tensor.device.index
         pinned = await eng.pin(*mapping, device)
         try:
@@ -145,9 +145,9 @@ class CudaIpc:
 
     def forget_peer(self, peer: str) -> None:
         if self._used:
-            self.engine.forget_peer(peer)
+            self.copier.forget_peer(peer)
 
     def unpin(self, address: int, nbytes: int) -> None:
         """Call before a host mapping this backend may have page-locked is unmapped."""
         if self._used:
-            self.engine.unpin(address, nbytes)
+            self.copier.unpin(address, nbytes)

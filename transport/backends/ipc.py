@@ -70,7 +70,7 @@ class IpcBackend(Backend):
         self._ctl = _native.shared_buffer(4096, f"transport:{ctx.name}:ctl")
         self._peer_ctl: dict[tuple[str, str], PeerMapping | None] = {}
         if ctx.cuda is None:
-            raise TransportInternalError("the ipc backend needs the Transport's CUDA engine (BackendContext.cuda)")
+            raise TransportInternalError("the ipc backend needs the Transport's CUDA copier (BackendContext.cuda)")
         self._cuda = CudaIpc(ctx.pid, ctx.cuda)
 
     def endpoint_descriptor(self) -> bytes:
@@ -194,7 +194,7 @@ class IpcBackend(Backend):
             return
         # Reachable by cross-memory attach only: through pinned staging, piece by piece.
         there, kind = addr + remote.offset, (CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ)
-        async with bounce(local, remote.nbytes, self._cuda.engine_factory) as b:
+        async with bounce(local, remote.nbytes, self._cuda.copier_factory) as b:
             for pos, size in b.pieces:
                 staging = b.buffer(size).address
                 if op == TransferOp.PUT:
