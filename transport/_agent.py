@@ -227,6 +227,27 @@ class Channel:
             sock = await connect(address)
         except OSError as exc:
             raise PeerLostError(f"cannot reach the agent of {peer} at {address[0]}:{address[1]}: {exc}") from exc
+        return await cls.greet(tg, sock, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
+
+    @classmethod
+    async def greet(
+        cls,
+        tg: TaskGroup,
+        sock: socket.socket,
+        *,
+        peer: str,
+        peer_incarnation: str,
+        hello: Mapping[str, Any],
+        auth: Authenticator,
+    ) -> Channel:
+        """Says HELLO on a connected ``sock`` (see :meth:`open`, which connects first); the
+        channel owns the socket from here on, and closes it if the handshake fails.
+
+        Raises:
+            PeerLostError: the connection broke, or another incarnation answered.
+            AuthenticationError: either side lacks the shared token.
+            TransportError: any other refusal, or the HELLO could not be sent in time.
+        """
         chan = cls(sock, peer)
         meta = {**hello, "to": peer, "to_incarnation": peer_incarnation}
         meta.update(auth.hello_fields(meta["from"], meta["from_incarnation"], peer, peer_incarnation))

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import TaskGroup
 
-from ._agent import Channel
+from ._agent import Channel, connect
 from ._auth import Authenticator
-from ._errors import AuthenticationError, PeerLostError, PeerNotFoundError, RegistrationError, TransportError
+from ._errors import PeerLostError, PeerNotFoundError, RegistrationError, TransportError
 from ._flight import FlightRecorder
 from ._host import process_alive
 from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases
@@ -124,7 +124,8 @@ class PeerDirectory:
         self._on_lost: list[Lost] = []
         self._heartbeat: Heartbeat | None = None
         self._tg: TaskGroup | None = None
-        self._watchers: dict[tuple[str, str], Channel | None] = {}  # (peer, incarnation) -> its connection
+        # (peer, incarnation) -> its watch connection, or the token of the attempt making it
+        self._watchers: dict[tuple[str, str], Channel | object] = {}
         self.closed = False
 
     def subscribe(self, *, forget: Forget | None = None, lost: Lost | None = None) -> None:
@@ -356,29 +357,39 @@ class PeerDirectory:
         key = (record.name, record.incarnation)
         if self._tg is None or self.closed or key in self._watchers or self.is_lost(record):
             return
-        self._watchers[key] = None
-        self._tg.start_soon(self._watch_connection, record)
+        attempt = self._watchers[key] = object()
+        self._tg.start_soon(self._watch_connection, record, attempt)
 
-    async def _watch_connection(self, record: PeerRecord) -> None:
+    async def _watch_connection(self, record: PeerRecord, attempt: object) -> None:
         key = (record.name, record.incarnation)
         assert self._tg is not None
         agent = f"{record.agent[0]}:{record.agent[1]}"
         hello = {"from": self.me.name, "from_incarnation": self.me.incarnation, "lane": "watch"}
+        why_not = None
         try:
             with anyio.fail_after(_WATCH_CONNECT_TIMEOUT_S):
-                chan = await Channel.open(self._tg, record.agent, peer=record.name, peer_incarnation=record.incarnation,
-                                          hello=hello, auth=self._auth)
-        except (TimeoutError, AuthenticationError, PeerLostError) as exc:
-            cause = exc.__cause__
-            unreachable = isinstance(cause, OSError) and cause.errno != errno.ECONNREFUSED
-            if isinstance(exc, PeerLostError) and not unreachable:  # refused, or another incarnation answers
-                self._lost_by_watch(record, f"its agent at {agent}: {exc}")
-            else:
-                log.info("transport %s: cannot watch %s through its agent at %s (%s); a failure of it will "
-                         "surface through heartbeats or a timeout", self.me.name, record.name, agent,
-                         str(exc) or type(exc).__name__)
+                try:
+                    sock = await connect(record.agent)
+                except OSError as exc:
+                    if exc.errno == errno.ECONNREFUSED:  # nothing listens there any more: it is gone
+                        self._lost_by_watch(record, f"its agent at {agent} refused a connection: {exc}")
+                        return
+                    raise
+                # From here on a broken connection, or another incarnation answering, is a loss.
+                chan = await Channel.greet(self._tg, sock, peer=record.name, peer_incarnation=record.incarnation,
+                                           hello=hello, auth=self._auth)
+        except PeerLostError as exc:
+            self._lost_by_watch(record, f"its agent at {agent}: {exc}")
             return
-        if key not in self._watchers:  # forgotten meanwhile
+        except (OSError, TimeoutError, TransportError) as exc:  # unreachable, slow, or refused us (auth, ...)
+            why_not = str(exc) or type(exc).__name__
+        if why_not is not None:
+            if self._watchers.get(key) is attempt:
+                del self._watchers[key]
+            log.info("transport %s: cannot watch %s through its agent at %s (%s); a failure of it will "
+                     "surface through heartbeats or a timeout", self.me.name, record.name, agent, why_not)
+            return
+        if self._watchers.get(key) is not attempt:  # forgotten (or watched anew) meanwhile
             chan.close()
             return
         self._watchers[key] = chan
@@ -393,7 +404,7 @@ class PeerDirectory:
 
     def _unwatch(self, key: tuple[str, str]) -> None:
         chan = self._watchers.pop(key, None)
-        if chan is not None:
+        if isinstance(chan, Channel):
             chan.close()
 
     def _unwatch_peer(self, name: str) -> None:
