@@ -94,15 +94,10 @@ def _check_word(offset: int, nbytes: int) -> None:
         raise ValueError(f"no aligned 8-byte word at offset {offset} of {nbytes} bytes")
 
 
-class SharedBuffer:
-    """A zeroed, page-aligned host buffer in a memfd, which same-host peers map through
-    ``/proc/<pid>/fd/<fd>`` (see :class:`PeerMapping`). Create it with :func:`shared_buffer`.
+class _Mapped:
+    """Host memory the extension mapped: its address and size here."""
 
-    The memory lives while this object or any array (or tensor) made by :meth:`array` does.
-    """
-
-    def __init__(self, native: _C.SharedBuffer) -> None:
-        self._native = native
+    _native: _C.SharedBuffer | _C.PeerMapping
 
     @property
     def address(self) -> int:
@@ -111,6 +106,17 @@ class SharedBuffer:
     @property
     def nbytes(self) -> int:
         return self._native.nbytes
+
+
+class SharedBuffer(_Mapped):
+    """A zeroed, page-aligned host buffer in a memfd, which same-host peers map through
+    ``/proc/<pid>/fd/<fd>`` (see :class:`PeerMapping`). Create it with :func:`shared_buffer`.
+
+    The memory lives while this object or any array (or tensor) made by :meth:`array` does.
+    """
+
+    def __init__(self, native: _C.SharedBuffer) -> None:
+        self._native: _C.SharedBuffer = native
 
     @property
     def fd(self) -> int:
@@ -142,7 +148,7 @@ def shared_buffer(nbytes: int, name: str) -> SharedBuffer:
     return SharedBuffer(_C.SharedBuffer(nbytes, name))
 
 
-class PeerMapping:
+class PeerMapping(_Mapped):
     """This process's mapping of another same-host process's memfd (its :class:`SharedBuffer`),
     through ``/proc/<pid>/fd/<fd>``; unmapped when this object is garbage.
 
@@ -158,15 +164,7 @@ class PeerMapping:
     """
 
     def __init__(self, pid: int, fd: int, nbytes: int, writable: bool) -> None:
-        self._native = _C.PeerMapping(pid, fd, nbytes, writable)
-
-    @property
-    def address(self) -> int:
-        return self._native.address
-
-    @property
-    def nbytes(self) -> int:
-        return self._native.nbytes
+        self._native: _C.PeerMapping = _C.PeerMapping(pid, fd, nbytes, writable)
 
     def read_u64(self, offset: int = 0) -> int:
         """The 8-byte word at byte ``offset`` (8-aligned), read with one load: a concurrent
