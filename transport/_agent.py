@@ -528,6 +528,12 @@ class AgentServer:
         await self.routes.range_request(conn, kind, rid, request, plen)
 
 
+def hello(name: str, incarnation: str, lane: str) -> dict[str, str]:
+    """The HELLO fields that say who connects (``name``, ``incarnation``) and for what (``lane``);
+    :meth:`Channel.open` adds the target and the token fields."""
+    return {"from": name, "from_incarnation": incarnation, "lane": lane}
+
+
 def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:
     """Where an agent listens: ``listen`` (``HOST`` or ``HOST:PORT``) if given, else the local
     address that reaches a ``tcp://`` store (any port), else 127.0.0.1."""

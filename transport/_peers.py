@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import TaskGroup
 
-from ._agent import Channel, connect
+from ._agent import Channel, connect, hello
 from ._auth import Authenticator
 from ._errors import PeerLostError, PeerNotFoundError, RegistrationError, TransportError
 from ._flight import FlightRecorder
@@ -364,7 +364,6 @@ class PeerDirectory:
         key = (record.name, record.incarnation)
         assert self._tg is not None
         agent = f"{record.agent[0]}:{record.agent[1]}"
-        hello = {"from": self.me.name, "from_incarnation": self.me.incarnation, "lane": "watch"}
         why_not = None
         try:
             with anyio.fail_after(_WATCH_CONNECT_TIMEOUT_S):
@@ -377,7 +376,7 @@ class PeerDirectory:
                     raise
                 # From here on a broken connection, or another incarnation answering, is a loss.
                 chan = await Channel.greet(self._tg, sock, peer=record.name, peer_incarnation=record.incarnation,
-                                           hello=hello, auth=self._auth)
+                                           hello=hello(self.me.name, self.me.incarnation, "watch"), auth=self._auth)
         except PeerLostError as exc:
             self._lost_by_watch(record, f"its agent at {agent}: {exc}")
             return

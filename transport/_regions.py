@@ -149,6 +149,17 @@ class RegionTable:
     def get(self, key: object) -> Region | None:
         return self._regions.get(key) if isinstance(key, str) else None
 
+    def check(self, op: TransferOp, key: object, dtype: object, offset: object, nbytes: object) -> Region:
+        """The live region a peer's request may touch, after :func:`check` (the target side).
+
+        Raises:
+            As :func:`check`.
+        """
+        region = self.get(key)
+        check(op, self.owner, key, region, dtype, offset, nbytes)
+        assert region is not None  # check() refuses a missing region
+        return region
+
     def as_dict(self) -> dict[str, Region]:
         return dict(self._regions)
 

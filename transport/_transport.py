@@ -25,14 +25,14 @@ import anyio
 import torch
 
 from . import _cuda
-from ._agent import AgentServer, ChannelPool, Conn, listen_address
+from ._agent import AgentServer, ChannelPool, Conn, hello, listen_address
 from ._auth import Authenticator
 from ._errors import BackendUnavailableError, ClosedError, LayoutError, RegistrationError
 from ._flight import FlightRecorder
 from ._host import host_id, pid_start
 from ._native import Copier
 from ._peers import Me, Peer, PeerDirectory, peer_name
-from ._regions import Region, RegionTable, check
+from ._regions import Region, RegionTable
 from ._rendezvous import open_store
 from ._signals import Signals
 from ._tensors import MemoryKind, check_tensor, memory_kind
@@ -172,24 +172,22 @@ class Transport:
         stack.callback(tg.cancel_scope.cancel)
         self._directory = PeerDirectory(me, self._store, self._auth, self._flight, self._heartbeat_s, self._lease_s)
         stack.callback(self._directory.close)
-        routes = _Routes(self.name, self._regions)
-        host, port = listen_address(self._listen, self._store.url)
-        self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
-        tg.start_soon(self._agent.serve, tg)
         ctx = BackendContext(self.name, self.incarnation, me.pid, me.host, tg, self._copier, self.timeout,
                              self._auth, self._lanes, self._store, self._cuda_copier, self._directory.watch)
-        self._backends = routes.backends = [cls(ctx) for cls in backend_classes]
+        self._backends = [cls(ctx) for cls in backend_classes]
         stack.callback(self._close_backends)
         for b in self._backends:
             self._directory.subscribe(forget=b.forget_peer)
-        hello = {"from": self.name, "from_incarnation": self.incarnation, "lane": "control"}
-        self._control = ChannelPool(tg, hello, self._auth)
+        self._control = ChannelPool(tg, hello(self.name, self.incarnation, "control"), self._auth)
         stack.callback(self._control.close)
         self._directory.subscribe(forget=self._control.forget_peer)
         self._transfers = TransferEngine(self.name, tg, self._directory, self._backends, self._flight,
                                          self._cuda_copier)
-        self._signals = routes.signals = Signals(self.name, self._directory, self._transfers, self._control,
-                                                 self._flight)
+        self._signals = Signals(self.name, self._directory, self._transfers, self._control, self._flight)
+        routes = _Routes(self.name, self._regions, self._backends, self._signals)
+        host, port = listen_address(self._listen, self._store.url)
+        self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
+        tg.start_soon(self._agent.serve, tg)
         await self._directory.claim()
         self._state = "open"
         self._publish()
@@ -553,30 +551,25 @@ class Transport:
 class _Routes:
     """What this endpoint's agent serves: signals, backends' own requests and tcp ranges."""
 
-    def __init__(self, name: str, regions: RegionTable) -> None:
+    def __init__(self, name: str, regions: RegionTable, backends: Sequence[Backend], signals: Signals) -> None:
         self._name = name
         self._regions = regions
-        self.signals: Signals | None = None  # set once the parts exist (the agent starts first)
-        self.backends: Sequence[Backend] = ()
+        self._backends = backends
+        self._signals = signals
 
     def signal(self, request: SignalRequest) -> None:
-        if self.signals is not None:
-            self.signals.deliver(request)
+        self._signals.deliver(request)
 
     async def backend_request(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
         name = meta.get("backend")
-        for b in self.backends:
+        for b in self._backends:
             if b.name == name:
                 return await b.serve_request(meta, self._check)
-        runs = ", ".join(b.name for b in self.backends)
+        runs = ", ".join(b.name for b in self._backends)
         raise BackendUnavailableError(f"{self._name} does not run backend {name!r} (it runs {runs})")
 
     def _check(self, op: TransferOp, meta: Mapping[str, Any], nbytes: int) -> Region:
-        key = meta.get("key")
-        region = self._regions.get(key)
-        check(op, self._name, key, region, meta.get("dtype"), meta.get("offset"), nbytes)
-        assert region is not None
-        return region
+        return self._regions.check(op, meta.get("key"), meta.get("dtype"), meta.get("offset"), nbytes)
 
     async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
                             payload_len: int) -> None:

@@ -11,9 +11,9 @@ agent routes PUT / GET frames to it).
 
 from __future__ import annotations
 
-from .._agent import ChannelPool, Conn
+from .._agent import ChannelPool, Conn, hello
 from .._errors import BackendUnavailableError, TransportError
-from .._regions import RegionTable, check
+from .._regions import RegionTable
 from .._tensors import MemoryKind, dtype_name
 from .._wire import FrameKind, PeerRecord, RangeRequest, RegionRecord, TransferOp
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
@@ -30,8 +30,7 @@ class TcpBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        hello = {"from": ctx.name, "from_incarnation": ctx.incarnation, "lane": "tcp"}
-        self._pool = ChannelPool(ctx.tg, hello, ctx.auth)
+        self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth)
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
         if region.device != "cpu":
@@ -63,10 +62,8 @@ async def serve_range(regions: RegionTable, conn: Conn, kind: FrameKind, rid: in
     then receives the payload straight into the region (or sends the range back). A refused
     request's payload is read and dropped, so nothing is written and the stream stays in step."""
     op = TransferOp.PUT if kind == FrameKind.PUT else TransferOp.GET
-    region = regions.get(request.key)
     try:
-        check(op, regions.owner, request.key, region, request.dtype, request.offset, request.nbytes)
-        assert region is not None
+        region = regions.check(op, request.key, request.dtype, request.offset, request.nbytes)
         if region.view is None:
             raise BackendUnavailableError(
                 f"{regions.owner}:{region.key!r} is device memory; the agent's byte stream cannot reach it"

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from ..._agent import ChannelPool
+from ..._agent import ChannelPool, hello
 from ..._errors import TransportError, TransportInternalError
 from ..._wire import FrameKind, PeerRecord, TransferOp
 from .._base import BackendContext
@@ -64,8 +64,7 @@ class Requests:
 
     def __init__(self, ctx: BackendContext) -> None:
         self._ctx = ctx
-        self._pool = ChannelPool(ctx.tg, {"from": ctx.name, "from_incarnation": ctx.incarnation, "lane": "nccl"},
-                                 ctx.auth)
+        self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "nccl"), ctx.auth)
         self._closed = False
 
     def meta(self, op: Op | str, **fields: Any) -> dict[str, Any]:
