@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -27,37 +28,104 @@ size_t page_round(size_t n) {
 
 volatile const unsigned char kProbeByte = 0x5a;
 
+// Newer than some build hosts' headers; the kernel decides at run time.
+#ifdef F_SEAL_FUTURE_WRITE
+constexpr int kSealFutureWrite = F_SEAL_FUTURE_WRITE;
+#else
+constexpr int kSealFutureWrite = 0x0010;
+#endif
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;
+#endif
+
 }  // namespace
 
-SharedBuffer::SharedBuffer(size_t nbytes, const std::string& name) : nbytes_(nbytes) {
+SharedBuffer::SharedBuffer(size_t nbytes, const std::string& name, bool read_only) : nbytes_(nbytes) {
   mapped_ = page_round(nbytes);
-  fd_ = memfd_create(name.c_str(), MFD_CLOEXEC);
+  fd_ = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) throw_errno("memfd_create", errno);
-  if (ftruncate(fd_, static_cast<off_t>(mapped_)) != 0) {
-    int err = errno;
+  // Cleans up and throws; `err` is read before anything else can change errno.
+  auto fail = [this](int err, const std::string& what) {
+    if (addr_ != nullptr) munmap(addr_, mapped_);
+    addr_ = nullptr;
     close(fd_);
-    throw_errno("ftruncate of memfd to " + std::to_string(mapped_) + " bytes", err);
-  }
-  // MAP_POPULATE pre-faults: a never-touched destination copies at a third of memcpy speed.
-  addr_ = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, 0);
+    fd_ = -1;
+    throw_errno(what, err);
+  };
+  if (ftruncate(fd_, static_cast<off_t>(mapped_)) != 0)
+    fail(errno, "ftruncate of memfd to " + std::to_string(mapped_) + " bytes");
+  if (fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) fail(errno, "sealing the size of a memfd");
+  struct stat st;
+  if (fstat(fd_, &st) != 0) fail(errno, "fstat of a memfd");
+  inode_ = static_cast<uint64_t>(st.st_ino);
+  // MAP_POPULATE pre-faults: a never-touched destination copies at a third of memcpy speed. A
+  // read-only buffer is sealed first and populated afterwards (through this writable mapping,
+  // which the seal leaves alone), so that no other process can map it writable meanwhile.
+  addr_ = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_SHARED | (read_only ? 0 : MAP_POPULATE), fd_, 0);
   if (addr_ == MAP_FAILED) {
     int err = errno;
-    close(fd_);
     addr_ = nullptr;
-    throw_errno("mmap of memfd (" + std::to_string(mapped_) + " bytes)", err);
+    fail(err, "mmap of memfd (" + std::to_string(mapped_) + " bytes)");
+  }
+  if (read_only) {
+    int err = seal_writes();
+    if (err != 0) fail(err, "sealing a memfd against writes (F_SEAL_FUTURE_WRITE needs Linux >= 5.1)");
+    if (madvise(addr_, mapped_, kMadvPopulateWrite) != 0) {  // before Linux 5.14: one write per page
+      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+      for (size_t off = 0; off < mapped_; off += page) static_cast<volatile unsigned char*>(addr_)[off] = 0;
+    }
   }
 }
 
 SharedBuffer::~SharedBuffer() {
+  if (ro_addr_) munmap(ro_addr_, mapped_);
   if (addr_) munmap(addr_, mapped_);
   if (fd_ >= 0) close(fd_);
 }
 
-PeerMapping::PeerMapping(int pid, int fd, size_t nbytes, bool writable) : nbytes_(nbytes) {
+bool SharedBuffer::sealed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sealed_;
+}
+
+int SharedBuffer::seal_writes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sealed_) return 0;
+  // F_SEAL_SEAL too: nothing may be added afterwards (the seals we need are all there).
+  if (fcntl(fd_, F_ADD_SEALS, kSealFutureWrite | F_SEAL_SEAL) != 0) return errno;
+  sealed_ = true;
+  return 0;
+}
+
+uint64_t SharedBuffer::read_only_address() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ro_addr_ == nullptr) {
+    // Not populated: its page-table entries count in this process's RSS a second time (the
+    // pages themselves are shared), so only what peers actually read through it is mapped.
+    void* p = mmap(nullptr, mapped_, PROT_READ, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      throw_errno("read-only mmap of memfd (" + std::to_string(mapped_) + " bytes)", err);
+    }
+    ro_addr_ = p;
+  }
+  return reinterpret_cast<uint64_t>(ro_addr_);
+}
+
+PeerMapping::PeerMapping(int pid, int fd, size_t nbytes, bool writable, uint64_t inode) : nbytes_(nbytes) {
   mapped_ = page_round(nbytes);
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
   if (local < 0) throw_errno("open " + path, errno);
+  struct stat st;
+  if (inode != 0 && (fstat(local, &st) != 0 || static_cast<uint64_t>(st.st_ino) != inode)) {
+    close(local);
+    throw_errno(path + " is not the memfd that was published (inode " + std::to_string(inode) +
+                    "): the region was re-registered or its memory freed",
+                ESTALE);
+  }
   int prot = PROT_READ | (writable ? PROT_WRITE : 0);
   addr_ = mmap(nullptr, mapped_, prot, MAP_SHARED, local, 0);
   int err = errno;

@@ -4,15 +4,24 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 namespace transport {
 
 // A page-aligned, pre-faulted MAP_SHARED allocation backed by a memfd. Same-host peers map it
 // through /proc/<pid>/fd/<fd> and copy into it directly. Unmapped and closed on destruction.
+//
+// Its size is sealed (F_SEAL_SHRINK | F_SEAL_GROW) at creation: any process that can open the
+// memfd through /proc could otherwise truncate it and make our own mapping raise SIGBUS.
+// seal_writes() makes it read-only for everyone else for good (F_SEAL_FUTURE_WRITE, Linux >= 5.1):
+// this object's own mapping stays writable, but no new writable shared mapping and no write(2)
+// or hole punching of the memfd is allowed any more, whoever asks (root included).
 class SharedBuffer {
  public:
-  SharedBuffer(size_t nbytes, const std::string& name);
+  // `read_only`: seal writes before the memory is populated (see seal_writes), so that the
+  // memfd is never writable by others past the few microseconds after its creation.
+  SharedBuffer(size_t nbytes, const std::string& name, bool read_only = false);
   ~SharedBuffer();
   SharedBuffer(const SharedBuffer&) = delete;
   SharedBuffer& operator=(const SharedBuffer&) = delete;
@@ -20,19 +29,37 @@ class SharedBuffer {
   uint64_t address() const { return reinterpret_cast<uint64_t>(addr_); }
   size_t nbytes() const { return nbytes_; }
   int fd() const { return fd_; }
+  // The memfd's inode number: tells this memfd from a later one under the same fd number.
+  uint64_t inode() const { return inode_; }
+  bool sealed() const;
+
+  // Adds F_SEAL_FUTURE_WRITE | F_SEAL_SEAL (idempotent). Returns 0 or errno (EINVAL: a kernel
+  // before 5.1; EPERM: someone sealed the seals first, so writes can no longer be sealed).
+  int seal_writes();
+
+  // A second, PROT_READ mapping of the same memfd (made on first use, unmapped on destruction):
+  // the same bytes, at an address where no process can write them through process_vm_writev
+  // (EFAULT: the kernel does not force writes into a read-only shared mapping). Throws
+  // std::runtime_error when it cannot be mapped.
+  uint64_t read_only_address();
 
  private:
   void* addr_ = nullptr;
+  void* ro_addr_ = nullptr;
   size_t nbytes_ = 0;
   size_t mapped_ = 0;
   int fd_ = -1;
+  uint64_t inode_ = 0;
+  mutable std::mutex mu_;
+  bool sealed_ = false;
 };
 
-// This process's mapping of a memfd owned by process `pid`. Throws std::system_error-like
-// std::runtime_error carrying errno in `PeerMapping::last_errno` semantics via the message.
+// This process's mapping of a memfd owned by process `pid`. Throws std::runtime_error (the
+// message ends with the errno). `inode` (0: unchecked) is the inode the owner published: a file
+// behind /proc/<pid>/fd/<fd> with another inode is refused (the fd number was reused).
 class PeerMapping {
  public:
-  PeerMapping(int pid, int fd, size_t nbytes, bool writable);
+  PeerMapping(int pid, int fd, size_t nbytes, bool writable, uint64_t inode = 0);
   ~PeerMapping();
   PeerMapping(const PeerMapping&) = delete;
   PeerMapping& operator=(const PeerMapping&) = delete;

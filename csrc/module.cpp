@@ -118,16 +118,16 @@ void bind_ucx(nb::module_& m) {
           nb::arg("lane"))
       .def(
           "mem_map",
-          [](ucx::Engine& e, uint64_t address, uint64_t nbytes) {
+          [](ucx::Engine& e, uint64_t address, uint64_t nbytes, bool remote_write, bool local_write) {
             std::string rkey;
             uint64_t id;
             {
               nb::gil_scoped_release release;
-              id = e.mem_map(address, nbytes, &rkey);
+              id = e.mem_map(address, nbytes, remote_write, local_write, &rkey);
             }
             return std::make_tuple(id, nb::bytes(rkey.data(), rkey.size()));
           },
-          nb::arg("address"), nb::arg("nbytes"))
+          nb::arg("address"), nb::arg("nbytes"), nb::arg("remote_write") = true, nb::arg("local_write") = true)
       .def("mem_unmap", &ucx::Engine::mem_unmap, nb::arg("mem"), nb::call_guard<nb::gil_scoped_release>())
       .def(
           "ep_create",
@@ -223,11 +223,17 @@ NB_MODULE(_C, m) {
       .def("shutdown", &CopyEngine::shutdown, nb::call_guard<nb::gil_scoped_release>());
 
   nb::class_<SharedBuffer>(m, "SharedBuffer")
-      .def(nb::init<size_t, const std::string&>(), nb::arg("nbytes"), nb::arg("name"),
-           nb::call_guard<nb::gil_scoped_release>())
+      .def(nb::init<size_t, const std::string&, bool>(), nb::arg("nbytes"), nb::arg("name"),
+           nb::arg("read_only") = false, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("address", &SharedBuffer::address)
       .def_prop_ro("nbytes", &SharedBuffer::nbytes)
       .def_prop_ro("fd", &SharedBuffer::fd)
+      .def_prop_ro("inode", &SharedBuffer::inode)
+      .def_prop_ro("sealed", &SharedBuffer::sealed)
+      .def("seal_writes", &SharedBuffer::seal_writes,
+           "Seals the memfd against new writable mappings and writes (F_SEAL_FUTURE_WRITE); returns 0 or errno.")
+      .def("read_only_address", &SharedBuffer::read_only_address, nb::call_guard<nb::gil_scoped_release>(),
+           "The address of a PROT_READ mapping of the same memfd (made on first call). Raises RuntimeError.")
       .def(
           "array",
           [](nb::handle self) {
@@ -240,8 +246,8 @@ NB_MODULE(_C, m) {
           "A 1-D uint8 DLPack array over the buffer that keeps it alive.");
 
   nb::class_<PeerMapping>(m, "PeerMapping")
-      .def(nb::init<int, int, size_t, bool>(), nb::arg("pid"), nb::arg("fd"), nb::arg("nbytes"),
-           nb::arg("writable"))
+      .def(nb::init<int, int, size_t, bool, uint64_t>(), nb::arg("pid"), nb::arg("fd"), nb::arg("nbytes"),
+           nb::arg("writable"), nb::arg("inode") = 0)
       .def_prop_ro("address", &PeerMapping::address)
       .def_prop_ro("nbytes", &PeerMapping::nbytes);
 

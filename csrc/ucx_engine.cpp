@@ -58,7 +58,8 @@ Lane& Engine::at(int lane) const {
   return *lanes_[static_cast<size_t>(lane)];
 }
 
-uint64_t Engine::mem_map(uint64_t address, uint64_t nbytes, std::string* rkey) {
+uint64_t Engine::mem_map(uint64_t address, uint64_t nbytes, bool remote_write, bool local_write,
+                         std::string* rkey) {
   std::lock_guard<std::mutex> lock(mem_mu_);
   if (context_ == nullptr) throw std::runtime_error("the ucx engine is shut down");
   ucp_mem_map_params_t mp{};
@@ -66,6 +67,11 @@ uint64_t Engine::mem_map(uint64_t address, uint64_t nbytes, std::string* rkey) {
   mp.address = reinterpret_cast<void*>(address);
   mp.length = nbytes;
   mp.memory_type = UCS_MEMORY_TYPE_HOST;
+  if (!remote_write || !local_write) {  // else UCX's default: every access
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_PROT;
+    mp.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ |
+              (local_write ? UCP_MEM_MAP_PROT_LOCAL_WRITE : 0) | (remote_write ? UCP_MEM_MAP_PROT_REMOTE_WRITE : 0);
+  }
   ucp_mem_h h = nullptr;
   ucs_status_t st = api_.mem_map(context_, &mp, &h);
   if (st != UCS_OK) throw_status(api_, "ucp_mem_map of " + std::to_string(nbytes) + " bytes", st);

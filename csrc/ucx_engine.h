@@ -33,8 +33,11 @@ class Engine : public CompletionSink {
   const std::string& worker_address(int lane) const { return at(lane).address(); }
 
   // Registration (ucp_mem_map) of [address, address + nbytes); returns an id and fills the packed
-  // rkey peers need.
-  uint64_t mem_map(uint64_t address, uint64_t nbytes, std::string* rkey);
+  // rkey peers need. Without `remote_write` the registration grants remote read access only;
+  // without `local_write` the memory is not locally writable either (a PROT_READ mapping). Only
+  // transports that check rkeys in hardware (RDMA) enforce this: UCX's cma and tcp transports
+  // let any rkey write anywhere (see transport/backends/ucx.py).
+  uint64_t mem_map(uint64_t address, uint64_t nbytes, bool remote_write, bool local_write, std::string* rkey);
   void mem_unmap(uint64_t mem);
 
   uint64_t ep_create(int lane, const std::string& address) { return at(lane).ep_create(address); }

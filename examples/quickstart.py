@@ -8,18 +8,21 @@ Two processes rendezvous through a temporary ``file://`` store:
   ``ipc`` while it sleeps, reads them back with a one-sided get, checks them, and rings a
   ``signal`` doorbell that the generator sees when it wakes up.
 
-Run it with ``python examples/quickstart.py``; it exits 0 when everything checked out.
+Run it with ``python examples/quickstart.py`` (asyncio) or ``python examples/quickstart.py --trio``;
+the code is the same under both (``anyio`` for the few event-loop calls). It exits 0 when
+everything checked out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import sys
 import tempfile
 import time
 
+import anyio
 import torch
-import trio
 
 import transport
 
@@ -55,9 +58,9 @@ async def generator(store: str) -> bool:
         return ok
 
 
-def generator_main(store: str) -> None:
+def generator_main(store: str, runtime: str) -> None:
     """Child process entry; its exit code is 0 only if the right weights arrived."""
-    ok = trio.run(generator, store)
+    ok = asyncio.run(generator(store)) if runtime == "asyncio" else anyio.run(generator, store, backend="trio")
     sys.exit(0 if ok else 1)
 
 
@@ -80,7 +83,7 @@ async def trainer(store: str, child: multiprocessing.process.BaseProcess) -> Non
         transport.TransportError: the generator did not show up, or a transfer failed.
     """
     async with transport.Transport("trainer", store=store, backends=("ipc",), timeout=TIMEOUT_S) as t:
-        with trio.fail_after(TIMEOUT_S):
+        with anyio.fail_after(TIMEOUT_S):
             while True:  # the generator publishes itself first, its regions right after
                 if not child.is_alive():
                     raise RuntimeError(f"the generator exited early (code {child.exitcode})")
@@ -90,7 +93,7 @@ async def trainer(store: str, child: multiprocessing.process.BaseProcess) -> Non
                     continue
                 if {"weights", "status"} <= set(peer.regions) and await read_status(t) == SLEEPING:
                     break
-                await trio.sleep(0.02)
+                await anyio.sleep(0.02)
         print(f"trainer: found {peer.name} with regions {sorted(peer.regions)}; it is asleep", flush=True)
 
         weights = expected_weights()
@@ -115,16 +118,20 @@ async def trainer(store: str, child: multiprocessing.process.BaseProcess) -> Non
               "when the generator woke up)", flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Runs both sides; returns 0 only if both succeeded. The child is always joined."""
+    runtime = "trio" if "--trio" in (sys.argv[1:] if argv is None else argv) else "asyncio"
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="transport-quickstart-") as tmp:
         store = f"file://{tmp}"
-        child = ctx.Process(target=generator_main, args=(store,), name="generator")
+        child = ctx.Process(target=generator_main, args=(store, runtime), name="generator")
         child.start()
         failed = False
         try:
-            trio.run(trainer, store, child)
+            if runtime == "asyncio":
+                asyncio.run(trainer(store, child))
+            else:
+                anyio.run(trainer, store, child, backend="trio")
         except Exception as exc:  # noqa: BLE001 - the program reports any failure and exits 1
             print(f"trainer: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
             failed = True
@@ -139,7 +146,7 @@ def main() -> int:
         print(f"trainer: the generator exited with code {child.exitcode}", file=sys.stderr)
         failed = True
     if not failed:
-        print("quickstart: OK")
+        print(f"quickstart: OK (under {runtime})")
     return 1 if failed else 0
 
 

@@ -142,10 +142,11 @@ def test_store_serves_until_interrupted() -> None:
             proc.wait(timeout=30)
 
 
-def test_quickstart_example_runs() -> None:
+@pytest.mark.parametrize("runtime", ["asyncio", "trio"])
+def test_quickstart_example_runs(runtime: str) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "quickstart.py")],
+        [sys.executable, str(REPO / "examples" / "quickstart.py"), *(["--trio"] if runtime == "trio" else [])],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -153,4 +154,4 @@ def test_quickstart_example_runs() -> None:
         env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "via ipc" in r.stdout and "quickstart: OK" in r.stdout
+    assert "via ipc" in r.stdout and f"quickstart: OK (under {runtime})" in r.stdout

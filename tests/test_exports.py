@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import transport
@@ -28,14 +29,14 @@ PUBLIC = {
     "available_backends", "cuda_unavailable_reason",
     "TransportError", "ClosedError", "PeerLostError", "TransferTimeoutError", "TransferAbortedError",
     "RegistrationError", "ReadOnlyRegionError", "BoundsError", "DTypeMismatchError", "LayoutError",
-    "BackendUnavailableError", "PeerNotFoundError", "AuthenticationError", "TransportInternalError",
+    "BackendUnavailableError", "PeerNotFoundError", "AuthenticationError", "StoreError", "TransportInternalError",
 }
 TRANSPORT_METHODS = {
     "aclose", "register", "register_many", "unregister", "empty", "regions", "put", "get", "fence",
     "signal", "signal_value", "wait_signal", "peer", "lookup", "peers", "exclude", "dump_flight_record",
     "flight_record", "backends", "store_url",
 }
-WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport"}
+WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport", "LayoutMismatchError"}
 
 
 def test_public_names_are_exactly_the_documented_ones() -> None:
@@ -147,3 +148,36 @@ def test_transport_is_one_small_class_and_modules_stay_small() -> None:
     assert cls.end_lineno is not None and cls.end_lineno - cls.lineno + 1 <= 500
     big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 600}
     assert not big
+
+
+def _readme_error_tree() -> dict[str, str | None]:
+    """The error tree drawn in the README: class name -> parent name (None for the root)."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("Errors form one tree"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[: block.index("```")]
+    parents: dict[str, str | None] = {}
+    stack: list[tuple[int, str]] = []
+    for line in block.splitlines():
+        m = re.match(r"^([\s│├└─]*)(\w+)", line)
+        assert m, line
+        depth, name = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        parents[name] = stack[-1][1] if stack else None
+        stack.append((depth, name))
+    return parents
+
+
+def test_readme_draws_every_public_error_with_its_real_parent() -> None:
+    tree = _readme_error_tree()
+    errors = {n: getattr(transport, n) for n in transport.__all__
+              if isinstance(getattr(transport, n), type) and issubclass(getattr(transport, n), Exception)}
+    errors["LayoutMismatchError"] = transport.weights.LayoutMismatchError
+    assert set(tree) == set(errors), set(tree) ^ set(errors)
+    for name, parent in tree.items():
+        cls = errors[name]
+        if parent is None:
+            assert cls is transport.TransportError
+        else:
+            assert cls.__bases__[0] is errors[parent], (name, parent, cls.__bases__)

@@ -206,7 +206,7 @@ async def test_token_protects_records_and_connections(memory_store):
         await b.put(torch.ones(16), "a", key="w")  # same token: fine
         assert w.sum() == 16
         # A record signed with another token is ignored, and said so.
-        with pytest.raises(transport.PeerNotFoundError, match="another token"):
+        with pytest.raises(transport.AuthenticationError, match="another token"):
             await wrong.peer("a", timeout=0.3)
         # Without a token one can read the record, but the agent refuses the connection.
         await none.peer("a", regions=["w"])
@@ -214,7 +214,7 @@ async def test_token_protects_records_and_connections(memory_store):
             await none.put(torch.full((16,), 5.0), "a", key="w")
         assert w.sum() == 16  # nothing written
         # And a token holder does not trust an unsigned record.
-        with pytest.raises(transport.PeerNotFoundError, match="not signed"):
+        with pytest.raises(transport.AuthenticationError, match="not signed"):
             await a.peer("none", timeout=0.3)
         dump = json.dumps(a.flight_record())
         assert "s3cret" not in dump
@@ -288,14 +288,16 @@ async def test_corrupt_or_truncated_records_are_typed_errors(memory_store, junk)
 
 def test_heartbeat_reports_a_failing_store_once_and_its_recovery(tmp_path, caplog):
     """A store that stops answering gives one warning (not one per interval) and one recovery line."""
-    store_dir = tmp_path / "store"
+    store_dir = tmp_path / "parent" / "store"
     hb = Heartbeat(FileStore(store_dir), "p", "inc", 0.02)
     caplog.set_level(logging.DEBUG, logger="transport._liveness")
     hb.start()
     try:
-        store_dir.rename(tmp_path / "away")  # the store is gone (atomically): every beat fails
+        # The store's parent is gone (atomically): every beat fails (a deleted store directory
+        # alone would be recreated by the next write).
+        (tmp_path / "parent").rename(tmp_path / "away")
         time.sleep(0.3)
-        (tmp_path / "away").rename(store_dir)  # and back
+        (tmp_path / "away").rename(tmp_path / "parent")  # and back
         deadline = time.monotonic() + 10
         while not any("answers again" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
             time.sleep(0.02)

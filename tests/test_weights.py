@@ -256,16 +256,18 @@ async def publish_cycles(t, pub, src, first: int, count: int) -> list:
     return reports
 
 
-@pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
-async def test_500_cycles_zero_torn_reads(peers, zero_copy):
-    """Two subscriber processes apply as fast as they can and check every live tensor after
-    every apply while the trainer publishes 500 versions back to back."""
+@pytest.mark.parametrize(("zero_copy", "apply_async"), [(False, False), (False, True), (True, False)],
+                         ids=["copy", "copy-async", "zero-copy"])
+async def test_500_cycles_zero_torn_reads(peers, zero_copy, apply_async):
+    """Two subscriber processes apply as fast as they can (``apply()``, or ``apply_async()``
+    with the copy in a worker thread while the event loop runs) and check every live tensor
+    after every apply while the trainer publishes 500 versions back to back."""
     src = versioned(0)
     async with transport.Transport("trainer", store=peers.store, timeout=30) as t:
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         async with Publisher(t, src, bucket_bytes=256 << 10, deadline=10) as pub:
             for name in ("gen-0", "gen-1"):
-                peers.start(name, zero_copy=zero_copy)
+                peers.start(name, zero_copy=zero_copy, apply_async=apply_async)
                 await t.wait_signal(f"ready.{name}", timeout=60)
             reports = await publish_cycles(t, pub, src, 1, 500)
             for name in ("gen-0", "gen-1"):

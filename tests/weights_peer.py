@@ -37,7 +37,7 @@ async def main(spec: dict) -> None:
             versions = []
             while True:
                 stopping = t.signal_value("stop") is not None  # still apply what came before it
-                v = sub.apply()
+                v = await sub.apply_async() if spec.get("apply_async") else sub.apply()
                 if v is not None:
                     applied += 1
                     versions.append(v)

@@ -21,6 +21,7 @@ from ._errors import TransportInternalError as TransportInternalError
 from ._peers import Peer as Peer
 from ._public import rehome
 from ._regions import Region as Region
+from ._rendezvous import StoreError as StoreError
 from ._rendezvous import serve_store as serve_store
 from ._support import available_backends as available_backends
 from ._support import cuda_unavailable_reason as cuda_unavailable_reason
@@ -56,6 +57,7 @@ __all__ = [
     "BackendUnavailableError",
     "PeerNotFoundError",
     "AuthenticationError",
+    "StoreError",
     "TransportInternalError",
 ]
 

@@ -183,7 +183,9 @@ def store(args: argparse.Namespace) -> int:
     from ._rendezvous import StoreError, TCPStore
 
     try:
-        s = TCPStore(args.host, args.port, is_host=True, timeout=args.timeout)
+        # With no --host it listens on every interface (peers reach it by this host's name).
+        s = TCPStore(args.host, args.port, is_host=True, timeout=args.timeout,
+                     bind="0.0.0.0" if args.host_defaulted else None)
     except StoreError as exc:
         print(f"transport store: {exc}", file=sys.stderr)
         return 1
@@ -242,7 +244,10 @@ def flight(directory: str) -> int:
     """Prints the flight-recorder report of every dump in ``directory``; 1 if there is none."""
     from ._flight import analyze, load_dumps
 
-    dumps = load_dumps(sorted(Path(directory).glob("*.json")))
+    skipped: list[str] = []
+    dumps = load_dumps(sorted(Path(directory).glob("*.json")), skipped)
+    for line in skipped:
+        print(f"skipped {line}", file=sys.stderr)
     if not dumps:
         print(f"no flight-recorder dumps in {directory}", file=sys.stderr)
         return 1
@@ -265,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "flight":
         return flight(args.dir)
     if args.command == "store":
+        args.host_defaulted = args.host is None
         if args.host is None:
             args.host = _default_store_host()
         return store(args)

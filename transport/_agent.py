@@ -9,169 +9,79 @@ The agent authenticates connections and dispatches their requests to a :class:`R
 (signals, backends' own requests, and the ``tcp`` backend's byte ranges); it touches no region
 itself.
 
-Sockets are raw non-blocking sockets driven by ``anyio.wait_readable/wait_writable``, so the
-same code runs under trio and asyncio and ``recv_into`` lands data in place without copies.
+Anyone who can reach the port can connect, so what a connection may cost is bounded before it
+authenticates, and nothing one connection does stops the others:
+
+* the HELLO must arrive complete within ``handshake_timeout`` s with at most PRE_AUTH_META bytes
+  of metadata (checked in the header, before allocating) and no payload, or the connection closes;
+* at most ``max_preauth`` connections wait for their HELLO: a new one closes the *oldest* waiting
+  one (an honest client says HELLO at once, so idle sockets cannot lock it out); at most
+  ``max_conns`` are open in all: a new one beyond that closes the oldest waiting one or, if all
+  have said HELLO, is closed itself (without a token HELLO proves nothing: this bounds descriptors);
+* defaults 1024 / 64 / 10 s; ``$TRANSPORT_AGENT_MAX_CONNS``, ``$TRANSPORT_AGENT_MAX_PREAUTH`` and
+  ``$TRANSPORT_AGENT_HANDSHAKE_TIMEOUT`` (read when the server is made) or the fields override them;
+* a failing ``accept`` never stops the listener: out of descriptors or memory is warned about
+  (rate-limited) and retried after 0.1 s; an aborted connection is skipped;
+* an undecodable or oversized frame (WireError, JSON nested too deep included) or any unexpected
+  error closes that connection only; a garbled reply fails that channel's requests with PeerLostError.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
+import math
 import os
 import socket
+import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._auth import Authenticator
-from ._errors import (
-    AuthenticationError,
-    BoundsError,
-    ClosedError,
-    DTypeMismatchError,
-    PeerLostError,
-    ReadOnlyRegionError,
-    RegistrationError,
-    TransferTimeoutError,
-    TransportError,
-    TransportInternalError,
-)
+from ._errors import AuthenticationError, ClosedError, PeerLostError, TransferTimeoutError, TransportError
 from ._wire import (
-    FRAME_HEADER,
+    PRE_AUTH_META,
     ErrCode,
     FrameKind,
     RangeRequest,
     SignalRequest,
     WireError,
-    decode_header,
-    decode_meta,
+    close_socket,
+    connect,
+    discard,
     encode_frame,
+    error_to_frame,
+    frame_to_error,
+    read_frame_head,
+    recv_into_exactly,
+    send_all,
+    tune_socket,
 )
 
 log = logging.getLogger(__name__)
 
-_IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds the loop
-_SOCK_BUF = 4 << 20
-_YIELD_EVERY = 16  # let other tasks run at least every this many ready syscalls
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
-        except OSError:
-            pass
-
-
-async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    pos, ready = 0, 0
-    while pos < len(view):
-        try:
-            pos += sock.send(view[pos : pos + _IO_CHUNK])
-        except BlockingIOError:
-            await anyio.wait_writable(sock)
-            continue
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
-
-
-async def recv_into_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fills ``view`` from the socket. Raises EOFError if the peer closed first."""
-    pos, ready, n = 0, 0, len(view)
-    while pos < n:
-        try:
-            got = sock.recv_into(view[pos : pos + _IO_CHUNK])
-        except BlockingIOError:
-            await anyio.wait_readable(sock)
-            continue
-        if got == 0:
-            raise EOFError(f"connection closed with {n - pos} of {n} bytes outstanding")
-        pos += got
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
-
-
-async def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    await recv_into_exactly(sock, memoryview(buf))
-    return bytes(buf)
-
-
-async def discard(sock: socket.socket, n: int) -> None:
-    scratch = memoryview(bytearray(min(n, _IO_CHUNK)))
-    while n > 0:
-        k = min(n, len(scratch))
-        await recv_into_exactly(sock, scratch[:k])
-        n -= k
-
-
-async def read_frame_head(sock: socket.socket) -> tuple[FrameKind, int, dict[str, Any], int]:
-    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size))
-    meta = decode_meta(await recv_exactly(sock, hdr.meta_len))
-    return hdr.kind, hdr.request_id, meta, hdr.payload_len
-
-
-async def connect(address: tuple[str, int]) -> socket.socket:
-    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        _tune(sock)
-        try:
-            sock.connect(address)
-        except BlockingIOError:
-            await anyio.wait_writable(sock)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err)) from None
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+MAX_CONNS_ENV = "TRANSPORT_AGENT_MAX_CONNS"
+MAX_PREAUTH_ENV = "TRANSPORT_AGENT_MAX_PREAUTH"
+HANDSHAKE_TIMEOUT_ENV = "TRANSPORT_AGENT_HANDSHAKE_TIMEOUT"
+DEFAULT_MAX_CONNS = 1024
+DEFAULT_MAX_PREAUTH = 64
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+_ACCEPT_BACKOFF_S = 0.1
+_WARN_EVERY_S = 10.0
+# accept(2) passes on errors of the connection it was about to return: skip that connection.
+_CONNECTION_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.EHOSTUNREACH})
 
 
 # How a connection ends from our point of view: the peer closed or reset it, it spoke nonsense,
 # or we closed the socket under a waiting task (anyio.ClosedResourceError).
 _CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, anyio.BrokenResourceError)
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors carried in ERR frames
-
-
-def error_to_frame(exc: TransportError) -> tuple[ErrCode, str]:
-    for cls, code in (
-        (ReadOnlyRegionError, ErrCode.READ_ONLY),
-        (DTypeMismatchError, ErrCode.DTYPE),
-        (BoundsError, ErrCode.BOUNDS),
-        (RegistrationError, ErrCode.UNKNOWN_KEY),
-    ):
-        if isinstance(exc, cls):
-            return code, str(exc)
-    return ErrCode.INTERNAL, str(exc)
-
-
-def frame_to_error(meta: Mapping[str, Any], peer: str) -> TransportError:
-    code = meta.get("code", ErrCode.INTERNAL)
-    msg = f"{peer} refused: {meta.get('message', '')}"
-    cls = {
-        ErrCode.DTYPE: DTypeMismatchError,
-        ErrCode.BOUNDS: BoundsError,
-        ErrCode.UNKNOWN_KEY: RegistrationError,
-        ErrCode.READ_ONLY: ReadOnlyRegionError,
-        ErrCode.STALE: PeerLostError,
-        ErrCode.AUTH: AuthenticationError,
-    }.get(code, TransportInternalError)
-    return cls(msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,10 +190,7 @@ class Channel:
                 reply.error = self._broken
                 reply.event.set()
         self._replies.clear()
-        if self._sock.fileno() >= 0:
-            with contextlib.suppress(Exception):  # waking readers is best effort; we close anyway
-                anyio.notify_closing(self._sock)
-            self._sock.close()
+        close_socket(self._sock)
 
     def _lost(self, what: str, cause: BaseException | None) -> PeerLostError:
         err = PeerLostError(f"connection to {self.peer} lost: {what}")
@@ -363,7 +270,9 @@ class Channel:
                     await discard(self._sock, payload_len)
                 reply.kind, reply.meta = kind, meta
                 reply.event.set()
-        except _CONNECTION_ENDED as exc:
+        except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
+            if not isinstance(exc, _CONNECTION_ENDED):
+                log.warning("connection to %s: reply reader failed", self.peer, exc_info=True)
             self.close(self._lost(str(exc) or type(exc).__name__, exc))
         except anyio.get_cancelled_exc_class():
             self.close(ClosedError(f"connection to {self.peer} closed"))
@@ -413,10 +322,23 @@ class Routes(Protocol):
         """PUT / GET (the ``tcp`` backend's target side): serves the bytes and replies on ``conn``."""
 
 
+def _env_limit(name: str, default: float) -> float:
+    raw = os.environ.get(name) or str(default)
+    with contextlib.suppress(ValueError):
+        if 0 < (value := float(raw)) < math.inf:
+            return value
+    raise ValueError(f"${name} must be a positive number, got {raw!r}")
+
+
 @dataclass
 class AgentServer:
     """Accepts agent connections for the endpoint ``name`` (``incarnation``), authenticates
-    them, and dispatches their requests to ``routes``."""
+    them, and dispatches their requests to ``routes``; the limits are the module docstring's.
+
+    Raises:
+        ValueError: a limit (or its environment variable) is not a positive number.
+        OSError: ``host:port`` cannot be bound.
+    """
 
     name: str
     incarnation: str
@@ -424,8 +346,15 @@ class AgentServer:
     routes: Routes
     host: str = "127.0.0.1"
     port: int = 0
+    max_conns: int = field(default_factory=lambda: int(_env_limit(MAX_CONNS_ENV, DEFAULT_MAX_CONNS)))
+    max_preauth: int = field(default_factory=lambda: int(_env_limit(MAX_PREAUTH_ENV, DEFAULT_MAX_PREAUTH)))
+    handshake_timeout: float = field(
+        default_factory=lambda: _env_limit(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT))
 
     def __post_init__(self) -> None:
+        if not (self.max_conns >= 1 and self.max_preauth >= 1 and 0 < self.handshake_timeout < math.inf):
+            raise ValueError(f"agent limits must be positive, got max_conns={self.max_conns!r}, "
+                             f"max_preauth={self.max_preauth!r}, handshake_timeout={self.handshake_timeout!r}")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._lsock = socket.socket(family, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -433,67 +362,129 @@ class AgentServer:
         self._lsock.listen(128)
         self._lsock.setblocking(False)
         self.port = self._lsock.getsockname()[1]
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, anyio.CancelScope] = {}  # every open connection's task
+        self._waiting: dict[socket.socket, None] = {}  # those still waiting for HELLO, oldest first
+        self._warned: dict[str, tuple[float, int]] = {}  # kind of warning -> (when last logged, since)
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
 
     async def serve(self, tg: TaskGroup, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Accepts connections until cancelled (or :meth:`close`), serving each in a task of
+        ``tg``; no accept error and nothing a connection does ends it. Cancelling it closes the
+        listening socket and every connection."""
         task_status.started()
         try:
-            while True:
+            while self._lsock.fileno() >= 0:
                 await anyio.wait_readable(self._lsock)
                 try:
-                    conn, _ = self._lsock.accept()
-                except BlockingIOError:
+                    sock, addr = self._lsock.accept()
+                except (BlockingIOError, InterruptedError):
                     continue
-                _tune(conn)
-                self._conns.add(conn)
-                tg.start_soon(self._serve_conn, conn)
+                except OSError as exc:
+                    if exc.errno not in _CONNECTION_GONE:  # out of descriptors or memory, or unforeseen:
+                        # the connection stays queued, so retrying at once would spin
+                        self._warn("accept", f"accept failed ({exc}) with {len(self._conns)} connections open; "
+                                   f"retrying in {_ACCEPT_BACKOFF_S:g}s")
+                        await anyio.sleep(_ACCEPT_BACKOFF_S)
+                    continue
+                self._admit(tg, sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
+        except anyio.ClosedResourceError:
+            pass  # closed under us
         finally:
             self.close()
 
     def close(self) -> None:
         for s in [self._lsock, *self._conns]:
-            if s.fileno() >= 0:
-                with contextlib.suppress(Exception):  # waking readers is best effort
-                    anyio.notify_closing(s)
-                s.close()
+            close_socket(s)
         self._conns.clear()
+        self._waiting.clear()
 
-    async def _serve_conn(self, sock: socket.socket) -> None:
-        who = "?"
+    def _warn(self, kind: str, what: str) -> None:
+        """Logs a warning about load or abuse, at most one of each kind per _WARN_EVERY_S."""
+        now = time.monotonic()
+        last, unsaid = self._warned.get(kind, (-math.inf, 0))
+        if now - last < _WARN_EVERY_S:
+            self._warned[kind] = (last, unsaid + 1)
+            return
+        self._warned[kind] = (now, 0)
+        log.warning("agent %s: %s%s", self.name, what, f" ({unsaid} more since the last)" if unsaid else "")
+
+    def _admit(self, tg: TaskGroup, sock: socket.socket, peer: str) -> None:
+        if len(self._conns) >= self.max_conns and not self._waiting:
+            self._warn("cap", f"closed a new connection from {peer}: {len(self._conns)} connections are open "
+                       f"(the cap; ${MAX_CONNS_ENV})")
+            close_socket(sock)
+            return
+        if len(self._conns) >= self.max_conns or len(self._waiting) >= self.max_preauth:
+            self._warn("preauth", f"{len(self._waiting)} connections waiting for their HELLO, {len(self._conns)} open: "
+                       f"closing the oldest waiting one (caps ${MAX_PREAUTH_ENV}, ${MAX_CONNS_ENV})")
+            self._drop(next(iter(self._waiting)))
+        try:
+            tune_socket(sock)
+        except OSError:  # reset before we got to it
+            close_socket(sock)
+            return
+        scope = anyio.CancelScope()
+        self._conns[sock] = scope
+        self._waiting[sock] = None
+        tg.start_soon(self._serve_conn, sock, scope, peer)
+
+    def _drop(self, sock: socket.socket) -> None:
+        """Forgets a connection and closes it (stopping its task if it still runs)."""
+        self._waiting.pop(sock, None)
+        scope = self._conns.pop(sock, None)
+        if scope is not None:
+            scope.cancel()
+        close_socket(sock)
+
+    async def _serve_conn(self, sock: socket.socket, scope: anyio.CancelScope, peer: str) -> None:
         conn = Conn(sock)
         try:
-            kind, rid, meta, plen = await read_frame_head(sock)
-            if kind != FrameKind.HELLO or plen:
-                raise WireError("connection did not start with HELLO")
-            who = str(meta.get("from", "?"))
-            if meta.get("to_incarnation") != self.incarnation:
-                await conn.reply(FrameKind.ERR, rid, {
-                    "code": ErrCode.STALE,
-                    "message": f"{self.name} is incarnation {self.incarnation}, "
-                    f"not {meta.get('to_incarnation')} (it restarted; fetch its record again)",
-                })
-                return
-            try:
-                self.auth.check_hello(meta, self.name, self.incarnation)
-            except AuthenticationError as exc:
-                log.warning("agent %s: refused a connection: %s", self.name, exc)
-                await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
-                return
-            await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation,
-                                                 **self.auth.ok_fields(meta, self.incarnation)})
-            while True:
-                kind, rid, meta, plen = await read_frame_head(sock)
-                await self._dispatch(conn, kind, rid, meta, plen)
+            with scope:
+                accepted = False
+                with anyio.move_on_after(self.handshake_timeout) as handshake:
+                    peer, accepted = await self._handshake(conn, peer)
+                if not accepted:
+                    log.debug("agent %s: closing the connection from %s (%s)", self.name, peer,
+                              "no HELLO in time" if handshake.cancelled_caught else "refused")
+                    return
+                while True:
+                    kind, rid, meta, plen = await read_frame_head(sock)
+                    await self._dispatch(conn, kind, rid, meta, plen)
         except _CONNECTION_ENDED as exc:
-            log.debug("agent %s: connection from %s ended: %s", self.name, who, exc)
+            log.debug("agent %s: connection from %s ended: %s", self.name, peer, exc)
+        except Exception:  # a route's bug or an unforeseen input: this connection only
+            log.warning("agent %s: closing the connection from %s after an unexpected error", self.name, peer,
+                        exc_info=True)
         finally:
-            self._conns.discard(sock)
-            if sock.fileno() >= 0:
-                sock.close()
+            self._drop(sock)
+
+    async def _handshake(self, conn: Conn, peer: str) -> tuple[str, bool]:
+        """Reads and answers the HELLO; returns who it says it is and whether it was accepted.
+        Raises WireError if the first frame is not a HELLO of PRE_AUTH_META bytes and no payload."""
+        kind, rid, meta, plen = await read_frame_head(conn.sock, PRE_AUTH_META)
+        if kind != FrameKind.HELLO or plen:
+            raise WireError(f"connection did not start with HELLO (got {kind.name} with {plen} payload bytes)")
+        peer = f"{str(meta.get('from', '?'))[:200]} ({peer})"
+        if meta.get("to_incarnation") != self.incarnation:
+            await conn.reply(FrameKind.ERR, rid, {
+                "code": ErrCode.STALE,
+                "message": f"{self.name} is incarnation {self.incarnation}, "
+                f"not {str(meta.get('to_incarnation'))[:200]} (it restarted; fetch its record again)",
+            })
+            return peer, False
+        try:
+            self.auth.check_hello(meta, self.name, self.incarnation)
+        except AuthenticationError as exc:
+            self._warn("auth", f"refused a connection from {peer}: {exc}")
+            await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
+            return peer, False
+        self._waiting.pop(conn.sock, None)  # authenticated: no longer evictable
+        await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation,
+                                             **self.auth.ok_fields(meta, self.incarnation)})
+        return peer, True
 
     async def _dispatch(self, conn: Conn, kind: FrameKind, rid: int, meta: dict[str, Any], plen: int) -> None:
         if kind == FrameKind.SIGNAL:
@@ -520,7 +511,7 @@ class AgentServer:
         try:
             request = RangeRequest.from_meta(meta)
             if kind == FrameKind.PUT and request.nbytes != plen:
-                raise TransportInternalError("request byte count does not match its payload")
+                raise WireError("request byte count does not match its payload")
         except TransportError as exc:
             await conn.discard(plen)  # keep the stream in step; nothing is written
             await conn.refuse(rid, exc)
@@ -555,7 +546,6 @@ def local_address_towards(host: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
-
 
 
 class ChannelPool:

@@ -5,17 +5,19 @@
     TransportError
     ├── ClosedError              you closed the Transport (or it is closing)
     ├── PeerLostError            an outside failure: the peer died, its link broke (__cause__ set)
-    ├── TransferTimeoutError     the operation did not finish within its timeout
-    ├── TransferAbortedError     you cancelled a transfer that had already started
-    ├── RegistrationError        a region cannot be registered, or no such region / key
+    ├── TransferTimeoutError     the operation did not finish within its timeout (also a TimeoutError)
+    ├── TransferAbortedError     cancelled (or excluded) after it started
+    ├── RegistrationError        a region cannot be registered, or no such region / key, or it moved
     │   └── ReadOnlyRegionError  a put into a region registered with writable=False
     ├── BoundsError              offset + nbytes outside the remote region, or misaligned
     ├── DTypeMismatchError       local and remote dtypes differ
     ├── LayoutError              a tensor layout the operation cannot serve (non-contiguous dst)
+    │   └── LayoutMismatchError  (transport.weights) publisher and subscriber tensors do not match
     ├── BackendUnavailableError  no backend can serve this peer / memory kind (says what to install)
     ├── PeerNotFoundError        no peer of that name appeared within the timeout
     ├── AuthenticationError      a peer or connection did not present the shared token
-    └── TransportInternalError   a bug or an unexpected native failure (details in the message)
+    ├── StoreError               (transport._rendezvous) the rendezvous store failed or is untrusted
+    └── TransportInternalError   a bug, an unexpected native failure, or bytes that do not decode
 
 Errors about bad input are raised before any byte moves; the remote memory is then unchanged.
 """
@@ -52,8 +54,20 @@ class PeerLostError(TransportError):
     """The peer went away or its connection broke. ``__cause__`` holds the underlying error."""
 
 
-class TransferTimeoutError(TransportError):
-    """The operation did not complete within its timeout; it was aborted."""
+class TransferTimeoutError(TransportError, TimeoutError):
+    """The operation did not complete within its timeout; it was aborted.
+
+    It is also a builtin :class:`TimeoutError`, so ``except TimeoutError`` catches it.
+
+    Attributes:
+        partial: True when some bytes may already have reached the remote region (a put whose
+            bytes had started to move); its contents are then undefined until the next
+            complete write. False when nothing moved.
+    """
+
+    def __init__(self, message: str, *, partial: bool = False) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 class TransferAbortedError(TransportError):

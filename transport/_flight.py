@@ -167,15 +167,56 @@ def _install_sigusr1(rec: FlightRecorder) -> None:
 # Analysis of many processes' dumps
 
 
-def load_dumps(paths: Iterable[Path]) -> list[dict[str, Any]]:
-    """The newest dump of every (name, incarnation) among ``paths``; unreadable files skipped."""
+_Fields = dict[str, type | tuple[type, ...]]
+_DUMP_FIELDS: _Fields = {"name": str, "incarnation": str, "pid": int, "reason": str, "dropped": int,
+                         "time": (int, float), "records": list}
+_RECORD_FIELDS: _Fields = {"seq": int, "op": str, "peer": str, "key": str, "nbytes": int, "state": str,
+                  "started": (int, float)}
+_EVENT_FIELDS: _Fields = {"event": str, "peer": str, "detail": str}
+_MAX_DUMP_BYTES = 64 << 20
+
+
+def _malformed(doc: Any) -> str | None:
+    """Why ``doc`` is not a flight-recorder dump this version reads, or None."""
+    if not isinstance(doc, dict) or doc.get("format") != FLIGHT_FORMAT:
+        return "not a flight-recorder dump"
+    if doc.get("v") != FLIGHT_VERSION:
+        return f"dump version {doc.get('v')!r}, this reader reads {FLIGHT_VERSION}"
+    for fields, items, what in ((_DUMP_FIELDS, [doc], "dump"), (_RECORD_FIELDS, doc.get("records"), "record"),
+                                (_EVENT_FIELDS, doc.get("events", []), "event")):
+        if not isinstance(items, list):
+            return f"{what}s are not a list"
+        for item in items:
+            if not isinstance(item, dict):
+                return f"a {what} is not an object"
+            for name, typ in fields.items():
+                value = item.get(name)
+                if isinstance(value, bool) or not isinstance(value, typ):
+                    return f"{what} field {name!r} is missing or mistyped"
+            for name in ("backend", "error", "error_type"):
+                if item.get(name) is not None and not isinstance(item.get(name), str):
+                    return f"{what} field {name!r} is mistyped"
+    return None
+
+
+def load_dumps(paths: Iterable[Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The newest dump of every (name, incarnation) among ``paths``.
+
+    Unreadable or malformed files are skipped; ``skipped``, if given, gets one line per file
+    saying why.
+    """
     newest: dict[tuple[str, str], dict[str, Any]] = {}
     for p in paths:
         try:
+            if p.stat().st_size > _MAX_DUMP_BYTES:
+                raise ValueError(f"larger than {_MAX_DUMP_BYTES} bytes")
             doc = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(doc, dict) or doc.get("format") != FLIGHT_FORMAT or doc.get("v") != FLIGHT_VERSION:
+            why = _malformed(doc)
+        except (OSError, ValueError, RecursionError) as exc:
+            why = f"unreadable: {type(exc).__name__}: {exc}"
+        if why is not None:
+            if skipped is not None:
+                skipped.append(f"{p}: {why}")
             continue
         key = (doc["name"], doc["incarnation"])
         if key not in newest or doc["time"] > newest[key]["time"]:

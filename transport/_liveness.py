@@ -9,6 +9,7 @@ for ``lease`` seconds of the observer's own clock (no clock synchronisation need
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -68,28 +69,72 @@ class Heartbeat:
 
 
 class Leases:
-    """Tracks when each observed peer's heartbeat last moved."""
+    """Tracks when each observed peer's heartbeat last moved (one entry per peer name: a
+    restart replaces its predecessor's entry, so the table does not grow with restarts)."""
 
     def __init__(self, lease: float) -> None:
         self.lease = lease
-        self._seen: dict[tuple[str, str], tuple[bytes | None, float]] = {}
+        self._seen: dict[str, tuple[str, bytes | None, float]] = {}  # name -> (incarnation, beat, when it moved)
 
     def expired(self, name: str, incarnation: str, beat: bytes | None) -> str | None:
         """None while the lease holds; else why it does not."""
         now = time.monotonic()
-        key = (name, incarnation)
         if beat is not None:
             inc = beat.split(b" ", 1)[0].decode(errors="replace")
             if inc != incarnation:
                 return f"{name} restarted (incarnation {incarnation} -> {inc})"
-        last = self._seen.get(key)
-        if last is None or last[0] != beat:
-            self._seen[key] = (beat, now)
+        last = self._seen.get(name)
+        if last is None or last[0] != incarnation or last[1] != beat:
+            self._seen[name] = (incarnation, beat, now)
             return None
-        if now - last[1] > self.lease:
-            return f"no heartbeat from {name} for {now - last[1]:.1f}s (lease {self.lease:g}s)"
+        if now - last[2] > self.lease:
+            return f"no heartbeat from {name} for {now - last[2]:.1f}s (lease {self.lease:g}s)"
         return None
 
     def forget(self, name: str) -> None:
-        for k in [k for k in self._seen if k[0] == name]:
-            del self._seen[k]
+        self._seen.pop(name, None)
+
+
+class LostTable:
+    """The incarnations an observer declared lost or excluded, and why; bounded.
+
+    A restarting peer adds one entry per incarnation, so the table keeps only the most recent
+    ``per_name`` lost incarnations of each name (an older one is long gone from the store:
+    its successors have replaced its record since) and at most ``capacity`` entries in all,
+    dropping the oldest first.
+    """
+
+    def __init__(self, per_name: int = 4, capacity: int = 4096) -> None:
+        self._per_name, self._capacity = per_name, capacity
+        self._why: collections.OrderedDict[tuple[str, str], BaseException] = collections.OrderedDict()
+        self._by_name: dict[str, collections.OrderedDict[str, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._why)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._why
+
+    def why(self, name: str, incarnation: str) -> BaseException | None:
+        return self._why.get((name, incarnation))
+
+    def add(self, name: str, incarnation: str, why: BaseException) -> bool:
+        """Records one lost incarnation; False when it already was."""
+        if (name, incarnation) in self._why:
+            return False
+        self._why[(name, incarnation)] = why
+        incs = self._by_name.setdefault(name, collections.OrderedDict())
+        incs[incarnation] = None
+        while len(incs) > self._per_name:
+            self._drop(name, next(iter(incs)))
+        while len(self._why) > self._capacity:
+            self._drop(*next(iter(self._why)))
+        return True
+
+    def _drop(self, name: str, incarnation: str) -> None:
+        self._why.pop((name, incarnation), None)
+        incs = self._by_name.get(name)
+        if incs is not None:
+            incs.pop(incarnation, None)
+            if not incs:
+                del self._by_name[name]

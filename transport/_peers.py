@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,18 +21,22 @@ from anyio.abc import TaskGroup
 
 from ._agent import Channel, connect, hello
 from ._auth import Authenticator
-from ._errors import PeerLostError, PeerNotFoundError, RegistrationError, TransportError
+from ._errors import AuthenticationError, PeerLostError, PeerNotFoundError, RegistrationError, TransportError
 from ._flight import FlightRecorder
 from ._host import process_alive
-from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases
-from ._rendezvous import Store
-from ._wire import HostId, PeerRecord, RegionRecord
+from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases, LostTable
+from ._rendezvous import RecordTooLargeError, Store
+from ._wire import HostId, PeerRecord, RegionRecord, WireError
 
 log = logging.getLogger("transport._transport")
 
 PEER_PREFIX = "peer/"
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.2
 _WATCH_CONNECT_TIMEOUT_S = 10.0
+# How long a peer's record may keep failing authentication before waiting for it gives up: long
+# enough for a legitimate restart to replace a leftover record, well under a second.
+_AUTH_GRACE_S = 0.3
+MAX_NAME_BYTES = 255
 
 
 class Peer:
@@ -69,16 +75,40 @@ class Peer:
         )
 
 
+def check_name(name: object, what: str = "name") -> str:
+    """``name`` if it can name a peer: a non-empty str of at most :data:`MAX_NAME_BYTES` UTF-8
+    bytes, without "/" or control characters (every store can then hold it under a key).
+
+    Raises:
+        ValueError: it cannot (the message says why).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"{what} must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError(f"{what} must not be empty")
+    if "/" in name:
+        raise ValueError(f"{what} must not contain '/', got {name[:80]!r}")
+    bad = next((c for c in name if unicodedata.category(c) in ("Cc", "Cs")), None)
+    if bad is not None:
+        raise ValueError(f"{what} must not contain control characters (found {bad!r}), got {name[:80]!r}")
+    size = len(name.encode("utf-8"))
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"{what} is {size} bytes long in UTF-8; at most {MAX_NAME_BYTES} are allowed "
+                         f"(it starts {name[:40]!r})")
+    return name
+
+
 def peer_name(peer: object) -> str:
     """The name a ``peer`` argument (a name or a :class:`Peer`) stands for.
 
     Raises:
         PeerNotFoundError: it is neither.
+        ValueError: a str that cannot be a peer name (see :func:`check_name`).
     """
     name = peer.name if isinstance(peer, Peer) else peer
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
         raise PeerNotFoundError(f"peer must be a name or a Peer, got {peer!r}")
-    return name
+    return check_name(name, "peer name")
 
 
 @dataclass(frozen=True)
@@ -119,7 +149,7 @@ class PeerDirectory:
         self._heartbeat_s = heartbeat_s
         self._leases = Leases(lease_s)
         self._peers: dict[str, PeerRecord] = {}
-        self._lost: dict[tuple[str, str], BaseException] = {}  # (peer, incarnation) -> why
+        self._lost = LostTable()  # (peer, incarnation) -> why; bounded (restarts add entries)
         self._forget: list[Forget] = []
         self._on_lost: list[Lost] = []
         self._heartbeat: Heartbeat | None = None
@@ -147,11 +177,14 @@ class PeerDirectory:
         Raises:
             RegistrationError: one does.
         """
-        data = await self._store.aget(PEER_PREFIX + self.me.name)
+        try:
+            data = await self._store.aget(PEER_PREFIX + self.me.name)
+        except RecordTooLargeError:
+            return  # junk under our name: overwrite
         if data is None:
             return
         try:
-            old = PeerRecord.decode(self._auth.open_record(data, self.me.name))
+            old = self._decode(data, self.me.name)
         except TransportError:
             return  # unreadable or foreign leftovers: overwrite
         if old.host == self.me.host and process_alive(old.pid, old.pid_start) and old.pid != self.me.pid:
@@ -162,9 +195,16 @@ class PeerDirectory:
             log.warning("transport %s: replacing the record of %s on host %s (assumed restarted)",
                         self.me.name, old.name, old.host.hostname)
 
-    def publish(self, record: PeerRecord) -> None:
-        """Signs and writes our record (``record.name`` is ours)."""
-        self._store.set(PEER_PREFIX + self.me.name, self._auth.sign_record(record.encode()))
+    def publish(self, seq: int, agent: tuple[str, int], backends: Mapping[str, bytes],
+                regions: Mapping[str, RegionRecord]) -> None:
+        """Signs and writes our record (revision ``seq``), bound to its key, our name and our
+        incarnation."""
+        me = self.me
+        record = PeerRecord(name=me.name, incarnation=me.incarnation, seq=seq, pid=me.pid, pid_start=me.pid_start,
+                            host=me.host, agent=agent, backends=backends, regions=regions)
+        key = PEER_PREFIX + me.name
+        self._store.set(key, self._auth.sign_record(record.encode(), key=key, name=me.name,
+                                                    incarnation=me.incarnation))
 
     async def withdraw(self) -> None:
         """Removes our record if it is still ours (not a successor's). Logs, never raises."""
@@ -194,13 +234,38 @@ class PeerDirectory:
     # -- lookup ---------------------------------------------------------------------------
 
     def _decode(self, data: bytes, name: str) -> PeerRecord:
-        return PeerRecord.decode(self._auth.open_record(data, name))
+        """The record read from ``name``'s key, checked to be what it claims: signed (with a
+        token) for this key, this name and its own incarnation, and naming ``name``.
+
+        The one place where hostile store bytes are decoded: nothing but a TransportError leaves.
+
+        Raises:
+            AuthenticationError: a token is set and the record is unsigned, signed with another
+                token, or signed for another key, name or incarnation (a copied record).
+            WireError: it does not decode, or (without a token) it names another peer.
+        """
+        key = PEER_PREFIX + name
+        body, incarnation = self._auth.open_bound(data, name, key=key, name=name)
+        try:
+            record = PeerRecord.decode(body)
+        except TransportError:
+            raise
+        except Exception as exc:  # hostile bytes (RecursionError, MemoryError, ...): a bad record, not a crash
+            raise WireError(f"the record under {key!r} does not decode: {type(exc).__name__}: {exc}") from exc
+        if record.name != name:
+            why = f"the record under {key!r} names {record.name!r}, not {name!r} (a copied or misplaced record)"
+            raise AuthenticationError(why) if self._auth.enabled else WireError(why)
+        if incarnation is not None and record.incarnation != incarnation:
+            raise AuthenticationError(f"the record under {key!r} is signed for incarnation {incarnation!r} "
+                                      f"but names {record.incarnation!r}")
+        return record
 
     async def fetch(self, name: str) -> PeerRecord | None:
         """The record published under ``name`` now (not adopted), or None.
 
         Raises:
-            TransportError: it is malformed, foreign or unauthenticated.
+            AuthenticationError: it is not signed with our token for this name (see ``_decode``).
+            TransportError: it is malformed, misplaced or too large, or the store failed.
         """
         data = await self._store.aget(PEER_PREFIX + name)
         return self._decode(data, name) if data is not None else None
@@ -228,7 +293,12 @@ class PeerDirectory:
         return record
 
     async def lookup(self, name: str) -> PeerRecord | None:
-        """The live record of ``name`` now, or None (no waiting; unreadable counts as none)."""
+        """The live record of ``name`` now, or None (no waiting; unreadable counts as none).
+
+        Raises:
+            ValueError: ``name`` cannot be a peer name.
+        """
+        check_name(name, "peer name")
         try:
             record = await self.fetch(name)
         except TransportError:
@@ -244,18 +314,34 @@ class PeerDirectory:
                    check_open: Callable[[], None]) -> Peer:
         """Polls until a live peer ``name`` with every key in ``regions`` is published.
 
+        A record that fails authentication (another token, unsigned, copied from another name)
+        is given :data:`_AUTH_GRACE_S` to be replaced by a good one (a restart), then refused.
+
         Raises:
+            AuthenticationError: the record of ``name`` keeps failing authentication.
             PeerNotFoundError: none appeared within ``timeout``.
             ClosedError: (from ``check_open``) the Transport closed meanwhile.
+            ValueError: ``name`` cannot be a peer name.
         """
-        delay, stale, bad = _POLL_MIN_S, False, None
+        check_name(name, "peer name")
+        delay, stale = _POLL_MIN_S, False
+        bad: TransportError | None = None
+        refused_since: float | None = None  # since when every read of the record failed authentication
         with anyio.move_on_after(timeout):
             while True:
                 check_open()
                 try:
                     record = await self.fetch(name)
-                except TransportError as exc:  # malformed, foreign or unauthenticated: keep waiting
+                except AuthenticationError as exc:
                     record, bad = None, exc
+                    now = time.monotonic()
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= _AUTH_GRACE_S:
+                        raise self._refused(name, exc) from exc
+                except TransportError as exc:  # malformed, misplaced, too large: keep waiting
+                    record, bad, refused_since = None, exc, None
+                else:
+                    refused_since = None
                 if record is not None and not self.stale(record) and not self.is_lost(record):
                     self._adopt(record)
                     if all(k in record.regions for k in regions):
@@ -264,6 +350,8 @@ class PeerDirectory:
                     stale = stale or record is not None
                 await anyio.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
+        if refused_since is not None and isinstance(bad, AuthenticationError):
+            raise self._refused(name, bad) from bad
         hint = " (only a stale record of an exited or lost process was found)" if stale else ""
         if bad is not None:
             hint = f" (its record was rejected: {bad})"
@@ -272,12 +360,17 @@ class PeerDirectory:
             hint = f" with regions {missing}"
         raise PeerNotFoundError(f"no peer named {name!r} appeared in {self._store.url} within {timeout:g}s{hint}")
 
+    def _refused(self, name: str, exc: AuthenticationError) -> AuthenticationError:
+        return AuthenticationError(f"peer {name!r} in {self._store.url}: {exc} (do all its peers use the same token?)")
+
     async def resolve(self, name: str, *, refresh: bool = False) -> PeerRecord:
         """The record a transfer to ``name`` goes by: the adopted one, or a fresh one.
 
         Raises:
             PeerNotFoundError: nothing is published under ``name``.
             PeerLostError: its process has exited, or it was lost and not replaced.
+            AuthenticationError: its record is not signed with our token for ``name``.
+            TransportError: its record is malformed, misplaced or too large, or the store failed.
         """
         record = None if refresh else self._peers.get(name)
         if record is None:
@@ -292,7 +385,7 @@ class PeerDirectory:
         if self.is_lost(record):
             fresh = await self.fetch(name)
             if fresh is None or self.is_lost(fresh) or self.stale(fresh):
-                raise PeerLostError(f"{name} is lost: {self._lost[(record.name, record.incarnation)]}")
+                raise PeerLostError(f"{name} is lost: {self._lost.why(record.name, record.incarnation)}")
             record = self._adopt(fresh)  # a replacement (new incarnation) took the name
         return record
 
@@ -301,9 +394,8 @@ class PeerDirectory:
     def declare_lost(self, name: str, incarnation: str, why: BaseException, *, excluded: bool = False) -> None:
         """Marks one incarnation of a peer lost: subscribers abort its transfers and drop its
         connections, mappings and keys; records and dumps. Idempotent. Other peers are untouched."""
-        if (name, incarnation) in self._lost:
+        if not self._lost.add(name, incarnation, why):
             return
-        self._lost[(name, incarnation)] = why
         log.warning("transport %s: peer %s (incarnation %s) %s: %s", self.me.name, name, incarnation,
                     "excluded" if excluded else "lost", why)
         for lost in self._on_lost:
@@ -411,4 +503,4 @@ class PeerDirectory:
             self._unwatch(key)
 
 
-__all__ = ["PEER_PREFIX", "Me", "Peer", "PeerDirectory", "peer_name"]
+__all__ = ["MAX_NAME_BYTES", "PEER_PREFIX", "Me", "Peer", "PeerDirectory", "check_name", "peer_name"]

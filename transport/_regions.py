@@ -7,10 +7,13 @@ its peer published it (before any byte moves), the target against its own live r
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import logging
+import operator
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import anyio
 import torch
 
 from . import _cuda, _native
@@ -24,6 +27,8 @@ from ._errors import (
 )
 from ._tensors import MemoryKind, byte_view, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
 from ._wire import RegionRecord, TransferOp
+
+log = logging.getLogger("transport._transport")
 
 
 @dataclass(eq=False)
@@ -44,9 +49,30 @@ class Region:
     # Backends' per-registration state (e.g. an exported CUDA IPC descriptor): it lives and dies
     # with this registration, so a later tensor at the same address never inherits it.
     backend_state: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The memory as registered, to notice a tensor whose storage was replaced (``set_``) or
+    # resized since. Holding the storage also keeps the registered memory alive meanwhile, so
+    # a one-sided peer that has not yet heard of the change never writes into freed memory.
+    _storage: Any = field(init=False, repr=False)
+    _memory: tuple[int, int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.view = byte_view(self.tensor) if self.tensor.device.type == "cpu" else None
+        self._storage = self.tensor.untyped_storage()
+        self._memory = self._current_memory()
+
+    def _current_memory(self) -> tuple[int, int, int]:
+        t = self.tensor
+        return (t.data_ptr(), nbytes_of(t), t.untyped_storage().data_ptr())
+
+    def moved(self) -> str | None:
+        """Why the tensor no longer lives in the memory it was registered with, or None."""
+        now = self._current_memory()
+        if now == self._memory:
+            return None
+        was_ptr, was_nbytes, _ = self._memory
+        return (f"the tensor registered as {self.key!r} was given new storage after registration "
+                f"({was_nbytes} bytes at {was_ptr:#x}, now {now[1]} bytes at {now[0]:#x}; e.g. by "
+                "set_(), resize_() or an optimizer that replaces .data): register it again")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,6 +95,7 @@ class Region:
             writable=self.writable,
             descriptors=dict(descriptors),
             device=self.device,
+            moved=self.moved() or "",
         )
 
 
@@ -90,7 +117,8 @@ def check(
     It runs for every transfer: nothing is formatted unless it fails.
 
     Raises:
-        RegistrationError: no such region (``known``: keys it does have, for the message).
+        RegistrationError: no such region (``known``: keys it does have, for the message), or
+            its owner reports that the tensor behind it moved.
         DTypeMismatchError: ``dtype`` is not the region's.
         BoundsError: the range is negative, outside the region, or not element-aligned.
         ReadOnlyRegionError: a put into a region registered read-only.
@@ -102,6 +130,8 @@ def check(
     if region is None:
         has = f" (it has: {', '.join(sorted(known)[:8])})" if known else ""
         raise refuse(RegistrationError, f"{owner} has no region {key!r}{has}")
+    if isinstance(region, RegionRecord) and region.moved:
+        raise refuse(RegistrationError, f"{owner} reports: {region.moved}")
     region_dtype = region.dtype if isinstance(region.dtype, str) else dtype_name(region.dtype)
     if dtype != region_dtype:
         raise refuse(DTypeMismatchError, f"the data is {dtype} but the region is {region_dtype}")
@@ -153,19 +183,50 @@ class RegionTable:
         """The live region a peer's request may touch, after :func:`check` (the target side).
 
         Raises:
-            As :func:`check`.
+            As :func:`check`; RegistrationError also when the tensor's storage moved since it
+            was registered.
         """
         region = self.get(key)
         check(op, self.owner, key, region, dtype, offset, nbytes)
         assert region is not None  # check() refuses a missing region
+        if (why := region.moved()) is not None:
+            raise RegistrationError(f"{op.value} into {self.owner}:{key!r} refused: {why}")
         return region
+
+    def moved(self) -> dict[str, str]:
+        """Every region whose tensor's storage moved since registration: key -> why."""
+        return {r.key: why for r in self._regions.values() if (why := r.moved()) is not None}
+
+    async def watch(self, interval: float, republish: Callable[[], None]) -> None:
+        """Every ``interval`` seconds, looks for registered tensors whose storage moved
+        (``set_``, ``resize_``) and calls ``republish`` when new ones did, so that the published
+        record marks them moved and peers' transfers into them fail with RegistrationError
+        instead of landing in the old memory. Runs until cancelled."""
+        reported: set[str] = set()
+        while True:
+            await anyio.sleep(interval)
+            moved = self.moved()
+            if moved.keys() - reported:
+                for key in moved.keys() - reported:
+                    log.warning("transport %s: %s", self.owner, moved[key])
+                republish()
+            reported = set(moved)
 
     def as_dict(self) -> dict[str, Region]:
         return dict(self._regions)
 
     def key_of(self, tensor: torch.Tensor) -> str | None:
-        """The key ``tensor`` (its exact memory and dtype) is registered under, or None."""
-        return self._by_memory.get((tensor.data_ptr(), nbytes_of(tensor), tensor.dtype))
+        """The key ``tensor`` (its exact memory and dtype) is registered under, or None.
+
+        Raises:
+            RegistrationError: ``tensor`` itself is registered, but its storage moved since.
+        """
+        key = self._by_memory.get((tensor.data_ptr(), nbytes_of(tensor), tensor.dtype))
+        if key is None:
+            for region in self._regions.values():
+                if region.tensor is tensor and (why := region.moved()) is not None:
+                    raise RegistrationError(why)
+        return key
 
     def prepare(self, tensors: Mapping[str, torch.Tensor], prefix: str, writable: bool,
                 serves_device: bool, backends: Sequence[str]) -> dict[str, Region]:
@@ -229,19 +290,29 @@ class RegionTable:
             self._shared = [b for b in self._shared if b is not region.shared]
         return region
 
-    def allocate(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, key: str, shape: Sequence[int] | int, dtype: torch.dtype, *,
+                 writable: bool = True) -> torch.Tensor:
         """A zeroed, shareable, pre-faulted host tensor for ``key`` (not yet registered).
+        ``writable=False`` seals its memfd at creation: no other process can ever map it
+        writable or write it through the file (this process's own mapping stays writable).
 
         Raises:
             RegistrationError: the allocation failed.
         """
-        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        try:
+            dims = (operator.index(shape),) if not isinstance(shape, Sequence) else tuple(map(operator.index, shape))
+        except TypeError:
+            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+        if any(d < 0 for d in dims):
+            raise ValueError(f"shape must not have negative sizes, got {dims}")
         numel = 1
         for s in dims:
-            numel *= int(s)
+            numel *= s
         nbytes = numel * dtype.itemsize
         try:
-            buf = _native.shared_buffer(nbytes, f"transport:{self.owner}:{key}")
+            buf = _native.shared_buffer(nbytes, f"transport:{self.owner}:{key}", read_only=not writable)
         except RuntimeError as exc:
             raise RegistrationError(f"cannot allocate {nbytes} shareable bytes for {key!r}: {exc}") from exc
         self._shared.append(buf)

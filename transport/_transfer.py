@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 
 from ._errors import TransportError
+from ._timeouts import seconds
 from ._wire import TransferOp
 
 
@@ -25,11 +26,16 @@ class Transfer:
         offset: byte offset into the remote region.
         backend: name of the backend that carries it (None until chosen).
 
-    Cancellation: :meth:`cancel`, or cancelling a task while it awaits this handle, aborts
-    the transfer. If no byte has moved, the remote region is untouched; if some have, awaiting
-    raises :class:`TransferAbortedError` with ``partial=True`` and the remote range is undefined
-    until the next complete write. A transfer whose bytes are all on the wire may still
-    complete; then awaiting it returns normally.
+    Waiting is not aborting: ``await h`` and ``await h.wait(timeout=...)`` only observe. A
+    ``wait`` that times out raises the builtin :class:`TimeoutError` and leaves the transfer
+    running (its own deadline, the ``timeout`` given to ``put``/``get``, still applies).
+
+    Cancellation: :meth:`cancel` aborts the transfer. Cancelling a task that awaits this handle
+    aborts it only when that task was its last waiter; while other tasks still wait for it, it
+    keeps running for them. If no byte has moved, the remote region is untouched; if some have,
+    awaiting raises :class:`TransferAbortedError` with ``partial=True`` and the remote range is
+    undefined until the next complete write. A transfer whose bytes are all on the wire may
+    still complete; then awaiting it returns normally.
     """
 
     def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int) -> None:
@@ -49,6 +55,7 @@ class Transfer:
         self._abort_error: TransportError | None = None  # set when the Transport aborts it
         self._rec: Any = None  # its flight-recorder record
         self._scope: anyio.CancelScope | None = None
+        self._waiters = 0  # tasks awaiting this handle now (wait() or gather())
 
     def done(self) -> bool:
         """True once the transfer has completed, failed or been aborted."""
@@ -72,19 +79,36 @@ class Transfer:
         if self._scope is not None:
             self._scope.cancel()
 
-    async def wait(self) -> None:
+    async def wait(self, timeout: float | None = None) -> None:
         """Waits until the transfer ends.
 
-        Raises:
-            TransportError: the error the transfer failed with.
+        Args:
+            timeout: seconds to wait (a finite number > 0), or None to wait until the transfer
+                ends (it always does: by its own deadline at the latest).
 
-        Cancelling the waiting task cancels the transfer too.
+        Raises:
+            TimeoutError: the builtin, when ``timeout`` passed first; the transfer keeps running.
+            TransportError: the error the transfer failed with.
+            ValueError: ``timeout`` is not a finite number > 0.
+
+        Cancellation: cancelling the waiting task aborts the transfer if no other task waits
+        for it (see the class docstring).
         """
+        if timeout is not None:
+            timeout = seconds(timeout, "timeout")
+        self._waiters += 1
         try:
-            await self._event.wait()
+            with anyio.move_on_after(timeout) as scope:
+                await self._event.wait()
         except anyio.get_cancelled_exc_class():
-            self.cancel()
+            self._waiters -= 1
+            if self._waiters == 0:
+                self.cancel()
             raise
+        else:
+            self._waiters -= 1
+        if scope.cancelled_caught and not self.done():
+            raise TimeoutError(f"{self!r} still running after waiting {timeout:g}s")
         if self._error is not None:
             raise self._error
 
@@ -118,15 +142,22 @@ async def gather(*transfers: Transfer) -> list[Transfer]:
     Raises:
         TransportError: the first failure (in argument order), after all have ended.
 
-    Cancellation: cancels every transfer not yet done.
+    Cancellation: aborts every transfer not yet done that no other task waits for (as
+    cancelling ``await h`` would).
     """
+    for t in transfers:
+        t._waiters += 1
     try:
         for t in transfers:
             await t._event.wait()
     except anyio.get_cancelled_exc_class():
         for t in transfers:
-            t.cancel()
+            t._waiters -= 1
+            if t._waiters == 0:
+                t.cancel()
         raise
+    for t in transfers:
+        t._waiters -= 1
     for t in transfers:
         if t._error is not None:
             raise t._error

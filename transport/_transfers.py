@@ -62,6 +62,7 @@ class TransferEngine:
         self._flight = flight
         self._cuda = cuda
         self._inflight: dict[str, set[Transfer]] = {}
+        self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._fallbacks_logged: set[tuple[str, str]] = set()
         directory.subscribe(lost=self.abort_peer)
 
@@ -69,15 +70,19 @@ class TransferEngine:
 
     def start(self, op: TransferOp, tensor: torch.Tensor, kind: MemoryKind, peer: str, key: str, offset: int,
               timeout: float) -> Transfer:
-        """Starts one transfer in the background and returns its handle (see ``Transport.put``)."""
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+        """Starts one transfer in the background and returns its handle (see ``Transport.put``).
+
+        A transfer that overlaps the bytes of an earlier one still in flight to the same region
+        (where either writes) starts moving only once that one has ended: from one Transport,
+        the later put wins. Non-overlapping transfers run concurrently.
+        """
         # CUDA: the transfer must see the work the caller queued so far, and only that.
         local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
         xfer = Transfer(op, peer, key, nbytes_of(tensor), offset)
+        after = self._ranges.setdefault((peer, key), _Ranges()).add(xfer)
         xfer._rec = self._flight.start(op.value, peer, key, xfer.nbytes)
         self._inflight.setdefault(peer, set()).add(xfer)
-        self._tg.start_soon(self._run, xfer, local, timeout)
+        self._tg.start_soon(self._run, xfer, local, timeout, after)
         return xfer
 
     async def fence(self, peer: str, timeout: float) -> None:
@@ -100,6 +105,19 @@ class TransferEngine:
             err = x.exception()
             if err is not None:
                 raise err
+
+    async def drain(self, timeout: float) -> int:
+        """Waits up to ``timeout`` for every transfer in flight to end; returns how many are
+        still running then. Cancellation: stops waiting; nothing is aborted here."""
+        pending = [x for xs in self._inflight.values() for x in xs]
+        with anyio.move_on_after(timeout):
+            for x in pending:
+                await x._event.wait()
+        left = sum(not x.done() for x in pending)
+        if left:
+            log.warning("transport %s: %d transfers still running after draining for %gs; aborting them",
+                        self.name, left, timeout)
+        return left
 
     def abort_peer(self, name: str, incarnation: str, why: BaseException, excluded: bool) -> None:
         """Aborts the transfers in flight to one incarnation of ``name`` (it was lost or excluded)."""
@@ -161,8 +179,10 @@ class TransferEngine:
 
     # -- moving ---------------------------------------------------------------------------
 
-    async def _execute(self, xfer: Transfer, local: LocalBuffer) -> None:
+    async def _execute(self, xfer: Transfer, local: LocalBuffer, after: Sequence[Transfer]) -> None:
         tensor, kind = local.tensor, local.kind
+        for earlier in after:  # overlapping transfers started before this one land first
+            await earlier._event.wait()
         record = await self._directory.resolve(xfer.peer)
         if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
             record = await self._directory.resolve(xfer.peer, refresh=True)  # it (un)registered since
@@ -195,7 +215,7 @@ class TransferEngine:
                     await backend.move(xfer.op, b.buffer(size), part)
                     await b.store(pos, size)
 
-    async def _run(self, xfer: Transfer, local: LocalBuffer, timeout: float) -> None:
+    async def _run(self, xfer: Transfer, local: LocalBuffer, timeout: float, after: Sequence[Transfer]) -> None:
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
                 xfer._scope = scope
@@ -204,9 +224,11 @@ class TransferEngine:
                     await anyio.lowlevel.checkpoint()  # deliver it before anything moves
                 error: TransportError | None = None
                 try:
-                    await self._execute(xfer, local)
+                    await self._execute(xfer, local, after)
                 except TransportError as exc:
-                    error = exc
+                    # An abort by the Transport (exclusion, loss) also breaks the backend's
+                    # connection; the abort, not the broken connection, is what happened.
+                    error = xfer._abort_error or exc
                 except Exception as exc:
                     log.exception("transport %s: unexpected failure in %r", self.name, xfer)
                     error = TransportInternalError(f"{xfer!r} failed unexpectedly: {type(exc).__name__}: {exc}")
@@ -222,11 +244,16 @@ class TransferEngine:
                     xfer._finish(TransferAbortedError(f"{what} was cancelled{suffix}", partial=partial))
                 else:
                     late = f"{what} did not complete within {timeout:g}s (via {xfer.backend})"
-                    xfer._finish(TransferTimeoutError(late))
+                    if partial:
+                        late += "; some bytes may have landed"
+                    xfer._finish(TransferTimeoutError(late, partial=partial))
         finally:
             if not xfer.done():
                 xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
             self._inflight.get(xfer.peer, set()).discard(xfer)
+            ranges = self._ranges.get((xfer.peer, xfer.key))
+            if ranges is not None and ranges.remove(xfer):
+                del self._ranges[(xfer.peer, xfer.key)]
             self._settle(xfer)
 
     def _settle(self, xfer: Transfer) -> None:
@@ -243,3 +270,41 @@ class TransferEngine:
             self._directory.declare_lost(xfer.peer, xfer._incarnation, err)
         elif isinstance(err, TransferTimeoutError):
             self._flight.dump(f"timeout: {err}", force=False)
+
+
+class _Ranges:
+    """The transfers in flight to one region, in start order, for the ordering rule.
+
+    Adding is O(1) in the common case of transfers that do not overlap the span of those in
+    flight (e.g. a state dict pushed bucket by bucket); otherwise it scans them.
+    """
+
+    __slots__ = ("_hi", "_lo", "_xfers")
+
+    def __init__(self) -> None:
+        self._xfers: list[Transfer] = []
+        self._lo = self._hi = 0  # a span covering every range in flight (may be wider)
+
+    def add(self, xfer: Transfer) -> list[Transfer]:
+        """Adds ``xfer``; returns the earlier transfers it must wait for (overlap, one writes)."""
+        start, end = xfer.offset, xfer.offset + xfer.nbytes
+        after: list[Transfer] = []
+        if not self._xfers:
+            self._lo, self._hi = start, end
+        elif end <= self._lo or start >= self._hi or start == end:
+            self._lo, self._hi = min(self._lo, start), max(self._hi, end)
+        else:
+            writes = xfer.op == TransferOp.PUT
+            after = [x for x in self._xfers
+                     if (writes or x.op == TransferOp.PUT) and x.offset < end and start < x.offset + x.nbytes]
+            self._lo, self._hi = min(self._lo, start), max(self._hi, end)
+        self._xfers.append(xfer)
+        return after
+
+    def remove(self, xfer: Transfer) -> bool:
+        """Removes ``xfer``; True when nothing is left in flight."""
+        try:
+            self._xfers.remove(xfer)
+        except ValueError:
+            pass
+        return not self._xfers

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
+import operator
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -31,15 +31,16 @@ from ._errors import BackendUnavailableError, ClosedError, LayoutError, Registra
 from ._flight import FlightRecorder
 from ._host import host_id, pid_start
 from ._native import Copier
-from ._peers import Me, Peer, PeerDirectory, peer_name
+from ._peers import Me, Peer, PeerDirectory, check_name, peer_name
 from ._regions import Region, RegionTable
 from ._rendezvous import open_store
 from ._signals import Signals
 from ._tensors import MemoryKind, check_tensor, memory_kind
+from ._timeouts import seconds
 from ._transfer import Transfer
 from ._transfers import TransferEngine
-from ._wire import FrameKind, PeerRecord, RangeRequest, SignalRequest, TransferOp
-from .backends import Backend, BackendContext, backend_class, default_backends
+from ._wire import FrameKind, RangeRequest, SignalRequest, TransferOp
+from .backends import Backend, BackendContext, select_backends
 from .backends.tcp import serve_range
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,18 @@ log = logging.getLogger(__name__)
 LISTEN_ENV = "TRANSPORT_LISTEN"
 
 
-def _seconds(value: object, what: str) -> float:
-    """``value`` as a finite positive number of seconds.
+def _byte_offset(value: object) -> int:
+    """An offset argument as an int: any integer type (numpy's too), not a bool or a float.
 
     Raises:
-        TypeError: not a number. ValueError: not finite and positive.
+        TypeError: it is not an integer.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
+    if isinstance(value, bool):
+        raise TypeError("offset must be an integer number of bytes, got a bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"offset must be an integer number of bytes, got {type(value).__name__}") from None
 
 
 class Transport:
@@ -114,14 +116,13 @@ class Transport:
         flight_capacity: int = 4096,
         lanes: int | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-        if not (heartbeat > 0 and lease > heartbeat):
+        check_name(name)
+        if not seconds(heartbeat, "heartbeat") < seconds(lease, "lease"):
             raise ValueError(f"need 0 < heartbeat < lease, got heartbeat={heartbeat!r}, lease={lease!r}")
         if isinstance(backends, str):
             backends = (backends,)
         self.name = name
-        self.timeout = _seconds(timeout, "timeout")
+        self.timeout = seconds(timeout, "timeout")
         self.incarnation = secrets.token_hex(8)
         self._store_url = store
         self._requested = tuple(backends) if backends is not None else None
@@ -160,7 +161,7 @@ class Transport:
         stack.callback(self._store.close)
         pid = os.getpid()
         me = Me(self.name, self.incarnation, pid, pid_start(pid), host_id())
-        backend_classes = self._select_backends()
+        backend_classes = select_backends(self._requested)
         # The copy engine's completion task lives in an outer task group so that transfers
         # cancelled at close can still learn that the engine has let go of their memory.
         self._copier = Copier(self._copy_threads)
@@ -194,16 +195,33 @@ class Transport:
         hb_store = self._store if not self._store.blocking else await anyio.to_thread.run_sync(
             lambda: open_store(self._store.url, timeout=self.timeout))
         self._directory.start(tg, hb_store)
+        tg.start_soon(self._regions.watch, self._heartbeat_s, self._publish)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Closes the endpoint: unpublishes it, aborts transfers still running (they fail with
-        ClosedError) and releases memory mappings, connections and threads. Idempotent."""
+        ClosedError) and releases memory mappings, connections and threads. Idempotent.
+
+        Args:
+            drain: first wait for the transfers in flight to end (each ends anyway by its own
+                deadline), up to ``timeout``; those still running then are aborted.
+            timeout: seconds to drain (default: the Transport's timeout).
+
+        Raises:
+            ValueError: a bad ``timeout`` (checked before anything closes).
+
+        Cancellation: closing still completes (unpublishing is shielded and bounded by the
+        timeout); a cancelled drain aborts what is still running.
+        """
+        limit = self._timeout(timeout)
         if self._state in ("closed", "new"):
             self._state = "closed"
             return
+        if drain and self._state == "open":
+            self._state = "draining"  # new transfers are refused meanwhile
+            await self._transfers.drain(limit)
         self._state = "closed"
         self._signals.wake()
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
@@ -226,12 +244,12 @@ class Transport:
 
     def _check_open(self) -> None:
         if self._state != "open":
-            if self._state == "closed":
-                raise ClosedError(f"transport {self.name!r} is closed")
+            if self._state in ("closed", "draining"):
+                raise ClosedError(f"transport {self.name!r} is {self._state}")
             raise ClosedError(f"transport {self.name!r} is not open; use `async with Transport(...)`")
 
     def _timeout(self, timeout: object) -> float:
-        return self.timeout if timeout is None else _seconds(timeout, "timeout")
+        return self.timeout if timeout is None else seconds(timeout, "timeout")
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -243,36 +261,12 @@ class Transport:
         """The rendezvous store's URL (pass it to peers)."""
         return self._store.url
 
-    def _select_backends(self) -> list[type[Backend]]:
-        names = self._requested if self._requested is not None else default_backends()
-        if not names:
-            raise ValueError("backends=() leaves nothing to move bytes with")
-        chosen = []
-        for cls in [backend_class(n) for n in names]:
-            if (reason := cls.unavailable_reason()) is None:
-                chosen.append(cls)
-            elif self._requested is not None:
-                raise BackendUnavailableError(f"backend {cls.name!r} is unavailable: {reason}")
-            else:
-                log.info("backend %s unavailable: %s", cls.name, reason)
-        return chosen
-
     # -- regions ------------------------------------------------------------------------------
 
     def _publish(self) -> None:
         self._seq += 1
-        me = self._directory.me
-        self._directory.publish(PeerRecord(
-            name=self.name,
-            incarnation=self.incarnation,
-            seq=self._seq,
-            pid=me.pid,
-            pid_start=me.pid_start,
-            host=me.host,
-            agent=self._agent.address,
-            backends={b.name: b.endpoint_descriptor() for b in self._backends},
-            regions=self._regions.records(self._backends),
-        ))
+        descriptors = {b.name: b.endpoint_descriptor() for b in self._backends}
+        self._directory.publish(self._seq, self._agent.address, descriptors, self._regions.records(self._backends))
         for b in self._backends:
             b.published(self._seq)
 
@@ -336,15 +330,18 @@ class Transport:
 
         Same-host peers map this memory directly (no ptrace permission needed), which is the
         fastest ``ipc`` path. The memory lives as long as the returned tensor (or views of it).
+        With ``writable=False`` the kernel enforces it: the memfd is sealed, and no other
+        process can write it through a mapping, the file or cross-memory attach.
 
         Returns:
             The new tensor.
 
         Raises:
-            As :meth:`register`; RegistrationError if the allocation fails.
+            As :meth:`register`; RegistrationError if the allocation fails; ValueError /
+            TypeError for a bad shape or dtype.
         """
         self._check_open()
-        tensor = self._regions.allocate(key, shape, dtype)
+        tensor = self._regions.allocate(key, shape, dtype, writable=writable)
         self.register(key, tensor, writable=writable)
         return tensor
 
@@ -379,17 +376,24 @@ class Transport:
             ``src`` may be reused after that (not before).
 
         Raises (here, or when awaiting the handle; always before any byte moves):
+            ValueError: a bad ``timeout`` (not a finite number > 0); TypeError: a non-integer
+                ``offset``; both here, before anything is submitted.
             ClosedError, PeerNotFoundError, RegistrationError (no such key; ``src`` not
-            registered and no key given), ReadOnlyRegionError, DTypeMismatchError, BoundsError,
-            BackendUnavailableError. While moving: PeerLostError, TransferTimeoutError,
-            TransferAbortedError (see :class:`Transfer` for cancellation).
+            registered and no key given; a region whose tensor moved), ReadOnlyRegionError,
+            DTypeMismatchError, BoundsError, BackendUnavailableError. While moving:
+            PeerLostError, TransferTimeoutError, TransferAbortedError (see :class:`Transfer`
+            for cancellation).
+
+        Ordering: a put that overlaps an earlier transfer from this Transport still in flight
+        to the same region starts moving once that one has ended (the later put wins).
         """
         self._check_open()
         src = check_tensor(src, "src")
         key = self._key_for(src, key, "src")
         kind = memory_kind(src, "src")
         staged = src if src.is_contiguous() else src.contiguous()
-        return self._transfers.start(TransferOp.PUT, staged, kind, peer_name(peer), key, offset, self._timeout(timeout))
+        return self._transfers.start(TransferOp.PUT, staged, kind, peer_name(peer), key, _byte_offset(offset),
+                                     self._timeout(timeout))
 
     def get(self, dst: torch.Tensor, peer: str | Peer, key: str | None = None, offset: int = 0, *,
             timeout: float | None = None) -> Transfer:
@@ -418,7 +422,8 @@ class Transport:
             raise LayoutError("dst must be contiguous for get (the bytes land in place)")
         key = self._key_for(dst, key, "dst")
         kind = memory_kind(dst, "dst")
-        return self._transfers.start(TransferOp.GET, dst, kind, peer_name(peer), key, offset, self._timeout(timeout))
+        return self._transfers.start(TransferOp.GET, dst, kind, peer_name(peer), key, _byte_offset(offset),
+                                     self._timeout(timeout))
 
     def _key_for(self, tensor: torch.Tensor, key: str | None, what: str) -> str:
         if key is None:
@@ -490,6 +495,9 @@ class Transport:
 
         Raises:
             PeerNotFoundError: no live peer of that name appeared in time.
+            AuthenticationError: its record keeps failing authentication (reported within about
+                0.3 s: a record signed with another token, or unsigned while we have one).
+            ValueError: an unusable name (empty, "/", control characters, over 255 bytes) or timeout.
             ClosedError: the Transport is closed.
 
         Cancellation: safe at any point; nothing is changed.

@@ -1,23 +1,47 @@
-"""Versioned encodings of everything that crosses a process boundary (never pickle).
+"""The wire: versioned encodings of everything that crosses a process boundary (never pickle),
+and the socket reads and writes that frames travel by.
 
 * Peer records (what a peer publishes in the rendezvous store): JSON with a format tag and a
   version number, validated field by field into frozen dataclasses. Backend descriptors are
   opaque bytes (base64 in the JSON).
 * Agent frames (the control / ``tcp`` data connection): a fixed binary header, a small JSON
-  metadata part and a raw payload.
+  metadata part and a raw payload; read and written on raw non-blocking sockets driven by
+  ``anyio.wait_readable/wait_writable`` (the same code under trio and asyncio, ``recv_into``
+  in place without copies).
+
+Everything here decodes bytes that another process (or anyone who can reach a port or write to
+the store) chose, so every decoder is bounded before it parses: :func:`loads_bounded` refuses
+JSON larger than a size cap or nested deeper than a depth cap without handing it to ``json``,
+and every way decoding can fail (including RecursionError and MemoryError) is a
+:class:`WireError`.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import enum
 import json
+import os
+import re
+import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import TransportInternalError
+import anyio
+
+from ._errors import (
+    AuthenticationError,
+    BoundsError,
+    DTypeMismatchError,
+    PeerLostError,
+    ReadOnlyRegionError,
+    RegistrationError,
+    TransportError,
+    TransportInternalError,
+)
 
 
 class TransferOp(enum.Enum):
@@ -34,8 +58,67 @@ RECORD_FORMAT = "transport.peer"
 RECORD_VERSION = 1
 
 
+MAX_RECORD_BYTES = 16 << 20  # a peer record larger than this is refused unread (stores check it too)
+MAX_RECORD_DEPTH = 16  # a record nests 4 levels (record, regions, region, descriptors)
+MAX_META_DEPTH = 32  # frame metadata is flat; backends' requests nest a little
+
+
 class WireError(TransportInternalError):
     """Bytes from another process that do not decode as what they claim to be."""
+
+
+# -- bounded JSON ---------------------------------------------------------------------------------
+
+_STRING = re.compile(rb'"[^"]*"')  # once escapes are gone, a string is quote, no quote, quote
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_depth_exceeds(data: bytes, max_depth: int) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects deeper than ``max_depth``.
+
+    Brackets inside strings do not count. Linear in ``len(data)`` and done in C (bytes methods,
+    one regex without backtracking, numpy for the running depth), so it is cheap to run on
+    hostile input. Exact for valid JSON; for invalid JSON it may over-count, never under-count up
+    to the point where ``json`` would stop, so what it passes cannot make ``json`` recurse deeper.
+    """
+    if data.count(b"[") + data.count(b"{") <= max_depth:
+        return False  # the common case: fewer openings than the cap
+    # A backslash run starts an escape at its first byte: drop escaped backslashes, then escaped
+    # quotes; what remains of each string has no quote inside.
+    text = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _STRING.sub(b"", text).translate(_BRACKETS, _NOT_BRACKETS)
+    if brackets.count(b"[") <= max_depth:
+        return False
+    import numpy as np  # already loaded by torch; only hostile or huge documents get here
+
+    opens, depth = np.frombuffer(brackets, dtype=np.uint8) == ord("["), 0
+    for start in range(0, len(opens), _DEPTH_CHUNK):  # in chunks: small temporaries, cache-warm
+        steps = opens[start : start + _DEPTH_CHUNK].astype(np.int32) * 2 - 1
+        running = np.cumsum(steps) + depth
+        if int(running.max()) > max_depth:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def loads_bounded(data: bytes, *, max_bytes: int, max_depth: int, what: str) -> Any:
+    """``json.loads`` for bytes from another process: UTF-8 JSON of at most ``max_bytes`` bytes
+    nesting at most ``max_depth`` arrays/objects; both checked before parsing.
+
+    Raises:
+        WireError: too large, too deep, not UTF-8, or not JSON (``what`` names the thing in the
+            message). Nothing else: RecursionError and MemoryError from parsing become WireError.
+    """
+    if len(data) > max_bytes:
+        raise WireError(f"{what} of {len(data)} bytes exceeds the limit of {max_bytes}")
+    if json_depth_exceeds(data, max_depth):
+        raise WireError(f"{what} nests deeper than {max_depth} levels")
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError, MemoryError) as exc:
+        raise WireError(f"{what} is not valid JSON ({len(data)} bytes): {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -49,6 +132,7 @@ class RegionRecord:
     writable: bool
     descriptors: Mapping[str, bytes] = field(default_factory=dict)  # backend name -> opaque
     device: str = "cpu"  # "cpu" or "cuda:<uuid>" (the GPU's UUID: ordinals differ between processes)
+    moved: str = ""  # why the owner's tensor no longer lives in the registered memory ("" if it does)
 
 
 @dataclass(frozen=True)
@@ -95,6 +179,7 @@ class PeerRecord:
                     "writable": r.writable,
                     "desc": {k: _b64(v) for k, v in r.descriptors.items()},
                     **({"device": r.device} if r.device != "cpu" else {}),
+                    **({"moved": r.moved} if r.moved else {}),
                 }
                 for r in self.regions.values()
             ],
@@ -103,10 +188,8 @@ class PeerRecord:
 
     @staticmethod
     def decode(data: bytes) -> PeerRecord:
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise WireError(f"peer record is not valid JSON ({len(data)} bytes)") from exc
+        """Raises WireError: too large (:data:`MAX_RECORD_BYTES`), too deep, or malformed."""
+        doc = loads_bounded(data, max_bytes=MAX_RECORD_BYTES, max_depth=MAX_RECORD_DEPTH, what="peer record")
         if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
             raise WireError("not a transport peer record")
         if doc.get("v") != RECORD_VERSION:
@@ -125,6 +208,7 @@ class PeerRecord:
                     writable=_typed(r, "writable", bool),
                     descriptors={k: _unb64(v) for k, v in _typed(r, "desc", dict).items()},
                     device=_typed(r, "device", str) if "device" in r else "cpu",
+                    moved=_typed(r, "moved", str) if "moved" in r else "",
                 )
                 regions[rec.key] = rec
             host = _typed(doc, "host", list)
@@ -167,7 +251,10 @@ def _unb64(s: str) -> bytes:
 FRAME_MAGIC = b"TXP1"
 # magic, kind, flags, reserved, request id, meta length, payload length
 FRAME_HEADER = struct.Struct("<4sBBHQIQ")
-MAX_META = 1 << 20
+MAX_META = 1 << 20  # frame metadata, after the HELLO
+# A HELLO's metadata, read before the connection authenticated: names, incarnations, lane, nonce and
+# tag take a few hundred bytes (JSON spells a non-ASCII character in 6).
+PRE_AUTH_META = 8 << 10
 
 
 class FrameKind(enum.IntEnum):
@@ -194,6 +281,37 @@ class ErrCode(enum.IntEnum):
     AUTH = 8  # the connection did not present the shared token
 
 
+_ERROR_CLASSES: dict[int, type[TransportError]] = {
+    ErrCode.DTYPE: DTypeMismatchError,
+    ErrCode.BOUNDS: BoundsError,
+    ErrCode.UNKNOWN_KEY: RegistrationError,
+    ErrCode.READ_ONLY: ReadOnlyRegionError,
+    ErrCode.STALE: PeerLostError,
+    ErrCode.AUTH: AuthenticationError,
+}
+
+
+def error_to_frame(exc: TransportError) -> tuple[ErrCode, str]:
+    """The ERR frame's code and message for a refusal the initiator should see as ``exc``."""
+    for cls, code in (
+        (ReadOnlyRegionError, ErrCode.READ_ONLY),
+        (DTypeMismatchError, ErrCode.DTYPE),
+        (BoundsError, ErrCode.BOUNDS),
+        (RegistrationError, ErrCode.UNKNOWN_KEY),
+    ):
+        if isinstance(exc, cls):
+            return code, str(exc)
+    return ErrCode.INTERNAL, str(exc)
+
+
+def frame_to_error(meta: Mapping[str, Any], peer: str) -> TransportError:
+    """The error an ERR frame's metadata from ``peer`` stands for (an unknown or mistyped code
+    is a TransportInternalError; the message is cut to 1,000 characters)."""
+    code = meta.get("code")
+    cls = _ERROR_CLASSES.get(code, TransportInternalError) if type(code) is int else TransportInternalError
+    return cls(f"{peer} refused: {str(meta.get('message', ''))[:1000]}")
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     kind: FrameKind
@@ -207,7 +325,8 @@ def encode_frame(kind: FrameKind, request_id: int, meta: Mapping[str, Any], payl
     return FRAME_HEADER.pack(FRAME_MAGIC, int(kind), 0, 0, request_id, len(meta_b), payload_len) + meta_b
 
 
-def decode_header(data: bytes) -> FrameHeader:
+def decode_header(data: bytes, max_meta: int = MAX_META) -> FrameHeader:
+    """Raises WireError: not a frame header, or metadata longer than ``max_meta`` announced."""
     if len(data) != FRAME_HEADER.size:
         raise WireError(f"frame header of {len(data)} bytes, expected {FRAME_HEADER.size}")
     magic, kind, _flags, _res, rid, meta_len, payload_len = FRAME_HEADER.unpack(data)
@@ -217,19 +336,121 @@ def decode_header(data: bytes) -> FrameHeader:
         fk = FrameKind(kind)
     except ValueError:
         raise WireError(f"unknown frame kind {kind}") from None
-    if meta_len > MAX_META:
-        raise WireError(f"frame metadata of {meta_len} bytes exceeds {MAX_META}")
+    if meta_len > max_meta:
+        raise WireError(f"{fk.name} frame announces {meta_len} bytes of metadata, more than {max_meta}")
     return FrameHeader(fk, rid, meta_len, payload_len)
 
 
 def decode_meta(data: bytes) -> dict[str, Any]:
-    try:
-        meta = json.loads(data) if data else {}
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError("frame metadata is not valid JSON") from exc
+    """Raises WireError: not a JSON object of at most MAX_META bytes and MAX_META_DEPTH levels."""
+    meta = loads_bounded(data, max_bytes=MAX_META, max_depth=MAX_META_DEPTH, what="frame metadata") if data else {}
     if not isinstance(meta, dict):
         raise WireError("frame metadata is not an object")
     return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Frames on a socket
+
+_IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds the loop
+_SOCK_BUF = 4 << 20
+_YIELD_EVERY = 16  # let other tasks run at least every this many ready syscalls
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay, large buffers."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):  # a smaller buffer only costs speed
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+
+
+async def connect(address: tuple[str, int]) -> socket.socket:
+    """A tuned socket connected to ``address``. Raises OSError; closes the socket on any failure."""
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        tune_socket(sock)
+        try:
+            sock.connect(address)
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err)) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    pos, ready = 0, 0
+    while pos < len(view):
+        try:
+            pos += sock.send(view[pos : pos + _IO_CHUNK])
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+            continue
+        ready += 1
+        if ready % _YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+
+async def recv_into_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from the socket. Raises EOFError if the peer closed first."""
+    pos, ready, n = 0, 0, len(view)
+    while pos < n:
+        try:
+            got = sock.recv_into(view[pos : pos + _IO_CHUNK])
+        except BlockingIOError:
+            await anyio.wait_readable(sock)
+            continue
+        if got == 0:
+            raise EOFError(f"connection closed with {n - pos} of {n} bytes outstanding")
+        pos += got
+        ready += 1
+        if ready % _YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+
+async def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    await recv_into_exactly(sock, memoryview(buf))
+    return bytes(buf)
+
+
+async def discard(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, _IO_CHUNK)))
+    while n > 0:
+        k = min(n, len(scratch))
+        await recv_into_exactly(sock, scratch[:k])
+        n -= k
+
+
+async def read_frame_head(sock: socket.socket,
+                          max_meta: int = MAX_META) -> tuple[FrameKind, int, dict[str, Any], int]:
+    """One frame's kind, request id, metadata and payload length (the payload is left unread).
+
+    Raises:
+        WireError: not a frame, metadata longer than ``max_meta`` announced (refused before any
+            buffer is allocated for it), or metadata that does not decode (too deep included).
+        EOFError, OSError: the connection ended.
+    """
+    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size), max_meta)
+    meta = decode_meta(await recv_exactly(sock, hdr.meta_len))
+    return hdr.kind, hdr.request_id, meta, hdr.payload_len
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Closes ``sock`` now, waking any task waiting on it (with ClosedResourceError)."""
+    if sock.fileno() >= 0:
+        with contextlib.suppress(Exception):  # waking readers is best effort; we close anyway
+            anyio.notify_closing(sock)
+        sock.close()
+
 
 
 # ---------------------------------------------------------------------------------------------

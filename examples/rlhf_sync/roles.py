@@ -188,7 +188,8 @@ async def generator(cfg: Config, name: str) -> dict:
                 await sub.wait_version(0, timeout=cfg.timeout)
             last_seq = None
             while t.signal_value("stop") is None:
-                sub.apply()  # between batches: take the newest complete version, never a torn one
+                await sub.apply_async()  # between batches: the newest complete version, never a torn one;
+                # the copy runs in a worker thread, so the agent and the doorbell keep running
                 version = sub.version
                 assert version is not None  # pulled or waited for before the loop
                 pr = prompts(cfg.prompts_per_batch, cfg.digits, rng).repeat_interleave(cfg.group, 0)

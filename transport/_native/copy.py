@@ -113,6 +113,8 @@ class SharedBuffer(_Mapped):
     ``/proc/<pid>/fd/<fd>`` (see :class:`PeerMapping`). Create it with :func:`shared_buffer`.
 
     The memory lives while this object or any array (or tensor) made by :meth:`array` does.
+    Its size is sealed: no process that opens the memfd can truncate it under this mapping.
+    Once :meth:`seal_writes` has run, no other process can write it either (see there).
     """
 
     def __init__(self, native: _C.SharedBuffer) -> None:
@@ -123,10 +125,48 @@ class SharedBuffer(_Mapped):
         """The memfd's descriptor number in this process."""
         return self._native.fd
 
+    @property
+    def inode(self) -> int:
+        """The memfd's inode number: tells it from a later memfd under the same :attr:`fd`."""
+        return self._native.inode
+
     def array(self) -> object:
         """A 1-D uint8 DLPack capsule over the whole buffer (``torch.from_dlpack``); it keeps
         the memory alive."""
         return self._native.array()
+
+    @property
+    def sealed(self) -> bool:
+        """Whether :meth:`seal_writes` has run (or the buffer was made ``read_only``)."""
+        return self._native.sealed
+
+    def seal_writes(self) -> None:
+        """Makes the memfd read-only for every other process, for good (``F_SEAL_FUTURE_WRITE``
+        and ``F_SEAL_SEAL``; idempotent): this buffer's own mapping (:attr:`address`, arrays)
+        stays writable, but a new writable shared mapping, ``write(2)`` or a hole punch of the
+        memfd fails with ``EPERM`` whoever tries, root included. A peer that wants to write it
+        afterwards must use cross-memory attach (see :attr:`read_only_address`).
+
+        Raises:
+            OSError: the kernel refused (``EINVAL``: Linux before 5.1; ``EPERM``: another process
+                sealed the memfd's seals first).
+        """
+        err = self._native.seal_writes()
+        if err:
+            raise OSError(err, f"cannot seal the memfd of a shared buffer against writes: {os.strerror(err)}")
+
+    @property
+    def read_only_address(self) -> int:
+        """Where a second, read-only (``PROT_READ``) mapping of the same bytes lies in this
+        process; mapped on first use. A peer's ``process_vm_writev`` to it fails with
+        ``EFAULT`` (the kernel never forces writes into a read-only shared mapping), reads work.
+        It only protects these addresses: a process allowed to ``ptrace`` this one can find
+        :attr:`address` in ``/proc/<pid>/maps`` and write there.
+
+        Raises:
+            RuntimeError: it could not be mapped (the message says why).
+        """
+        return self._native.read_only_address()
 
     def write_u64(self, offset: int, value: int) -> None:
         """Stores the 8-byte word at byte ``offset`` (8-aligned) with one store: a concurrent
@@ -139,13 +179,17 @@ class SharedBuffer(_Mapped):
         ctypes.c_uint64.from_address(self.address + offset).value = value
 
 
-def shared_buffer(nbytes: int, name: str) -> SharedBuffer:
+def shared_buffer(nbytes: int, name: str, *, read_only: bool = False) -> SharedBuffer:
     """A new :class:`SharedBuffer` of ``nbytes``; ``name`` shows in ``/proc/<pid>/fd``.
 
+    ``read_only``: sealed against other processes' writes (:meth:`SharedBuffer.seal_writes`)
+    before its memory is populated, i.e. microseconds after the memfd exists, so that no peer
+    can map it writable in between.
+
     Raises:
-        RuntimeError: the memfd could not be created or mapped (the message says why).
+        RuntimeError: the memfd could not be created, sealed or mapped (the message says why).
     """
-    return SharedBuffer(_C.SharedBuffer(nbytes, name))
+    return SharedBuffer(_C.SharedBuffer(nbytes, name, read_only))
 
 
 class PeerMapping(_Mapped):
@@ -157,14 +201,17 @@ class PeerMapping(_Mapped):
         fd: the memfd's descriptor number in that process.
         nbytes: how much of it to map, from its start.
         writable: map read-write (else read-only).
+        inode: the memfd's :attr:`SharedBuffer.inode` as its owner published it (0: not
+            checked); another file under that descriptor number is refused.
 
     Raises:
         RuntimeError: the memfd cannot be opened or mapped (the process is gone, ptrace
-            permission is refused, ...; the message says why).
+            permission is refused, the memfd is sealed against writes, the descriptor number
+            now holds another file, ...; the message says why).
     """
 
-    def __init__(self, pid: int, fd: int, nbytes: int, writable: bool) -> None:
-        self._native: _C.PeerMapping = _C.PeerMapping(pid, fd, nbytes, writable)
+    def __init__(self, pid: int, fd: int, nbytes: int, writable: bool, inode: int = 0) -> None:
+        self._native: _C.PeerMapping = _C.PeerMapping(pid, fd, nbytes, writable, inode)
 
     def read_u64(self, offset: int = 0) -> int:
         """The 8-byte word at byte ``offset`` (8-aligned), read with one load: a concurrent

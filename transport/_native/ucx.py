@@ -212,14 +212,22 @@ class UcxEngine:
         except _UCX_NATIVE_ERRORS as exc:
             log.debug("ucx engine: %s ignored: %s", getattr(fn, "__name__", fn), exc)
 
-    def mem_map(self, address: int, nbytes: int) -> tuple[int, bytes]:
+    def mem_map(self, address: int, nbytes: int, *, remote_write: bool = True,
+                local_write: bool = True) -> tuple[int, bytes]:
         """Registers host memory; returns (handle, packed rkey for peers).
+
+        ``remote_write=False`` registers it without remote-write access
+        (``UCP_MEM_MAP_PROT_REMOTE_WRITE`` left out of its protection), ``local_write=False``
+        also without local-write access (for a ``PROT_READ`` mapping). Only transports that
+        check rkeys in hardware (RDMA) enforce this: UCX's ``cma`` and ``tcp`` transports accept
+        a put through any rkey, to any address.
 
         Raises:
             ClosedError: the engine is closed.
             TransportInternalError: UCX refused the registration.
         """
-        mem, rkey = self._call(f"ucp_mem_map of {nbytes} bytes", self._engine.mem_map, address, nbytes)
+        mem, rkey = self._call(f"ucp_mem_map of {nbytes} bytes", self._engine.mem_map, address, nbytes,
+                               remote_write, local_write)
         return int(mem), bytes(rkey)
 
     def mem_unmap(self, mem: int) -> None:

@@ -26,8 +26,9 @@ import inspect
 import logging
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from .._errors import BackendUnavailableError
 from .._tensors import MemoryKind
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
 from .ipc import IpcBackend
@@ -220,6 +221,28 @@ def default_backends() -> tuple[str, ...]:
     """The names ``Transport(backends=None)`` tries, in preference order (built-ins only; the
     Transport skips those unavailable here)."""
     return tuple(REGISTRY)
+
+
+def select_backends(requested: Sequence[str] | None) -> list[type[Backend]]:
+    """The backend classes a Transport runs: ``requested`` in that order (each must be
+    available here), or every available one in the default order when None.
+
+    Raises:
+        ValueError: ``requested`` is empty, or names an unknown backend.
+        BackendUnavailableError: a requested backend cannot run here (the message says why).
+    """
+    names = requested if requested is not None else default_backends()
+    if not names:
+        raise ValueError("backends=() leaves nothing to move bytes with")
+    chosen = []
+    for cls in [backend_class(n) for n in names]:
+        if (reason := cls.unavailable_reason()) is None:
+            chosen.append(cls)
+        elif requested is not None:
+            raise BackendUnavailableError(f"backend {cls.name!r} is unavailable: {reason}")
+        else:
+            log.info("backend %s unavailable: %s", cls.name, reason)
+    return chosen
 
 
 def registered_backends() -> Mapping[str, type[Backend]]:

@@ -10,6 +10,10 @@
   and cross-memory attach.
 
 See :mod:`transport._cuda` for the stream semantics.
+
+``writable=False`` is not enforced for device regions against a peer that ignores it: a legacy
+CUDA IPC handle always opens read-write. A peer's read-only *host* region reached through its
+shared mapping is mapped ``PROT_READ`` and page-locked read-only (see the ``ipc`` module).
 """
 
 from __future__ import annotations

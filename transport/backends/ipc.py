@@ -13,20 +13,36 @@ Device memory (CUDA tensors, registered or local) goes through CUDA IPC handles 
 None of these needs the target's Python to run: a target blocked in ``time.sleep`` still receives.
 CMA needs ptrace permission (same user, and under Yama ``ptrace_scope=1`` the target must allow
 it); when refused, the backend says so and the Transport falls back to the next backend.
+
+Read-only regions (``writable=False``), enforced by the kernel where it can be:
+
+* a read-only region that spans a whole library buffer (``Transport.empty(..., writable=False)``)
+  seals that buffer's memfd before it is published (``F_SEAL_FUTURE_WRITE``): the owner keeps
+  writing through its own mapping, but no other process can map it writable or ``write(2)`` it
+  any more, root included. A writable region over a sealed buffer (registered on purpose over
+  its memory) is published without its memfd: peers write it by CMA only, or through another
+  backend where CMA is not permitted;
+* the address published for CMA into a read-only region of a library buffer is a second,
+  ``PROT_READ`` mapping of it: ``process_vm_writev`` there fails with ``EFAULT``;
+* what the kernel cannot enforce: a read-only view inside a buffer that is also writable (its
+  memfd stays unsealed), read-only regions in ordinary memory, and any process allowed to
+  ``ptrace`` the owner (it can write anywhere in it, e.g. at the addresses in
+  ``/proc/<pid>/maps``). Device memory: CUDA IPC handles always open read-write.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import struct
 import sys
 from typing import TypeVar
 
 from .. import _native
-from .._errors import PeerLostError, TransportInternalError
+from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
-from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping
+from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer
 from .._regions import Region
 from .._staging import bounce
 from .._tensors import MemoryKind
@@ -37,7 +53,13 @@ from ._cuda_ipc import CudaIpc, is_device
 # pid, address of a readable probe byte, memfd of the control page (-1: none)
 _ENDPOINT = struct.Struct("<qQq")
 _CTL_SEQ = 0  # byte offset in the control page of the published record's seq (a u64)
-_REGION = struct.Struct("<QQqQ")  # address, nbytes, memfd number (-1: none), offset in the memfd
+# A host region: address, nbytes, memfd number (-1: none), offset in the memfd, the memfd's inode
+# (which tells it from a later memfd under the same number: mappings are cached by it).
+_REGION = struct.Struct("<QQqQQ")
+
+_NO_FD = -1
+
+log = logging.getLogger(__name__)
 
 _Key = TypeVar("_Key", bound=tuple[str, ...])  # (peer, incarnation, ...)
 _Value = TypeVar("_Value")
@@ -63,11 +85,14 @@ class IpcBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self._cma: dict[tuple[str, str], str | None] = {}  # (peer, incarnation) -> refusal
-        self._maps: dict[tuple[str, str, str], PeerMapping] = {}  # (peer, incarnation, key) -> mapping
-        self._map_errors: dict[tuple[str, str, str], str] = {}
-        # A page peers map read-only: it holds the seq of our latest published record, so an
-        # initiator notices a (un)registration with one memory load before it writes.
-        self._ctl = _native.shared_buffer(4096, f"transport:{ctx.name}:ctl")
+        # (peer, incarnation, key) -> ((memfd number, inode, writable), mapping): a region
+        # re-registered in another buffer, or with the other writability, is mapped anew.
+        self._maps: dict[tuple[str, str, str], tuple[tuple[int, int, bool], PeerMapping]] = {}
+        self._map_errors: dict[tuple[str, str, str], tuple[tuple[int, int, bool], str]] = {}
+        # A page peers map read-only (sealed: they cannot map it otherwise): it holds the seq of
+        # our latest published record, so an initiator notices a (un)registration with one
+        # memory load before it writes.
+        self._ctl = _native.shared_buffer(4096, f"transport:{ctx.name}:ctl", read_only=True)
         self._peer_ctl: dict[tuple[str, str], PeerMapping | None] = {}
         if ctx.cuda is None:
             raise TransportInternalError("the ipc backend needs the Transport's CUDA copier (BackendContext.cuda)")
@@ -97,10 +122,43 @@ class IpcBackend(Backend):
     def region_descriptor(self, region: Region) -> bytes | None:
         if region.device != "cpu":
             return self._cuda.region_descriptor(region)
-        fd, fd_offset = -1, 0
-        if region.shared is not None:
-            fd, fd_offset = region.shared.fd, region.address - region.shared.address
-        return _REGION.pack(region.address, region.nbytes, fd, fd_offset)
+        shared: SharedBuffer | None = region.shared
+        if shared is None:  # ordinary memory: CMA at its address
+            return _REGION.pack(region.address, region.nbytes, _NO_FD, 0, 0)
+        offset = region.address - shared.address
+        if region.writable:
+            # A sealed memfd can no longer be mapped writable: peers write this one by CMA only.
+            if shared.sealed:
+                return _REGION.pack(region.address, region.nbytes, _NO_FD, 0, 0)
+            return _REGION.pack(region.address, region.nbytes, shared.fd, offset, shared.inode)
+        return self._read_only_descriptor(region, shared, offset)
+
+    def _read_only_descriptor(self, region: Region, shared: SharedBuffer, offset: int) -> bytes | None:
+        """A read-only region in a library buffer: its memfd sealed when the region spans all
+        of it, and for CMA the address of the buffer's read-only alias mapping."""
+        cached = region.backend_state.get("ipc")  # decided once per registration
+        if cached is not None:
+            return cached
+        fd = shared.fd
+        if offset == 0 and region.nbytes >= shared.nbytes and not shared.sealed:
+            try:
+                shared.seal_writes()  # before the record that publishes it exists
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # Linux < 5.1: as for ordinary memory, not enforced
+                    log.warning("transport %s: peers that ignore writable=False can write %r: %s",
+                                self.ctx.name, region.key, exc)
+                else:  # e.g. another process sealed the seals: do not hand out a writable memfd
+                    log.warning("transport %s: %r is published without its memfd (peers reach it by "
+                                "cross-memory attach only): %s", self.ctx.name, region.key, exc)
+                    fd = _NO_FD
+        try:
+            address = shared.read_only_address + offset
+        except RuntimeError as exc:
+            log.warning("transport %s: %r is not published for ipc: %s", self.ctx.name, region.key, exc)
+            return None  # not cached: a later publish tries again
+        desc = region.backend_state["ipc"] = _REGION.pack(address, region.nbytes, fd, offset,
+                                                          shared.inode if fd != _NO_FD else 0)
+        return desc
 
     # -- reachability -------------------------------------------------------------------------
 
@@ -124,23 +182,26 @@ class IpcBackend(Backend):
         return self._cma[cache_key]
 
     def _mapping(self, peer: PeerRecord, region: RegionRecord) -> PeerMapping | None:
-        _addr, nbytes, fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+        _addr, nbytes, fd, fd_offset, inode = _REGION.unpack(region.descriptors["ipc"])
         if fd < 0:
             return None
-        cache_key = (peer.name, peer.incarnation, region.key)
-        m = self._maps.get(cache_key)
-        if m is not None and m.nbytes >= fd_offset + nbytes:
-            return m
-        if m is not None:  # too small for this region: replaced below, so no longer pinned
-            self._cuda.unpin(m.address, m.nbytes)
-        if cache_key in self._map_errors:
+        cache_key, ident = (peer.name, peer.incarnation, region.key), (fd, inode, region.writable)
+        cached = self._maps.get(cache_key)
+        if cached is not None and cached[0] == ident and cached[1].nbytes >= fd_offset + nbytes:
+            return cached[1]
+        if cached is not None:  # another memfd, writability or size: replaced, so no longer pinned
+            del self._maps[cache_key]
+            self._cuda.unpin(cached[1].address, cached[1].nbytes)
+        failed = self._map_errors.get(cache_key)
+        if failed is not None and failed[0] == ident:
             return None
         try:
-            m = PeerMapping(peer.pid, fd, fd_offset + nbytes, region.writable)
+            m = PeerMapping(peer.pid, fd, fd_offset + nbytes, region.writable, inode)
         except RuntimeError as exc:
-            self._map_errors[cache_key] = str(exc)
+            self._map_errors[cache_key] = (ident, str(exc))
             return None
-        self._maps[cache_key] = m
+        self._map_errors.pop(cache_key, None)
+        self._maps[cache_key] = (ident, m)
         return m
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
@@ -148,6 +209,9 @@ class IpcBackend(Backend):
             return f"{peer.name} is on another host or PID namespace"
         if "ipc" not in region.descriptors or "ipc" not in peer.backends:
             return f"{peer.name} published no ipc descriptor for {region.key!r}"
+        if not is_device(region) and len(region.descriptors["ipc"]) != _REGION.size:
+            return (f"{peer.name}'s ipc descriptor for {region.key!r} has {len(region.descriptors['ipc'])} bytes, "
+                    f"not {_REGION.size}: another version of transport?")
         if is_device(region) or local == MemoryKind.CUDA:
             has_mapping = not is_device(region) and self._mapping(peer, region) is not None
             return self._cuda.unreachable_reason(peer, region, local, has_mapping, lambda: self.cma_refusal(peer))
@@ -156,8 +220,8 @@ class IpcBackend(Backend):
         refusal = self.cma_refusal(peer)
         if refusal is None:
             return None
-        mapping_error = self._map_errors.get((peer.name, peer.incarnation, region.key))
-        return refusal + (f"; shared mapping failed too: {mapping_error}" if mapping_error else "")
+        failed = self._map_errors.get((peer.name, peer.incarnation, region.key))
+        return refusal + (f"; shared mapping failed too: {failed[1]}" if failed else "")
 
     # -- data path ----------------------------------------------------------------------------
 
@@ -167,7 +231,7 @@ class IpcBackend(Backend):
         if is_device(region) or local.kind == MemoryKind.CUDA:
             await self._copy_cuda(local, remote, op)
             return
-        addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+        addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
         mapping = self._mapping(peer, region)
         if mapping is not None:
             there = mapping.address + fd_offset + remote.offset
@@ -178,14 +242,14 @@ class IpcBackend(Backend):
         seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
         # `mapping` stays referenced until the copy finished: it cannot be unmapped under it.
         result = await self.ctx.copier.copy(kind, pid, [seg])
-        self._raise_for(result, peer, region, remote)
+        self._raise_for(result, peer, region, remote, write and kind == CopyKind.CMA_WRITE, there)
 
     async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
         peer, region = remote.peer, remote.region
         if is_device(region):
             await self._cuda.copy_device(peer, local, remote, op)
             return
-        addr, _nbytes, _fd, fd_offset = _REGION.unpack(region.descriptors["ipc"])
+        addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
         mapping = self._mapping(peer, region)
         if mapping is not None:
             there = mapping.address + fd_offset + remote.offset
@@ -202,11 +266,14 @@ class IpcBackend(Backend):
                     seg = (there + pos, staging, size)
                 else:
                     seg = (staging, there + pos, size)
-                self._raise_for(await self.ctx.copier.copy(kind, peer.pid, [seg]), peer, region, remote)
+                result = await self.ctx.copier.copy(kind, peer.pid, [seg])
+                self._raise_for(result, peer, region, remote, op == TransferOp.PUT, there + pos)
                 if op == TransferOp.GET:
                     await b.store(pos, size)
 
-    def _raise_for(self, result: CopyResult, peer: PeerRecord, region: RegionRecord, remote: RemoteTarget) -> None:
+    def _raise_for(self, result: CopyResult, peer: PeerRecord, region: RegionRecord, remote: RemoteTarget,
+                   write: bool = False, there: int = 0) -> None:
+        """Maps a failed copy to the error tree (``write``/``there``: a CMA write, and where)."""
         if result.status == CopyStatus.OK:
             return
         what = f"ipc transfer of {remote.nbytes} bytes at offset {remote.offset} of {peer.name}:{region.key!r}"
@@ -214,6 +281,9 @@ class IpcBackend(Backend):
             raise PeerLostError(f"{what} was aborted by shutdown after {result.nbytes} bytes")
         if result.err == errno.ESRCH or not process_alive(peer.pid, peer.pid_start):
             raise PeerLostError(f"{what} failed: {peer.name} (pid {peer.pid}) has exited")
+        if result.err == errno.EFAULT and write and _native.cma_probe(peer.pid, there + result.nbytes) == 0:
+            # Where the write failed it is mapped and readable, yet not writable: a read-only region.
+            raise ReadOnlyRegionError(f"{what} refused: {peer.name} maps {region.key!r} read-only")
         if result.err == errno.EFAULT:
             raise PeerLostError(
                 f"{what} failed: the range is no longer mapped in {peer.name} "
@@ -229,7 +299,7 @@ class IpcBackend(Backend):
 
     def forget_peer(self, peer: str) -> None:
         self._cuda.forget_peer(peer)
-        for k, m in self._maps.items():
+        for k, (_ident, m) in self._maps.items():
             if k[0] == peer:
                 self._cuda.unpin(m.address, m.nbytes)
         _forget(self._cma, peer)
@@ -238,7 +308,7 @@ class IpcBackend(Backend):
         _forget(self._peer_ctl, peer)
 
     def close(self) -> None:
-        for m in self._maps.values():  # page-locked mappings are unpinned before they are unmapped
+        for _ident, m in self._maps.values():  # page-locked mappings are unpinned before they are unmapped
             self._cuda.unpin(m.address, m.nbytes)
         self._maps.clear()
         self._peer_ctl.clear()

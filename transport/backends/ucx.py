@@ -30,6 +30,15 @@ How it works:
   unreachable) still fails by the transfer's timeout, never hangs.
 * UCX configuration (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) comes from the user's environment,
   read as it is; the library never sets environment variables.
+* Read-only regions (``writable=False``) are mapped without remote-write access
+  (``UCP_MEM_MAP_PROT_REMOTE_WRITE`` left out): RDMA hardware refuses a put through their rkey.
+  UCX's software transports do not check rkeys at all (verified with libucx-cu12 1.22): over
+  ``cma`` and ``tcp`` a peer holding any rkey of a process can write anywhere in it. So a
+  read-only region in a library buffer (``Transport.empty``) is published at a ``PROT_READ``
+  alias mapping of the buffer: a put through ``cma`` fails (``EFAULT``) and the target is
+  untouched, but a put through UCX's ``tcp`` transport makes the *target* process crash
+  (``SIGSEGV`` in its progress thread), as would a put to any unmapped address. Only peers
+  trusted with all of a process's memory may reach its UCX workers.
 """
 
 from __future__ import annotations
@@ -192,7 +201,7 @@ class UcxBackend(Backend):
             # The control word: the seq of our latest record, which initiators read before a
             # transfer (live_seq) so that they notice (un)registrations, as ipc's control page does.
             self._ctl = torch.zeros(8, dtype=torch.int64)
-            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.data_ptr(), 8)
+            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.data_ptr(), 8, remote_write=False)
             addresses = [self._engine.worker_address(i) for i in range(lanes)]
             self._endpoint = _encode_endpoint(addresses, self._ctl.data_ptr(), ctl_rkey)
         except BaseException:
@@ -219,19 +228,42 @@ class UcxBackend(Backend):
         self._described.add(id(region))
         entry = self._mapped.get(id(region))
         if entry is None:
-            mem, rkey = None, b""
             try:
-                if region.nbytes:
-                    mem, rkey = self._engine.mem_map(region.address, region.nbytes)
-                desc: bytes | None = _REGION.pack(_REGION_MAGIC, region.address, region.nbytes) + rkey
+                mem, desc = self._map(region)
             except TransportError as exc:
                 # Not fatal to the registration: peers see no ucx descriptor and use another backend.
                 log.warning("transport %s: cannot map %r (%d bytes) for ucx: %s",
                             self.ctx.name, region.key, region.nbytes, exc)
-                desc = None
+                mem, desc = None, None
             entry = (region, mem, desc)  # holding the region keeps id(region) unique while mapped
             self._mapped[id(region)] = entry
         return entry[2]
+
+    def _map(self, region: Region) -> tuple[int | None, bytes]:
+        """Maps ``region`` (``ucp_mem_map``); returns its memory handle and descriptor.
+
+        A read-only region gets an rkey without remote-write access, which RDMA hardware
+        enforces. UCX's software transports ignore it (``cma`` and ``tcp`` write through any
+        rkey), so a read-only region in a library buffer (``Transport.empty``) is mapped and
+        published at the buffer's ``PROT_READ`` alias: a put through ``cma`` then fails
+        (``EFAULT``). Where the alias cannot be mapped or registered, the region itself is.
+
+        Raises:
+            TransportError: UCX refused the registration.
+        """
+        address = region.address
+        if region.nbytes == 0:
+            return None, _REGION.pack(_REGION_MAGIC, address, 0)
+        if not region.writable and region.shared is not None:
+            try:
+                alias = region.shared.read_only_address + (region.address - region.shared.address)
+                mem, rkey = self._engine.mem_map(alias, region.nbytes, remote_write=False, local_write=False)
+                return mem, _REGION.pack(_REGION_MAGIC, alias, region.nbytes) + rkey
+            except (RuntimeError, TransportInternalError) as exc:
+                log.info("transport %s: %r is mapped for ucx without its read-only alias (%s): only RDMA "
+                         "transports will refuse puts into it", self.ctx.name, region.key, exc)
+        mem, rkey = self._engine.mem_map(address, region.nbytes, remote_write=region.writable)
+        return mem, _REGION.pack(_REGION_MAGIC, address, region.nbytes) + rkey
 
     def published(self, seq: int) -> None:
         self._ctl[0] = seq  # one aligned 8-byte store: readers see the old or the new seq

@@ -2,10 +2,12 @@
 
 After every optimizer step the trainer calls ``await publisher.publish(version)``; every
 subscribed generator receives the whole state dict **independently and concurrently**, and
-applies it between its own generation steps with ``subscriber.apply()``. Nothing is collective:
-generators subscribe and leave at any time (through the rendezvous), a slow or dead generator
-is reported as a straggler after ``deadline`` seconds and never delays the others, and a
-generator that joins late (or restarts) catches up with ``await subscriber.pull()``.
+applies it between its own generation steps with ``await subscriber.apply_async()`` (the copy
+runs in a worker thread; ``subscriber.apply()`` does it on the calling thread). Nothing is
+collective: generators subscribe and leave at any time (through the rendezvous), a slow
+generator is reported as a straggler after ``deadline`` seconds and never delays the others, a
+generator that died or left since the last publish is reported once (``failed`` / ``left``), and
+a generator that joins late (or restarts) catches up with ``await subscriber.pull()``.
 
 How a version travels, and why it is never torn:
 
@@ -17,10 +19,11 @@ How a version travels, and why it is never torn:
   bucket (many tensors per transfer, at most ``max_inflight`` transfers in flight per
   subscriber), and only when every byte is in the subscriber's memory does it write the slot's
   number and the version into the control block (the *front*) and ring a doorbell signal.
-* ``apply()`` announces which slot it is reading in the control block, re-checks the front (the
-  classic two-flag handshake, with memory barriers on both sides), and copies that slot into the
-  model. The publisher never writes the slot a subscriber has announced; if the subscriber is
-  still reading it, the publisher waits (at most until the deadline).
+* ``apply()`` (and ``apply_async()``, on a worker thread) announces which slot it is reading in
+  the control block, re-checks the front (the classic two-flag handshake, with memory barriers
+  on both sides), and copies that slot into the model. The publisher never writes the slot a
+  subscriber has announced; if the subscriber is still reading it, the publisher waits (at most
+  until the deadline).
 * ``pull()`` reads the publisher's current snapshot one-sidedly and keeps it only if the slot's
   generation counter did not move during the read.
 
@@ -29,8 +32,8 @@ packed slots; nothing else grows with the model or the number of subscribers.
 
 Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
 words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_report`` (what a publish
-reports), ``_subscriber`` (``Subscriber``). Packing and unpacking use the batched gather/scatter
-of ``transport._kernels``.
+reports), ``_subscriber`` (``Subscriber``), ``_copy`` (host copies split across the cores).
+Packing and device unpacking use the batched gather/scatter of ``transport._kernels``.
 """
 
 from .._public import rehome

@@ -10,24 +10,38 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._errors import TransportError
+from .._errors import LayoutError, TransportError
 from .._tensors import dtype_from_name, dtype_name
-from .._wire import WireError
+from .._wire import WireError, loads_bounded
 
 LAYOUT_FORMAT = "transport.weights.layout"
 LAYOUT_VERSION = 1
+MAX_LAYOUT_BYTES = 256 << 20  # a layout read from a peer is refused beyond this (~2M tensors)
 ALIGN = 64
 DIRECT_MIN = 1 << 20  # tensors this large travel in buckets of their own
 
 
-class LayoutMismatchError(TransportError):
-    """Publisher and subscriber disagree about the weights (names, shapes, conversions)."""
+class LayoutMismatchError(LayoutError):
+    """Publisher and subscriber disagree about the weights (names, shapes, conversions).
+
+    A ``LayoutError``: the subscriber's tensors are a layout the publisher's stream cannot
+    serve, so ``except LayoutError`` catches every "these tensors do not fit" refusal.
+
+    Attributes:
+        not_received: wire names the publisher sends that no local tensor receives.
+        not_sent: local tensor names the publisher's layout does not send.
+    """
+
+    def __init__(self, message: str, *, not_received: Iterable[str] = (), not_sent: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.not_received = tuple(not_received)
+        self.not_sent = tuple(not_sent)
 
 
 @dataclass(frozen=True)
@@ -87,8 +101,8 @@ class Layout:
         Raises:
             WireError: not a layout of this format and version, or an entry lies outside it.
         """
+        doc = loads_bounded(data, max_bytes=MAX_LAYOUT_BYTES, max_depth=6, what="weights layout")
         try:
-            doc = json.loads(data)
             if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT or doc.get("v") != LAYOUT_VERSION:
                 raise WireError(f"not a version-{LAYOUT_VERSION} weights layout")
             entries = tuple(
@@ -97,7 +111,7 @@ class Layout:
             )
             buckets = tuple((int(a), int(b)) for a, b in doc["buckets"])
             layout = Layout(str(doc["name"]), entries, buckets, int(doc["total"]))
-        except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise WireError(f"malformed weights layout: {exc}") from exc
         for e in layout.entries:
             try:

@@ -3,7 +3,8 @@
 A publish packs what cannot travel straight from the live tensors into one of two snapshots,
 pushes the version into every current subscriber independently (bucket by bucket, into the slot
 the subscriber is not about to read), makes it the subscriber's front, and rings its doorbell in
-the background. See :mod:`transport.weights` for the whole protocol.
+the background. It also reports the subscribers served before that have left or died since. See
+:mod:`transport.weights` for the whole protocol.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import anyio
 import torch
 
 from .. import _kernels
-from .._errors import TransportError
+from .._errors import PeerLostError, TransportError
 from ._control import (
     CTL_WORDS,
     FRONT,
@@ -32,6 +33,7 @@ from ._control import (
     memory_barrier,
     withdraw,
 )
+from ._copy import HostCopies, available_threads
 from ._layout import Entry, LayoutMismatchError, build_layout, describe, tensors_of
 from ._report import PublishReport, SyncResult, SyncStatus
 
@@ -113,6 +115,11 @@ class Publisher:
         self._rings: TaskGroup | None = None  # runs the doorbell loops; open between start and aclose
         self._lock = anyio.Lock()
         self._started = False
+        self._threads = available_threads()
+        # Subscribers served by a publish, by name -> incarnation, until reported left or dead;
+        # and the (name, incarnation)s reported dead, left out of every later publish.
+        self._served: dict[str, str] = {}
+        self._gone: set[tuple[str, str]] = set()
 
     @property
     def staging_bytes(self) -> int:
@@ -203,6 +210,22 @@ class Publisher:
                 if bucket[1] > e.offset:
                     self._members[bucket].append(e)
 
+    def _fill_direct(self, slot: int) -> None:
+        """Copies the buckets that went straight from the live tensors into snapshot ``slot``
+        (what ``pull`` reads): host sources as one copy split across the cores.
+
+        Runs in a worker thread; CUDA sources as in :meth:`_pack`.
+        """
+        snap = self._snaps[slot]
+        batch = HostCopies()
+        with torch.no_grad():
+            for (start, end), (data, offset) in self._direct.items():
+                if data.is_cuda:
+                    snap[start:end].copy_(data[start - offset : end - offset])
+                else:
+                    batch.add_raw(snap.data_ptr() + start, data.data_ptr() + start - offset, end - start)
+        batch.run(self._threads)
+
     def _pack(self, slot: int, ranges: list[Bucket]) -> None:
         """Packs the bytes of ``ranges`` of the version into snapshot ``slot`` with one
         ``_kernels.pack`` per bucket. fp8 tensors that touch them are quantised whole, once.
@@ -241,35 +264,81 @@ class Publisher:
         return data[start - offset : end - offset]
 
     async def subscribers(self) -> list[str]:
-        """Names of the peers currently subscribed to this stream.
+        """Names of the peers currently subscribed to this stream (less those reported dead).
 
         Raises:
             ClosedError: the Transport is closed.
         """
-        return sorted(await self._discover())
+        return sorted((await self._discover())[0])
 
-    async def _discover(self) -> dict[str, Peer]:
-        out = {}
+    async def _discover(self) -> tuple[dict[str, Peer], dict[str, Peer | None]]:
+        """The subscribers to serve now, and every peer listed in the store as looked up now
+        (None: its record is unusable, i.e. left by an exited process, or unreadable)."""
+        listed: dict[str, Peer | None] = {}
+        subs = {}
         for n in await self.t.peers():
             if n == self.t.name:
                 continue
-            peer = await self.t.lookup(n)
-            if peer is not None and self._keys.slots[1] in peer.regions and self._keys.ctl in peer.regions:
-                out[n] = peer
-        return out
+            peer = listed[n] = await self.t.lookup(n)
+            if peer is None or (n, peer.incarnation) in self._gone:
+                continue
+            if self._keys.slots[1] in peer.regions and self._keys.ctl in peer.regions:
+                subs[n] = peer
+        return subs, listed
+
+    def _departed(self, subs: dict[str, Peer], listed: dict[str, Peer | None], version: int, t0: float,
+                  results: dict[str, SyncResult]) -> tuple[tuple[str, ...], list[tuple[str, str]]]:
+        """Sorts the subscribers served before and not subscribed now into those that left
+        (names, sorted) and the dead ((name, incarnation), each with a FAILED result in
+        ``results``). Changes no state: the publish forgets them once it completes (a cancelled
+        publish leaves them to the next)."""
+        left, dead = [], []
+        for name, incarnation in self._served.items():
+            if name in subs:  # still subscribed, or a restarted process under its name is (served as new)
+                continue
+            if name in listed and listed[name] is None:
+                why = (f"{name} (incarnation {incarnation}) died: its record in the store is left by an exited "
+                       f"process, or unreadable")
+                results[name] = SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0,
+                                           f"{PeerLostError.__name__}: {why}")
+                dead.append((name, incarnation))
+                log.warning("publisher %s: subscriber %s", self.t.name, why)
+            else:  # no record (its Transport closed), no slots (it unsubscribed), or a new incarnation
+                left.append(name)
+                log.info("publisher %s: subscriber %s (incarnation %s) left", self.t.name, name, incarnation)
+        return tuple(sorted(left)), dead
+
+    def _remember(self, subs: dict[str, Peer], listed: dict[str, Peer | None], dead: list[tuple[str, str]]) -> None:
+        """After a publish: who was served (for the next one's departures). The dead, and
+        those lost during it, are remembered by incarnation while their record is listed: no
+        later publish serves or reports them again (one that left may come back, e.g.
+        re-subscribe; a restart under the name is a new incarnation)."""
+        self._gone.update(dead)
+        still = {n: None if p is None else p.incarnation for n, p in listed.items()}  # None: stale record
+        self._gone = {(n, i) for n, i in self._gone if n in still and still[n] in (None, i)}
+        for name in [n for n in self._served if n not in subs]:
+            del self._served[name]
+        for name, peer in subs.items():
+            if (name, peer.incarnation) in self._gone:
+                self._served.pop(name, None)
+            else:
+                self._served[name] = peer.incarnation
 
     async def publish(self, version: int) -> PublishReport:
         """Snapshots the state dict as ``version`` and pushes it to every current subscriber.
 
         Subscribers are served independently and concurrently; this returns when each one is
         complete, failed, or hit the deadline (a straggler: its transfers are aborted and its
-        live weights stay on the previous complete version).
+        live weights stay on the previous complete version), and the snapshot ``pull`` reads is
+        complete. The live tensors may change once it returns.
 
         Args:
             version: must grow from one publish to the next.
 
         Returns:
-            A :class:`PublishReport` with one :class:`SyncResult` per subscriber.
+            A :class:`PublishReport`: one :class:`SyncResult` per subscriber, plus a FAILED one
+            per subscriber served before that has died since (reported once); ``left``, the
+            subscribers served before that have left since (once); and the time of each phase.
 
         Raises:
             ValueError: ``version`` does not grow.
@@ -278,6 +347,7 @@ class Publisher:
 
         Cancellation: aborts the pushes in flight; subscribers keep their last complete version.
         """
+        entry = time.perf_counter()
         if not self._started:
             raise TransportError("publisher not started; use `async with Publisher(...)`")
         if self.version is not None and version <= self.version:
@@ -293,18 +363,25 @@ class Publisher:
             # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
             # would compete with the pushes for the same memory bandwidth and cores.
             await anyio.to_thread.run_sync(self._pack, slot, self._packed_ranges)
-            snap_s = time.perf_counter() - t0
+            t_packed = time.perf_counter()
             results: dict[str, SyncResult] = {}
-            subs = await self._discover()
+            subs, listed = await self._discover()
+            left, dead = self._departed(subs, listed, version, t0, results)
+            t_found = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for peer in subs.values():
                     tg.start_soon(self._push, peer, version, self._snaps[slot], t0, results)
-            await anyio.to_thread.run_sync(self._pack, slot, list(self._direct))
+            t_pushed = time.perf_counter()
+            await anyio.to_thread.run_sync(self._fill_direct, slot)
             memory_barrier()
             self._ctl[gen] += 1  # even: stable
             self._ctl[FRONT] = encode_front(version, slot)
             self.version = version
-            return PublishReport(version, time.perf_counter() - t0, snap_s, results)
+            self._remember(subs, listed, dead)
+            end = time.perf_counter()
+            return PublishReport(version, results, left, queued_s=t0 - entry, pack_s=t_packed - t0,
+                                 discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
+                                 total_s=end - entry)
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
                     results: dict[str, SyncResult]) -> None:
@@ -318,6 +395,8 @@ class Publisher:
                 status, error = SyncStatus.DONE, None
             except TransportError as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, PeerLostError):  # that incarnation is gone for good: reported once
+                    self._gone.add((sub, peer.incarnation))  # (a cancelled publish reports it again)
             finally:
                 for h in handles:
                     h.cancel()

@@ -2,15 +2,20 @@
 
 A subscriber registers two staging slots (three with ``zero_copy``) and a control block; the
 publisher writes complete versions into them. ``apply()`` claims the newest complete slot with
-the two-flag handshake (see :mod:`transport.weights._control`) and copies it into the model with
-one ``_kernels.unpack`` (plus a dequantisation per fp8 tensor), or re-points the model's tensors
-at it. ``pull()`` reads the publisher's snapshot one-sidedly under its seqlock.
+the two-flag handshake (see :mod:`transport.weights._control`) and copies it into the model (host
+tensors: a memcpy split across the available cores, :mod:`._copy`; CUDA: one ``_kernels.unpack``;
+plus a dequantisation per fp8 tensor), or re-points the model's tensors at it. ``apply_async()``
+runs the same in a worker thread. ``pull()`` reads the publisher's snapshot one-sidedly under its
+seqlock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,10 +40,14 @@ from ._control import (
     memory_barrier,
     withdraw,
 )
+from ._copy import HostCopies, available_threads
 from ._layout import Entry, Layout, LayoutMismatchError, tensors_of
 
 if TYPE_CHECKING:
     from .. import Transport
+
+log = logging.getLogger("transport.weights")
+SHOWN_NAMES = 5  # names listed in a mismatch message before "and N more"
 
 
 @dataclass
@@ -86,16 +95,52 @@ class _ApplyPlan:
 
 def _dequantize_into(buf: torch.Tensor, converted: list[tuple[Entry, torch.Tensor]]) -> None:
     for e, dst in converted:
-        q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
-        scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
+        _dequantize_one(buf, e, dst)
+
+
+def _dequantize_one(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
+    q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
+    scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
+    with torch.no_grad():  # grad mode is per thread: this may run on a copy thread
         dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
+
+
+def _cast_into(buf: torch.Tensor, offset: int, dtype: torch.dtype, dst: torch.Tensor) -> None:
+    with torch.no_grad():
+        dst.copy_(_kernels.view_in(buf, offset, dtype, dst.shape))
+
+
+def _host_unpack(buf: torch.Tensor, copies: _Copies, converted: list[tuple[Entry, torch.Tensor]],
+                 threads: int) -> None:
+    """``_kernels.unpack`` + ``_dequantize_into`` for a host ``buf`` and host destinations,
+    split across ``threads`` (same-dtype contiguous destinations are plain memcpys)."""
+    batch = HostCopies()
+    base = buf.data_ptr()
+    for dst, off, dtype in zip(copies.dsts, copies.offsets, copies.dtypes, strict=True):
+        n = dst.numel() * dtype.itemsize
+        if not n:
+            continue
+        if dst.dtype == dtype and dst.is_contiguous():
+            batch.add_raw(dst.data_ptr(), base + off, n)
+        else:
+            batch.add(n, functools.partial(_cast_into, buf, off, dtype, dst))
+    for e, dst in converted:
+        batch.add(e.nbytes, functools.partial(_dequantize_one, buf, e, dst))
+    batch.run(threads)
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:SHOWN_NAMES])
+    return shown + (f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
 
 
 class Subscriber:
     """Generator side: receives versions into staging slots and applies complete ones.
 
     Use as ``async with Subscriber(t, model, publisher="trainer-0") as sub:``. Between
-    generation steps call ``sub.apply()`` (non-blocking) or ``await sub.wait_version(v)``.
+    generation steps call ``await sub.apply_async()`` (the copy runs in a worker thread; the
+    event loop keeps running) or ``await sub.wait_version(v)``; ``sub.apply()`` does the same
+    copy on the calling thread (from async code: the event loop stalls for the whole copy).
 
     Args:
         transport: an open Transport.
@@ -103,7 +148,11 @@ class Subscriber:
         publisher: the publisher's Transport name.
         name: the stream name.
         rename: wire name -> local name, or None to ignore that tensor.
-        strict: raise if a wire tensor has no local counterpart (else ignore it).
+        strict: (default) ``start`` raises :class:`LayoutMismatchError` when the names do not
+            match both ways: a tensor the publisher sends has no local counterpart, or a local
+            tensor is not sent (it would keep its own values forever). ``rename`` returning None
+            leaves a wire tensor out on purpose. ``strict=False`` ignores the extra wire tensors
+            and leaves the unsent local tensors as they are, with a warning that names them.
         zero_copy: apply by re-pointing the local tensors at the received slot (``set_``)
             instead of copying: ``apply()`` costs no copy, at the price of a third slot (the
             local tensors' own memory is released after the first apply, so the total is the
@@ -119,6 +168,7 @@ class Subscriber:
     Raises:
         ValueError: ``zero_copy`` with tensors that are not on ``device``; a ``device`` that is
             neither the CPU nor a CUDA device.
+        LayoutMismatchError: (from ``start``) see ``strict``; shapes that differ, always.
         BackendUnavailableError: slots on a CUDA device without a usable CUDA driver.
         TypeError, TransportError: a target value is not a CPU or CUDA tensor.
     """
@@ -156,6 +206,7 @@ class Subscriber:
         self._keys = StreamKeys.of(name)
         self._applied: int | None = None
         self._apply_lock = threading.Lock()
+        self._threads = available_threads()
         self._started = False
 
     @property
@@ -183,7 +234,8 @@ class Subscriber:
 
         Raises:
             PeerNotFoundError: the publisher did not appear in time.
-            LayoutMismatchError: names or shapes do not match the local tensors.
+            LayoutMismatchError: shapes differ, or (``strict``) names do not match both ways:
+                the message lists the first few, ``not_received``/``not_sent`` all of them.
             WireError: the publisher's layout is malformed.
 
         Cancellation: safe before the slots are registered; after, call :meth:`aclose`.
@@ -193,8 +245,13 @@ class Subscriber:
         raw = torch.empty(peer.regions[k.layout].nbytes, dtype=torch.uint8)
         await t.get(raw, self.publisher, key=k.layout)
         self.layout = Layout.decode(raw.numpy().tobytes())
-        self._plan = list(self._match(self.layout))
+        self._plan = self._match(self.layout)
         self._apply_plan = _ApplyPlan.of(self._plan)
+        # Host slots into host tensors: copies split across the cores (else _kernels.unpack).
+        self._host = self.device.type == "cpu" and all(not dst.is_cuda for _, dst in self._plan)
+        # CUDA devices an apply queues work on (apply_async queues it on the caller's streams).
+        self._devices = sorted({dst.device.index for _, dst in self._plan if dst.is_cuda}
+                               | ({self.device.index} if self.device.type == "cuda" else set()))
         # Devices whose queued copies read a device slot in apply() (a host slot is consumed by
         # the time copy_ returns): apply() waits for them before it lets the slot go.
         self._gpus = sorted({dst.device.index for _, dst in self._plan if dst.is_cuda} | {self.device.index}) \
@@ -219,19 +276,46 @@ class Subscriber:
         self.t.register(key, slot)
         return slot
 
-    def _match(self, layout: Layout) -> Iterator[tuple[Entry, torch.Tensor]]:
+    def _match(self, layout: Layout) -> list[tuple[Entry, torch.Tensor]]:
+        """The (entry, local tensor) pairs; checks shapes, and names both ways (see ``strict``)."""
+        matched: list[tuple[Entry, torch.Tensor]] = []
+        not_received: list[str] = []
+        received: set[str] = set()
         for e in layout.entries:
             local_name = self._rename(e.name) if self._rename is not None else e.name
-            dst = self._local.get(local_name) if local_name is not None else None
+            if local_name is None:
+                continue  # left out on purpose
+            dst = self._local.get(local_name)
             if dst is None:
-                if self._strict and local_name is not None:
-                    raise LayoutMismatchError(f"the publisher sends {e.name!r} but there is no local {local_name!r}")
+                not_received.append(e.name if local_name == e.name else f"{e.name} -> {local_name}")
                 continue
             if tuple(dst.shape) != e.shape:
                 raise LayoutMismatchError(
                     f"{local_name!r}: local shape {tuple(dst.shape)} but the publisher sends {e.shape}"
                 )
-            yield e, dst
+            matched.append((e, dst))
+            received.add(local_name)
+        not_sent = [n for n in self._local if n not in received]
+        where = f"{self.publisher}'s layout of {self.name!r}"
+        if self._strict and (not_received or not_sent):
+            parts = []
+            if not_received:
+                parts.append(f"{len(not_received)} tensor(s) it sends have no local counterpart: "
+                             f"{_names(not_received)}")
+            if not_sent:
+                parts.append(f"{len(not_sent)} local tensor(s) are not sent: {_names(not_sent)}")
+            raise LayoutMismatchError(
+                f"{self.t.name}: the local tensors do not match {where}: {'; '.join(parts)} (map names with "
+                f"rename=, or pass strict=False to leave them unsynced)",
+                not_received=not_received, not_sent=not_sent,
+            )
+        if not_sent:
+            log.warning("subscriber %s: %d local tensor(s) are not in %s and stay unsynced (strict=False): %s",
+                        self.t.name, len(not_sent), where, _names(not_sent))
+        if not_received:
+            log.info("subscriber %s: ignoring %d tensor(s) of %s with no local counterpart (strict=False): %s",
+                     self.t.name, len(not_received), where, _names(not_received))
+        return matched
 
     async def aclose(self) -> None:
         """Unsubscribes (withdraws the slots). The local weights stay as they are. Idempotent.
@@ -259,6 +343,9 @@ class Subscriber:
         """
         plan = self._apply_plan
         with torch.no_grad():
+            if self._host:
+                _host_unpack(buf, plan.copies, plan.converted, self._threads)
+                return
             _kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
             _dequantize_into(buf, plan.converted)
 
@@ -269,15 +356,22 @@ class Subscriber:
         with torch.no_grad():
             for e, dst, strides in plan.repoint:
                 dst.set_(storage, e.offset // dst.element_size(), e.shape, strides)
+            if self._host:
+                _host_unpack(slot, plan.zc_copies, plan.converted, self._threads)
+                return
             _kernels.unpack(slot, plan.zc_copies.dsts, plan.zc_copies.offsets, plan.zc_copies.dtypes)
             _dequantize_into(slot, plan.converted)
 
     def apply(self) -> int | None:
-        """Makes the newest complete version live, if newer than the live one.
+        """Makes the newest complete version live, if newer than the live one, on the calling
+        thread.
 
         Copy mode copies the received slot into the local tensors; zero-copy mode re-points
-        them at it. Never blocks on the network and never applies a torn or mixed version.
-        With device slots, returns once the device copies have finished.
+        them at it. Never waits on the network and never applies a torn or mixed version, but
+        the copy itself takes as long as a memcpy of the model: called from async code it
+        stalls the event loop (every other task, the Transport's own included) for that long.
+        Async code should call :meth:`apply_async`. With device slots, returns once the device
+        copies have finished.
 
         Returns:
             The version applied now, or None if there was nothing newer.
@@ -287,6 +381,55 @@ class Subscriber:
         """
         if not self._started:
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
+        return self._apply_newest()
+
+    async def apply_async(self) -> int | None:
+        """:meth:`apply` with the copy in a worker thread: the event loop keeps running.
+
+        Host copies are split across the cores this process may run on; CUDA copies are queued
+        on the caller's current streams, as :meth:`apply` queues them. Correct alongside
+        publishes in flight (the same slot handshake as :meth:`apply`: a version is applied
+        whole or not at all) and alongside other ``apply``/``apply_async``/``pull`` calls (one
+        runs at a time). Call it between generation steps: the local tensors change while it
+        runs. Returns at once (after a checkpoint) when there is nothing newer.
+
+        Returns:
+            The version applied now, or None if there was nothing newer.
+
+        Raises:
+            TransportError: the subscriber is not started.
+
+        Cancellation: a copy that has started is not interrupted: the call waits for its thread,
+        so that version is applied whole (``version`` says which), then raises the
+        cancellation. Cancelled before the copy starts, nothing changes.
+        """
+        if not self._started:
+            raise TransportError("subscriber not started; use `async with Subscriber(...)`")
+        front = decode_front(int(self._ctl[FRONT]))
+        if front is None or (self._applied is not None and front[0] <= self._applied):
+            await anyio.lowlevel.checkpoint()
+            return None
+        # The copies go on the caller's current streams, after its queued work, as apply()'s do.
+        applied = await self._in_thread(self._apply_newest)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return applied
+
+    async def _in_thread(self, fn: Callable[..., int | None], *args: object) -> int | None:
+        """Runs ``fn`` in a worker thread (not abandoned on cancellation) with the caller's
+        current CUDA streams as its own: its copies queue after the caller's work, as they
+        would on the caller's thread."""
+        streams = [torch.cuda.current_stream(d) for d in self._devices]
+
+        def run() -> int | None:
+            with contextlib.ExitStack() as stack:
+                for stream in streams:
+                    stack.enter_context(torch.cuda.stream(stream))
+                return fn(*args)
+
+        return await anyio.to_thread.run_sync(run)
+
+    def _apply_newest(self) -> int | None:
+        """Claims the newest complete slot (two-flag handshake), makes it live, releases it."""
         claim = TRYING if self.zero_copy else READING
         with self._apply_lock:
             ctl = self._ctl
@@ -325,6 +468,8 @@ class Subscriber:
         Raises:
             TransferTimeoutError: none arrived within the timeout (default: the Transport's).
 
+        The copy runs in a worker thread, as in :meth:`apply_async`.
+
         Cancellation: safe; a version is either applied whole or not at all.
         """
         timeout = self.t.timeout if timeout is None else timeout
@@ -334,12 +479,14 @@ class Subscriber:
                     return self._applied
                 latest = self.latest
                 if latest is not None and latest >= version:
-                    self.apply()
+                    await self.apply_async()
                     continue
                 try:  # the doorbell wakes us; polling covers an unacknowledged one
                     await self.t.wait_signal(self._keys.doorbell, at_least=version, timeout=0.05)
                 except TransferTimeoutError:
                     pass
+        if self._applied is not None and self._applied >= version:  # the timeout fell during the copy
+            return self._applied
         raise TransferTimeoutError(f"{self.t.name}: version {version} of {self.name!r} did not arrive within "
                                    f"{timeout:g}s (live: {self._applied})")
 
@@ -355,7 +502,8 @@ class Subscriber:
             TransferTimeoutError: no consistent copy could be read within the timeout.
             PeerLostError, PeerNotFoundError: the publisher is gone.
 
-        Cancellation: safe; the local weights change only once a consistent copy is read.
+        Cancellation: safe; the local weights change only once a consistent copy is read (its
+        copy into them, in a worker thread, is not interrupted).
         """
         t, k = self.t, self._keys
         timeout = t.timeout if timeout is None else timeout
@@ -377,12 +525,18 @@ class Subscriber:
                     await t.get(buf, self.publisher, key=k.snapshots[slot])
                     await t.get(ctl, self.publisher, key=k.pubctl)
                     if int(ctl[GEN0 + slot]) == gen:  # nobody wrote that snapshot meanwhile
-                        with self._apply_lock:
-                            self._unpack(buf)
-                            self._applied = version
-                            if self._started:
-                                self._ctl[APPLIED] = version
-                        return version
+                        return await self._in_thread(self._keep_pulled, buf, version)
                 await anyio.sleep(POLL_S)
         raise TransferTimeoutError(f"{t.name}: no consistent copy of {self.name!r} from {self.publisher} "
                                    f"within {timeout:g}s")
+
+    def _keep_pulled(self, buf: torch.Tensor, version: int) -> int | None:
+        """Copies a pulled version into the local tensors, unless a newer one is live by now."""
+        with self._apply_lock:
+            if self._applied is not None and version <= self._applied:
+                return self._applied
+            self._unpack(buf)
+            self._applied = version
+            if self._started:
+                self._ctl[APPLIED] = version
+            return version

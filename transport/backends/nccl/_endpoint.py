@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from ..._native.nccl import WINDOW_VERSION, Library
-from ..._wire import WireError
+from ..._wire import WireError, loads_bounded
 
 ENDPOINT_FORMAT = "transport.nccl"
 ENDPOINT_VERSION = 1
@@ -33,8 +33,8 @@ def decode_endpoint(data: bytes, peer: str) -> EndpointInfo:
     Raises:
         WireError: anything but a valid descriptor.
     """
+    doc = loads_bounded(data, max_bytes=4096, max_depth=4, what=f"{peer}: unreadable nccl endpoint descriptor")
     try:
-        doc = json.loads(data)
         if not isinstance(doc, dict):
             raise TypeError("not a JSON object")
         if doc.get("format") != ENDPOINT_FORMAT or doc.get("v") != ENDPOINT_VERSION:
@@ -45,7 +45,7 @@ def decode_endpoint(data: bytes, peer: str) -> EndpointInfo:
         if not isinstance(doc["windows"], bool):
             raise TypeError("bad windows flag")
         return EndpointInfo((v[0], v[1], v[2]), doc["windows"])
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, KeyError) as exc:
         raise WireError(f"{peer}: unreadable nccl endpoint descriptor: {exc}") from None
 
 

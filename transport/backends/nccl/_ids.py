@@ -60,7 +60,7 @@ async def publish_unique_id(store: Store, auth: Authenticator, cid: str, uid: by
     """Publishes the NCCL unique id of communicator ``cid`` (signed when a token is set); returns
     the store key. Only the initiator of ``cid`` ever publishes it."""
     key = STORE_PREFIX + cid
-    await store_call(store, store.set, key, auth.sign_record(uid))
+    await store_call(store, store.set, key, auth.sign_record(uid, key=key))
     return key
 
 
@@ -75,7 +75,7 @@ async def read_unique_id(store: Store, auth: Authenticator, cid: str, initiator:
     if data is None:
         raise TransportInternalError(f"no NCCL unique id for comm {cid} under {STORE_PREFIX + cid!r} in {store.url}")
     try:
-        uid = auth.open_record(data, initiator)
+        uid = auth.open_record(data, initiator, key=STORE_PREFIX + cid)
     except AuthenticationError as exc:
         raise TransportInternalError(f"the NCCL unique id of comm {cid}: {exc}") from exc
     if len(uid) != UNIQUE_ID_BYTES:

@@ -1,0 +1,105 @@
+"""Host copies split across the available cores.
+
+Applying a version (and completing the publisher's snapshot) is one large host memcpy; one
+thread does not reach the memory bandwidth of a many-core host, and torch's own intra-op
+threads are often pinned to 1 in generator processes (``torch.set_num_threads(1)``). A
+:class:`HostCopies` batch splits its copies into pieces and runs them on up to
+:func:`available_threads` threads (the calling thread among them), with the GIL released
+for the raw byte copies.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import os
+import threading
+from collections.abc import Callable
+
+from .._errors import TransportInternalError
+from .._native import CopyKind, copy_now
+
+PIECE_BYTES = 8 << 20  # a raw copy is split into pieces of at most this many bytes
+MIN_SHARE = 4 << 20  # a batch gets one thread per this many bytes (up to the thread count)
+MAX_THREADS = 8  # more threads than this add nothing to one memcpy
+
+
+def available_threads() -> int:
+    """The cores this process may run on (its CPU affinity), at most ``MAX_THREADS``."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, n))
+
+
+class HostCopies:
+    """A batch of host copies, run together across threads.
+
+    Raw copies (``add_raw``: addresses, memcpy with the GIL released) are split into pieces of
+    ``PIECE_BYTES``; other work (``add``: a torch conversion, say) stays one piece. The caller
+    keeps every tensor behind an address alive until :meth:`run` returns.
+    """
+
+    def __init__(self) -> None:
+        self._pieces: list[tuple[int, Callable[[], None]]] = []
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def add_raw(self, dst: int, src: int, nbytes: int) -> None:
+        """Copies ``nbytes`` from address ``src`` to address ``dst`` (no overlap)."""
+        for a in range(0, nbytes, PIECE_BYTES):
+            n = min(PIECE_BYTES, nbytes - a)
+            self._pieces.append((n, functools.partial(_memcpy, dst + a, src + a, n)))
+        self.nbytes += nbytes
+
+    def add(self, nbytes: int, work: Callable[[], None]) -> None:
+        """Runs ``work`` (about ``nbytes`` of copying) as one piece."""
+        self._pieces.append((nbytes, work))
+        self.nbytes += nbytes
+
+    def run(self, threads: int) -> None:
+        """Runs every piece; returns when all are done, on at most ``threads`` threads (this
+        one included; small batches run here alone).
+
+        Raises:
+            Exception: the first error a piece raised, once every thread has finished (the
+                destinations are then partly written).
+        """
+        k = max(1, min(threads, len(self._pieces), self.nbytes // MIN_SHARE))
+        if k == 1:
+            for _, work in self._pieces:
+                work()
+            return
+        shares: list[list[Callable[[], None]]] = [[] for _ in range(k)]
+        load = [(0, i) for i in range(k)]  # largest piece first onto the least loaded share
+        for n, work in sorted(self._pieces, key=lambda p: -p[0]):
+            total, i = heapq.heappop(load)
+            shares[i].append(work)
+            heapq.heappush(load, (total + n, i))
+        errors: list[BaseException] = []
+
+        def run_share(share: list[Callable[[], None]]) -> None:
+            try:
+                for work in share:
+                    work()
+            except BaseException as exc:  # noqa: BLE001 -- handed to the calling thread, raised there
+                errors.append(exc)
+
+        helpers = [threading.Thread(target=run_share, args=(s,), name="transport-copy", daemon=True)
+                   for s in shares[1:]]
+        for h in helpers:
+            h.start()
+        run_share(shares[0])
+        for h in helpers:
+            h.join()
+        if errors:
+            raise errors[0]
+
+
+def _memcpy(dst: int, src: int, nbytes: int) -> None:
+    err = copy_now(CopyKind.LOCAL, 0, dst, src, nbytes)
+    if err:
+        raise TransportInternalError(f"host copy of {nbytes} bytes failed: {os.strerror(err)}")
