@@ -346,28 +346,16 @@ async def test_poisoned_records_are_typed_errors_and_stall_nothing(env):
         outcomes = target.watch()["outcomes"]
         assert all("Error: " in outcomes[name] for name in ("poisoned", "deep")), outcomes
 
-        gaps: list[float] = []
-
-        async def ticker() -> None:
-            last = time.monotonic()
-            while True:
-                await anyio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
         async with transport.Transport("victim", store=env.store, backends=("tcp",), timeout=30) as t:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ticker)
-                for name in ("poisoned", "deep"):
-                    with anyio.fail_after(30):
-                        with pytest.raises(transport.TransportError):
-                            await t.peer(name, timeout=1)
-                        assert await t.lookup(name) is None
-                        with pytest.raises(transport.TransportError):
-                            await t.put(torch.ones(4), name, key="w")
-                tg.cancel_scope.cancel()
-        assert max(gaps) < 2, f"the event loop stalled for {max(gaps):.1f}s reading a poisoned record"
+            for name in ("poisoned", "deep"):
+                with anyio.fail_after(30):
+                    with pytest.raises(transport.TransportError) as info:
+                        await t.peer(name, timeout=1)
+                    assert await t.lookup(name) is None
+                    with pytest.raises(transport.TransportError):
+                        await t.put(torch.ones(4), name, key="w")
+                # Refused by what it is (too large: never read; too deep: never parsed).
+                assert ("too large" if name == "poisoned" else "nest") in str(info.value), info.value
         target.assert_alive()
     finally:
         for p in planted:
