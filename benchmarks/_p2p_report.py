@@ -112,6 +112,21 @@ class LatencyResult:
     p99_us: float
 
 
+@dataclass(frozen=True)
+class BatchResult:
+    """Many small segments to one peer: one prepared transfer vs as many single puts."""
+
+    segments: int
+    segment_bytes: int
+    stride: int
+    prepared_seg_per_s: float  # median of the timed starts of one prepared put
+    single_seg_per_s: float  # the same segments as single puts, all started, then gathered
+
+    @property
+    def speedup(self) -> float:
+        return self.prepared_seg_per_s / self.single_seg_per_s
+
+
 @dataclass
 class BackendResult:
     """Everything measured for one backend."""
@@ -120,6 +135,7 @@ class BackendResult:
     one_sided: bool
     sizes: list[SizeResult] = field(default_factory=list)
     latency: list[LatencyResult] = field(default_factory=list)
+    batch: list[BatchResult] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +164,7 @@ class BenchReport:
                         for s in b.sizes
                     ],
                     "latency": [dataclasses.asdict(lat) for lat in b.latency],
+                    "batch": [{**dataclasses.asdict(x), "speedup": x.speedup} for x in b.batch],
                 }
                 for b in self.backends
             },
@@ -213,6 +230,12 @@ def format_report(report: BenchReport) -> str:
             lines.append(
                 f"  latency {lat.op} {lat.nbytes} B: median {lat.median_us:.1f} us, "
                 f"p99 {lat.p99_us:.1f} us ({lat.iters} {lat.op}s)"
+            )
+        for x in b.batch:
+            lines.append(
+                f"  batch of {x.segments} x {format_size(x.segment_bytes)} at a {format_size(x.stride)} stride: "
+                f"prepared put {x.prepared_seg_per_s / 1e3:.1f}k segments/s, single puts "
+                f"{x.single_seg_per_s / 1e3:.1f}k segments/s ({x.speedup:.1f}x)"
             )
     for name, reason in report.skipped.items():
         lines += ["", f"backend {name} skipped: {reason}"]

@@ -42,6 +42,7 @@ from ._errors import BenchError
 from ._p2p_report import (
     DEFAULT_SIZES,
     BackendResult,
+    BatchResult,
     BenchConfig,
     BenchReport,
     LatencyResult,
@@ -57,6 +58,8 @@ from ._stats import median, percentile
 log = logging.getLogger(__name__)
 
 _LATENCY_WARMUP = 50
+_BATCH_SEGMENTS = 10_000
+_BATCH_ITERS = 5
 _TARGET_START_TIMEOUT_S = 60.0  # the target imports torch and pre-faults the largest region
 
 
@@ -218,7 +221,29 @@ async def _measure_backend(
         us = [x * 1e6 for x in times]
         result.latency.append(LatencyResult(op, n, len(us), median(us), percentile(us, 99)))
     check_target()
+    batch = await _measure_batch(t, config, src)
+    if batch is not None:
+        result.batch.append(batch)
+    check_target()
     return result
+
+
+async def _measure_batch(t: transport.Transport, config: BenchConfig, src: torch.Tensor) -> BatchResult | None:
+    """Up to 10,000 segments of 4 KiB at an 8 KiB stride (as many as the region holds): one
+    prepared put started ``_BATCH_ITERS`` times, against the same segments as single puts."""
+    size, stride = 4 * 1024, 8 * 1024
+    n = min(_BATCH_SEGMENTS, config.region_bytes // stride, src.numel() // size)
+    if n < 2:
+        return None
+    items = [(src[i * size : (i + 1) * size], REGION_KEY, i * stride) for i in range(n)]
+    prepared = t.prepare_put(TARGET_NAME, items)
+    times = await _timed(prepared.start, _BATCH_ITERS, 1)
+
+    async def singles() -> None:
+        await transport.gather(*[t.put(s, TARGET_NAME, key=REGION_KEY, offset=o) for s, _, o in items])
+
+    single = await _timed(singles, 1, 0)
+    return BatchResult(n, size, stride, n / median(times), n / median(single))
 
 
 async def _initiate(

@@ -4,6 +4,7 @@ The public surface is what this module re-exports; everything else is private
 (underscored modules) and may change.
 """
 
+from ._batch import PreparedTransfer as PreparedTransfer
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BoundsError as BoundsError
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Transport",
     "Transfer",
+    "PreparedTransfer",
     "TransferOp",
     "gather",
     "serve_store",

@@ -4,6 +4,7 @@ of one transfer as backends get them (:class:`LocalBuffer`, :class:`RemoteTarget
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,20 @@ def check_tensor(t: object, what: str) -> torch.Tensor:
     if t.is_sparse or t.layout != torch.strided:
         raise LayoutError(f"{what} has layout {t.layout}; only dense (strided) tensors move")
     return t
+
+
+def byte_offset(value: object) -> int:
+    """An offset argument as an int: any integer type (numpy's too), not a bool or a float.
+
+    Raises:
+        TypeError: it is not an integer.
+    """
+    if isinstance(value, bool):
+        raise TypeError("offset must be an integer number of bytes, got a bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"offset must be an integer number of bytes, got {type(value).__name__}") from None
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -24,7 +24,9 @@ class Transfer:
         key: the remote region's key.
         nbytes: bytes moved by this transfer.
         offset: byte offset into the remote region.
-        backend: name of the backend that carries it (None until chosen).
+        backend: name of the backend that carries it (None until chosen; "a,b" when a prepared
+            transfer's segments go over two).
+        segments: ranges it moves (1, or a prepared transfer's coalesced segment count).
 
     Waiting is not aborting: ``await h`` and ``await h.wait(timeout=...)`` only observe. A
     ``wait`` that times out raises the builtin :class:`TimeoutError` and leaves the transfer
@@ -45,6 +47,7 @@ class Transfer:
         self.nbytes = nbytes
         self.offset = offset
         self.backend: str | None = None
+        self.segments = 1  # ranges moved (more for a prepared transfer)
         self._event = anyio.Event()
         self._error: TransportError | None = None
         self._started = time.monotonic()

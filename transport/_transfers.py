@@ -9,14 +9,16 @@ engine tells the peer directory, which tells everyone.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import torch
 from anyio.abc import TaskGroup
 
 from . import _cuda
+from ._batch import PreparedTransfer
 from ._errors import (
     BackendUnavailableError,
     BoundsError,
@@ -79,10 +81,28 @@ class TransferEngine:
         # CUDA: the transfer must see the work the caller queued so far, and only that.
         local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
         xfer = Transfer(op, peer, key, nbytes_of(tensor), offset)
-        after = self._ranges.setdefault((peer, key), _Ranges()).add(xfer)
+        after = self._ranges.setdefault((peer, key), _Ranges()).add(xfer, offset, offset + xfer.nbytes)
         xfer._rec = self._flight.start(op.value, peer, key, xfer.nbytes)
         self._inflight.setdefault(peer, set()).add(xfer)
-        self._tg.start_soon(self._run, xfer, local, timeout, after)
+        self._tg.start_soon(self._run, xfer, functools.partial(self._execute, xfer, local, after), timeout)
+        return xfer
+
+    def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
+        """Starts every segment of ``prepared`` as one transfer (see ``PreparedTransfer.start``).
+        For ordering it counts as one transfer over the span it covers in each region."""
+        spans = prepared.spans()
+        keys = sorted(spans)
+        label = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1} regions)"
+        first = min(prepared.spans()[keys[0]])
+        xfer = Transfer(prepared.op, prepared.peer, label, prepared.nbytes, first)
+        xfer.segments = prepared.segments
+        after: list[Transfer] = []
+        for key, (lo, hi) in spans.items():
+            after += self._ranges.setdefault((prepared.peer, key), _Ranges()).add(xfer, lo, hi)
+        xfer._rec = self._flight.start(prepared.op.value, prepared.peer, label, xfer.nbytes)
+        self._inflight.setdefault(prepared.peer, set()).add(xfer)
+        self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after), timeout,
+                            tuple(spans))
         return xfer
 
     async def fence(self, peer: str, timeout: float) -> None:
@@ -179,43 +199,86 @@ class TransferEngine:
 
     # -- moving ---------------------------------------------------------------------------
 
+    async def _current(self, name: str) -> PeerRecord:
+        """The record a transfer to ``name`` goes by, refreshed when a backend sees that the
+        peer republished (it (un)registered since)."""
+        record = await self._directory.resolve(name)
+        if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
+            record = await self._directory.resolve(name, refresh=True)
+        return record
+
+    def _begin(self, xfer: Transfer, record: PeerRecord, backend: str) -> None:
+        if self._directory.stale(record):
+            raise PeerLostError(f"{record.name} (pid {record.pid}) has exited")
+        xfer._moving = True
+        xfer._incarnation = record.incarnation
+        self._flight.transition(xfer._rec, OpState.MOVING, backend=backend)
+
     async def _execute(self, xfer: Transfer, local: LocalBuffer, after: Sequence[Transfer]) -> None:
-        tensor, kind = local.tensor, local.kind
         for earlier in after:  # overlapping transfers started before this one land first
             await earlier._event.wait()
-        record = await self._directory.resolve(xfer.peer)
-        if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
-            record = await self._directory.resolve(xfer.peer, refresh=True)  # it (un)registered since
+        record = await self._current(xfer.peer)
         try:
-            region = self._check_remote(record, xfer, tensor.dtype)
+            region = self._check_remote(record, xfer, local.tensor.dtype)
         except (RegistrationError, DTypeMismatchError, BoundsError):
             # Our copy of the record may predate a (re-)registration: check the current one.
             record = await self._directory.resolve(xfer.peer, refresh=True)
-            region = self._check_remote(record, xfer, tensor.dtype)
-        if self._directory.stale(record):
-            raise PeerLostError(f"{record.name} (pid {record.pid}) has exited")
-        backend = self.choose(record, region, kind)
+            region = self._check_remote(record, xfer, local.tensor.dtype)
+        backend = self.choose(record, region, local.kind)
         xfer.backend = backend.name
+        self._begin(xfer, record, backend.name)
         if xfer.nbytes == 0:
             return
-        remote = RemoteTarget(record, region, xfer.offset, xfer.nbytes)
-        xfer._moving = True
-        xfer._incarnation = record.incarnation
-        self._flight.transition(xfer._rec, OpState.MOVING, backend=backend.name)
-        if kind in backend.memory_kinds:
-            await backend.move(xfer.op, local, remote)
+        await self._move(backend, xfer.op, local, RemoteTarget(record, region, xfer.offset, xfer.nbytes))
+
+    async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer]) -> None:
+        for earlier in after:
+            await earlier._event.wait()
+        record = await self._current(xfer.peer)
+        try:
+            bound = prepared.bind(record)
+        except (RegistrationError, DTypeMismatchError, BoundsError):
+            record = await self._directory.resolve(xfer.peer, refresh=True)
+            bound = prepared.bind(record)
+        groups: dict[str, tuple[Backend, list[tuple[LocalBuffer, RemoteTarget]]]] = {}
+        chosen: dict[tuple[str, MemoryKind], Backend] = {}
+        for b in bound:
+            seg = b.segment
+            backend = chosen.get((seg.key, seg.kind))
+            if backend is None:
+                backend = chosen[(seg.key, seg.kind)] = self.choose(record, b.region, seg.kind)
+            ready = _cuda.ready_event(seg.tensor) if seg.kind == MemoryKind.CUDA else None
+            pair = (LocalBuffer(seg.tensor, seg.kind, ready=ready), RemoteTarget(record, b.region, seg.offset,
+                                                                                   seg.nbytes))
+            groups.setdefault(backend.name, (backend, []))[1].append(pair)
+        xfer.backend = ",".join(groups)
+        self._begin(xfer, record, xfer.backend)
+        for backend, pairs in groups.values():
+            direct = [p for p in pairs if p[0].kind in backend.memory_kinds]
+            if direct:
+                await backend.move_many(xfer.op, direct)
+            for local, remote in pairs:
+                if local.kind not in backend.memory_kinds:
+                    await self._move(backend, xfer.op, local, remote)
+
+    async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+        """Moves one range with ``backend``, through a bounce buffer when it does not serve the
+        local tensor's memory."""
+        if local.kind in backend.memory_kinds:
+            await backend.move(op, local, remote)
             return
         async with bounce(local, remote.nbytes, self._cuda) as b:
             for pos, size in b.pieces:
-                part = RemoteTarget(record, region, remote.offset + pos, size)
-                if xfer.op == TransferOp.PUT:
+                part = RemoteTarget(remote.peer, remote.region, remote.offset + pos, size)
+                if op == TransferOp.PUT:
                     await b.load(pos, size)
-                    await backend.move(xfer.op, b.buffer(size), part)
+                    await backend.move(op, b.buffer(size), part)
                 else:
-                    await backend.move(xfer.op, b.buffer(size), part)
+                    await backend.move(op, b.buffer(size), part)
                     await b.store(pos, size)
 
-    async def _run(self, xfer: Transfer, local: LocalBuffer, timeout: float, after: Sequence[Transfer]) -> None:
+    async def _run(self, xfer: Transfer, work: Callable[[], Awaitable[None]], timeout: float,
+                   keys: Sequence[str] = ()) -> None:
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
                 xfer._scope = scope
@@ -224,7 +287,7 @@ class TransferEngine:
                     await anyio.lowlevel.checkpoint()  # deliver it before anything moves
                 error: TransportError | None = None
                 try:
-                    await self._execute(xfer, local, after)
+                    await work()
                 except TransportError as exc:
                     # An abort by the Transport (exclusion, loss) also breaks the backend's
                     # connection; the abort, not the broken connection, is what happened.
@@ -251,9 +314,10 @@ class TransferEngine:
             if not xfer.done():
                 xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
             self._inflight.get(xfer.peer, set()).discard(xfer)
-            ranges = self._ranges.get((xfer.peer, xfer.key))
-            if ranges is not None and ranges.remove(xfer):
-                del self._ranges[(xfer.peer, xfer.key)]
+            for key in keys or (xfer.key,):
+                ranges = self._ranges.get((xfer.peer, key))
+                if ranges is not None and ranges.remove(xfer):
+                    del self._ranges[(xfer.peer, key)]
             self._settle(xfer)
 
     def _settle(self, xfer: Transfer) -> None:
@@ -282,12 +346,12 @@ class _Ranges:
     __slots__ = ("_hi", "_lo", "_xfers")
 
     def __init__(self) -> None:
-        self._xfers: list[Transfer] = []
+        self._xfers: list[tuple[Transfer, int, int]] = []
         self._lo = self._hi = 0  # a span covering every range in flight (may be wider)
 
-    def add(self, xfer: Transfer) -> list[Transfer]:
-        """Adds ``xfer``; returns the earlier transfers it must wait for (overlap, one writes)."""
-        start, end = xfer.offset, xfer.offset + xfer.nbytes
+    def add(self, xfer: Transfer, start: int, end: int) -> list[Transfer]:
+        """Adds ``xfer``, which covers bytes ``start``..``end`` here; returns the earlier
+        transfers it must wait for (they overlap it, and one of the two writes)."""
         after: list[Transfer] = []
         if not self._xfers:
             self._lo, self._hi = start, end
@@ -295,16 +359,15 @@ class _Ranges:
             self._lo, self._hi = min(self._lo, start), max(self._hi, end)
         else:
             writes = xfer.op == TransferOp.PUT
-            after = [x for x in self._xfers
-                     if (writes or x.op == TransferOp.PUT) and x.offset < end and start < x.offset + x.nbytes]
+            after = [x for x, lo, hi in self._xfers if (writes or x.op == TransferOp.PUT) and lo < end and start < hi]
             self._lo, self._hi = min(self._lo, start), max(self._hi, end)
-        self._xfers.append(xfer)
+        self._xfers.append((xfer, start, end))
         return after
 
     def remove(self, xfer: Transfer) -> bool:
         """Removes ``xfer``; True when nothing is left in flight."""
-        try:
-            self._xfers.remove(xfer)
-        except ValueError:
-            pass
+        for i, entry in enumerate(self._xfers):
+            if entry[0] is xfer:
+                del self._xfers[i]
+                break
         return not self._xfers

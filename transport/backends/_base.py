@@ -10,19 +10,22 @@ backend is called; a backend only moves bytes and maps its own failures to the e
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import anyio
 from anyio.abc import TaskGroup
 
 from .._auth import Authenticator
-from .._errors import TransportInternalError
+from .._errors import TransportError, TransportInternalError
 from .._native import Copier
 from .._regions import Region
 from .._rendezvous import Store
 from .._tensors import LocalBuffer, MemoryKind, RemoteTarget
 from .._wire import HostId, PeerRecord, RegionRecord, TransferOp
+
+MANY_INFLIGHT = 32  # ranges of one move_many in flight at once (default implementation)
 
 # check_region(op, meta, nbytes): the live region a request may touch (transport._regions.check).
 RegionCheck = Callable[[TransferOp, Mapping[str, Any], int], Region]
@@ -134,6 +137,38 @@ class Backend(abc.ABC):
             await self.put(local, remote)
         else:
             await self.get(local, remote)
+
+    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
+        """Moves many ranges of one peer (a prepared transfer's segments, all of memory kinds
+        this backend serves); returns when all are done.
+
+        The default runs :meth:`move` with up to ``MANY_INFLIGHT`` ranges in flight (pipelined
+        on backends whose requests pipeline). Backends with a native list operation override it.
+
+        Raises:
+            TransportError: the first failure; the ranges not yet started then are not started.
+        """
+        if len(pairs) == 1:
+            await self.move(op, *pairs[0])
+            return
+        errors: list[TransportError] = []
+        todo = iter(pairs)
+
+        async def worker() -> None:
+            for local, remote in todo:
+                if errors:
+                    return
+                try:
+                    await self.move(op, local, remote)
+                except TransportError as exc:
+                    errors.append(exc)
+                    return
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(MANY_INFLIGHT, len(pairs))):
+                tg.start_soon(worker)
+        if errors:
+            raise errors[0]
 
     async def serve_request(self, meta: Mapping[str, Any], check_region: RegionCheck) -> Mapping[str, Any]:
         """Serves a control request a peer's instance of this backend sent to our agent

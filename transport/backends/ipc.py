@@ -37,6 +37,7 @@ import logging
 import os
 import struct
 import sys
+from collections.abc import Sequence
 from typing import TypeVar
 
 from .. import _native
@@ -243,6 +244,39 @@ class IpcBackend(Backend):
         # `mapping` stays referenced until the copy finished: it cannot be unmapped under it.
         result = await self.ctx.copier.copy(kind, pid, [seg])
         self._raise_for(result, peer, region, remote, write and kind == CopyKind.CMA_WRITE, there)
+
+    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
+        """Host segments go to the native copy engine as one job per kind (mapped memfd:
+        memcpy; elsewhere: cross-memory attach), split across its threads; CUDA ones one by one.
+        A failed job is retried segment by segment, which raises the precise error."""
+        write = op == TransferOp.PUT
+        jobs: dict[tuple[CopyKind, int], list[tuple[int, int, int]]] = {}
+        slow = []
+        keep = []  # mappings stay referenced until their copies finished
+        for local, remote in pairs:
+            peer, region = remote.peer, remote.region
+            if is_device(region) or local.kind == MemoryKind.CUDA:
+                slow.append((local, remote))
+                continue
+            addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
+            mapping = self._mapping(peer, region)
+            if mapping is not None:
+                keep.append(mapping)
+                there, kind, pid = mapping.address + fd_offset + remote.offset, CopyKind.LOCAL, 0
+            else:
+                there = addr + remote.offset
+                kind, pid = (CopyKind.CMA_WRITE if write else CopyKind.CMA_READ), peer.pid
+            seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
+            jobs.setdefault((kind, pid), []).append(seg)
+        for (kind, pid), segments in jobs.items():
+            result = await self.ctx.copier.copy(kind, pid, segments)
+            if result.status != CopyStatus.OK:
+                for local, remote in pairs:
+                    if not (is_device(remote.region) or local.kind == MemoryKind.CUDA):
+                        await self.move(op, local, remote)
+                return
+        for local, remote in slow:
+            await self.move(op, local, remote)
 
     async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
         peer, region = remote.peer, remote.region
