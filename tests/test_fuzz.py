@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import transport
 from transport._auth import Authenticator
-from transport._wire import FRAME_HEADER, PeerRecord, WireError, decode_header, decode_meta
+from transport._wire import FRAME_HEADER, PeerRecord, RangesRequest, WireError, decode_header, decode_meta
 from transport.weights._layout import Layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
@@ -128,6 +128,20 @@ def test_decoders_reject_random_bytes(data):
         Authenticator("k").open_record(data, "x")
     except transport.AuthenticationError:
         pass
+
+
+@FUZZ
+@given(segs=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                         lambda c: st.lists(c, max_size=5), max_leaves=30))
+def test_segment_tables_decode_or_are_refused(segs):
+    """A PUTV / GETV segment table from the network: a valid table or a WireError, nothing else."""
+    try:
+        request = RangesRequest.from_meta({"segs": segs})
+    except WireError:
+        return
+    for key, dtype, offset, nbytes in request.segments:
+        assert isinstance(key, str) and isinstance(dtype, str)
+        assert type(offset) is int and type(nbytes) is int
 
 
 @FUZZ

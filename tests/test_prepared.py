@@ -136,3 +136,20 @@ async def test_a_cancelled_prepared_transfer_reports_it(pair):
     with pytest.raises(transport.TransferAbortedError) as info:
         await h
     assert not info.value.partial
+
+
+async def test_one_refused_segment_refuses_the_whole_start_and_nothing_lands(pair):
+    """The peer unregistered one of the regions after the transfer was prepared: on tcp its agent
+    refuses the frame (it checks every range first), elsewhere the initiator sees the new record
+    before moving. Either way no byte of the start lands."""
+    a, b = pair
+    w = b.empty("w", 1024, torch.uint8)
+    b.empty("v", 1024, torch.uint8)
+    await a.peer("b", regions=["w", "v"])
+    src = torch.full((1024,), 9, dtype=torch.uint8)
+    prepared = a.prepare_put("b", [(src[:512], "w", 0), (src[512:], "v", 0)])
+    b.unregister("v")
+    with anyio.fail_after(10):
+        with pytest.raises(transport.RegistrationError, match="v"):
+            await prepared.start()
+    assert torch.all(w == 0)

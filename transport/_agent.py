@@ -37,7 +37,7 @@ import os
 import socket
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +51,7 @@ from ._wire import (
     ErrCode,
     FrameKind,
     RangeRequest,
+    RangesRequest,
     SignalRequest,
     WireError,
     close_socket,
@@ -84,6 +85,12 @@ _CONNECTION_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, err
 _CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, anyio.BrokenResourceError)
 
 
+def _parts(views: memoryview | Sequence[memoryview] | None) -> Sequence[memoryview]:
+    if views is None:
+        return ()
+    return (views,) if isinstance(views, memoryview) else views
+
+
 # ---------------------------------------------------------------------------------------------
 # Client side
 
@@ -91,7 +98,7 @@ _CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, an
 class _Reply:
     __slots__ = ("error", "event", "into", "kind", "meta")
 
-    def __init__(self, into: memoryview | None) -> None:
+    def __init__(self, into: Sequence[memoryview] | None) -> None:
         self.event = anyio.Event()
         self.into = into
         self.kind: FrameKind | None = None
@@ -201,12 +208,13 @@ class Channel:
         self,
         kind: FrameKind,
         meta: Mapping[str, Any],
-        payload: memoryview | None = None,
-        into: memoryview | None = None,
+        payload: memoryview | Sequence[memoryview] | None = None,
+        into: memoryview | Sequence[memoryview] | None = None,
     ) -> dict[str, Any]:
         """Sends one request and waits for its reply; returns the reply's metadata.
 
-        ``payload`` is sent after the frame; ``into`` receives a DATA reply's payload in place.
+        ``payload`` (one view or several, back to back) is sent after the frame; ``into`` (one
+        view or several) receives a DATA reply's payload in place.
         Once a frame has started on the wire it is finished (shielded, bounded by the caller's
         deadline): cancelling before that sends nothing; cancelling after it only stops the wait.
 
@@ -218,9 +226,10 @@ class Channel:
         if self._broken is not None:
             raise self._lost("earlier failure", self._broken)
         rid = next(self._ids)
-        reply = _Reply(into)
+        reply = _Reply(None if into is None else _parts(into))
         self._replies[rid] = reply
-        frame = encode_frame(kind, rid, meta, len(payload) if payload is not None else 0)
+        parts = _parts(payload)
+        frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
         deadline = anyio.current_effective_deadline()
         try:
             async with self._send_lock:
@@ -229,8 +238,8 @@ class Channel:
                 with anyio.CancelScope(shield=True, deadline=deadline) as scope:
                     try:
                         await send_all(self._sock, frame)
-                        if payload is not None:
-                            await send_all(self._sock, payload)
+                        for part in parts:
+                            await send_all(self._sock, part)
                     except (OSError, anyio.ClosedResourceError) as exc:
                         # If the reader already saw the connection die, report that cause.
                         cause = self._broken or exc
@@ -263,9 +272,10 @@ class Channel:
                 if reply is None:
                     raise WireError(f"reply to unknown request {rid}")
                 if kind == FrameKind.DATA:
-                    if reply.into is None or len(reply.into) != payload_len:
+                    if reply.into is None or sum(len(v) for v in reply.into) != payload_len:
                         raise WireError(f"DATA of {payload_len} bytes does not match the request")
-                    await recv_into_exactly(self._sock, reply.into)
+                    for view in reply.into:
+                        await recv_into_exactly(self._sock, view)
                 elif payload_len:
                     await discard(self._sock, payload_len)
                 reply.kind, reply.meta = kind, meta
@@ -290,10 +300,11 @@ class Conn:
         self.sock = sock
 
     async def reply(self, kind: FrameKind, rid: int, meta: Mapping[str, Any],
-                    payload: memoryview | None = None) -> None:
-        await send_all(self.sock, encode_frame(kind, rid, meta, len(payload) if payload is not None else 0))
-        if payload is not None:
-            await send_all(self.sock, payload)
+                    payload: memoryview | Sequence[memoryview] | None = None) -> None:
+        parts = _parts(payload)
+        await send_all(self.sock, encode_frame(kind, rid, meta, sum(len(p) for p in parts)))
+        for part in parts:
+            await send_all(self.sock, part)
 
     async def refuse(self, rid: int, exc: TransportError) -> None:
         code, msg = error_to_frame(exc)
@@ -317,9 +328,10 @@ class Routes(Protocol):
         """BACKEND: a backend's own request (``meta["backend"]`` names it); returns the reply's
         metadata or raises TransportError."""
 
-    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
+    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest | RangesRequest,
                             payload_len: int) -> None:
-        """PUT / GET (the ``tcp`` backend's target side): serves the bytes and replies on ``conn``."""
+        """PUT / GET / PUTV / GETV (the ``tcp`` backend's target side): serves the bytes and
+        replies on ``conn``."""
 
 
 def _env_limit(name: str, default: float) -> float:
@@ -506,11 +518,12 @@ class AgentServer:
                 return
             await conn.reply(FrameKind.OK, rid, answer)
             return
-        if kind not in (FrameKind.PUT, FrameKind.GET):
+        if kind not in (FrameKind.PUT, FrameKind.GET, FrameKind.PUTV, FrameKind.GETV):
             raise WireError(f"unexpected {kind.name} request")
         try:
-            request = RangeRequest.from_meta(meta)
-            if kind == FrameKind.PUT and request.nbytes != plen:
+            vectored = kind in (FrameKind.PUTV, FrameKind.GETV)
+            request = RangesRequest.from_meta(meta) if vectored else RangeRequest.from_meta(meta)
+            if kind in (FrameKind.PUT, FrameKind.PUTV) and request.nbytes != plen:
                 raise WireError("request byte count does not match its payload")
         except TransportError as exc:
             await conn.discard(plen)  # keep the stream in step; nothing is written

@@ -10,9 +10,9 @@ from ._agent import Conn
 from ._errors import BackendUnavailableError
 from ._regions import Region, RegionTable
 from ._signals import Signals
-from ._wire import FrameKind, RangeRequest, SignalRequest, TransferOp
+from ._wire import FrameKind, RangeRequest, RangesRequest, SignalRequest, TransferOp
 from .backends import Backend
-from .backends.tcp import serve_range
+from .backends.tcp import serve_range, serve_ranges
 
 
 class Routes:
@@ -38,6 +38,9 @@ class Routes:
     def _check(self, op: TransferOp, meta: Mapping[str, Any], nbytes: int) -> Region:
         return self._regions.check(op, meta.get("key"), meta.get("dtype"), meta.get("offset"), nbytes)
 
-    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
+    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest | RangesRequest,
                             payload_len: int) -> None:
-        await serve_range(self._regions, conn, kind, rid, request, payload_len)
+        if isinstance(request, RangesRequest):
+            await serve_ranges(self._regions, conn, kind, rid, request, payload_len)
+        else:
+            await serve_range(self._regions, conn, kind, rid, request, payload_len)

@@ -263,6 +263,8 @@ class FrameKind(enum.IntEnum):
     GET = 3
     SIGNAL = 4
     BACKEND = 5  # a backend's own control request (meta["backend"] names it), e.g. nccl's recv
+    PUTV = 6  # many ranges in one frame (a prepared transfer's segments): meta["segs"], payloads in order
+    GETV = 7
     OK = 16
     DATA = 17
     ERR = 18
@@ -487,6 +489,36 @@ class RangeRequest:
     def from_meta(cls, meta: Mapping[str, Any]) -> RangeRequest:
         """Raises WireError for a missing or mistyped field."""
         return cls(_str(meta, "key"), _str(meta, "dtype"), _int(meta, "offset"), _int(meta, "nbytes"))
+
+
+MAX_SEGMENTS = 65536  # ranges in one PUTV / GETV frame
+
+
+@dataclass(frozen=True)
+class RangesRequest:
+    """A PUTV or GETV: many ranges ``(key, dtype, offset, nbytes)``, their bytes back to back."""
+
+    segments: tuple[tuple[str, str, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s[3] for s in self.segments)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"segs": [list(s) for s in self.segments]}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RangesRequest:
+        """Raises WireError for a missing, mistyped or oversized segment table."""
+        segs = meta.get("segs")
+        if not isinstance(segs, list) or not 0 < len(segs) <= MAX_SEGMENTS:
+            raise WireError(f"request field 'segs' must be a list of 1 to {MAX_SEGMENTS} ranges")
+        out = []
+        for s in segs:
+            if not (isinstance(s, list) and len(s) == 4):
+                raise WireError("a range must be [key, dtype, offset, nbytes]")
+            out.append(RangeRequest.from_meta(dict(zip(("key", "dtype", "offset", "nbytes"), s, strict=True))))
+        return cls(tuple((r.key, r.dtype, r.offset, r.nbytes) for r in out))
 
 
 @dataclass(frozen=True)
