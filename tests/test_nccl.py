@@ -48,8 +48,8 @@ from transport._errors import (
 from transport._host import host_id
 from transport._native import nccl as _nccl
 from transport._rendezvous import FileStore, MemoryStore
+from transport._routes import Routes
 from transport._tensors import MemoryKind
-from transport._transport import _Routes
 from transport._wire import PeerRecord, RegionRecord, TransferOp, WireError
 from transport.backends import BackendContext, availability
 from transport.backends.nccl import NcclBackend, _comm
@@ -316,10 +316,10 @@ async def test_unreachable_reasons() -> None:
 # -- the agent protocol, against a real Transport's regions ------------------------------------
 
 
-def nccl_routes(t: transport.Transport, backend: NcclBackend) -> _Routes:
+def nccl_routes(t: transport.Transport, backend: NcclBackend) -> Routes:
     """The agent routes of a real Transport, except that BACKEND requests go to a real
     NcclBackend (a Transport refuses to run nccl on a machine without a GPU)."""
-    return _Routes(t.name, t._regions, [backend], t._signals)
+    return Routes(t.name, t._regions, [backend], t._signals)
 
 
 @contextlib.asynccontextmanager
