@@ -153,3 +153,14 @@ async def test_one_refused_segment_refuses_the_whole_start_and_nothing_lands(pai
         with pytest.raises(transport.RegistrationError, match="v"):
             await prepared.start()
     assert torch.all(w == 0)
+
+
+async def test_a_prepared_transfer_of_empty_tensors_is_checked_and_moves_nothing(pair):
+    a, b = pair
+    b.empty("w", 16, torch.float32)
+    await a.peer("b", regions=["w"])
+    h = a.put_many("b", [(torch.ones(0), "w", 0), (torch.ones(0), "w", 64)])
+    await h
+    assert h.nbytes == 0 and h.segments == 0
+    with pytest.raises(transport.BoundsError):
+        a.put_many("b", [(torch.ones(0), "w", 68)])

@@ -98,6 +98,7 @@ class PreparedTransfer:
         self.op = op
         self.peer = peer
         self.items = len(segments)
+        self.first_key = segments[0].key
         self._given = segments
         self._segments = _coalesce([s for s in segments if s.nbytes])
         self._check_overlap()

@@ -90,10 +90,10 @@ class TransferEngine:
     def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
         """Starts every segment of ``prepared`` as one transfer (see ``PreparedTransfer.start``).
         For ordering it counts as one transfer over the span it covers in each region."""
-        spans = prepared.spans()
-        keys = sorted(spans)
+        spans = prepared.spans()  # empty when every item is empty
+        keys = sorted(spans) or [prepared.first_key]
         label = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1} regions)"
-        first = min(prepared.spans()[keys[0]])
+        first = spans[keys[0]][0] if spans else 0
         xfer = Transfer(prepared.op, prepared.peer, label, prepared.nbytes, first)
         xfer.segments = prepared.segments
         after: list[Transfer] = []
