@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -309,3 +310,28 @@ async def test_flight_cli_reads_good_dumps_beside_bad_ones(tmp_path, memory_stor
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_process_watch_sees_exit_and_pid_reuse_like_proc_does():
+    """The pidfd liveness check agrees with /proc: alive while running, dead once exited
+    (before and after reaping), and a wrong start time is never taken for the process."""
+    from transport._host import ProcessWatch, pid_start
+
+    watch = ProcessWatch(limit=2)
+    child = subprocess.Popen([PYTHON, "-c", "import time; time.sleep(60)"])
+    try:
+        start = pid_start(child.pid)
+        assert start > 0 and watch.alive(child.pid, start) and watch.alive(child.pid, start)
+        assert not watch.alive(child.pid, start + 1)  # another process that had this pid
+        child.kill()
+        deadline = time.monotonic() + 30
+        while pid_start(child.pid) != -1 and time.monotonic() < deadline:  # a zombie until reaped
+            time.sleep(0.01)
+        assert pid_start(child.pid) == -1
+        assert not watch.alive(child.pid, start)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert not watch.alive(child.pid, start)
+    assert watch.alive(os.getpid(), pid_start(os.getpid()))
+    watch.close()

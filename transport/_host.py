@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import errno
 import functools
 import os
+import select
 import socket
 
 from ._wire import HostId
@@ -44,3 +47,41 @@ def pid_start(pid: int) -> int:
 
 def process_alive(pid: int, start: int) -> bool:
     return pid_start(pid) == start
+
+
+class ProcessWatch:
+    """Liveness of other processes on this host without reading ``/proc`` at every check: one
+    pidfd per process, matched to its start time once, then a zero-timeout poll per check
+    (readable = exited, zombies included). At most ``limit`` pidfds are kept (oldest closed);
+    where pidfds are unavailable (old kernels, out of descriptors) it reads ``/proc``."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self._limit = limit
+        self._fds: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+
+    def alive(self, pid: int, start: int) -> bool:
+        """Whether the process ``pid`` that started at ``start`` is still running."""
+        fd = self._fds.get((pid, start))
+        if fd is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno == errno.ESRCH:
+                    return False
+                return process_alive(pid, start)
+            if pid_start(pid) != start:  # the pid was reused (or the process is a zombie)
+                os.close(fd)
+                return False
+            self._fds[(pid, start)] = fd
+            while len(self._fds) > self._limit:
+                os.close(self._fds.popitem(last=False)[1])
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if poller.poll(0):
+            os.close(self._fds.pop((pid, start)))
+            return False
+        return True
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])

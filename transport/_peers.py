@@ -23,7 +23,7 @@ from ._agent import Channel, connect, hello
 from ._auth import Authenticator
 from ._errors import AuthenticationError, PeerLostError, PeerNotFoundError, RegistrationError, TransportError
 from ._flight import FlightRecorder
-from ._host import process_alive
+from ._host import ProcessWatch
 from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases, LostTable
 from ._rendezvous import RecordTooLargeError, Store
 from ._wire import HostId, PeerRecord, RegionRecord, WireError
@@ -150,6 +150,7 @@ class PeerDirectory:
         self._leases = Leases(lease_s)
         self._peers: dict[str, PeerRecord] = {}
         self._lost = LostTable()  # (peer, incarnation) -> why; bounded (restarts add entries)
+        self._procs = ProcessWatch()  # same-host peers' liveness by pidfd
         self._forget: list[Forget] = []
         self._on_lost: list[Lost] = []
         self._heartbeat: Heartbeat | None = None
@@ -187,7 +188,7 @@ class PeerDirectory:
             old = self._decode(data, self.me.name)
         except TransportError:
             return  # unreadable or foreign leftovers: overwrite
-        if old.host == self.me.host and process_alive(old.pid, old.pid_start) and old.pid != self.me.pid:
+        if old.host == self.me.host and self._procs.alive(old.pid, old.pid_start) and old.pid != self.me.pid:
             raise RegistrationError(
                 f"name {self.me.name!r} is in use by a live process (pid {old.pid}) in {self._store.url}"
             )
@@ -230,6 +231,7 @@ class PeerDirectory:
             self._heartbeat = None
         for key in list(self._watchers):
             self._unwatch(key)
+        self._procs.close()
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -272,7 +274,7 @@ class PeerDirectory:
 
     def stale(self, record: PeerRecord) -> bool:
         """Whether ``record`` was left by a process on this host that has exited."""
-        return record.host == self.me.host and not process_alive(record.pid, record.pid_start)
+        return record.host == self.me.host and not self._procs.alive(record.pid, record.pid_start)
 
     def is_lost(self, record: PeerRecord) -> bool:
         return (record.name, record.incarnation) in self._lost
@@ -428,7 +430,8 @@ class PeerDirectory:
                 if self.is_lost(record):
                     continue
                 if record.host == self.me.host:
-                    why = None if process_alive(record.pid, record.pid_start) else f"{name} (pid {record.pid}) exited"
+                    alive = self._procs.alive(record.pid, record.pid_start)
+                    why = None if alive else f"{name} (pid {record.pid}) exited"
                 else:
                     try:
                         beat = await self._store.aget(HEARTBEAT_PREFIX + name)
