@@ -198,8 +198,9 @@ class Transport:
         Raises:
             ValueError: a bad ``timeout`` (checked before anything closes).
 
-        Cancellation: closing still completes (unpublishing is shielded and bounded by the
-        timeout); a cancelled drain aborts what is still running.
+        Cancellation: once closing has begun it completes (unpublishing is shielded and bounded
+        by the timeout). A drain that is cancelled leaves the Transport refusing new transfers
+        but not yet closed: leaving ``async with`` (or calling ``aclose()`` again) closes it.
         """
         limit = self._timeout(timeout)
         if self._state in ("closed", "new"):
