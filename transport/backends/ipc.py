@@ -38,6 +38,7 @@ import os
 import struct
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from .. import _native
@@ -70,6 +71,17 @@ def _forget(cache: dict[_Key, _Value], peer: str) -> None:
     """Drops the entries of every incarnation of ``peer``."""
     for k in [k for k in cache if k[0] == peer]:
         del cache[k]
+
+
+@dataclass(frozen=True)
+class _HostCopy:
+    """One host range as the copy engine takes it (see ``IpcBackend._host_copy``)."""
+
+    kind: CopyKind
+    pid: int
+    segment: tuple[int, int, int]  # (dst, src, nbytes)
+    there: int  # the peer-side address (in our mapping, or in its process)
+    mapping: PeerMapping | None  # referenced until the copy finished
 
 
 class IpcBackend(Backend):
@@ -226,55 +238,51 @@ class IpcBackend(Backend):
 
     # -- data path ----------------------------------------------------------------------------
 
-    async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
-        write = op == TransferOp.PUT
+    def _host_copy(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> _HostCopy | None:
+        """How one host range is copied (None when either side is CUDA memory): memcpy through
+        this process's mapping of the peer's memfd, else cross-memory attach."""
         peer, region = remote.peer, remote.region
         if is_device(region) or local.kind == MemoryKind.CUDA:
-            await self._copy_cuda(local, remote, op)
-            return
+            return None
+        write = op == TransferOp.PUT
         addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
         mapping = self._mapping(peer, region)
         if mapping is not None:
-            there = mapping.address + fd_offset + remote.offset
-            kind, pid = CopyKind.LOCAL, 0
+            there, kind, pid = mapping.address + fd_offset + remote.offset, CopyKind.LOCAL, 0
         else:
             there = addr + remote.offset
             kind, pid = (CopyKind.CMA_WRITE if write else CopyKind.CMA_READ), peer.pid
         seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
-        # `mapping` stays referenced until the copy finished: it cannot be unmapped under it.
-        result = await self.ctx.copier.copy(kind, pid, [seg])
-        self._raise_for(result, peer, region, remote, write and kind == CopyKind.CMA_WRITE, there)
+        return _HostCopy(kind, pid, seg, there, mapping)
+
+    async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
+        host = self._host_copy(op, local, remote)
+        if host is None:
+            await self._copy_cuda(local, remote, op)
+            return
+        # `host.mapping` stays referenced until the copy finished: it cannot be unmapped under it.
+        result = await self.ctx.copier.copy(host.kind, host.pid, [host.segment])
+        self._raise_for(result, remote.peer, remote.region, remote,
+                        op == TransferOp.PUT and host.kind == CopyKind.CMA_WRITE, host.there)
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
         """Host segments go to the native copy engine as one job per kind (mapped memfd:
         memcpy; elsewhere: cross-memory attach), split across its threads; CUDA ones one by one.
         A failed job is retried segment by segment, which raises the precise error."""
-        write = op == TransferOp.PUT
-        jobs: dict[tuple[CopyKind, int], list[tuple[int, int, int]]] = {}
+        jobs: dict[tuple[CopyKind, int], list[tuple[_HostCopy, LocalBuffer, RemoteTarget]]] = {}
         slow = []
-        keep = []  # mappings stay referenced until their copies finished
         for local, remote in pairs:
-            peer, region = remote.peer, remote.region
-            if is_device(region) or local.kind == MemoryKind.CUDA:
+            host = self._host_copy(op, local, remote)
+            if host is None:
                 slow.append((local, remote))
-                continue
-            addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
-            mapping = self._mapping(peer, region)
-            if mapping is not None:
-                keep.append(mapping)
-                there, kind, pid = mapping.address + fd_offset + remote.offset, CopyKind.LOCAL, 0
             else:
-                there = addr + remote.offset
-                kind, pid = (CopyKind.CMA_WRITE if write else CopyKind.CMA_READ), peer.pid
-            seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
-            jobs.setdefault((kind, pid), []).append(seg)
-        for (kind, pid), segments in jobs.items():
-            result = await self.ctx.copier.copy(kind, pid, segments)
+                jobs.setdefault((host.kind, host.pid), []).append((host, local, remote))
+        for (kind, pid), job in jobs.items():
+            # The _HostCopy entries keep their mappings referenced until the copy finished.
+            result = await self.ctx.copier.copy(kind, pid, [host.segment for host, _, _ in job])
             if result.status != CopyStatus.OK:
-                for local, remote in pairs:
-                    if not (is_device(remote.region) or local.kind == MemoryKind.CUDA):
-                        await self.move(op, local, remote)
-                return
+                for _, local, remote in job:
+                    await self.move(op, local, remote)
         for local, remote in slow:
             await self.move(op, local, remote)
 
