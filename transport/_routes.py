@@ -12,7 +12,7 @@ from ._regions import Region, RegionTable
 from ._signals import Signals
 from ._wire import FrameKind, RangeRequest, RangesRequest, SignalRequest, TransferOp
 from .backends import Backend
-from .backends.tcp import serve_range, serve_ranges
+from .backends.tcp import serve_ranges
 
 
 class Routes:
@@ -40,7 +40,4 @@ class Routes:
 
     async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest | RangesRequest,
                             payload_len: int) -> None:
-        if isinstance(request, RangesRequest):
-            await serve_ranges(self._regions, conn, kind, rid, request, payload_len)
-        else:
-            await serve_range(self._regions, conn, kind, rid, request, payload_len)
+        await serve_ranges(self._regions, conn, kind, rid, request.segments, payload_len)

@@ -482,6 +482,11 @@ class RangeRequest:
     offset: int
     nbytes: int
 
+    @property
+    def segments(self) -> tuple[tuple[str, str, int, int]]:
+        """This one range in the form of :attr:`RangesRequest.segments`."""
+        return ((self.key, self.dtype, self.offset, self.nbytes),)
+
     def to_meta(self) -> dict[str, Any]:
         return {"key": self.key, "dtype": self.dtype, "offset": self.offset, "nbytes": self.nbytes}
 

@@ -5,7 +5,7 @@ and writability and then receives them straight into the registered region (``re
 intermediate copy). Not one-sided at the process level: the target's agent, inside its
 ``async with Transport``, serves the request, but the target's application code does nothing.
 
-Both sides live here: :class:`TcpBackend` (the initiator) and :func:`serve_range` (the target's
+Both sides live here: :class:`TcpBackend` (the initiator) and :func:`serve_ranges` (the target's
 agent routes PUT / GET frames to it).
 """
 
@@ -44,16 +44,16 @@ class TcpBackend(Backend):
         return None
 
     @staticmethod
-    def _request(local: LocalBuffer, remote: RemoteTarget) -> dict[str, object]:
-        return RangeRequest(remote.region.key, dtype_name(local.tensor.dtype), remote.offset, remote.nbytes).to_meta()
+    def _request(local: LocalBuffer, remote: RemoteTarget) -> RangeRequest:
+        return RangeRequest(remote.region.key, dtype_name(local.tensor.dtype), remote.offset, remote.nbytes)
 
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
-        await chan.request(FrameKind.PUT, self._request(local, remote), payload=local.view)
+        await chan.request(FrameKind.PUT, self._request(local, remote).to_meta(), payload=local.view)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
-        await chan.request(FrameKind.GET, self._request(local, remote), into=local.view)
+        await chan.request(FrameKind.GET, self._request(local, remote).to_meta(), into=local.view)
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
         """The ranges go as PUTV / GETV frames of up to ``_FRAME_SEGMENTS`` ranges each (the
@@ -68,8 +68,7 @@ class TcpBackend(Backend):
         errors: list[TransportError] = []
 
         async def frame(chunk: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-            request = RangesRequest(tuple((r.region.key, dtype_name(loc.tensor.dtype), r.offset, r.nbytes)
-                                          for loc, r in chunk))
+            request = RangesRequest(tuple(self._request(loc, r).segments[0] for loc, r in chunk))
             views = [loc.view for loc, _ in chunk]
             try:
                 if op == TransferOp.PUT:
@@ -92,15 +91,17 @@ class TcpBackend(Backend):
         self._pool.close()
 
 
-async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RangesRequest,
-                       payload_len: int) -> None:
-    """The target side of a PUTV / GETV: every range is checked before any byte is taken (one
-    refused range refuses the frame, and nothing is written); then the payload is received
-    straight into the regions, range by range (or the ranges are sent back)."""
-    op = TransferOp.PUT if kind == FrameKind.PUTV else TransferOp.GET
+async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int,
+                       ranges: Sequence[tuple[str, str, int, int]], payload_len: int) -> None:
+    """The target side of a tcp PUT / GET (one range) or PUTV / GETV (many): every range is
+    checked against the live registration before any byte is taken (one refused range refuses
+    the frame; its payload is read and dropped, so nothing is written and the stream stays in
+    step); then the payload is received straight into the regions, range by range (or the
+    ranges are sent back)."""
+    op = TransferOp.PUT if kind in (FrameKind.PUT, FrameKind.PUTV) else TransferOp.GET
     views = []
     try:
-        for key, dtype, offset, nbytes in request.segments:
+        for key, dtype, offset, nbytes in ranges:
             region = regions.check(op, key, dtype, offset, nbytes)
             if region.view is None:
                 raise BackendUnavailableError(f"{regions.owner}:{key!r} is device memory; the agent's byte "
@@ -110,33 +111,9 @@ async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: i
         await conn.discard(payload_len)
         await conn.refuse(rid, exc)
         return
-    if kind == FrameKind.PUTV:
+    if op == TransferOp.PUT:
         for view in views:
             await conn.recv_into(view)
         await conn.reply(FrameKind.OK, rid, {})
     else:
         await conn.reply(FrameKind.DATA, rid, {}, views)
-
-
-async def serve_range(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
-                      payload_len: int) -> None:
-    """The target side of one tcp PUT / GET: checks the request against the live registration,
-    then receives the payload straight into the region (or sends the range back). A refused
-    request's payload is read and dropped, so nothing is written and the stream stays in step."""
-    op = TransferOp.PUT if kind == FrameKind.PUT else TransferOp.GET
-    try:
-        region = regions.check(op, request.key, request.dtype, request.offset, request.nbytes)
-        if region.view is None:
-            raise BackendUnavailableError(
-                f"{regions.owner}:{region.key!r} is device memory; the agent's byte stream cannot reach it"
-            )
-    except TransportError as exc:
-        await conn.discard(payload_len)
-        await conn.refuse(rid, exc)
-        return
-    view = region.view[request.offset : request.offset + request.nbytes]
-    if kind == FrameKind.PUT:
-        await conn.recv_into(view)
-        await conn.reply(FrameKind.OK, rid, {})
-    else:
-        await conn.reply(FrameKind.DATA, rid, {}, view)
