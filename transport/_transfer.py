@@ -104,16 +104,19 @@ class Transfer:
             with anyio.move_on_after(timeout) as scope:
                 await self._event.wait()
         except anyio.get_cancelled_exc_class():
-            self._waiters -= 1
-            if self._waiters == 0:
-                self.cancel()
+            self._unwait(cancelled=True)
             raise
-        else:
-            self._waiters -= 1
+        self._unwait(cancelled=False)
         if scope.cancelled_caught and not self.done():
             raise TimeoutError(f"{self!r} still running after waiting {timeout:g}s")
         if self._error is not None:
             raise self._error
+
+    def _unwait(self, *, cancelled: bool) -> None:
+        """One waiter stops waiting; a cancelled last waiter aborts the transfer."""
+        self._waiters -= 1
+        if cancelled and self._waiters == 0:
+            self.cancel()
 
     def __await__(self):  # type: ignore[no-untyped-def]
         return self.wait().__await__()
@@ -155,12 +158,10 @@ async def gather(*transfers: Transfer) -> list[Transfer]:
             await t._event.wait()
     except anyio.get_cancelled_exc_class():
         for t in transfers:
-            t._waiters -= 1
-            if t._waiters == 0:
-                t.cancel()
+            t._unwait(cancelled=True)
         raise
     for t in transfers:
-        t._waiters -= 1
+        t._unwait(cancelled=False)
     for t in transfers:
         if t._error is not None:
             raise t._error
