@@ -113,10 +113,7 @@ class TransferEngine:
             TransportError: the first error among them (the others still ended).
         """
         pending = list(self._inflight.get(peer, ()))
-        with anyio.move_on_after(timeout):
-            for x in pending:
-                await x._event.wait()
-        unfinished = [x for x in pending if not x.done()]
+        unfinished = await _ended_within(pending, timeout)
         if unfinished:
             raise TransferTimeoutError(
                 f"fence({peer}): {len(unfinished)} of {len(pending)} transfers still running after {timeout:g}s"
@@ -129,11 +126,7 @@ class TransferEngine:
     async def drain(self, timeout: float) -> int:
         """Waits up to ``timeout`` for every transfer in flight to end; returns how many are
         still running then. Cancellation: stops waiting; nothing is aborted here."""
-        pending = [x for xs in self._inflight.values() for x in xs]
-        with anyio.move_on_after(timeout):
-            for x in pending:
-                await x._event.wait()
-        left = sum(not x.done() for x in pending)
+        left = len(await _ended_within([x for xs in self._inflight.values() for x in xs], timeout))
         if left:
             log.warning("transport %s: %d transfers still running after draining for %gs; aborting them",
                         self.name, left, timeout)
@@ -334,6 +327,15 @@ class TransferEngine:
             self._directory.declare_lost(xfer.peer, xfer._incarnation, err)
         elif isinstance(err, TransferTimeoutError):
             self._flight.dump(f"timeout: {err}", force=False)
+
+
+async def _ended_within(transfers: Sequence[Transfer], timeout: float) -> list[Transfer]:
+    """Waits up to ``timeout`` for ``transfers`` to end (observing only); returns those still
+    running then."""
+    with anyio.move_on_after(timeout):
+        for x in transfers:
+            await x._event.wait()
+    return [x for x in transfers if not x.done()]
 
 
 class _Ranges:
