@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import anyio
 import torch
@@ -41,6 +42,8 @@ from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, LocalBuffer, RemoteTarget
 
 log = logging.getLogger("transport._transport")
+
+_Checked = TypeVar("_Checked")
 
 
 class TransferEngine:
@@ -192,13 +195,26 @@ class TransferEngine:
 
     # -- moving ---------------------------------------------------------------------------
 
-    async def _current(self, name: str) -> PeerRecord:
-        """The record a transfer to ``name`` goes by, refreshed when a backend sees that the
-        peer republished (it (un)registered since)."""
-        record = await self._directory.resolve(name)
+    async def _checked(self, xfer: Transfer, after: Sequence[Transfer],
+                       check: Callable[[PeerRecord], _Checked]) -> tuple[PeerRecord, _Checked]:
+        """Waits for the overlapping transfers started before ``xfer`` to end (they land
+        first), then returns the peer's record and what ``check(record)`` made of it. The record
+        is refreshed first when a backend sees that the peer republished, and once more when the
+        check refuses, since our copy may predate a (re-)registration.
+
+        Raises:
+            What ``check`` raises against the current record; as ``PeerDirectory.resolve``.
+        """
+        for earlier in after:
+            await earlier._event.wait()
+        record = await self._directory.resolve(xfer.peer)
         if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
-            record = await self._directory.resolve(name, refresh=True)
-        return record
+            record = await self._directory.resolve(xfer.peer, refresh=True)
+        try:
+            return record, check(record)
+        except (RegistrationError, DTypeMismatchError, BoundsError):
+            record = await self._directory.resolve(xfer.peer, refresh=True)
+            return record, check(record)
 
     def _begin(self, xfer: Transfer, record: PeerRecord, backend: str) -> None:
         if self._directory.stale(record):
@@ -208,15 +224,8 @@ class TransferEngine:
         self._flight.transition(xfer._rec, OpState.MOVING, backend=backend)
 
     async def _execute(self, xfer: Transfer, local: LocalBuffer, after: Sequence[Transfer]) -> None:
-        for earlier in after:  # overlapping transfers started before this one land first
-            await earlier._event.wait()
-        record = await self._current(xfer.peer)
-        try:
-            region = self._check_remote(record, xfer, local.tensor.dtype)
-        except (RegistrationError, DTypeMismatchError, BoundsError):
-            # Our copy of the record may predate a (re-)registration: check the current one.
-            record = await self._directory.resolve(xfer.peer, refresh=True)
-            region = self._check_remote(record, xfer, local.tensor.dtype)
+        record, region = await self._checked(xfer, after,
+                                             lambda r: self._check_remote(r, xfer, local.tensor.dtype))
         backend = self.choose(record, region, local.kind)
         xfer.backend = backend.name
         self._begin(xfer, record, backend.name)
@@ -225,14 +234,7 @@ class TransferEngine:
         await self._move(backend, xfer.op, local, RemoteTarget(record, region, xfer.offset, xfer.nbytes))
 
     async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer]) -> None:
-        for earlier in after:
-            await earlier._event.wait()
-        record = await self._current(xfer.peer)
-        try:
-            bound = prepared.bind(record)
-        except (RegistrationError, DTypeMismatchError, BoundsError):
-            record = await self._directory.resolve(xfer.peer, refresh=True)
-            bound = prepared.bind(record)
+        record, bound = await self._checked(xfer, after, prepared.bind)
         groups: dict[str, tuple[Backend, list[tuple[LocalBuffer, RemoteTarget]]]] = {}
         chosen: dict[tuple[str, MemoryKind], Backend] = {}
         for b in bound:
