@@ -103,6 +103,10 @@ class PreparedTransfer:
         self._segments = _coalesce([s for s in segments if s.nbytes])
         self._check_overlap()
         self.nbytes = sum(s.nbytes for s in self._segments)
+        self._spans: dict[str, tuple[int, int]] = {}
+        for seg in self._segments:
+            lo, hi = self._spans.get(seg.key, (seg.offset, seg.offset + seg.nbytes))
+            self._spans[seg.key] = (min(lo, seg.offset), max(hi, seg.offset + seg.nbytes))
         self._starter = starter
         self._bound: tuple[str, int, list[Bound]] | None = None  # (incarnation, seq, segments)
         if known is not None:
@@ -113,12 +117,9 @@ class PreparedTransfer:
         return len(self._segments)
 
     def spans(self) -> dict[str, tuple[int, int]]:
-        """Per remote key, the byte span the segments cover (for ordering against other transfers)."""
-        out: dict[str, tuple[int, int]] = {}
-        for s in self._segments:
-            lo, hi = out.get(s.key, (s.offset, s.offset + s.nbytes))
-            out[s.key] = (min(lo, s.offset), max(hi, s.offset + s.nbytes))
-        return out
+        """Per remote key, the byte span the segments cover (for ordering against other
+        transfers); empty when every item is empty. Fixed at prepare time."""
+        return self._spans
 
     def _check_overlap(self) -> None:
         if self.op != TransferOp.PUT:
