@@ -4,6 +4,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -15,9 +16,10 @@ struct CopyEngine::Job {
   uint64_t id;
   CopyKind kind;
   int pid;
-  std::vector<Segment> chunks;
-  size_t next = 0;                 // next chunk to hand out (guarded by mu_)
-  std::atomic<size_t> remaining;   // chunks not yet finished
+  std::vector<Segment> segs;                        // large segments already cut at chunk_bytes
+  std::vector<std::pair<size_t, size_t>> units;     // [begin, end) ranges of segs
+  size_t next = 0;                 // next unit to hand out (guarded by mu_)
+  std::atomic<size_t> remaining;   // units not yet finished
   std::atomic<uint64_t> bytes{0};
   std::atomic<int> err{0};
   std::atomic<bool> cancelled{false};
@@ -25,9 +27,9 @@ struct CopyEngine::Job {
 
 namespace {
 
-// Copies one chunk; returns 0 or an errno value. Partial CMA transfers are continued:
+// Copies one segment; returns 0 or an errno value. Partial CMA transfers are continued:
 // the kernel may stop at a page boundary it could not fault in.
-int copy_chunk(CopyKind kind, int pid, const Segment& s) {
+int copy_one(CopyKind kind, int pid, const Segment& s) {
   if (kind == CopyKind::kLocal) {
     std::memcpy(reinterpret_cast<void*>(s.dst), reinterpret_cast<const void*>(s.src), s.len);
     return 0;
@@ -55,10 +57,65 @@ int copy_chunk(CopyKind kind, int pid, const Segment& s) {
   return 0;
 }
 
+// Up to kMaxUnitSegments CMA segments with one system call. When the kernel stops early (a
+// page it could not fault in, a signal), the rest is finished segment by segment from the exact
+// byte where it stopped, which also finds the precise error.
+int cma_vector(CopyKind kind, int pid, const Segment* segs, size_t count, uint64_t* copied) {
+  struct iovec local[kMaxUnitSegments], remote[kMaxUnitSegments];
+  uint64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const Segment& s = segs[i];
+    void* here = reinterpret_cast<void*>(kind == CopyKind::kCmaWrite ? s.src : s.dst);
+    void* there = reinterpret_cast<void*>(kind == CopyKind::kCmaWrite ? s.dst : s.src);
+    local[i] = {here, s.len};
+    remote[i] = {there, s.len};
+    total += s.len;
+  }
+  ssize_t n = kind == CopyKind::kCmaWrite ? process_vm_writev(pid, local, count, remote, count, 0)
+                                          : process_vm_readv(pid, local, count, remote, count, 0);
+  uint64_t done = n > 0 ? static_cast<uint64_t>(n) : 0;
+  if (done == total) {
+    *copied += total;
+    return 0;
+  }
+  if (n < 0 && errno != EINTR && errno != EFAULT) return errno;  // e.g. ESRCH, EPERM: all fail alike
+  // Finish from where it stopped, one segment at a time.
+  size_t i = 0;
+  while (i < count && done >= segs[i].len) {
+    done -= segs[i].len;
+    *copied += segs[i].len;
+    ++i;
+  }
+  for (; i < count; ++i) {
+    Segment rest = {segs[i].dst + done, segs[i].src + done, segs[i].len - done};
+    *copied += done;
+    done = 0;
+    int err = copy_one(kind, pid, rest);
+    if (err != 0) return err;
+    *copied += rest.len;
+  }
+  return 0;
+}
+
 }  // namespace
 
+int copy_segments(CopyKind kind, int pid, const Segment* segs, size_t count, uint64_t* copied) {
+  if (kind == CopyKind::kLocal) {
+    for (size_t i = 0; i < count; ++i) {
+      std::memcpy(reinterpret_cast<void*>(segs[i].dst), reinterpret_cast<const void*>(segs[i].src), segs[i].len);
+      *copied += segs[i].len;
+    }
+    return 0;
+  }
+  for (size_t i = 0; i < count; i += kMaxUnitSegments) {
+    int err = cma_vector(kind, pid, segs + i, std::min(kMaxUnitSegments, count - i), copied);
+    if (err != 0) return err;
+  }
+  return 0;
+}
+
 int copy_now(CopyKind kind, int pid, const Segment& s) {
-  int err = copy_chunk(kind, pid, s);
+  int err = copy_one(kind, pid, s);
   // Inline copies run on the event-loop thread; callers use them for flag handshakes with
   // other processes, so the copy must not be reordered with the thread's next load.
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -78,21 +135,38 @@ CopyEngine::~CopyEngine() {
   if (efd_ >= 0) close(efd_);
 }
 
-uint64_t CopyEngine::submit(CopyKind kind, int pid, const std::vector<Segment>& segments) {
+uint64_t CopyEngine::submit(CopyKind kind, int pid, const Segment* segments, size_t count) {
   auto job = std::make_shared<Job>();
   job->kind = kind;
   job->pid = pid;
-  for (const Segment& s : segments) {
+  job->segs.reserve(count);
+  uint64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const Segment& s = segments[i];
     for (uint64_t off = 0; off < s.len; off += chunk_bytes_) {
-      uint64_t len = std::min(chunk_bytes_, s.len - off);
-      job->chunks.push_back({s.dst + off, s.src + off, len});
+      job->segs.push_back({s.dst + off, s.src + off, std::min(chunk_bytes_, s.len - off)});
+    }
+    total += s.len;
+  }
+  // Units: at most kMaxUnitSegments segments and about chunk_bytes each, and at least as many
+  // units as threads when there are enough segments (so that every thread has work).
+  size_t nthreads = threads_.empty() ? 1 : threads_.size();
+  uint64_t unit_bytes = std::max<uint64_t>(1, std::min<uint64_t>(chunk_bytes_, total / nthreads + 1));
+  size_t begin = 0;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < job->segs.size(); ++i) {
+    bytes += job->segs[i].len;
+    if (i + 1 - begin >= kMaxUnitSegments || bytes >= unit_bytes || i + 1 == job->segs.size()) {
+      job->units.emplace_back(begin, i + 1);
+      begin = i + 1;
+      bytes = 0;
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) throw std::runtime_error("copy engine is shut down");
   job->id = next_id_++;
-  job->remaining.store(job->chunks.size());
-  if (job->chunks.empty()) {
+  job->remaining.store(job->units.size());
+  if (job->units.empty()) {
     done_.push_back({job->id, CopyStatus::kOk, 0, 0});
     uint64_t one = 1;
     (void)!write(efd_, &one, sizeof(one));
@@ -132,18 +206,20 @@ void CopyEngine::worker() {
       job = queue_.front();
       queue_.pop_front();
       idx = job->next++;
-      if (job->next < job->chunks.size()) queue_.push_back(job);  // round-robin across jobs
+      if (job->next < job->units.size()) queue_.push_back(job);  // round-robin across jobs
     }
     if (job->cancelled.load() || job->err.load() != 0) {
-      finish_chunk(job, 0, 0);
+      finish_unit(job, 0, 0);
       continue;
     }
-    int err = copy_chunk(job->kind, job->pid, job->chunks[idx]);
-    finish_chunk(job, err == 0 ? job->chunks[idx].len : 0, err);
+    auto [begin, end] = job->units[idx];
+    uint64_t copied = 0;
+    int err = copy_segments(job->kind, job->pid, job->segs.data() + begin, end - begin, &copied);
+    finish_unit(job, copied, err);
   }
 }
 
-void CopyEngine::finish_chunk(const std::shared_ptr<Job>& job, uint64_t bytes, int err) {
+void CopyEngine::finish_unit(const std::shared_ptr<Job>& job, uint64_t bytes, int err) {
   job->bytes.fetch_add(bytes);
   if (err != 0) {
     int expected = 0;

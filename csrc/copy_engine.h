@@ -1,7 +1,10 @@
 // Copy engine: a small pool of native threads that moves bytes for the `ipc` backend.
 //
-// Jobs are split into fixed-size chunks and served round-robin across jobs, so one 1 GiB put
-// cannot starve a small one queued behind it and a cancelled job stops at the next chunk.
+// A job is a list of segments. It is cut into units: a large segment into pieces of at most
+// `chunk_bytes`, runs of small ones into units of up to kMaxUnitSegments segments (one
+// process_vm_writev/readv call per IOV_MAX of them, or a memcpy loop). Units are served
+// round-robin across jobs, so one 1 GiB put cannot starve a small one queued behind it, and a
+// cancelled job stops at the next unit.
 // Completions are queued and announced through an eventfd that the Python event loop waits on;
 // no Python runs on these threads and no thread polls.
 #pragma once
@@ -33,16 +36,22 @@ struct Segment {
   uint64_t len;
 };
 
+// The most segments one unit of work holds (one CMA call each: the kernel's IOV_MAX).
+constexpr size_t kMaxUnitSegments = 1024;
+
 struct Completion {
   uint64_t id;
   CopyStatus status;
-  int err;         // errno of the first failing chunk, 0 otherwise
+  int err;         // errno of the first failing unit, 0 otherwise
   uint64_t bytes;  // bytes actually copied
 };
 
 // Copies one segment on the calling thread; returns 0 or an errno value. For small copies,
 // where handing off to a worker costs more than the copy.
 int copy_now(CopyKind kind, int pid, const Segment& s);
+// Copies `count` segments on the calling thread (CMA: one system call per kMaxUnitSegments);
+// returns 0 or the errno of the first failure, and adds the bytes copied to `*copied`.
+int copy_segments(CopyKind kind, int pid, const Segment* segs, size_t count, uint64_t* copied);
 
 class CopyEngine {
  public:
@@ -53,8 +62,12 @@ class CopyEngine {
 
   int event_fd() const { return efd_; }
   // Queues a job; returns its id. Throws std::runtime_error once shut down.
-  uint64_t submit(CopyKind kind, int pid, const std::vector<Segment>& segments);
-  // Requests that a job stop at its next chunk boundary. Returns false if it already finished.
+  uint64_t submit(CopyKind kind, int pid, const Segment* segments, size_t count);
+  uint64_t submit(CopyKind kind, int pid, const std::vector<Segment>& segments) {
+    return submit(kind, pid, segments.data(), segments.size());
+  }
+  int threads() const { return static_cast<int>(threads_.size()); }
+  // Requests that a job stop at its next unit boundary. Returns false if it already finished.
   bool cancel(uint64_t id);
   // Completed jobs since the last call (also clears the eventfd counter).
   std::vector<Completion> drain();
@@ -64,7 +77,7 @@ class CopyEngine {
  private:
   struct Job;
   void worker();
-  void finish_chunk(const std::shared_ptr<Job>& job, uint64_t bytes, int err);
+  void finish_unit(const std::shared_ptr<Job>& job, uint64_t bytes, int err);
 
   const uint64_t chunk_bytes_;
   int efd_ = -1;

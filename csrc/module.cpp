@@ -212,6 +212,19 @@ NB_MODULE(_C, m) {
             return e.submit(static_cast<CopyKind>(kind), pid, v);
           },
           nb::arg("kind"), nb::arg("pid"), nb::arg("segments"))
+      .def(
+          "submit_packed",
+          [](CopyEngine& e, int kind, int pid, nb::bytes packed) {
+            if (kind < 0 || kind > 2) throw std::invalid_argument("unknown copy kind");
+            if (packed.size() % sizeof(Segment) != 0)
+              throw std::invalid_argument("packed segments must be a whole number of (dst, src, nbytes) u64 triples");
+            // Copied out of the bytes object (which may not be 8-aligned) before the GIL matters.
+            std::vector<Segment> v(packed.size() / sizeof(Segment));
+            std::memcpy(v.data(), packed.c_str(), packed.size());
+            return e.submit(static_cast<CopyKind>(kind), pid, v);
+          },
+          nb::arg("kind"), nb::arg("pid"), nb::arg("packed"))
+      .def_prop_ro("threads", &CopyEngine::threads)
       .def("cancel", &CopyEngine::cancel)
       .def("drain",
            [](CopyEngine& e) {

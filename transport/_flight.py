@@ -71,6 +71,15 @@ class OpRecord:
         }
 
 
+_Done = tuple[int, str, str, str, int, str, float, float]  # seq, op, peer, key, nbytes, backend, started, ended
+
+
+def _done_record(d: _Done) -> OpRecord:
+    seq, op, peer, key, nbytes, backend, started, ended = d
+    return OpRecord(seq, op, peer, key, nbytes, started, backend, OpState.DONE,
+                    [(OpState.STARTED.value, started), (OpState.MOVING.value, started), (OpState.DONE.value, ended)])
+
+
 class FlightRecorder:
     """The ring of one Transport. Cheap enough to stay on in production (a dict per operation)."""
 
@@ -81,7 +90,9 @@ class FlightRecorder:
         self.capacity = capacity
         env = os.environ.get(FLIGHT_DIR_ENV)
         self.dump_dir = Path(dump_dir) if dump_dir else (Path(env) if env else None)
-        self._records: collections.OrderedDict[int, OpRecord] = collections.OrderedDict()
+        # An operation that completed synchronously is kept as a plain tuple (it costs far less
+        # than an OpRecord) and becomes one only when the ring is dumped.
+        self._records: collections.OrderedDict[int, OpRecord | _Done] = collections.OrderedDict()
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=512)
         self._seq = itertools.count(1)
         self._dumps = itertools.count(1)
@@ -101,6 +112,15 @@ class FlightRecorder:
                 self.dropped += 1
         return rec
 
+    def completed(self, op: str, peer: str, key: str, nbytes: int, backend: str, started: float) -> None:
+        """Records an operation that started at ``started`` (``time.time()``) and is already done."""
+        seq = next(self._seq)
+        with self._lock:
+            self._records[seq] = (seq, op, peer, key, nbytes, backend, started, time.time())
+            if len(self._records) > self.capacity:
+                self._records.popitem(last=False)
+                self.dropped += 1
+
     def transition(self, rec: OpRecord, state: OpState, *, backend: str | None = None,
                    error: BaseException | None = None) -> None:
         rec.state = state
@@ -115,7 +135,7 @@ class FlightRecorder:
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         with self._lock:
-            records = [r.to_json() for r in self._records.values()]
+            records = [(r if isinstance(r, OpRecord) else _done_record(r)).to_json() for r in self._records.values()]
         return {
             "format": FLIGHT_FORMAT, "v": FLIGHT_VERSION, "name": self.name, "incarnation": self.incarnation,
             "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "reason": reason,

@@ -58,6 +58,7 @@ class ProcessWatch:
     def __init__(self, limit: int = 1024) -> None:
         self._limit = limit
         self._fds: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self._polls: dict[int, select.poll] = {}  # fd -> a poll object watching it (made once)
 
     def alive(self, pid: int, start: int) -> bool:
         """Whether the process ``pid`` that started at ``start`` is still running."""
@@ -73,15 +74,19 @@ class ProcessWatch:
                 os.close(fd)
                 return False
             self._fds[(pid, start)] = fd
+            self._polls[fd] = select.poll()
+            self._polls[fd].register(fd, select.POLLIN)
             while len(self._fds) > self._limit:
-                os.close(self._fds.popitem(last=False)[1])
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if poller.poll(0):
-            os.close(self._fds.pop((pid, start)))
+                self._close(self._fds.popitem(last=False)[1])
+        if self._polls[fd].poll(0):
+            self._close(self._fds.pop((pid, start)))
             return False
         return True
 
+    def _close(self, fd: int) -> None:
+        del self._polls[fd]
+        os.close(fd)
+
     def close(self) -> None:
         while self._fds:
-            os.close(self._fds.popitem()[1])
+            self._close(self._fds.popitem()[1])

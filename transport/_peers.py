@@ -9,6 +9,8 @@ lost; one peer's loss only ever touches that peer's state.
 
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import logging
 import time
@@ -75,6 +77,10 @@ class Peer:
         )
 
 
+_GOOD_NAMES: set[str] = set()  # names that passed check_name (bounded: cleared when full)
+_GOOD_NAMES_MAX = 4096
+
+
 def check_name(name: object, what: str = "name") -> str:
     """``name`` if it can name a peer: a non-empty str of at most :data:`MAX_NAME_BYTES` UTF-8
     bytes, without "/" or control characters (every store can then hold it under a key).
@@ -84,6 +90,8 @@ def check_name(name: object, what: str = "name") -> str:
     """
     if not isinstance(name, str):
         raise ValueError(f"{what} must be a str, got {type(name).__name__}")
+    if name in _GOOD_NAMES:  # checked before (a put names its peer every time)
+        return name
     if not name:
         raise ValueError(f"{what} must not be empty")
     if "/" in name:
@@ -95,6 +103,9 @@ def check_name(name: object, what: str = "name") -> str:
     if size > MAX_NAME_BYTES:
         raise ValueError(f"{what} is {size} bytes long in UTF-8; at most {MAX_NAME_BYTES} are allowed "
                          f"(it starts {name[:40]!r})")
+    if len(_GOOD_NAMES) >= _GOOD_NAMES_MAX:
+        _GOOD_NAMES.clear()
+    _GOOD_NAMES.add(name)
     return name
 
 
@@ -260,6 +271,8 @@ class PeerDirectory:
         if incarnation is not None and record.incarnation != incarnation:
             raise AuthenticationError(f"the record under {key!r} is signed for incarnation {incarnation!r} "
                                       f"but names {record.incarnation!r}")
+        if record.host == self.me.host:  # our host object: later same-host checks are identity checks
+            record = dataclasses.replace(record, host=self.me.host)
         return record
 
     async def fetch(self, name: str) -> PeerRecord | None:
@@ -274,7 +287,8 @@ class PeerDirectory:
 
     def stale(self, record: PeerRecord) -> bool:
         """Whether ``record`` was left by a process on this host that has exited."""
-        return record.host == self.me.host and not self._procs.alive(record.pid, record.pid_start)
+        host = record.host
+        return (host is self.me.host or host == self.me.host) and not self._procs.alive(record.pid, record.pid_start)
 
     def is_lost(self, record: PeerRecord) -> bool:
         return (record.name, record.incarnation) in self._lost

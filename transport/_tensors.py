@@ -35,9 +35,9 @@ def nbytes_of(t: torch.Tensor) -> int:
 
 
 def memory_kind(t: torch.Tensor, what: str) -> MemoryKind:
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return MemoryKind.CPU
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return MemoryKind.CUDA
     raise BackendUnavailableError(f"{what} lives on {t.device}; transport moves cpu and cuda memory only")
 

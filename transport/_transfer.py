@@ -12,11 +12,28 @@ from ._timeouts import seconds
 from ._wire import TransferOp
 
 
+# Awaiting a transfer that has already ended does not yield to the event loop (that would cost
+# more than a small transfer), except once this long after the previous such yield: a loop of
+# small synchronous puts still lets other tasks run, and sees cancellation, every millisecond.
+_FAIR_YIELD_S = 0.001
+_last_yield = 0.0
+
+
+async def _fair_checkpoint() -> None:
+    global _last_yield
+    now = time.perf_counter()
+    if now - _last_yield >= _FAIR_YIELD_S:
+        _last_yield = now
+        await anyio.lowlevel.checkpoint()
+
+
 class Transfer:
     """One put or get in flight. Await it (or :func:`gather` many) to learn how it ended.
 
     The transfer runs in its Transport's task group from the moment ``put``/``get`` returns;
-    awaiting only observes it.
+    awaiting only observes it. A small host transfer whose peer and route are known may already
+    be complete when ``put``/``get`` returns (it was copied synchronously): awaiting it then
+    returns at once, yielding to the event loop at most once per millisecond.
 
     Attributes:
         op: PUT or GET.
@@ -40,6 +57,10 @@ class Transfer:
     still complete; then awaiting it returns normally.
     """
 
+    __slots__ = ("_abort_error", "_cancel_requested", "_done", "_error", "_event", "_finished", "_incarnation",
+                 "_moving", "_rec", "_scope", "_started", "_waiters", "backend", "key", "nbytes", "offset", "op",
+                 "peer", "segments")
+
     def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int) -> None:
         self.op = op
         self.peer = peer
@@ -48,7 +69,8 @@ class Transfer:
         self.offset = offset
         self.backend: str | None = None
         self.segments = 1  # ranges moved (more for a prepared transfer)
-        self._event = anyio.Event()
+        self._done = False
+        self._event: anyio.Event | None = None  # made by the first task that has to wait
         self._error: TransportError | None = None
         self._started = time.monotonic()
         self._finished: float | None = None
@@ -60,9 +82,30 @@ class Transfer:
         self._scope: anyio.CancelScope | None = None
         self._waiters = 0  # tasks awaiting this handle now (wait() or gather())
 
+    @classmethod
+    def _completed(cls, op: TransferOp, peer: str, key: str, nbytes: int, offset: int, backend: str,
+                   started: float) -> Transfer:
+        """A handle for a transfer that already completed when it was started (the engine's
+        synchronous path for small transfers)."""
+        x = cls(op, peer, key, nbytes, offset)
+        x.backend = backend
+        x._started = started
+        x._finished = time.monotonic()
+        x._moving = True
+        x._done = True
+        return x
+
     def done(self) -> bool:
         """True once the transfer has completed, failed or been aborted."""
-        return self._event.is_set()
+        return self._done
+
+    async def _ended(self) -> None:
+        """Returns once the transfer has ended (observing only: no waiter counted)."""
+        if self._done:
+            return
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
 
     @property
     def elapsed(self) -> float:
@@ -99,15 +142,20 @@ class Transfer:
         """
         if timeout is not None:
             timeout = seconds(timeout, "timeout")
+        if self._done:  # e.g. completed synchronously when it was started
+            await _fair_checkpoint()
+            if self._error is not None:
+                raise self._error
+            return
         self._waiters += 1
         try:
             with anyio.move_on_after(timeout) as scope:
-                await self._event.wait()
+                await self._ended()
         except anyio.get_cancelled_exc_class():
             self._unwait(cancelled=True)
             raise
         self._unwait(cancelled=False)
-        if scope.cancelled_caught and not self.done():
+        if scope.cancelled_caught and not self._done:
             raise TimeoutError(f"{self!r} still running after waiting {timeout:g}s")
         if self._error is not None:
             raise self._error
@@ -122,11 +170,13 @@ class Transfer:
         return self.wait().__await__()
 
     def _finish(self, error: TransportError | None = None) -> None:
-        if self.done():
+        if self._done:
             return
         self._error = error
         self._finished = time.monotonic()
-        self._event.set()
+        self._done = True
+        if self._event is not None:
+            self._event.set()
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._error else "done")
@@ -151,11 +201,17 @@ async def gather(*transfers: Transfer) -> list[Transfer]:
     Cancellation: aborts every transfer not yet done that no other task waits for (as
     cancelling ``await h`` would).
     """
+    if all(t._done for t in transfers):
+        await _fair_checkpoint()
+        for t in transfers:
+            if t._error is not None:
+                raise t._error
+        return list(transfers)
     for t in transfers:
         t._waiters += 1
     try:
         for t in transfers:
-            await t._event.wait()
+            await t._ended()
     except anyio.get_cancelled_exc_class():
         for t in transfers:
             t._unwait(cancelled=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -36,12 +37,38 @@ from ._flight import FlightRecorder, OpState
 from ._peers import PeerDirectory
 from ._regions import check
 from ._staging import bounce, staging_kind
-from ._tensors import MemoryKind, dtype_name, nbytes_of
+from ._tensors import MemoryKind, dtype_from_name, dtype_name, nbytes_of
 from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, LocalBuffer, RemoteTarget
 
 log = logging.getLogger("transport._transport")
+
+# Host transfers up to this size are moved synchronously inside put()/get() when the backend
+# has a synchronous path (``Backend.mover``) and the route is known: for ipc a memcpy into the
+# peer's mapped memory, or one process_vm_writev. Larger ones go to the native threads.
+SYNC_MAX_BYTES = 1 << 20
+_SYNC_ROUTES_MAX = 4096  # cached (peer, key, op) routes; the cache is reset past this
+
+
+class _SyncRoute:
+    """What a synchronous transfer to one region needs, valid for one record of its peer: the
+    region's facts for the per-transfer check (the rest of :func:`transport._regions.check`,
+    existence, writability and whether it moved, was settled when the route was made)."""
+
+    __slots__ = ("backend", "dtype", "itemsize", "limit", "move", "record")
+
+    def __init__(self, record: PeerRecord, region: RegionRecord | None, backend: Backend | None,
+                 move: Callable[[int, int, int], bool] | None) -> None:
+        self.record = record
+        self.backend = backend
+        self.move = move
+        self.dtype: torch.dtype | None = None
+        self.itemsize = self.limit = 0
+        if region is not None and move is not None:
+            self.dtype = dtype_from_name(region.dtype)
+            self.itemsize = self.dtype.itemsize
+            self.limit = region.nbytes
 
 _Checked = TypeVar("_Checked")
 
@@ -69,6 +96,7 @@ class TransferEngine:
         self._inflight: dict[str, set[Transfer]] = {}
         self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._fallbacks_logged: set[tuple[str, str]] = set()
+        self._sync: dict[tuple[str, str, TransferOp], _SyncRoute] = {}
         directory.subscribe(lost=self.abort_peer)
 
     # -- starting -------------------------------------------------------------------------
@@ -80,7 +108,14 @@ class TransferEngine:
         A transfer that overlaps the bytes of an earlier one still in flight to the same region
         (where either writes) starts moving only once that one has ended: from one Transport,
         the later put wins. Non-overlapping transfers run concurrently.
+
+        A small host transfer on a known route with nothing in flight to its region completes
+        here, synchronously (see :meth:`_now`); the handle returned is then already done.
         """
+        if kind is MemoryKind.CPU and (peer, key) not in self._ranges:
+            done = self._now(op, tensor, peer, key, offset)
+            if done is not None:
+                return done
         # CUDA: the transfer must see the work the caller queued so far, and only that.
         local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
         xfer = Transfer(op, peer, key, nbytes_of(tensor), offset)
@@ -107,6 +142,52 @@ class TransferEngine:
         self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after), timeout,
                             tuple(spans))
         return xfer
+
+    def _now(self, op: TransferOp, tensor: torch.Tensor, peer: str, key: str, offset: int) -> Transfer | None:
+        """Moves a small host transfer right here, when everything it needs is at hand: the
+        peer's record (adopted, current by the backend's cheap view of it, not lost, its process
+        alive), the checks pass, and the backend's synchronous path (``Backend.mover``) takes it.
+        Returns the completed handle, or None: then the transfer takes the asynchronous path,
+        which also reports any error precisely. Nothing is moved before every check passed."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > SYNC_MAX_BYTES:
+            return None
+        record = self._directory.known(peer)
+        if record is None:
+            return None
+        route = self._sync.get((peer, key, op))
+        if route is None or route.record is not record:
+            route = self._sync_route(op, record, key)
+        move, backend = route.move, route.backend
+        if move is None or backend is None:
+            return None
+        # As check() would (type(offset) is int: put/get made it one); a refusal is reported
+        # by the asynchronous path.
+        if tensor.dtype is not route.dtype or offset < 0 or offset + nbytes > route.limit or offset % route.itemsize:
+            return None
+        seq = backend.live_seq(record)
+        if (seq is not None and seq != record.seq) or self._directory.is_lost(record) or self._directory.stale(record):
+            return None
+        started = time.time()
+        if nbytes and not move(tensor.data_ptr(), offset, nbytes):
+            return None
+        self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
+        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, started)
+
+    def _sync_route(self, op: TransferOp, record: PeerRecord, key: str) -> _SyncRoute:
+        region = record.regions.get(key)
+        backend = move = None
+        if region is not None and not region.moved and (op == TransferOp.GET or region.writable):
+            try:
+                backend = self.choose(record, region, MemoryKind.CPU)
+            except BackendUnavailableError:
+                pass
+            else:
+                move = backend.mover(op, record, region)
+        if len(self._sync) >= _SYNC_ROUTES_MAX:
+            self._sync.clear()
+        route = self._sync[(record.name, key, op)] = _SyncRoute(record, region, backend, move)
+        return route
 
     async def fence(self, peer: str, timeout: float) -> None:
         """Waits until every transfer to ``peer`` started before this call has ended.
@@ -206,7 +287,7 @@ class TransferEngine:
             What ``check`` raises against the current record; as ``PeerDirectory.resolve``.
         """
         for earlier in after:
-            await earlier._event.wait()
+            await earlier._ended()
         record = await self._directory.resolve(xfer.peer)
         if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
             record = await self._directory.resolve(xfer.peer, refresh=True)
@@ -336,7 +417,7 @@ async def _ended_within(transfers: Sequence[Transfer], timeout: float) -> list[T
     running then."""
     with anyio.move_on_after(timeout):
         for x in transfers:
-            await x._event.wait()
+            await x._ended()
     return [x for x in transfers if not x.done()]
 
 

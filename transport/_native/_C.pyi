@@ -18,6 +18,10 @@ class CopyEngine:
     def event_fd(self) -> int: ...
     def submit(self, kind: int, pid: int, segments: Sequence[tuple[int, int, int]]) -> int:
         """Queues a job of CopyKind `kind`; returns its id. Raises ValueError for an unknown kind."""
+    def submit_packed(self, kind: int, pid: int, packed: bytes) -> int:
+        """As submit, with the segments packed as little-endian u64 (dst, src, nbytes) triples."""
+    @property
+    def threads(self) -> int: ...
     def cancel(self, arg: int, /) -> bool: ...
     def drain(self) -> list[tuple[int, int, int, int]]:
         """(job id, CopyStatus, errno, bytes copied) of every job finished since the last drain."""

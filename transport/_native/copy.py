@@ -212,6 +212,7 @@ class PeerMapping(_Mapped):
 
     def __init__(self, pid: int, fd: int, nbytes: int, writable: bool, inode: int = 0) -> None:
         self._native: _C.PeerMapping = _C.PeerMapping(pid, fd, nbytes, writable, inode)
+        self._words: ctypes.Array[ctypes.c_uint64] | None = None  # its whole words, made on first read
 
     def read_u64(self, offset: int = 0) -> int:
         """The 8-byte word at byte ``offset`` (8-aligned), read with one load: a concurrent
@@ -221,7 +222,9 @@ class PeerMapping(_Mapped):
             ValueError: no aligned word at ``offset`` inside the mapping.
         """
         _check_word(offset, self.nbytes)
-        return ctypes.c_uint64.from_address(self.address + offset).value
+        if self._words is None:
+            self._words = (ctypes.c_uint64 * (self.nbytes // 8)).from_address(self.address)
+        return self._words[offset // 8]
 
 
 class _Pending:

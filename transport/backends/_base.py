@@ -123,6 +123,21 @@ class Backend(abc.ABC):
         lets an initiator notice a newer record before it moves bytes one-sidedly."""
         return None
 
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
+        """A synchronous path for small transfers between host memory here and ``region``, or
+        None (the default: every transfer takes :meth:`put` / :meth:`get`).
+
+        The Transport asks once per route (and again when the peer's record changes), then
+        calls ``move(local_address, offset, nbytes)`` on the event loop inside ``put``/``get``,
+        after every check passed, for host transfers of at most ``transfers.SYNC_MAX_BYTES``
+        with nothing else in flight to the region. It must take microseconds and never wait
+        for the peer. It returns True once the bytes are in place (a put: in the peer's memory;
+        a get: here); False to decline: the transfer then takes the asynchronous path, which
+        also reports the precise error of a failed attempt. What it holds (a mapping) stays
+        valid while the returned callable is referenced.
+        """
+        return None
+
     @abc.abstractmethod
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Writes ``local`` into the remote region; returns when the bytes are in its memory."""

@@ -37,14 +37,14 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from .. import _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
-from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer
+from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now
 from .._regions import Region
 from .._staging import bounce
 from .._tensors import MemoryKind
@@ -118,9 +118,12 @@ class IpcBackend(Backend):
         self._ctl.write_u64(_CTL_SEQ, seq)
 
     def live_seq(self, peer: PeerRecord) -> int | None:
+        cache_key = (peer.name, peer.incarnation)
+        m = self._peer_ctl.get(cache_key)
+        if m is not None:  # checked when it was mapped: checked every transfer, so kept cheap
+            return m.read_u64(_CTL_SEQ)
         if peer.host != self.ctx.host or "ipc" not in peer.backends:
             return None
-        cache_key = (peer.name, peer.incarnation)
         if cache_key not in self._peer_ctl:
             _pid, _probe, ctl_fd = _ENDPOINT.unpack(peer.backends["ipc"])
             try:
@@ -254,6 +257,28 @@ class IpcBackend(Backend):
             kind, pid = (CopyKind.CMA_WRITE if write else CopyKind.CMA_READ), peer.pid
         seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
         return _HostCopy(kind, pid, seg, there, mapping)
+
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
+        """A memcpy into this process's mapping of the peer's memfd, else one cross-memory
+        attach call, on the calling thread (the GIL released)."""
+        if is_device(region) or self.unreachable_reason(peer, region, MemoryKind.CPU) is not None:
+            return None
+        addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
+        mapping = self._mapping(peer, region)
+        write = op == TransferOp.PUT
+        if mapping is not None:
+            base, kind, pid = mapping.address + fd_offset, CopyKind.LOCAL, 0
+        else:
+            base, pid = addr, peer.pid
+            kind = CopyKind.CMA_WRITE if write else CopyKind.CMA_READ
+
+        def move(local: int, offset: int, nbytes: int, _held: PeerMapping | None = mapping) -> bool:
+            # `_held` keeps the mapping referenced (mapped) while this callable lives.
+            there = base + offset
+            err = copy_now(kind, pid, there, local, nbytes) if write else copy_now(kind, pid, local, there, nbytes)
+            return err == 0
+
+        return move
 
     async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         host = self._host_copy(op, local, remote)
