@@ -10,7 +10,6 @@ lost; one peer's loss only ever touches that peer's state.
 from __future__ import annotations
 
 import dataclasses
-
 import errno
 import logging
 import time

@@ -11,7 +11,6 @@ from ._errors import TransportError
 from ._timeouts import seconds
 from ._wire import TransferOp
 
-
 # Awaiting a transfer that has already ended does not yield to the event loop (that would cost
 # more than a small transfer), except once this long after the previous such yield: a loop of
 # small synchronous puts still lets other tasks run, and sees cancellation, every millisecond.
