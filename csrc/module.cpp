@@ -274,6 +274,25 @@ NB_MODULE(_C, m) {
       nb::call_guard<nb::gil_scoped_release>(),
       "Copies on the calling thread; returns 0 or errno. For small copies only.");
   m.def(
+      "copy_packed_now",
+      [](int kind, int pid, nb::bytes packed) {
+        if (kind < 0 || kind > 2) throw std::invalid_argument("unknown copy kind");
+        if (packed.size() % sizeof(Segment) != 0)
+          throw std::invalid_argument("packed segments must be a whole number of (dst, src, nbytes) u64 triples");
+        std::vector<Segment> v(packed.size() / sizeof(Segment));
+        std::memcpy(v.data(), packed.c_str(), packed.size());
+        uint64_t copied = 0;
+        int err;
+        {
+          nb::gil_scoped_release release;
+          err = copy_segments(static_cast<CopyKind>(kind), pid, v.data(), v.size(), &copied);
+          std::atomic_thread_fence(std::memory_order_seq_cst);
+        }
+        return std::make_tuple(err, copied);
+      },
+      nb::arg("kind"), nb::arg("pid"), nb::arg("packed"),
+      "Copies packed (dst, src, nbytes) segments on the calling thread; returns (errno or 0, bytes copied).");
+  m.def(
       "memory_fence", [] { std::atomic_thread_fence(std::memory_order_seq_cst); },
       "A full memory fence: orders a flag store before the next load of another process's flag.");
   m.def("cma_probe", &cma_probe, nb::arg("pid"), nb::arg("address"), nb::arg("nbytes"));

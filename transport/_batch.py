@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -21,6 +22,8 @@ from ._regions import check
 from ._tensors import MemoryKind, byte_offset, check_tensor, dtype_name, memory_kind, nbytes_of
 from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
+
+_Plan = TypeVar("_Plan")
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,13 @@ class PreparedTransfer:
             self._spans[seg.key] = (min(lo, seg.offset), max(hi, seg.offset + seg.nbytes))
         self._starter = starter
         self._bound: tuple[str, int, list[Bound]] | None = None  # (incarnation, seq, segments)
+        # One tensor per distinct local storage: a storage given new memory (resize_, set_)
+        # since the plan was built makes the plan stale (its native list has the old addresses).
+        reps: dict[int, torch.Tensor] = {}
+        for seg in self._segments:
+            reps.setdefault(seg.tensor.untyped_storage().data_ptr(), seg.tensor)
+        self._storages = list(reps.values())
+        self._plan: tuple[tuple[object, ...], Any] | None = None  # (what it was built for, plan)
         if known is not None:
             self.bind(known)  # all remote checks now, when the peer's record is at hand
 
@@ -146,6 +156,23 @@ class PreparedTransfer:
         bound = [Bound(s, record.regions[s.key]) for s in self._segments]
         self._bound = (record.incarnation, record.seq, bound)
         return bound
+
+    def plan(self, record: PeerRecord, build: Callable[[list[Bound]], _Plan]) -> _Plan:
+        """What ``build`` makes of the segments bound to ``record`` (see :meth:`bind`), kept
+        while the peer's incarnation and record, and the local memory, stay the same: the
+        backends' native descriptor lists, made once.
+
+        Raises:
+            As :meth:`bind`; what ``build`` raises.
+        """
+        bound = self.bind(record)
+        ident = (record.incarnation, record.seq, *(t.untyped_storage().data_ptr() for t in self._storages))
+        cached = self._plan
+        if cached is not None and cached[0] == ident:
+            return cast(_Plan, cached[1])
+        plan = build(bound)
+        self._plan = (ident, plan)
+        return plan
 
     def start(self, *, timeout: float | None = None) -> Transfer:
         """Starts moving every segment; returns one handle for all of them.

@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
@@ -20,7 +21,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from . import _cuda
-from ._batch import PreparedTransfer
+from ._batch import Bound, PreparedTransfer, Segment
 from ._errors import (
     BackendUnavailableError,
     BoundsError,
@@ -49,6 +50,15 @@ log = logging.getLogger("transport._transport")
 # peer's mapped memory, or one process_vm_writev. Larger ones go to the native threads.
 SYNC_MAX_BYTES = 1 << 20
 _SYNC_ROUTES_MAX = 4096  # cached (peer, key, op) routes; the cache is reset past this
+
+
+@dataclass(frozen=True)
+class _BatchPlan:
+    """How one prepared transfer moves to one record of its peer (see ``TransferEngine._plan``)."""
+
+    backends: str  # the backends' names, "a,b" for two
+    runs: list[Callable[[], Awaitable[None]]]  # each backend's reusable runner for its host segments
+    per_start: list[tuple[Backend, Segment, RegionRecord]]  # moved one by one at every start
 
 
 class _SyncRoute:
@@ -315,27 +325,42 @@ class TransferEngine:
         await self._move(backend, xfer.op, local, RemoteTarget(record, region, xfer.offset, xfer.nbytes))
 
     async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer]) -> None:
-        record, bound = await self._checked(xfer, after, prepared.bind)
+        record, plan = await self._checked(xfer, after,
+                                           lambda r: prepared.plan(r, functools.partial(self._plan, xfer.op, r)))
+        xfer.backend = plan.backends
+        self._begin(xfer, record, plan.backends)
+        for run in plan.runs:
+            await run()
+        for backend, seg, region in plan.per_start:
+            ready = _cuda.ready_event(seg.tensor) if seg.kind == MemoryKind.CUDA else None
+            await self._move(backend, xfer.op, LocalBuffer(seg.tensor, seg.kind, ready=ready),
+                             RemoteTarget(record, region, seg.offset, seg.nbytes))
+
+    def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> _BatchPlan:
+        """How a prepared transfer's checked segments move: a backend per (region, memory
+        kind), and each backend's reusable runner (``Backend.prepare_many``) for the host
+        segments it serves directly; CUDA segments (their ready event is taken at each start)
+        and staged ones go one by one.
+
+        Raises:
+            BackendUnavailableError: no backend reaches one of the regions.
+        """
         groups: dict[str, tuple[Backend, list[tuple[LocalBuffer, RemoteTarget]]]] = {}
         chosen: dict[tuple[str, MemoryKind], Backend] = {}
+        per_start: list[tuple[Backend, Segment, RegionRecord]] = []
         for b in bound:
             seg = b.segment
             backend = chosen.get((seg.key, seg.kind))
             if backend is None:
                 backend = chosen[(seg.key, seg.kind)] = self.choose(record, b.region, seg.kind)
-            ready = _cuda.ready_event(seg.tensor) if seg.kind == MemoryKind.CUDA else None
-            pair = (LocalBuffer(seg.tensor, seg.kind, ready=ready), RemoteTarget(record, b.region, seg.offset,
-                                                                                   seg.nbytes))
-            groups.setdefault(backend.name, (backend, []))[1].append(pair)
-        xfer.backend = ",".join(groups)
-        self._begin(xfer, record, xfer.backend)
-        for backend, pairs in groups.values():
-            direct = [p for p in pairs if p[0].kind in backend.memory_kinds]
-            if direct:
-                await backend.move_many(xfer.op, direct)
-            for local, remote in pairs:
-                if local.kind not in backend.memory_kinds:
-                    await self._move(backend, xfer.op, local, remote)
+            group = groups.setdefault(backend.name, (backend, []))
+            if seg.kind == MemoryKind.CPU and seg.kind in backend.memory_kinds:
+                group[1].append((LocalBuffer(seg.tensor, seg.kind), RemoteTarget(record, b.region, seg.offset,
+                                                                                  seg.nbytes)))
+            else:
+                per_start.append((backend, seg, b.region))
+        runs = [backend.prepare_many(op, pairs) for backend, pairs in groups.values() if pairs]
+        return _BatchPlan(",".join(groups), runs, per_start)
 
     async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Moves one range with ``backend``, through a bounce buffer when it does not serve the

@@ -58,6 +58,9 @@ class PeerMapping:
     @property
     def nbytes(self) -> int: ...
 
+def copy_packed_now(kind: int, pid: int, packed: bytes) -> tuple[int, int]:
+    """Copies packed (dst, src, nbytes) segments on the calling thread; returns (errno or 0, bytes copied)."""
+
 def copy_now(kind: int, pid: int, dst: int, src: int, nbytes: int) -> int:
     """Copies on the calling thread; returns 0 or errno. For small copies only."""
 

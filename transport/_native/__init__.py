@@ -31,6 +31,7 @@ from .copy import (
     cma_probe,
     copy_now,
     memory_fence,
+    pack_segments,
     probe_address,
     shared_buffer,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "UcxResult",
     "cma_probe",
     "copy_now",
+    "pack_segments",
     "cuda",
     "extension_path",
     "kernels",

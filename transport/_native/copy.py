@@ -7,11 +7,12 @@ so no thread polls and no Python runs on the native threads.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import enum
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -56,6 +57,11 @@ class CopyResult:
 
     def describe_errno(self) -> str:
         return f"{errno.errorcode.get(self.err, self.err)}: {os.strerror(self.err)}"
+
+
+def pack_segments(segments: Sequence[Segment]) -> bytes:
+    """``(dst, src, nbytes)`` segments in the engine's packed form (native-endian u64 triples)."""
+    return array.array("Q", [v for seg in segments for v in seg]).tobytes()
 
 
 def copy_now(kind: CopyKind, pid: int, dst: int, src: int, nbytes: int) -> int:
@@ -281,8 +287,21 @@ class Copier:
             err = _C.copy_now(int(kind), pid, dst, src, n)
             await anyio.lowlevel.checkpoint()
             return CopyResult(CopyStatus.FAILED if err else CopyStatus.OK, err, 0 if err else n)
+        return await self._run_job(lambda: self._engine.submit(int(kind), pid, list(segments)))
+
+    async def copy_packed(self, kind: CopyKind, pid: int, packed: bytes, nbytes: int) -> CopyResult:
+        """As :meth:`copy`, for segments packed by :func:`pack_segments` (``nbytes`` in all):
+        the form a prepared transfer keeps, so that starting it costs no per-segment Python.
+        Up to ``INLINE_MAX_BYTES`` in all are copied right here."""
+        if nbytes <= INLINE_MAX_BYTES:
+            err, copied = _C.copy_packed_now(int(kind), pid, packed)
+            await anyio.lowlevel.checkpoint()
+            return CopyResult(CopyStatus.FAILED if err else CopyStatus.OK, err, copied)
+        return await self._run_job(lambda: self._engine.submit_packed(int(kind), pid, packed))
+
+    async def _run_job(self, submit: Callable[[], int]) -> CopyResult:
         try:
-            job_id = self._engine.submit(int(kind), pid, list(segments))
+            job_id = submit()
         except RuntimeError as exc:
             raise TransportInternalError(f"copy engine refused the job: {exc}") from exc
         pending = _Pending()

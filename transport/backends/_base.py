@@ -10,7 +10,8 @@ backend is called; a backend only moves bytes and maps its own failures to the e
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -153,12 +154,27 @@ class Backend(abc.ABC):
         else:
             await self.get(local, remote)
 
+    def prepare_many(self, op: TransferOp,
+                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
+        """A reusable runner that moves these ranges of one peer (a prepared transfer's
+        segments, all of memory kinds this backend serves, none waiting on a CUDA event).
+
+        Built once per prepared transfer and record of its peer; every ``await run()`` moves
+        every range again (reading or writing the same memory) and returns when all are done.
+        Backends with a native list operation override it to build their descriptor list here,
+        once. The default runs :meth:`move_many` each time.
+
+        Raises (from ``run``): as :meth:`move_many`.
+        """
+        return functools.partial(self.move_many, op, list(pairs))
+
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
         """Moves many ranges of one peer (a prepared transfer's segments, all of memory kinds
         this backend serves); returns when all are done.
 
         The default runs :meth:`move` with up to ``MANY_INFLIGHT`` ranges in flight (pipelined
-        on backends whose requests pipeline). Backends with a native list operation override it.
+        on backends whose requests pipeline). Backends with a native list operation override it
+        (or :meth:`prepare_many`).
 
         Raises:
             TransportError: the first failure; the ranges not yet started then are not started.

@@ -37,14 +37,14 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from .. import _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
-from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now
+from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now, pack_segments
 from .._regions import Region
 from .._staging import bounce
 from .._tensors import MemoryKind
@@ -291,9 +291,14 @@ class IpcBackend(Backend):
                         op == TransferOp.PUT and host.kind == CopyKind.CMA_WRITE, host.there)
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        """Host segments go to the native copy engine as one job per kind (mapped memfd:
-        memcpy; elsewhere: cross-memory attach), split across its threads; CUDA ones one by one.
-        A failed job is retried segment by segment, which raises the precise error."""
+        await self.prepare_many(op, pairs)()
+
+    def prepare_many(self, op: TransferOp,
+                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
+        """Host segments become one packed native job per kind (mapped memfd: memcpy;
+        elsewhere: cross-memory attach, IOV_MAX segments per system call), built once; each
+        run submits them as they are, split across the copy engine's threads. CUDA segments go
+        one by one. A failed job is retried segment by segment, which raises the precise error."""
         jobs: dict[tuple[CopyKind, int], list[tuple[_HostCopy, LocalBuffer, RemoteTarget]]] = {}
         slow = []
         for local, remote in pairs:
@@ -302,14 +307,20 @@ class IpcBackend(Backend):
                 slow.append((local, remote))
             else:
                 jobs.setdefault((host.kind, host.pid), []).append((host, local, remote))
-        for (kind, pid), job in jobs.items():
-            # The _HostCopy entries keep their mappings referenced until the copy finished.
-            result = await self.ctx.copier.copy(kind, pid, [host.segment for host, _, _ in job])
-            if result.status != CopyStatus.OK:
-                for _, local, remote in job:
-                    await self.move(op, local, remote)
-        for local, remote in slow:
-            await self.move(op, local, remote)
+        # The _HostCopy entries keep their mappings referenced while the runner lives.
+        packed = [(kind, pid, pack_segments([h.segment for h, _, _ in job]), sum(r.nbytes for _, _, r in job), job)
+                  for (kind, pid), job in jobs.items()]
+
+        async def run() -> None:
+            for kind, pid, data, nbytes, job in packed:
+                result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
+                if result.status != CopyStatus.OK:
+                    for _, local, remote in job:
+                        await self.move(op, local, remote)
+            for local, remote in slow:
+                await self.move(op, local, remote)
+
+        return run
 
     async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
         peer, region = remote.peer, remote.region
