@@ -1,6 +1,7 @@
 """The point-to-point benchmark's configuration, its results, and the tables it prints.
 
-See :mod:`benchmarks.p2p` for what is measured and how.
+See :mod:`benchmarks.p2p` for what is measured and how, and :mod:`benchmarks._nixl` for the NIXL
+peer measured in the same run (``--peers nixl``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,22 @@ import torch
 
 import transport
 
-from ._sizes import GiB, MiB, format_size
+from ._sizes import GiB, KiB, MiB, format_size
 
 DEFAULT_SIZES: tuple[int, ...] = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
 DEFAULT_BACKENDS: tuple[str, ...] = ("ipc", "ucx", "tcp")
+DEFAULT_LATENCY_SIZES: tuple[int, ...] = (8, 4 * KiB)
+KNOWN_PEERS: tuple[str, ...] = ("nixl",)
+
+REFERENCE_PUT_BYTES = 1 * MiB
+"""Always in the bandwidth table, whatever ``--sizes`` says: the headline small-bulk put."""
+
+# The batch: BATCH_SEGMENTS pieces of BATCH_SEGMENT_BYTES, BATCH_STRIDE apart in the target's region.
+BATCH_SEGMENTS = 10_000
+BATCH_SEGMENT_BYTES = 4 * KiB
+BATCH_STRIDE = 8 * KiB
+# The smallest region: the whole batch fits (80 MiB of stride) with 1 MiB to spare, whatever the sizes.
+MIN_REGION_BYTES = BATCH_SEGMENTS * BATCH_STRIDE + 1 * MiB
 
 # Automatic iteration count: about this many bytes per (operation, size), within the bounds.
 _AUTO_BYTES = 8 * GiB
@@ -38,10 +51,11 @@ class BenchConfig:
         iters: timed transfers per (operation, size); None chooses per size (about 8 GiB moved,
             between 5 and 50 transfers).
         warmup: untimed transfers before each timed series.
-        latency_iters: timed small transfers for the latency figures.
-        latency_bytes: size of a small transfer.
+        latency_iters: timed small transfers for the latency figures, per size and operation.
+        latency_sizes: the small transfer sizes whose latency is measured (bytes).
         timeout: seconds; bounds every single transfer and every wait for the target process.
         copy_threads: the Transports' native copy threads (the ipc data path).
+        peers: other libraries measured the same way in the same run (of :data:`KNOWN_PEERS`).
 
     Raises:
         ValueError: an argument is out of range.
@@ -52,9 +66,10 @@ class BenchConfig:
     iters: int | None = None
     warmup: int = 1
     latency_iters: int = 1000
-    latency_bytes: int = 8
+    latency_sizes: tuple[int, ...] = DEFAULT_LATENCY_SIZES
     timeout: float = 120.0
     copy_threads: int = 2
+    peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -63,15 +78,26 @@ class BenchConfig:
             raise ValueError(f"sizes must be positive byte counts, got {self.sizes}")
         if self.iters is not None and self.iters < 1:
             raise ValueError(f"iters must be >= 1, got {self.iters}")
-        if self.warmup < 0 or self.latency_iters < 1 or self.latency_bytes < 1:
-            raise ValueError("warmup must be >= 0, latency_iters and latency_bytes >= 1")
+        if self.warmup < 0 or self.latency_iters < 1:
+            raise ValueError("warmup must be >= 0 and latency_iters >= 1")
+        if not self.latency_sizes or min(self.latency_sizes) < 1:
+            raise ValueError(f"latency sizes must be positive byte counts, got {self.latency_sizes}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        unknown = [p for p in self.peers if p not in KNOWN_PEERS]
+        if unknown:
+            raise ValueError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_PEERS)}")
+
+    @property
+    def table_sizes(self) -> tuple[int, ...]:
+        """The sizes of the bandwidth table: ``sizes`` and :data:`REFERENCE_PUT_BYTES`, sorted."""
+        return tuple(sorted({*self.sizes, REFERENCE_PUT_BYTES}))
 
     @property
     def region_bytes(self) -> int:
-        """Size of the target's destination region (and of the local buffers)."""
-        return max(max(self.sizes), self.latency_bytes)
+        """Size of the target's destination region (and of the local buffers): the largest
+        transfer, and never less than :data:`MIN_REGION_BYTES` (the whole batch fits)."""
+        return max(max(self.table_sizes), max(self.latency_sizes), MIN_REGION_BYTES)
 
     def iters_for(self, size: int) -> int:
         """Timed transfers per operation at ``size``."""
@@ -103,13 +129,18 @@ class SizeResult:
 
 @dataclass(frozen=True)
 class LatencyResult:
-    """Latency of small transfers, each awaited before the next."""
+    """Latency of small transfers, each awaited before the next.
 
-    op: str
+    ``variant`` is empty for the plain operation; a peer may add others (NIXL: ``"new handle"``,
+    a transfer handle created and released around every transfer).
+    """
+
+    op: str  # "put" or "get"
     nbytes: int
     iters: int
     median_us: float
     p99_us: float
+    variant: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +155,7 @@ class BatchResult:
 
     @property
     def speedup(self) -> float:
+        """The prepared rate over the single-puts rate."""
         return self.prepared_seg_per_s / self.single_seg_per_s
 
 
@@ -138,9 +170,96 @@ class BackendResult:
     batch: list[BatchResult] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class DescListResult:
+    """A peer library's batch: the same segments as :class:`BatchResult` in one transfer built
+    from one descriptor list (prepared once, posted ``iters`` times)."""
+
+    segments: int
+    segment_bytes: int
+    stride: int
+    iters: int
+    seg_per_s: float  # median of the timed posts
+
+
+@dataclass
+class PeerResult:
+    """Another library measured the same way in the same run (e.g. NIXL), or why it was not.
+
+    ``sizes`` and ``latency`` use the same records as a backend: op ``"put"`` / ``"get"`` are the
+    peer's WRITE / READ with a handle prepared once and posted again for every transfer; latency
+    variant ``"new handle"`` creates (and releases) a handle around every transfer.
+    """
+
+    name: str
+    detail: str = ""  # version and how it was set up
+    unavailable: str | None = None  # None: measured; else why not (not installed, or what failed)
+    sizes: list[SizeResult] = field(default_factory=list)
+    latency: list[LatencyResult] = field(default_factory=list)
+    batch: list[DescListResult] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One figure of a backend of ours next to the same figure of a peer: ``ours / theirs``.
+
+    For rates (GB/s, segments/s) a ratio above 1 means ours is faster; for latencies (us) a ratio
+    below 1 means ours is faster.
+    """
+
+    backend: str
+    peer: str
+    measure: str  # e.g. "put 1 MiB"
+    unit: str  # "GB/s", "segments/s" or "us"
+    ours: float
+    theirs: float
+
+    @property
+    def ratio(self) -> float:
+        """``ours / theirs``."""
+        return self.ours / self.theirs
+
+
+def _put_gbps(sizes: list[SizeResult], size: int) -> float | None:
+    """The put bandwidth measured at ``size``, if any."""
+    return next((s.put_gbps for s in sizes if s.size == size), None)
+
+
+def _put_median_us(latency: list[LatencyResult], nbytes: int) -> float | None:
+    """The median latency of plain puts of ``nbytes``, if measured."""
+    return next((x.median_us for x in latency if (x.op, x.nbytes, x.variant) == ("put", nbytes, "")), None)
+
+
+def ratios(backends: list[BackendResult], peer: PeerResult, config: BenchConfig) -> list[Ratio]:
+    """Each backend's figures over the peer's: batch segments/s, put GB/s at every table size,
+    put median latency at every latency size. Figures either side lacks are left out."""
+    out: list[Ratio] = []
+    if peer.unavailable is not None:
+        return out
+    for b in backends:
+        rows: list[tuple[str, str, float | None, float | None]] = []
+        if b.batch and peer.batch and b.batch[0].segments == peer.batch[0].segments:
+            x, d = b.batch[0], peer.batch[0]
+            label = f"batch {x.segments} x {format_size(x.segment_bytes)}"
+            rows.append((label, "segments/s", x.prepared_seg_per_s, d.seg_per_s))
+        for size in config.table_sizes:
+            rows.append((f"put {format_size(size)}", "GB/s", _put_gbps(b.sizes, size), _put_gbps(peer.sizes, size)))
+        for n in config.latency_sizes:
+            ours, theirs = _put_median_us(b.latency, n), _put_median_us(peer.latency, n)
+            rows.append((f"put {format_size(n)} median latency", "us", ours, theirs))
+        for measure, unit, ours, theirs in rows:
+            if ours is not None and theirs is not None and theirs > 0:
+                out.append(Ratio(b.name, peer.name, measure, unit, ours, theirs))
+    return out
+
+
+def _size_json(s: SizeResult) -> dict[str, Any]:
+    return {**dataclasses.asdict(s), "put_ratio": s.put_ratio, "get_ratio": s.get_ratio}
+
+
 @dataclass
 class BenchReport:
-    """One run: machine facts, the configuration, the memcpy baseline and each backend."""
+    """One run: machine facts, the configuration, the memcpy baseline, each backend and each peer."""
 
     config: BenchConfig
     machine: dict[str, Any]
@@ -148,27 +267,44 @@ class BenchReport:
     backends: list[BackendResult]
     skipped: dict[str, str]
     elapsed_s: float
+    peers: list[PeerResult] = field(default_factory=list)
+
+    def ratios(self) -> list[Ratio]:
+        """Every backend against every measured peer (see :func:`ratios`)."""
+        return [r for p in self.peers for r in ratios(self.backends, p, self.config)]
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict of everything in the report (ratios included)."""
+        """A JSON-ready dict of everything in the report (ratios included).
+
+        Schema 2: ``config.latency_sizes`` (a list) replaced ``config.latency_bytes``; ``peers``
+        and ``ratios`` are new.
+        """
         return {
-            "schema": 1,
+            "schema": 2,
             **self.machine,
             "config": dataclasses.asdict(self.config),
             "memcpy": [{"size": n, "gbps": g} for n, g in sorted(self.memcpy_gbps.items())],
             "backends": {
                 b.name: {
                     "one_sided": b.one_sided,
-                    "sizes": [
-                        {**dataclasses.asdict(s), "put_ratio": s.put_ratio, "get_ratio": s.get_ratio}
-                        for s in b.sizes
-                    ],
+                    "sizes": [_size_json(s) for s in b.sizes],
                     "latency": [dataclasses.asdict(lat) for lat in b.latency],
                     "batch": [{**dataclasses.asdict(x), "speedup": x.speedup} for x in b.batch],
                 }
                 for b in self.backends
             },
             "skipped": dict(self.skipped),
+            "peers": {
+                p.name: {
+                    "detail": p.detail,
+                    "unavailable": p.unavailable,
+                    "sizes": [_size_json(s) for s in p.sizes],
+                    "latency": [dataclasses.asdict(lat) for lat in p.latency],
+                    "batch": [dataclasses.asdict(x) for x in p.batch],
+                }
+                for p in self.peers
+            },
+            "ratios": [{**dataclasses.asdict(r), "ratio": r.ratio} for r in self.ratios()],
             "elapsed_s": self.elapsed_s,
         }
 
@@ -199,8 +335,57 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+_TABLE_HEADER = (
+    f"{'size':>9} | {'put GB/s':>9} | {'get GB/s':>9} | {'memcpy GB/s':>11} | "
+    f"{'put/memcpy':>10} | {'get/memcpy':>10} | {'iters':>5}"
+)
+
+
+def _size_table(sizes: list[SizeResult]) -> list[str]:
+    """The bandwidth table of one backend or peer."""
+    lines = [_TABLE_HEADER, "-" * len(_TABLE_HEADER)]
+    for s in sizes:
+        lines.append(
+            f"{format_size(s.size):>9} | {s.put_gbps:>9.2f} | {s.get_gbps:>9.2f} | {s.memcpy_gbps:>11.2f} | "
+            f"{s.put_ratio:>10.2f} | {s.get_ratio:>10.2f} | {s.iters:>5}"
+        )
+    return lines
+
+
+def _latency_lines(latency: list[LatencyResult]) -> list[str]:
+    return [
+        f"  latency {lat.op} {format_size(lat.nbytes)}{f' ({lat.variant})' if lat.variant else ''}: "
+        f"median {lat.median_us:.1f} us, p99 {lat.p99_us:.1f} us ({lat.iters} {lat.op}s)"
+        for lat in latency
+    ]
+
+
+def _format_figure(value: float, unit: str) -> str:
+    if unit == "segments/s":
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.2f}" if unit == "GB/s" else f"{value:.1f}"
+
+
+def _ratio_table(rows: list[Ratio]) -> list[str]:
+    """``ours / theirs`` per backend and measure."""
+    peer = rows[0].peer
+    header = f"{'backend':<7} | {'measure':<32} | {'unit':<10} | {'transport':>10} | {peer:>10} | {'ratio':>6}"
+    lines = [
+        f"transport / {peer} (rates: above 1 = transport faster; latencies: below 1 = transport faster)",
+        header,
+        "-" * len(header),
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.backend:<7} | {r.measure:<32} | {r.unit:<10} | {_format_figure(r.ours, r.unit):>10} | "
+            f"{_format_figure(r.theirs, r.unit):>10} | {r.ratio:>6.2f}"
+        )
+    return lines
+
+
 def format_report(report: BenchReport) -> str:
-    """Fixed-width tables, one per backend, then latency lines."""
+    """Fixed-width tables, one per backend (then its latency and batch lines), one per peer, and
+    the ratios of ours to each peer's."""
     m = report.machine
     lines = [
         (
@@ -214,23 +399,9 @@ def format_report(report: BenchReport) -> str:
             "large transfers across its lanes (2 worker threads by default), so their ratios to memcpy may exceed 1."
         ),
     ]
-    header = (
-        f"{'size':>9} | {'put GB/s':>9} | {'get GB/s':>9} | {'memcpy GB/s':>11} | "
-        f"{'put/memcpy':>10} | {'get/memcpy':>10} | {'iters':>5}"
-    )
     for b in report.backends:
         kind = "one-sided" if b.one_sided else "served by the target's agent"
-        lines += ["", f"backend {b.name} ({kind})", header, "-" * len(header)]
-        for s in b.sizes:
-            lines.append(
-                f"{format_size(s.size):>9} | {s.put_gbps:>9.2f} | {s.get_gbps:>9.2f} | {s.memcpy_gbps:>11.2f} | "
-                f"{s.put_ratio:>10.2f} | {s.get_ratio:>10.2f} | {s.iters:>5}"
-            )
-        for lat in b.latency:
-            lines.append(
-                f"  latency {lat.op} {lat.nbytes} B: median {lat.median_us:.1f} us, "
-                f"p99 {lat.p99_us:.1f} us ({lat.iters} {lat.op}s)"
-            )
+        lines += ["", f"backend {b.name} ({kind})", *_size_table(b.sizes), *_latency_lines(b.latency)]
         for x in b.batch:
             lines.append(
                 f"  batch of {x.segments} x {format_size(x.segment_bytes)} at a {format_size(x.stride)} stride: "
@@ -239,5 +410,20 @@ def format_report(report: BenchReport) -> str:
             )
     for name, reason in report.skipped.items():
         lines += ["", f"backend {name} skipped: {reason}"]
+    for p in report.peers:
+        if p.unavailable is not None:
+            lines += ["", f"{p.name}: {p.unavailable}"]
+            continue
+        lines += ["", f"peer {p.name} ({p.detail})", *_size_table(p.sizes), *_latency_lines(p.latency)]
+        for d in p.batch:
+            lines.append(
+                f"  batch of {d.segments} x {format_size(d.segment_bytes)} at a {format_size(d.stride)} stride: "
+                f"one transfer from a {d.segments}-entry descriptor list, {d.seg_per_s / 1e3:.1f}k segments/s "
+                f"(prepared once, median of {d.iters} posts)"
+            )
+    for p in report.peers:
+        table = ratios(report.backends, p, report.config)
+        if table:
+            lines += ["", *_ratio_table(table)]
     lines += ["", f"total {report.elapsed_s:.1f} s"]
     return "\n".join(lines)

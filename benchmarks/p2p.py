@@ -2,6 +2,7 @@
 
     python -m transport bench --sizes 1MiB,256MiB        # the library's thin entry to this module
     python -m benchmarks.p2p --backends ipc --json out.json
+    python -m transport bench --peers nixl               # NIXL measured the same way, same run
 
 Layout of one run:
 
@@ -11,10 +12,15 @@ Layout of one run:
   for the exit doorbell: its application code takes no part in any transfer;
 * this process is the **initiator**: under trio, one Transport per backend (``backends=(b,)``)
   puts into and gets from the target's region, one transfer at a time (each awaited before the
-  next), after a warm-up, and reports the median;
+  next), after a warm-up, and reports the median: bandwidth at every size (1 MiB always among
+  them), the latency of small puts and gets (8 B and 4 KiB by default), and a batch of 10,000
+  segments of 4 KiB at an 8 KiB stride as one prepared put (the region is always large enough);
 * in the same run, the **baseline**: a single-threaded native ``memcpy`` (the C library's)
   between two pre-faulted buffers of this process, at the same sizes; tables show backend GB/s /
-  memcpy GB/s.
+  memcpy GB/s;
+* with ``--peers nixl``, after our backends: NIXL (UCX backend, DRAM, its own target process)
+  measured the same way (:mod:`benchmarks._nixl`), and a table of ratios (ours / NIXL). When NIXL
+  is not installed, or fails here, the report says why and the rest of the run stands.
 
 GB/s means 1e9 bytes per second. Nothing here asserts on timings: it measures and reports.
 """
@@ -37,15 +43,22 @@ import torch
 
 import transport
 
+from . import _nixl
 from ._capabilities import available_backends, is_one_sided
 from ._errors import BenchError
 from ._p2p_report import (
+    BATCH_SEGMENT_BYTES,
+    BATCH_SEGMENTS,
+    BATCH_STRIDE,
+    DEFAULT_LATENCY_SIZES,
     DEFAULT_SIZES,
+    KNOWN_PEERS,
     BackendResult,
     BatchResult,
     BenchConfig,
     BenchReport,
     LatencyResult,
+    PeerResult,
     SizeResult,
     format_report,
     machine_info,
@@ -58,7 +71,6 @@ from ._stats import median, percentile
 log = logging.getLogger(__name__)
 
 _LATENCY_WARMUP = 50
-_BATCH_SEGMENTS = 10_000
 _BATCH_ITERS = 5
 _TARGET_START_TIMEOUT_S = 60.0  # the target imports torch and pre-faults the largest region
 
@@ -135,7 +147,9 @@ class _TargetProcess(LoggedProcess):
 def _lifetime_bound(config: BenchConfig) -> float:
     """An upper bound on a whole run (every transfer is bounded by ``config.timeout``), so the
     target exits by itself even if no doorbell ever comes."""
-    per_backend = sum(config.iters_for(n) + config.warmup for n in config.sizes) * 2 + config.latency_iters * 2 + 2
+    per_backend = sum(config.iters_for(n) + config.warmup for n in config.table_sizes) * 2
+    per_backend += len(config.latency_sizes) * 2 * (config.latency_iters + _LATENCY_WARMUP)
+    per_backend += _BATCH_ITERS + 1 + 1 + 2  # the batch: warm-up, timed starts, single puts (one gather)
     return _TARGET_START_TIMEOUT_S + config.timeout * (per_backend * len(config.backends) + 2)
 
 
@@ -188,7 +202,7 @@ async def _measure_backend(
             raise BenchError(f"{name}: {failure}")
 
     result = BackendResult(name, is_one_sided(name))
-    for i, size in enumerate(config.sizes):
+    for i, size in enumerate(config.table_sizes):
         iters = config.iters_for(size)
         value = (7 * i + 3 * len(name) + 11) % 251 + 1  # differs per size: stale bytes would show
         s_view, d_view = src[:size], dst[:size]
@@ -210,17 +224,17 @@ async def _measure_backend(
         log.info("%s %s: put %.2f GB/s, get %.2f GB/s", name, format_size(size), sr.put_gbps, sr.get_gbps)
         result.sizes.append(sr)
 
-    n = config.latency_bytes
-    small_src, small_dst = src[:n], dst[:n]
     warmup = min(_LATENCY_WARMUP, config.latency_iters)
-    for op, call in (
-        ("put", functools.partial(t.put, small_src, TARGET_NAME, key=REGION_KEY)),
-        ("get", functools.partial(t.get, small_dst, TARGET_NAME, key=REGION_KEY)),
-    ):
-        times = await _timed(call, config.latency_iters, warmup)
-        us = [x * 1e6 for x in times]
-        result.latency.append(LatencyResult(op, n, len(us), median(us), percentile(us, 99)))
-    check_target()
+    for n in config.latency_sizes:
+        small_src, small_dst = src[:n], dst[:n]
+        for op, call in (
+            ("put", functools.partial(t.put, small_src, TARGET_NAME, key=REGION_KEY)),
+            ("get", functools.partial(t.get, small_dst, TARGET_NAME, key=REGION_KEY)),
+        ):
+            times = await _timed(call, config.latency_iters, warmup)
+            us = [x * 1e6 for x in times]
+            result.latency.append(LatencyResult(op, n, len(us), median(us), percentile(us, 99)))
+        check_target()
     batch = await _measure_batch(t, config, src)
     if batch is not None:
         result.batch.append(batch)
@@ -229,10 +243,10 @@ async def _measure_backend(
 
 
 async def _measure_batch(t: transport.Transport, config: BenchConfig, src: torch.Tensor) -> BatchResult | None:
-    """Up to 10,000 segments of 4 KiB at an 8 KiB stride (as many as the region holds): one
-    prepared put started ``_BATCH_ITERS`` times, against the same segments as single puts."""
-    size, stride = 4 * 1024, 8 * 1024
-    n = min(_BATCH_SEGMENTS, config.region_bytes // stride, src.numel() // size)
+    """10,000 segments of 4 KiB at an 8 KiB stride (the region always holds them): one prepared
+    put started ``_BATCH_ITERS`` times, against the same segments as single puts."""
+    size, stride = BATCH_SEGMENT_BYTES, BATCH_STRIDE
+    n = min(BATCH_SEGMENTS, (config.region_bytes - size) // stride + 1, src.numel() // size)
     if n < 2:
         return None
     items = [(src[i * size : (i + 1) * size], REGION_KEY, i * stride) for i in range(n)]
@@ -299,13 +313,19 @@ def run(config: BenchConfig) -> BenchReport:
     nbytes = config.region_bytes
     src = _prefaulted(nbytes, 1)
     dst = _prefaulted(nbytes, 2)
-    memcpy_gbps = {n: measure_memcpy(src, dst, n, config.iters_for(n), max(1, config.warmup)) for n in config.sizes}
+    memcpy_gbps = {
+        n: measure_memcpy(src, dst, n, config.iters_for(n), max(1, config.warmup)) for n in config.table_sizes
+    }
 
+    peers: list[PeerResult] = []
     with tempfile.TemporaryDirectory(prefix="transport-bench-") as tmp:
         store_url = f"file://{tmp}/store"
         target = _TargetProcess(store_url, config, backends, Path(tmp) / "target.log")
         initiate = functools.partial(trio.run, _initiate, config, backends, store_url, target, src, dst, memcpy_gbps)
         results = target.supervise(initiate)
+        # After our target has gone (its region freed): each peer with its own target process.
+        if "nixl" in config.peers:
+            peers.append(_nixl.measure(config, src, dst, memcpy_gbps, Path(tmp)))
     return BenchReport(
         config=config,
         machine=machine_info(),
@@ -313,6 +333,7 @@ def run(config: BenchConfig) -> BenchReport:
         backends=results,
         skipped=skipped,
         elapsed_s=time.perf_counter() - started,
+        peers=peers,
     )
 
 
@@ -328,7 +349,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated, in order (default: ipc,ucx,tcp; unavailable ones are skipped)",
     )
     p.add_argument(
-        "--sizes", default=None, help="comma-separated sizes, e.g. 1MiB,64MiB,1GiB (default: 1MiB..1GiB, x4)"
+        "--sizes",
+        default=None,
+        help="comma-separated sizes, e.g. 1MiB,64MiB,1GiB (default: 1MiB..1GiB, x4); 1 MiB is always measured",
     )
     p.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 256MiB")
     p.add_argument(
@@ -338,9 +361,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--latency-iters", type=int, default=1000, help="small transfers timed for latency (default: 1000)"
     )
-    p.add_argument("--latency-size", default="8", help="small transfer size (default: 8 bytes)")
+    p.add_argument(
+        "--latency-size",
+        default=",".join(str(n) for n in DEFAULT_LATENCY_SIZES),
+        help="comma-separated small transfer sizes timed for latency (default: 8,4096 bytes)",
+    )
     p.add_argument(
         "--timeout", type=float, default=120.0, help="seconds bounding each transfer and wait (default: 120)"
+    )
+    p.add_argument(
+        "--peers",
+        default="",
+        help=(
+            f"comma-separated other libraries to measure the same way in the same run ({', '.join(KNOWN_PEERS)}: "
+            "NIXL, UCX backend, DRAM; needs pip install nixl-cu12); the report adds ratios ours / theirs"
+        ),
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write all results as JSON here")
 
@@ -363,8 +398,9 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         iters=args.iters,
         warmup=args.warmup,
         latency_iters=args.latency_iters,
-        latency_bytes=parse_size(args.latency_size),
+        latency_sizes=parse_sizes(args.latency_size),
         timeout=args.timeout,
+        peers=tuple(x.strip() for x in args.peers.split(",") if x.strip()),
     )
 
 

@@ -58,7 +58,10 @@ async def many_in_flight(a: transport.Transport, b: transport.Transport, count: 
     await a.peer("b", regions=["many"])
     srcs = [torch.full((chunk,), i + 1, dtype=torch.int64) for i in range(count)]
     handles = [a.put(s, "b", key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
-    assert sum(not h.done() for h in handles) > 100, "transfers should be in flight concurrently"
+    if a.backends == ("ipc",):  # small host puts on a known route complete inside put() (synchronous path)
+        assert all(h.done() for h in handles), "ipc puts of 32 KiB should have completed synchronously"
+    else:
+        assert sum(not h.done() for h in handles) > 100, "transfers should be in flight concurrently"
     await transport.gather(*handles)
     expected = torch.arange(1, count + 1, dtype=torch.int64).repeat_interleave(chunk)
     assert torch.equal(dst, expected)

@@ -66,8 +66,9 @@ def test_bench_small_run_writes_json(tmp_path: Path) -> None:
         for field in ("put_gbps", "get_gbps", "memcpy_gbps", "put_ratio", "get_ratio"):
             assert row[field] > 0, (name, field)
         assert {lat["op"] for lat in b["latency"]} == {"put", "get"}
+        assert {lat["nbytes"] for lat in b["latency"]} == {8, 4096}
         for lat in b["latency"]:
-            assert lat["nbytes"] == 8 and lat["iters"] > 0
+            assert lat["nbytes"] in (8, 4096) and lat["iters"] > 0
             assert 0 < lat["median_us"] <= lat["p99_us"]
 
 

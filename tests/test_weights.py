@@ -278,7 +278,9 @@ async def test_500_cycles_zero_torn_reads(peers, zero_copy, apply_async):
     assert all(set(r.done) == {"gen-0", "gen-1"} for r in reports), [r.results for r in reports if len(r.done) != 2][:2]
     for name, info in infos.items():
         assert info["torn"] == 0, (name, info)
-        assert info["checks"] > 500 and info["applied"] > 10 and info["monotonic"], info
+        # Enough checks to mean something: how many fit in the 500 publishes depends on how
+        # the 2 cores are shared (the trainer's small buckets now go synchronously).
+        assert info["checks"] > 100 and info["applied"] > 10 and info["monotonic"], info
         assert info["final"] == 500 or info["final"] >= 499, info
         # Bounded staging: two packed slots, nothing that grows with the number of versions.
         assert info["peak_rss_growth"] <= info["staging_bytes"] + info["model_bytes"] + (64 << 20), info

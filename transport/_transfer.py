@@ -85,7 +85,7 @@ class Transfer:
     def _completed(cls, op: TransferOp, peer: str, key: str, nbytes: int, offset: int, backend: str,
                    started: float) -> Transfer:
         """A handle for a transfer that already completed when it was started (the engine's
-        synchronous path for small transfers)."""
+        synchronous path for small transfers); ``started``: its ``time.monotonic()``."""
         x = cls(op, peer, key, nbytes, offset)
         x.backend = backend
         x._started = started

@@ -178,11 +178,11 @@ class TransferEngine:
         seq = backend.live_seq(record)
         if (seq is not None and seq != record.seq) or self._directory.is_lost(record) or self._directory.stale(record):
             return None
-        started = time.time()
+        started, t0 = time.time(), time.monotonic()
         if nbytes and not move(tensor.data_ptr(), offset, nbytes):
             return None
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
-        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, started)
+        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, t0)
 
     def _sync_route(self, op: TransferOp, record: PeerRecord, key: str) -> _SyncRoute:
         region = record.regions.get(key)

@@ -28,7 +28,7 @@ import inspect
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,7 +38,7 @@ from . import PeerLostError, TransferOp, TransportError, TransportInternalError
 from ._conformance import CHECKS, PairFactory, check_backend, pair_factory
 from ._host import host_id, process_alive
 from ._public import rehome
-from ._wire import PeerRecord
+from ._wire import PeerRecord, RegionRecord
 from .backends import (
     Backend,
     BackendContext,
@@ -137,7 +137,9 @@ class FaultyBackend(Backend):
 
     Everything except ``put``/``get``/``move`` is the base backend's own code (this class comes
     first in the method resolution order and delegates with ``super()``; its own helpers have
-    mangled names so that they cannot shadow the base backend's).
+    mangled names so that they cannot shadow the base backend's). Its shortcuts are turned off
+    so that every byte passes a fault: no synchronous path (``mover`` is None), and a prepared
+    transfer's segments go one ``move`` each (the default ``prepare_many`` / ``move_many``).
 
     Attributes:
         faults: the faults this class injects (set by :func:`faulty`).
@@ -151,6 +153,19 @@ class FaultyBackend(Backend):
         """As the base backend's, plus this instance's count of matching calls per fault."""
         super().__init__(ctx)
         self.__calls = [0] * len(self.faults)
+
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
+        """None: every transfer takes ``put``/``get``, where the faults are."""
+        return None
+
+    def prepare_many(self, op: TransferOp,
+                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
+        """The default runner (each segment one ``move``, where the faults are)."""
+        return Backend.prepare_many(self, op, pairs)
+
+    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
+        """The default (each segment one ``move``, where the faults are)."""
+        await Backend.move_many(self, op, pairs)
 
     # A base backend may implement put/get on top of move or the other way round, so the
     # entry points that its own code calls while this class delegates to it pass straight
