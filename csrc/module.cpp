@@ -170,6 +170,23 @@ void bind_ucx(nb::module_& m) {
           },
           nb::arg("lane"), nb::arg("ep"), nb::arg("rkey"), nb::arg("remote"), nb::arg("timeout_ms"),
           "Reads an 8-byte remote word synchronously (bounded); returns (ucs status, value).")
+      .def(
+          "transfer_now",
+          [](ucx::Engine& e, int lane, int op, uint64_t ep, uint64_t rkey, uint64_t local, uint64_t remote,
+             uint64_t nbytes, int timeout_us) {
+            if (op < 0 || op > 1) throw std::invalid_argument("unknown op");
+            uint64_t moved = 0;
+            int status;
+            {
+              nb::gil_scoped_release release;
+              status = e.transfer_now(lane, static_cast<ucx::Op>(op), ep, rkey, local, remote, nbytes, timeout_us,
+                                      &moved);
+            }
+            return std::make_tuple(status, moved);
+          },
+          nb::arg("lane"), nb::arg("op"), nb::arg("ep"), nb::arg("rkey"), nb::arg("local"), nb::arg("remote"),
+          nb::arg("nbytes"), nb::arg("timeout_us"),
+          "Moves bytes synchronously on the lane's thread; returns (ucs status, bytes moved) once the job ended.")
       .def("drain",
            [](ucx::Engine& e) {
              std::vector<std::tuple<uint64_t, int, int, uint64_t>> out;

@@ -51,6 +51,11 @@ class Engine : public CompletionSink {
     return at(lane).read_word(ep, rkey, remote, timeout_ms, value);
   }
 
+  int transfer_now(int lane, Op op, uint64_t ep, uint64_t rkey, uint64_t local, uint64_t remote, uint64_t nbytes,
+                   int timeout_us, uint64_t* moved) {
+    return at(lane).transfer_now(ep, rkey, op, local, remote, nbytes, timeout_us, moved);
+  }
+
   // Finished jobs of every lane since the last call (also clears the eventfd counter).
   std::vector<Completion> drain();
   void report(const Completion& c) override;

@@ -23,6 +23,7 @@ constexpr auto kTeardownGrace = std::chrono::seconds(2);
 // eventfd; the timeouts are only a safety net against a transport that misses an event.
 constexpr int kIdleWaitMs = 1000;
 constexpr int kBusyWaitMs = 100;
+constexpr int kSpinUs = 100;  // a lane (and a caller waiting on it) polls this long before sleeping
 
 [[noreturn]] void throw_status(const Api& api, const std::string& what, ucs_status_t st) {
   throw std::runtime_error(what + " failed: " + api.describe(st));
@@ -132,7 +133,13 @@ void Lane::call(std::function<void()> fn) {
     if (stopping_) throw std::runtime_error("the ucx lane is shut down");
     commands_.push_back({std::move(fn), done});
   }
+  has_commands_.store(true, std::memory_order_release);
   signal_fd(cmd_efd_);
+  // The lane answers small calls within microseconds while it spins (see loop()): poll before
+  // sleeping on the future, whose wake-up costs more than the call.
+  auto spin_until = Clock::now() + std::chrono::microseconds(kSpinUs);
+  while (result.wait_for(std::chrono::seconds(0)) != std::future_status::ready && Clock::now() < spin_until) {
+  }
   result.get();  // rethrows what the command threw
 }
 
@@ -142,6 +149,7 @@ void Lane::post(std::function<void()> fn) {
     if (stopping_) throw std::runtime_error("the ucx lane is shut down");
     commands_.push_back({std::move(fn), nullptr});
   }
+  has_commands_.store(true, std::memory_order_release);
   signal_fd(cmd_efd_);
 }
 
@@ -150,6 +158,7 @@ bool Lane::run_commands() {
   {
     std::lock_guard<std::mutex> lock(cmd_mu_);
     batch.swap(commands_);
+    has_commands_.store(false, std::memory_order_relaxed);
   }
   for (Command& c : batch) {
     try {
@@ -300,6 +309,54 @@ int Lane::read_word(uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms,
   return result;
 }
 
+int Lane::transfer_now(uint64_t ep, uint64_t rkey, Op op, uint64_t local, uint64_t remote, uint64_t nbytes,
+                       int timeout_us, uint64_t* moved) {
+  int result = 0;
+  call([&] {
+    auto e = eps_.find(ep);
+    auto k = rkeys_.find(rkey);
+    if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
+      result = UCS_ERR_NOT_CONNECTED;
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->id = (1ull << 63) | next_internal_++;
+    job->internal = true;
+    job->op = op;
+    job->local = local;
+    job->remote = remote;
+    job->len = nbytes;
+    job->ep = e->second;
+    job->rkey = k->second;
+    ++job->rkey->users;
+    jobs_[job->id] = job;
+    ready_.push_back(job);
+    auto drive_until = [&](Clock::time_point deadline) {
+      while (!job->finished && Clock::now() < deadline) {
+        if (!issue_round()) api_.worker_progress(worker_);
+      }
+    };
+    drive_until(Clock::now() + std::chrono::microseconds(timeout_us));
+    bool late = !job->finished;
+    if (late) {
+      job->cancelled = true;
+      maybe_finish(job);
+      drive_until(Clock::now() + std::chrono::seconds(1));
+    }
+    if (!job->finished) {  // requests still in flight: forcing the endpoint closed ends them
+      close_ep(job->ep, /*force=*/true);
+      drive_until(Clock::now() + std::chrono::seconds(1));
+    }
+    *moved = job->done;
+    if (late || !job->finished) {
+      result = UCS_ERR_TIMED_OUT;
+    } else if (job->result != Status::kOk) {
+      result = job->status != UCS_OK ? job->status : UCS_ERR_CANCELED;
+    }
+  });
+  return result;
+}
+
 void Lane::request_stop() {
   {
     std::lock_guard<std::mutex> lock(cmd_mu_);
@@ -318,6 +375,7 @@ void Lane::stop() {
 // -- the progress thread ---------------------------------------------------------------------
 
 void Lane::loop() {
+  Clock::time_point last_busy{};
   for (;;) {
     bool busy = run_commands();
     {
@@ -327,7 +385,18 @@ void Lane::loop() {
     busy |= issue_round();
     while (api_.worker_progress(worker_) != 0) busy = true;
     if (!closing_.empty()) reap_closing();
-    if (busy) continue;
+    if (busy) {
+      last_busy = Clock::now();
+      continue;
+    }
+    // Spin a little after activity before sleeping: the next small transfer usually follows at
+    // once, and waking a sleeping thread costs more than it does.
+    if (Clock::now() - last_busy < std::chrono::microseconds(kSpinUs)) {
+      while (!has_commands_.load(std::memory_order_acquire) &&
+             Clock::now() - last_busy < std::chrono::microseconds(kSpinUs) && api_.worker_progress(worker_) == 0) {
+      }
+      continue;
+    }
     // Nothing to do until an event: arm the worker's fd and sleep on it and on the commands.
     ucs_status_t st = api_.worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;

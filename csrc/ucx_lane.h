@@ -74,6 +74,14 @@ class Lane {
   // returns 0 and fills `value`, else a ucs status (UCS_ERR_TIMED_OUT on timeout; the read then
   // finishes in the background into memory of its own).
   int read_word(uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms, uint64_t* value);
+  // Moves `nbytes` between local memory and [remote, remote + nbytes) of `rkey`'s region on the
+  // lane's thread, driving the lane right there, and returns once the job has ended: 0 when
+  // every byte is in place (a put: flushed), else a ucs status. Not done within `timeout_us`:
+  // the job is cancelled and still driven until it has ended (after 1 s more, its endpoint is
+  // force-closed, which ends it), and UCS_ERR_TIMED_OUT is returned; either way the local
+  // memory is no longer in use when this returns. `*moved`: bytes of completed chunks.
+  int transfer_now(uint64_t ep, uint64_t rkey, Op op, uint64_t local, uint64_t remote, uint64_t nbytes,
+                   int timeout_us, uint64_t* moved);
   // Asks the thread to stop without waiting (stop() waits).
   void request_stop();
   // Aborts every job, closes every endpoint (bounded wait), destroys the worker and joins the
@@ -119,6 +127,7 @@ class Lane {
   std::mutex cmd_mu_;
   std::deque<Command> commands_;
   bool stopping_ = false;  // guarded by cmd_mu_
+  std::atomic<bool> has_commands_{false};  // commands_ is not empty (read while spinning)
 
   // Progress-thread state (touched only there).
   uint64_t next_id_ = 1;

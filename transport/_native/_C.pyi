@@ -109,6 +109,9 @@ class UcxEngine:
     def submit(self, lane: int, op: int, ep: int, rkey: int, local: int, remote: int, nbytes: int) -> int:
         """Queues a put (op 0) or get (op 1) on `lane`; returns its job id (unique across lanes)."""
     def cancel(self, lane: int, job: int) -> None: ...
+    def transfer_now(self, lane: int, op: int, ep: int, rkey: int, local: int, remote: int, nbytes: int,
+                     timeout_us: int) -> tuple[int, int]:
+        """Moves bytes synchronously on the lane's thread; returns (ucs status, bytes moved) once the job ended."""
     def read_word(self, lane: int, ep: int, rkey: int, remote: int, timeout_ms: int) -> tuple[int, int]:
         """Reads an 8-byte remote word synchronously (bounded); returns (ucs status, value)."""
     def drain(self) -> list[tuple[int, int, int, int]]:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -83,6 +84,7 @@ _UCS_LINK_ERRORS = frozenset({-3, -6, -16, -20, -23, -24, -25, *range(-89, -39)}
 
 # Transfers this large are split across the lanes (page-aligned parts); smaller ones use one.
 _SPLIT_MIN_BYTES = 4 << 20
+_SYNC_WAIT_S = 0.002  # a synchronous (small, same-host) transfer waits this long, then goes asynchronous
 _PAGE = 4096
 # live_seq over UCX (peers on other hosts) blocks the event loop for one small read: bounded,
 # and after a read that did not complete the peer is not read again for a while (a stopped
@@ -403,6 +405,26 @@ class UcxBackend(Backend):
         self._infos = {k: v for k, v in self._infos.items() if k[0] != peer}
 
     # -- data path -------------------------------------------------------------------------
+
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
+        """Same-host peers only (UCX reaches their memory by cma, without their help): one
+        lane issues the transfer and flushes it while the caller waits, at most
+        ``_SYNC_WAIT_S``; past that it is cancelled and the transfer takes the asynchronous
+        path."""
+        if peer.host != self.ctx.host or region.nbytes == 0 or self.unreachable_reason(peer, region,
+                                                                                      MemoryKind.CPU) is not None:
+            return None
+        link = self._link(peer)
+        rkeys, address = self._rkey(link, region)
+        lane = 0
+
+        def move(local: int, offset: int, nbytes: int) -> bool:
+            if link.lost is not None:
+                return False
+            part = UcxPart(lane, link.eps[lane], rkeys[lane], local, address + offset, nbytes)
+            return self._engine.transfer_now(op, part, _SYNC_WAIT_S)
+
+        return move
 
     async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         peer, region = remote.peer, remote.region
