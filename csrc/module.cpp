@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -156,6 +157,20 @@ void bind_ucx(nb::module_& m) {
           },
           nb::arg("lane"), nb::arg("op"), nb::arg("ep"), nb::arg("rkey"), nb::arg("local"), nb::arg("remote"),
           nb::arg("nbytes"))
+      .def(
+          "submit_many",
+          [](ucx::Engine& e, int lane, int op, uint64_t ep, uint64_t rkey, nb::bytes packed) {
+            if (op < 0 || op > 1) throw std::invalid_argument("unknown ucx op");
+            if (packed.size() % sizeof(ucx::Piece) != 0)
+              throw std::invalid_argument("packed pieces must be a whole number of (local, remote, nbytes) u64 triples");
+            std::vector<ucx::Piece> pieces(packed.size() / sizeof(ucx::Piece));
+            std::memcpy(pieces.data(), packed.c_str(), packed.size());
+            pieces.erase(std::remove_if(pieces.begin(), pieces.end(), [](const ucx::Piece& p) { return p.len == 0; }),
+                         pieces.end());
+            return e.submit_many(lane, static_cast<ucx::Op>(op), ep, rkey, std::move(pieces));
+          },
+          nb::arg("lane"), nb::arg("op"), nb::arg("ep"), nb::arg("rkey"), nb::arg("packed"),
+          "Queues many ranges of one region as one job (one completion, one flush); returns its id.")
       .def("cancel", &ucx::Engine::cancel, nb::arg("lane"), nb::arg("job"))
       .def(
           "read_word",

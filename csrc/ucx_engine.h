@@ -46,6 +46,11 @@ class Engine : public CompletionSink {
   void rkey_destroy(int lane, uint64_t rkey) { at(lane).rkey_destroy(rkey); }
   // Queues a transfer on `lane`; returns its id (unique across lanes).
   uint64_t submit(int lane, Op op, uint64_t ep, uint64_t rkey, uint64_t local, uint64_t remote, uint64_t nbytes);
+  uint64_t submit_many(int lane, Op op, uint64_t ep, uint64_t rkey, std::vector<Piece> pieces) {
+    uint64_t id = next_job_++;
+    at(lane).submit_many(id, op, ep, rkey, std::move(pieces));
+    return id;
+  }
   void cancel(int lane, uint64_t job) { at(lane).cancel(job); }
   int read_word(int lane, uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms, uint64_t* value) {
     return at(lane).read_word(ep, rkey, remote, timeout_ms, value);

@@ -58,7 +58,10 @@ struct Lane::Job {
   std::shared_ptr<Ep> ep;
   std::shared_ptr<Rkey> rkey;
   uint64_t local = 0, remote = 0, len = 0;
-  uint64_t next = 0;  // offset of the next chunk to issue
+  std::vector<Piece> pieces;  // a list job (submit_many): its pieces, and where issuing is in them
+  size_t piece = 0;
+  uint64_t piece_off = 0;
+  uint64_t next = 0;  // bytes issued (the offset of the next chunk of a single-range job)
   uint64_t done = 0;  // bytes of completed chunks
   int inflight = 0;   // requests (chunks, flush) not yet completed
   ucs_status_t status = UCS_OK;
@@ -256,6 +259,32 @@ void Lane::submit(uint64_t id, Op op, uint64_t ep, uint64_t rkey, uint64_t local
   });
 }
 
+void Lane::submit_many(uint64_t id, Op op, uint64_t ep, uint64_t rkey, std::vector<Piece> pieces) {
+  post([=, pieces = std::move(pieces)]() mutable {
+    auto job = std::make_shared<Job>();
+    job->id = id;
+    job->op = op;
+    for (const Piece& pc : pieces) job->len += pc.len;
+    job->pieces = std::move(pieces);
+    jobs_[id] = job;
+    auto e = eps_.find(ep);
+    auto k = rkeys_.find(rkey);
+    if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
+      job->status = UCS_ERR_NOT_CONNECTED;  // closed under us (the peer was dropped)
+      complete(job, Status::kFailed);
+      return;
+    }
+    job->ep = e->second;
+    job->rkey = k->second;
+    ++job->rkey->users;
+    if (job->len == 0) {
+      complete(job, Status::kOk);
+      return;
+    }
+    ready_.push_back(job);
+  });
+}
+
 void Lane::cancel(uint64_t id) {
   post([this, id] {
     auto it = jobs_.find(id);
@@ -425,7 +454,11 @@ bool Lane::issue_round() {
       ready_.push_back(std::move(job));
       continue;
     }
-    issue_chunk(job);
+    // Up to about one chunk's worth per round: one chunk of a large range, or many pieces.
+    uint64_t bytes = 0;
+    do {
+      bytes += issue_chunk(job);
+    } while (bytes < chunk_bytes_ && job->can_issue() && job->inflight < window_);
     issued = true;
     if (job->can_issue())
       ready_.push_back(std::move(job));
@@ -435,9 +468,23 @@ bool Lane::issue_round() {
   return issued;
 }
 
-void Lane::issue_chunk(const std::shared_ptr<Job>& job) {
-  uint64_t off = job->next;
-  uint64_t n = std::min(chunk_bytes_, job->len - off);
+uint64_t Lane::issue_chunk(const std::shared_ptr<Job>& job) {
+  uint64_t n, local, remote;
+  if (job->pieces.empty()) {
+    n = std::min(chunk_bytes_, job->len - job->next);
+    local = job->local + job->next;
+    remote = job->remote + job->next;
+  } else {
+    const Piece& pc = job->pieces[job->piece];
+    n = std::min(chunk_bytes_, pc.len - job->piece_off);
+    local = pc.local + job->piece_off;
+    remote = pc.remote + job->piece_off;
+    job->piece_off += n;
+    if (job->piece_off == pc.len) {
+      ++job->piece;
+      job->piece_off = 0;
+    }
+  }
   job->next += n;
   Req* req = new Req{this, job, n, false};
   ucp_request_param_t p{};
@@ -448,15 +495,16 @@ void Lane::issue_chunk(const std::shared_ptr<Job>& job) {
   ++job->inflight;
   ++job->ep->inflight;
   ++inflight_;
-  void* buf = reinterpret_cast<void*>(job->local + off);
-  ucs_status_ptr_t r = job->op == Op::kPut ? api_.put_nbx(job->ep->h, buf, n, job->remote + off, job->rkey->h, &p)
-                                           : api_.get_nbx(job->ep->h, buf, n, job->remote + off, job->rkey->h, &p);
+  void* buf = reinterpret_cast<void*>(local);
+  ucs_status_ptr_t r = job->op == Op::kPut ? api_.put_nbx(job->ep->h, buf, n, remote, job->rkey->h, &p)
+                                           : api_.get_nbx(job->ep->h, buf, n, remote, job->rkey->h, &p);
   // Completed in place (e.g. cma copies synchronously): no callback follows.
   if (r == nullptr) {
     request_done(req, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {
     request_done(req, UCS_PTR_STATUS(r));
   }
+  return n;
 }
 
 void Lane::issue_flush(const std::shared_ptr<Job>& job) {

@@ -31,6 +31,13 @@ namespace transport::ucx {
 enum class Op : int { kPut = 0, kGet = 1 };
 enum class Status : int { kOk = 0, kFailed = 1, kAborted = 2 };  // same values as CopyStatus
 
+// One range of a list job: local and remote addresses, bytes (none of them empty).
+struct Piece {
+  uint64_t local;
+  uint64_t remote;
+  uint64_t len;
+};
+
 struct Completion {
   uint64_t id;
   Status status;
@@ -68,6 +75,8 @@ class Lane {
   // Queues job `id`: `nbytes` between local memory and [remote, remote + nbytes) of the region
   // of `rkey` (unpacked on `ep`). The local memory must stay valid until it is reported.
   void submit(uint64_t id, Op op, uint64_t ep, uint64_t rkey, uint64_t local, uint64_t remote, uint64_t nbytes);
+  // As submit, for many ranges of one region with one completion (and, for a put, one flush).
+  void submit_many(uint64_t id, Op op, uint64_t ep, uint64_t rkey, std::vector<Piece> pieces);
   // Stops issuing the job's chunks; it is reported (aborted) once its requests in flight are done.
   void cancel(uint64_t id);
   // Reads the 8-byte word at `remote` (region of `rkey`) and waits for it, at most `timeout_ms`:
@@ -103,7 +112,7 @@ class Lane {
   void loop();
   bool run_commands();
   bool issue_round();
-  void issue_chunk(const std::shared_ptr<Job>& job);
+  uint64_t issue_chunk(const std::shared_ptr<Job>& job);  // returns the bytes issued
   void issue_flush(const std::shared_ptr<Job>& job);
   static void on_request_done(void* request, ucs_status_t status, void* user_data);
   void request_done(Req* req, ucs_status_t status);

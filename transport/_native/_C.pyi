@@ -109,6 +109,8 @@ class UcxEngine:
     def submit(self, lane: int, op: int, ep: int, rkey: int, local: int, remote: int, nbytes: int) -> int:
         """Queues a put (op 0) or get (op 1) on `lane`; returns its job id (unique across lanes)."""
     def cancel(self, lane: int, job: int) -> None: ...
+    def submit_many(self, lane: int, op: int, ep: int, rkey: int, packed: bytes) -> int:
+        """Queues many ranges of one region as one job (one completion, one flush); returns its id."""
     def transfer_now(self, lane: int, op: int, ep: int, rkey: int, local: int, remote: int, nbytes: int,
                      timeout_us: int) -> tuple[int, int]:
         """Moves bytes synchronously on the lane's thread; returns (ucs status, bytes moved) once the job ended."""

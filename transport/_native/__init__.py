@@ -36,7 +36,7 @@ from .copy import (
     shared_buffer,
 )
 from .probe import IpcProbe, probe_ipc
-from .ucx import UcxEngine, UcxPart, UcxResult
+from .ucx import UcxEngine, UcxList, UcxPart, UcxResult
 
 __all__ = [
     "INLINE_MAX_BYTES",
@@ -48,6 +48,7 @@ __all__ = [
     "PeerMapping",
     "SharedBuffer",
     "UcxEngine",
+    "UcxList",
     "UcxPart",
     "UcxResult",
     "cma_probe",

@@ -101,6 +101,17 @@ _NATIVE_OP = {TransferOp.PUT: 0, TransferOp.GET: 1}
 
 
 @dataclass(frozen=True)
+class UcxList:
+    """Many ranges of one region on one lane: ``packed`` holds (local address, remote address,
+    nbytes) u64 triples (:func:`transport._native.pack_segments`)."""
+
+    lane: int
+    ep: int
+    rkey: int
+    packed: bytes
+
+
+@dataclass(frozen=True)
 class UcxPart:
     """One lane's share of a transfer: ``nbytes`` between local address ``local`` and remote
     address ``remote`` through endpoint ``ep`` and rkey ``rkey`` of ``lane``."""
@@ -323,18 +334,29 @@ class UcxEngine:
             ClosedError: the engine is closed.
             TransportInternalError: the engine refused the parts (a bug).
         """
+        native = _NATIVE_OP[op]
+        return await self._run([(p.lane, functools.partial(self._engine.submit, p.lane, native, p.ep, p.rkey, p.local,
+                                                           p.remote, p.nbytes)) for p in parts], keep)
+
+    async def transfer_many(self, op: TransferOp, lists: Sequence[UcxList], keep: object) -> UcxResult:
+        """As :meth:`transfer`, for lists of ranges: each list is one job on its lane (its
+        ranges issued back to back, one flush), all lists concurrently, one result."""
+        native = _NATIVE_OP[op]
+        return await self._run([(x.lane, functools.partial(self._engine.submit_many, x.lane, native, x.ep, x.rkey,
+                                                           x.packed)) for x in lists], keep)
+
+    async def _run(self, submits: Sequence[tuple[int, Callable[[], int]]], keep: object) -> UcxResult:
         if self._closed:
             raise ClosedError("the ucx engine is closed")
-        pending = _UcxPending(len(parts), keep)
+        pending = _UcxPending(len(submits), keep)
         jobs: list[tuple[int, int]] = []
         try:
-            for part in parts:
-                job = self._engine.submit(part.lane, _NATIVE_OP[op], part.ep, part.rkey, part.local, part.remote,
-                                          part.nbytes)
+            for lane, submit in submits:
+                job = submit()
                 self._pending[job] = pending
-                jobs.append((part.lane, job))
+                jobs.append((lane, job))
         except _UCX_NATIVE_ERRORS as exc:
-            for _ in range(len(parts) - len(jobs)):
+            for _ in range(len(submits) - len(jobs)):
                 pending.add(CopyStatus.ABORTED, 0, 0)
             self._abort(jobs)  # the parts already queued must let go of the memory first
             with anyio.CancelScope(shield=True), anyio.move_on_after(_UCX_ABORT_GRACE_S):

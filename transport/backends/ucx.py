@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -58,8 +58,8 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyKind, CopyStatus, copy_now
-from .._native.ucx import UcxEngine, UcxPart, UcxResult, library
+from .._native import CopyKind, CopyStatus, copy_now, pack_segments
+from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
@@ -442,6 +442,50 @@ class UcxBackend(Backend):
         if result.status == CopyStatus.OK:
             return
         self._raise_for(result, what, link)
+
+    def prepare_many(self, op: TransferOp,
+                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
+        """Per region, the segments become one native list per lane (split by bytes, in order),
+        packed once; each run submits the lists as they are (every segment one ``ucp_put_nbx``
+        / ``ucp_get_nbx``, one flush per list) and awaits one result."""
+        if not pairs:
+            return Backend.prepare_many(self, op, pairs)
+        peer = pairs[0][1].peer
+        what = f"ucx {op.name.lower()} of {len(pairs)} segments to {peer.name}"
+        try:
+            link = self._link(peer)
+            by_region: dict[str, list[tuple[LocalBuffer, RemoteTarget]]] = {}
+            for local, remote in pairs:
+                by_region.setdefault(remote.region.key, []).append((local, remote))
+            lists = []
+            for group in by_region.values():
+                rkeys, address = self._rkey(link, group[0][1].region)
+                lanes = len(link.eps)
+                share = -(-sum(r.nbytes for _, r in group) // lanes)
+                lane, filled, segs = 0, 0, []
+                for local, remote in group:
+                    segs.append((local.address, address + remote.offset, remote.nbytes))
+                    filled += remote.nbytes
+                    if filled >= share and lane < lanes - 1:
+                        lists.append(UcxList(lane, link.eps[lane], rkeys[lane], pack_segments(segs)))
+                        lane, filled, segs = lane + 1, 0, []
+                if segs:
+                    lists.append(UcxList(lane, link.eps[lane], rkeys[lane], pack_segments(segs)))
+        except (TransportInternalError, WireError) as exc:
+            raise TransportInternalError(f"{what}: {exc}") from exc
+        keep = [local for local, _ in pairs]  # the tensors stay referenced until UCX lets go
+
+        async def run() -> None:
+            if link.lost is not None:
+                raise self._lost_error(what, link)
+            result = await self._engine.transfer_many(op, lists, keep=keep)
+            if result.status != CopyStatus.OK:
+                self._raise_for(result, what, link)
+
+        return run
+
+    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
+        await self.prepare_many(op, pairs)()
 
     def _split(self, link: _Link, rkeys: list[int], local: int, remote: int, nbytes: int) -> list[UcxPart]:
         lanes = len(link.eps)
