@@ -54,7 +54,7 @@ async def test_publish_apply_bit_for_bit_with_small_buckets(store, backend):
     src = make_model()
     async with transport.Transport("trainer", store=store, backends=(backend,)) as tt, \
             transport.Transport("gen", store=store, backends=(backend,)) as tg:
-        async with Publisher(tt, src, bucket_bytes=10_000, max_inflight=3) as pub, \
+        async with Publisher(tt, src, bucket_bytes=10_000) as pub, \
                 Subscriber(tg, dst := zeros_like(src), publisher="trainer") as sub:
             assert len(pub.layout.buckets) > 5
             assert sub.apply() is None and sub.version is None

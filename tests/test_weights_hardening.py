@@ -282,3 +282,9 @@ async def test_report_phases_account_for_the_whole_publish(store):
                 assert wall - 0.1 <= report.total_s <= wall, (wall, report.total_s)
                 assert report.seconds == report.total_s and report.snapshot_seconds == report.pack_s
                 assert all(r.seconds <= report.total_s for r in report.results.values())
+
+
+async def test_max_inflight_is_deprecated_and_ignored(memory_store):
+    async with transport.Transport("trainer", store=memory_store, backends=("tcp",)) as t:
+        with pytest.warns(DeprecationWarning, match="max_inflight"):
+            Publisher(t, {"w": torch.zeros(4)}, max_inflight=2)

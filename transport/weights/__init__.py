@@ -15,9 +15,9 @@ How a version travels, and why it is never torn:
   two **snapshot** buffers, guarded by a per-slot generation counter (a seqlock), and publishes
   the layout (names, shapes, dtypes, byte offsets, buckets) as a read-only region.
 * Each subscriber registers two **slots** of the packed size and a small control block. The
-  publisher writes a version into the slot the subscriber is *not* about to read, bucket by
-  bucket (many tensors per transfer, at most ``max_inflight`` transfers in flight per
-  subscriber), and only when every byte is in the subscriber's memory does it write the slot's
+  publisher writes a version into the slot the subscriber is *not* about to read, as one
+  prepared transfer of all its buckets (made when the subscriber is first served, reused every
+  version), and only when every byte is in the subscriber's memory does it write the slot's
   number and the version into the control block (the *front*) and ring a doorbell signal.
 * ``apply()`` (and ``apply_async()``, on a worker thread) announces which slot it is reading in
   the control block, re-checks the front (the classic two-flag handshake, with memory barriers

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,7 @@ from ._report import PublishReport, SyncResult, SyncStatus
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from .. import Peer, Transfer, Transport
+    from .. import Peer, PreparedTransfer, Transfer, Transport
 
 log = logging.getLogger("transport.weights")
 
@@ -61,8 +62,10 @@ class Publisher:
         state: an ``nn.Module`` or a name -> tensor mapping (CPU or CUDA). Tensors are read at each
             publish, so in-place optimizer updates are picked up.
         name: the stream name; subscribers name the same one.
-        bucket_bytes: target size of one transfer (many tensors are packed per bucket).
-        max_inflight: transfers in flight per subscriber.
+        bucket_bytes: target size of one bucket (many small tensors are packed per bucket;
+            buckets inside one large tensor go straight from its memory).
+        max_inflight: deprecated and ignored: a version now goes to each subscriber as one
+            prepared transfer of all its buckets (see :meth:`publish`). Passing it warns.
         deadline: seconds a publish waits for any one subscriber; slower ones are stragglers.
         rename: trainer name -> wire name, or None to leave the tensor out.
         include: keep only tensors for which this returns True (applied before ``rename``).
@@ -70,8 +73,8 @@ class Publisher:
             per-tensor scale (subscribers convert back to their own dtype on apply).
 
     Raises:
-        ValueError: ``max_inflight`` < 1, ``deadline`` not positive, ``bucket_bytes`` not
-            positive, or two tensors map to one wire name.
+        ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive, or two tensors
+            map to one wire name.
         TypeError: a state value is not a tensor.
         TransportError: a tensor is on neither the CPU nor a CUDA device.
     """
@@ -83,20 +86,20 @@ class Publisher:
         *,
         name: str = "policy",
         bucket_bytes: int = 16 << 20,
-        max_inflight: int = 4,
+        max_inflight: int | None = None,
         deadline: float = 30.0,
         rename: Callable[[str], str | None] | None = None,
         include: Callable[[str], bool] | None = None,
         fp8: Callable[[str, torch.Tensor], bool] | None = None,
     ) -> None:
-        if max_inflight < 1:
-            raise ValueError("max_inflight must be >= 1")
+        if max_inflight is not None:
+            warnings.warn("Publisher(max_inflight=...) is ignored: each subscriber gets a version as one prepared "
+                          "transfer of all its buckets", DeprecationWarning, stacklevel=2)
         if not deadline > 0:
             raise ValueError("deadline must be > 0")
         self.t = transport
         self.name = name
         self.deadline = float(deadline)
-        self.max_inflight = max_inflight
         self._keys = StreamKeys.of(name)
         wire: dict[str, torch.Tensor] = {}
         for k, v in tensors_of(state).items():
@@ -120,6 +123,8 @@ class Publisher:
         # and the (name, incarnation)s reported dead, left out of every later publish.
         self._served: dict[str, str] = {}
         self._gone: set[tuple[str, str]] = set()
+        # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
+        self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
 
     @property
     def staging_bytes(self) -> int:
@@ -407,6 +412,19 @@ class Publisher:
         else:
             log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
 
+    def _prepared(self, peer: Peer, slot: int, snap: torch.Tensor) -> PreparedTransfer:
+        """The prepared put of every bucket (from the live tensors, or the snapshot ``snap``)
+        into ``peer``'s slot ``slot``: made once per subscriber incarnation, slot and snapshot."""
+        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr())
+        prepared = self._batches.get(cache_key)
+        if prepared is None:
+            for stale in [c for c in self._batches if c[0] == peer.name and c[1] != peer.incarnation]:
+                del self._batches[stale]  # a restarted subscriber: its old lists go
+            key = self._keys.slots[slot]
+            items = [(self._source(snap, start, end), key, start) for start, end in self.layout.buckets]
+            prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
+        return prepared
+
     def _ring(self, sub: str, incarnation: str, version: int) -> None:
         """Rings the doorbell in the background: a subscriber busy generating acknowledges it
         when it next yields, and nobody waits for that. At most one ring per subscriber is in
@@ -450,15 +468,12 @@ class Publisher:
         while (back := free_slot(ctl, nslots)) is None:  # it is applying or living in them
             await anyio.sleep(POLL_S)
             await t.get(ctl, sub, key=k.ctl)
-        window: list[Transfer] = []
-        for start, end in self.layout.buckets:
-            if len(window) >= self.max_inflight:
-                await window.pop(0)
-            h = t.put(self._source(snap, start, end), sub, key=k.slots[back], offset=start)
-            handles.append(h)
-            window.append(h)
-        for h in window:
-            await h
+        # The whole version as one prepared transfer into that slot: its segment list (coalesced,
+        # checked, and packed into each backend's native list) is built the first time and
+        # reused every later version with this subscriber, slot and snapshot.
+        h = self._prepared(peer, back, snap).start(timeout=self.deadline)
+        handles.append(h)
+        await h
         moved[0] = self.layout.total
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
