@@ -8,11 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._roles import is_transport
+from ._roles import is_transport, is_zero_copy
 
 NORMAL, STRAGGLER = "normal", "straggler"
 TARGET_SPEEDUP = 3.0  # issue 8: best transport backend vs faster broadcast, 1 GiB, K = 2
 TARGET_OTHERS_RATIO = 1.2  # issue 8: others' completion with / without a straggler (transport)
+# Issue 14, on the same (1 GiB, K = 2) point:
+TARGET_COPY_SPEEDUP = 2.0  # the best copy-mode backend vs the faster broadcast
+TARGET_ZERO_COPY_SPEEDUP = 3.5  # the best zero-copy backend vs the faster broadcast
+TARGET_BLOCKED_RATIO = 1.1  # trainer blocked / all generators have the version live (each mode's best backend)
+TARGET_FLOOR_RATIO = 1.3  # the best zero-copy backend / the memory-bandwidth floor
 GiB = 1 << 30
 
 Records = dict[str, dict[str, list[dict[str, Any]]]]  # method -> phase -> one dict per version
@@ -30,6 +35,46 @@ def size_label(n: int) -> str:
 def _median(xs: Iterable[float]) -> float | None:
     xs = list(xs)
     return statistics.median(xs) if xs else None
+
+
+@dataclass(frozen=True)
+class MemcpyRates:
+    """The same-run memory-bandwidth baseline: a native ``memcpy`` between two pre-faulted buffers
+    of the benchmark's parent process, by one thread and by two threads (each copies one half).
+
+    The floor of a weight sync is ``K × model bytes ÷ the 2-thread rate``: every byte of the model
+    written once into each of K generators' memory, at the rate two copying threads reach here.
+    """
+
+    buffer_bytes: int
+    repetitions: int  # timed copies per thread count (after one untimed copy each)
+    copier: str  # which memcpy was timed
+    one_thread_s: float  # median seconds to copy the buffer with one thread
+    two_thread_s: float  # median seconds with two threads, each copying half
+
+    @property
+    def one_thread_gbps(self) -> float:
+        return self.buffer_bytes / self.one_thread_s / 1e9
+
+    @property
+    def two_thread_gbps(self) -> float:
+        return self.buffer_bytes / self.two_thread_s / 1e9
+
+    def floor_s(self, nbytes: int) -> float:
+        """Seconds to write ``nbytes`` at the 2-thread memcpy rate."""
+        return nbytes / (self.two_thread_gbps * 1e9)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "buffer_bytes": self.buffer_bytes, "repetitions": self.repetitions, "copier": self.copier,
+            "one_thread_s": self.one_thread_s, "two_thread_s": self.two_thread_s,
+            "one_thread_gbps": self.one_thread_gbps, "two_thread_gbps": self.two_thread_gbps,
+        }
+
+    def describe(self) -> str:
+        return (f"memcpy ({self.copier}, a pre-faulted {size_label(self.buffer_bytes)} buffer into another, "
+                f"median of {self.repetitions}): 1 thread {self.one_thread_gbps:.2f} GB/s, "
+                f"2 threads (each copies half) {self.two_thread_gbps:.2f} GB/s")
 
 
 @dataclass
@@ -128,8 +173,10 @@ def phase_stats(records: Sequence[dict[str, Any]], straggler: str | None) -> dic
     return out
 
 
-def summary_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
-    """One row per (size, K, method) with the medians and the ratios the issue asks for."""
+def summary_rows(groups: Sequence[GroupResult], memcpy: MemcpyRates | None = None) -> list[dict[str, Any]]:
+    """One row per (size, K, method) with the medians and the ratios the issues ask for; with
+    ``memcpy``, also the memory-bandwidth floor (``floor_s`` = K × model bytes ÷ the 2-thread
+    memcpy rate) and ``vs_floor`` = ``complete_s`` ÷ ``floor_s``."""
     rows = []
     for g in groups:
         if g.skipped:
@@ -153,7 +200,13 @@ def summary_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
                 "straggler_s": strag.get("straggler_s"), "blocked_straggler_s": strag.get("blocked_s"),
                 "snapshot_s": normal.get("snapshot_s"), "data_complete_s": normal.get("data_complete_s"),
                 "verified": g.verified.get(m),
+                "model_bytes": g.model.get("nbytes", g.size),
+                "blocked_ratio": normal["blocked_s"] / normal["complete_s"] if normal["complete_s"] else None,
+                "floor_s": None, "vs_floor": None,
             }
+            if memcpy is not None:
+                row["floor_s"] = memcpy.floor_s(g.k * row["model_bytes"])
+                row["vs_floor"] = normal["complete_s"] / row["floor_s"]
             if row["others_s"] and row["others_straggler_s"] is not None:
                 row["others_ratio"] = row["others_straggler_s"] / row["others_s"]
                 row["others_delay_s"] = row["others_straggler_s"] - row["others_s"]
@@ -210,6 +263,63 @@ def targets(rows: Sequence[dict[str, Any]], delay: float, size: int = GiB, k: in
     return out
 
 
+def _best(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    return min(rows, key=lambda r: r["complete_s"], default=None)
+
+
+def issue14_targets(rows: Sequence[dict[str, Any]], memcpy_gbps: float | None, size: int = GiB,
+                    k: int = 2) -> dict[str, Any]:
+    """Issue 14's acceptance numbers on the (``size``, ``k``) point, for each apply mode's best
+    backend (the least ``complete_s``): copy mode ≥ 2× and zero-copy ≥ 3.5× the faster broadcast,
+    the trainer blocked ≤ 1.1× the time until every generator has the version live, zero-copy
+    within 1.3× of the memory-bandwidth floor.
+
+    Args:
+        rows: :func:`summary_rows` (with the floor, for the floor target).
+        memcpy_gbps: the 2-thread memcpy rate the floor was computed from (for the record).
+        size: the requested state-dict size of the point.
+        k: the number of generators of the point.
+
+    Returns:
+        ``{"measured": False, "note": ...}`` without transport rows at the point; else one entry per
+        target (None where the run lacks what it needs, e.g. no broadcast baseline or no zero-copy).
+    """
+    here = [r for r in rows if r["size"] == size and r["k"] == k]
+    tr = [r for r in here if is_transport(r["method"])]
+    if not tr:
+        return {"measured": False, "note": f"the run has no {size_label(size)}, K={k} point with transport"}
+    bcast = _best(r for r in here if not is_transport(r["method"]))
+    best = {"copy": _best(r for r in tr if not is_zero_copy(r["method"])),
+            "zero-copy": _best(r for r in tr if is_zero_copy(r["method"]))}
+
+    def speedup(mode: str, target: float) -> dict[str, Any] | None:
+        r = best[mode]
+        if r is None or bcast is None:
+            return None
+        value = bcast["complete_s"] / r["complete_s"]
+        return {"method": r["method"], "complete_s": r["complete_s"], "broadcast": bcast["method"],
+                "broadcast_s": bcast["complete_s"], "value": value, "target": target, "holds": value >= target}
+
+    blocked = {mode: {"method": r["method"], "blocked_s": r["blocked_s"], "complete_s": r["complete_s"],
+                      "value": r["blocked_ratio"], "target": TARGET_BLOCKED_RATIO,
+                      "holds": r["blocked_ratio"] <= TARGET_BLOCKED_RATIO}
+               for mode, r in best.items() if r is not None and r.get("blocked_ratio") is not None}
+    zc = best["zero-copy"]
+    floor = None
+    if zc is not None and zc.get("vs_floor") is not None and memcpy_gbps is not None:
+        floor = {"method": zc["method"], "complete_s": zc["complete_s"], "floor_s": zc["floor_s"],
+                 "model_bytes": zc["model_bytes"], "memcpy_two_thread_gbps": memcpy_gbps,
+                 "value": zc["vs_floor"], "target": TARGET_FLOOR_RATIO, "holds": zc["vs_floor"] <= TARGET_FLOOR_RATIO}
+    return {
+        "measured": True, "size_label": size_label(size), "k": k,
+        "copy_speedup": speedup("copy", TARGET_COPY_SPEEDUP),
+        "zero_copy_speedup": speedup("zero-copy", TARGET_ZERO_COPY_SPEEDUP),
+        "blocked": blocked,
+        "blocked_ratio_by_method": {r["method"]: r["blocked_ratio"] for r in tr},
+        "zero_copy_floor": floor,
+    }
+
+
 # -- text -------------------------------------------------------------------------------------------
 
 
@@ -244,26 +354,31 @@ def speedup_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Where transport's time goes: snapshot packing, data in the generators' slots, applied."""
+    """Where transport's time goes: snapshot packing, data in the generators' slots, applied; the
+    trainer's blocked time and its ratio to all applied; the memory-bandwidth floor and the ratio."""
     lines = [
-        "| size | K | method | snapshot (s) | data in all slots (s) | all applied (s) | trainer blocked (s) |",
-        "|" + " --- |" * 7,
+        "| size | K | method | snapshot (s) | data in all slots (s) | all applied (s) | trainer blocked (s) "
+        "| blocked ÷ applied | floor (s) | ÷ floor |",
+        "|" + " --- |" * 10,
     ]
     for r in rows:
         if r.get("snapshot_s") is None:
             continue
         lines.append(
             f"| {r['size_label']} | {r['k']} | {r['method']} | {_f(r['snapshot_s'])} | {_f(r['data_complete_s'])} "
-            f"| {_f(r['complete_s'])} | {_f(r['blocked_s'])} |"
+            f"| {_f(r['complete_s'])} | {_f(r['blocked_s'])} | {_x(r.get('blocked_ratio'))} "
+            f"| {_f(r.get('floor_s'))} | {_x(r.get('vs_floor'))} |"
         )
     return "\n".join(lines)
 
 
 def targets_text(t: dict[str, Any]) -> str:
+    """Issue 8's target lines (Target 1, 2a, 2b)."""
     if not t.get("measured"):
-        return f"Targets: not checked ({t.get('note')})."
+        return f"Issue 8 targets: not checked ({t.get('note')})."
     s = t["speedup"]
     lines = [
+        "Issue 8 targets:",
         (
             f"Target 1 ({t['size_label']}, K={t['k']}): {s['transport']} {s['transport_s']:.3f} s vs {s['broadcast']} "
             f"{s['broadcast_s']:.3f} s = {s['value']:.2f}× faster (target ≥ {s['target']:g}×): "
@@ -286,6 +401,42 @@ def targets_text(t: dict[str, Any]) -> str:
             for m, v in st["broadcast"].items()
         )
         lines.append(f"Target 2b: the others' completion under broadcast grows by at least the delay: {bc}")
+    return "\n".join(lines)
+
+
+def _verdict(holds: bool) -> str:
+    return "HOLDS" if holds else "MISSED"
+
+
+def issue14_text(t: dict[str, Any]) -> str:
+    """Issue 14's target lines, from :func:`issue14_targets`."""
+    if not t.get("measured"):
+        return f"Issue 14 targets: not checked ({t.get('note')})."
+    lines = [f"Issue 14 targets ({t['size_label']}, K={t['k']}):"]
+    for key, mode in (("copy_speedup", "copy mode"), ("zero_copy_speedup", "zero-copy")):
+        s = t[key]
+        if s is None:
+            lines.append(f"- {mode} vs faster broadcast: not measured (the point lacks {mode} or a broadcast)")
+            continue
+        lines.append(f"- {mode} ({s['method']}) vs faster broadcast ({s['broadcast']}): {s['complete_s']:.3f} s vs "
+                     f"{s['broadcast_s']:.3f} s = {s['value']:.2f}× (target ≥ {s['target']:g}×): "
+                     f"{_verdict(s['holds'])}")
+    for mode in ("copy", "zero-copy"):
+        b = t["blocked"].get(mode)
+        if b is None:
+            lines.append(f"- trainer blocked ÷ all generators have it live, {mode}: not measured")
+            continue
+        lines.append(f"- trainer blocked ÷ all generators have it live, {mode} ({b['method']}): {b['blocked_s']:.3f} s "
+                     f"÷ {b['complete_s']:.3f} s = {b['value']:.2f}× (target ≤ {b['target']:g}×): "
+                     f"{_verdict(b['holds'])}")
+    f = t["zero_copy_floor"]
+    if f is None:
+        lines.append(f"- zero-copy within {TARGET_FLOOR_RATIO:g}× of the floor: not measured")
+    else:
+        lines.append(f"- zero-copy within {f['target']:g}× of the floor ({f['method']}): {f['complete_s']:.3f} s ÷ "
+                     f"floor {f['floor_s']:.3f} s (K={t['k']} × {f['model_bytes'] / GiB:.3f} GiB ÷ "
+                     f"{f['memcpy_two_thread_gbps']:.2f} GB/s) = {f['value']:.2f}× (target ≤ {f['target']:g}×): "
+                     f"{_verdict(f['holds'])}")
     return "\n".join(lines)
 
 

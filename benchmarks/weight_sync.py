@@ -17,9 +17,14 @@ One trainer process syncs a Llama-shaped bf16 state dict (random values; see
 
 Per version (median over ``--versions`` timed versions after ``--warmup`` untimed ones) it
 records when each generator has the version live in its tensors, measured from the trainer's
-start timestamp, and how long the trainer is blocked. Then ``--straggler-versions`` more
+start timestamp, and how long the trainer is blocked (and the ratio of the two). Then ``--straggler-versions`` more
 versions with the last generator delayed ``--straggler-delay`` seconds (it blocks in
 ``time.sleep`` right after the handshake), to show how much each method delays the *others*.
+
+Before the points, the parent process measures the memory-bandwidth baseline once: a native
+``memcpy`` of a pre-faulted ``--memcpy-mib`` buffer into another, by one thread and by two
+threads that each copy half (median of ``--memcpy-repetitions``). A point's *floor* is
+K × model bytes ÷ the 2-thread rate; each method's time is reported against it ("÷ floor").
 
 Each (size, K) point runs in fresh processes (joined with a timeout, killed on failure); a point
 whose processes would not fit in this machine's available memory is skipped with the reason.
@@ -31,6 +36,7 @@ asserted.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import multiprocessing
@@ -39,11 +45,13 @@ import platform
 import queue as queue_mod
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +60,7 @@ from . import _capabilities, _report
 from ._broadcast import Baseline
 from ._models import llama_like
 from ._progress import Progress
-from ._report import GroupResult, size_label
+from ._report import GroupResult, MemcpyRates, size_label
 from ._roles import (
     GroupSpec,
     Role,
@@ -108,6 +116,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="bound on every wait inside a group (seconds, default 120)")
     p.add_argument("--group-timeout", type=float, default=900.0,
                    help="bound on one (size, K) group (seconds, default 900)")
+    p.add_argument("--memcpy-mib", type=float, default=512.0,
+                   help="buffer of the memcpy baseline that sets the floor (MiB, default 512)")
+    p.add_argument("--memcpy-repetitions", type=int, default=5,
+                   help="timed copies per thread count of the memcpy baseline (default 5; the median counts)")
     p.add_argument("--quick", action="store_true",
                    help="a fast run: sizes 16MiB,64MiB, K 1,2, 3 versions, 0.5 s straggler")
     p.add_argument("--json", type=Path, default=None, help="write every measurement and the summary here")
@@ -135,6 +147,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--sizes and --ks need at least one value; K >= 1")
     if a.versions < 1 or a.straggler_versions < 0 or a.warmup < 0 or a.straggler_delay < 0:
         p.error("--versions >= 1, --straggler-versions >= 0, --warmup >= 0, --straggler-delay >= 0")
+    a.memcpy_bytes = int(a.memcpy_mib * MiB) // 2 * 2  # two equal halves
+    if a.memcpy_bytes < 2 or a.memcpy_repetitions < 1:
+        p.error("--memcpy-mib > 0 and --memcpy-repetitions >= 1")
     names = {"param": Baseline.PER_PARAM, "bucketed": Baseline.BUCKETED}
     base = [] if a.baselines.strip() == "none" else _csv(a.baselines)
     if any(b not in names for b in base):
@@ -259,6 +274,67 @@ def available_backends(names: Sequence[str]) -> tuple[list[str], list[str]]:
     return ok, why
 
 
+# -- the memory-bandwidth floor -------------------------------------------------------------------
+
+
+def _memcpy() -> tuple[Callable[[int, int, int], object], str]:
+    """A native single-threaded ``memcpy(dst, src, nbytes)`` that releases the GIL (so threads
+    calling it copy in parallel), and its name: the extension's, else the C library's."""
+    from transport import TransportInternalError
+    from transport._native import load
+
+    try:
+        return load().memcpy, "transport._C.memcpy"
+    except TransportInternalError as exc:
+        print(f"weight_sync: timing the C library's memcpy instead of the extension's ({exc})", file=sys.stderr)
+    fn = ctypes.CDLL(None).memcpy  # ctypes releases the GIL around the call
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    fn.restype = None
+    return fn, "libc memcpy (ctypes)"
+
+
+def measure_memcpy(nbytes: int, repetitions: int) -> MemcpyRates:
+    """Times a copy of a pre-faulted ``nbytes`` buffer into another in this process, with one
+    thread and with two threads that each copy one half, alternating, after one untimed copy of
+    each; the medians of ``repetitions`` copies count. The buffers are freed before it returns.
+
+    Args:
+        nbytes: bytes per copy (even).
+        repetitions: timed copies per thread count.
+
+    Returns:
+        The median seconds of each, and the rates they give.
+    """
+    import torch
+
+    copy, copier = _memcpy()
+    half = nbytes // 2
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # every page touched: no fault is timed
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    s, d = src.data_ptr(), dst.data_ptr()
+    times: dict[int, list[float]] = {1: [], 2: []}
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="memcpy") as helper:
+
+            def one() -> None:
+                copy(d, s, nbytes)
+
+            def two() -> None:  # this thread copies the first half while the helper copies the second
+                second = helper.submit(copy, d + half, s + half, nbytes - half)
+                copy(d, s, half)
+                second.result()
+
+            for i in range(repetitions + 1):
+                for threads, run in ((1, one), (2, two)):
+                    t0 = time.perf_counter()
+                    run()
+                    if i:  # the first round is the untimed one
+                        times[threads].append(time.perf_counter() - t0)
+    finally:
+        del src, dst
+    return MemcpyRates(nbytes, repetitions, copier, statistics.median(times[1]), statistics.median(times[2]))
+
+
 # -- one group -------------------------------------------------------------------------------------
 
 
@@ -345,11 +421,16 @@ def command_line(argv: Sequence[str] | None) -> str:
     return "python -m benchmarks.weight_sync" + ("" if not args else " " + shlex.join(args))
 
 
-def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Sequence[str]) -> tuple[str, dict[str, Any]]:
+def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Sequence[str],
+           memcpy: MemcpyRates) -> tuple[str, dict[str, Any]]:
     """(the text report, its JSON summary)."""
-    rows = _report.summary_rows(groups)
+    rows = _report.summary_rows(groups, memcpy)
     tg = _report.targets(rows, args.straggler_delay)
+    t14 = _report.issue14_targets(rows, memcpy.two_thread_gbps)
     parts = [
+        (f"Memory-bandwidth baseline, this run, in the benchmark's parent process before the points: "
+         f"{memcpy.describe()}. Floor of a point = K × model bytes ÷ the 2-thread rate."),
+        "",
         ("Medians in seconds, from the trainer's start timestamp of a version until the generator has it live in "
          "its tensors (transport: `await sub.wait_version(v)` returned, i.e. applied; broadcast: its last "
          "broadcast/unpack returned). \"all have it\" = the slowest generator; \"trainer blocked\" = `publish()` / the "
@@ -364,15 +445,20 @@ def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Seque
         _report.speedup_table(rows),
         "",
         ("Where transport's time goes (medians: snapshot packing in `publish`, every byte in every generator's "
-         "slot per the publisher's report, every generator applied, trainer blocked):"),
+         "slot per the publisher's report, every generator applied, trainer blocked; \"blocked ÷ applied\" = "
+         "trainer blocked ÷ all applied; \"floor\" = K × model bytes ÷ the 2-thread memcpy rate above, "
+         "\"÷ floor\" = all applied ÷ floor):"),
         "",
         _report.breakdown_table(rows),
+        "",
+        _report.issue14_text(t14),
         "",
         _report.targets_text(tg),
     ]
     for n in notes:
         parts += ["", f"Note: {n}"]
-    summary = {"rows": rows, "speedups": _report.speedups(rows), "targets": tg}
+    summary = {"memcpy": memcpy.to_json(), "rows": rows, "speedups": _report.speedups(rows), "targets": tg,
+               "issue14_targets": t14}
     return "\n".join(parts), summary
 
 
@@ -385,7 +471,8 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
             "config": {"sizes": args.size_list, "ks": args.k_list, "methods": args.methods, "versions": args.versions,
                        "straggler_versions": args.straggler_versions, "warmup": args.warmup,
                        "straggler_delay_s": args.straggler_delay, "bucket_bytes": int(args.bucket_mib * MiB),
-                       "timeout_s": args.timeout},
+                       "timeout_s": args.timeout, "memcpy_bytes": args.memcpy_bytes,
+                       "memcpy_repetitions": args.memcpy_repetitions},
             "notes": list(notes), "summary": summary, "groups": [g.to_json() for g in groups],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -467,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"sizes {', '.join(size_label(s) for s in args.size_list)}; K {', '.join(map(str, args.k_list))}; "
           f"methods {', '.join(methods)}; {args.versions} timed versions (+{args.warmup} warm-up), "
           f"{args.straggler_versions} with a {args.straggler_delay:g} s straggler", flush=True)
+    memcpy = measure_memcpy(args.memcpy_bytes, args.memcpy_repetitions)  # before the points: none is running
+    print(f"weight_sync: {memcpy.describe()}", flush=True)
 
     plan: list[tuple[int, GroupSpec]] = []
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
@@ -511,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes.append(f"other processes on this machine used {load['other_cpu_s']:g} CPU-seconds during the run "
                  f"(on average {load['other_cores_avg']:g} of {info['nproc']} cores, {100 * load['other_share']:.0f}%)"
                  + ("; the timings are disturbed: rerun on a quiet machine" if load["other_share"] > 0.05 else ""))
-    text, summary = render(groups, args, notes)
+    text, summary = render(groups, args, notes, memcpy)
     print()
     print(text)
     for path in write_outputs(text, summary, groups, args, info, cmd, started, wall_s, notes):

@@ -3,9 +3,10 @@
 Both sides publish a small control block (``int64[CTL_WORDS]``) next to their data:
 
 * the publisher's (``pubctl``, read-only to peers): ``FRONT`` (its newest complete snapshot),
-  ``LAYOUT_ID``, and one generation counter per snapshot at ``GEN0 + slot``: odd while the
-  snapshot is being written, so a one-sided reader (``pull``) keeps a copy only if the counter
-  was even and did not move during its read (a seqlock);
+  ``LAYOUT_ID``, ``FILLING`` (a newer version whose snapshot is still being filled) and one
+  generation counter per snapshot at ``GEN0 + slot``: odd while the snapshot is being written,
+  so a one-sided reader (``pull``) keeps a copy only if the counter was even and did not move
+  during its read (a seqlock);
 * each subscriber's (``ctl``, written by the publisher): ``FRONT`` (its newest complete slot),
   ``READING`` (the slot being read: copy mode while applying, zero-copy mode the slot the model
   lives in), ``APPLIED``, ``LAYOUT_ID`` and ``TRYING`` (the slot a zero-copy apply is claiming).
@@ -31,7 +32,10 @@ if TYPE_CHECKING:
 
 # Word indices. Subscriber control block:
 FRONT, READING, APPLIED, LAYOUT_ID, TRYING = 0, 1, 2, 3, 4
-# Publisher control block: FRONT, LAYOUT_ID, and the generation of snapshot s at GEN0 + s.
+# Publisher control block: FRONT, LAYOUT_ID, the generation of snapshot s at GEN0 + s, and
+# FILLING: a version whose snapshot is being filled in the background (0: none), which a
+# puller waits for rather than taking the older FRONT.
+FILLING = 1
 GEN0 = 4
 CTL_WORDS = 8
 POLL_S = 0.002  # how often a waiting side re-reads the other's control block

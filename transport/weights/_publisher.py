@@ -23,6 +23,7 @@ from .. import _kernels
 from .._errors import PeerLostError, TransportError
 from ._control import (
     CTL_WORDS,
+    FILLING,
     FRONT,
     GEN0,
     LAYOUT_ID,
@@ -125,6 +126,8 @@ class Publisher:
         self._gone: set[tuple[str, str]] = set()
         # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
+        self._landed: dict[str, int] = {}  # subscriber -> the slot its last complete version went to
+        self._filled: anyio.Event | None = None  # set when the last background snapshot fill ended
 
     @property
     def staging_bytes(self) -> int:
@@ -358,6 +361,7 @@ class Publisher:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must grow: {version} after {self.version}")
         async with self._lock:
+            await self._fill_settled()
             t0 = time.perf_counter()
             front = decode_front(int(self._ctl[FRONT]))
             slot = 0 if front is None else 1 - front[1]
@@ -377,16 +381,70 @@ class Publisher:
                 for peer in subs.values():
                     tg.start_soon(self._push, peer, version, self._snaps[slot], t0, results)
             t_pushed = time.perf_counter()
-            await anyio.to_thread.run_sync(self._fill_direct, slot)
-            memory_barrier()
-            self._ctl[gen] += 1  # even: stable
-            self._ctl[FRONT] = encode_front(version, slot)
+            source = next((subs[n] for n, r in results.items() if r.status == SyncStatus.DONE and n in subs), None)
+            if source is not None and self._direct and self._rings is not None:
+                # The rest of the snapshot comes from a subscriber's slot that holds this version
+                # (no one writes it before our next publish), in the background: the live
+                # tensors are free now.
+                self._ctl[FILLING] = version
+                self._filled = anyio.Event()
+                self._rings.start_soon(self._fill_from, source, self._landed[source.name], slot, version,
+                                       self._filled)
+            else:
+                await anyio.to_thread.run_sync(self._fill_direct, slot)
+                self._finish_snapshot(slot, version, True)
             self.version = version
             self._remember(subs, listed, dead)
             end = time.perf_counter()
             return PublishReport(version, results, left, queued_s=t0 - entry, pack_s=t_packed - t0,
                                  discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
                                  total_s=end - entry)
+
+    def _finish_snapshot(self, slot: int, version: int, complete: bool) -> None:
+        """Ends the write of snapshot ``slot``: its generation even again, and, when it holds
+        all of ``version``, the front for pullers."""
+        memory_barrier()
+        self._ctl[GEN0 + slot] += 1  # even: stable
+        if complete:
+            self._ctl[FRONT] = encode_front(version, slot)
+        self._ctl[FILLING] = 0
+
+    async def _fill_from(self, peer: Peer, sub_slot: int, slot: int, version: int, filled: anyio.Event) -> None:
+        """Copies the buckets that went straight from the live tensors from ``peer``'s slot
+        ``sub_slot`` (which holds ``version``) into snapshot ``slot``, then publishes it. On
+        failure (the subscriber died meanwhile, the deadline) the snapshot is not published:
+        pullers keep getting the previous version. Cancelled by ``aclose``."""
+        complete = False
+        try:
+            with anyio.move_on_after(self.deadline):
+                await self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
+                complete = True
+            if not complete:
+                log.warning("publisher %s: the snapshot of version %d was not filled from %s within %gs; "
+                            "pull() serves the previous version", self.t.name, version, peer.name, self.deadline)
+        except TransportError as exc:
+            log.warning("publisher %s: the snapshot of version %d could not be filled from %s (%s); pull() "
+                        "serves the previous version", self.t.name, version, peer.name, exc)
+        finally:
+            self._finish_snapshot(slot, version, complete)
+            filled.set()
+
+    async def _fill_settled(self) -> None:
+        """Waits for the previous publish's background snapshot fill (it writes the snapshot
+        this publish would otherwise pick)."""
+        if self._filled is not None:
+            await self._filled.wait()  # bounded: the fill gives up at its deadline
+
+    def _pulled(self, peer: Peer, sub_slot: int, slot: int) -> PreparedTransfer:
+        """The prepared get of the direct buckets from ``peer``'s slot ``sub_slot`` into
+        snapshot ``slot`` (made once per subscriber incarnation and slot pair)."""
+        cache_key = (peer.name, peer.incarnation, sub_slot, -1 - slot)  # negative: not a snapshot address
+        prepared = self._batches.get(cache_key)
+        if prepared is None:
+            snap, key = self._snaps[slot], self._keys.slots[sub_slot]
+            items = [(snap[start:end], key, start) for start, end in self._direct]
+            prepared = self._batches[cache_key] = self.t.prepare_get(peer.name, items)
+        return prepared
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
                     results: dict[str, SyncResult]) -> None:
@@ -475,6 +533,7 @@ class Publisher:
         handles.append(h)
         await h
         moved[0] = self.layout.total
+        self._landed[sub] = back
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
         await t.put(front, sub, key=k.ctl, offset=FRONT * 8)

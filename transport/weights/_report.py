@@ -47,15 +47,18 @@ class PublishReport:
         version: the version published.
         results: subscriber name -> :class:`SyncResult`.
         left: subscribers that left since an earlier publish served them (sorted).
-        queued_s: waiting for an earlier ``publish`` of this publisher still running.
+        queued_s: waiting for an earlier ``publish`` of this publisher still running, and for
+            its background snapshot copy.
         pack_s: packing what cannot go straight from the live tensors (buckets of several small
             tensors, fp8) into the snapshot.
         discover_s: finding the current subscribers in the rendezvous store.
         push_s: pushing the version to every subscriber, until the last one was complete,
             failed or hit the deadline.
-        snapshot_s: copying the rest of the live tensors into the snapshot that ``pull()``
-            reads, and publishing it (the live tensors may change once ``publish`` returns, so
-            this copy cannot be left for later).
+        snapshot_s: completing the snapshot that ``pull()`` reads. When a subscriber got the
+            version, the rest of the snapshot is copied from its slot in the background (the
+            live tensors may change once ``publish`` returns; that slot does not change before
+            the next publish, which waits for the copy, as ``queued_s``): then this is only
+            its start. Otherwise the copy from the live tensors, here.
         total_s: the whole call.
     """
 

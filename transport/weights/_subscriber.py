@@ -28,6 +28,7 @@ from .._tensors import dtype_from_name, dtype_name
 from ._control import (
     APPLIED,
     CTL_WORDS,
+    FILLING,
     FRONT,
     GEN0,
     LAYOUT_ID,
@@ -516,8 +517,12 @@ class Subscriber:
                 if front is None:
                     return self._applied
                 version, slot = front
-                if self._applied is not None and version <= self._applied:
+                filling = int(ctl[FILLING])  # a newer version whose snapshot is still being filled
+                if self._applied is not None and max(version, filling) <= self._applied:
                     return self._applied
+                if filling > version:  # wait for it rather than take the older one
+                    await anyio.sleep(POLL_S)
+                    continue
                 gen = int(ctl[GEN0 + slot])
                 if gen % 2 == 0:
                     if buf is None:
