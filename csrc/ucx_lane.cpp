@@ -240,22 +240,7 @@ void Lane::submit(uint64_t id, Op op, uint64_t ep, uint64_t rkey, uint64_t local
     job->local = local;
     job->remote = remote;
     job->len = nbytes;
-    jobs_[id] = job;
-    auto e = eps_.find(ep);
-    auto k = rkeys_.find(rkey);
-    if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
-      job->status = UCS_ERR_NOT_CONNECTED;  // closed under us (the peer was dropped)
-      complete(job, Status::kFailed);
-      return;
-    }
-    job->ep = e->second;
-    job->rkey = k->second;
-    ++job->rkey->users;
-    if (nbytes == 0) {
-      complete(job, Status::kOk);
-      return;
-    }
-    ready_.push_back(job);
+    enqueue(job, ep, rkey);
   });
 }
 
@@ -266,23 +251,27 @@ void Lane::submit_many(uint64_t id, Op op, uint64_t ep, uint64_t rkey, std::vect
     job->op = op;
     for (const Piece& pc : pieces) job->len += pc.len;
     job->pieces = std::move(pieces);
-    jobs_[id] = job;
-    auto e = eps_.find(ep);
-    auto k = rkeys_.find(rkey);
-    if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
-      job->status = UCS_ERR_NOT_CONNECTED;  // closed under us (the peer was dropped)
-      complete(job, Status::kFailed);
-      return;
-    }
-    job->ep = e->second;
-    job->rkey = k->second;
-    ++job->rkey->users;
-    if (job->len == 0) {
-      complete(job, Status::kOk);
-      return;
-    }
-    ready_.push_back(job);
+    enqueue(job, ep, rkey);
   });
+}
+
+void Lane::enqueue(const std::shared_ptr<Job>& job, uint64_t ep, uint64_t rkey) {
+  jobs_[job->id] = job;
+  auto e = eps_.find(ep);
+  auto k = rkeys_.find(rkey);
+  if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
+    job->status = UCS_ERR_NOT_CONNECTED;  // closed under us (the peer was dropped)
+    complete(job, Status::kFailed);
+    return;
+  }
+  job->ep = e->second;
+  job->rkey = k->second;
+  ++job->rkey->users;
+  if (job->len == 0) {
+    complete(job, Status::kOk);
+    return;
+  }
+  ready_.push_back(job);
 }
 
 void Lane::cancel(uint64_t id) {

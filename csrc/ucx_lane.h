@@ -110,6 +110,9 @@ class Lane {
   void call(std::function<void()> fn);  // run on the progress thread and wait
   void post(std::function<void()> fn);  // run on the progress thread
   void loop();
+  // On the lane's thread: binds a new job to its endpoint and rkey and queues it (or ends it
+  // at once: no such endpoint or rkey any more, or nothing to move).
+  void enqueue(const std::shared_ptr<Job>& job, uint64_t ep, uint64_t rkey);
   bool run_commands();
   bool issue_round();
   uint64_t issue_chunk(const std::shared_ptr<Job>& job);  // returns the bytes issued

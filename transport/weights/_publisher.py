@@ -21,6 +21,7 @@ import torch
 
 from .. import _kernels
 from .._errors import PeerLostError, TransportError
+from ..backends import backend_class
 from ._control import (
     CTL_WORDS,
     FILLING,
@@ -47,6 +48,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("transport.weights")
 
 Bucket = tuple[int, int]  # [start, end) byte range of a version
+
+
+def _one_sided(backend: str) -> bool:
+    """Whether ``backend`` moves bytes without the peer's application (its agent) taking part."""
+    try:
+        return backend_class(backend).one_sided
+    except ValueError:
+        return False
 
 
 class Publisher:
@@ -126,7 +135,8 @@ class Publisher:
         self._gone: set[tuple[str, str]] = set()
         # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
-        self._landed: dict[str, int] = {}  # subscriber -> the slot its last complete version went to
+        # subscriber -> (the slot its last complete version went to, reached one-sidedly)
+        self._landed: dict[str, tuple[int, bool]] = {}
         self._filled: anyio.Event | None = None  # set when the last background snapshot fill ended
 
     @property
@@ -381,14 +391,16 @@ class Publisher:
                 for peer in subs.values():
                     tg.start_soon(self._push, peer, version, self._snaps[slot], t0, results)
             t_pushed = time.perf_counter()
-            source = next((subs[n] for n, r in results.items() if r.status == SyncStatus.DONE and n in subs), None)
+            # A subscriber reached one-sidedly (its application takes no part in the copy back).
+            source = next((subs[n] for n, r in results.items()
+                           if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
             if source is not None and self._direct and self._rings is not None:
                 # The rest of the snapshot comes from a subscriber's slot that holds this version
                 # (no one writes it before our next publish), in the background: the live
                 # tensors are free now.
                 self._ctl[FILLING] = version
                 self._filled = anyio.Event()
-                self._rings.start_soon(self._fill_from, source, self._landed[source.name], slot, version,
+                self._rings.start_soon(self._fill_from, source, self._landed[source.name][0], slot, version,
                                        self._filled)
             else:
                 await anyio.to_thread.run_sync(self._fill_direct, slot)
@@ -533,7 +545,7 @@ class Publisher:
         handles.append(h)
         await h
         moved[0] = self.layout.total
-        self._landed[sub] = back
+        self._landed[sub] = (back, all(_one_sided(b) for b in (h.backend or "").split(",") if b))
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
         await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
