@@ -4,6 +4,7 @@ batched prepared transfers, in one process and against real target processes."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import anyio
 import pytest
@@ -115,6 +116,11 @@ async def test_a_synchronous_put_to_a_killed_process_fails(targets, file_store):
         target.proc.wait(timeout=30)
         with pytest.raises(transport.PeerLostError):
             await t.put(src, "victim", key="w")  # its memory is still mapped here: not a silent success
+        # Once it is declared lost, nothing here maps its memory any more (no route, no mapping
+        # keeps a dead process's memfd alive).
+        with anyio.fail_after(10):
+            while "transport:victim:w" in Path("/proc/self/maps").read_text():
+                await anyio.sleep(0.05)
 
 
 @pytest.mark.parametrize(("backend", "shared"), [("ipc", True), ("ipc", False), ("tcp", False), ("ucx", True)],

@@ -107,7 +107,7 @@ class TransferEngine:
         self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._sync: dict[tuple[str, str, TransferOp], _SyncRoute] = {}
-        directory.subscribe(lost=self.abort_peer)
+        directory.subscribe(lost=self.abort_peer, forget=self._forget_routes)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -198,6 +198,12 @@ class TransferEngine:
             self._sync.clear()
         route = self._sync[(record.name, key, op)] = _SyncRoute(record, region, backend, move)
         return route
+
+    def _forget_routes(self, peer: str) -> None:
+        """Drops the synchronous routes to ``peer`` (it restarted or was lost): what they hold,
+        e.g. a mapping of its memory, goes with them."""
+        for k in [k for k in self._sync if k[0] == peer]:
+            del self._sync[k]
 
     async def fence(self, peer: str, timeout: float) -> None:
         """Waits until every transfer to ``peer`` started before this call has ended.

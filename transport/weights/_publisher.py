@@ -336,6 +336,13 @@ class Publisher:
         self._gone = {(n, i) for n, i in self._gone if n in still and still[n] in (None, i)}
         for name in [n for n in self._served if n not in subs]:
             del self._served[name]
+        # Prepared pushes (and snapshot copies) of subscribers no longer served: what they hold
+        # (e.g. mappings of a dead subscriber's slots) goes with them.
+        serving = {(n, p.incarnation) for n, p in subs.items() if (n, p.incarnation) not in self._gone}
+        for c in [c for c in self._batches if (c[0], c[1]) not in serving]:
+            del self._batches[c]
+        for name in [n for n in self._landed if n not in subs]:
+            del self._landed[name]
         for name, peer in subs.items():
             if (name, peer.incarnation) in self._gone:
                 self._served.pop(name, None)
