@@ -278,16 +278,9 @@ def available_backends(names: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _memcpy() -> tuple[Callable[[int, int, int], object], str]:
-    """A native single-threaded ``memcpy(dst, src, nbytes)`` that releases the GIL (so threads
-    calling it copy in parallel), and its name: the extension's, else the C library's."""
-    from transport import TransportInternalError
-    from transport._native import load
-
-    try:
-        return load().memcpy, "transport._C.memcpy"
-    except TransportInternalError as exc:
-        print(f"weight_sync: timing the C library's memcpy instead of the extension's ({exc})", file=sys.stderr)
-    fn = ctypes.CDLL(None).memcpy  # ctypes releases the GIL around the call
+    """The C library's single-threaded ``memcpy(dst, src, nbytes)`` through ctypes, which
+    releases the GIL around the call (so threads calling it copy in parallel), and its name."""
+    fn = ctypes.CDLL(None).memcpy
     fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     fn.restype = None
     return fn, "libc memcpy (ctypes)"

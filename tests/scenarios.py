@@ -10,6 +10,7 @@ import anyio
 import torch
 
 import transport
+from transport.backends import Backend, backend_class
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.bool]
 
@@ -58,8 +59,10 @@ async def many_in_flight(a: transport.Transport, b: transport.Transport, count: 
     await a.peer("b", regions=["many"])
     srcs = [torch.full((chunk,), i + 1, dtype=torch.int64) for i in range(count)]
     handles = [a.put(s, "b", key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
-    if a.backends == ("ipc",):  # small host puts on a known route complete inside put() (synchronous path)
-        assert all(h.done() for h in handles), "ipc puts of 32 KiB should have completed synchronously"
+    if backend_class(a.backends[0]).mover is not Backend.mover:  # a synchronous path (ipc, ucx same host)
+        # Small host puts on a known route complete inside put() (a ucx one that the lane does not
+        # finish within its bound goes the asynchronous way, hence "most").
+        assert sum(h.done() for h in handles) > count // 2, "small puts should complete inside put()"
     else:
         assert sum(not h.done() for h in handles) > 100, "transfers should be in flight concurrently"
     await transport.gather(*handles)

