@@ -169,3 +169,20 @@ async def test_a_prepared_put_follows_its_tensors_into_new_memory(ipc_pair):
     base.fill_(2.0)
     await prepared.start()
     assert torch.all(w.view(-1, 64)[::2] == 2.0) and torch.all(w.view(-1, 64)[1::2] == 0)
+
+
+async def test_lookup_of_a_same_host_peer_reads_the_store_only_when_its_record_changed(file_store):
+    async with transport.Transport("a", store=file_store, backends=("ipc",)) as a, \
+            transport.Transport("b", store=file_store, backends=("ipc",)) as b:
+        b.empty("w", 16, torch.uint8)
+        first = await a.lookup("b")
+        assert first is not None and "w" in first.regions
+        record = next(Path(file_store.removeprefix("file://")).glob("peer%2Fb*"))
+        record.write_bytes(b"not a record")  # whoever reads the store now gets nothing usable
+        again = await a.lookup("b")  # its live seq (ipc control page) says the adopted one is current
+        assert again is not None and again.incarnation == first.incarnation and "w" in again.regions
+        b.empty("v", 16, torch.uint8)  # b republishes: a new seq, and a good record again
+        with anyio.fail_after(10):
+            while (fresh := await a.lookup("b")) is None or "v" not in fresh.regions:
+                await anyio.sleep(0.02)
+        assert fresh.incarnation == first.incarnation

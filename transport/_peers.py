@@ -163,18 +163,25 @@ class PeerDirectory:
         self._procs = ProcessWatch()  # same-host peers' liveness by pidfd
         self._forget: list[Forget] = []
         self._on_lost: list[Lost] = []
+        # Tells whether an adopted record is still the peer's latest without reading the store
+        # (a backend's cheap view of the peer's record seq); set once the backends exist.
+        self._current: Callable[[PeerRecord], bool] = lambda record: False
         self._heartbeat: Heartbeat | None = None
         self._tg: TaskGroup | None = None
         # (peer, incarnation) -> its watch connection, or the token of the attempt making it
         self._watchers: dict[tuple[str, str], Channel | object] = {}
         self.closed = False
 
-    def subscribe(self, *, forget: Forget | None = None, lost: Lost | None = None) -> None:
-        """Registers a part that holds per-peer state."""
+    def subscribe(self, *, forget: Forget | None = None, lost: Lost | None = None,
+                  current: Callable[[PeerRecord], bool] | None = None) -> None:
+        """Registers a part that holds per-peer state; ``current(record)``: True when that part
+        can tell cheaply that ``record`` is still the peer's latest (see :meth:`lookup`)."""
         if forget is not None:
             self._forget.append(forget)
         if lost is not None:
             self._on_lost.append(lost)
+        if current is not None:
+            self._current = current
 
     @property
     def store_url(self) -> str:
@@ -314,6 +321,10 @@ class PeerDirectory:
             ValueError: ``name`` cannot be a peer name.
         """
         check_name(name, "peer name")
+        known = self._peers.get(name)
+        if (known is not None and known.host is self.me.host and not self.is_lost(known) and not self.stale(known)
+                and self._current(known)):
+            return known  # same host, alive, and its latest record by its own word: no store read
         try:
             record = await self.fetch(name)
         except TransportError:

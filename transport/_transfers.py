@@ -107,7 +107,7 @@ class TransferEngine:
         self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._sync: dict[tuple[str, str, TransferOp], _SyncRoute] = {}
-        directory.subscribe(lost=self.abort_peer, forget=self._forget_routes)
+        directory.subscribe(lost=self.abort_peer, forget=self._forget_routes, current=self._current)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -198,6 +198,10 @@ class TransferEngine:
             self._sync.clear()
         route = self._sync[(record.name, key, op)] = _SyncRoute(record, region, backend, move)
         return route
+
+    def _current(self, record: PeerRecord) -> bool:
+        """Whether a backend sees, cheaply, that ``record`` is still its peer's latest."""
+        return any(b.live_seq(record) == record.seq for b in self._backends)
 
     def _forget_routes(self, peer: str) -> None:
         """Drops the synchronous routes to ``peer`` (it restarted or was lost): what they hold,

@@ -539,7 +539,9 @@ class Transport:
         """The peer called ``name`` as published now, or None; never waits for one.
 
         Unlike :meth:`peer` this does not poll. None means nothing usable is published: no
-        record, an unreadable one, or one left by an exited process on this host. A peer this
+        record, an unreadable one, or one left by an exited process on this host. A same-host
+        peer already known here, alive, whose record seq (as a backend reads it from the peer,
+        e.g. ipc's control page) is still the one known, is returned without reading the store. A peer this
         Transport declared lost or excluded is returned as published (transfers to it fail with
         ``PeerLostError`` until it restarts), so callers can report it.
 
