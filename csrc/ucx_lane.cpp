@@ -284,28 +284,37 @@ void Lane::cancel(uint64_t id) {
   });
 }
 
+std::shared_ptr<Lane::Job> Lane::internal_job(uint64_t ep, uint64_t rkey, Op op, uint64_t local, uint64_t remote,
+                                              uint64_t nbytes) {
+  auto e = eps_.find(ep);
+  auto k = rkeys_.find(rkey);
+  if (e == eps_.end() || k == rkeys_.end() || e->second->closed) return nullptr;
+  auto job = std::make_shared<Job>();
+  job->id = (1ull << 63) | next_internal_++;
+  job->internal = true;
+  job->op = op;
+  job->local = local;
+  job->remote = remote;
+  job->len = nbytes;
+  job->ep = e->second;
+  job->rkey = k->second;
+  ++job->rkey->users;
+  jobs_[job->id] = job;
+  ready_.push_back(job);
+  return job;
+}
+
 int Lane::read_word(uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms, uint64_t* value) {
   int result = 0;
   call([&] {
-    auto e = eps_.find(ep);
-    auto k = rkeys_.find(rkey);
-    if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
+    auto scratch = std::make_unique<uint64_t>(0);  // outlives a timeout: the job owns it
+    auto local = reinterpret_cast<uint64_t>(scratch.get());
+    std::shared_ptr<Job> job = internal_job(ep, rkey, Op::kGet, local, remote, sizeof(uint64_t));
+    if (!job) {
       result = UCS_ERR_NOT_CONNECTED;
       return;
     }
-    auto job = std::make_shared<Job>();
-    job->id = (1ull << 63) | next_internal_++;
-    job->internal = true;
-    job->op = Op::kGet;
-    job->scratch = std::make_unique<uint64_t>(0);  // outlives a timeout: the job owns it
-    job->local = reinterpret_cast<uint64_t>(job->scratch.get());
-    job->remote = remote;
-    job->len = sizeof(uint64_t);
-    job->ep = e->second;
-    job->rkey = k->second;
-    ++job->rkey->users;
-    jobs_[job->id] = job;
-    ready_.push_back(job);
+    job->scratch = std::move(scratch);
     // Drive this lane right here until the word arrives (other jobs progress meanwhile).
     auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     while (!job->finished && Clock::now() < deadline) {
@@ -331,24 +340,11 @@ int Lane::transfer_now(uint64_t ep, uint64_t rkey, Op op, uint64_t local, uint64
                        int timeout_us, uint64_t* moved) {
   int result = 0;
   call([&] {
-    auto e = eps_.find(ep);
-    auto k = rkeys_.find(rkey);
-    if (e == eps_.end() || k == rkeys_.end() || e->second->closed) {
+    std::shared_ptr<Job> job = internal_job(ep, rkey, op, local, remote, nbytes);
+    if (!job) {
       result = UCS_ERR_NOT_CONNECTED;
       return;
     }
-    auto job = std::make_shared<Job>();
-    job->id = (1ull << 63) | next_internal_++;
-    job->internal = true;
-    job->op = op;
-    job->local = local;
-    job->remote = remote;
-    job->len = nbytes;
-    job->ep = e->second;
-    job->rkey = k->second;
-    ++job->rkey->users;
-    jobs_[job->id] = job;
-    ready_.push_back(job);
     auto drive_until = [&](Clock::time_point deadline) {
       while (!job->finished && Clock::now() < deadline) {
         if (!issue_round()) api_.worker_progress(worker_);

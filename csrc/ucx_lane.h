@@ -113,6 +113,10 @@ class Lane {
   // On the lane's thread: binds a new job to its endpoint and rkey and queues it (or ends it
   // at once: no such endpoint or rkey any more, or nothing to move).
   void enqueue(const std::shared_ptr<Job>& job, uint64_t ep, uint64_t rkey);
+  // On the lane's thread: a queued job nobody outside awaits (read_word, transfer_now drive it
+  // themselves), or null when the endpoint or rkey is gone.
+  std::shared_ptr<Job> internal_job(uint64_t ep, uint64_t rkey, Op op, uint64_t local, uint64_t remote,
+                                    uint64_t nbytes);
   bool run_commands();
   bool issue_round();
   uint64_t issue_chunk(const std::shared_ptr<Job>& job);  // returns the bytes issued
