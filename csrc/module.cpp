@@ -28,6 +28,19 @@ using namespace transport;
 
 namespace {
 
+// A table of u64 triples packed by Python (transport._native.pack_segments) as a vector of
+// `T` (Segment, ucx::Piece: three u64 fields). Copied out of the bytes object, which may not
+// be 8-aligned. Throws std::invalid_argument for a ragged table.
+template <class T>
+std::vector<T> unpack_triples(const nb::bytes& packed) {
+  static_assert(sizeof(T) == 3 * sizeof(uint64_t), "a packed entry is three u64");
+  if (packed.size() % sizeof(T) != 0)
+    throw std::invalid_argument("packed segments must be a whole number of u64 triples");
+  std::vector<T> v(packed.size() / sizeof(T));
+  std::memcpy(v.data(), packed.c_str(), packed.size());
+  return v;
+}
+
 // -- cuda: the driver (dlopen'ed at run time) and the operations built on it ----------------
 // Without a driver every cuda_* call raises transport._C.CudaUnavailable (its message says
 // why); a refused driver call raises transport._C.CudaError with the driver's error name.
@@ -161,10 +174,7 @@ void bind_ucx(nb::module_& m) {
           "submit_many",
           [](ucx::Engine& e, int lane, int op, uint64_t ep, uint64_t rkey, nb::bytes packed) {
             if (op < 0 || op > 1) throw std::invalid_argument("unknown ucx op");
-            if (packed.size() % sizeof(ucx::Piece) != 0)
-              throw std::invalid_argument("packed pieces must be a whole number of (local, remote, nbytes) u64 triples");
-            std::vector<ucx::Piece> pieces(packed.size() / sizeof(ucx::Piece));
-            std::memcpy(pieces.data(), packed.c_str(), packed.size());
+            std::vector<ucx::Piece> pieces = unpack_triples<ucx::Piece>(packed);
             pieces.erase(std::remove_if(pieces.begin(), pieces.end(), [](const ucx::Piece& p) { return p.len == 0; }),
                          pieces.end());
             return e.submit_many(lane, static_cast<ucx::Op>(op), ep, rkey, std::move(pieces));
@@ -248,12 +258,7 @@ NB_MODULE(_C, m) {
           "submit_packed",
           [](CopyEngine& e, int kind, int pid, nb::bytes packed) {
             if (kind < 0 || kind > 2) throw std::invalid_argument("unknown copy kind");
-            if (packed.size() % sizeof(Segment) != 0)
-              throw std::invalid_argument("packed segments must be a whole number of (dst, src, nbytes) u64 triples");
-            // Copied out of the bytes object (which may not be 8-aligned) before the GIL matters.
-            std::vector<Segment> v(packed.size() / sizeof(Segment));
-            std::memcpy(v.data(), packed.c_str(), packed.size());
-            return e.submit(static_cast<CopyKind>(kind), pid, v);
+            return e.submit(static_cast<CopyKind>(kind), pid, unpack_triples<Segment>(packed));
           },
           nb::arg("kind"), nb::arg("pid"), nb::arg("packed"))
       .def_prop_ro("threads", &CopyEngine::threads)
@@ -309,10 +314,7 @@ NB_MODULE(_C, m) {
       "copy_packed_now",
       [](int kind, int pid, nb::bytes packed) {
         if (kind < 0 || kind > 2) throw std::invalid_argument("unknown copy kind");
-        if (packed.size() % sizeof(Segment) != 0)
-          throw std::invalid_argument("packed segments must be a whole number of (dst, src, nbytes) u64 triples");
-        std::vector<Segment> v(packed.size() / sizeof(Segment));
-        std::memcpy(v.data(), packed.c_str(), packed.size());
+        std::vector<Segment> v = unpack_triples<Segment>(packed);
         uint64_t copied = 0;
         int err;
         {

@@ -67,6 +67,19 @@ def python_env() -> dict[str, str]:
 PYTHON = sys.executable
 
 
+class LoopTicks:
+    """Counts passes of the event loop: start :meth:`run` in a task group; ``n`` grows each
+    time the loop lets that task run."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    async def run(self) -> None:
+        while True:
+            self.n += 1
+            await anyio.sleep(0)
+
+
 def sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 

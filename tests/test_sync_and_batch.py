@@ -12,7 +12,7 @@ import torch
 
 import transport
 
-from .conftest import sha
+from .conftest import LoopTicks, sha
 
 
 @pytest.fixture
@@ -84,24 +84,17 @@ async def test_a_loop_of_synchronous_puts_still_yields_and_is_cancellable(ipc_pa
     b.empty("w", 8, torch.uint8)
     await a.peer("b", regions=["w"])
     src = torch.ones(8, dtype=torch.uint8)
-    other_ran = 0
-
-    async def other() -> None:
-        nonlocal other_ran
-        while True:
-            other_ran += 1
-            await anyio.sleep(0)
-
+    other = LoopTicks()
     done = 0
     async with anyio.create_task_group() as tg:
-        tg.start_soon(other)
+        tg.start_soon(other.run)
         with anyio.move_on_after(0.2):
             while done < 10_000_000:  # bounded: this test cannot hang even if nothing yields
                 await a.put(src, "b", key="w")
                 done += 1
         tg.cancel_scope.cancel()
     assert done < 10_000_000, "the deadline never reached the loop"
-    assert other_ran > 1, "the other task never ran during the loop"
+    assert other.n > 1, "the other task never ran during the loop"
 
 
 async def test_a_synchronous_put_to_a_killed_process_fails(targets, file_store):

@@ -18,6 +18,7 @@ from transport.weights import LayoutMismatchError, Publisher, Subscriber, SyncSt
 from transport.weights import __all__ as weights_all
 from transport.weights._control import NO_SLOT, READING
 
+from .conftest import LoopTicks
 from .test_weights import Peers, publish_cycles, versioned
 
 
@@ -242,20 +243,13 @@ async def test_apply_async_yields_when_there_is_nothing_new(store):
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         async with Publisher(tt, {"w": torch.ones(4)}), \
                 Subscriber(tg, {"w": torch.zeros(4)}, publisher="trainer") as sub:
-            ticks = 0
-
-            async def ticker() -> None:
-                nonlocal ticks
-                while True:
-                    ticks += 1
-                    await anyio.sleep(0)
-
+            ticks = LoopTicks()
             async with anyio.create_task_group() as group:
-                group.start_soon(ticker)
+                group.start_soon(ticks.run)
                 for _ in range(50):  # the README's loop: it must let other tasks run
                     assert await sub.apply_async() is None
                 group.cancel_scope.cancel()
-            assert ticks >= 10
+            assert ticks.n >= 10
 
 
 # --- the report's time ---------------------------------------------------------------------

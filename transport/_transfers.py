@@ -159,7 +159,7 @@ class TransferEngine:
         alive), the checks pass, and the backend's synchronous path (``Backend.mover``) takes it.
         Returns the completed handle, or None: then the transfer takes the asynchronous path,
         which also reports any error precisely. Nothing is moved before every check passed."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = nbytes_of(tensor)
         if nbytes > SYNC_MAX_BYTES:
             return None
         record = self._directory.known(peer)

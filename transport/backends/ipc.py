@@ -241,21 +241,24 @@ class IpcBackend(Backend):
 
     # -- data path ----------------------------------------------------------------------------
 
-    def _host_copy(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> _HostCopy | None:
-        """How one host range is copied (None when either side is CUDA memory): memcpy through
-        this process's mapping of the peer's memfd, else cross-memory attach."""
-        peer, region = remote.peer, remote.region
-        if is_device(region) or local.kind == MemoryKind.CUDA:
-            return None
-        write = op == TransferOp.PUT
+    def _host_path(self, op: TransferOp, peer: PeerRecord,
+                   region: RegionRecord) -> tuple[CopyKind, int, int, PeerMapping | None]:
+        """How host bytes reach a host region: (copy kind, pid, the region's address, mapping).
+        Through this process's mapping of the peer's memfd (memcpy), else cross-memory attach
+        at the peer's address."""
         addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
         mapping = self._mapping(peer, region)
         if mapping is not None:
-            there, kind, pid = mapping.address + fd_offset + remote.offset, CopyKind.LOCAL, 0
-        else:
-            there = addr + remote.offset
-            kind, pid = (CopyKind.CMA_WRITE if write else CopyKind.CMA_READ), peer.pid
-        seg = (there, local.address, remote.nbytes) if write else (local.address, there, remote.nbytes)
+            return CopyKind.LOCAL, 0, mapping.address + fd_offset, mapping
+        return (CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ), peer.pid, addr, None
+
+    def _host_copy(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> _HostCopy | None:
+        """How one host range is copied (None when either side is CUDA memory)."""
+        if is_device(remote.region) or local.kind == MemoryKind.CUDA:
+            return None
+        kind, pid, base, mapping = self._host_path(op, remote.peer, remote.region)
+        there = base + remote.offset
+        seg = (there, local.address, remote.nbytes) if op == TransferOp.PUT else (local.address, there, remote.nbytes)
         return _HostCopy(kind, pid, seg, there, mapping)
 
     def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
@@ -263,14 +266,8 @@ class IpcBackend(Backend):
         attach call, on the calling thread (the GIL released)."""
         if is_device(region) or self.unreachable_reason(peer, region, MemoryKind.CPU) is not None:
             return None
-        addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
-        mapping = self._mapping(peer, region)
+        kind, pid, base, mapping = self._host_path(op, peer, region)
         write = op == TransferOp.PUT
-        if mapping is not None:
-            base, kind, pid = mapping.address + fd_offset, CopyKind.LOCAL, 0
-        else:
-            base, pid = addr, peer.pid
-            kind = CopyKind.CMA_WRITE if write else CopyKind.CMA_READ
 
         def move(local: int, offset: int, nbytes: int, _held: PeerMapping | None = mapping) -> bool:
             # `_held` keeps the mapping referenced (mapped) while this callable lives.

@@ -494,9 +494,7 @@ class Publisher:
         into ``peer``'s slot ``slot``: made once per subscriber incarnation, slot and snapshot."""
         cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr())
         prepared = self._batches.get(cache_key)
-        if prepared is None:
-            for stale in [c for c in self._batches if c[0] == peer.name and c[1] != peer.incarnation]:
-                del self._batches[stale]  # a restarted subscriber: its old lists go
+        if prepared is None:  # (those of subscribers no longer served are dropped by _remember)
             key = self._keys.slots[slot]
             items = [(self._source(snap, start, end), key, start) for start, end in self.layout.buckets]
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
