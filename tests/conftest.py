@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -78,6 +79,20 @@ class LoopTicks:
         while True:
             self.n += 1
             await anyio.sleep(0)
+
+
+async def put_to_fake_agent(a: transport.Transport, b: transport.Transport, port: int, serve: Callable[[], None],
+                            timeout: float) -> None:
+    """Makes ``b`` publish ``port`` as its agent's address (a fake agent, which the blocking
+    ``serve`` runs in a thread meanwhile) and checks that a put from ``a`` into ``b``'s region
+    "w" fails with PeerLostError within ``timeout`` s."""
+    b._agent.port = port  # publish the fake agent's address instead of b's
+    b._publish()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, serve)
+        with anyio.fail_after(timeout):
+            with pytest.raises(transport.PeerLostError):
+                await a.put(torch.ones(4), "b", key="w")
 
 
 def sha(t: torch.Tensor) -> str:

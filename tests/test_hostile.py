@@ -44,7 +44,7 @@ from transport._wire import (
     loads_bounded,
 )
 
-from .conftest import PYTHON, ROOT, python_env, sha
+from .conftest import PYTHON, ROOT, put_to_fake_agent, python_env, sha
 
 NUMEL = 1 << 16
 TOKEN = "s3cret"
@@ -442,13 +442,7 @@ async def test_a_transport_survives_a_hostile_peer_agent(memory_store):
             b.register("w", torch.zeros(4))
             w = torch.zeros(4)
             c.register("w", w)
-            b._agent.port = lsock.getsockname()[1]  # publish the fake agent's address instead of b's
-            b._publish()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, serve)
-                with anyio.fail_after(20):
-                    with pytest.raises(transport.PeerLostError):
-                        await a.put(torch.ones(4), "b", key="w")
+            await put_to_fake_agent(a, b, lsock.getsockname()[1], serve, timeout=20)
             await a.peer("c", regions=["w"])
             await a.put(torch.ones(4), "c", key="w")
             assert w.sum() == 4

@@ -21,7 +21,7 @@ from transport._flight import analyze, load_dumps
 from transport._liveness import Heartbeat
 from transport._rendezvous import FileStore, open_store
 
-from .conftest import PYTHON, python_env, sha
+from .conftest import PYTHON, put_to_fake_agent, python_env, sha
 
 N = 64 << 20
 
@@ -262,13 +262,7 @@ async def test_a_garbled_agent_reply_is_a_peer_lost_error(memory_store, tmp_path
     async with transport.Transport("a", store=memory_store, backends=("tcp",), timeout=10, flight_dir=tmp_path) as a, \
             transport.Transport("b", store=memory_store, backends=("tcp",), timeout=10) as b:
         b.register("w", torch.zeros(4))
-        b._agent.port = port  # publish the fake agent's address instead of b's
-        b._publish()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, serve)
-            with anyio.fail_after(10):
-                with pytest.raises(transport.PeerLostError):
-                    await a.put(torch.ones(4), "b", key="w")
+        await put_to_fake_agent(a, b, port, serve, timeout=10)
     lsock.close()
     report = flight_report(tmp_path)
     assert "peer-lost b" in report and "a -> b: ERRORS" in report
