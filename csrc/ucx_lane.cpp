@@ -91,7 +91,7 @@ Lane::Lane(const Api& api, ucp_context_h context, uint64_t chunk_bytes, int wind
   try {
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the drive lock serializes
     ucs_status_t st = api_.worker_create(context, &wp, &worker_);
     if (st != UCS_OK) throw_status(api_, "ucp_worker_create", st);
 
@@ -338,37 +338,43 @@ int Lane::read_word(uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms,
 
 int Lane::transfer_now(uint64_t ep, uint64_t rkey, Op op, uint64_t local, uint64_t remote, uint64_t nbytes,
                        int timeout_us, uint64_t* moved) {
-  int result = 0;
-  call([&] {
-    std::shared_ptr<Job> job = internal_job(ep, rkey, op, local, remote, nbytes);
-    if (!job) {
-      result = UCS_ERR_NOT_CONNECTED;
-      return;
+  drivers_.fetch_add(1, std::memory_order_acq_rel);  // the lane's thread steps aside
+  std::unique_lock<std::mutex> lock(drive_mu_);
+  // Hands the lane back: wakes its thread when work is left that it must drive.
+  struct Release {
+    Lane* lane;
+    std::unique_lock<std::mutex>& lock;
+    ~Release() {
+      bool wake = lane->worker_ != nullptr && (!lane->ready_.empty() || lane->inflight_ > 0 || !lane->closing_.empty());
+      lane->drivers_.fetch_sub(1, std::memory_order_acq_rel);
+      lock.unlock();
+      lane->drive_cv_.notify_all();
+      if (wake) signal_fd(lane->cmd_efd_);
     }
-    auto drive_until = [&](Clock::time_point deadline) {
-      while (!job->finished && Clock::now() < deadline) {
-        if (!issue_round()) api_.worker_progress(worker_);
-      }
-    };
-    drive_until(Clock::now() + std::chrono::microseconds(timeout_us));
-    bool late = !job->finished;
-    if (late) {
-      job->cancelled = true;
-      maybe_finish(job);
-      drive_until(Clock::now() + std::chrono::seconds(1));
+  } release{this, lock};
+  if (worker_ == nullptr) throw std::runtime_error("the ucx lane is shut down");
+  std::shared_ptr<Job> job = internal_job(ep, rkey, op, local, remote, nbytes);
+  if (!job) return UCS_ERR_NOT_CONNECTED;
+  auto drive_until = [&](Clock::time_point deadline) {
+    while (!job->finished && Clock::now() < deadline) {
+      if (!issue_round()) api_.worker_progress(worker_);
     }
-    if (!job->finished) {  // requests still in flight: forcing the endpoint closed ends them
-      close_ep(job->ep, /*force=*/true);
-      drive_until(Clock::now() + std::chrono::seconds(1));
-    }
-    *moved = job->done;
-    if (late || !job->finished) {
-      result = UCS_ERR_TIMED_OUT;
-    } else if (job->result != Status::kOk) {
-      result = job->status != UCS_OK ? job->status : UCS_ERR_CANCELED;
-    }
-  });
-  return result;
+  };
+  drive_until(Clock::now() + std::chrono::microseconds(timeout_us));
+  bool late = !job->finished;
+  if (late) {
+    job->cancelled = true;
+    maybe_finish(job);
+    drive_until(Clock::now() + std::chrono::seconds(1));
+  }
+  if (!job->finished) {  // requests still in flight: forcing the endpoint closed ends them
+    close_ep(job->ep, /*force=*/true);
+    drive_until(Clock::now() + std::chrono::seconds(1));
+  }
+  *moved = job->done;
+  if (late || !job->finished) return UCS_ERR_TIMED_OUT;
+  if (job->result != Status::kOk) return job->status != UCS_OK ? job->status : UCS_ERR_CANCELED;
+  return 0;
 }
 
 void Lane::request_stop() {
@@ -388,12 +394,19 @@ void Lane::stop() {
 
 // -- the progress thread ---------------------------------------------------------------------
 
+void Lane::yield_to_drivers(std::unique_lock<std::mutex>& lock) {
+  if (drivers_.load(std::memory_order_acquire) == 0) return;
+  drive_cv_.wait(lock, [this] { return drivers_.load(std::memory_order_acquire) == 0; });
+}
+
 void Lane::loop() {
+  std::unique_lock<std::mutex> lock(drive_mu_);  // released while sleeping and for drivers
   Clock::time_point last_busy{};
   for (;;) {
+    yield_to_drivers(lock);
     bool busy = run_commands();
     {
-      std::lock_guard<std::mutex> lock(cmd_mu_);
+      std::lock_guard<std::mutex> stop_lock(cmd_mu_);
       if (stopping_) break;
     }
     busy |= issue_round();
@@ -406,7 +419,7 @@ void Lane::loop() {
     // Spin a little after activity before sleeping: the next small transfer usually follows at
     // once, and waking a sleeping thread costs more than it does.
     if (Clock::now() - last_busy < std::chrono::microseconds(kSpinUs)) {
-      while (!has_commands_.load(std::memory_order_acquire) &&
+      while (!has_commands_.load(std::memory_order_acquire) && drivers_.load(std::memory_order_acquire) == 0 &&
              Clock::now() - last_busy < std::chrono::microseconds(kSpinUs) && api_.worker_progress(worker_) == 0) {
       }
       continue;
@@ -416,10 +429,12 @@ void Lane::loop() {
     if (st == UCS_ERR_BUSY) continue;
     int timeout = (inflight_ > 0 || !closing_.empty()) ? kBusyWaitMs : kIdleWaitMs;
     if (st != UCS_OK) timeout = 1;  // cannot sleep on the worker: poll gently instead
+    lock.unlock();
     epoll_event events[4];
     (void)epoll_wait(epoll_fd_, events, 4, timeout);
     uint64_t counter;
     (void)!read(cmd_efd_, &counter, sizeof(counter));
+    lock.lock();
   }
   teardown();
 }

@@ -1,9 +1,12 @@
 // One UCX lane: a UCP worker driven by its own native progress thread.
 //
-// Every call into the worker runs on the lane's thread (the worker is UCS_THREAD_MODE_SINGLE, so
-// UCX takes no locks). Other threads hand it work through a command queue and wake it with an
-// eventfd; control calls (endpoint creation, rkey unpacking) wait for their result, transfers do
-// not. A transfer is split into chunks issued round-robin across jobs, with a bounded window per
+// The worker is UCS_THREAD_MODE_SERIALIZED (UCX takes no locks): whoever holds the lane's drive
+// lock drives it. That is the lane's thread, except during a synchronous transfer
+// (transfer_now), which the calling thread runs itself: handing a few-microsecond transfer to
+// another thread costs a wake-up, and on a busy or single core the caller's wait starves the
+// thread it waits for. Other threads hand the lane work through a command queue and wake it
+// with an eventfd; control calls (endpoint creation, rkey unpacking) wait for their result,
+// transfers do not. A transfer is split into chunks issued round-robin across jobs, with a bounded window per
 // job, so one large transfer never holds the thread for long. A put is reported complete only
 // after ucp_ep_flush_nbx completes: ucp_put_nbx completion is local, the flush makes it remote
 // ("awaited put == bytes in target memory").
@@ -13,6 +16,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -83,8 +87,9 @@ class Lane {
   // returns 0 and fills `value`, else a ucs status (UCS_ERR_TIMED_OUT on timeout; the read then
   // finishes in the background into memory of its own).
   int read_word(uint64_t ep, uint64_t rkey, uint64_t remote, int timeout_ms, uint64_t* value);
-  // Moves `nbytes` between local memory and [remote, remote + nbytes) of `rkey`'s region on the
-  // lane's thread, driving the lane right there, and returns once the job has ended: 0 when
+  // Moves `nbytes` between local memory and [remote, remote + nbytes) of `rkey`'s region, the
+  // calling thread driving the lane itself (under the drive lock), and returns once the job has
+  // ended: 0 when
   // every byte is in place (a put: flushed), else a ucs status. Not done within `timeout_us`:
   // the job is cancelled and still driven until it has ended (after 1 s more, its endpoint is
   // force-closed, which ends it), and UCS_ERR_TIMED_OUT is returned; either way the local
@@ -108,6 +113,8 @@ class Lane {
   };
 
   void call(std::function<void()> fn);  // run on the progress thread and wait
+  // The lane's thread, holding `lock` (the drive lock): lets callers that wait for it drive.
+  void yield_to_drivers(std::unique_lock<std::mutex>& lock);
   void post(std::function<void()> fn);  // run on the progress thread
   void loop();
   // On the lane's thread: binds a new job to its endpoint and rkey and queues it (or ends it
@@ -145,7 +152,15 @@ class Lane {
   bool stopping_ = false;  // guarded by cmd_mu_
   std::atomic<bool> has_commands_{false};  // commands_ is not empty (read while spinning)
 
-  // Progress-thread state (touched only there).
+  // Held by whoever drives the worker and touches the state below: the lane's thread (released
+  // while it sleeps) or a caller of transfer_now. `drivers_` counts callers waiting for or holding
+  // it (the thread steps aside for them): incremented before a caller takes the lock, decremented
+  // under it (so the thread, which checks it under the lock, cannot miss the wake-up).
+  std::mutex drive_mu_;
+  std::condition_variable drive_cv_;
+  std::atomic<int> drivers_{0};
+
+  // Driver state (touched only under drive_mu_).
   uint64_t next_id_ = 1;
   uint64_t next_internal_ = 1;  // ids of jobs nobody outside awaits (read_word): not reported
   std::unordered_map<uint64_t, std::shared_ptr<Ep>> eps_;

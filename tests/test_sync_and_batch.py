@@ -179,3 +179,36 @@ async def test_lookup_of_a_same_host_peer_reads_the_store_only_when_its_record_c
             while (fresh := await a.lookup("b")) is None or "v" not in fresh.regions:
                 await anyio.sleep(0.02)
         assert fresh.incarnation == first.incarnation
+
+
+async def test_synchronous_ucx_puts_drive_a_lane_that_carries_a_large_put(targets, file_store):
+    # A synchronous ucx transfer is driven by the calling thread itself, on lane 0, while that
+    # lane's own thread is moving chunks of a large asynchronous put: both must land intact.
+    if why := transport.backends.REGISTRY["ucx"].unavailable_reason():
+        pytest.skip(f"ucx unavailable: {why}")
+    big_n, small_n = 64 << 20, 4096
+    async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
+        target = targets({"name": "server", "store": file_store, "backends": ["ucx"], "initiator": "init",
+                          "mode": "serve", "timeout": 120,
+                          "regions": [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
+                                      {"key": "small", "dtype": "uint8", "numel": small_n, "shared": True}]})
+        await t.wait_signal("ready", timeout=60)
+        await t.peer("server", regions=["big", "small"])
+        await t.put(torch.zeros(8, dtype=torch.uint8), "server", key="small")  # learns the route
+        big = torch.randint(0, 256, (big_n,), dtype=torch.uint8)
+        small = torch.randint(0, 256, (small_n,), dtype=torch.uint8)
+        synchronous = 0
+        for _ in range(3):
+            large = t.put(big, "server", key="big", timeout=120)
+            for i in range(0, small_n, 64):
+                h = t.put(small[i : i + 64], "server", key="small", offset=i)
+                synchronous += h.done()
+                await h
+            await large
+        assert synchronous > 0, "no small put took the synchronous path"
+        back = torch.zeros(small_n, dtype=torch.uint8)
+        await t.get(back, "server", key="small")
+        assert torch.equal(back, small)
+        await t.signal("server", "done", 1)
+        info = await target.result(timeout=120)
+    assert info["sha256"] == {"big": sha(big), "small": sha(small)}

@@ -280,9 +280,11 @@ class UcxEngine:
         return int(value) if status == 0 else None
 
     def transfer_now(self, op: TransferOp, part: UcxPart, timeout: float) -> bool:
-        """Moves one part synchronously: the caller blocks (the GIL released) while the part's
-        lane issues it and, for a put, flushes it. For small transfers to peers whose memory
-        UCX reaches without their help (same host: cma), where this takes microseconds.
+        """Moves one part synchronously: the calling thread (the GIL released) drives the part's
+        lane itself, issuing the part and, for a put, flushing it, while the lane's own thread
+        steps aside. For small transfers to peers whose memory UCX reaches without their help
+        (same host: cma), where this takes microseconds and a hand-off to the lane's thread
+        would cost a wake-up.
 
         Returns:
             True once every byte is in place; False when it failed or did not complete within

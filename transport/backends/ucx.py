@@ -43,6 +43,7 @@ How it works:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import struct
@@ -210,7 +211,7 @@ class UcxBackend(Backend):
             self._engine.close()
             raise
         ctx.tg.start_soon(self._engine.run)
-        self._seq_buf = torch.zeros(1, dtype=torch.int64)  # where a same-host initiator reads a peer's word into
+        self._seq_buf = ctypes.c_uint64(0)  # where a same-host initiator reads a peer's word into
         self._next_lane = 0
         self._mapped: dict[int, tuple[Region, int | None, bytes | None]] = {}  # id(region) -> (region, mem, descriptor)
         self._described: set[int] = set()
@@ -328,9 +329,9 @@ class UcxBackend(Backend):
         if info is None:
             return None
         if peer.host == self.ctx.host:
-            err = copy_now(CopyKind.CMA_READ, peer.pid, self._seq_buf.data_ptr(), info.ctl_address, 8)
+            err = copy_now(CopyKind.CMA_READ, peer.pid, ctypes.addressof(self._seq_buf), info.ctl_address, 8)
             if err == 0:
-                return int(self._seq_buf[0])
+                return self._seq_buf.value
         return self._read_seq_over_ucx(peer)
 
     def _info(self, peer: PeerRecord) -> _EndpointInfo | None:
