@@ -1,0 +1,30 @@
+"""Mesh-to-mesh weight sync planning: layouts of sharded trainers and TP/EP generator replicas,
+the deterministic planner, and ``python -m transport.plan simulate`` at cluster scale.
+
+Pure Python (numpy): nothing here moves bytes; :mod:`transport.weights` executes plans.
+"""
+
+from ._boxes import Box as Box
+from ._boxes import full_box as full_box
+from ._boxes import segments as segments
+from ._boxes import volume as volume
+from ._layouts import ITEMSIZE as ITEMSIZE
+from ._layouts import ExplicitSharding as ExplicitSharding
+from ._layouts import GeneratorRank as GeneratorRank
+from ._layouts import LayoutError as LayoutError
+from ._layouts import LocalTensor as LocalTensor
+from ._layouts import MeshSharding as MeshSharding
+from ._layouts import Piece as Piece
+from ._layouts import Replica as Replica
+from ._layouts import Replicate as Replicate
+from ._layouts import Shard as Shard
+from ._layouts import TensorSpec as TensorSpec
+from ._layouts import TrainerLayout as TrainerLayout
+from ._layouts import merge_trainer_layouts as merge_trainer_layouts
+from ._layouts import trainer_layout_from_state_dict as trainer_layout_from_state_dict
+from ._planner import Move as Move
+from ._planner import Plan as Plan
+from ._planner import Planner as Planner
+from ._planner import RankPlan as RankPlan
+from ._planner import ReplicaPlan as ReplicaPlan
+from ._planner import Topology as Topology

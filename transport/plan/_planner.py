@@ -1,0 +1,290 @@
+"""The mesh planner: which trainer rank sends which box to which generator rank.
+
+Pure and deterministic: every rank that holds the same trainer layout and the same replica
+layouts computes the same plan, so there is no central controller and nothing to broadcast.
+
+For every piece a generator rank needs, the planner intersects it with the boxes the trainer
+ranks hold. A part held by several ranks (DP/HSDP replicas, replicated tensors) is taken from
+one of them, or cut along its first dimension and spread over them, always choosing the least
+loaded (bytes to send, counted per NIC of the :class:`Topology`, then per rank). Loads are
+counted per replica, from zero: a replica that joins, leaves or changes its TP degree changes
+only its own part of the plan, and identical replicas break ties in different directions (a
+rotation derived from the replica id), so together they stay balanced too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._boxes import Box, box_shape, row_major, segments, split_even, volume
+from ._layouts import ITEMSIZE, LayoutError, LocalTensor, Piece, Replica, TrainerLayout
+
+#: A part shared by several ranks is not cut into pieces smaller than this (bytes).
+MIN_SPLIT_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where trainer ranks send from: the NIC of each rank (``nics[rank]``, any label; ranks not
+    listed have a NIC of their own). Loads are balanced per NIC first."""
+
+    nics: Mapping[int, str] = field(default_factory=dict)
+
+    def nic(self, rank: int) -> str:
+        return self.nics.get(rank, f"rank{rank}")
+
+
+@dataclass(frozen=True)
+class Move:
+    """Trainer rank ``src`` sends ``box`` of global tensor ``name``; it lands at ``dst_box`` of
+    the generator rank's local tensor ``dst_tensor`` (``nbytes`` at that tensor's dtype)."""
+
+    src: int
+    name: str
+    box: Box
+    dst_tensor: str
+    dst_box: Box
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Every move into one generator rank, sorted by (source rank, tensor, box)."""
+
+    moves: tuple[Move, ...]
+
+    def sources(self) -> list[int]:
+        """The trainer ranks that feed this rank (a version is complete here once all have
+        finished)."""
+        return sorted({m.src for m in self.moves})
+
+    def bytes_by_source(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for m in self.moves:
+            out[m.src] = out.get(m.src, 0) + m.nbytes
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.moves)
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """The plan of one replica: a :class:`RankPlan` per generator rank (TP order)."""
+
+    replica: str
+    inputs: str  # fingerprint of the trainer layout and the replica layout it was planned from
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole plan: one :class:`ReplicaPlan` per replica id."""
+
+    trainer: str  # fingerprint of the trainer layout
+    replicas: Mapping[str, ReplicaPlan]
+
+    def for_trainer(self, rank: int) -> list[tuple[str, int, tuple[Move, ...]]]:
+        """What trainer ``rank`` sends: ``(replica, generator rank, moves)``, in replica and rank
+        order, only where there is something to send."""
+        out = []
+        for rid in sorted(self.replicas):
+            for g, rp in enumerate(self.replicas[rid].ranks):
+                mine = tuple(m for m in rp.moves if m.src == rank)
+                if mine:
+                    out.append((rid, g, mine))
+        return out
+
+    def load(self) -> dict[int, int]:
+        """Bytes each trainer rank sends, over all replicas."""
+        out: dict[int, int] = {}
+        for rp in self.replicas.values():
+            for r in rp.ranks:
+                for src, n in r.bytes_by_source().items():
+                    out[src] = out.get(src, 0) + n
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.replicas.values())
+
+
+class _Owners:
+    """The distinct boxes of one global tensor the trainer ranks hold, and who holds each."""
+
+    __slots__ = ("boxes", "holders", "lo", "hi")
+
+    def __init__(self, by_rank: Mapping[int, Box], ndim: int) -> None:
+        groups: dict[Box, list[int]] = {}
+        for rank in sorted(by_rank):
+            box = by_rank[rank]
+            if volume(box) > 0:
+                groups.setdefault(box, []).append(rank)
+        self.boxes = sorted(groups)
+        self.holders = [tuple(groups[b]) for b in self.boxes]
+        arr = np.array([[list(iv) for iv in b] for b in self.boxes], dtype=np.int64).reshape(len(self.boxes), ndim, 2)
+        self.lo, self.hi = arr[:, :, 0], arr[:, :, 1]
+
+    def cover(self, box: Box) -> list[tuple[Box, tuple[int, ...]]]:
+        """The parts of ``box`` held by each distinct trainer box, with their holders."""
+        if not self.boxes:
+            return []
+        if not box:
+            return [((), self.holders[0])]
+        want = np.array(box, dtype=np.int64)
+        lo = np.maximum(self.lo, want[:, 0])
+        hi = np.minimum(self.hi, want[:, 1])
+        hit = np.flatnonzero(np.all(lo < hi, axis=1))
+        return [(tuple((int(a), int(b)) for a, b in zip(lo[i], hi[i], strict=True)), self.holders[i]) for i in hit]
+
+
+def _rotation(replica: str) -> int:
+    return int.from_bytes(hashlib.sha256(replica.encode()).digest()[:4], "little")
+
+
+class Planner:
+    """Plans replicas against one trainer layout (its ownership index is built once).
+
+    Args:
+        trainer: the trainer layout (validated).
+        topology: the trainer ranks' NICs (default: one per rank).
+    """
+
+    def __init__(self, trainer: TrainerLayout, topology: Topology | None = None) -> None:
+        trainer.validate()
+        self.trainer = trainer
+        self.topology = topology or Topology()
+        self._specs = trainer.by_name()
+        self._owners: dict[str, _Owners] = {}
+        self._fingerprint = trainer.fingerprint()
+
+    def _owners_of(self, name: str) -> _Owners:
+        got = self._owners.get(name)
+        if got is None:
+            spec = self._specs[name]
+            got = self._owners[name] = _Owners(spec.sharding.boxes(spec.shape), len(spec.shape))
+        return got
+
+    def plan(self, replicas: Iterable[Replica], previous: Plan | None = None) -> Plan:
+        """Plans every replica. Replicas whose plan in ``previous`` was made from the same
+        layouts keep it as it is (nothing is recomputed for them).
+
+        Raises:
+            LayoutError: a replica's layout is invalid (see :meth:`Replica.validate`), a needed
+                byte is held by no trainer rank, or two replicas share an id.
+        """
+        out: dict[str, ReplicaPlan] = {}
+        for replica in replicas:
+            if replica.id in out:
+                raise LayoutError(f"two replicas have the id {replica.id!r}")
+            inputs = f"{self._fingerprint}:{replica.fingerprint()}"
+            old = previous.replicas.get(replica.id) if previous is not None else None
+            out[replica.id] = old if old is not None and old.inputs == inputs else self.plan_replica(replica)
+        return Plan(self._fingerprint, dict(sorted(out.items())))
+
+    def plan_replica(self, replica: Replica) -> ReplicaPlan:
+        """The plan of one replica (validated first).
+
+        Raises:
+            LayoutError: see :meth:`plan`.
+        """
+        replica.validate(self.trainer)
+        rot = _rotation(replica.id)
+        nic_load: dict[str, int] = {}
+        rank_load: dict[int, int] = {}
+        # Every part with one holder is fixed; shared parts are placed largest first (LPT).
+        tasks: list[tuple[int, int, LocalTensor, Piece, Box, tuple[int, ...]]] = []
+        moves: list[list[Move]] = [[] for _ in replica.ranks]
+        for g, rank in enumerate(replica.ranks):
+            for lt in rank.tensors:
+                item = ITEMSIZE[lt.dtype]
+                for piece in lt.pieces:
+                    parts = self._owners_of(piece.name).cover(piece.box)
+                    if sum(volume(b) for b, _ in parts) != volume(piece.box):
+                        raise LayoutError(f"replica {replica.id} rank {g} {lt.name}: part of {piece.name}{piece.box} "
+                                          "is held by no trainer rank")
+                    for box, holders in parts:
+                        nbytes = volume(box) * item
+                        if len(holders) == 1:
+                            self._add(moves[g], holders[0], lt, piece, box, nbytes, nic_load, rank_load)
+                        else:
+                            tasks.append((-nbytes, g, lt, piece, box, holders))
+        tasks.sort(key=lambda t: (t[0], t[1], t[2].name, t[3].name, t[4]))
+        for neg, g, lt, piece, box, holders in tasks:
+            for part in _cut(box, -neg, len(holders)):
+                nbytes = volume(part) * ITEMSIZE[lt.dtype]
+                c = len(holders)
+                src = min(range(c), key=lambda i: (nic_load.get(self.topology.nic(holders[i]), 0),
+                                                   rank_load.get(holders[i], 0), (i - rot) % c))
+                self._add(moves[g], holders[src], lt, piece, part, nbytes, nic_load, rank_load)
+        ranks = tuple(RankPlan(tuple(sorted(ms, key=lambda m: (m.src, m.name, m.box, m.dst_tensor)))) for ms in moves)
+        return ReplicaPlan(replica.id, f"{self._fingerprint}:{replica.fingerprint()}", ranks)
+
+    def _add(self, out: list[Move], src: int, lt: LocalTensor, piece: Piece, box: Box, nbytes: int,
+             nic_load: dict[str, int], rank_load: dict[int, int]) -> None:
+        out.append(Move(src, piece.name, box, lt.name, _dst_box(piece, box), nbytes))
+        nic = self.topology.nic(src)
+        nic_load[nic] = nic_load.get(nic, 0) + nbytes
+        rank_load[src] = rank_load.get(src, 0) + nbytes
+
+    def segments(self, move: Move, dst: LocalTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs of ``move`` (``(src, dst, length)`` in elements): offsets into the sending
+        rank's local shard of ``move.name`` and into ``dst``, the generator's local tensor."""
+        spec = self._specs[move.name]
+        own = spec.sharding.boxes(spec.shape)[move.src]
+        src = row_major(box_shape(own), [lo for lo, _ in own])
+        piece = next(p for p in dst.pieces if p.name == move.name and _inside(move.box, p.box))
+        return segments(move.box, src, _piece_addressing(piece, dst.shape))
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(olo <= ilo and ihi <= ohi for (ilo, ihi), (olo, ohi) in zip(inner, outer, strict=True))
+
+
+def _cut(box: Box, nbytes: int, holders: int) -> list[Box]:
+    """``box`` cut along its first dimension longer than 1 into at most ``holders`` parts of at
+    least MIN_SPLIT_BYTES each."""
+    parts = min(holders, max(1, nbytes // MIN_SPLIT_BYTES))
+    dim = next((d for d, (lo, hi) in enumerate(box) if hi - lo > 1), None)
+    if parts <= 1 or dim is None:
+        return [box]
+    lo, hi = box[dim]
+    return [box[:dim] + (iv,) + box[dim + 1 :] for iv in split_even(lo, hi, min(parts, hi - lo))]
+
+
+def _dims(piece: Piece) -> list[tuple[int, int]]:
+    """Pairs (global dim, local dim) of the piece's dimensions longer than 1, in order."""
+    g = [d for d, n in enumerate(box_shape(piece.box)) if n != 1]
+    loc = [d for d, n in enumerate(box_shape(piece.local)) if n != 1]
+    return list(zip(g, loc, strict=True))
+
+
+def _dst_box(piece: Piece, box: Box) -> Box:
+    """Where the global sub-box ``box`` of ``piece`` lands in the local tensor."""
+    out = list(piece.local)
+    for gd, ld in _dims(piece):
+        off = piece.local[ld][0] - piece.box[gd][0]
+        out[ld] = (box[gd][0] + off, box[gd][1] + off)
+    return tuple(out)
+
+
+def _piece_addressing(piece: Piece, shape: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """Addressing (see ``row_major``) of the local tensor of ``shape`` by the piece's global
+    coordinates."""
+    _, lstr = row_major(shape, [0] * len(shape))
+    strides = [0] * len(piece.box)
+    base = sum(lo * st for (lo, _), st in zip(piece.local, lstr, strict=True))
+    for gd, ld in _dims(piece):
+        strides[gd] = lstr[ld]
+        base -= piece.box[gd][0] * lstr[ld]
+    return base, tuple(strides)
+
