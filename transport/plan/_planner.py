@@ -121,7 +121,7 @@ class Plan:
 class _Owners:
     """The distinct boxes of one global tensor the trainer ranks hold, and who holds each."""
 
-    __slots__ = ("boxes", "holders", "lo", "hi")
+    __slots__ = ("boxes", "hi", "holders", "lo")
 
     def __init__(self, by_rank: Mapping[int, Box], ndim: int) -> None:
         groups: dict[Box, list[int]] = {}
@@ -258,7 +258,7 @@ def _cut(box: Box, nbytes: int, holders: int) -> list[Box]:
     if parts <= 1 or dim is None:
         return [box]
     lo, hi = box[dim]
-    return [box[:dim] + (iv,) + box[dim + 1 :] for iv in split_even(lo, hi, min(parts, hi - lo))]
+    return [(*box[:dim], iv, *box[dim + 1 :]) for iv in split_even(lo, hi, min(parts, hi - lo))]
 
 
 def _dims(piece: Piece) -> list[tuple[int, int]]:
