@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._boxes import Box, box_shape, row_major, segments, split_even, volume
+from ._boxes import Box, box_shape, row_major, segments, volume
 from ._layouts import ITEMSIZE, LayoutError, LocalTensor, Piece, Replica, TrainerLayout
 
 #: A part shared by several ranks is not cut into pieces smaller than this (bytes).
-MIN_SPLIT_BYTES = 256 << 10
+MIN_SPLIT_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -220,12 +220,10 @@ class Planner:
                             tasks.append((-nbytes, g, lt, piece, box, holders))
         tasks.sort(key=lambda t: (t[0], t[1], t[2].name, t[3].name, t[4]))
         for neg, g, lt, piece, box, holders in tasks:
-            for part in _cut(box, -neg, len(holders)):
-                nbytes = volume(part) * ITEMSIZE[lt.dtype]
-                c = len(holders)
-                src = min(range(c), key=lambda i: (nic_load.get(self.topology.nic(holders[i]), 0),
-                                                   rank_load.get(holders[i], 0), (i - rot) % c))
-                self._add(moves[g], holders[src], lt, piece, part, nbytes, nic_load, rank_load)
+            c = len(holders)
+            order = [holders[(i + rot) % c] for i in range(c)]  # identical replicas lean different ways
+            for src, part in self._share(box, -neg, order, nic_load, rank_load):
+                self._add(moves[g], src, lt, piece, part, volume(part) * ITEMSIZE[lt.dtype], nic_load, rank_load)
         ranks = tuple(RankPlan(tuple(sorted(ms, key=lambda m: (m.src, m.name, m.box, m.dst_tensor)))) for ms in moves)
         return ReplicaPlan(replica.id, f"{self._fingerprint}:{replica.fingerprint()}", ranks)
 
@@ -236,13 +234,48 @@ class Planner:
         nic_load[nic] = nic_load.get(nic, 0) + nbytes
         rank_load[src] = rank_load.get(src, 0) + nbytes
 
+    def _share(self, box: Box, nbytes: int, holders: list[int], nic_load: dict[str, int],
+               rank_load: dict[int, int]) -> list[tuple[int, Box]]:
+        """Spreads ``box`` over its holders so that their loads even out: water-filling over
+        their NICs, then over the holders of each NIC, cut along the box's first dimension
+        longer than 1 into parts of at least MIN_SPLIT_BYTES (a smaller box goes whole to the
+        least loaded holder)."""
+        dim = next((d for d, (lo, hi) in enumerate(box) if hi - lo > 1), None)
+        live = list(holders)
+        while True:
+            if dim is None or nbytes < 2 * MIN_SPLIT_BYTES or len(live) == 1:
+                best = min(live, key=lambda h: (nic_load.get(self.topology.nic(h), 0), rank_load.get(h, 0),
+                                                holders.index(h)))
+                return [(best, box)]
+            nics = list(dict.fromkeys(self.topology.nic(h) for h in live))
+            share: dict[int, int] = {}
+            for nic, amount in zip(nics, _water_fill([nic_load.get(n, 0) for n in nics], nbytes), strict=True):
+                mine = [h for h in live if self.topology.nic(h) == nic]
+                share.update(zip(mine, _water_fill([rank_load.get(h, 0) for h in mine], amount), strict=True))
+            small = [h for h in live if 0 < share[h] < MIN_SPLIT_BYTES]
+            if not small:
+                break
+            live = [h for h in live if h not in small[-1:]]  # drop one (the last) and fill again
+        lo, hi = box[dim]
+        rows, out, done, at = hi - lo, [], 0, lo
+        for h in live:
+            done += share[h]
+            end = lo + (rows * done + nbytes // 2) // nbytes  # cumulative rounding: the rows add up
+            if end > at:
+                out.append((h, (*box[:dim], (at, end), *box[dim + 1 :])))
+                at = end
+        return out
+
     def segments(self, move: Move, dst: LocalTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The runs of ``move`` (``(src, dst, length)`` in elements): offsets into the sending
         rank's local shard of ``move.name`` and into ``dst``, the generator's local tensor."""
         spec = self._specs[move.name]
         own = spec.sharding.boxes(spec.shape)[move.src]
         src = row_major(box_shape(own), [lo for lo, _ in own])
-        piece = next(p for p in dst.pieces if p.name == move.name and _inside(move.box, p.box))
+        # Local pieces are disjoint: the one the move lands in is its piece (the same global box
+        # may fill several places).
+        piece = next(p for p in dst.pieces
+                     if p.name == move.name and _inside(move.dst_box, p.local) and _inside(move.box, p.box))
         return segments(move.box, src, _piece_addressing(piece, dst.shape))
 
 
@@ -250,15 +283,22 @@ def _inside(inner: Box, outer: Box) -> bool:
     return all(olo <= ilo and ihi <= ohi for (ilo, ihi), (olo, ohi) in zip(inner, outer, strict=True))
 
 
-def _cut(box: Box, nbytes: int, holders: int) -> list[Box]:
-    """``box`` cut along its first dimension longer than 1 into at most ``holders`` parts of at
-    least MIN_SPLIT_BYTES each."""
-    parts = min(holders, max(1, nbytes // MIN_SPLIT_BYTES))
-    dim = next((d for d, (lo, hi) in enumerate(box) if hi - lo > 1), None)
-    if parts <= 1 or dim is None:
-        return [box]
-    lo, hi = box[dim]
-    return [(*box[:dim], iv, *box[dim + 1 :]) for iv in split_even(lo, hi, min(parts, hi - lo))]
+def _water_fill(loads: list[int], total: int) -> list[int]:
+    """Integer amounts summing to ``total`` that bring the lowest ``loads`` up to one level
+    (ties to the earlier entries)."""
+    n = len(loads)
+    order = sorted(range(n), key=lambda i: (loads[i], i))
+    acc, k = 0, n
+    for j in range(1, n + 1):
+        acc += loads[order[j - 1]]
+        if j == n or (total + acc) <= loads[order[j]] * j:
+            k = j
+            break
+    base, rem = divmod(total + acc, k)
+    out = [0] * n
+    for rank_in_order, i in enumerate(order[:k]):
+        out[i] = base - loads[i] + (1 if rank_in_order < rem else 0)
+    return out
 
 
 def _dims(piece: Piece) -> list[tuple[int, int]]:
