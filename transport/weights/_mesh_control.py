@@ -1,0 +1,93 @@
+"""The control protocol of mesh sync (sharded trainer ranks -> TP generator replicas).
+
+Regions of a stream called N (``mesh.N.*``):
+
+* every trainer rank: ``trainer`` (the trainer layout, JSON, read-only; the same on every rank),
+  ``tctl`` (``int64[TCTL_WORDS]``, read-only), ``snap0``/``snap1`` (its shards packed at the
+  wire dtype, read-only: what restarted generator ranks pull from);
+* every generator rank: ``rank`` (its replica, place and needs, JSON, read-only), ``ctl``
+  (``int64[CTL_WORDS]``, written by trainer ranks and its replica's leader), ``slot0``/``slot1``.
+
+Version ``v`` always travels in slot ``v % 2`` (snapshots likewise), so that trainer ranks that
+never talk to each other still agree on where it goes.
+
+Generator ``ctl`` words: ``COMMIT`` (the version the replica committed, front-encoded with its
+slot), ``READING`` (the slot ``apply()`` is copying, or -1), ``APPLIED`` (``v + 1``),
+``PROPOSED`` (the version the leader is about to commit), and from ``DONE0`` one word per
+(slot, trainer rank): ``v + 1`` once that trainer rank's bytes of version ``v`` are all in the
+slot, ``-(v + 1)`` while it is writing them.
+
+The two races that matter are settled by the classic two-flag handshake on words of the same
+generator's ``ctl``, each side completing its own write before reading the other's flag:
+
+* a trainer rank marks ``DONE`` as writing, then reads ``PROPOSED``/``COMMIT``/``READING``; if
+  the slot is committed or proposed and not yet applied, it restores its word and skips;
+* the leader writes ``PROPOSED`` at every rank of its replica, then re-reads every ``DONE``; it
+  writes ``COMMIT`` only if all still say complete.
+
+So a committed slot is never written until its rank applied it, and a version is committed only
+when every rank of the replica holds all of it.
+
+Trainer ``tctl`` words: ``FRONT`` (newest complete snapshot, front-encoded), ``SNAPVER0 + s``
+(``v + 1`` of snapshot ``s``), ``GEN0 + s`` (odd while snapshot ``s`` is being written: a
+seqlock for pullers), ``TRANK`` (the trainer rank + 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Generator ctl.
+COMMIT, READING, APPLIED, PROPOSED = 0, 1, 2, 3
+HEADER_WORDS = 8
+MAX_TRAINER_RANKS = 4096
+DONE0 = HEADER_WORDS
+CTL_WORDS = HEADER_WORDS + 2 * MAX_TRAINER_RANKS
+# Trainer tctl.
+FRONT, SNAPVER0, GEN0, TRANK = 0, 1, 3, 5
+TCTL_WORDS = 8
+
+ALIGN = 64  # every packed tensor starts on a 64-byte boundary
+POLL_S = 0.002
+
+
+def done_word(slot: int, trainer_rank: int) -> int:
+    """Index of the DONE word of ``trainer_rank`` for ``slot`` in a generator's ctl."""
+    return DONE0 + slot * MAX_TRAINER_RANKS + trainer_rank
+
+
+def slot_of(version: int) -> int:
+    return version % 2
+
+
+@dataclass(frozen=True)
+class MeshKeys:
+    """Region names of the mesh stream called ``name``."""
+
+    trainer: str
+    tctl: str
+    snaps: tuple[str, str]
+    rank: str
+    ctl: str
+    slots: tuple[str, str]
+
+    @classmethod
+    def of(cls, name: str) -> MeshKeys:
+        p = f"mesh.{name}."
+        return cls(p + "trainer", p + "tctl", (p + "snap0", p + "snap1"), p + "rank", p + "ctl",
+                   (p + "slot0", p + "slot1"))
+
+
+def pack(items: Iterable[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Byte offsets of ``(name, nbytes)`` items packed in order, each aligned to ALIGN.
+
+    Returns:
+        name -> (offset, nbytes), and the total size.
+    """
+    out, at = {}, 0
+    for name, nbytes in items:
+        at = -(-at // ALIGN) * ALIGN
+        out[name] = (at, nbytes)
+        at += nbytes
+    return out, max(at, 1)

@@ -1,0 +1,432 @@
+"""``MeshSubscriber``: one generator rank's side of a mesh stream (see ``_mesh_control``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from .._errors import TransferTimeoutError, TransportError
+from ..plan import GeneratorRank, Planner, RankPlan, Replica, TrainerLayout
+from ..plan._codec import RankLayout, decode_rank, decode_trainer, encode_rank
+from ..plan._layouts import LayoutError
+from ._control import decode_front, encode_front, memory_barrier, withdraw
+from ._mesh_control import (
+    APPLIED,
+    COMMIT,
+    CTL_WORDS,
+    GEN0,
+    MAX_TRAINER_RANKS,
+    POLL_S,
+    PROPOSED,
+    READING,
+    SNAPVER0,
+    TCTL_WORDS,
+    TRANK,
+    MeshKeys,
+    done_word,
+    pack,
+    slot_of,
+)
+
+if TYPE_CHECKING:
+    from .. import Transport
+
+log = logging.getLogger(__name__)
+
+
+class CommitError(TransportError):
+    """A replica-level operation that cannot proceed: not the leader, a rank of the replica or a
+    trainer rank is missing, or ``apply(version)`` asked for a version that is not committed."""
+
+
+class MeshSubscriber:
+    """One generator rank of a replica: receives its slices one-sidedly and applies versions
+    only when the whole replica holds them.
+
+    Trainer ranks write into this rank's slots; nothing here runs during a push. Between its
+    generation steps the replica's leader (rank 0) calls :meth:`commit`, which picks the newest
+    version every rank of the replica holds in full and commits it at every rank; each rank then
+    calls :meth:`apply`, which copies the committed version into its tensors. A rank that
+    (re)starts calls :meth:`pull` to fetch its slices from the trainer ranks' snapshots itself.
+
+    Args:
+        transport: this rank's open Transport.
+        name: the stream name (the trainer ranks use the same).
+        replica: the replica id (the same on all its ranks, unique in the job).
+        rank: this rank's index in the replica (TP order).
+        size: ranks in the replica.
+        layout: what this rank needs (e.g. from ``transport.plan.generator_rank``).
+        tensors: local tensor name -> the tensor ``apply`` copies into (the model's); by default
+            zeroed tensors are allocated (``self.tensors``).
+        timeout: default bound of ``commit``/``pull`` (seconds).
+
+    Raises:
+        LayoutError: a tensor is missing or differs from the layout in shape or dtype.
+    """
+
+    def __init__(self, transport: Transport, name: str, *, replica: str, rank: int, size: int, layout: GeneratorRank,
+                 tensors: Mapping[str, torch.Tensor] | None = None, timeout: float = 60.0) -> None:
+        if not 0 <= rank < size:
+            raise LayoutError(f"rank {rank} of a replica of {size}")
+        self.t, self.name, self.replica, self.rank, self.size = transport, name, replica, rank, size
+        self.layout, self.timeout = layout, timeout
+        self.keys = MeshKeys.of(name)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for lt in layout.tensors:
+            dtype = getattr(torch, lt.dtype)
+            got = tensors.get(lt.name) if tensors is not None else torch.zeros(lt.shape, dtype=dtype)
+            if got is None or tuple(got.shape) != lt.shape or got.dtype != dtype:
+                have = None if got is None else (tuple(got.shape), got.dtype)
+                raise LayoutError(f"{replica}/{rank}: {lt.name} must be {lt.shape} {lt.dtype}, got {have}")
+            self.tensors[lt.name] = got
+        self._offsets, self._total = pack((lt.name, lt.nbytes) for lt in layout.tensors)
+        self._ctl: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []
+        self._trainer: tuple[str, str, TrainerLayout] | None = None  # (peer, incarnation, layout)
+        self._peers: dict[str, tuple[str, RankLayout | None]] = {}
+        self._plan: tuple[str, list[RankPlan]] | None = None
+
+    async def __aenter__(self) -> MeshSubscriber:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Registers the slots, the control block and this rank's layout.
+
+        Raises:
+            RegistrationError: a region name is taken.
+        """
+        data = encode_rank(RankLayout(self.replica, self.rank, self.size, self.layout))
+        raw = self.t.empty(self.keys.rank, len(data), torch.uint8, writable=False)
+        raw.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._ctl = self.t.empty(self.keys.ctl, CTL_WORDS, torch.int64)
+        self._ctl[READING] = -1
+        self._slots = [self.t.empty(k, self._total, torch.uint8) for k in self.keys.slots]
+
+    def close(self) -> None:
+        """Withdraws the regions: trainer ranks stop serving this rank."""
+        withdraw(self.t, [*self.keys.slots, self.keys.ctl, self.keys.rank])
+
+    @property
+    def _c(self) -> torch.Tensor:
+        if self._ctl is None:
+            raise CommitError(f"mesh subscriber {self.replica}/{self.rank}: not started")
+        return self._ctl
+
+    def committed(self) -> int | None:
+        """The version the replica committed here (None: none yet)."""
+        front = decode_front(int(self._c[COMMIT]))
+        return None if front is None else front[0]
+
+    def applied(self) -> int | None:
+        """The version this rank applied last (None: none yet)."""
+        v = int(self._c[APPLIED])
+        return v - 1 if v > 0 else None
+
+    # -- apply -----------------------------------------------------------------------------
+
+    def apply(self, version: int | None = None) -> int | None:
+        """Copies the committed version into ``self.tensors`` unless it is applied already.
+
+        Args:
+            version: the version the caller expects (e.g. agreed through the engine); None: the
+                committed one, whichever it is.
+
+        Returns:
+            The version now applied (None: nothing committed yet).
+
+        Raises:
+            CommitError: ``version`` is given and is not the committed version.
+
+        Runs on the calling thread; not cancellable midway (it copies in memory only).
+        """
+        ctl = self._c
+        while True:
+            front = decode_front(int(ctl[COMMIT]))
+            if front is None:
+                if version is not None:
+                    raise CommitError(f"{self.replica}/{self.rank}: version {version} is not committed (none is)")
+                return None
+            v, s = front
+            if version is not None and v != version:
+                raise CommitError(f"{self.replica}/{self.rank}: version {version} is not committed ({v} is)")
+            if int(ctl[APPLIED]) == v + 1:
+                return v
+            ctl[READING] = s  # trainer ranks skip this slot from now on...
+            memory_barrier()
+            if int(ctl[COMMIT]) == encode_front(v, s):  # ...unless a newer commit moved on meanwhile
+                break
+            ctl[READING] = -1
+        slot = self._slots[s]
+        for lt in self.layout.tensors:
+            off, nbytes = self._offsets[lt.name]
+            self.tensors[lt.name].copy_(slot[off : off + nbytes].view(self.tensors[lt.name].dtype).view(lt.shape))
+        memory_barrier()
+        ctl[APPLIED] = v + 1
+        memory_barrier()
+        ctl[READING] = -1
+        return v
+
+    # -- the replica ----------------------------------------------------------------------
+
+    async def _trainer_layout(self) -> tuple[TrainerLayout, dict[int, str]]:
+        """The trainer layout (read from a trainer rank) and the trainer ranks by rank number."""
+        ranks: dict[int, str] = {}
+        source = None
+        for n in await self.t.peers():
+            peer = await self.t.lookup(n)
+            if peer is None or self.keys.tctl not in peer.regions or self.keys.trainer not in peer.regions:
+                continue
+            tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
+            await self.t.get(tctl, n, key=self.keys.tctl)
+            r = int(tctl[TRANK]) - 1
+            if 0 <= r < MAX_TRAINER_RANKS:
+                ranks[r] = n
+                source = source or (n, peer.incarnation, peer.regions[self.keys.trainer].nbytes)
+        if source is None:
+            raise CommitError(f"{self.replica}/{self.rank}: no trainer rank of stream {self.name!r} in the store")
+        if self._trainer is None or self._trainer[:2] != source[:2]:
+            raw = torch.empty(source[2], dtype=torch.uint8)
+            await self.t.get(raw, source[0], key=self.keys.trainer)
+            self._trainer = (source[0], source[1], decode_trainer(raw.numpy().tobytes()))
+        return self._trainer[2], ranks
+
+    async def _replica_peers(self) -> dict[int, str]:
+        """This replica's ranks: rank -> peer name (all of them, else CommitError)."""
+        found: dict[int, str] = {}
+        for n in await self.t.peers():
+            peer = await self.t.lookup(n)
+            if peer is None or self.keys.rank not in peer.regions or self.keys.ctl not in peer.regions:
+                continue
+            cached = self._peers.get(n)
+            if cached is None or cached[0] != peer.incarnation:
+                raw = torch.empty(peer.regions[self.keys.rank].nbytes, dtype=torch.uint8)
+                try:
+                    await self.t.get(raw, n, key=self.keys.rank)
+                    rl: RankLayout | None = decode_rank(raw.numpy().tobytes())
+                except (TransportError, LayoutError) as exc:
+                    log.warning("mesh %s: cannot use %s's generator layout: %s", self.name, n, exc)
+                    rl = None
+                cached = self._peers[n] = (peer.incarnation, rl)
+            rl = cached[1]
+            if rl is not None and rl.replica == self.replica:
+                found[rl.rank] = n
+        missing = [r for r in range(self.size) if r not in found]
+        if missing:
+            raise CommitError(f"replica {self.replica}: ranks {missing} are not in the store")
+        return found
+
+    async def _rank_plans(self, peers: dict[int, str]) -> tuple[list[RankPlan], dict[int, str]]:
+        """The replica's plan per rank (planned here from the published layouts), and the
+        trainer ranks."""
+        trainer, trainer_ranks = await self._trainer_layout()
+        layouts = []
+        for r in range(self.size):
+            rl = self._peers[peers[r]][1] if peers[r] in self._peers else None
+            if r == self.rank or rl is None:
+                layouts.append(self.layout if r == self.rank else None)
+            else:
+                layouts.append(rl.layout)
+        if any(g is None for g in layouts):
+            raise CommitError(f"replica {self.replica}: a rank's layout is unreadable")
+        replica = Replica(self.replica, tuple(g for g in layouts if g is not None))
+        key = f"{trainer.fingerprint()}:{replica.fingerprint()}"
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, list(Planner(trainer).plan_replica(replica).ranks))
+        return self._plan[1], trainer_ranks
+
+    async def _ctl_of(self, peer: str) -> torch.Tensor:
+        if peer == self.t.name:
+            return self._c.clone()
+        out = torch.empty(CTL_WORDS, dtype=torch.int64)
+        await self.t.get(out, peer, key=self.keys.ctl)
+        return out
+
+    async def _write(self, peer: str, word: int, value: int) -> None:
+        if peer == self.t.name:
+            self._c[word] = value
+            memory_barrier()
+            return
+        await self.t.put(torch.tensor([value], dtype=torch.int64), peer, key=self.keys.ctl, offset=word * 8)
+
+    async def commit(self, *, timeout: float | None = None) -> int | None:
+        """Leader only (rank 0): commits the newest version that every rank of the replica holds
+        in full, at every rank. Call it between generation steps; then every rank calls
+        :meth:`apply`.
+
+        Returns:
+            The committed version (None: no version is complete at every rank yet).
+
+        Raises:
+            CommitError: this is not rank 0, or a rank of the replica or the trainer is missing.
+            TransferTimeoutError: not done within ``timeout``.
+            TransportError: a rank of the replica could not be read or written (it failed).
+
+        Cancellation: a commit cancelled after proposing leaves the proposal behind, which only
+        delays trainer writes into that slot until the next commit settles it.
+        """
+        if self.rank != 0:
+            raise CommitError(f"{self.replica}/{self.rank}: only rank 0 of a replica commits")
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with anyio.fail_after(limit):
+                return await self._commit()
+        except TimeoutError as exc:
+            raise TransferTimeoutError(f"replica {self.replica}: commit not done within {limit:g}s") from exc
+
+    async def _commit(self) -> int | None:
+        peers = await self._replica_peers()
+        plans, _ = await self._rank_plans(peers)
+        current = self.committed()
+        ctls = {r: await self._ctl_of(peers[r]) for r in range(self.size)}
+
+        def complete(ctls: Mapping[int, torch.Tensor], slot: int) -> int | None:
+            versions = {int(ctls[r][done_word(slot, t)]) for r in range(self.size) for t in plans[r].sources()}
+            if len(versions) != 1:
+                return None
+            v = versions.pop() - 1
+            return v if v >= 0 and slot_of(v) == slot else None
+
+        best = max((v for v in (complete(ctls, 0), complete(ctls, 1)) if v is not None), default=None)
+        if best is None or (current is not None and best <= current):
+            return current
+        s = slot_of(best)
+        word = encode_front(best, s)
+        for r in range(self.size):
+            await self._write(peers[r], PROPOSED, word)
+        ctls = {r: await self._ctl_of(peers[r]) for r in range(self.size)}  # look again (two-flag handshake)
+        if complete(ctls, s) != best:
+            back = encode_front(current, slot_of(current)) if current is not None else 0
+            for r in range(self.size):  # a trainer rank started writing that slot: not this time
+                await self._write(peers[r], PROPOSED, back)
+            return current
+        for r in range(self.size):
+            await self._write(peers[r], COMMIT, word)
+        return best
+
+    async def wait_committed(self, at_least: int, *, timeout: float | None = None) -> int:
+        """Waits until the replica has committed ``at_least`` or a later version here (ranks
+        other than the leader; the leader's :meth:`commit` returns it). Polls its own control
+        block every POLL_S.
+
+        Raises:
+            TransferTimeoutError: not within ``timeout``.
+        """
+        limit = self.timeout if timeout is None else timeout
+        with anyio.move_on_after(limit):
+            while True:
+                v = self.committed()
+                if v is not None and v >= at_least:
+                    return v
+                await anyio.sleep(POLL_S)
+        raise TransferTimeoutError(f"{self.replica}/{self.rank}: version {at_least} not committed within {limit:g}s")
+
+    # -- pull -------------------------------------------------------------------------------
+
+    async def pull(self, *, timeout: float | None = None) -> int:
+        """Fetches this rank's slices of the newest version every source trainer rank holds in
+        a snapshot, one-sidedly, into a slot, and marks it complete there (for a rank that
+        joins or restarts while the trainer runs). The leader's next :meth:`commit` then sees
+        it; :meth:`apply` applies it.
+
+        Returns:
+            The version pulled.
+
+        Raises:
+            CommitError: a source trainer rank is missing, or they hold no common version.
+            TransferTimeoutError: no consistent copy within ``timeout`` (the trainer kept
+                overwriting the snapshots, or a trainer rank does not answer).
+
+        Cancellation: the slot is left incomplete (never applied); nothing else changes.
+        """
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with anyio.fail_after(limit):
+                while True:
+                    got = await self._pull_once()
+                    if got is not None:
+                        return got
+                    await anyio.sleep(POLL_S)
+        except TimeoutError as exc:
+            raise TransferTimeoutError(f"{self.replica}/{self.rank}: pull not done within {limit:g}s") from exc
+
+    async def _pull_once(self) -> int | None:
+        peers = await self._replica_peers()
+        plans, trainer_ranks = await self._rank_plans(peers)
+        mine = plans[self.rank]
+        sources = mine.sources()
+        if any(t not in trainer_ranks for t in sources):
+            raise CommitError(f"{self.replica}/{self.rank}: trainer ranks "
+                              f"{[t for t in sources if t not in trainer_ranks]} are not in the store")
+        tctls = {}
+        for t in sources:
+            tctls[t] = torch.empty(TCTL_WORDS, dtype=torch.int64)
+            await self.t.get(tctls[t], trainer_ranks[t], key=self.keys.tctl)
+        common = set.intersection(*({int(c[SNAPVER0 + s]) - 1 for s in (0, 1)} for c in tctls.values())) - {-1}
+        if not common:
+            return None
+        v = max(common)
+        s = slot_of(v)
+        ctl = self._c
+        ctl[READING] = s  # trainer ranks stay out of this slot while it is filled here
+        memory_barrier()
+        try:
+            if any(int(ctl[done_word(s, t)]) < 0 for t in sources):
+                return None  # a trainer rank is writing it right now: try again
+            trainer, _ = await self._trainer_layout()
+            planner = Planner(trainer)
+            local = {lt.name: lt for lt in self.layout.tensors}
+            for t in sources:
+                gen = int(tctls[t][GEN0 + s])
+                if gen % 2:
+                    return None
+                src_offsets = _snapshot_offsets(trainer, t)
+                items = []
+                for m in (m for m in mine.moves if m.src == t):
+                    lt = local[m.dst_tensor]
+                    item = _itemsize(lt.dtype)
+                    a0, b0 = src_offsets[m.name][0], self._offsets[m.dst_tensor][0]
+                    seg_s, seg_d, seg_n = planner.segments(m, lt)
+                    for a, b, c in zip(seg_s.tolist(), seg_d.tolist(), seg_n.tolist(), strict=True):
+                        lo = b0 + b * item
+                        items.append((self._slots[s][lo : lo + c * item], self.keys.snaps[s], a0 + a * item))
+                if items:
+                    await self.t.get_many(trainer_ranks[t], items)
+                after = torch.empty(TCTL_WORDS, dtype=torch.int64)
+                await self.t.get(after, trainer_ranks[t], key=self.keys.tctl)
+                if int(after[GEN0 + s]) != gen or int(after[SNAPVER0 + s]) != v + 1:
+                    return None  # overwritten while read: try again
+            for t in sources:
+                ctl[done_word(s, t)] = v + 1
+            memory_barrier()
+            return v
+        finally:
+            ctl[READING] = -1
+
+
+def _itemsize(dtype: str) -> int:
+    from ..plan._layouts import ITEMSIZE
+
+    return ITEMSIZE[dtype]
+
+
+def _snapshot_offsets(trainer: TrainerLayout, rank: int) -> dict[str, tuple[int, int]]:
+    """Where trainer ``rank`` packs each of its shards in a snapshot (as MeshPublisher packs)."""
+    items = []
+    for spec in trainer.tensors:
+        box = spec.sharding.boxes(spec.shape).get(rank)
+        if box is None:
+            continue
+        n = 1
+        for lo, hi in box:
+            n *= hi - lo
+        if n:
+            items.append((spec.name, n * _itemsize(spec.dtype)))
+    return pack(items)[0]
