@@ -13,8 +13,8 @@ from transport.plan import (
     ITEMSIZE,
     ExplicitSharding,
     GeneratorRank,
-    LayoutError,
     LocalTensor,
+    MeshLayoutError,
     MeshSharding,
     Piece,
     Planner,
@@ -143,20 +143,20 @@ def test_bad_layouts_are_refused_before_planning():
     }
     for why, piece in bad.items():
         rep = Replica("x", (GeneratorRank.of([LocalTensor("l", (w0.shape[0] + 1, 4), "float32", (piece,))]),))
-        with pytest.raises(LayoutError):
+        with pytest.raises(MeshLayoutError):
             planner.plan([rep])
             pytest.fail(f"planned a layout with a piece {why}")
     overlapping = (Piece("w0", ((0, 2), (0, 2)), ((0, 2), (0, 2))), Piece("w1", ((0, 2), (0, 2)), ((1, 3), (0, 2))))
-    with pytest.raises(LayoutError, match="overlap"):
+    with pytest.raises(MeshLayoutError, match="overlap"):
         planner.plan([Replica("x", (GeneratorRank.of([LocalTensor("l", (4, 2), "float32", overlapping)]),))])
-    with pytest.raises(LayoutError, match="two replicas"):
+    with pytest.raises(MeshLayoutError, match="two replicas"):
         planner.plan([_whole_replica(trainer, "same"), _whole_replica(trainer, "same")])
     # A byte no trainer rank holds (an explicit layout with a hole).
     holey = TrainerLayout.of([TensorSpec("h", (4, 2), "float32", ExplicitSharding(((0, ((0, 2), (0, 2))),)))])
     whole = LocalTensor("h", (4, 2), "float32", (Piece("h", full_box((4, 2)), full_box((4, 2))),))
-    with pytest.raises(LayoutError, match="held by no trainer rank"):
+    with pytest.raises(MeshLayoutError, match="held by no trainer rank"):
         Planner(holey).plan([Replica("x", (GeneratorRank.of([whole]),))])
-    with pytest.raises(LayoutError):
+    with pytest.raises(MeshLayoutError):
         MeshSharding((2, 2), (Shard(0),), (0, 1, 2, 3))
-    with pytest.raises(LayoutError):
+    with pytest.raises(MeshLayoutError):
         TrainerLayout.of([TensorSpec("bad", (4,), "complex7", MeshSharding((1,), (Replicate(),), (0,)))])

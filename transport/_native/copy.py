@@ -75,6 +75,22 @@ def copy_now(kind: CopyKind, pid: int, dst: int, src: int, nbytes: int) -> int:
     return _C.copy_now(int(kind), pid, dst, src, nbytes)
 
 
+class RemoteWord:
+    """An 8-byte buffer that reads one word of another process by cross-memory attach (e.g. a
+    same-host peer's record seq), without a tensor per read."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = ctypes.c_uint64(0)
+
+    def read(self, pid: int, address: int) -> int | None:
+        """The word at ``address`` of process ``pid``, or None when it cannot be read."""
+        if _C.copy_now(int(CopyKind.CMA_READ), pid, ctypes.addressof(self._buf), address, 8) != 0:
+            return None
+        return self._buf.value
+
+
 def memory_fence() -> None:
     """A full (sequentially consistent) memory fence: orders this thread's store of a flag
     before its next load of another process's flag."""

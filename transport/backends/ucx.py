@@ -43,7 +43,6 @@ How it works:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import struct
@@ -59,7 +58,7 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyKind, CopyStatus, copy_now, pack_segments
+from .._native import CopyStatus, RemoteWord, pack_segments
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind
@@ -211,7 +210,7 @@ class UcxBackend(Backend):
             self._engine.close()
             raise
         ctx.tg.start_soon(self._engine.run)
-        self._seq_buf = ctypes.c_uint64(0)  # where a same-host initiator reads a peer's word into
+        self._seq_word = RemoteWord()  # reads a same-host peer's control word
         self._next_lane = 0
         self._mapped: dict[int, tuple[Region, int | None, bytes | None]] = {}  # id(region) -> (region, mem, descriptor)
         self._described: set[int] = set()
@@ -329,9 +328,9 @@ class UcxBackend(Backend):
         if info is None:
             return None
         if peer.host == self.ctx.host:
-            err = copy_now(CopyKind.CMA_READ, peer.pid, ctypes.addressof(self._seq_buf), info.ctl_address, 8)
-            if err == 0:
-                return self._seq_buf.value
+            seq = self._seq_word.read(peer.pid, info.ctl_address)
+            if seq is not None:
+                return seq
         return self._read_seq_over_ucx(peer)
 
     def _info(self, peer: PeerRecord) -> _EndpointInfo | None:

@@ -11,8 +11,8 @@ from ._boxes import volume as volume
 from ._layouts import ITEMSIZE as ITEMSIZE
 from ._layouts import ExplicitSharding as ExplicitSharding
 from ._layouts import GeneratorRank as GeneratorRank
-from ._layouts import LayoutError as LayoutError
 from ._layouts import LocalTensor as LocalTensor
+from ._layouts import MeshLayoutError as MeshLayoutError
 from ._layouts import MeshSharding as MeshSharding
 from ._layouts import Piece as Piece
 from ._layouts import Replica as Replica
@@ -22,6 +22,16 @@ from ._layouts import TensorSpec as TensorSpec
 from ._layouts import TrainerLayout as TrainerLayout
 from ._layouts import merge_trainer_layouts as merge_trainer_layouts
 from ._layouts import trainer_layout_from_state_dict as trainer_layout_from_state_dict
+from ._models import BUILTIN_MODELS as BUILTIN_MODELS
+from ._models import ModelConfig as ModelConfig
+from ._models import builtin_model as builtin_model
+from ._models import checkpoint_tensors as checkpoint_tensors
+from ._models import generator_rank as generator_rank
+from ._models import generator_replica as generator_replica
+from ._models import model_config as model_config
+from ._models import parameter_count as parameter_count
+from ._models import parse_trainer_spec as parse_trainer_spec
+from ._models import trainer_layout as trainer_layout
 from ._planner import Move as Move
 from ._planner import Plan as Plan
 from ._planner import Planner as Planner

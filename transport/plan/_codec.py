@@ -3,7 +3,7 @@
 A layout read from a peer's region is hostile until checked: its size is bounded before it is
 parsed, every field is type-checked here, and the result is validated as a layout
 (:meth:`TrainerLayout.validate`, :meth:`Replica.validate`) before anything is planned from it.
-Every failure is a :class:`LayoutError` naming what was wrong.
+Every failure is a :class:`MeshLayoutError` naming what was wrong.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from ._boxes import Box
 from ._layouts import (
     ExplicitSharding,
     GeneratorRank,
-    LayoutError,
     LocalTensor,
+    MeshLayoutError,
     MeshSharding,
     Piece,
     Placement,
@@ -72,31 +72,31 @@ def encode_rank(r: RankLayout) -> bytes:
 
 def _load(data: bytes, kind: str) -> dict[str, Any]:
     if len(data) > MAX_LAYOUT_BYTES:
-        raise LayoutError(f"a {kind} layout of {len(data)} bytes exceeds {MAX_LAYOUT_BYTES}")
+        raise MeshLayoutError(f"a {kind} layout of {len(data)} bytes exceeds {MAX_LAYOUT_BYTES}")
     try:
         doc = json.loads(bytes(data).rstrip(b"\0").decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise LayoutError(f"a {kind} layout that is not JSON: {exc}") from exc
+        raise MeshLayoutError(f"a {kind} layout that is not JSON: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("kind") != kind:
-        raise LayoutError(f"not a format-{_FORMAT} {kind} layout")
+        raise MeshLayoutError(f"not a format-{_FORMAT} {kind} layout")
     return doc
 
 
 def _int(x: Any, what: str, lo: int = 0) -> int:
     if type(x) is not int or x < lo:
-        raise LayoutError(f"{what}: expected an integer >= {lo}, got {x!r}")
+        raise MeshLayoutError(f"{what}: expected an integer >= {lo}, got {x!r}")
     return x
 
 
 def _str(x: Any, what: str) -> str:
     if not isinstance(x, str) or not x or len(x) > 1024:
-        raise LayoutError(f"{what}: expected a name, got {x!r}")
+        raise MeshLayoutError(f"{what}: expected a name, got {x!r}")
     return x
 
 
 def _list(x: Any, what: str) -> list[Any]:
     if not isinstance(x, list):
-        raise LayoutError(f"{what}: expected a list, got {type(x).__name__}")
+        raise MeshLayoutError(f"{what}: expected a list, got {type(x).__name__}")
     return x
 
 
@@ -109,14 +109,14 @@ def _read_box(x: Any, what: str) -> Box:
     for iv in _list(x, what):
         pair = _list(iv, what)
         if len(pair) != 2:
-            raise LayoutError(f"{what}: an interval needs two bounds, got {pair!r}")
+            raise MeshLayoutError(f"{what}: an interval needs two bounds, got {pair!r}")
         out.append((_int(pair[0], what), _int(pair[1], what)))
     return tuple(out)
 
 
 def _read_sharding(x: Any, what: str) -> Sharding:
     if not isinstance(x, dict):
-        raise LayoutError(f"{what}: expected a sharding object")
+        raise MeshLayoutError(f"{what}: expected a sharding object")
     if "mesh" in x:
         placements: list[Placement] = []
         for p in _list(x.get("placements"), what):
@@ -126,14 +126,14 @@ def _read_sharding(x: Any, what: str) -> Sharding:
             elif len(p) == 2 and p[0] == "S":
                 placements.append(Shard(_int(p[1], what)))
             else:
-                raise LayoutError(f"{what}: unknown placement {p!r}")
+                raise MeshLayoutError(f"{what}: unknown placement {p!r}")
         ranks = tuple(_int(r, what) for r in _list(x.get("ranks"), what))
         return MeshSharding(_shape(x.get("mesh"), what), tuple(placements), ranks)
     pairs = []
     for item in _list(x.get("boxes"), what):
         item = _list(item, what)
         if len(item) != 2:
-            raise LayoutError(f"{what}: expected [rank, box]")
+            raise MeshLayoutError(f"{what}: expected [rank, box]")
         pairs.append((_int(item[0], what), _read_box(item[1], what)))
     return ExplicitSharding(tuple(pairs))
 
@@ -142,13 +142,13 @@ def decode_trainer(data: bytes) -> TrainerLayout:
     """The trainer layout in ``data``, checked.
 
     Raises:
-        LayoutError: not a well-formed, valid trainer layout.
+        MeshLayoutError: not a well-formed, valid trainer layout.
     """
     doc = _load(data, "trainer")
     specs = []
     for t in _list(doc.get("tensors"), "tensors"):
         if not isinstance(t, dict):
-            raise LayoutError("tensors: expected objects")
+            raise MeshLayoutError("tensors: expected objects")
         name = _str(t.get("name"), "tensor name")
         specs.append(TensorSpec(name, _shape(t.get("shape"), name), _str(t.get("dtype"), name),
                                 _read_sharding(t.get("sharding"), name)))
@@ -160,23 +160,23 @@ def decode_rank(data: bytes) -> RankLayout:
     layout with :meth:`Replica.validate` before planning).
 
     Raises:
-        LayoutError: not a well-formed generator rank layout.
+        MeshLayoutError: not a well-formed generator rank layout.
     """
     doc = _load(data, "generator")
     size = _int(doc.get("size"), "size", 1)
     rank = _int(doc.get("rank"), "rank")
     if rank >= size:
-        raise LayoutError(f"rank {rank} of a replica of {size}")
+        raise MeshLayoutError(f"rank {rank} of a replica of {size}")
     tensors = []
     for t in _list(doc.get("tensors"), "tensors"):
         if not isinstance(t, dict):
-            raise LayoutError("tensors: expected objects")
+            raise MeshLayoutError("tensors: expected objects")
         name = _str(t.get("name"), "local tensor name")
         pieces = []
         for p in _list(t.get("pieces"), name):
             p = _list(p, name)
             if len(p) != 3:
-                raise LayoutError(f"{name}: a piece is [name, box, local box]")
+                raise MeshLayoutError(f"{name}: a piece is [name, box, local box]")
             pieces.append(Piece(_str(p[0], name), _read_box(p[1], name), _read_box(p[2], name)))
         tensors.append(LocalTensor(name, _shape(t.get("shape"), name), _str(t.get("dtype"), name), tuple(pieces)))
     return RankLayout(_str(doc.get("replica"), "replica"), rank, size, GeneratorRank.of(tensors))

@@ -14,7 +14,7 @@ together.
 
 Layouts are plain frozen data: built from any rank's view, compared and hashed, validated once
 (:meth:`TrainerLayout.validate`, :meth:`Replica.validate`) so that a careless or hostile layout
-is refused with a :class:`LayoutError` before anything is planned from it.
+is refused with a :class:`MeshLayoutError` before anything is planned from it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
-class LayoutError(ValueError):
+class MeshLayoutError(ValueError):
     """A layout that cannot be planned from: a box outside its tensor, overlapping pieces, an
     unknown tensor or dtype, a sharding that does not fit its mesh. The message names the
     tensor and the rank."""
@@ -69,18 +69,18 @@ class MeshSharding:
 
     def __post_init__(self) -> None:
         if len(self.mesh_shape) != len(self.placements) or not self.mesh_shape:
-            raise LayoutError(f"a mesh of shape {self.mesh_shape} needs one placement per dimension, "
+            raise MeshLayoutError(f"a mesh of shape {self.mesh_shape} needs one placement per dimension, "
                               f"got {len(self.placements)}")
         if any(n < 1 for n in self.mesh_shape) or int(np.prod(self.mesh_shape)) != len(self.ranks):
-            raise LayoutError(f"mesh of shape {self.mesh_shape} cannot hold ranks {self.ranks}")
+            raise MeshLayoutError(f"mesh of shape {self.mesh_shape} cannot hold ranks {self.ranks}")
         if len(set(self.ranks)) != len(self.ranks) or any(r < 0 for r in self.ranks):
-            raise LayoutError(f"mesh ranks must be distinct and non-negative, got {self.ranks}")
+            raise MeshLayoutError(f"mesh ranks must be distinct and non-negative, got {self.ranks}")
 
     def boxes(self, shape: Shape) -> dict[int, Box]:
         """The box of a tensor of ``shape`` that each rank of the mesh holds (maybe empty)."""
         for p in self.placements:
             if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
-                raise LayoutError(f"Shard({p.dim}) of a {len(shape)}-d tensor")
+                raise MeshLayoutError(f"Shard({p.dim}) of a {len(shape)}-d tensor")
         out = {}
         for rank, coords in zip(self.ranks, itertools.product(*(range(n) for n in self.mesh_shape)), strict=True):
             box = list(full_box(shape))
@@ -104,7 +104,7 @@ class ExplicitSharding:
         """The listed boxes, by rank."""
         out = dict(self.boxes_by_rank)
         if len(out) != len(self.boxes_by_rank):
-            raise LayoutError("a rank is listed twice")
+            raise MeshLayoutError("a rank is listed twice")
         return out
 
 
@@ -133,26 +133,26 @@ class TrainerLayout:
         """The layout of ``tensors``, in canonical (name) order, validated.
 
         Raises:
-            LayoutError: a duplicate name, an unknown dtype or a box outside its tensor.
+            MeshLayoutError: a duplicate name, an unknown dtype or a box outside its tensor.
         """
         layout = cls(tuple(sorted(tensors, key=lambda t: t.name)))
         layout.validate()
         return layout
 
     def validate(self) -> None:
-        """Raises LayoutError unless every tensor is well formed and every rank's box lies in it."""
+        """Raises MeshLayoutError unless every tensor is well formed and every rank's box lies in it."""
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
-            raise LayoutError("a tensor name is offered twice")
+            raise MeshLayoutError("a tensor name is offered twice")
         for t in self.tensors:
             if t.dtype not in ITEMSIZE:
-                raise LayoutError(f"{t.name}: unknown dtype {t.dtype!r}")
+                raise MeshLayoutError(f"{t.name}: unknown dtype {t.dtype!r}")
             if any(n < 0 for n in t.shape):
-                raise LayoutError(f"{t.name}: negative dimension in shape {t.shape}")
+                raise MeshLayoutError(f"{t.name}: negative dimension in shape {t.shape}")
             whole = full_box(t.shape)
             for rank, box in t.sharding.boxes(t.shape).items():
                 if len(box) != len(t.shape) or any(lo > hi for lo, hi in box) or not contains(whole, box):
-                    raise LayoutError(f"{t.name}: rank {rank}'s box {box} is not inside shape {t.shape}")
+                    raise MeshLayoutError(f"{t.name}: rank {rank}'s box {box} is not inside shape {t.shape}")
 
     def by_name(self) -> dict[str, TensorSpec]:
         """The tensors by name."""
@@ -188,7 +188,7 @@ def trainer_layout_from_state_dict(state: Mapping[str, Any], *, rank: int | None
         The layout.
 
     Raises:
-        LayoutError: a plain tensor without a box, a box whose shape is not the tensor's, or a
+        MeshLayoutError: a plain tensor without a box, a box whose shape is not the tensor's, or a
             placement other than Shard/Replicate (e.g. Partial: reduce it first).
     """
     specs = []
@@ -204,16 +204,16 @@ def trainer_layout_from_state_dict(state: Mapping[str, Any], *, rank: int | None
                 elif kind == "Replicate":
                     placements.append(Replicate())
                 else:
-                    raise LayoutError(f"{name}: placement {p!r} is not supported (only Shard and Replicate)")
+                    raise MeshLayoutError(f"{name}: placement {p!r} is not supported (only Shard and Replicate)")
             sharding: Sharding = MeshSharding(tuple(mesh.shape), tuple(placements),
                                               tuple(int(r) for r in mesh.mesh.flatten().tolist()))
             specs.append(TensorSpec(name, tuple(value.shape), dtype, sharding))
             continue
         if boxes is None or name not in boxes or rank is None:
-            raise LayoutError(f"{name}: a plain tensor needs its global shape and box (boxes=..., rank=...)")
+            raise MeshLayoutError(f"{name}: a plain tensor needs its global shape and box (boxes=..., rank=...)")
         shape, box = boxes[name]
         if box_shape(box) != tuple(value.shape):
-            raise LayoutError(f"{name}: box {box} has shape {box_shape(box)}, the tensor {tuple(value.shape)}")
+            raise MeshLayoutError(f"{name}: box {box} has shape {box_shape(box)}, the tensor {tuple(value.shape)}")
         specs.append(TensorSpec(name, tuple(shape), dtype, ExplicitSharding(((rank, box),))))
     return TrainerLayout.of(specs)
 
@@ -223,7 +223,7 @@ def merge_trainer_layouts(layouts: Iterable[TrainerLayout]) -> TrainerLayout:
     boxes are pooled.
 
     Raises:
-        LayoutError: two ranks disagree on a tensor's shape, dtype or mesh sharding.
+        MeshLayoutError: two ranks disagree on a tensor's shape, dtype or mesh sharding.
     """
     merged: dict[str, TensorSpec] = {}
     for layout in layouts:
@@ -233,17 +233,17 @@ def merge_trainer_layouts(layouts: Iterable[TrainerLayout]) -> TrainerLayout:
                 merged[t.name] = t
                 continue
             if (have.shape, have.dtype) != (t.shape, t.dtype):
-                raise LayoutError(f"{t.name}: ranks disagree on shape/dtype ({have.shape} {have.dtype} "
+                raise MeshLayoutError(f"{t.name}: ranks disagree on shape/dtype ({have.shape} {have.dtype} "
                                   f"against {t.shape} {t.dtype})")
             if isinstance(have.sharding, ExplicitSharding) and isinstance(t.sharding, ExplicitSharding):
                 pooled = dict(have.sharding.boxes_by_rank)
                 for r, b in t.sharding.boxes_by_rank:
                     if pooled.get(r, b) != b:
-                        raise LayoutError(f"{t.name}: rank {r} offers two boxes")
+                        raise MeshLayoutError(f"{t.name}: rank {r} offers two boxes")
                     pooled[r] = b
                 merged[t.name] = TensorSpec(t.name, t.shape, t.dtype, ExplicitSharding(tuple(sorted(pooled.items()))))
             elif have.sharding != t.sharding:
-                raise LayoutError(f"{t.name}: ranks disagree on its sharding")
+                raise MeshLayoutError(f"{t.name}: ranks disagree on its sharding")
     return TrainerLayout.of(merged.values())
 
 
@@ -291,30 +291,31 @@ class Replica:
     meta: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def validate(self, trainer: TrainerLayout) -> None:
-        """Raises LayoutError unless every piece names an offered tensor, lies inside it and
+        """Raises MeshLayoutError unless every piece names an offered tensor, lies inside it and
         inside its local tensor with the same shape, and no two pieces of a local tensor
         overlap."""
         offered = trainer.by_name()
         if not self.id:
-            raise LayoutError("a replica needs an id")
+            raise MeshLayoutError("a replica needs an id")
         for r, g in enumerate(self.ranks):
             names = [t.name for t in g.tensors]
             if len(set(names)) != len(names):
-                raise LayoutError(f"replica {self.id} rank {r}: a local tensor name appears twice")
+                raise MeshLayoutError(f"replica {self.id} rank {r}: a local tensor name appears twice")
             for lt in g.tensors:
                 where = f"replica {self.id} rank {r} {lt.name}"
                 if lt.dtype not in ITEMSIZE:
-                    raise LayoutError(f"{where}: unknown dtype {lt.dtype!r}")
+                    raise MeshLayoutError(f"{where}: unknown dtype {lt.dtype!r}")
                 whole = full_box(lt.shape)
                 for p in lt.pieces:
                     spec = offered.get(p.name)
                     if spec is None:
-                        raise LayoutError(f"{where}: piece of {p.name!r}, which no trainer rank offers")
+                        raise MeshLayoutError(f"{where}: piece of {p.name!r}, which no trainer rank offers")
                     if (len(p.box) != len(spec.shape) or len(p.local) != len(lt.shape)
                             or not contains(full_box(spec.shape), p.box) or not contains(whole, p.local)):
-                        raise LayoutError(f"{where}: piece {p.box} of {p.name} -> {p.local} lies outside a tensor")
+                        raise MeshLayoutError(f"{where}: piece {p.box} of {p.name} -> {p.local} lies outside a tensor")
                     if volume(p.box) != volume(p.local) or _squeeze(box_shape(p.box)) != _squeeze(box_shape(p.local)):
-                        raise LayoutError(f"{where}: piece {p.box} of {p.name} and its place {p.local} differ in shape")
+                        raise MeshLayoutError(f"{where}: piece {p.box} of {p.name} and its place {p.local} "
+                                              "differ in shape")
                 _check_disjoint(where, lt.pieces)
 
     def fingerprint(self) -> str:
@@ -329,7 +330,7 @@ def _check_disjoint(where: str, pieces: Sequence[Piece]) -> None:
     """No two pieces of one local tensor share an element (sweep over their first dimension)."""
     if len(pieces) < 2 or not pieces[0].local:
         if len(pieces) > 1:
-            raise LayoutError(f"{where}: several pieces fill one 0-d tensor")
+            raise MeshLayoutError(f"{where}: several pieces fill one 0-d tensor")
         return
     order = sorted(pieces, key=lambda p: p.local[0][0])
     active: list[Piece] = []
@@ -337,5 +338,5 @@ def _check_disjoint(where: str, pieces: Sequence[Piece]) -> None:
         active = [a for a in active if a.local[0][1] > p.local[0][0]]
         for a in active:
             if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a.local, p.local, strict=True)):
-                raise LayoutError(f"{where}: pieces {a.name}{a.box} and {p.name}{p.box} overlap at the destination")
+                raise MeshLayoutError(f"{where}: pieces {a.name}{a.box} and {p.name}{p.box} overlap at the destination")
         active.append(p)

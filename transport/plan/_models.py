@@ -39,8 +39,8 @@ from ._boxes import Box, Shape, full_box, volume
 from ._layouts import (
     ITEMSIZE,
     GeneratorRank,
-    LayoutError,
     LocalTensor,
+    MeshLayoutError,
     MeshSharding,
     Piece,
     Placement,
@@ -71,7 +71,8 @@ class ModelConfig:
     MoE layers ``moe_intermediate_size`` is the intermediate size of one routed expert, and the
     shared experts (DeepSeek) form one MLP of ``moe_intermediate_size * n_shared_experts``.
     MLA fields (``q_lora_rank`` None: no q compression, a plain q_proj) are used by the
-    deepseek_v3 architecture only.
+    deepseek_v3 architecture only; there ``num_key_value_heads`` equals the heads and
+    ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim`` (neither is used).
     """
 
     model_type: str
@@ -98,7 +99,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
-            raise LayoutError(f"model_type {self.model_type!r} is not supported "
+            raise MeshLayoutError(f"model_type {self.model_type!r} is not supported "
                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")
         need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
         if self.architecture == "mla":
@@ -110,14 +111,14 @@ class ModelConfig:
         for name in need:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise LayoutError(f"{self.model_type}: {name} must be a positive int, got {value!r}")
+                raise MeshLayoutError(f"{self.model_type}: {name} must be a positive int, got {value!r}")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise LayoutError(f"{self.model_type}: q_lora_rank must be positive or None, got {self.q_lora_rank}")
+            raise MeshLayoutError(f"{self.model_type}: q_lora_rank must be positive or None, got {self.q_lora_rank}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise LayoutError(f"{self.model_type}: first_k_dense_replace={self.first_k_dense_replace} is not in "
+            raise MeshLayoutError(f"{self.model_type}: first_k_dense_replace={self.first_k_dense_replace} is not in "
                               f"[0, {self.num_hidden_layers}]")
         if self.dense_layers and (not isinstance(self.intermediate_size, int) or self.intermediate_size < 1):
-            raise LayoutError(f"{self.model_type}: intermediate_size must be a positive int for its dense layers, "
+            raise MeshLayoutError(f"{self.model_type}: intermediate_size must be a positive int for its dense layers, "
                               f"got {self.intermediate_size!r}")
 
     @property
@@ -166,7 +167,7 @@ def model_config(source: ModelConfig | Mapping[str, Any] | str | os.PathLike[str
         (``num_nextn_predict_layers``) are not part of the model.
 
     Raises:
-        LayoutError: an unknown model_type (the message lists the supported ones), a missing or
+        MeshLayoutError: an unknown model_type (the message lists the supported ones), a missing or
             non-positive size, or a path without a readable ``config.json``.
     """
     if isinstance(source, ModelConfig):
@@ -178,13 +179,14 @@ def model_config(source: ModelConfig | Mapping[str, Any] | str | os.PathLike[str
         try:
             source = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise LayoutError(f"cannot read a model config from {path}: {e}") from e
+            raise MeshLayoutError(f"cannot read a model config from {path}: {e}") from e
     model_type = _get(source, "model_type")
     text = _get(source, "text_config")
     if model_type not in ARCHITECTURES and text is not None:
         return model_config(text)
     if model_type not in ARCHITECTURES:
-        raise LayoutError(f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise MeshLayoutError(f"model_type {model_type!r} is not supported (supported: {supported})")
     arch = ARCHITECTURES[model_type]
     hidden = _get(source, "hidden_size")
     heads = _get(source, "num_attention_heads")
@@ -193,7 +195,7 @@ def model_config(source: ModelConfig | Mapping[str, Any] | str | os.PathLike[str
         head_dim = hidden // heads
     kv_heads = _get(source, "num_key_value_heads") or heads
     if _get(source, "mlp_bias", False):
-        raise LayoutError(f"{model_type}: mlp_bias=True is not supported")
+        raise MeshLayoutError(f"{model_type}: mlp_bias=True is not supported")
     bias = bool(_get(source, "attention_bias", False))
     fields: dict[str, Any] = {
         "model_type": model_type,
@@ -214,7 +216,7 @@ def model_config(source: ModelConfig | Mapping[str, Any] | str | os.PathLike[str
                       moe_intermediate_size=_get(source, "moe_intermediate_size"))
     elif arch == "mla":
         if bias:
-            raise LayoutError(f"{model_type}: attention_bias=True is not supported")
+            raise MeshLayoutError(f"{model_type}: attention_bias=True is not supported")
         nope, rope = _get(source, "qk_nope_head_dim"), _get(source, "qk_rope_head_dim")
         fields.update(
             # MLA has no kv heads of its own; head_dim is the q/k head (nope + rope) whatever the
@@ -279,12 +281,12 @@ def builtin_model(name: str) -> ModelConfig:
     """The built-in model ``name`` (see :data:`BUILTIN_MODELS`).
 
     Raises:
-        LayoutError: an unknown name (the message lists the known ones).
+        MeshLayoutError: an unknown name (the message lists the known ones).
     """
     try:
         return BUILTIN_MODELS[name]
     except KeyError:
-        raise LayoutError(f"unknown model {name!r} (built in: {', '.join(BUILTIN_MODELS)})") from None
+        raise MeshLayoutError(f"unknown model {name!r} (built in: {', '.join(BUILTIN_MODELS)})") from None
 
 
 # --- trainer side ------------------------------------------------------------------------------
@@ -432,14 +434,14 @@ def parse_trainer_spec(spec: str) -> dict[str, int]:
     ``"fsdp=32,tp=8"``; absent keys are 1.
 
     Raises:
-        LayoutError: an unknown or repeated key, or a degree that is not a positive int.
+        MeshLayoutError: an unknown or repeated key, or a degree that is not a positive int.
     """
     out = dict.fromkeys(_SPEC_KEYS, 1)
     seen: set[str] = set()
     for item in spec.split(","):
         m = re.fullmatch(r"\s*([a-z]+)\s*=\s*(\d+)\s*", item)
         if m is None or m.group(1) not in _SPEC_KEYS or m.group(1) in seen or int(m.group(2)) < 1:
-            raise LayoutError(f"bad trainer spec {spec!r} at {item.strip()!r}: want comma-separated "
+            raise MeshLayoutError(f"bad trainer spec {spec!r} at {item.strip()!r}: want comma-separated "
                               f"{'/'.join(_SPEC_KEYS)}=N with N >= 1, each key once (e.g. 'dp=2,fsdp=64,tp=8')")
         seen.add(m.group(1))
         out[m.group(1)] = int(m.group(2))
@@ -490,11 +492,11 @@ def trainer_layout(cfg: ModelConfig, spec: str, *, dtype: str = "bfloat16", stac
         The validated layout.
 
     Raises:
-        LayoutError: a bad spec or an unknown dtype.
+        MeshLayoutError: a bad spec or an unknown dtype.
     """
     deg = parse_trainer_spec(spec)
     if dtype not in ITEMSIZE:
-        raise LayoutError(f"unknown dtype {dtype!r} (known: {', '.join(ITEMSIZE)})")
+        raise MeshLayoutError(f"unknown dtype {dtype!r} (known: {', '.join(ITEMSIZE)})")
     return TrainerLayout.of(TensorSpec(p.name, p.shape, dtype, _trainer_sharding(p, deg["dp"], deg["fsdp"], deg["tp"]))
                             for p in _params(cfg, stacked))
 
@@ -510,7 +512,7 @@ def _unquantized(dtype: str) -> str:
 
 def _even(n: int, parts: int, what: str) -> int:
     if n % parts:
-        raise LayoutError(f"{what}: {n} is not divisible by {parts}")
+        raise MeshLayoutError(f"{what}: {n} is not divisible by {parts}")
     return n // parts
 
 
@@ -551,7 +553,8 @@ class _RankBuilder:
 
     def rows(self, st: _Stack, local: str, cols: Shape, dtype: str, blocks: list[tuple[str, int, int]]) -> None:
         """A local tensor of row blocks ``(global suffix, lo, hi)`` stacked in order (all cols)."""
-        pieces, at = [], 0
+        pieces: list[tuple[str, Box, Box]] = []
+        at = 0
         for g, lo, hi in blocks:
             pieces.append((g, ((lo, hi), *full_box(cols)), ((at, at + hi - lo), *full_box(cols))))
             at += hi - lo
@@ -641,11 +644,13 @@ class _RankBuilder:
         t = self.rank % group_tp
         rows = (t * inter, (t + 1) * inter)
         # (expert global suffix, expert dims of the global box, expert dims of the local box)
+        blocks: list[tuple[str, Box, Box]]
         if self.stacked:
             blocks = [("mlp.experts.*.", ((e0, e0 + local),), ((0, local),))]
         else:
             blocks = [(f"mlp.experts.{e0 + j}.", (), ((j, j + 1),)) for j in range(local)]
-        w13, w2 = [], []
+        w13: list[tuple[str, Box, Box]] = []
+        w2: list[tuple[str, Box, Box]] = []
         for g, gbox, lbox in blocks:
             w13 += [(g + "gate_proj.weight", (*gbox, rows, (0, h)), (*lbox, (0, inter), (0, h))),
                     (g + "up_proj.weight", (*gbox, rows, (0, h)), (*lbox, (inter, 2 * inter), (0, h)))]
@@ -681,19 +686,34 @@ class _RankBuilder:
 
 def _check_generator(cfg: ModelConfig, tp: int, ep: int, dtype: str) -> None:
     if dtype not in ITEMSIZE:
-        raise LayoutError(f"unknown dtype {dtype!r} (known: {', '.join(ITEMSIZE)})")
+        raise MeshLayoutError(f"unknown dtype {dtype!r} (known: {', '.join(ITEMSIZE)})")
     if tp < 1 or ep < 1:
-        raise LayoutError(f"tp={tp} and ep={ep} must be positive")
+        raise MeshLayoutError(f"tp={tp} and ep={ep} must be positive")
     if ep > 1 and not cfg.num_experts:
-        raise LayoutError(f"ep={ep} for {cfg.model_type}, a model without experts")
+        raise MeshLayoutError(f"ep={ep} for {cfg.model_type}, a model without experts")
     if tp % ep:
-        raise LayoutError(f"ep={ep} must divide tp={tp}")
+        raise MeshLayoutError(f"ep={ep} must divide tp={tp}")
+    # The builder checks these too, as it meets them; here they come in a fixed, readable order.
+    _even(cfg.num_attention_heads, tp, f"num_attention_heads over tp={tp}")
+    if cfg.architecture != "mla":
+        kv = cfg.num_key_value_heads
+        if kv >= tp:
+            _even(kv, tp, f"num_key_value_heads over tp={tp}")
+        else:
+            _even(tp, kv, f"tp over num_key_value_heads={kv}")
+    if cfg.dense_layers:
+        _even(cfg.intermediate_size, tp, f"mlp.intermediate size over tp={tp}")
+    if cfg.n_shared_experts:
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        _even(shared, tp, f"mlp.shared_experts.intermediate size over tp={tp}")
     if cfg.num_experts:
         if cfg.num_experts % ep:
-            raise LayoutError(f"{cfg.num_experts} experts are not divisible by ep={ep}")
+            raise MeshLayoutError(f"{cfg.num_experts} experts are not divisible by ep={ep}")
         if cfg.moe_intermediate_size % (tp // ep):
-            raise LayoutError(f"moe_intermediate_size {cfg.moe_intermediate_size} is not divisible by "
+            raise MeshLayoutError(f"moe_intermediate_size {cfg.moe_intermediate_size} is not divisible by "
                               f"tp/ep={tp // ep} (tp={tp}, ep={ep})")
+    padded = -(-cfg.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    _even(padded, tp, f"vocab {cfg.vocab_size} padded to {padded} over tp={tp}")
 
 
 def generator_rank(cfg: ModelConfig, *, tp: int, rank: int, ep: int = 1, dtype: str = "bfloat16",
@@ -726,13 +746,13 @@ def generator_rank(cfg: ModelConfig, *, tp: int, rank: int, ep: int = 1, dtype: 
         The rank's local tensors, each with the pieces that fill it.
 
     Raises:
-        LayoutError: a degree that does not divide a size (heads % tp, kv heads and tp, intermediate
+        MeshLayoutError: a degree that does not divide a size (heads % tp, kv heads and tp, intermediate
             % tp, moe_intermediate % (tp/ep), experts % ep, tp % ep, padded vocab % tp), ep > 1
             for a dense model, a rank out of range or an unknown dtype.
     """
     _check_generator(cfg, tp, ep, dtype)
     if not 0 <= rank < tp:
-        raise LayoutError(f"rank {rank} is not in [0, tp={tp})")
+        raise MeshLayoutError(f"rank {rank} is not in [0, tp={tp})")
     return _RankBuilder(cfg, tp, rank, ep, dtype, stacked).build()
 
 
@@ -752,7 +772,7 @@ def generator_replica(cfg: ModelConfig, replica_id: str, *, tp: int, ep: int = 1
         The replica (``meta`` records model, tp, ep, dtype).
 
     Raises:
-        LayoutError: see :func:`generator_rank`.
+        MeshLayoutError: see :func:`generator_rank`.
     """
     _check_generator(cfg, tp, ep, dtype)
     ranks = tuple(_RankBuilder(cfg, tp, r, ep, dtype, stacked).build() for r in range(tp))

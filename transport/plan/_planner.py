@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._boxes import Box, box_shape, row_major, segments, volume
-from ._layouts import ITEMSIZE, LayoutError, LocalTensor, Piece, Replica, TrainerLayout
+from ._layouts import ITEMSIZE, LocalTensor, MeshLayoutError, Piece, Replica, TrainerLayout
 
 #: A part shared by several ranks is not cut into pieces smaller than this (bytes).
 MIN_SPLIT_BYTES = 64 << 10
@@ -179,13 +179,13 @@ class Planner:
         layouts keep it as it is (nothing is recomputed for them).
 
         Raises:
-            LayoutError: a replica's layout is invalid (see :meth:`Replica.validate`), a needed
+            MeshLayoutError: a replica's layout is invalid (see :meth:`Replica.validate`), a needed
                 byte is held by no trainer rank, or two replicas share an id.
         """
         out: dict[str, ReplicaPlan] = {}
         for replica in replicas:
             if replica.id in out:
-                raise LayoutError(f"two replicas have the id {replica.id!r}")
+                raise MeshLayoutError(f"two replicas have the id {replica.id!r}")
             inputs = f"{self._fingerprint}:{replica.fingerprint()}"
             old = previous.replicas.get(replica.id) if previous is not None else None
             out[replica.id] = old if old is not None and old.inputs == inputs else self.plan_replica(replica)
@@ -195,7 +195,7 @@ class Planner:
         """The plan of one replica (validated first).
 
         Raises:
-            LayoutError: see :meth:`plan`.
+            MeshLayoutError: see :meth:`plan`.
         """
         replica.validate(self.trainer)
         rot = _rotation(replica.id)
@@ -210,8 +210,8 @@ class Planner:
                 for piece in lt.pieces:
                     parts = self._owners_of(piece.name).cover(piece.box)
                     if sum(volume(b) for b, _ in parts) != volume(piece.box):
-                        raise LayoutError(f"replica {replica.id} rank {g} {lt.name}: part of {piece.name}{piece.box} "
-                                          "is held by no trainer rank")
+                        raise MeshLayoutError(f"replica {replica.id} rank {g} {lt.name}: part of "
+                                              f"{piece.name}{piece.box} is held by no trainer rank")
                     for box, holders in parts:
                         nbytes = volume(box) * item
                         if len(holders) == 1:

@@ -38,12 +38,27 @@ Packing and device unpacking use the batched gather/scatter of ``transport._kern
 
 from .._public import rehome
 from ._layout import LayoutMismatchError as LayoutMismatchError
+from ._mesh_publisher import MeshPublisher as MeshPublisher
+from ._mesh_publisher import MeshPublishReport as MeshPublishReport
+from ._mesh_subscriber import CommitError as CommitError
+from ._mesh_subscriber import MeshSubscriber as MeshSubscriber
 from ._publisher import Publisher as Publisher
 from ._report import PublishReport as PublishReport
 from ._report import SyncResult as SyncResult
 from ._report import SyncStatus as SyncStatus
 from ._subscriber import Subscriber as Subscriber
 
-__all__ = ["LayoutMismatchError", "PublishReport", "Publisher", "Subscriber", "SyncResult", "SyncStatus"]
+__all__ = [
+    "CommitError",
+    "LayoutMismatchError",
+    "MeshPublishReport",
+    "MeshPublisher",
+    "MeshSubscriber",
+    "PublishReport",
+    "Publisher",
+    "Subscriber",
+    "SyncResult",
+    "SyncStatus",
+]
 
 rehome(globals(), __all__, __name__)

@@ -15,7 +15,7 @@ from .._errors import ClosedError, TransportError
 from .._tensors import dtype_name
 from ..plan import Move, Planner, ReplicaPlan, Topology, TrainerLayout, volume
 from ..plan._codec import RankLayout, decode_rank, encode_trainer
-from ..plan._layouts import ITEMSIZE, LayoutError, Replica
+from ..plan._layouts import ITEMSIZE, MeshLayoutError, Replica
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
@@ -101,13 +101,13 @@ class MeshPublisher:
         deadline: seconds a publish waits for any one generator rank.
 
     Raises:
-        LayoutError: a shard is missing or has the wrong shape, or the rank is out of range.
+        MeshLayoutError: a shard is missing or has the wrong shape, or the rank is out of range.
     """
 
     def __init__(self, transport: Transport, name: str, shards: Mapping[str, torch.Tensor], layout: TrainerLayout,
                  *, rank: int, topology: Topology | None = None, deadline: float = 30.0) -> None:
         if not 0 <= rank < MAX_TRAINER_RANKS:
-            raise LayoutError(f"trainer rank {rank} is outside [0, {MAX_TRAINER_RANKS})")
+            raise MeshLayoutError(f"trainer rank {rank} is outside [0, {MAX_TRAINER_RANKS})")
         self.t, self.name, self.rank, self.layout, self.deadline = transport, name, rank, layout, deadline
         self.keys = MeshKeys.of(name)
         self._planner = Planner(layout, topology)
@@ -120,7 +120,8 @@ class MeshPublisher:
             shape = tuple(hi - lo for lo, hi in box)
             if shard is None or tuple(shard.shape) != shape:
                 got = None if shard is None else tuple(shard.shape)
-                raise LayoutError(f"trainer rank {rank}: {spec.name} needs a local shard of shape {shape}, got {got}")
+                raise MeshLayoutError(f"trainer rank {rank}: {spec.name} needs a local shard of shape {shape}, "
+                                      f"got {got}")
             mine.append((spec.name, shard, getattr(torch, spec.dtype)))
         self._shards = mine
         self._offsets, self._total = pack((n, s.numel() * ITEMSIZE[dtype_name(d)]) for n, s, d in mine)
@@ -241,7 +242,7 @@ class MeshPublisher:
             replica = Replica(rid, tuple(ranks[k][2].layout for k in range(size)))
             try:
                 plan = self._plan(replica)
-            except LayoutError as exc:
+            except MeshLayoutError as exc:
                 refused[rid] = str(exc)
                 continue
             for k, rp in enumerate(plan.ranks):
@@ -256,7 +257,7 @@ class MeshPublisher:
         try:
             await self.t.get(raw, peer, key=self.keys.rank)
             return decode_rank(raw.numpy().tobytes())
-        except (TransportError, LayoutError) as exc:
+        except (TransportError, MeshLayoutError) as exc:
             log.warning("mesh publisher %s: cannot use %s's generator layout: %s", self.name, peer, exc)
             return None
 
@@ -273,8 +274,8 @@ class MeshPublisher:
                 for p in lt.pieces:
                     spec = specs.get(p.name)
                     if spec is not None and spec.dtype != lt.dtype:
-                        raise LayoutError(f"replica {replica.id} rank {r}: {lt.name} is {lt.dtype}, the trainer sends "
-                                          f"{p.name} as {spec.dtype}")
+                        raise MeshLayoutError(f"replica {replica.id} rank {r}: {lt.name} is {lt.dtype}, "
+                                              f"the trainer sends {p.name} as {spec.dtype}")
         plan = self._plans[replica.id] = self._planner.plan_replica(replica)
         return plan
 
@@ -326,7 +327,7 @@ class MeshPublisher:
                     await prepared.start(timeout=self.deadline)
                     mark[0] = version + 1
                     await self.t.put(mark, peer, key=self.keys.ctl, offset=word)
-            except (TransportError, LayoutError) as exc:
+            except (TransportError, MeshLayoutError) as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             status, error = SyncStatus.STRAGGLER, f"not complete within {self.deadline:g}s"

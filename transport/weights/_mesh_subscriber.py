@@ -12,7 +12,7 @@ import torch
 from .._errors import TransferTimeoutError, TransportError
 from ..plan import GeneratorRank, Planner, RankPlan, Replica, TrainerLayout
 from ..plan._codec import RankLayout, decode_rank, decode_trainer, encode_rank
-from ..plan._layouts import LayoutError
+from ..plan._layouts import MeshLayoutError
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
@@ -65,13 +65,13 @@ class MeshSubscriber:
         timeout: default bound of ``commit``/``pull`` (seconds).
 
     Raises:
-        LayoutError: a tensor is missing or differs from the layout in shape or dtype.
+        MeshLayoutError: a tensor is missing or differs from the layout in shape or dtype.
     """
 
     def __init__(self, transport: Transport, name: str, *, replica: str, rank: int, size: int, layout: GeneratorRank,
                  tensors: Mapping[str, torch.Tensor] | None = None, timeout: float = 60.0) -> None:
         if not 0 <= rank < size:
-            raise LayoutError(f"rank {rank} of a replica of {size}")
+            raise MeshLayoutError(f"rank {rank} of a replica of {size}")
         self.t, self.name, self.replica, self.rank, self.size = transport, name, replica, rank, size
         self.layout, self.timeout = layout, timeout
         self.keys = MeshKeys.of(name)
@@ -81,7 +81,7 @@ class MeshSubscriber:
             got = tensors.get(lt.name) if tensors is not None else torch.zeros(lt.shape, dtype=dtype)
             if got is None or tuple(got.shape) != lt.shape or got.dtype != dtype:
                 have = None if got is None else (tuple(got.shape), got.dtype)
-                raise LayoutError(f"{replica}/{rank}: {lt.name} must be {lt.shape} {lt.dtype}, got {have}")
+                raise MeshLayoutError(f"{replica}/{rank}: {lt.name} must be {lt.shape} {lt.dtype}, got {have}")
             self.tensors[lt.name] = got
         self._offsets, self._total = pack((lt.name, lt.nbytes) for lt in layout.tensors)
         self._ctl: torch.Tensor | None = None
@@ -211,7 +211,7 @@ class MeshSubscriber:
                 try:
                     await self.t.get(raw, n, key=self.keys.rank)
                     rl: RankLayout | None = decode_rank(raw.numpy().tobytes())
-                except (TransportError, LayoutError) as exc:
+                except (TransportError, MeshLayoutError) as exc:
                     log.warning("mesh %s: cannot use %s's generator layout: %s", self.name, n, exc)
                     rl = None
                 cached = self._peers[n] = (peer.incarnation, rl)

@@ -1,0 +1,324 @@
+"""A flow-level network simulator: how long a set of point-to-point transfers takes on a GPU cluster.
+
+``python -m transport.plan simulate`` feeds it the bytes every trainer GPU sends to every generator
+GPU under a plan and reports the makespan beside the floor no schedule can beat.
+
+The model, and what it leaves out:
+
+* GPUs are numbered ``0 .. N-1``; GPU ``g`` lives on node ``g // gpus_per_node``.
+* Every GPU has a NIC of its own, full duplex: an egress and an ingress resource, each of
+  ``nic_gbps`` (Gbit/s; ``gbps * 1e9 / 8`` bytes/s). There is no switch fabric: the network core
+  is assumed non-blocking (full bisection), so only the NICs at the two ends limit a flow.
+* A flow between two GPUs of one node takes NVLink instead and no NIC: the source GPU's NVLink
+  egress and the destination GPU's NVLink ingress, each of ``nvlink_gbps`` per GPU and direction.
+* A flow from a GPU to itself is a local copy: it takes no time and no resource; its bytes are
+  reported as ``bytes_local`` (and counted in ``bytes_total``).
+* Flows with the same ``(src, dst)`` are one connection: they are merged (bytes summed) first.
+* All flows start at ``t = 0`` and share every resource max-min fairly (progressive filling, or
+  water-filling); whenever flows finish, the rates of the others are recomputed (event-driven).
+* Rates are fluid: no packets, no latency, no per-message overhead, no congestion control, no
+  incast losses, and every flow instantly takes its fair share. The makespan is therefore an
+  idealised, close to lower-bound, estimate of what a well-behaved fabric achieves; real runs are
+  slower by their per-transfer latencies and protocol overheads.
+
+``floor_s``, the bound no schedule can beat, is the largest ``bytes through a resource / its
+capacity`` over all resources. Max-min sharing reaches it exactly when the busiest resource is
+busy all the time (a balanced all-to-all); the gap ``makespan_s - floor_s`` is what fair
+sharing of an unbalanced plan loses to an ideal schedule.
+
+Cost: one max-min computation per event (a set of flows finishing together, within ``rtol`` of
+the event time), each vectorised over the flows still running. A plan made of few distinct
+sizes takes few events (256 x 128 flows of a real plan: about ten); flows of all-different
+sizes take one event each, quadratic in the number of flows (then raise ``rtol``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Network", "SimResult", "simulate"]
+
+#: The four resources of a GPU, in the order of their blocks of resource ids (``kind * N + gpu``).
+_KINDS = ("NIC egress", "NIC ingress", "NVLink egress", "NVLink ingress")
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Network:
+    """The cluster: GPUs per node, one NIC per GPU, NVLink inside a node.
+
+    Args:
+        gpus_per_node: GPUs per node; GPU ``g`` is on node ``g // gpus_per_node``.
+        nic_gbps: each GPU's NIC, per direction (Gbit/s).
+        nvlink_gbps: each GPU's NVLink, per direction (Gbit/s; H100/H200 NVLink is about
+            450 GB/s = 3600 Gbit/s).
+
+    Raises:
+        ValueError: ``gpus_per_node`` is not a positive integer, or a rate is not a positive,
+            finite number.
+    """
+
+    gpus_per_node: int = 8
+    nic_gbps: float = 400.0
+    nvlink_gbps: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, (int, np.integer)) \
+                or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        for name in ("nic_gbps", "nvlink_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive, finite number of Gbit/s, got {value!r}")
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        """A NIC's rate per direction in bytes/s."""
+        return float(self.nic_gbps) * 1e9 / 8
+
+    @property
+    def nvlink_bytes_per_s(self) -> float:
+        """A GPU's NVLink rate per direction in bytes/s."""
+        return float(self.nvlink_gbps) * 1e9 / 8
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` found. Byte counts are after merging flows of one ``(src, dst)``.
+
+    Attributes:
+        makespan_s: when the last flow finishes under max-min fair sharing (s).
+        floor_s: the largest ``bytes through a resource / its capacity`` (s): no schedule is faster.
+        bytes_total: all bytes, local copies included.
+        bytes_over_nics: bytes between GPUs of different nodes.
+        bytes_over_nvlink: bytes between different GPUs of one node.
+        bytes_local: bytes a GPU sends to itself (no time, no resource).
+        flows: distinct ``(src, dst)`` pairs that carry bytes, local copies included.
+        events: max-min rate computations (one per set of flows finishing together).
+        nic_out_bytes_max: the most bytes one GPU sends over its NIC.
+        nic_out_bytes_min_nonzero: the fewest, over the GPUs that send over their NIC at all.
+        nic_in_bytes_max: the most bytes one GPU receives over its NIC.
+        nic_in_bytes_min_nonzero: the fewest, over the GPUs that receive over their NIC at all.
+        busiest_resource: the resource that sets ``floor_s``, e.g. ``"gpu 12 NIC egress"``
+            (``"none"`` when nothing crosses a NIC or NVLink).
+    """
+
+    makespan_s: float
+    floor_s: float
+    bytes_total: int
+    bytes_over_nics: int
+    bytes_over_nvlink: int
+    bytes_local: int
+    flows: int
+    events: int
+    nic_out_bytes_max: int
+    nic_out_bytes_min_nonzero: int
+    nic_in_bytes_max: int
+    nic_in_bytes_min_nonzero: int
+    busiest_resource: str
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """The fields as a JSON-ready dict, in declaration order.
+
+        Returns:
+            ``{field name: value}`` for every field.
+        """
+        return dataclasses.asdict(self)
+
+
+def simulate(src: Sequence[int] | npt.ArrayLike, dst: Sequence[int] | npt.ArrayLike,
+             nbytes: Sequence[int] | npt.ArrayLike, network: Network, *, rtol: float = 1e-9) -> SimResult:
+    """Times a set of flows that all start at once, sharing the network max-min fairly.
+
+    See the module docstring for the model. Flows with the same ``(src, dst)`` are merged first;
+    flows of zero bytes are ignored.
+
+    Args:
+        src: source GPU of each flow (1-D integers >= 0).
+        dst: destination GPU of each flow (1-D integers >= 0, as long as ``src``).
+        nbytes: bytes of each flow (1-D integers >= 0, as long as ``src``).
+        network: the cluster.
+        rtol: flows that would finish within ``rtol * t`` after the event at time ``t`` finish
+            with it (they are reported up to that much early). The default only absorbs rounding,
+            so that symmetric flows finish in one event; a larger one (1e-4) bounds the number
+            of events of a plan of all-different sizes, at that relative accuracy.
+
+    Returns:
+        The makespan, the floor and the byte counts (all zero when there are no flows).
+
+    Raises:
+        TypeError: an input does not hold integers.
+        ValueError: inputs that are not 1-D or not of one length, a negative GPU id or size, an
+            ``rtol`` that is negative or not finite, or a ``network`` that is not a :class:`Network`.
+    """
+    if not isinstance(network, Network):
+        raise ValueError(f"network must be a Network, got {type(network).__name__}")
+    if not (math.isfinite(rtol) and rtol >= 0):
+        raise ValueError(f"rtol must be a finite number >= 0, got {rtol!r}")
+    s = _integers("src", src)
+    d = _integers("dst", dst)
+    b = _integers("nbytes", nbytes)
+    if not (s.size == d.size == b.size):
+        raise ValueError(f"src, dst and nbytes must have one length, got {s.size}, {d.size} and {b.size}")
+    s, d, b = _merge(s, d, b)
+
+    local = s == d
+    g = network.gpus_per_node
+    nvlink = (s // g == d // g) & ~local
+    bytes_local = int(b[local].sum())
+    bytes_over_nvlink = int(b[nvlink].sum())
+    bytes_over_nics = int(b[~local & ~nvlink].sum())
+    flows = int(s.size)
+
+    s, d, b, nvlink = s[~local], d[~local], b[~local], nvlink[~local]
+    if s.size == 0:
+        return SimResult(0.0, 0.0, bytes_local, 0, 0, bytes_local, flows, 0, 0, 0, 0, 0, "none")
+
+    # Resource ids kind * n + gpu (_KINDS), renumbered densely over the resources in use.
+    n = int(max(s.max(), d.max())) + 1
+    r_out = np.where(nvlink, 2 * n + s, s)
+    r_in = np.where(nvlink, 3 * n + d, n + d)
+    ids, inverse = np.unique(np.concatenate([r_out, r_in]), return_inverse=True)
+    inverse = inverse.reshape(-1)
+    r0, r1 = inverse[: s.size].astype(np.int64), inverse[s.size:].astype(np.int64)
+    cap = np.where(ids < 2 * n, network.nic_bytes_per_s, network.nvlink_bytes_per_s)
+
+    load = np.zeros(ids.size, np.int64)  # exact bytes through each resource
+    np.add.at(load, r0, b)
+    np.add.at(load, r1, b)
+    busy = load / cap
+    busiest = int(np.argmax(busy))
+    kind, gpu = divmod(int(ids[busiest]), n)
+    nic_out = load[ids < n]
+    nic_in = load[(ids >= n) & (ids < 2 * n)]
+
+    makespan, events = _run(r0, r1, cap, b.astype(np.float64), rtol)
+    return SimResult(
+        makespan_s=makespan,
+        floor_s=float(busy[busiest]),
+        bytes_total=bytes_local + bytes_over_nvlink + bytes_over_nics,
+        bytes_over_nics=bytes_over_nics,
+        bytes_over_nvlink=bytes_over_nvlink,
+        bytes_local=bytes_local,
+        flows=flows,
+        events=events,
+        nic_out_bytes_max=int(nic_out.max()) if nic_out.size else 0,
+        nic_out_bytes_min_nonzero=int(nic_out.min()) if nic_out.size else 0,
+        nic_in_bytes_max=int(nic_in.max()) if nic_in.size else 0,
+        nic_in_bytes_min_nonzero=int(nic_in.min()) if nic_in.size else 0,
+        busiest_resource=f"gpu {gpu} {_KINDS[kind]}",
+    )
+
+
+def _integers(name: str, values: Sequence[int] | npt.ArrayLike) -> IntArray:
+    """``values`` as a 1-D int64 array of entries >= 0 (ValueError/TypeError naming ``name``)."""
+    a = np.asarray(values)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.dtype.kind == "u" and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} has an entry beyond int64: {int(a.max())}")
+    a = a.astype(np.int64, copy=False)
+    negative = np.flatnonzero(a < 0)
+    if negative.size:
+        i = int(negative[0])
+        raise ValueError(f"{name} must be >= 0: {name}[{i}] is {int(a[i])} ({negative.size} negative in all)")
+    return a
+
+
+def _merge(s: IntArray, d: IntArray, b: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """One flow per ``(src, dst)`` with the summed bytes, zero-byte flows dropped, sorted by pair."""
+    keep = b > 0
+    s, d, b = s[keep], d[keep], b[keep]
+    if s.size == 0:
+        return s, d, b
+    order = np.lexsort((d, s))
+    s, d, b = s[order], d[order], b[order]
+    first = np.ones(s.size, bool)
+    first[1:] = (s[1:] != s[:-1]) | (d[1:] != d[:-1])
+    starts = np.flatnonzero(first)
+    return s[starts], d[starts], np.add.reduceat(b, starts)
+
+
+def _run(r0: IntArray, r1: IntArray, cap: FloatArray, rem: FloatArray, rtol: float) -> tuple[float, int]:
+    """The event loop: max-min rates, advance to the next completions, drop them, repeat.
+
+    Flow ``f`` uses resources ``r0[f]`` and ``r1[f]`` (distinct) of capacities ``cap`` and has
+    ``rem[f] > 0`` bytes. Returns ``(makespan, events)``.
+    """
+    t = 0.0
+    events = 0
+    rate = np.zeros(rem.size)
+    kept: npt.NDArray[np.bool_] | None = None  # flows whose rate the next computation keeps
+    while rem.size:
+        _max_min_rates(r0, r1, cap, rate, kept)
+        events += 1
+        if not (rate > 0).all() or not np.isfinite(rate).all():  # unreachable with positive capacities
+            raise RuntimeError("netsim: a flow got no bandwidth; the model is inconsistent")
+        until = rem / rate
+        dt = float(until.min())
+        t += dt
+        done = until <= dt + rtol * t  # at least the flow at the minimum: each event ends >= 1 flow
+        # Max-min rates below the smallest rate of a finished flow do not change (progressive
+        # filling runs the same up to that level): the next computation keeps them.
+        level = float(rate[done].min())
+        going = ~done
+        rem = rem[going] - rate[going] * dt
+        r0, r1, rate = r0[going], r1[going], rate[going]
+        kept = rate < level
+    return t, events
+
+
+def _max_min_rates(r0: IntArray, r1: IntArray, cap: FloatArray, rate: FloatArray,
+                   kept: npt.NDArray[np.bool_] | None) -> None:
+    """Max-min fair rates of the flows (``r0[f]``, ``r1[f]``), written into ``rate``.
+
+    Flows where ``kept`` is true keep the rate they have (the caller guarantees that they keep
+    it in the max-min allocation); the others are filled in.
+
+    Progressive filling, in parallel rounds: a resource's fair share is its capacity left over
+    the flows through it that are not yet fixed. A resource whose share is no larger than that of
+    every resource it shares a flow with saturates at that share before any of its flows is
+    fixed elsewhere (shares only grow as flows are fixed below them), so all such resources fix
+    their flows in one round. The resource of the smallest share always qualifies, so every round
+    fixes at least one flow.
+    """
+    n_res = cap.size
+    left = cap.copy()
+    if kept is not None and kept.any():
+        k0, k1, kr = r0[kept], r1[kept], rate[kept]
+        left -= np.bincount(k0, kr, minlength=n_res) + np.bincount(k1, kr, minlength=n_res)
+        todo = np.flatnonzero(~kept)
+    else:
+        todo = np.arange(r0.size)
+    u0, u1 = r0[todo], r1[todo]
+    count = np.bincount(u0, minlength=n_res) + np.bincount(u1, minlength=n_res)
+    with np.errstate(divide="ignore", invalid="ignore"):  # resources with no flow left: unused
+        while todo.size:
+            share = left / count
+            a, c = share[u0], share[u1]
+            blocked = np.bincount(u0[c < a], minlength=n_res) + np.bincount(u1[a < c], minlength=n_res)
+            ready = blocked == 0
+            at0, at1 = ready[u0], ready[u1]
+            fix = at0 | at1
+            if not fix.any():  # unreachable: the smallest share is always ready
+                raise RuntimeError("netsim: progressive filling made no progress")
+            r = np.minimum(np.where(at0, a, np.inf), np.where(at1, c, np.inf))[fix]
+            rate[todo[fix]] = r
+            f0, f1 = u0[fix], u1[fix]
+            left -= np.bincount(f0, r, minlength=n_res) + np.bincount(f1, r, minlength=n_res)
+            count -= np.bincount(f0, minlength=n_res) + np.bincount(f1, minlength=n_res)
+            rest = ~fix
+            todo, u0, u1 = todo[rest], u0[rest], u1[rest]
