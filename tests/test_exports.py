@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import transport
+import transport.plan
 import transport.testing
 import transport.weights
 
@@ -37,7 +38,12 @@ TRANSPORT_METHODS = {
     "signal", "signal_value", "wait_signal", "peer", "lookup", "peers", "exclude", "dump_flight_record",
     "flight_record", "backends", "store_url", "prepare_put", "prepare_get", "put_many", "get_many",
 }
-WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport", "LayoutMismatchError"}
+WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport", "LayoutMismatchError",
+           "MeshPublisher", "MeshPublishReport", "MeshSubscriber", "CommitError"}
+PLAN = {"TrainerLayout", "TensorSpec", "MeshSharding", "ExplicitSharding", "Shard", "Replicate", "Replica",
+        "GeneratorRank", "LocalTensor", "Piece", "Planner", "Plan", "ReplicaPlan", "RankPlan", "Move", "Topology",
+        "MeshLayoutError", "trainer_layout", "generator_rank", "generator_replica", "model_config", "builtin_model",
+        "trainer_layout_from_state_dict", "merge_trainer_layouts"}
 
 
 def test_public_names_are_exactly_the_documented_ones() -> None:
@@ -62,8 +68,13 @@ def test_every_public_method_has_a_docstring() -> None:
         assert inspect.getdoc(getattr(transport.Transport, name)), name
 
 
-def test_weights_and_testing_exports() -> None:
+def test_weights_plan_and_testing_exports() -> None:
     assert WEIGHTS <= set(transport.weights.__all__)
+    assert PLAN <= set(transport.plan.__all__)
+    for name in transport.plan.__all__:
+        obj = getattr(transport.plan, name)
+        if (isinstance(obj, type) and obj.__module__ != "builtins") or inspect.isfunction(obj):  # not aliases
+            assert obj.__module__ == "transport.plan", (name, obj.__module__)
     assert {"check_backend"} <= set(transport.testing.__all__)
 
 

@@ -1,4 +1,4 @@
-"""Model layouts (transport.plan._models): Hugging Face checkpoint tensors sharded as an FSDP2/TP
+"""Model layouts (transport.plan._models and _vllm): Hugging Face checkpoint tensors sharded as an FSDP2/TP
 trainer holds them, vLLM TP/EP generator ranks, and the plans between them executed with numpy.
 
 Every global element gets a distinct integer, each trainer rank's shard is cut from the full
@@ -21,10 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transport.plan import ITEMSIZE, MeshLayoutError, Planner, Replica, TrainerLayout, volume
-from transport.plan._models import (
+from transport.plan import (
     BUILTIN_MODELS,
+    ITEMSIZE,
+    MeshLayoutError,
     ModelConfig,
+    Planner,
+    Replica,
+    TrainerLayout,
     builtin_model,
     checkpoint_tensors,
     generator_rank,
@@ -32,6 +36,7 @@ from transport.plan._models import (
     model_config,
     parameter_count,
     trainer_layout,
+    volume,
 )
 
 Arrays = dict[str, np.ndarray]

@@ -4,6 +4,7 @@ the deterministic planner, and ``python -m transport.plan simulate`` at cluster 
 Pure Python (numpy): nothing here moves bytes; :mod:`transport.weights` executes plans.
 """
 
+from .._public import rehome
 from ._boxes import Box as Box
 from ._boxes import full_box as full_box
 from ._boxes import segments as segments
@@ -26,8 +27,6 @@ from ._models import BUILTIN_MODELS as BUILTIN_MODELS
 from ._models import ModelConfig as ModelConfig
 from ._models import builtin_model as builtin_model
 from ._models import checkpoint_tensors as checkpoint_tensors
-from ._models import generator_rank as generator_rank
-from ._models import generator_replica as generator_replica
 from ._models import model_config as model_config
 from ._models import parameter_count as parameter_count
 from ._models import parse_trainer_spec as parse_trainer_spec
@@ -38,3 +37,44 @@ from ._planner import Planner as Planner
 from ._planner import RankPlan as RankPlan
 from ._planner import ReplicaPlan as ReplicaPlan
 from ._planner import Topology as Topology
+from ._vllm import generator_rank as generator_rank
+from ._vllm import generator_replica as generator_replica
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ITEMSIZE",
+    "Box",
+    "builtin_model",
+    "checkpoint_tensors",
+    "ExplicitSharding",
+    "full_box",
+    "generator_rank",
+    "generator_replica",
+    "GeneratorRank",
+    "LocalTensor",
+    "merge_trainer_layouts",
+    "MeshLayoutError",
+    "MeshSharding",
+    "model_config",
+    "ModelConfig",
+    "Move",
+    "parameter_count",
+    "parse_trainer_spec",
+    "Piece",
+    "Plan",
+    "Planner",
+    "RankPlan",
+    "Replica",
+    "ReplicaPlan",
+    "Replicate",
+    "segments",
+    "Shard",
+    "TensorSpec",
+    "Topology",
+    "trainer_layout",
+    "trainer_layout_from_state_dict",
+    "TrainerLayout",
+    "volume",
+]
+
+rehome(globals(), __all__, __name__)

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from ._layouts import ITEMSIZE, MeshLayoutError
-from ._models import ModelConfig, builtin_model, checkpoint_tensors, generator_replica, model_config, trainer_layout
+from ._models import ModelConfig, builtin_model, checkpoint_tensors, model_config, trainer_layout
 from ._netsim import Network, SimResult, simulate
 from ._planner import Planner
+from ._vllm import generator_replica
 
 #: Published end-to-end figures to put beside a simulation: (model, trainer GPUs, generator GPUs).
 PUBLISHED: dict[tuple[str, int, int], str] = {
