@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -153,6 +153,20 @@ class TrainerLayout:
             for rank, box in t.sharding.boxes(t.shape).items():
                 if len(box) != len(t.shape) or any(lo > hi for lo, hi in box) or not contains(whole, box):
                     raise MeshLayoutError(f"{t.name}: rank {rank}'s box {box} is not inside shape {t.shape}")
+
+    def cast(self, dtype: str, *, floating_only: bool = True) -> TrainerLayout:
+        """The same layout sent at ``dtype`` (e.g. ``"bfloat16"`` from a float32 trainer): the
+        publisher casts while it packs. Integer and bool tensors keep theirs unless
+        ``floating_only`` is False.
+
+        Raises:
+            MeshLayoutError: an unknown dtype.
+        """
+        if dtype not in ITEMSIZE:
+            raise MeshLayoutError(f"unknown dtype {dtype!r}")
+        floating = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+        return TrainerLayout.of(replace(t, dtype=dtype) if t.dtype in floating or not floating_only else t
+                                for t in self.tensors)
 
     def by_name(self) -> dict[str, TensorSpec]:
         """The tensors by name."""

@@ -92,8 +92,8 @@ class MeshPublisher:
     Args:
         transport: this trainer rank's open Transport.
         name: the stream name (generators use the same).
-        shards: global tensor name -> this rank's local shard (row-major, contiguous; a DTensor's
-            ``to_local()``), for every tensor of ``layout`` this rank holds a non-empty box of.
+        shards: global tensor name -> this rank's local shard (row-major; a DTensor is taken by
+            its ``to_local()``), for every tensor of ``layout`` this rank holds a non-empty box of.
         layout: the trainer layout (the same on every trainer rank); its dtypes are what is sent
             (casts happen while packing).
         rank: this trainer rank (as in ``layout``).
@@ -111,20 +111,8 @@ class MeshPublisher:
         self.t, self.name, self.rank, self.layout, self.deadline = transport, name, rank, layout, deadline
         self.keys = MeshKeys.of(name)
         self._planner = Planner(layout, topology)
-        mine = []
-        for spec in layout.tensors:
-            box = spec.sharding.boxes(spec.shape).get(rank)
-            if box is None or volume(box) == 0:
-                continue
-            shard = shards.get(spec.name)
-            shape = tuple(hi - lo for lo, hi in box)
-            if shard is None or tuple(shard.shape) != shape:
-                got = None if shard is None else tuple(shard.shape)
-                raise MeshLayoutError(f"trainer rank {rank}: {spec.name} needs a local shard of shape {shape}, "
-                                      f"got {got}")
-            mine.append((spec.name, shard, getattr(torch, spec.dtype)))
-        self._shards = mine
-        self._offsets, self._total = pack((n, s.numel() * ITEMSIZE[dtype_name(d)]) for n, s, d in mine)
+        self._shards = self._check_shards(shards)
+        self._offsets, self._total = pack((n, s.numel() * ITEMSIZE[dtype_name(d)]) for n, s, d in self._shards)
         self._snaps: list[torch.Tensor] = []
         self._tctl: torch.Tensor | None = None
         self._layout_bytes: torch.Tensor | None = None
@@ -133,6 +121,24 @@ class MeshPublisher:
         self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
         self._version: int | None = None
         self._lock = anyio.Lock()
+
+    def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+        """(name, local shard, wire dtype) of every tensor this rank holds a non-empty box of."""
+        mine = []
+        for spec in self.layout.tensors:
+            box = spec.sharding.boxes(spec.shape).get(self.rank)
+            if box is None or volume(box) == 0:
+                continue
+            shard = shards.get(spec.name)
+            if shard is not None and hasattr(shard, "to_local"):  # a DTensor: its local shard
+                shard = shard.to_local()
+            shape = tuple(hi - lo for lo, hi in box)
+            if shard is None or tuple(shard.shape) != shape:
+                got = None if shard is None else tuple(shard.shape)
+                raise MeshLayoutError(f"trainer rank {self.rank}: {spec.name} needs a local shard of shape {shape}, "
+                                      f"got {got}")
+            mine.append((spec.name, shard, getattr(torch, spec.dtype)))
+        return mine
 
     async def __aenter__(self) -> MeshPublisher:
         self.start()
@@ -161,7 +167,7 @@ class MeshPublisher:
 
     # -- publishing ------------------------------------------------------------------------
 
-    async def publish(self, version: int) -> MeshPublishReport:
+    async def publish(self, version: int, shards: Mapping[str, torch.Tensor] | None = None) -> MeshPublishReport:
         """Pushes ``version`` of this rank's shards to every generator rank that needs them.
 
         The shards are copied into a snapshot first: once this returns (or once packing is done,
@@ -169,6 +175,8 @@ class MeshPublisher:
 
         Args:
             version: the version number (>= 0, larger than the last one published).
+            shards: this rank's shards now (as in the constructor; DTensors are taken by their
+                local shard), when they are not the same tensors as before.
 
         Returns:
             The report: per generator rank fed, DONE, STRAGGLER (its slot still in use, or not
@@ -176,6 +184,7 @@ class MeshPublisher:
 
         Raises:
             ValueError: the version does not increase.
+            MeshLayoutError: a shard in ``shards`` is missing or has the wrong shape.
             ClosedError: the Transport is closed.
 
         Cancellation: pushes in flight are abandoned; generator ranks never see that version
@@ -185,6 +194,8 @@ class MeshPublisher:
             raise ClosedError(f"mesh publisher {self.name!r}: not started")
         if version < 0 or (self._version is not None and version <= self._version):
             raise ValueError(f"version {version} does not increase (last {self._version})")
+        if shards is not None:
+            self._shards = self._check_shards(shards)
         async with self._lock:
             t0 = time.perf_counter()
             self._pack(version)

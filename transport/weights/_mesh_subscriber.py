@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from ._mesh_control import (
     APPLIED,
     COMMIT,
     CTL_WORDS,
+    FRONT,
     GEN0,
     MAX_TRAINER_RANKS,
     POLL_S,
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from .. import Transport
 
 log = logging.getLogger(__name__)
+
+_WAIT_S = 0.1  # pull() looks for missing trainer or replica ranks again after this
 
 
 class CommitError(TransportError):
@@ -89,6 +93,8 @@ class MeshSubscriber:
         self._trainer: tuple[str, str, TrainerLayout] | None = None  # (peer, incarnation, layout)
         self._peers: dict[str, tuple[str, RankLayout | None]] = {}
         self._plan: tuple[str, list[RankPlan]] | None = None
+        self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
+        self._behind_since: float | None = None
 
     async def __aenter__(self) -> MeshSubscriber:
         self.start()
@@ -328,6 +334,57 @@ class MeshSubscriber:
                 await anyio.sleep(POLL_S)
         raise TransferTimeoutError(f"{self.replica}/{self.rank}: version {at_least} not committed within {limit:g}s")
 
+    def _held(self, sources: list[int]) -> int | None:
+        """The newest version complete in one of this rank's slots (all ``sources`` done)."""
+        best = None
+        for s in (0, 1):
+            words = {int(self._c[done_word(s, t)]) for t in sources}
+            if len(words) == 1 and (v := words.pop() - 1) >= 0 and slot_of(v) == s:
+                best = v if best is None else max(best, v)
+        return best
+
+    async def catch_up(self, *, after: float = 1.0, timeout: float | None = None) -> int | None:
+        """Pulls the trainer's newest version when pushes have not brought it here for
+        ``after`` seconds (e.g. it was published while another rank of this replica was down, so
+        the replica was not served). Cheap to call every generation step: it reads the source
+        trainer ranks' control words at most every ``after / 2`` seconds.
+
+        Returns:
+            The version pulled, or None (nothing to catch up, or not yet ``after`` seconds).
+
+        Raises:
+            TransferTimeoutError: the pull did not complete within ``timeout``.
+        """
+        now = time.monotonic()
+        if now < self._next_check:
+            return None
+        self._next_check = now + after / 2
+        try:
+            plans, trainer_ranks = await self._rank_plans(await self._replica_peers())
+        except CommitError:
+            return None  # a rank of the replica or the trainer is not up: nothing to pull from yet
+        sources = plans[self.rank].sources()
+        if not sources or any(t not in trainer_ranks for t in sources):
+            return None
+        fronts = []
+        for t in sources:
+            tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
+            await self.t.get(tctl, trainer_ranks[t], key=self.keys.tctl)
+            front = decode_front(int(tctl[FRONT]))
+            if front is None:
+                return None
+            fronts.append(front[0])
+        held = self._held(sources)
+        if held is not None and held >= min(fronts):
+            self._behind_since = None
+            return None
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since < after:
+            return None
+        self._behind_since = None
+        return await self.pull(timeout=timeout)
+
     # -- pull -------------------------------------------------------------------------------
 
     async def pull(self, *, timeout: float | None = None) -> int:
@@ -340,22 +397,28 @@ class MeshSubscriber:
             The version pulled.
 
         Raises:
-            CommitError: a source trainer rank is missing, or they hold no common version.
-            TransferTimeoutError: no consistent copy within ``timeout`` (the trainer kept
-                overwriting the snapshots, or a trainer rank does not answer).
+            TransferTimeoutError: no consistent copy within ``timeout``: a source trainer rank
+                or a rank of the replica is not in the store (it is waited for meanwhile), they
+                hold no common version, or the trainer kept overwriting the snapshots.
 
         Cancellation: the slot is left incomplete (never applied); nothing else changes.
         """
         limit = self.timeout if timeout is None else timeout
+        why = "the trainer kept overwriting its snapshots"
         try:
             with anyio.fail_after(limit):
                 while True:
-                    got = await self._pull_once()
+                    try:
+                        got = await self._pull_once()
+                    except CommitError as exc:  # a trainer rank or a rank of the replica is not up (yet)
+                        why = str(exc)
+                        await anyio.sleep(_WAIT_S)
+                        continue
                     if got is not None:
                         return got
                     await anyio.sleep(POLL_S)
         except TimeoutError as exc:
-            raise TransferTimeoutError(f"{self.replica}/{self.rank}: pull not done within {limit:g}s") from exc
+            raise TransferTimeoutError(f"{self.replica}/{self.rank}: pull not done within {limit:g}s: {why}") from exc
 
     async def _pull_once(self) -> int | None:
         peers = await self._replica_peers()
