@@ -29,22 +29,37 @@ from transport.plan import (
     Shard,
     TensorSpec,
     TrainerLayout,
+    fp8_generator_rank,
+    fp8_trainer_layout,
 )
 from transport.weights import CommitError, MeshPublisher, MeshSubscriber
 
-SHAPES = {"a": (64, 48), "b": (5,), "c": (30, 14)}
+SHAPES = {"a": (64, 48), "b": (5,), "c": (30, 14), "w8": (300, 260)}
 TRAINERS = 2
 
 
-def layout() -> TrainerLayout:
+def layout(fp8: bool = False) -> TrainerLayout:
     """``a`` and ``c`` sharded over the two trainer ranks (``c`` on its columns, unevenly
-    sized pieces for the generators), ``b`` replicated on both."""
+    sized pieces for the generators), ``b`` replicated on both; ``w8`` sharded on its rows, which
+    cuts its second row of 128x128 blocks in two (with ``fp8``: sent as FP8 with block scales)."""
     ranks = tuple(range(TRAINERS))
-    return TrainerLayout.of([
+    out = TrainerLayout.of([
         TensorSpec("a", SHAPES["a"], "float32", MeshSharding((TRAINERS,), (Shard(0),), ranks)),
         TensorSpec("b", SHAPES["b"], "float32", MeshSharding((TRAINERS,), (Replicate(),), ranks)),
         TensorSpec("c", SHAPES["c"], "float32", MeshSharding((TRAINERS,), (Shard(1),), ranks)),
+        TensorSpec("w8", SHAPES["w8"], "float32", MeshSharding((TRAINERS,), (Shard(0),), ranks)),
     ])
+    return fp8_trainer_layout(out, select=lambda t: t.name == "w8") if fp8 else out
+
+
+def quantize_whole(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 values and 128x128 block scales of a whole tensor (the reference quantizer)."""
+    rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+    padded = torch.zeros(rows * 128, cols * 128)
+    padded[: w.shape[0], : w.shape[1]] = w
+    scale = (padded.view(rows, 128, cols, 128).abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (padded.view(rows, 128, cols, 128) / scale[:, None, :, None]).view(rows * 128, cols * 128)
+    return q[: w.shape[0], : w.shape[1]].to(torch.float8_e4m3fn), scale
 
 
 def full(version: int) -> dict[str, torch.Tensor]:
@@ -56,9 +71,11 @@ def full(version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def generator_layout(tp: int, rank: int) -> GeneratorRank:
+def generator_layout(tp: int, rank: int, fp8: bool = False) -> GeneratorRank:
     """TP rank ``rank`` of ``tp``: a column block of ``a`` (column-parallel), a row block of
-    ``c`` (cut across the trainers' column shards) with two padding rows, ``b`` whole (a norm)."""
+    ``c`` (cut across the trainers' column shards) with two padding rows, ``b`` whole (a norm),
+    and ``w8``'s columns from ``128 * rank`` (all of them for tp=1), with its block scales when
+    ``fp8``."""
     ca, rc = SHAPES["a"][1] // tp, SHAPES["c"][0] // tp
     rows_a, cols_c = SHAPES["a"][0], SHAPES["c"][1]
     a_local = LocalTensor("a_cols", (rows_a, ca), "float32",
@@ -66,24 +83,35 @@ def generator_layout(tp: int, rank: int) -> GeneratorRank:
     c_local = LocalTensor("c_rows", (rc + 2, cols_c), "float32",
                           (Piece("c", ((rank * rc, (rank + 1) * rc), (0, cols_c)), ((0, rc), (0, cols_c))),))
     b_local = LocalTensor("b", SHAPES["b"], "float32", (Piece("b", ((0, SHAPES["b"][0]),), ((0, SHAPES["b"][0]),)),))
-    return GeneratorRank.of([a_local, b_local, c_local])
+    r8, c8 = SHAPES["w8"]
+    lo, hi = (0, c8) if tp == 1 else (128 * rank, c8 if rank == tp - 1 else 128 * (rank + 1))
+    w8 = LocalTensor("w8_cols", (r8, hi - lo), "float8_e4m3fn" if fp8 else "float32",
+                     (Piece("w8", ((0, r8), (lo, hi)), ((0, r8), (0, hi - lo))),))
+    g = GeneratorRank.of([a_local, b_local, c_local, w8])
+    return fp8_generator_rank(g, layout(fp8=True)) if fp8 else g
 
 
 def reference(g: GeneratorRank, version: int) -> dict[str, torch.Tensor]:
+    """Every local tensor of ``g`` cut from the global tensors of ``version`` (FP8 ones from the
+    whole-tensor quantizer's values and scales)."""
     src = full(version)
+    q8, scales = quantize_whole(src["w8"])
     out = {}
     for lt in g.tensors:
-        t = torch.zeros(lt.shape)
+        fp8 = lt.dtype == "float8_e4m3fn"
+        t = torch.zeros(lt.shape, dtype=getattr(torch, lt.dtype))
         for p in lt.pieces:
-            t[tuple(slice(lo, hi) for lo, hi in p.local)] = src[p.name][tuple(slice(lo, hi) for lo, hi in p.box)]
+            whole = q8.view(torch.uint8) if fp8 else scales if p.name == "w8_scale_inv" else src[p.name]
+            dst = t[tuple(slice(lo, hi) for lo, hi in p.local)]
+            (dst.view(torch.uint8) if fp8 else dst).copy_(whole[tuple(slice(lo, hi) for lo, hi in p.box)])
         out[lt.name] = t
     return out
 
 
 async def trainer(spec: dict, t: transport.Transport) -> dict:
     rank = spec["rank"]
-    lay = layout()
-    boxes = {s.name: s.sharding.boxes(s.shape)[rank] for s in lay.tensors}
+    lay = layout(spec.get("fp8", False))
+    boxes = {s.name: s.sharding.boxes(s.shape)[rank] for s in lay.tensors if s.scale_of is None}
 
     def shards(version: int) -> dict[str, torch.Tensor]:
         f = full(version)
@@ -122,7 +150,7 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
 
 
 async def generator(spec: dict, t: transport.Transport) -> dict:
-    g = generator_layout(spec["size"], spec["rank"])
+    g = generator_layout(spec["size"], spec["rank"], spec.get("fp8", False))
     sub = MeshSubscriber(t, "m", replica=spec["replica"], rank=spec["rank"], size=spec["size"], layout=g, timeout=30)
     sub.start()
     rounds = []
@@ -156,7 +184,14 @@ async def generator(spec: dict, t: transport.Transport) -> dict:
         ok = None
         if applied is not None:
             ref = reference(g, applied)
-            ok = all(torch.equal(sub.tensors[n], ref[n]) for n in ref)
+            ok = all(torch.equal(sub.tensors[n].view(torch.uint8), ref[n].view(torch.uint8)) for n in ref)
+            if spec.get("fp8"):  # and the FP8 weights dequantize to the source within e4m3's error
+                w, scale = sub.tensors["w8_cols"].float(), sub.tensors["w8_cols_scale_inv"]
+                deq = w * scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+                lo = 128 * spec["rank"] if spec["size"] > 1 else 0
+                src = full(applied)["w8"][:, lo : lo + w.shape[1]]
+                bound = torch.maximum(src.abs() * 2.0**-4, scale.max() * 2.0**-9)
+                ok = ok and bool(((deq - src).abs() <= bound).all())
         rounds.append({"version": v, "committed": committed, "applied": applied, "ok": ok})
         await t.signal("ctl", f"{spec['name']}.done", v + 1)
     return {"rounds": rounds}

@@ -190,3 +190,23 @@ async def test_a_trainer_rank_killed_mid_push_fails_that_version_everywhere(proc
     for g, *_ in GENERATORS:
         rounds = results[g]["rounds"]
         assert rounds[1]["applied"] == 0 and rounds[1]["ok"] is True, (g, rounds)  # never a partial version 1
+
+
+async def test_fp8_block_scales_are_made_at_the_source_across_shards_and_dequantize_within_e4m3_error(procs, file_store):
+    # w8 (300 x 260) is sharded on its rows over the two trainer ranks, which cuts a row of
+    # 128x128 blocks in two: each rank's FP8 values must still equal a whole-tensor quantizer's
+    # bit for bit (mesh_peer checks), which needs the other rank's part of each block's maximum.
+    n = 2
+    async with transport.Transport("ctl", store=file_store, backends=("ipc",)) as ctl:
+        trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r, fp8=True)) for r in range(2)]
+        gens = [procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size, fp8=True))
+                for g, rep, k, size in GENERATORS]
+        await _start(ctl, [p.name for p in trainers + gens])
+        for v in range(n):
+            await _round(ctl, ["t0", "t1"], v)
+            await _round(ctl, [g[0] for g in GENERATORS], v)
+        for p in trainers + gens:
+            await ctl.signal(p.name, "exit", 1)
+        results = {p.name: await p.result() for p in trainers + gens}
+    for g, *_ in GENERATORS:
+        assert [(r["applied"], r["ok"]) for r in results[g]["rounds"]] == [(0, True), (1, True)], results[g]

@@ -160,3 +160,33 @@ def test_bad_layouts_are_refused_before_planning():
         MeshSharding((2, 2), (Shard(0),), (0, 1, 2, 3))
     with pytest.raises(MeshLayoutError):
         TrainerLayout.of([TensorSpec("bad", (4,), "complex7", MeshSharding((1,), (Replicate(),), (0,)))])
+
+
+def test_fp8_block_scales_are_held_by_the_rank_of_each_blocks_first_element():
+    from transport.plan import fp8_generator_rank, fp8_trainer_layout
+
+    mesh = MeshSharding((3,), (Shard(0),), (0, 1, 2))
+    base = TrainerLayout.of([TensorSpec("w.weight", (300, 260), "bfloat16", mesh),
+                             TensorSpec("n.weight", (260,), "bfloat16", mesh)])
+    layout = fp8_trainer_layout(base)
+    specs = layout.by_name()
+    assert specs["w.weight"].dtype == "float8_e4m3fn" and specs["n.weight"].dtype == "bfloat16"
+    scale = specs["w.weight_scale_inv"]
+    assert scale.shape == (3, 3) and scale.scale_of == "w.weight" and scale.dtype == "float32"
+    rows = specs["w.weight"].sharding.boxes((300, 260))  # 100 rows each
+    owners = np.zeros((3, 3), np.int64)
+    for r, box in scale.sharding.boxes(scale.shape).items():
+        owners[tuple(slice(lo, hi) for lo, hi in box)] += 1
+        for i in range(*box[0]):
+            assert rows[r][0][0] <= 128 * i < rows[r][0][1]  # the rank holding the block's first row
+    assert (owners == 1).all()
+    # A generator piece must respect the blocks: columns [0, 128) yes, [0, 100) no.
+    good = GeneratorRank.of([LocalTensor("w.weight", (300, 128), "float8_e4m3fn",
+                                         (Piece("w.weight", ((0, 300), (0, 128)), ((0, 300), (0, 128))),))])
+    with_scales = fp8_generator_rank(good, layout)
+    assert {t.name: t.shape for t in with_scales.tensors}["w.weight_scale_inv"] == (3, 1)
+    Planner(layout).plan([Replica("r", (with_scales,))])
+    bad = GeneratorRank.of([LocalTensor("w.weight", (300, 100), "float8_e4m3fn",
+                                        (Piece("w.weight", ((0, 300), (0, 100)), ((0, 300), (0, 100))),))])
+    with pytest.raises(MeshLayoutError, match="block boundaries"):
+        fp8_generator_rank(bad, layout)

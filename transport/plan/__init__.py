@@ -9,6 +9,8 @@ from ._boxes import Box as Box
 from ._boxes import full_box as full_box
 from ._boxes import segments as segments
 from ._boxes import volume as volume
+from ._fp8 import fp8_generator_rank as fp8_generator_rank
+from ._fp8 import fp8_trainer_layout as fp8_trainer_layout
 from ._layouts import ITEMSIZE as ITEMSIZE
 from ._layouts import ExplicitSharding as ExplicitSharding
 from ._layouts import GeneratorRank as GeneratorRank
@@ -47,6 +49,8 @@ __all__ = [
     "builtin_model",
     "checkpoint_tensors",
     "ExplicitSharding",
+    "fp8_generator_rank",
+    "fp8_trainer_layout",
     "full_box",
     "generator_rank",
     "generator_replica",

@@ -46,7 +46,8 @@ def _sharding(s: Sharding) -> dict[str, Any]:
 def encode_trainer(layout: TrainerLayout) -> bytes:
     """The layout as JSON bytes."""
     doc = {"format": _FORMAT, "kind": "trainer",
-           "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "sharding": _sharding(t.sharding)}
+           "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "sharding": _sharding(t.sharding),
+                        **({"scale_of": t.scale_of} if t.scale_of is not None else {})}
                        for t in layout.tensors]}
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -150,8 +151,10 @@ def decode_trainer(data: bytes) -> TrainerLayout:
         if not isinstance(t, dict):
             raise MeshLayoutError("tensors: expected objects")
         name = _str(t.get("name"), "tensor name")
+        scale_of = t.get("scale_of")
         specs.append(TensorSpec(name, _shape(t.get("shape"), name), _str(t.get("dtype"), name),
-                                _read_sharding(t.get("sharding"), name)))
+                                _read_sharding(t.get("sharding"), name),
+                                _str(scale_of, name) if scale_of is not None else None))
     return TrainerLayout.of(specs)
 
 

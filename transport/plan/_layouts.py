@@ -113,12 +113,14 @@ Sharding = MeshSharding | ExplicitSharding
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One global tensor of the trainer's state."""
+    """One global tensor of the trainer's state. ``scale_of``: this tensor is not in the state
+    but derived from that one, its FP8 block scales (see ``transport.plan.fp8_trainer_layout``)."""
 
     name: str
     shape: Shape
     dtype: str
     sharding: Sharding
+    scale_of: str | None = None
 
 
 @dataclass(frozen=True)

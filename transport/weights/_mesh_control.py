@@ -4,7 +4,8 @@ Regions of a stream called N (``mesh.N.*``):
 
 * every trainer rank: ``trainer`` (the trainer layout, JSON, read-only; the same on every rank),
   ``tctl`` (``int64[TCTL_WORDS]``, read-only), ``snap0``/``snap1`` (its shards packed at the
-  wire dtype, read-only: what restarted generator ranks pull from);
+  wire dtype, read-only: what restarted generator ranks pull from), and with FP8 tensors
+  ``amax0``/``amax1`` (its partial block maxima, float32, read by the other trainer ranks);
 * every generator rank: ``rank`` (its replica, place and needs, JSON, read-only), ``ctl``
   (``int64[CTL_WORDS]``, written by trainer ranks and its replica's leader), ``slot0``/``slot1``.
 
@@ -30,7 +31,8 @@ when every rank of the replica holds all of it.
 
 Trainer ``tctl`` words: ``FRONT`` (newest complete snapshot, front-encoded), ``SNAPVER0 + s``
 (``v + 1`` of snapshot ``s``), ``GEN0 + s`` (odd while snapshot ``s`` is being written: a
-seqlock for pullers), ``TRANK`` (the trainer rank + 1).
+seqlock for pullers), ``TRANK`` (the trainer rank + 1), ``AMAXVER0 + s`` (``v + 1`` once the
+partial FP8 block maxima of version ``v`` are in ``amax<s>``; 0 while they are written).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ MAX_TRAINER_RANKS = 4096
 DONE0 = HEADER_WORDS
 CTL_WORDS = HEADER_WORDS + 2 * MAX_TRAINER_RANKS
 # Trainer tctl.
-FRONT, SNAPVER0, GEN0, TRANK = 0, 1, 3, 5
+FRONT, SNAPVER0, GEN0, TRANK, AMAXVER0 = 0, 1, 3, 5, 6
 TCTL_WORDS = 8
 
 ALIGN = 64  # every packed tensor starts on a 64-byte boundary
@@ -71,12 +73,13 @@ class MeshKeys:
     rank: str
     ctl: str
     slots: tuple[str, str]
+    amax: tuple[str, str]
 
     @classmethod
     def of(cls, name: str) -> MeshKeys:
         p = f"mesh.{name}."
         return cls(p + "trainer", p + "tctl", (p + "snap0", p + "snap1"), p + "rank", p + "ctl",
-                   (p + "slot0", p + "slot1"))
+                   (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"))
 
 
 def pack(items: Iterable[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:

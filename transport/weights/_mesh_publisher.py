@@ -13,7 +13,7 @@ import torch
 
 from .._errors import ClosedError, TransportError
 from .._tensors import dtype_name
-from ..plan import Move, Planner, ReplicaPlan, Topology, TrainerLayout, volume
+from ..plan import Move, Planner, ReplicaPlan, Topology, TrainerLayout, full_box, volume
 from ..plan._codec import RankLayout, decode_rank, encode_trainer
 from ..plan._layouts import ITEMSIZE, MeshLayoutError, Replica
 from ._control import decode_front, encode_front, memory_barrier, withdraw
@@ -34,6 +34,7 @@ from ._mesh_control import (
     pack,
     slot_of,
 )
+from ._mesh_fp8 import BlockQuantizer
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -111,8 +112,18 @@ class MeshPublisher:
         self.t, self.name, self.rank, self.layout, self.deadline = transport, name, rank, layout, deadline
         self.keys = MeshKeys.of(name)
         self._planner = Planner(layout, topology)
-        self._shards = self._check_shards(shards)
-        self._offsets, self._total = pack((n, s.numel() * ITEMSIZE[dtype_name(d)]) for n, s, d in self._shards)
+        # What this rank packs into a snapshot: its box of every tensor, at the wire dtype (FP8
+        # tensors quantized, and the block scales it holds).
+        self._packed: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        for spec in layout.tensors:
+            box = spec.sharding.boxes(spec.shape).get(rank)
+            if box is not None and volume(box) > 0:
+                self._packed.append((spec.name, tuple(hi - lo for lo, hi in box), getattr(torch, spec.dtype)))
+        self._offsets, self._total = pack((n, volume(full_box(sh)) * ITEMSIZE[dtype_name(d)])
+                                          for n, sh, d in self._packed)
+        self._live = self._check_shards(shards)
+        self._quant = BlockQuantizer(transport, self.keys, layout, rank)
+        self._trainers: dict[str, tuple[str, int]] = {}  # peer -> (incarnation, trainer rank)
         self._snaps: list[torch.Tensor] = []
         self._tctl: torch.Tensor | None = None
         self._layout_bytes: torch.Tensor | None = None
@@ -122,23 +133,23 @@ class MeshPublisher:
         self._version: int | None = None
         self._lock = anyio.Lock()
 
-    def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, torch.dtype]]:
-        """(name, local shard, wire dtype) of every tensor this rank holds a non-empty box of."""
-        mine = []
-        for spec in self.layout.tensors:
-            box = spec.sharding.boxes(spec.shape).get(self.rank)
-            if box is None or volume(box) == 0:
+    def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """name -> this rank's local shard, for every tensor of the state it holds a box of
+        (derived tensors, the FP8 block scales, are computed, not given)."""
+        derived = {t.name for t in self.layout.tensors if t.scale_of is not None}
+        live = {}
+        for name, shape, _ in self._packed:
+            if name in derived:
                 continue
-            shard = shards.get(spec.name)
+            shard = shards.get(name)
             if shard is not None and hasattr(shard, "to_local"):  # a DTensor: its local shard
                 shard = shard.to_local()
-            shape = tuple(hi - lo for lo, hi in box)
             if shard is None or tuple(shard.shape) != shape:
                 got = None if shard is None else tuple(shard.shape)
-                raise MeshLayoutError(f"trainer rank {self.rank}: {spec.name} needs a local shard of shape {shape}, "
+                raise MeshLayoutError(f"trainer rank {self.rank}: {name} needs a local shard of shape {shape}, "
                                       f"got {got}")
-            mine.append((spec.name, shard, getattr(torch, spec.dtype)))
-        return mine
+            live[name] = shard
+        return live
 
     async def __aenter__(self) -> MeshPublisher:
         self.start()
@@ -159,10 +170,11 @@ class MeshPublisher:
         self._tctl = self.t.empty(self.keys.tctl, TCTL_WORDS, torch.int64, writable=False)
         self._tctl[TRANK] = self.rank + 1
         self._snaps = [self.t.empty(k, self._total, torch.uint8, writable=False) for k in self.keys.snaps]
+        self._quant.start()
 
     def close(self) -> None:
         """Withdraws the regions (generators then see this rank gone)."""
-        withdraw(self.t, [*self.keys.snaps, self.keys.tctl, self.keys.trainer])
+        withdraw(self.t, [*self.keys.amax, *self.keys.snaps, self.keys.tctl, self.keys.trainer])
         self._prepared.clear()
 
     # -- publishing ------------------------------------------------------------------------
@@ -195,10 +207,14 @@ class MeshPublisher:
         if version < 0 or (self._version is not None and version <= self._version):
             raise ValueError(f"version {version} does not increase (last {self._version})")
         if shards is not None:
-            self._shards = self._check_shards(shards)
+            self._live = self._check_shards(shards)
         async with self._lock:
             t0 = time.perf_counter()
-            self._pack(version)
+            converted: dict[str, torch.Tensor] = {}
+            if self._quant.active:
+                converted = await self._quant.quantize(version, self._live, self._tctl, await self._trainer_ranks(),
+                                                       self.deadline)
+            self._pack(version, converted)
             self._version = version
             t1 = time.perf_counter()
             work, incomplete, refused = await self._discover()
@@ -210,17 +226,36 @@ class MeshPublisher:
             t3 = time.perf_counter()
         return MeshPublishReport(version, results, incomplete, refused, t1 - t0, t2 - t1, t3 - t2, t3 - t0)
 
-    def _pack(self, version: int) -> None:
-        """Copies the shards into snapshot ``version % 2`` under its seqlock."""
+    async def _trainer_ranks(self) -> dict[int, str]:
+        """Every trainer rank of the stream now: rank -> peer name."""
+        out = {self.rank: self.t.name}
+        for n in await self.t.peers():
+            if n == self.t.name:
+                continue
+            peer = await self.t.lookup(n)
+            if peer is None or self.keys.tctl not in peer.regions:
+                continue
+            cached = self._trainers.get(n)
+            if cached is None or cached[0] != peer.incarnation:
+                words = torch.empty(TCTL_WORDS, dtype=torch.int64)
+                await self.t.get(words, n, key=self.keys.tctl)
+                cached = self._trainers[n] = (peer.incarnation, int(words[TRANK]) - 1)
+            if cached[1] >= 0:
+                out[cached[1]] = n
+        return out
+
+    def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
+        """Copies the shards (``converted`` ones as given) into snapshot ``version % 2`` under
+        its seqlock."""
         assert self._tctl is not None
         s = slot_of(version)
         ctl, snap = self._tctl, self._snaps[s]
         ctl[GEN0 + s] += 1  # odd: being written
         memory_barrier()
-        for name, shard, dtype in self._shards:
+        for name, shape, dtype in self._packed:
             off, nbytes = self._offsets[name]
-            dst = snap[off : off + nbytes].view(dtype).view(shard.shape)
-            dst.copy_(shard.detach())
+            src = converted[name] if name in converted else self._live[name]
+            snap[off : off + nbytes].view(dtype).view(shape).copy_(src.detach())
         memory_barrier()
         ctl[SNAPVER0 + s] = version + 1
         ctl[GEN0 + s] += 1
