@@ -192,7 +192,7 @@ async def test_a_trainer_rank_killed_mid_push_fails_that_version_everywhere(proc
         assert rounds[1]["applied"] == 0 and rounds[1]["ok"] is True, (g, rounds)  # never a partial version 1
 
 
-async def test_fp8_block_scales_are_made_at_the_source_across_shards_and_dequantize_within_e4m3_error(procs, file_store):
+async def test_fp8_block_scales_made_at_the_source_across_shards_dequantize_within_e4m3_error(procs, file_store):
     # w8 (300 x 260) is sharded on its rows over the two trainer ranks, which cuts a row of
     # 128x128 blocks in two: each rank's FP8 values must still equal a whole-tensor quantizer's
     # bit for bit (mesh_peer checks), which needs the other rank's part of each block's maximum.
