@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks._capabilities import available_backends
-from benchmarks._mesh_roles import BASELINE, MESH, local_tensors, order
+from benchmarks._mesh_roles import BASELINE, MESH, MeshBenchSpec, local_tensors, order
+from benchmarks.mesh_sync import assemble, model_of, parse_args, sizes
 from transport.plan import ITEMSIZE, checkpoint_tensors, generator_rank, model_config, volume
 
 from .conftest import PYTHON, ROOT, python_env
@@ -45,6 +46,72 @@ def test_methods_alternate_and_local_tensors_are_cut_from_the_full_weights() -> 
             assert torch.equal(emb[:36], full["model.embed_tokens.weight"][64:]) and not emb[36:].any()
 
 
+def _messages(spec: MeshBenchSpec, size: dict) -> list[dict]:
+    """What the processes of a clean run report (as ``run`` collects them)."""
+    msgs: list[dict] = []
+    gens = [(f"replica-{r}", k) for r in range(spec.replicas) for k in range(spec.tp)]
+    for v in range(spec.versions):
+        ref = {str(k): {"a": f"a{v}{k}", "b": f"b{v}{k}"} for k in range(spec.tp)}
+        msgs.append({"who": "trainer-0", "kind": "ref", "version": v, "sha": ref})
+        for method in (MESH, BASELINE):
+            for i in range(spec.trainers):
+                m = {"who": f"trainer-{i}", "kind": "start", "method": method, "version": v, "rank": i,
+                     "t_start": 100.0 * v + i, "t_end": 100.0 * v + 2}
+                if method == MESH:
+                    m |= {"pack_s": 0.0, "push_s": 0.0, "nbytes": size["mesh_bytes_per_version"] // spec.trainers,
+                          "status": {f"{r}/{k}": "done" for r, k in gens}, "errors": {}, "incomplete": [],
+                          "refused": {}}
+                msgs.append(m)
+            for j, (r, k) in enumerate(gens):
+                msgs.append({"who": f"{r}-rank{k}", "kind": "live", "method": method, "version": v, "replica": r,
+                             "rank": k, "t_live": 100.0 * v + 3 + j, "sha": dict(ref[str(k)])})
+    return msgs
+
+
+def test_assemble_times_and_fails_on_any_difference() -> None:
+    args = parse_args(TINY)
+    spec = MeshBenchSpec(trainers=2, replicas=2, tp=2, versions=2, warmup=1, model=model_of(args), dtype="bfloat16",
+                         backends=("ipc",), tmp="/nonexistent", timeout=1.0, deadline=1.0, poll_s=0.01)
+    size = sizes(spec)
+    assert size["mesh_bytes_per_version"] % 2 == 0
+    msgs = _messages(spec, size)
+    ok = assemble(msgs, spec, size)
+    assert ok["verified"] and ok["problems"] == []
+    v1 = ok["methods"][MESH]["versions"][1]
+    assert v1["all_live_s"] == 100 + 3 + 3 - 100 and v1["first_live_s"] == 3  # from the first trainer's start
+    assert v1["replica_live_s"] == {"replica-0": 4, "replica-1": 6}
+    assert ok["ratio_baseline_over_mesh"]["median"] == 1.0
+
+    def broken(change) -> dict:
+        bad = [dict(m) for m in msgs]
+        change(bad)
+        return assemble(bad, spec, size)
+
+    def flip_sha(ms: list[dict]) -> None:
+        live = next(m for m in ms if m["kind"] == "live" and m["method"] == BASELINE and m["version"] == 1)
+        live["sha"] = {**live["sha"], "b": "something else"}
+
+    got = broken(flip_sha)
+    assert not got["verified"] and got["methods"][BASELINE]["verified"] is False and got["methods"][MESH]["verified"]
+    assert "baseline version 1: NOT bit-for-bit equal" in got["problems"][0] and "(b)" in got["problems"][0]
+
+    def straggler(ms: list[dict]) -> None:
+        start = next(m for m in ms if m["kind"] == "start" and m["method"] == MESH)
+        start["status"] = {**start["status"], "replica-1/1": "straggler"}
+        start["nbytes"] -= 1
+
+    got = broken(straggler)
+    assert not got["methods"][MESH]["verified"] and len(got["problems"]) == 2
+    assert "not every generator rank was served" in got["problems"][0] and "need" in got["problems"][1]
+
+    def same_weights(ms: list[dict]) -> None:
+        refs = [m for m in ms if m["kind"] == "ref"]
+        refs[1]["sha"] = refs[0]["sha"]
+
+    assert "the weights did not change" in " ".join(broken(same_weights)["problems"])
+    assert "no report from ['replica-1-rank1']" in " ".join(broken(lambda ms: ms.pop())["problems"])
+
+
 @pytest.mark.skipif(available_backends().get("ipc") is not None, reason="the ipc backend cannot run here")
 def test_tiny_run_verifies_both_methods_and_reports_consistent_bytes(tmp_path: Path) -> None:
     out, md = tmp_path / "mesh.json", tmp_path / "mesh.md"
@@ -69,8 +136,8 @@ def test_tiny_run_verifies_both_methods_and_reports_consistent_bytes(tmp_path: P
     cfg = model_config(doc["model"]["config"])
     params = sum(volume(tuple((0, d) for d in s)) for _, s in checkpoint_tensors(cfg))
     assert doc["model"]["params"] == params and doc["model"]["nbytes"] == 2 * params
-    needed = [sum(volume(p.box) * ITEMSIZE[lt.dtype] for lt in generator_rank(cfg, tp=2, rank=k, dtype="bfloat16").tensors
-                  for p in lt.pieces) for k in range(2)]
+    layouts = [generator_rank(cfg, tp=2, rank=k, dtype="bfloat16") for k in range(2)]
+    needed = [sum(volume(p.box) * ITEMSIZE[lt.dtype] for lt in g.tensors for p in lt.pieces) for g in layouts]
     assert doc["bytes"]["baseline_per_version"] == 2 * params * 4  # full model bytes x 4 generator ranks
     assert doc["bytes"]["mesh_per_version"] == 2 * sum(needed)  # 2 replicas x what their ranks need
     # Every generator rank gets its half of the sharded tensors plus the replicated norms: a bit more
@@ -100,3 +167,16 @@ def test_tiny_run_verifies_both_methods_and_reports_consistent_bytes(tmp_path: P
     text = md.read_text()
     assert text.startswith("# Mesh sync benchmark") and "Command: `python -m benchmarks.mesh_sync" in text
     assert "| method | verified |" in text and "Machine:" in text and "torch" in text
+
+
+@pytest.mark.skipif(available_backends().get("ipc") is not None, reason="the ipc backend cannot run here")
+def test_a_failing_rank_fails_the_run_and_every_process_goes(tmp_path: Path) -> None:
+    # A publish deadline nobody can meet: the trainer ranks report stragglers and move on, the
+    # generator ranks wait for a commit that never comes, time out, report, and the launcher
+    # kills the rest and exits 1 with their tracebacks.
+    cmd = [PYTHON, "-m", "benchmarks.mesh_sync", *TINY, "--deadline", "0.000001", "--timeout", "15",
+           "--run-timeout", "200", "--json", str(tmp_path / "x.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=python_env(), capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh_sync: FAILED" in proc.stderr and "TimeoutError" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -91,6 +91,7 @@ class MeshSubscriber:
         self._ctl: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []
         self._trainer: tuple[str, str, TrainerLayout] | None = None  # (peer, incarnation, layout)
+        self._trainer_ranks: dict[str, tuple[str, int]] = {}  # peer -> (incarnation, trainer rank)
         self._peers: dict[str, tuple[str, RankLayout | None]] = {}
         self._plan: tuple[str, list[RankPlan]] | None = None
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
@@ -190,9 +191,12 @@ class MeshSubscriber:
             peer = await self.t.lookup(n)
             if peer is None or self.keys.tctl not in peer.regions or self.keys.trainer not in peer.regions:
                 continue
-            tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
-            await self.t.get(tctl, n, key=self.keys.tctl)
-            r = int(tctl[TRANK]) - 1
+            cached = self._trainer_ranks.get(n)
+            if cached is None or cached[0] != peer.incarnation:  # its rank is read once per incarnation
+                tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
+                await self.t.get(tctl, n, key=self.keys.tctl)
+                cached = self._trainer_ranks[n] = (peer.incarnation, int(tctl[TRANK]) - 1)
+            r = cached[1]
             if 0 <= r < MAX_TRAINER_RANKS:
                 ranks[r] = n
                 source = source or (n, peer.incarnation, peer.regions[self.keys.trainer].nbytes)
