@@ -266,7 +266,8 @@ class MeshPublisher:
         """The generator ranks this rank feeds now, with their moves; replicas seen incomplete;
         replicas refused (and why)."""
         by_replica: dict[str, dict[int, tuple[str, str, RankLayout]]] = {}
-        for n in await self.t.peers():
+        listed = set(await self.t.peers())
+        for n in sorted(listed):
             if n == self.t.name:
                 continue
             peer = await self.t.lookup(n)
@@ -296,6 +297,11 @@ class MeshPublisher:
                 if moves:
                     name, incarnation, rl = ranks[k]
                     work.append((f"{rid}/{k}", name, incarnation, ReplicaPlanMoves(moves, rl)))
+        # What served replicas and ranks no longer here held goes with them.
+        self._plans = {rid: p for rid, p in self._plans.items() if rid in by_replica}
+        served = {(name, incarnation) for _, name, incarnation, _ in work}
+        self._prepared = {k: v for k, v in self._prepared.items() if k[:2] in served}
+        self._ranks = {n: r for n, r in self._ranks.items() if n in listed}
         return work, tuple(incomplete), refused
 
     async def _read_rank(self, peer: str, nbytes: int) -> RankLayout | None:
