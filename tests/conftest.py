@@ -100,13 +100,16 @@ def sha(t: torch.Tensor) -> str:
 
 
 class Target:
-    """A running tests/peer_target.py process, always reaped (killed if still alive)."""
+    """A running test peer process (tests/peer_target.py, or ``module``) given ``spec`` as JSON,
+    always reaped (killed if still alive); it writes its results to ``spec["out"]``."""
 
-    def __init__(self, tmp: Path, spec: dict, prefix: list[str] | None = None) -> None:
-        self.out = str(tmp / f"{spec['name']}.json")
+    def __init__(self, tmp: Path, spec: dict, prefix: list[str] | None = None, *, module: str = "tests.peer_target",
+                 out: str | None = None) -> None:
+        self.name: str = spec["name"]
+        self.out = str(tmp / (out or f"{spec['name']}.json"))
         spec = {**spec, "out": self.out}
         self.proc = subprocess.Popen(
-            [*(prefix or []), PYTHON, "-m", "tests.peer_target", json.dumps(spec)],
+            [*(prefix or []), PYTHON, "-m", module, json.dumps(spec)],
             env=python_env(),
             cwd=Path(__file__).resolve().parent.parent,
             stderr=subprocess.PIPE,

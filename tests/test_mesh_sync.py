@@ -3,50 +3,23 @@ generator replicas of different TP degrees (tests/mesh_peer.py), driven round by
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-from pathlib import Path
 
 import anyio
 import pytest
 
 import transport
 
-from .conftest import PYTHON, python_env
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-class Proc:
-    """A tests/mesh_peer.py process, always reaped."""
-
-    def __init__(self, tmp: Path, spec: dict) -> None:
-        self.name = spec["name"]
-        self.out = tmp / f"{self.name}-{id(self)}.json"
-        self.proc = subprocess.Popen([PYTHON, "-m", "tests.mesh_peer", json.dumps({**spec, "out": str(self.out)})],
-                                     env=python_env(), cwd=ROOT, stderr=subprocess.PIPE)
-
-    async def result(self, timeout: float = 60) -> dict:
-        with anyio.fail_after(timeout):
-            while self.proc.poll() is None:
-                await anyio.sleep(0.02)
-        assert self.proc.returncode == 0, self.proc.stderr.read().decode()[-3000:]
-        return json.loads(self.out.read_text())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.proc.stderr.close()
+from .conftest import Target
 
 
 @pytest.fixture
 def procs(tmp_path):
-    made: list[Proc] = []
+    """Starts tests/mesh_peer.py processes (conftest.Target), each reaped at the end."""
+    made: list[Target] = []
 
-    def make(spec: dict) -> Proc:
-        made.append(Proc(tmp_path, spec))
+    def make(spec: dict) -> Target:
+        made.append(Target(tmp_path, spec, module="tests.mesh_peer", out=f"{spec['name']}-{len(made)}.json"))
         return made[-1]
 
     yield make
@@ -67,6 +40,22 @@ async def _start(ctl: transport.Transport, names: list[str]) -> None:
         await ctl.wait_signal(f"{n}.ready", timeout=90)
 
 
+async def _lockstep(procs, store: str, n: int, **kw) -> dict[str, dict]:
+    """Two trainer ranks and the GENERATORS, ``n`` versions round by round (``kw`` goes to
+    every process's spec); returns every process's results."""
+    async with transport.Transport("ctl", store=store, backends=("ipc",)) as ctl:
+        trainers = [procs(_spec(store, f"t{r}", "trainer", n, rank=r, **kw)) for r in range(2)]
+        gens = [procs(_spec(store, g, "gen", n, replica=rep, rank=k, size=size, **kw))
+                for g, rep, k, size in GENERATORS]
+        await _start(ctl, [p.name for p in trainers + gens])
+        for v in range(n):
+            await _round(ctl, ["t0", "t1"], v)
+            await _round(ctl, [g[0] for g in GENERATORS], v)
+        for p in trainers + gens:
+            await ctl.signal(p.name, "exit", 1)
+        return {p.name: await p.result() for p in trainers + gens}
+
+
 def _spec(store: str, name: str, role: str, versions: int, **kw) -> dict:
     return {"name": name, "role": role, "store": store, "backends": ["ipc"], "versions": versions, **kw}
 
@@ -75,17 +64,7 @@ GENERATORS = [("A0", "A", 0, 2), ("A1", "A", 1, 2), ("B0", "B", 0, 1)]
 
 
 async def test_every_rank_of_every_replica_gets_its_exact_slices_each_version(procs, file_store):
-    n = 3
-    async with transport.Transport("ctl", store=file_store, backends=("ipc",)) as ctl:
-        trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r)) for r in range(2)]
-        gens = [procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size)) for g, rep, k, size in GENERATORS]
-        await _start(ctl, [p.name for p in trainers + gens])
-        for v in range(n):
-            await _round(ctl, ["t0", "t1"], v)
-            await _round(ctl, [g[0] for g in GENERATORS], v)
-        for p in trainers + gens:
-            await ctl.signal(p.name, "exit", 1)
-        results = {p.name: await p.result() for p in trainers + gens}
+    results = await _lockstep(procs, file_store, 3)
     for r in ("t0", "t1"):
         for v, rep in enumerate(results[r]["reports"]):
             assert {k: s for k, (s, _) in rep.items()} == {"A/0": "DONE", "A/1": "DONE", "B/0": "DONE"}, (r, v, rep)
@@ -196,17 +175,6 @@ async def test_fp8_block_scales_made_at_the_source_across_shards_dequantize_with
     # w8 (300 x 260) is sharded on its rows over the two trainer ranks, which cuts a row of
     # 128x128 blocks in two: each rank's FP8 values must still equal a whole-tensor quantizer's
     # bit for bit (mesh_peer checks), which needs the other rank's part of each block's maximum.
-    n = 2
-    async with transport.Transport("ctl", store=file_store, backends=("ipc",)) as ctl:
-        trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r, fp8=True)) for r in range(2)]
-        gens = [procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size, fp8=True))
-                for g, rep, k, size in GENERATORS]
-        await _start(ctl, [p.name for p in trainers + gens])
-        for v in range(n):
-            await _round(ctl, ["t0", "t1"], v)
-            await _round(ctl, [g[0] for g in GENERATORS], v)
-        for p in trainers + gens:
-            await ctl.signal(p.name, "exit", 1)
-        results = {p.name: await p.result() for p in trainers + gens}
+    results = await _lockstep(procs, file_store, 2, fp8=True)
     for g, *_ in GENERATORS:
         assert [(r["applied"], r["ok"]) for r in results[g]["rounds"]] == [(0, True), (1, True)], results[g]

@@ -18,6 +18,7 @@ import torch
 
 from .._errors import TransferTimeoutError
 from ..plan import Box, TrainerLayout
+from ..plan._boxes import box_shape, intersect
 from ..plan._fp8 import BLOCK, FP8, FP8_MAX, blocks, scale_name
 from ._control import memory_barrier
 from ._mesh_control import AMAXVER0, POLL_S, TCTL_WORDS, MeshKeys, slot_of
@@ -30,20 +31,6 @@ def block_range(box: Box) -> Box:
     """The blocks ``box`` touches: leading dims as they are, the last two in blocks."""
     lead, (r0, r1), (c0, c1) = box[:-2], box[-2], box[-1]
     return (*lead, (r0 // BLOCK, blocks(r1)), (c0 // BLOCK, blocks(c1)))
-
-
-def _extent(box: Box) -> tuple[int, ...]:
-    return tuple(hi - lo for lo, hi in box)
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
-        lo, hi = max(alo, blo), min(ahi, bhi)
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
 
 
 def _local(region: Box, origin: Box) -> tuple[slice, ...]:
@@ -63,7 +50,7 @@ def partial_layout(layout: TrainerLayout, rank: int) -> tuple[dict[str, tuple[in
         rng = block_range(box)
         out[spec.name] = (at, rng)
         n = 1
-        for e in _extent(rng):
+        for e in box_shape(rng):
             n *= e
         at += n
     return out, max(at, 1)
@@ -168,7 +155,7 @@ class BlockQuantizer:
             theirs = self._others.get(other)
             if theirs is None:
                 theirs = self._others[other] = partial_layout(self.layout, other)[0]
-            shared = [(n, _intersect(rng, theirs[n][1])) for n, (_, rng) in self.mine.items() if n in theirs]
+            shared = [(n, intersect(rng, theirs[n][1])) for n, (_, rng) in self.mine.items() if n in theirs]
             shared = [(n, r) for n, r in shared if r is not None]
             if not shared:
                 continue
@@ -183,7 +170,7 @@ class BlockQuantizer:
             got = {}
             for n, region in shared:
                 off, rng = theirs[n]
-                ext = _extent(rng)
+                ext = box_shape(rng)
                 count = 1
                 for e in ext:
                     count *= e
