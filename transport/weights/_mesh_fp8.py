@@ -18,7 +18,7 @@ import torch
 
 from .._errors import TransferTimeoutError
 from ..plan import Box, TrainerLayout
-from ..plan._boxes import box_shape, intersect
+from ..plan._boxes import box_shape, intersect, volume
 from ..plan._fp8 import BLOCK, FP8, FP8_MAX, blocks, scale_name
 from ._control import memory_barrier
 from ._mesh_control import AMAXVER0, POLL_S, TCTL_WORDS, MeshKeys, slot_of
@@ -49,10 +49,7 @@ def partial_layout(layout: TrainerLayout, rank: int) -> tuple[dict[str, tuple[in
             continue
         rng = block_range(box)
         out[spec.name] = (at, rng)
-        n = 1
-        for e in box_shape(rng):
-            n *= e
-        at += n
+        at += volume(rng)
     return out, max(at, 1)
 
 
@@ -155,8 +152,11 @@ class BlockQuantizer:
             theirs = self._others.get(other)
             if theirs is None:
                 theirs = self._others[other] = partial_layout(self.layout, other)[0]
-            shared = [(n, intersect(rng, theirs[n][1])) for n, (_, rng) in self.mine.items() if n in theirs]
-            shared = [(n, r) for n, r in shared if r is not None]
+            shared: list[tuple[str, Box]] = []
+            for n, (_, rng) in self.mine.items():
+                common = intersect(rng, theirs[n][1]) if n in theirs else None
+                if common is not None:
+                    shared.append((n, common))
             if not shared:
                 continue
             word = torch.empty(TCTL_WORDS, dtype=torch.int64)
@@ -171,10 +171,7 @@ class BlockQuantizer:
             for n, region in shared:
                 off, rng = theirs[n]
                 ext = box_shape(rng)
-                count = 1
-                for e in ext:
-                    count *= e
-                buf = torch.empty(count, dtype=torch.float32)
+                buf = torch.empty(volume(rng), dtype=torch.float32)
                 await self.t.get(buf, peer, key=self.keys.amax[s], offset=off * 4)
                 got[n] = (buf.view(ext), region, rng)
             await self.t.get(word, peer, key=self.keys.tctl)
