@@ -409,9 +409,10 @@ def run_group(spec: GroupSpec, size: int, progress: Progress, group_timeout: flo
 # -- output ----------------------------------------------------------------------------------------
 
 
-def command_line(argv: Sequence[str] | None) -> str:
+def command_line(argv: Sequence[str] | None, module: str = "benchmarks.weight_sync") -> str:
+    """The command that ran ``python -m module`` with ``argv`` (default: this process's)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    return "python -m benchmarks.weight_sync" + ("" if not args else " " + shlex.join(args))
+    return f"python -m {module}" + ("" if not args else " " + shlex.join(args))
 
 
 def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Sequence[str],
@@ -488,7 +489,7 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
             "",
             f"Command: `{cmd}` (run from the repository root; {wall_s / 60:.1f} min).",
             "",
-            _library_line(info["library"]),
+            library_line(info["library"]),
             "",
             f"Started {started}. Models (Llama-shaped, bf16): "
             + "; ".join(sorted({f"{size_label(g.size)}: hidden {g.model['hidden']}, {g.model['layers']} layers, vocab "
@@ -513,7 +514,7 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
     return written
 
 
-def _library_line(lib: dict[str, Any]) -> str:
+def library_line(lib: dict[str, Any]) -> str:
     line = f"Library: transport {lib.get('version', '?')}"
     if "commit" in lib:
         line += f" at commit {lib['commit']}"
@@ -587,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lib_end = library()
     lib_start = info["library"]
     if (lib_end.get("commit"), lib_end.get("uncommitted")) != (lib_start.get("commit"), lib_start.get("uncommitted")):
-        notes.append(f"the library changed during the run ({_library_line(lib_start)} -> {_library_line(lib_end)}): "
+        notes.append(f"the library changed during the run ({library_line(lib_start)} -> {library_line(lib_end)}): "
                      "groups started after the change measured the new code; rerun")
     info["other_load_during_run"] = load
     notes.append(f"other processes on this machine used {load['other_cpu_s']:g} CPU-seconds during the run "
