@@ -190,3 +190,28 @@ def test_fp8_block_scales_are_held_by_the_rank_of_each_blocks_first_element():
                                         (Piece("w.weight", ((0, 300), (0, 100)), ((0, 300), (0, 100))),))])
     with pytest.raises(MeshLayoutError, match="block boundaries"):
         fp8_generator_rank(bad, layout)
+
+
+def test_plain_tensors_described_by_explicit_boxes_are_merged_across_ranks():
+    import torch
+
+    from transport.plan import merge_trainer_layouts, trainer_layout_from_state_dict
+
+    full = torch.arange(40.0).reshape(10, 4)
+    # Megatron style: each rank knows only its own box; the layouts are joined.
+    per_rank = [
+        trainer_layout_from_state_dict({"w": full[:6]}, rank=0, boxes={"w": ((10, 4), ((0, 6), (0, 4)))}),
+        trainer_layout_from_state_dict({"w": full[6:]}, rank=1, boxes={"w": ((10, 4), ((6, 10), (0, 4)))}),
+    ]
+    layout = merge_trainer_layouts(per_rank)
+    assert layout.tensors[0].sharding.boxes((10, 4)) == {0: ((0, 6), (0, 4)), 1: ((6, 10), (0, 4))}
+    need = LocalTensor("w", (10, 2), "float32", (Piece("w", ((0, 10), (2, 4)), ((0, 10), (0, 2))),))
+    replica = Replica("r", (GeneratorRank.of([need]),))
+    planner = Planner(layout)
+    got = execute(planner, planner.plan([replica]), [replica], {"w": full.numpy()})
+    assert np.array_equal(got[("r", 0, "w")][0], full[:, 2:].numpy())
+    with pytest.raises(MeshLayoutError):  # a box whose shape is not the tensor's
+        trainer_layout_from_state_dict({"w": full[:5]}, rank=0, boxes={"w": ((10, 4), ((0, 6), (0, 4)))})
+    with pytest.raises(MeshLayoutError):  # two ranks disagreeing on the global shape
+        merge_trainer_layouts([per_rank[0], trainer_layout_from_state_dict(
+            {"w": full[6:]}, rank=1, boxes={"w": ((11, 4), ((6, 10), (0, 4)))})])
