@@ -43,7 +43,7 @@ async def _start(ctl: transport.Transport, names: list[str]) -> None:
 async def _lockstep(procs, store: str, n: int, **kw) -> dict[str, dict]:
     """Two trainer ranks and the GENERATORS, ``n`` versions round by round (``kw`` goes to
     every process's spec); returns every process's results."""
-    async with transport.Transport("ctl", store=store, backends=("ipc",)) as ctl:
+    async with transport.Transport("ctl", store=store, backends=tuple(kw.get("backends", ("ipc",)))) as ctl:
         trainers = [procs(_spec(store, f"t{r}", "trainer", n, rank=r, **kw)) for r in range(2)]
         gens = [procs(_spec(store, g, "gen", n, replica=rep, rank=k, size=size, **kw))
                 for g, rep, k, size in GENERATORS]
@@ -60,11 +60,18 @@ def _spec(store: str, name: str, role: str, versions: int, **kw) -> dict:
     return {"name": name, "role": role, "store": store, "backends": ["ipc"], "versions": versions, **kw}
 
 
+def _have(backend: str) -> None:
+    if why := transport.backends.REGISTRY[backend].unavailable_reason():
+        pytest.skip(f"{backend} unavailable: {why}")
+
+
 GENERATORS = [("A0", "A", 0, 2), ("A1", "A", 1, 2), ("B0", "B", 0, 1)]
 
 
-async def test_every_rank_of_every_replica_gets_its_exact_slices_each_version(procs, file_store):
-    results = await _lockstep(procs, file_store, 3)
+@pytest.mark.parametrize("backend", ["ipc", "tcp", "ucx"])
+async def test_every_rank_of_every_replica_gets_its_exact_slices_each_version(procs, file_store, backend):
+    _have(backend)
+    results = await _lockstep(procs, file_store, 3, backends=[backend])
     for r in ("t0", "t1"):
         for v, rep in enumerate(results[r]["reports"]):
             assert {k: s for k, (s, _) in rep.items()} == {"A/0": "DONE", "A/1": "DONE", "B/0": "DONE"}, (r, v, rep)
