@@ -296,19 +296,27 @@ class IpcBackend(Backend):
         elsewhere: cross-memory attach, IOV_MAX segments per system call), built once; each
         run submits them as they are, split across the copy engine's threads. CUDA segments go
         one by one. A failed job is retried segment by segment, which raises the precise error."""
-        jobs: dict[tuple[CopyKind, int], list[tuple[_HostCopy, LocalBuffer, RemoteTarget]]] = {}
+        jobs: dict[tuple[CopyKind, int], list[tuple[tuple[int, int, int], LocalBuffer, RemoteTarget]]] = {}
         slow = []
+        paths: dict[int, tuple[CopyKind, int, int, PeerMapping | None]] = {}  # id(region record) -> its path
         for local, remote in pairs:
-            host = self._host_copy(op, local, remote)
-            if host is None:
+            if is_device(remote.region) or local.kind == MemoryKind.CUDA:
                 slow.append((local, remote))
-            else:
-                jobs.setdefault((host.kind, host.pid), []).append((host, local, remote))
-        # The _HostCopy entries keep their mappings referenced while the runner lives.
-        packed = [(kind, pid, pack_segments([h.segment for h, _, _ in job]), sum(r.nbytes for _, _, r in job), job)
+                continue
+            path = paths.get(id(remote.region))
+            if path is None:  # once per region: segments of a list mostly share a few
+                path = paths[id(remote.region)] = self._host_path(op, remote.peer, remote.region)
+            kind, pid, base, _ = path
+            there = base + remote.offset
+            seg = (there, local.address, remote.nbytes) if op == TransferOp.PUT else (local.address, there,
+                                                                                     remote.nbytes)
+            jobs.setdefault((kind, pid), []).append((seg, local, remote))
+        packed = [(kind, pid, pack_segments([seg for seg, _, _ in job]), sum(r.nbytes for _, _, r in job), job)
                   for (kind, pid), job in jobs.items()]
+        held = [m for _, _, _, m in paths.values() if m is not None]
 
-        async def run() -> None:
+        async def run(_held: list[PeerMapping] = held) -> None:
+            # `_held` keeps the mappings referenced (mapped) while this runner lives.
             for kind, pid, data, nbytes, job in packed:
                 result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
                 if result.status != CopyStatus.OK:
