@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._boxes import Box, box_shape, row_major, segments, volume
+from ._boxes import Box, box_shape, contains, row_major, segments, volume
 from ._layouts import ITEMSIZE, LocalTensor, MeshLayoutError, Piece, Replica, TrainerLayout
 
 #: A part shared by several ranks is not cut into pieces smaller than this (bytes).
@@ -165,7 +165,17 @@ class Planner:
         self.topology = topology or Topology()
         self._specs = trainer.by_name()
         self._owners: dict[str, _Owners] = {}
+        self._boxes: dict[str, dict[int, Box]] = {}
         self._fingerprint = trainer.fingerprint()
+
+    def box(self, name: str, rank: int) -> Box | None:
+        """The box of global tensor ``name`` that trainer ``rank`` holds (None: none), from a
+        table worked out once per tensor."""
+        boxes = self._boxes.get(name)
+        if boxes is None:
+            spec = self._specs[name]
+            boxes = self._boxes[name] = spec.sharding.boxes(spec.shape)
+        return boxes.get(rank)
 
     def _owners_of(self, name: str) -> _Owners:
         got = self._owners.get(name)
@@ -186,17 +196,19 @@ class Planner:
         for replica in replicas:
             if replica.id in out:
                 raise MeshLayoutError(f"two replicas have the id {replica.id!r}")
-            inputs = f"{self._fingerprint}:{replica.fingerprint()}"
-            old = previous.replicas.get(replica.id) if previous is not None else None
-            out[replica.id] = old if old is not None and old.inputs == inputs else self.plan_replica(replica)
+            out[replica.id] = self.plan_replica(replica, previous.replicas.get(replica.id) if previous else None)
         return Plan(self._fingerprint, dict(sorted(out.items())))
 
-    def plan_replica(self, replica: Replica) -> ReplicaPlan:
-        """The plan of one replica (validated first).
+    def plan_replica(self, replica: Replica, previous: ReplicaPlan | None = None) -> ReplicaPlan:
+        """The plan of one replica (validated first); ``previous`` itself when it was planned
+        from the same layouts (nothing is recomputed then).
 
         Raises:
             MeshLayoutError: see :meth:`plan`.
         """
+        inputs = f"{self._fingerprint}:{replica.fingerprint()}"
+        if previous is not None and previous.inputs == inputs:
+            return previous
         replica.validate(self.trainer)
         rot = _rotation(replica.id)
         nic_load: dict[str, int] = {}
@@ -225,7 +237,7 @@ class Planner:
             for src, part in self._share(box, -neg, order, nic_load, rank_load):
                 self._add(moves[g], src, lt, piece, part, volume(part) * ITEMSIZE[lt.dtype], nic_load, rank_load)
         ranks = tuple(RankPlan(tuple(sorted(ms, key=lambda m: (m.src, m.name, m.box, m.dst_tensor)))) for ms in moves)
-        return ReplicaPlan(replica.id, f"{self._fingerprint}:{replica.fingerprint()}", ranks)
+        return ReplicaPlan(replica.id, inputs, ranks)
 
     def _add(self, out: list[Move], src: int, lt: LocalTensor, piece: Piece, box: Box, nbytes: int,
              nic_load: dict[str, int], rank_load: dict[int, int]) -> None:
@@ -269,18 +281,15 @@ class Planner:
     def segments(self, move: Move, dst: LocalTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The runs of ``move`` (``(src, dst, length)`` in elements): offsets into the sending
         rank's local shard of ``move.name`` and into ``dst``, the generator's local tensor."""
-        spec = self._specs[move.name]
-        own = spec.sharding.boxes(spec.shape)[move.src]
+        own = self.box(move.name, move.src)
+        if own is None:
+            raise MeshLayoutError(f"trainer rank {move.src} holds no part of {move.name}")
         src = row_major(box_shape(own), [lo for lo, _ in own])
         # Local pieces are disjoint: the one the move lands in is its piece (the same global box
         # may fill several places).
         piece = next(p for p in dst.pieces
-                     if p.name == move.name and _inside(move.dst_box, p.local) and _inside(move.box, p.box))
+                     if p.name == move.name and contains(p.local, move.dst_box) and contains(p.box, move.box))
         return segments(move.box, src, _piece_addressing(piece, dst.shape))
-
-
-def _inside(inner: Box, outer: Box) -> bool:
-    return all(olo <= ilo and ihi <= ohi for (ilo, ihi), (olo, ohi) in zip(inner, outer, strict=True))
 
 
 def _water_fill(loads: list[int], total: int) -> list[int]:

@@ -15,8 +15,9 @@ never talk to each other still agree on where it goes.
 Generator ``ctl`` words: ``COMMIT`` (the version the replica committed, front-encoded with its
 slot), ``READING`` (the slot ``apply()`` is copying, or -1), ``APPLIED`` (``v + 1``),
 ``PROPOSED`` (the version the leader is about to commit), and from ``DONE0`` one word per
-(slot, trainer rank): ``v + 1`` once that trainer rank's bytes of version ``v`` are all in the
-slot, ``-(v + 1)`` while it is writing them.
+(trainer rank, slot), the two slots of a trainer rank side by side (so the words of ranks
+``0..T-1`` are the first ``2T``, read without the rest): ``v + 1`` once that trainer rank's
+bytes of version ``v`` are all in the slot, ``-(v + 1)`` while it is writing them.
 
 The two races that matter are settled by the classic two-flag handshake on words of the same
 generator's ``ctl``, each side completing its own write before reading the other's flag:
@@ -37,8 +38,14 @@ partial FP8 block maxima of version ``v`` are in ``amax<s>``; 0 while they are w
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
+
+from ..plan import GeneratorRank, LocalTensor, Move, Planner, TrainerLayout, full_box, volume
+from ..plan._boxes import Shape, box_shape
+from ..plan._layouts import ITEMSIZE
 
 # Generator ctl.
 COMMIT, READING, APPLIED, PROPOSED = 0, 1, 2, 3
@@ -56,7 +63,22 @@ POLL_S = 0.002
 
 def done_word(slot: int, trainer_rank: int) -> int:
     """Index of the DONE word of ``trainer_rank`` for ``slot`` in a generator's ctl."""
-    return DONE0 + slot * MAX_TRAINER_RANKS + trainer_rank
+    return DONE0 + 2 * trainer_rank + slot
+
+
+def ctl_words_for(sources: Sequence[int]) -> int:
+    """How many leading ctl words hold the header and the DONE words of ``sources``."""
+    return done_word(1, max(sources)) + 1 if sources else HEADER_WORDS
+
+
+def slot_version(ctl: torch.Tensor, slot: int, sources: Iterable[int]) -> int | None:
+    """The version complete in ``slot`` of a generator rank whose ctl words are ``ctl``: every
+    trainer rank of ``sources`` marked the same version of that slot done (None otherwise)."""
+    words = {int(ctl[done_word(slot, t)]) for t in sources}
+    if len(words) != 1:
+        return None
+    v = words.pop() - 1
+    return v if v >= 0 and slot_of(v) == slot else None
 
 
 def slot_of(version: int) -> int:
@@ -80,6 +102,39 @@ class MeshKeys:
         p = f"mesh.{name}."
         return cls(p + "trainer", p + "tctl", (p + "snap0", p + "snap1"), p + "rank", p + "ctl",
                    (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"))
+
+
+def snapshot_layout(layout: TrainerLayout, rank: int) -> tuple[list[tuple[str, Shape, str]], dict[str, tuple[int, int]],
+                                                                int]:
+    """What trainer ``rank`` packs into a snapshot (its box of every tensor it holds part of, at
+    the layout's dtype), where (name -> (offset, nbytes)), and the total size: the publisher
+    packs by it, and a generator rank pulling from that trainer rank reads by it."""
+    packed = []
+    for spec in layout.tensors:
+        box = spec.sharding.boxes(spec.shape).get(rank)
+        if box is not None and volume(box) > 0:
+            packed.append((spec.name, box_shape(box), spec.dtype))
+    offsets, total = pack((n, volume(full_box(shape)) * ITEMSIZE[d]) for n, shape, d in packed)
+    return packed, offsets, total
+
+
+def slot_layout(rank: GeneratorRank) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each local tensor of a generator rank lies in its slots, and the slot size."""
+    return pack((lt.name, lt.nbytes) for lt in rank.tensors)
+
+
+def byte_runs(planner: Planner, moves: Iterable[Move], local: Mapping[str, LocalTensor],
+              snapshot: Mapping[str, tuple[int, int]], slot: Mapping[str, tuple[int, int]]
+              ) -> Iterator[tuple[int, int, int]]:
+    """``(snapshot offset, slot offset, nbytes)`` of every run of ``moves`` into the generator
+    rank whose local tensors are ``local`` (pushes go snapshot -> slot, pulls slot <- snapshot)."""
+    for m in moves:
+        lt = local[m.dst_tensor]
+        item = ITEMSIZE[lt.dtype]
+        a0, b0 = snapshot[m.name][0], slot[m.dst_tensor][0]
+        src, dst, n = planner.segments(m, lt)
+        for a, b, c in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
+            yield a0 + a * item, b0 + b * item, c * item
 
 
 def pack(items: Iterable[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:

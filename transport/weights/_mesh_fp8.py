@@ -78,6 +78,14 @@ class BlockQuantizer:
         self.t, self.keys, self.layout, self.rank = transport, keys, layout, rank
         self.specs = layout.by_name()
         self.mine, total = partial_layout(layout, rank)
+        # This rank's box of each FP8 tensor, and the scale blocks it sends (worked out once).
+        self._boxes = {n: self.specs[n].sharding.boxes(self.specs[n].shape)[rank] for n in self.mine}
+        self._scale_boxes = {}
+        for n in self.mine:
+            sname = scale_name(n)
+            sbox = self.specs[sname].sharding.boxes(self.specs[sname].shape).get(rank)
+            if sbox is not None and volume(sbox) > 0:
+                self._scale_boxes[n] = sbox
         self._arrays: list[torch.Tensor] = []
         self._total = total
         self._others: dict[int, dict[str, tuple[int, Box]]] = {}
@@ -115,8 +123,7 @@ class BlockQuantizer:
         amax: dict[str, torch.Tensor] = {}
         arr = self._arrays[s]
         for name, (off, _) in self.mine.items():
-            box = self.specs[name].sharding.boxes(self.specs[name].shape)[self.rank]
-            part = _block_view(shards[name].detach().float(), box).abs().amax(dim=(-3, -1))
+            part = _block_view(shards[name].detach().float(), self._boxes[name]).abs().amax(dim=(-3, -1))
             arr[off : off + part.numel()].copy_(part.reshape(-1))
             amax[name] = part.clone()
         memory_barrier()
@@ -129,18 +136,16 @@ class BlockQuantizer:
                                            f"{version} did not all arrive within {deadline:g}s") from exc
         out: dict[str, torch.Tensor] = {}
         for name, (_, rng) in self.mine.items():
-            spec = self.specs[name]
-            box = spec.sharding.boxes(spec.shape)[self.rank]
+            box = self._boxes[name]
             scale = (amax[name] / FP8_MAX).clamp(min=1e-12)
             x = _block_view(shards[name].detach().float(), box)
             q = (x / scale[..., :, None, :, None]).view(*x.shape[:-4], x.shape[-4] * BLOCK, x.shape[-2] * BLOCK)
             (r0, r1), (c0, c1) = box[-2], box[-1]
             top, left = r0 % BLOCK, c0 % BLOCK
             out[name] = q[..., top : top + r1 - r0, left : left + c1 - c0].to(torch.float8_e4m3fn)
-            sname = scale_name(name)
-            sbox = self.specs[sname].sharding.boxes(self.specs[sname].shape).get(self.rank)
-            if sbox is not None and all(hi > lo for lo, hi in sbox):
-                out[sname] = scale[_local(sbox, rng)].contiguous()
+            sbox = self._scale_boxes.get(name)
+            if sbox is not None:
+                out[scale_name(name)] = scale[_local(sbox, rng)].contiguous()
         return out
 
     async def _combine(self, version: int, amax: dict[str, torch.Tensor], trainer_peers: dict[int, str]) -> None:

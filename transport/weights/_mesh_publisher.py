@@ -12,10 +12,9 @@ import anyio
 import torch
 
 from .._errors import ClosedError, TransportError
-from .._tensors import dtype_name
-from ..plan import Move, Planner, ReplicaPlan, Topology, TrainerLayout, full_box, volume
-from ..plan._codec import RankLayout, decode_rank, encode_trainer
-from ..plan._layouts import ITEMSIZE, MeshLayoutError, Replica
+from ..plan import Move, Planner, ReplicaPlan, Topology, TrainerLayout
+from ..plan._codec import RankLayout, encode_trainer
+from ..plan._layouts import MeshLayoutError, Replica
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
@@ -30,11 +29,14 @@ from ._mesh_control import (
     TCTL_WORDS,
     TRANK,
     MeshKeys,
+    byte_runs,
     done_word,
-    pack,
+    slot_layout,
     slot_of,
+    snapshot_layout,
 )
 from ._mesh_fp8 import BlockQuantizer
+from ._mesh_peers import MeshMembers, MeshPeers
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -114,20 +116,14 @@ class MeshPublisher:
         self._planner = Planner(layout, topology)
         # What this rank packs into a snapshot: its box of every tensor, at the wire dtype (FP8
         # tensors quantized, and the block scales it holds).
-        self._packed: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-        for spec in layout.tensors:
-            box = spec.sharding.boxes(spec.shape).get(rank)
-            if box is not None and volume(box) > 0:
-                self._packed.append((spec.name, tuple(hi - lo for lo, hi in box), getattr(torch, spec.dtype)))
-        self._offsets, self._total = pack((n, volume(full_box(sh)) * ITEMSIZE[dtype_name(d)])
-                                          for n, sh, d in self._packed)
+        packed, self._offsets, self._total = snapshot_layout(layout, rank)
+        self._packed = [(n, shape, getattr(torch, d)) for n, shape, d in packed]
         self._live = self._check_shards(shards)
         self._quant = BlockQuantizer(transport, self.keys, layout, rank)
-        self._trainers: dict[str, tuple[str, int]] = {}  # peer -> (incarnation, trainer rank)
+        self._members = MeshPeers(transport, self.keys)
         self._snaps: list[torch.Tensor] = []
         self._tctl: torch.Tensor | None = None
         self._layout_bytes: torch.Tensor | None = None
-        self._ranks: dict[str, tuple[str, RankLayout | None]] = {}  # peer -> (incarnation, its layout)
         self._plans: dict[str, ReplicaPlan] = {}
         self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
         self._version: int | None = None
@@ -210,39 +206,24 @@ class MeshPublisher:
             self._live = self._check_shards(shards)
         async with self._lock:
             t0 = time.perf_counter()
+            members = await self._members.scan()  # discovery, counted in plan_s
+            t_scan = time.perf_counter()
             converted: dict[str, torch.Tensor] = {}
             if self._quant.active:
-                converted = await self._quant.quantize(version, self._live, self._tctl, await self._trainer_ranks(),
-                                                       self.deadline)
+                trainers = {r: p.name for r, p in members.trainers.items()}
+                converted = await self._quant.quantize(version, self._live, self._tctl, trainers, self.deadline)
             self._pack(version, converted)
             self._version = version
             t1 = time.perf_counter()
-            work, incomplete, refused = await self._discover()
+            work, incomplete, refused = self._discover(members)
             t2 = time.perf_counter()
             results: dict[str, SyncResult] = {}
             async with anyio.create_task_group() as tg:
                 for label, peer, incarnation, plan_moves in work:
                     tg.start_soon(self._push_one, label, peer, incarnation, plan_moves, version, t0, results)
             t3 = time.perf_counter()
-        return MeshPublishReport(version, results, incomplete, refused, t1 - t0, t2 - t1, t3 - t2, t3 - t0)
-
-    async def _trainer_ranks(self) -> dict[int, str]:
-        """Every trainer rank of the stream now: rank -> peer name."""
-        out = {self.rank: self.t.name}
-        for n in await self.t.peers():
-            if n == self.t.name:
-                continue
-            peer = await self.t.lookup(n)
-            if peer is None or self.keys.tctl not in peer.regions:
-                continue
-            cached = self._trainers.get(n)
-            if cached is None or cached[0] != peer.incarnation:
-                words = torch.empty(TCTL_WORDS, dtype=torch.int64)
-                await self.t.get(words, n, key=self.keys.tctl)
-                cached = self._trainers[n] = (peer.incarnation, int(words[TRANK]) - 1)
-            if cached[1] >= 0:
-                out[cached[1]] = n
-        return out
+        return MeshPublishReport(version, results, incomplete, refused, t1 - t_scan, (t_scan - t0) + (t2 - t1),
+                                 t3 - t2, t3 - t0)
 
     def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
         """Copies the shards (``converted`` ones as given) into snapshot ``version % 2`` under
@@ -262,24 +243,13 @@ class MeshPublisher:
         memory_barrier()
         ctl[FRONT] = encode_front(version, s)
 
-    async def _discover(self) -> tuple[list[tuple[str, str, str, ReplicaPlanMoves]], tuple[str, ...], dict[str, str]]:
+    def _discover(self, members: MeshMembers) -> tuple[list[tuple[str, str, str, ReplicaPlanMoves]], tuple[str, ...],
+                                                       dict[str, str]]:
         """The generator ranks this rank feeds now, with their moves; replicas seen incomplete;
         replicas refused (and why)."""
         by_replica: dict[str, dict[int, tuple[str, str, RankLayout]]] = {}
-        listed = set(await self.t.peers())
-        for n in sorted(listed):
-            if n == self.t.name:
-                continue
-            peer = await self.t.lookup(n)
-            if peer is None or self.keys.ctl not in peer.regions or self.keys.rank not in peer.regions:
-                continue
-            cached = self._ranks.get(n)
-            if cached is None or cached[0] != peer.incarnation:
-                layout = await self._read_rank(n, peer.regions[self.keys.rank].nbytes)
-                cached = self._ranks[n] = (peer.incarnation, layout)
-            if cached[1] is not None:
-                rl = cached[1]
-                by_replica.setdefault(rl.replica, {})[rl.rank] = (n, peer.incarnation, rl)
+        for n, (peer, rl) in members.generators.items():
+            by_replica.setdefault(rl.replica, {})[rl.rank] = (n, peer.incarnation, rl)
         work, incomplete, refused = [], [], {}
         for rid, ranks in sorted(by_replica.items()):
             size = next(iter(ranks.values()))[2].size
@@ -301,25 +271,15 @@ class MeshPublisher:
         self._plans = {rid: p for rid, p in self._plans.items() if rid in by_replica}
         served = {(name, incarnation) for _, name, incarnation, _ in work}
         self._prepared = {k: v for k, v in self._prepared.items() if k[:2] in served}
-        self._ranks = {n: r for n, r in self._ranks.items() if n in listed}
         return work, tuple(incomplete), refused
-
-    async def _read_rank(self, peer: str, nbytes: int) -> RankLayout | None:
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        try:
-            await self.t.get(raw, peer, key=self.keys.rank)
-            return decode_rank(raw.numpy().tobytes())
-        except (TransportError, MeshLayoutError) as exc:
-            log.warning("mesh publisher %s: cannot use %s's generator layout: %s", self.name, peer, exc)
-            return None
 
     def _plan(self, replica: Replica) -> ReplicaPlan:
         """The replica's plan, reused while its layout is unchanged; checks that what the
         trainer sends is what each local tensor holds (dtype)."""
         old = self._plans.get(replica.id)
-        inputs = f"{self.layout.fingerprint()}:{replica.fingerprint()}"
-        if old is not None and old.inputs == inputs:
-            return old
+        plan = self._planner.plan_replica(replica, old)
+        if plan is old:
+            return plan
         specs = self.layout.by_name()
         for r, g in enumerate(replica.ranks):
             for lt in g.tensors:
@@ -328,7 +288,7 @@ class MeshPublisher:
                     if spec is not None and spec.dtype != lt.dtype:
                         raise MeshLayoutError(f"replica {replica.id} rank {r}: {lt.name} is {lt.dtype}, "
                                               f"the trainer sends {p.name} as {spec.dtype}")
-        plan = self._plans[replica.id] = self._planner.plan_replica(replica)
+        self._plans[replica.id] = plan
         return plan
 
     def _prepare(self, peer: str, incarnation: str, slot: int, work: ReplicaPlanMoves) -> PreparedTransfer:
@@ -336,18 +296,11 @@ class MeshPublisher:
         got = self._prepared.get(key)
         if got is None:
             self._prepared = {k: v for k, v in self._prepared.items() if k[0] != peer or k[1] == incarnation}
-            snap = self._snaps[slot]
-            slot_offsets, _ = pack((lt.name, lt.nbytes) for lt in work.rank.layout.tensors)
-            local = {lt.name: lt for lt in work.rank.layout.tensors}
-            items = []
-            for m in work.moves:
-                lt = local[m.dst_tensor]
-                item = ITEMSIZE[lt.dtype]
-                src_base, dst_base = self._offsets[m.name][0], slot_offsets[m.dst_tensor][0]
-                s, d, n = self._planner.segments(m, lt)
-                for a, b, c in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
-                    lo = src_base + a * item
-                    items.append((snap[lo : lo + c * item], self.keys.slots[slot], dst_base + b * item))
+            snap, target = self._snaps[slot], self.keys.slots[slot]
+            layout = work.rank.layout
+            runs = byte_runs(self._planner, work.moves, {lt.name: lt for lt in layout.tensors}, self._offsets,
+                             slot_layout(layout)[0])
+            items = [(snap[a : a + n], target, b) for a, b, n in runs]
             got = self._prepared[key] = self.t.prepare_put(peer, items)
         return got
 

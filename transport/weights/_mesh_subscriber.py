@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from .._errors import TransferTimeoutError, TransportError
-from ..plan import GeneratorRank, Planner, RankPlan, Replica, TrainerLayout
-from ..plan._codec import RankLayout, decode_rank, decode_trainer, encode_rank
+from ..plan import GeneratorRank, Planner, RankPlan, Replica, ReplicaPlan
+from ..plan._codec import RankLayout, decode_trainer, encode_rank
 from ..plan._layouts import MeshLayoutError
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
@@ -21,18 +22,21 @@ from ._mesh_control import (
     CTL_WORDS,
     FRONT,
     GEN0,
-    MAX_TRAINER_RANKS,
     POLL_S,
     PROPOSED,
     READING,
     SNAPVER0,
     TCTL_WORDS,
-    TRANK,
     MeshKeys,
+    byte_runs,
+    ctl_words_for,
     done_word,
-    pack,
+    slot_layout,
     slot_of,
+    slot_version,
+    snapshot_layout,
 )
+from ._mesh_peers import MeshPeers
 
 if TYPE_CHECKING:
     from .. import Transport
@@ -87,13 +91,13 @@ class MeshSubscriber:
                 have = None if got is None else (tuple(got.shape), got.dtype)
                 raise MeshLayoutError(f"{replica}/{rank}: {lt.name} must be {lt.shape} {lt.dtype}, got {have}")
             self.tensors[lt.name] = got
-        self._offsets, self._total = pack((lt.name, lt.nbytes) for lt in layout.tensors)
+        self._offsets, self._total = slot_layout(layout)
         self._ctl: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []
-        self._trainer: tuple[str, str, TrainerLayout] | None = None  # (peer, incarnation, layout)
-        self._trainer_ranks: dict[str, tuple[str, int]] = {}  # peer -> (incarnation, trainer rank)
-        self._peers: dict[str, tuple[str, RankLayout | None]] = {}
-        self._plan: tuple[str, list[RankPlan]] | None = None
+        self._members = MeshPeers(transport, self.keys)
+        # The trainer layout's planner, keyed by the trainer rank it was read from (name, incarnation).
+        self._trainer: tuple[tuple[str, str], Planner] | None = None
+        self._plan: ReplicaPlan | None = None
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
         self._behind_since: float | None = None
 
@@ -183,79 +187,38 @@ class MeshSubscriber:
 
     # -- the replica ----------------------------------------------------------------------
 
-    async def _trainer_layout(self) -> tuple[TrainerLayout, dict[int, str]]:
-        """The trainer layout (read from a trainer rank) and the trainer ranks by rank number."""
-        ranks: dict[int, str] = {}
-        source = None
-        for n in await self.t.peers():
-            peer = await self.t.lookup(n)
-            if peer is None or self.keys.tctl not in peer.regions or self.keys.trainer not in peer.regions:
-                continue
-            cached = self._trainer_ranks.get(n)
-            if cached is None or cached[0] != peer.incarnation:  # its rank is read once per incarnation
-                tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
-                await self.t.get(tctl, n, key=self.keys.tctl)
-                cached = self._trainer_ranks[n] = (peer.incarnation, int(tctl[TRANK]) - 1)
-            r = cached[1]
-            if 0 <= r < MAX_TRAINER_RANKS:
-                ranks[r] = n
-                source = source or (n, peer.incarnation, peer.regions[self.keys.trainer].nbytes)
-        if source is None:
-            raise CommitError(f"{self.replica}/{self.rank}: no trainer rank of stream {self.name!r} in the store")
-        if self._trainer is None or self._trainer[:2] != source[:2]:
-            raw = torch.empty(source[2], dtype=torch.uint8)
-            await self.t.get(raw, source[0], key=self.keys.trainer)
-            self._trainer = (source[0], source[1], decode_trainer(raw.numpy().tobytes()))
-        return self._trainer[2], ranks
+    async def _replica_now(self) -> _Replica:
+        """One look at the store: this replica's ranks, its plan (made here from the published
+        layouts, reused while they are unchanged) and the trainer ranks.
 
-    async def _replica_peers(self) -> dict[int, str]:
-        """This replica's ranks: rank -> peer name (all of them, else CommitError)."""
-        found: dict[int, str] = {}
-        for n in await self.t.peers():
-            peer = await self.t.lookup(n)
-            if peer is None or self.keys.rank not in peer.regions or self.keys.ctl not in peer.regions:
-                continue
-            cached = self._peers.get(n)
-            if cached is None or cached[0] != peer.incarnation:
-                raw = torch.empty(peer.regions[self.keys.rank].nbytes, dtype=torch.uint8)
-                try:
-                    await self.t.get(raw, n, key=self.keys.rank)
-                    rl: RankLayout | None = decode_rank(raw.numpy().tobytes())
-                except (TransportError, MeshLayoutError) as exc:
-                    log.warning("mesh %s: cannot use %s's generator layout: %s", self.name, n, exc)
-                    rl = None
-                cached = self._peers[n] = (peer.incarnation, rl)
-            rl = cached[1]
-            if rl is not None and rl.replica == self.replica:
-                found[rl.rank] = n
-        missing = [r for r in range(self.size) if r not in found]
+        Raises:
+            CommitError: no trainer rank of the stream, or a rank of the replica, is listed.
+        """
+        members = await self._members.scan()
+        if not members.trainers:
+            raise CommitError(f"{self.replica}/{self.rank}: no trainer rank of stream {self.name!r} in the store")
+        source = members.trainers[min(members.trainers)]
+        if self.keys.trainer not in source.regions:
+            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes no layout")
+        if self._trainer is None or self._trainer[0] != (source.name, source.incarnation):
+            raw = torch.empty(source.regions[self.keys.trainer].nbytes, dtype=torch.uint8)
+            await self.t.get(raw, source.name, key=self.keys.trainer)
+            self._trainer = ((source.name, source.incarnation), Planner(decode_trainer(raw.numpy().tobytes())))
+        planner = self._trainer[1]
+        ranks = {rl.rank: n for n, (_, rl) in members.generators.items() if rl.replica == self.replica}
+        missing = [r for r in range(self.size) if r not in ranks]
         if missing:
             raise CommitError(f"replica {self.replica}: ranks {missing} are not in the store")
-        return found
+        layouts = tuple(self.layout if r == self.rank else members.generators[ranks[r]][1].layout
+                        for r in range(self.size))
+        self._plan = planner.plan_replica(Replica(self.replica, layouts), self._plan)
+        return _Replica(ranks, list(self._plan.ranks), {r: p.name for r, p in members.trainers.items()}, planner)
 
-    async def _rank_plans(self, peers: dict[int, str]) -> tuple[list[RankPlan], dict[int, str]]:
-        """The replica's plan per rank (planned here from the published layouts), and the
-        trainer ranks."""
-        trainer, trainer_ranks = await self._trainer_layout()
-        layouts = []
-        for r in range(self.size):
-            rl = self._peers[peers[r]][1] if peers[r] in self._peers else None
-            if r == self.rank or rl is None:
-                layouts.append(self.layout if r == self.rank else None)
-            else:
-                layouts.append(rl.layout)
-        if any(g is None for g in layouts):
-            raise CommitError(f"replica {self.replica}: a rank's layout is unreadable")
-        replica = Replica(self.replica, tuple(g for g in layouts if g is not None))
-        key = f"{trainer.fingerprint()}:{replica.fingerprint()}"
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, list(Planner(trainer).plan_replica(replica).ranks))
-        return self._plan[1], trainer_ranks
-
-    async def _ctl_of(self, peer: str) -> torch.Tensor:
+    async def _ctl_of(self, peer: str, words: int) -> torch.Tensor:
+        """The first ``words`` control words of ``peer`` (a rank of this replica)."""
         if peer == self.t.name:
-            return self._c.clone()
-        out = torch.empty(CTL_WORDS, dtype=torch.int64)
+            return self._c[:words].clone()
+        out = torch.empty(words, dtype=torch.int64)
         await self.t.get(out, peer, key=self.keys.ctl)
         return out
 
@@ -292,27 +255,29 @@ class MeshSubscriber:
             raise TransferTimeoutError(f"replica {self.replica}: commit not done within {limit:g}s") from exc
 
     async def _commit(self) -> int | None:
-        peers = await self._replica_peers()
-        plans, _ = await self._rank_plans(peers)
+        now = await self._replica_now()
+        peers, plans = now.ranks, now.plans
         current = self.committed()
-        ctls = {r: await self._ctl_of(peers[r]) for r in range(self.size)}
+        words = {r: ctl_words_for(plans[r].sources()) for r in range(self.size)}
+
+        async def ctls() -> dict[int, torch.Tensor]:
+            return {r: await self._ctl_of(peers[r], words[r]) for r in range(self.size)}
 
         def complete(ctls: Mapping[int, torch.Tensor], slot: int) -> int | None:
-            versions = {int(ctls[r][done_word(slot, t)]) for r in range(self.size) for t in plans[r].sources()}
-            if len(versions) != 1:
-                return None
-            v = versions.pop() - 1
-            return v if v >= 0 and slot_of(v) == slot else None
+            """The version every rank holds in full in ``slot`` (ranks fed by nobody aside)."""
+            versions = {slot_version(ctls[r], slot, plans[r].sources()) for r in range(self.size)
+                        if plans[r].sources()}
+            return versions.pop() if len(versions) == 1 else None
 
-        best = max((v for v in (complete(ctls, 0), complete(ctls, 1)) if v is not None), default=None)
+        seen = await ctls()
+        best = max((v for v in (complete(seen, 0), complete(seen, 1)) if v is not None), default=None)
         if best is None or (current is not None and best <= current):
             return current
         s = slot_of(best)
         word = encode_front(best, s)
         for r in range(self.size):
             await self._write(peers[r], PROPOSED, word)
-        ctls = {r: await self._ctl_of(peers[r]) for r in range(self.size)}  # look again (two-flag handshake)
-        if complete(ctls, s) != best:
+        if complete(await ctls(), s) != best:  # look again (two-flag handshake)
             back = encode_front(current, slot_of(current)) if current is not None else 0
             for r in range(self.size):  # a trainer rank started writing that slot: not this time
                 await self._write(peers[r], PROPOSED, back)
@@ -340,12 +305,7 @@ class MeshSubscriber:
 
     def _held(self, sources: list[int]) -> int | None:
         """The newest version complete in one of this rank's slots (all ``sources`` done)."""
-        best = None
-        for s in (0, 1):
-            words = {int(self._c[done_word(s, t)]) for t in sources}
-            if len(words) == 1 and (v := words.pop() - 1) >= 0 and slot_of(v) == s:
-                best = v if best is None else max(best, v)
-        return best
+        return max((v for v in (slot_version(self._c, s, sources) for s in (0, 1)) if v is not None), default=None)
 
     async def catch_up(self, *, after: float = 1.0, timeout: float | None = None) -> int | None:
         """Pulls the trainer's newest version when pushes have not brought it here for
@@ -364,10 +324,11 @@ class MeshSubscriber:
             return None
         self._next_check = now + after / 2
         try:
-            plans, trainer_ranks = await self._rank_plans(await self._replica_peers())
+            replica = await self._replica_now()
         except CommitError:
             return None  # a rank of the replica or the trainer is not up: nothing to pull from yet
-        sources = plans[self.rank].sources()
+        trainer_ranks = replica.trainers
+        sources = replica.plans[self.rank].sources()
         if not sources or any(t not in trainer_ranks for t in sources):
             return None
         fronts = []
@@ -425,9 +386,8 @@ class MeshSubscriber:
             raise TransferTimeoutError(f"{self.replica}/{self.rank}: pull not done within {limit:g}s: {why}") from exc
 
     async def _pull_once(self) -> int | None:
-        peers = await self._replica_peers()
-        plans, trainer_ranks = await self._rank_plans(peers)
-        mine = plans[self.rank]
+        now = await self._replica_now()
+        mine, trainer_ranks = now.plans[self.rank], now.trainers
         sources = mine.sources()
         if any(t not in trainer_ranks for t in sources):
             raise CommitError(f"{self.replica}/{self.rank}: trainer ranks "
@@ -447,23 +407,14 @@ class MeshSubscriber:
         try:
             if any(int(ctl[done_word(s, t)]) < 0 for t in sources):
                 return None  # a trainer rank is writing it right now: try again
-            trainer, _ = await self._trainer_layout()
-            planner = Planner(trainer)
             local = {lt.name: lt for lt in self.layout.tensors}
             for t in sources:
                 gen = int(tctls[t][GEN0 + s])
                 if gen % 2:
                     return None
-                src_offsets = _snapshot_offsets(trainer, t)
-                items = []
-                for m in (m for m in mine.moves if m.src == t):
-                    lt = local[m.dst_tensor]
-                    item = _itemsize(lt.dtype)
-                    a0, b0 = src_offsets[m.name][0], self._offsets[m.dst_tensor][0]
-                    seg_s, seg_d, seg_n = planner.segments(m, lt)
-                    for a, b, c in zip(seg_s.tolist(), seg_d.tolist(), seg_n.tolist(), strict=True):
-                        lo = b0 + b * item
-                        items.append((self._slots[s][lo : lo + c * item], self.keys.snaps[s], a0 + a * item))
+                snapshot = snapshot_layout(now.planner.trainer, t)[1]
+                runs = byte_runs(now.planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
+                items = [(self._slots[s][b : b + n], self.keys.snaps[s], a) for a, b, n in runs]
                 if items:
                     await self.t.get_many(trainer_ranks[t], items)
                 after = torch.empty(TCTL_WORDS, dtype=torch.int64)
@@ -478,22 +429,11 @@ class MeshSubscriber:
             ctl[READING] = -1
 
 
-def _itemsize(dtype: str) -> int:
-    from ..plan._layouts import ITEMSIZE
+@dataclass(frozen=True)
+class _Replica:
+    """This replica as the store lists it now (see ``MeshSubscriber._replica_now``)."""
 
-    return ITEMSIZE[dtype]
-
-
-def _snapshot_offsets(trainer: TrainerLayout, rank: int) -> dict[str, tuple[int, int]]:
-    """Where trainer ``rank`` packs each of its shards in a snapshot (as MeshPublisher packs)."""
-    items = []
-    for spec in trainer.tensors:
-        box = spec.sharding.boxes(spec.shape).get(rank)
-        if box is None:
-            continue
-        n = 1
-        for lo, hi in box:
-            n *= hi - lo
-        if n:
-            items.append((spec.name, n * _itemsize(spec.dtype)))
-    return pack(items)[0]
+    ranks: dict[int, str]  # rank of the replica -> peer name
+    plans: list[RankPlan]  # per rank of the replica
+    trainers: dict[int, str]  # trainer rank -> peer name
+    planner: Planner  # of the trainer layout
