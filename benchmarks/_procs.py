@@ -1,19 +1,23 @@
-"""Helper processes of the benchmarks: a benchmark module run as a child, its output in a log file.
+"""Helper processes of the benchmarks: a benchmark module run as a child, its output in a log file;
+and a group of worker processes reporting through one queue.
 
 A benchmark's target process is a real separate process (``python -m benchmarks.<module> ...``).
 :class:`LoggedProcess` starts it with this checkout importable, sends its output to a log file
-(quoted when it fails) and always leaves it joined.
+(quoted when it fails) and always leaves it joined. :func:`supervise` runs a group of
+``multiprocessing`` workers that put plain-dict messages on a queue, and always leaves them joined.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue as queue_mod
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._errors import BenchError
 
@@ -131,3 +135,81 @@ class LoggedProcess:
         if rc != 0:
             raise error(f"the target process exited with code {rc}; its output ends with:\n{self.output_tail()}")
         return result
+
+
+_POLL_S = 0.5
+_ERROR_GRACE_S = 2.0  # after a process exited with an error, how long its message may take to arrive
+
+
+def supervise(procs: Sequence[Any], q: Any, timeout: float, on_message: Callable[[dict[str, Any]], None],
+              join_s: float) -> tuple[list[dict[str, Any]], list[str]]:
+    """Starts ``procs`` and collects the messages they put on ``q`` until every process has
+    exited, one reported an error (``{"kind": "error", "who", "error", "traceback"}``), one
+    exited with a non-zero code, or ``timeout`` seconds passed. Whatever is still running then
+    is killed; every process is joined and the queue closed before this returns.
+
+    Args:
+        procs: ``multiprocessing`` processes, not started; their names appear in errors.
+        q: the queue they report on.
+        timeout: seconds for the whole group.
+        on_message: called with each message as it arrives (progress lines, ...).
+        join_s: seconds each process gets to exit by itself after a clean run.
+
+    Returns:
+        The messages in arrival order, and the errors (empty: the group succeeded).
+    """
+    messages: list[dict[str, Any]] = []
+    errors: list[str] = []
+
+    def take(msg: dict[str, Any]) -> None:
+        messages.append(msg)
+        if msg["kind"] == "error":
+            errors.append(f"{msg['who']}: {msg['error']}\n{msg['traceback']}")
+        on_message(msg)
+
+    def exit_errors(which: Sequence[Any]) -> str:
+        return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in which)
+
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        while True:
+            if time.monotonic() - t0 > timeout:
+                errors.append(f"not finished within {timeout:g} s")
+                break
+            try:
+                take(q.get(timeout=_POLL_S))
+                continue
+            except queue_mod.Empty:
+                pass
+            if errors or all(not p.is_alive() for p in procs):
+                break
+            failed = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+            if failed:
+                deadline = time.monotonic() + _ERROR_GRACE_S  # let its error message arrive
+                while time.monotonic() < deadline:
+                    try:
+                        take(q.get(timeout=_POLL_S))
+                    except queue_mod.Empty:
+                        break
+                if not errors:
+                    errors.append(exit_errors(failed))
+                break
+        while True:  # what is left in the queue (processes put before they exit)
+            try:
+                take(q.get_nowait())
+            except queue_mod.Empty:
+                break
+        for p in procs:
+            p.join(join_s if not errors else 0.1)
+        if not errors and (failed := [p for p in procs if p.exitcode != 0]):
+            errors.append(exit_errors(failed))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(join_s)
+        q.close()
+        q.join_thread()
+    return messages, errors

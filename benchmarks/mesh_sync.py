@@ -49,7 +49,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import queue as queue_mod
 import sys
 import tempfile
 import time
@@ -61,10 +60,10 @@ from examples.mesh_sync.model import CONFIG
 
 from ._capabilities import available_backends
 from ._mesh_roles import BASELINE, MESH, MeshBenchSpec, order, run_rank
+from ._procs import supervise
 from ._stats import median
 from .weight_sync import CpuSample, command_line, library, library_line, machine, other_load
 
-_POLL_S = 0.5
 _JOIN_S = 30.0
 LABELS = {
     MESH: "mesh (transport.weights MeshPublisher -> MeshSubscriber)",
@@ -164,62 +163,16 @@ def run(spec: MeshBenchSpec, run_timeout: float) -> list[dict[str, Any]]:
     """
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(r, spec, q), daemon=True) for r in range(spec.world)]
-    messages: list[dict[str, Any]] = []
-    errors: list[str] = []
+    procs = [ctx.Process(target=run_rank, args=(r, spec, q), name=f"global rank {r}", daemon=True)
+             for r in range(spec.world)]
     t0 = time.monotonic()
 
-    def take(msg: dict[str, Any]) -> None:
-        messages.append(msg)
-        if msg["kind"] == "error":
-            errors.append(f"{msg['who']}: {msg['error']}\n{msg['traceback']}")
-        elif msg["kind"] == "live" and msg["who"] == spec.generator_names()[-1]:
+    def progress(msg: dict[str, Any]) -> None:
+        if msg["kind"] == "live" and msg["who"] == spec.generator_names()[-1]:
             print(f"mesh_sync: version {msg['version']} {msg['method']} done "
                   f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
 
-    for p in procs:
-        p.start()
-    try:
-        while True:
-            if time.monotonic() - t0 > run_timeout:
-                errors.append(f"not finished within {run_timeout:g} s")
-                break
-            try:
-                take(q.get(timeout=_POLL_S))
-                continue
-            except queue_mod.Empty:
-                pass
-            if errors or all(not p.is_alive() for p in procs):
-                break
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
-            if failed:
-                deadline = time.monotonic() + 2.0  # let its error message arrive
-                while time.monotonic() < deadline:
-                    try:
-                        take(q.get(timeout=_POLL_S))
-                    except queue_mod.Empty:
-                        break
-                if not errors:
-                    errors.append(", ".join(f"global rank {r} exited with code {c}" for r, c in failed))
-                break
-        while True:  # what is left in the queue (the processes put before they exit)
-            try:
-                take(q.get_nowait())
-            except queue_mod.Empty:
-                break
-        for p in procs:
-            p.join(_JOIN_S if not errors else 0.1)
-        if not errors:
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-            if failed:
-                errors.append(", ".join(f"global rank {r} exited with code {c}" for r, c in failed))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(_JOIN_S)
-        q.close()
-        q.join_thread()
+    messages, errors = supervise(procs, q, run_timeout, progress, _JOIN_S)
     if errors:
         raise BenchmarkError("\n".join(errors))
     return messages

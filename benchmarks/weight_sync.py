@@ -42,7 +42,6 @@ import json
 import multiprocessing
 import os
 import platform
-import queue as queue_mod
 import resource
 import shlex
 import statistics
@@ -59,6 +58,7 @@ from typing import Any
 from . import _capabilities, _report
 from ._broadcast import Baseline
 from ._models import llama_like
+from ._procs import supervise
 from ._progress import Progress
 from ._report import GroupResult, MemcpyRates, size_label
 from ._roles import (
@@ -81,7 +81,6 @@ QUICK = {"sizes": "16MiB,64MiB", "ks": "1,2", "versions": 3, "straggler_versions
 _PROCESS_OVERHEAD = 450 * MiB  # Python + torch + gloo in one process (measured RSS ≈ 300-400 MiB)
 _MEMORY_HEADROOM = 1 * GiB  # left for the OS and the launcher
 _JOIN_S = 15.0
-_POLL_S = 0.5
 
 class BenchmarkError(RuntimeError):
     """A group's processes failed, timed out, or delivered wrong weights."""
@@ -343,58 +342,17 @@ def run_group(spec: GroupSpec, size: int, progress: Progress, group_timeout: flo
     procs = [ctx.Process(target=run_process, args=(Role.TRAINER, 0, spec, q), name="trainer", daemon=True)]
     procs += [ctx.Process(target=run_process, args=(Role.GENERATOR, i, spec, q), name=g, daemon=True)
               for i, g in enumerate(spec.generators)]
-    messages: list[dict[str, Any]] = []
-    errors: list[str] = []
     t0 = time.monotonic()
     label = f"{size_label(size)} K={spec.k}"
     progress.describe(f"{label}: starting {spec.k + 1} processes")
-    for p in procs:
-        p.start()
-    try:
-        while True:
-            if time.monotonic() - t0 > group_timeout:
-                errors.append(f"{label}: not finished within {group_timeout:g} s")
-                break
-            try:
-                msg = q.get(timeout=_POLL_S)
-            except queue_mod.Empty:
-                msg = None
-            if msg is not None:
-                messages.append(msg)
-                if msg["kind"] == "version":
-                    progress.update()
-                    what = "straggler" if msg["straggle"] else ("warm-up" if msg["warmup"] else "timed")
-                    progress.describe(f"{label} {msg['method']} v{msg['version']} ({what})")
-                elif msg["kind"] == "error":
-                    errors.append(f"{msg['who']}: {msg['error']}\n{msg['traceback']}")
-                continue
-            if errors:
-                break
-            if all(not p.is_alive() for p in procs):
-                break
-            failed = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-            if failed:
-                time.sleep(_POLL_S)  # let its error message arrive
-                while True:
-                    try:
-                        m = q.get(timeout=_POLL_S)
-                    except queue_mod.Empty:
-                        break
-                    messages.append(m)
-                    if m["kind"] == "error":
-                        errors.append(f"{m['who']}: {m['error']}\n{m['traceback']}")
-                if not errors:
-                    errors.append(", ".join(f"{p.name} exited with code {p.exitcode}" for p in failed))
-                break
-        for p in procs:
-            p.join(_JOIN_S if not errors else 0.1)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(_JOIN_S)
-        q.close()
-        q.join_thread()
+
+    def report(msg: dict[str, Any]) -> None:
+        if msg["kind"] == "version":
+            progress.update()
+            what = "straggler" if msg["straggle"] else ("warm-up" if msg["warmup"] else "timed")
+            progress.describe(f"{label} {msg['method']} v{msg['version']} ({what})")
+
+    messages, errors = supervise(procs, q, group_timeout, report, _JOIN_S)
     if errors:
         raise BenchmarkError(f"{label} failed:\n" + "\n".join(errors))
     straggler = spec.generators[spec.straggler] if spec.straggler is not None else None
