@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -16,6 +17,7 @@
 #include "cuda_driver.h"
 #include "cuda_ops.h"
 #include "host_memory.h"
+#include "tcp_direct.h"
 #ifdef TRANSPORT_HAVE_KERNELS
 #include "transport_kernels_image.h"  // generated from csrc/kernels/*.cu by nvcc (CMakeLists.txt)
 #endif
@@ -212,6 +214,26 @@ void bind_ucx(nb::module_& m) {
           nb::arg("lane"), nb::arg("op"), nb::arg("ep"), nb::arg("rkey"), nb::arg("local"), nb::arg("remote"),
           nb::arg("nbytes"), nb::arg("timeout_us"),
           "Moves bytes synchronously on the lane's thread; returns (ucs status, bytes moved) once the job ended.")
+      .def(
+          "transfer_now_pair",
+          [](ucx::Engine& e, int op, std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t> first,
+             std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t> second, int timeout_us) {
+            if (op < 0 || op > 1) throw std::invalid_argument("unknown op");
+            auto part = [](const auto& t) {
+              auto [lane, ep, rkey, local, remote, nbytes] = t;
+              return ucx::Engine::NowPart{lane, ep, rkey, local, remote, nbytes};
+            };
+            uint64_t moved = 0;
+            int status;
+            {
+              nb::gil_scoped_release release;
+              status = e.transfer_now_pair(static_cast<ucx::Op>(op), part(first), part(second), timeout_us, &moved);
+            }
+            return std::make_tuple(status, moved);
+          },
+          nb::arg("op"), nb::arg("first"), nb::arg("second"), nb::arg("timeout_us"),
+          "Two parts (lane, ep, rkey, local, remote, nbytes) moved at once, the second by the engine's assistant "
+          "thread; returns (ucs status, bytes moved) once both ended.")
       .def("drain",
            [](ucx::Engine& e) {
              std::vector<std::tuple<uint64_t, int, int, uint64_t>> out;
@@ -231,6 +253,38 @@ void bind_ucx(nb::module_& m) {
 #else
   m.attr("ucx_compiled") = false;
 #endif
+}
+
+// -- tcp: the direct lane (single-range puts and gets served by native threads) --------------
+void bind_tcp(nb::module_& m) {
+  using namespace transport::tcp;
+  nb::class_<RegionMirror>(m, "RegionMirror")
+      .def(nb::init<>())
+      .def("set", &RegionMirror::set, nb::arg("key"), nb::arg("address"), nb::arg("nbytes"), nb::arg("itemsize"),
+           nb::arg("writable"), nb::arg("dtype"))
+      .def("remove", &RegionMirror::remove, nb::arg("key"), nb::arg("token"),
+           "Withdraws key; True when a request still moves its bytes (then `token` comes back from released()).")
+      .def("mark_moved", &RegionMirror::mark_moved, nb::arg("key"))
+      .def("released", &RegionMirror::released)
+      .def("clear", &RegionMirror::clear)
+      .def("__len__", &RegionMirror::size);
+  nb::class_<DirectServer>(m, "DirectServer")
+      .def(nb::init<std::shared_ptr<RegionMirror>, std::string, double, int>(), nb::arg("mirror"), nb::arg("owner"),
+           nb::arg("io_timeout_s"), nb::arg("max_conns"))
+      .def("adopt", &DirectServer::adopt, nb::arg("fd"), "Takes ownership of a connected socket; False: closed it.")
+      .def_prop_ro("connections", &DirectServer::connections)
+      .def_prop_ro("served", &DirectServer::served)
+      .def("close", &DirectServer::close, nb::call_guard<nb::gil_scoped_release>());
+  nb::class_<DirectLane>(m, "DirectLane")
+      .def(nb::init<int, double>(), nb::arg("fd"), nb::arg("io_timeout_s"))
+      .def("start", &DirectLane::start, nb::arg("op"), nb::arg("key"), nb::arg("dtype"), nb::arg("offset"),
+           nb::arg("nbytes"), nb::arg("local"), nb::arg("wait_s"), nb::call_guard<nb::gil_scoped_release>())
+      .def("finish", &DirectLane::finish, nb::arg("wait_s"), nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("pending", &DirectLane::pending)
+      .def_prop_ro("closed", &DirectLane::closed)
+      .def_prop_ro("fd", &DirectLane::fd)
+      .def_prop_ro("message", &DirectLane::message)
+      .def("close", &DirectLane::close);
 }
 
 }  // namespace
@@ -342,4 +396,5 @@ NB_MODULE(_C, m) {
 
   bind_ucx(m);
   bind_cuda(m);
+  bind_tcp(m);
 }

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -122,8 +123,74 @@ std::vector<Completion> Engine::drain() {
   return out;
 }
 
+namespace {
+using SteadyClock = std::chrono::steady_clock;
+constexpr auto kAssistPoll = std::chrono::microseconds(200);  // the assistant polls this long, then sleeps
+}  // namespace
+
+int Engine::transfer_now_pair(Op op, const NowPart& first, const NowPart& second, int timeout_us, uint64_t* moved) {
+  std::lock_guard<std::mutex> pair(pair_mu_);
+  {
+    std::lock_guard<std::mutex> lock(assist_mu_);
+    if (assist_stop_) throw std::runtime_error("the ucx engine is shut down");
+    if (!assistant_.joinable()) assistant_ = std::thread([this] { assist(); });
+    assist_op_ = op;
+    assist_part_ = second;
+    assist_timeout_us_ = timeout_us;
+    assist_state_.store(1, std::memory_order_release);
+  }
+  assist_cv_.notify_one();
+  uint64_t mine = 0;
+  int status;
+  try {
+    status = at(first.lane).transfer_now(first.ep, first.rkey, op, first.local, first.remote, first.nbytes, timeout_us,
+                                         &mine);
+  } catch (const std::exception&) {
+    status = UCS_ERR_NO_RESOURCE;  // shut down under us; the assistant's part still ends below
+  }
+  // The assistant's part ends within its own bound (Lane::transfer_now); the local memory is
+  // free only then.
+  for (int spins = 0; assist_state_.load(std::memory_order_acquire) != 2; ++spins)
+    if (spins > 1000) std::this_thread::yield();
+  assist_state_.store(0, std::memory_order_relaxed);
+  *moved = mine + assist_moved_;
+  return status != 0 ? status : assist_status_;
+}
+
+void Engine::assist() {
+  for (;;) {
+    const auto until = SteadyClock::now() + kAssistPoll;
+    while (assist_state_.load(std::memory_order_acquire) != 1 && SteadyClock::now() < until) {
+    }
+    if (assist_state_.load(std::memory_order_acquire) != 1) {
+      std::unique_lock<std::mutex> lock(assist_mu_);
+      assist_cv_.wait(lock, [this] { return assist_stop_ || assist_state_.load(std::memory_order_acquire) == 1; });
+      if (assist_state_.load(std::memory_order_acquire) != 1) return;  // stopping, nothing posted
+    }
+    const NowPart p = assist_part_;
+    uint64_t moved = 0;
+    int status;
+    try {
+      status = at(p.lane).transfer_now(p.ep, p.rkey, assist_op_, p.local, p.remote, p.nbytes, assist_timeout_us_,
+                                       &moved);
+    } catch (const std::exception&) {
+      status = UCS_ERR_NO_RESOURCE;
+    }
+    assist_moved_ = moved;
+    assist_status_ = status;
+    assist_state_.store(2, std::memory_order_release);
+  }
+}
+
 void Engine::shutdown() {
   std::call_once(shutdown_once_, [this] {
+    {
+      std::lock_guard<std::mutex> pair(pair_mu_);  // no pair is running from here on
+      std::lock_guard<std::mutex> lock(assist_mu_);
+      assist_stop_ = true;
+    }
+    assist_cv_.notify_all();
+    if (assistant_.joinable()) assistant_.join();
     for (auto& lane : lanes_) lane->request_stop();  // tear down in parallel
     for (auto& lane : lanes_) lane->stop();
     std::lock_guard<std::mutex> lock(mem_mu_);

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -60,6 +62,15 @@ class Engine : public CompletionSink {
                    int timeout_us, uint64_t* moved) {
     return at(lane).transfer_now(ep, rkey, op, local, remote, nbytes, timeout_us, moved);
   }
+  // One synchronous transfer in two parts moved at once: `second` by the engine's assistant
+  // thread (Lane::transfer_now on its lane), `first` by the calling thread. Returns when both
+  // have ended (each bounded as Lane::transfer_now): 0 when every byte is in place, else the
+  // first failing ucs status; `*moved`: bytes of completed chunks of both.
+  struct NowPart {
+    int lane;
+    uint64_t ep, rkey, local, remote, nbytes;
+  };
+  int transfer_now_pair(Op op, const NowPart& first, const NowPart& second, int timeout_us, uint64_t* moved);
 
   // Finished jobs of every lane since the last call (also clears the eventfd counter).
   std::vector<Completion> drain();
@@ -78,6 +89,22 @@ class Engine : public CompletionSink {
   std::mutex done_mu_;
   std::vector<Completion> done_;
   std::atomic<uint64_t> next_job_{1};
+
+  // The assistant of transfer_now_pair: a thread started on first use. It polls for its next
+  // part for a while after each one (a wake-up from sleep costs more than the copy on a VM),
+  // then sleeps on the condition variable. One pair at a time (pair_mu_).
+  void assist();
+  std::mutex pair_mu_;
+  std::mutex assist_mu_;
+  std::condition_variable assist_cv_;
+  std::thread assistant_;
+  bool assist_stop_ = false;
+  std::atomic<int> assist_state_{0};  // 0 idle, 1 a part is posted, 2 it ended
+  Op assist_op_ = Op::kPut;
+  NowPart assist_part_{};
+  int assist_timeout_us_ = 0;
+  int assist_status_ = 0;
+  uint64_t assist_moved_ = 0;
   std::mutex mem_mu_;
   std::unordered_map<uint64_t, ucp_mem_h> mems_;
   uint64_t next_mem_ = 1;

@@ -2,7 +2,8 @@
 
 It registers the regions of the spec, tells the initiator it is ready (signal "ready"), then
 either blocks its whole Python thread in ``time.sleep`` (mode "sleep": its event loop does not
-run until the initiator creates the file ``go``) or serves until signalled ("serve"), and
+run until the initiator creates the file ``go``; with ``sleep_on_signal`` only once signalled
+"sleep", answering "sleeping") or serves until signalled ("serve"), and
 finally writes the sha256 of every region to ``out``.
 """
 
@@ -38,6 +39,9 @@ async def main(spec: dict) -> None:
         await t.signal(spec["initiator"], "ready", os.getpid())
         info: dict = {}
         if spec["mode"] == "sleep":
+            if spec.get("sleep_on_signal"):  # first serve until told to sleep, and say so
+                await t.wait_signal("sleep", timeout=spec.get("timeout", 30))
+                await t.signal(spec["initiator"], "sleeping", 1)
             go = spec["out"] + ".go"
             deadline = time.monotonic() + spec.get("timeout", 30)
             while not os.path.exists(go) and time.monotonic() < deadline:

@@ -10,6 +10,7 @@ import anyio
 import torch
 
 import transport
+from transport._conformance import warm_sync_route
 from transport.backends import Backend, backend_class
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.bool]
@@ -58,8 +59,11 @@ async def many_in_flight(a: transport.Transport, b: transport.Transport, count: 
     b.register("many", dst)
     await a.peer("b", regions=["many"])
     srcs = [torch.full((chunk,), i + 1, dtype=torch.int64) for i in range(count)]
+    synchronous = backend_class(a.backends[0]).mover is not Backend.mover  # ipc, ucx same host, tcp
+    if synchronous:
+        await warm_sync_route(a, "b", srcs[0], "many")
     handles = [a.put(s, "b", key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
-    if backend_class(a.backends[0]).mover is not Backend.mover:  # a synchronous path (ipc, ucx same host)
+    if synchronous:
         # Small host puts on a known route complete inside put() (a ucx one that the lane does not
         # finish within its bound goes the asynchronous way, hence "most").
         assert sum(h.done() for h in handles) > count // 2, "small puts should complete inside put()"

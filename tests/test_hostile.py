@@ -28,8 +28,9 @@ import pytest
 import torch
 
 import transport
-from transport._agent import AgentServer, Channel, hello
+from transport._agent import AgentServer
 from transport._auth import Authenticator
+from transport._channel import Channel, hello
 from transport._wire import (
     FRAME_HEADER,
     FRAME_MAGIC,

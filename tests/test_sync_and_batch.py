@@ -212,3 +212,40 @@ async def test_synchronous_ucx_puts_drive_a_lane_that_carries_a_large_put(target
         await t.signal("server", "done", 1)
         info = await target.result(timeout=120)
     assert info["sha256"] == {"big": sha(big), "small": sha(small)}
+
+
+async def test_synchronous_ucx_transfers_from_256_kib_move_two_halves_at_once(targets, file_store):
+    # From 256 KiB a synchronous ucx transfer is split over lanes 0 and 1, one half driven by the
+    # caller, the other by the engine's assistant thread; odd sizes and offsets, gets included,
+    # also while lane 1 carries a large asynchronous put.
+    if why := transport.backends.REGISTRY["ucx"].unavailable_reason():
+        pytest.skip(f"ucx unavailable: {why}")
+    big_n, mid_n = 32 << 20, (1 << 20) + 8192
+    async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
+        target = targets({"name": "server", "store": file_store, "backends": ["ucx"], "initiator": "init",
+                          "mode": "serve", "timeout": 120,
+                          "regions": [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
+                                      {"key": "mid", "dtype": "uint8", "numel": mid_n, "shared": False}]})
+        await t.wait_signal("ready", timeout=60)
+        await t.peer("server", regions=["big", "mid"])
+        await t.put(torch.zeros(8, dtype=torch.uint8), "server", key="mid")  # learns the route
+        big = torch.randint(0, 256, (big_n,), dtype=torch.uint8)
+        mid = torch.zeros(mid_n, dtype=torch.uint8)
+        synchronous = 0
+        for round_ in range(4):
+            large = t.put(big, "server", key="big", timeout=120) if round_ % 2 else None
+            for offset, n in [(0, 256 << 10), (5, (256 << 10) + 3), (4096, 1 << 20), (8191, (1 << 20) - 1)]:
+                src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+                h = t.put(src, "server", key="mid", offset=offset)
+                synchronous += h.done()
+                await h
+                mid[offset : offset + n] = src
+                back = torch.zeros(n, dtype=torch.uint8)
+                await t.get(back, "server", key="mid", offset=offset)
+                assert torch.equal(back, src), (round_, offset, n)
+            if large is not None:
+                await large
+        assert synchronous > 0, "no transfer took the synchronous path"
+        await t.signal("server", "done", 1)
+        info = await target.result(timeout=120)
+    assert info["sha256"] == {"big": sha(big), "mid": sha(mid)}

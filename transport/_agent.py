@@ -1,4 +1,4 @@
-"""The agent: each Transport's background server, and client connections to other agents.
+"""The agent: each Transport's background server (connections to other agents: ``_channel``).
 
 Every Transport listens on one TCP port (published in its peer record). Connections carry
 frames (see :mod:`transport._wire`): HELLO once, then PUT / GET / SIGNAL requests, each answered
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
 import math
 import os
@@ -45,8 +44,10 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._auth import Authenticator
-from ._errors import AuthenticationError, ClosedError, PeerLostError, TransferTimeoutError, TransportError
+from ._errors import AuthenticationError, TransportError
 from ._wire import (
+    CONNECTION_ENDED,
+    DIRECT_LANE,
     PRE_AUTH_META,
     ErrCode,
     FrameKind,
@@ -55,11 +56,10 @@ from ._wire import (
     SignalRequest,
     WireError,
     close_socket,
-    connect,
     discard,
     encode_frame,
     error_to_frame,
-    frame_to_error,
+    payload_parts,
     read_frame_head,
     recv_into_exactly,
     send_all,
@@ -80,215 +80,6 @@ _WARN_EVERY_S = 10.0
 _CONNECTION_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.EHOSTUNREACH})
 
 
-# How a connection ends from our point of view: the peer closed or reset it, it spoke nonsense,
-# or we closed the socket under a waiting task (anyio.ClosedResourceError).
-_CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, anyio.BrokenResourceError)
-
-
-def _parts(views: memoryview | Sequence[memoryview] | None) -> Sequence[memoryview]:
-    if views is None:
-        return ()
-    return (views,) if isinstance(views, memoryview) else views
-
-
-# ---------------------------------------------------------------------------------------------
-# Client side
-
-
-class _Reply:
-    __slots__ = ("error", "event", "into", "kind", "meta")
-
-    def __init__(self, into: Sequence[memoryview] | None) -> None:
-        self.event = anyio.Event()
-        self.into = into
-        self.kind: FrameKind | None = None
-        self.meta: dict[str, Any] = {}
-        self.error: BaseException | None = None
-
-
-class Channel:
-    """One connection to a peer's agent, with pipelined requests.
-
-    Create with :meth:`open`. A broken channel (EOF, reset, protocol error, or a send that
-    overran its deadline) fails every outstanding request with :class:`PeerLostError` and
-    refuses new ones; open a new channel to retry.
-    """
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self._sock = sock
-        self.peer = peer
-        self._ids = itertools.count(1)
-        self._replies: dict[int, _Reply] = {}
-        self._send_lock = anyio.Lock()
-        self._broken: BaseException | None = None
-        self._closed = anyio.Event()
-
-    @classmethod
-    async def open(
-        cls,
-        tg: TaskGroup,
-        address: tuple[str, int],
-        *,
-        peer: str,
-        peer_incarnation: str,
-        hello: Mapping[str, Any],
-        auth: Authenticator,
-    ) -> Channel:
-        """Connects, says HELLO to the expected incarnation, starts the reply reader.
-
-        Raises:
-            PeerLostError: the agent is unreachable, or it is another incarnation.
-            AuthenticationError: either side lacks the shared token.
-        """
-        try:
-            sock = await connect(address)
-        except OSError as exc:
-            raise PeerLostError(f"cannot reach the agent of {peer} at {address[0]}:{address[1]}: {exc}") from exc
-        return await cls.greet(tg, sock, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
-
-    @classmethod
-    async def greet(
-        cls,
-        tg: TaskGroup,
-        sock: socket.socket,
-        *,
-        peer: str,
-        peer_incarnation: str,
-        hello: Mapping[str, Any],
-        auth: Authenticator,
-    ) -> Channel:
-        """Says HELLO on a connected ``sock`` (see :meth:`open`, which connects first); the
-        channel owns the socket from here on, and closes it if the handshake fails.
-
-        Raises:
-            PeerLostError: the connection broke, or another incarnation answered.
-            AuthenticationError: either side lacks the shared token.
-            TransportError: any other refusal, or the HELLO could not be sent in time.
-        """
-        chan = cls(sock, peer)
-        meta = {**hello, "to": peer, "to_incarnation": peer_incarnation}
-        meta.update(auth.hello_fields(meta["from"], meta["from_incarnation"], peer, peer_incarnation))
-        try:
-            tg.start_soon(chan._read_loop)
-            reply = await chan.request(FrameKind.HELLO, meta)
-            auth.check_ok(reply, meta, peer, peer_incarnation)
-        except BaseException:
-            chan.close()
-            raise
-        return chan
-
-    @property
-    def broken(self) -> bool:
-        return self._broken is not None
-
-    async def wait_closed(self) -> BaseException:
-        """Waits until the connection is closed or broken; returns why (a PeerLostError when
-        the other side went away, a ClosedError when we closed it)."""
-        await self._closed.wait()
-        assert self._broken is not None
-        return self._broken
-
-    def close(self, reason: BaseException | None = None) -> None:
-        if self._broken is None:
-            self._broken = reason or ClosedError(f"connection to {self.peer} closed")
-        self._closed.set()
-        for reply in self._replies.values():
-            if not reply.event.is_set():
-                reply.error = self._broken
-                reply.event.set()
-        self._replies.clear()
-        close_socket(self._sock)
-
-    def _lost(self, what: str, cause: BaseException | None) -> PeerLostError:
-        err = PeerLostError(f"connection to {self.peer} lost: {what}")
-        err.__cause__ = cause
-        return err
-
-    async def request(
-        self,
-        kind: FrameKind,
-        meta: Mapping[str, Any],
-        payload: memoryview | Sequence[memoryview] | None = None,
-        into: memoryview | Sequence[memoryview] | None = None,
-    ) -> dict[str, Any]:
-        """Sends one request and waits for its reply; returns the reply's metadata.
-
-        ``payload`` (one view or several, back to back) is sent after the frame; ``into`` (one
-        view or several) receives a DATA reply's payload in place.
-        Once a frame has started on the wire it is finished (shielded, bounded by the caller's
-        deadline): cancelling before that sends nothing; cancelling after it only stops the wait.
-
-        Raises:
-            PeerLostError: the connection broke (before or during this request).
-            TransferTimeoutError: the frame could not be sent by the caller's deadline.
-            TransportError subclasses: the agent refused (mapped from the ERR frame).
-        """
-        if self._broken is not None:
-            raise self._lost("earlier failure", self._broken)
-        rid = next(self._ids)
-        reply = _Reply(None if into is None else _parts(into))
-        self._replies[rid] = reply
-        parts = _parts(payload)
-        frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
-        deadline = anyio.current_effective_deadline()
-        try:
-            async with self._send_lock:
-                if self._broken is not None:
-                    raise self._lost("earlier failure", self._broken)
-                with anyio.CancelScope(shield=True, deadline=deadline) as scope:
-                    try:
-                        await send_all(self._sock, frame)
-                        for part in parts:
-                            await send_all(self._sock, part)
-                    except (OSError, anyio.ClosedResourceError) as exc:
-                        # If the reader already saw the connection die, report that cause.
-                        cause = self._broken or exc
-                        err = self._lost(f"send failed: {cause}", cause)
-                        self.close(err)
-                        raise err from cause
-                if scope.cancelled_caught:
-                    # A frame cut in half leaves the stream unusable: drop the connection.
-                    late = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")
-                    self.close(self._lost("send timed out", late))
-                    raise late
-        except BaseException:
-            if not reply.event.is_set():
-                self._replies.pop(rid, None)
-            raise
-        await reply.event.wait()
-        if reply.error is not None:
-            if isinstance(reply.error, PeerLostError):
-                raise reply.error
-            raise self._lost("connection failed", reply.error)
-        if reply.kind == FrameKind.ERR:
-            raise frame_to_error(reply.meta, self.peer)
-        return reply.meta
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                kind, rid, meta, payload_len = await read_frame_head(self._sock)
-                reply = self._replies.pop(rid, None)
-                if reply is None:
-                    raise WireError(f"reply to unknown request {rid}")
-                if kind == FrameKind.DATA:
-                    if reply.into is None or sum(len(v) for v in reply.into) != payload_len:
-                        raise WireError(f"DATA of {payload_len} bytes does not match the request")
-                    for view in reply.into:
-                        await recv_into_exactly(self._sock, view)
-                elif payload_len:
-                    await discard(self._sock, payload_len)
-                reply.kind, reply.meta = kind, meta
-                reply.event.set()
-        except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
-            if not isinstance(exc, _CONNECTION_ENDED):
-                log.warning("connection to %s: reply reader failed", self.peer, exc_info=True)
-            self.close(self._lost(str(exc) or type(exc).__name__, exc))
-        except anyio.get_cancelled_exc_class():
-            self.close(ClosedError(f"connection to {self.peer} closed"))
-            raise
-
-
 # ---------------------------------------------------------------------------------------------
 # Server side
 
@@ -301,7 +92,7 @@ class Conn:
 
     async def reply(self, kind: FrameKind, rid: int, meta: Mapping[str, Any],
                     payload: memoryview | Sequence[memoryview] | None = None) -> None:
-        parts = _parts(payload)
+        parts = payload_parts(payload)
         await send_all(self.sock, encode_frame(kind, rid, meta, sum(len(p) for p in parts)))
         for part in parts:
             await send_all(self.sock, part)
@@ -332,6 +123,10 @@ class Routes(Protocol):
                             payload_len: int) -> None:
         """PUT / GET / PUTV / GETV (the ``tcp`` backend's target side): serves the bytes and
         replies on ``conn``."""
+
+    def adopt_direct(self, sock: socket.socket) -> bool:
+        """A connection whose HELLO asked for the ``tcp`` direct lane: native code takes the
+        socket over (detaching it). False: not served; the socket is closed then."""
 
 
 def _env_limit(name: str, default: float) -> float:
@@ -455,17 +250,22 @@ class AgentServer:
         conn = Conn(sock)
         try:
             with scope:
-                accepted = False
+                accepted, lane = False, ""
                 with anyio.move_on_after(self.handshake_timeout) as handshake:
-                    peer, accepted = await self._handshake(conn, peer)
+                    peer, accepted, lane = await self._handshake(conn, peer)
                 if not accepted:
                     log.debug("agent %s: closing the connection from %s (%s)", self.name, peer,
                               "no HELLO in time" if handshake.cancelled_caught else "refused")
                     return
+                if lane == DIRECT_LANE:  # native code serves it from here (or closes it)
+                    self._conns.pop(sock, None)
+                    if not self.routes.adopt_direct(sock):
+                        self._warn("direct", f"closed the direct lane from {peer}: not served (at its cap)")
+                    return
                 while True:
                     kind, rid, meta, plen = await read_frame_head(sock)
                     await self._dispatch(conn, kind, rid, meta, plen)
-        except _CONNECTION_ENDED as exc:
+        except CONNECTION_ENDED as exc:
             log.debug("agent %s: connection from %s ended: %s", self.name, peer, exc)
         except Exception:  # a route's bug or an unforeseen input: this connection only
             log.warning("agent %s: closing the connection from %s after an unexpected error", self.name, peer,
@@ -473,8 +273,9 @@ class AgentServer:
         finally:
             self._drop(sock)
 
-    async def _handshake(self, conn: Conn, peer: str) -> tuple[str, bool]:
-        """Reads and answers the HELLO; returns who it says it is and whether it was accepted.
+    async def _handshake(self, conn: Conn, peer: str) -> tuple[str, bool, str]:
+        """Reads and answers the HELLO; returns who it says it is, whether it was accepted, and
+        the lane it asked for (``"direct"``: the tcp direct lane's native server takes it over).
         Raises WireError if the first frame is not a HELLO of PRE_AUTH_META bytes and no payload."""
         kind, rid, meta, plen = await read_frame_head(conn.sock, PRE_AUTH_META)
         if kind != FrameKind.HELLO or plen:
@@ -486,17 +287,18 @@ class AgentServer:
                 "message": f"{self.name} is incarnation {self.incarnation}, "
                 f"not {str(meta.get('to_incarnation'))[:200]} (it restarted; fetch its record again)",
             })
-            return peer, False
+            return peer, False, ""
         try:
             self.auth.check_hello(meta, self.name, self.incarnation)
         except AuthenticationError as exc:
             self._warn("auth", f"refused a connection from {peer}: {exc}")
             await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
-            return peer, False
+            return peer, False, ""
         self._waiting.pop(conn.sock, None)  # authenticated: no longer evictable
         await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation,
                                              **self.auth.ok_fields(meta, self.incarnation)})
-        return peer, True
+        lane = meta.get("lane")
+        return peer, True, lane if isinstance(lane, str) else ""
 
     async def _dispatch(self, conn: Conn, kind: FrameKind, rid: int, meta: dict[str, Any], plen: int) -> None:
         if kind == FrameKind.SIGNAL:
@@ -532,12 +334,6 @@ class AgentServer:
         await self.routes.range_request(conn, kind, rid, request, plen)
 
 
-def hello(name: str, incarnation: str, lane: str) -> dict[str, str]:
-    """The HELLO fields that say who connects (``name``, ``incarnation``) and for what (``lane``);
-    :meth:`Channel.open` adds the target and the token fields."""
-    return {"from": name, "from_incarnation": incarnation, "lane": lane}
-
-
 def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:
     """Where an agent listens: ``listen`` (``HOST`` or ``HOST:PORT``) if given, else the local
     address that reaches a ``tcp://`` store (any port), else 127.0.0.1."""
@@ -559,37 +355,3 @@ def local_address_towards(host: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
-
-
-class ChannelPool:
-    """At most one open :class:`Channel` per peer (per incarnation), opened on first use."""
-
-    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator) -> None:
-        self._tg = tg
-        self._hello = dict(hello)
-        self._auth = auth
-        self._channels: dict[str, tuple[str, Channel]] = {}
-        self._locks: dict[str, anyio.Lock] = {}
-
-    async def get(self, peer: str, incarnation: str, address: tuple[str, int]) -> Channel:
-        lock = self._locks.setdefault(peer, anyio.Lock())
-        async with lock:
-            cached = self._channels.get(peer)
-            if cached is not None:
-                inc, chan = cached
-                if inc == incarnation and not chan.broken:
-                    return chan
-                chan.close()
-            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello,
-                                      auth=self._auth)
-            self._channels[peer] = (incarnation, chan)
-            return chan
-
-    def forget_peer(self, peer: str) -> None:
-        cached = self._channels.pop(peer, None)
-        if cached is not None:
-            cached[1].close()
-
-    def close(self) -> None:
-        for peer in list(self._channels):
-            self.forget_peer(peer)

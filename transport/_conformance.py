@@ -232,6 +232,15 @@ def _synchronous(env: _Env) -> bool:
     return env.device.type == "cpu" and backend_class(env.backend).mover is not Backend.mover
 
 
+async def warm_sync_route(a: Transport, peer: str, src: torch.Tensor, key: str, offset: int = 0) -> None:
+    """Puts ``src`` until one completes inside ``put()``: a backend may open its synchronous
+    path on first use (the tcp direct lane connects in the background). Bounded: 10 s."""
+    with anyio.fail_after(10):
+        while not (h := a.put(src, peer, key=key, offset=offset)).done():
+            await h
+            await anyio.sleep(0.01)
+
+
 @_check("many_in_flight")
 async def _many_in_flight(env: _Env) -> None:
     a, b = env.a, env.b
@@ -240,6 +249,8 @@ async def _many_in_flight(env: _Env) -> None:
     b.register("many", dst)
     await a.peer(env.peer, regions=["many"])
     srcs = [env.full(chunk, i + 1, torch.int64) for i in range(count)]
+    if _synchronous(env):
+        await warm_sync_route(a, env.peer, srcs[0], "many")
     handles = [a.put(s, env.peer, key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
     if _synchronous(env):  # put() completes small host transfers itself (Backend.mover)
         # (a ucx one that its lane does not finish within the bound goes asynchronous: "most")

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import TaskGroup
 
-from ._agent import Channel, connect, hello
 from ._auth import Authenticator
+from ._channel import Channel, hello
 from ._errors import AuthenticationError, PeerLostError, PeerNotFoundError, RegistrationError, TransportError
 from ._flight import FlightRecorder
 from ._host import ProcessWatch
 from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases, LostTable
 from ._rendezvous import RecordTooLargeError, Store
-from ._wire import HostId, PeerRecord, RegionRecord, WireError
+from ._wire import HostId, PeerRecord, RegionRecord, WireError, connect
 
 log = logging.getLogger("transport._transport")
 

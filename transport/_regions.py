@@ -7,6 +7,7 @@ its peer published it (before any byte moves), the target against its own live r
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from ._errors import (
     RegistrationError,
     TransportError,
 )
+from ._native.tcp import RegionMirror
 from ._tensors import MemoryKind, byte_view, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
 from ._wire import RegionRecord, TransferOp
 
@@ -169,6 +171,12 @@ class RegionTable:
         self._regions: dict[str, Region] = {}
         self._by_memory: dict[tuple[int, int, torch.dtype], str] = {}
         self._shared: list[Any] = []  # buffers allocated by allocate()
+        # The host regions as the tcp direct lane's native threads see them. A region withdrawn
+        # while a request still moves its bytes stays referenced here (its memory alive) until
+        # the mirror releases its token.
+        self.mirror = RegionMirror()
+        self._retired: dict[int, Region] = {}
+        self._tokens = itertools.count(1)
 
     def __iter__(self) -> Iterator[Region]:
         return iter(list(self._regions.values()))
@@ -209,8 +217,10 @@ class RegionTable:
             if moved.keys() - reported:
                 for key in moved.keys() - reported:
                     log.warning("transport %s: %s", self.owner, moved[key])
+                    self.mirror.mark_moved(key)
                 republish()
             reported = set(moved)
+            self._release()
 
     def as_dict(self) -> dict[str, Region]:
         return dict(self._regions)
@@ -272,6 +282,10 @@ class RegionTable:
         for region in regions.values():
             self._regions[region.key] = region
             self._by_memory.setdefault((region.address, region.nbytes, region.dtype), region.key)
+            if region.view is not None:
+                self.mirror.set(region.key, region.address, region.nbytes, region.dtype.itemsize, region.writable,
+                                dtype_name(region.dtype))
+        self._release()
 
     def remove(self, key: str) -> Region:
         """Withdraws ``key``.
@@ -285,6 +299,10 @@ class RegionTable:
         mem = (region.address, region.nbytes, region.dtype)
         if self._by_memory.get(mem) == key:
             del self._by_memory[mem]
+        token = next(self._tokens)
+        if self.mirror.remove(key, token):
+            self._retired[token] = region
+        self._release()
         if region.shared is not None and all(r.shared is not region.shared for r in self._regions.values()):
             # The memory itself lives as long as the tensors over it; we only stop tracking it.
             self._shared = [b for b in self._shared if b is not region.shared]
@@ -330,6 +348,14 @@ class RegionTable:
             out[key] = region.record(descs)
         return out
 
+    def _release(self) -> None:
+        """Lets go of withdrawn regions whose memory no direct-lane request uses any more."""
+        for token in self.mirror.released():
+            self._retired.pop(token, None)
+
     def clear(self) -> None:
+        """Forgets every region (the Transport closed; its direct-lane threads have ended)."""
         self._regions.clear()
         self._by_memory.clear()
+        self.mirror.clear()
+        self._retired.clear()

@@ -3,26 +3,31 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._agent import Conn
 from ._errors import BackendUnavailableError
+from ._native.tcp import DirectServer
 from ._regions import Region, RegionTable
 from ._signals import Signals
 from ._wire import FrameKind, RangeRequest, RangesRequest, SignalRequest, TransferOp
 from .backends import Backend
-from .backends.tcp import serve_ranges
+from .backends.tcp import DIRECT_MAX_CONNS, serve_ranges
 
 
 class Routes:
     """What this endpoint's agent serves: signals, backends' own requests and tcp ranges."""
 
-    def __init__(self, name: str, regions: RegionTable, backends: Sequence[Backend], signals: Signals) -> None:
+    def __init__(self, name: str, regions: RegionTable, backends: Sequence[Backend], signals: Signals,
+                 timeout: float) -> None:
         self._name = name
         self._regions = regions
         self._backends = backends
         self._signals = signals
+        self._timeout = timeout
+        self._direct: DirectServer | None = None  # made on the first direct-lane connection
 
     def signal(self, request: SignalRequest) -> None:
         self._signals.deliver(request)
@@ -41,3 +46,15 @@ class Routes:
     async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest | RangesRequest,
                             payload_len: int) -> None:
         await serve_ranges(self._regions, conn, kind, rid, request.segments, payload_len)
+
+    def adopt_direct(self, sock: socket.socket) -> bool:
+        """Serves a tcp direct-lane connection on a native thread (``transport._native.tcp``):
+        its requests are checked against the region table's native mirror."""
+        if self._direct is None:
+            self._direct = DirectServer(self._regions.mirror, self._name, self._timeout, DIRECT_MAX_CONNS)
+        return self._direct.adopt(sock)
+
+    def close(self) -> None:
+        """Ends the direct-lane connections and joins their threads."""
+        if self._direct is not None:
+            self._direct.close()

@@ -42,6 +42,7 @@ from ._tensors import MemoryKind, dtype_from_name, dtype_name, nbytes_of
 from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, LocalBuffer, RemoteTarget
+from .backends._base import Mover, Pending
 
 log = logging.getLogger("transport._transport")
 
@@ -69,7 +70,7 @@ class _SyncRoute:
     __slots__ = ("backend", "dtype", "itemsize", "limit", "move", "record")
 
     def __init__(self, record: PeerRecord, region: RegionRecord | None, backend: Backend | None,
-                 move: Callable[[int, int, int], bool] | None) -> None:
+                 move: Mover | None) -> None:
         self.record = record
         self.backend = backend
         self.move = move
@@ -123,16 +124,26 @@ class TransferEngine:
         here, synchronously (see :meth:`_now`); the handle returned is then already done.
         """
         if kind is MemoryKind.CPU and (peer, key) not in self._ranges:
-            done = self._now(op, tensor, peer, key, offset)
+            done = self._now(op, tensor, peer, key, offset, timeout)
             if done is not None:
                 return done
         # CUDA: the transfer must see the work the caller queued so far, and only that.
         local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
-        xfer = Transfer(op, peer, key, nbytes_of(tensor), offset)
+        return self._launch(op, local, peer, key, offset, timeout)
+
+    def _launch(self, op: TransferOp, local: LocalBuffer, peer: str, key: str, offset: int, timeout: float,
+                pending: tuple[PeerRecord, Backend, Pending] | None = None) -> Transfer:
+        """Runs one transfer in the background: checked and moved (``_execute``), or, with
+        ``pending``, the completion of a synchronous attempt that went out (``_execute_pending``)."""
+        xfer = Transfer(op, peer, key, nbytes_of(local.tensor), offset)
+        if pending is not None:  # its request is out: the bytes may land whatever happens next
+            xfer._moving, xfer._incarnation = True, pending[0].incarnation
         after = self._ranges.setdefault((peer, key), _Ranges()).add(xfer, offset, offset + xfer.nbytes)
         xfer._rec = self._flight.start(op.value, peer, key, xfer.nbytes)
         self._inflight.setdefault(peer, set()).add(xfer)
-        self._tg.start_soon(self._run, xfer, functools.partial(self._execute, xfer, local, after), timeout)
+        work = (functools.partial(self._execute, xfer, local, after) if pending is None
+                else functools.partial(self._execute_pending, xfer, local, *pending))
+        self._tg.start_soon(self._run, xfer, work, timeout)
         return xfer
 
     def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
@@ -153,11 +164,13 @@ class TransferEngine:
                             tuple(spans))
         return xfer
 
-    def _now(self, op: TransferOp, tensor: torch.Tensor, peer: str, key: str, offset: int) -> Transfer | None:
+    def _now(self, op: TransferOp, tensor: torch.Tensor, peer: str, key: str, offset: int,
+             timeout: float) -> Transfer | None:
         """Moves a small host transfer right here, when everything it needs is at hand: the
         peer's record (adopted, current by the backend's cheap view of it, not lost, its process
         alive), the checks pass, and the backend's synchronous path (``Backend.mover``) takes it.
-        Returns the completed handle, or None: then the transfer takes the asynchronous path,
+        Returns the completed handle; a running one when the backend's request went out but its
+        completion is still to come; or None: then the transfer takes the asynchronous path,
         which also reports any error precisely. Nothing is moved before every check passed."""
         nbytes = nbytes_of(tensor)
         if nbytes > SYNC_MAX_BYTES:
@@ -179,8 +192,12 @@ class TransferEngine:
         if (seq is not None and seq != record.seq) or self._directory.is_lost(record) or self._directory.stale(record):
             return None
         started, t0 = time.time(), time.monotonic()
-        if nbytes and not move(tensor.data_ptr(), offset, nbytes):
+        moved = move(tensor.data_ptr(), offset, nbytes) if nbytes else True
+        if moved is False:
             return None
+        if moved is not True:  # went out; its completion comes later
+            return self._launch(op, LocalBuffer(tensor, MemoryKind.CPU), peer, key, offset, timeout,
+                                (record, backend, moved))
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
         return Transfer._completed(op, peer, key, nbytes, offset, backend.name, t0)
 
@@ -334,6 +351,15 @@ class TransferEngine:
             return
         await self._move(backend, xfer.op, local, RemoteTarget(record, region, xfer.offset, xfer.nbytes))
 
+    async def _execute_pending(self, xfer: Transfer, local: LocalBuffer, record: PeerRecord, backend: Backend,
+                               pending: Pending) -> None:
+        """Completes a synchronous attempt whose request went out (see :meth:`_now`); when it
+        comes back refused or broken, moves the bytes again by the checked path."""
+        xfer.backend = backend.name
+        self._begin(xfer, record, backend.name)
+        if not await pending():
+            await self._execute(xfer, local, ())
+
     async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer]) -> None:
         record, plan = await self._checked(xfer, after,
                                            lambda r: prepared.plan(r, functools.partial(self._plan, xfer.op, r)))
@@ -395,7 +421,8 @@ class TransferEngine:
                 xfer._scope = scope
                 if xfer._cancel_requested:
                     scope.cancel()
-                    await anyio.lowlevel.checkpoint()  # deliver it before anything moves
+                    if not xfer._moving:  # (one already moving must still clean up, in work())
+                        await anyio.lowlevel.checkpoint()  # deliver it before anything moves
                 error: TransportError | None = None
                 try:
                     await work()

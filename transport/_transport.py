@@ -24,9 +24,10 @@ import anyio
 import torch
 
 from . import _cuda
-from ._agent import AgentServer, ChannelPool, hello, listen_address
+from ._agent import AgentServer, listen_address
 from ._auth import Authenticator
 from ._batch import PreparedTransfer
+from ._channel import ChannelPool, hello
 from ._errors import ClosedError, LayoutError, RegistrationError
 from ._flight import FlightRecorder
 from ._host import host_id, pid_start
@@ -171,7 +172,8 @@ class Transport:
         self._transfers = TransferEngine(self.name, tg, self._directory, self._backends, self._flight,
                                          self._cuda_copier)
         self._signals = Signals(self.name, self._directory, self._transfers, self._control, self._flight)
-        routes = Routes(self.name, self._regions, self._backends, self._signals)
+        routes = Routes(self.name, self._regions, self._backends, self._signals, self.timeout)
+        stack.callback(routes.close)
         host, port = listen_address(self._listen, self._store.url)
         self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
         tg.start_soon(self._agent.serve, tg)

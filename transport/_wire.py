@@ -26,7 +26,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -540,3 +540,17 @@ class SignalRequest:
     def from_meta(cls, meta: Mapping[str, Any]) -> SignalRequest:
         """Raises WireError for a missing or mistyped field."""
         return cls(_str(meta, "name"), _int(meta, "value"))
+
+
+# How a connection ends from our point of view: the peer closed or reset it, it spoke nonsense,
+# or we closed the socket under a waiting task (anyio.ClosedResourceError).
+CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, anyio.BrokenResourceError)
+
+DIRECT_LANE = "direct"  # the HELLO lane of a tcp direct-lane connection (transport._native.tcp)
+
+
+def payload_parts(views: memoryview | Sequence[memoryview] | None) -> Sequence[memoryview]:
+    """A frame's payload as a sequence of views (none, one, or several back to back)."""
+    if views is None:
+        return ()
+    return (views,) if isinstance(views, memoryview) else views

@@ -7,6 +7,8 @@ failures into the error tree (:mod:`transport._errors`). The extension loads laz
 * :mod:`.copy` -- the same-host copy engine (:class:`Copier`), shareable host buffers, peers'
   mappings, cross-memory attach, the memory fence;
 * :mod:`.ucx` -- the UCX engine (:class:`UcxEngine`) and the libucp it loads;
+* :mod:`.tcp` -- the tcp backend's direct lane (native server threads, the region mirror, the
+  initiator's lane);
 * :mod:`.cuda` -- the CUDA driver calls (the policy on top is :mod:`transport._cuda`);
 * :mod:`.kernels` -- the ABI of the CUDA kernels (names, launch bounds, parameter layouts);
 * :mod:`.nccl` -- libnccl (through ctypes) and its non-blocking communicators;

@@ -303,6 +303,22 @@ class UcxEngine:
             return False
         return status == 0
 
+    def transfer_now_pair(self, op: TransferOp, first: UcxPart, second: UcxPart, timeout: float) -> bool:
+        """As :meth:`transfer_now`, for two parts on two lanes moved at the same time: ``first``
+        by the calling thread, ``second`` by the engine's assistant thread. Returns True once
+        both are in place; when either fails or runs late, False once both have ended."""
+        timeout_us = max(1, int(timeout * 1e6))
+
+        def spec(p: UcxPart) -> tuple[int, int, int, int, int, int]:
+            return (p.lane, p.ep, p.rkey, p.local, p.remote, p.nbytes)
+
+        try:
+            status, _moved = self._call("a synchronous ucx transfer", self._engine.transfer_now_pair, _NATIVE_OP[op],
+                                        spec(first), spec(second), timeout_us)
+        except TransportInternalError:
+            return False
+        return status == 0
+
     def destroy_rkey(self, lane: int, rkey: int) -> None:
         self._post(self._engine.rkey_destroy, lane, rkey)
 

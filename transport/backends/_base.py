@@ -30,6 +30,12 @@ MANY_INFLIGHT = 32  # ranges of one move_many in flight at once (default impleme
 
 # check_region(op, meta, nbytes): the live region a request may touch (transport._regions.check).
 RegionCheck = Callable[[TransferOp, Mapping[str, Any], int], Region]
+# A synchronous transfer whose bytes went out but whose completion has not arrived yet: awaiting
+# it returns True once they are in place, False when they must be moved again by the checked
+# path (refused, or the connection broke). See Backend.mover.
+Pending = Callable[[], Awaitable[bool]]
+# move(local_address, offset, nbytes): True (done), False (declined, nothing moved) or a Pending.
+Mover = Callable[[int, int, int], "bool | Pending"]
 
 
 @dataclass
@@ -124,18 +130,26 @@ class Backend(abc.ABC):
         lets an initiator notice a newer record before it moves bytes one-sidedly."""
         return None
 
-    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Mover | None:
         """A synchronous path for small transfers between host memory here and ``region``, or
         None (the default: every transfer takes :meth:`put` / :meth:`get`).
 
         The Transport asks once per route (and again when the peer's record changes), then
         calls ``move(local_address, offset, nbytes)`` on the event loop inside ``put``/``get``,
         after every check passed, for host transfers of at most ``transfers.SYNC_MAX_BYTES``
-        with nothing else in flight to the region. It must take microseconds and never wait
-        for the peer. It returns True once the bytes are in place (a put: in the peer's memory;
-        a get: here); False to decline: the transfer then takes the asynchronous path, which
-        also reports the precise error of a failed attempt. What it holds (a mapping) stays
-        valid while the returned callable is referenced.
+        with nothing else in flight to the region. It must take microseconds, or at most a
+        bounded wait of a millisecond or two. It returns:
+
+        * True once the bytes are in place (a put: in the peer's memory; a get: here);
+        * False to decline, having moved nothing that could land later: the transfer then
+          takes the asynchronous path, which also reports the precise error of a failed attempt;
+        * a :data:`Pending` when the request went out but its completion has not come yet: the
+          Transport then runs the transfer in the background, awaiting it (cancelled like any
+          transfer; its memory is referenced until it ends), and moves the bytes again by the
+          asynchronous path if it returns False.
+
+        What it holds (a mapping, a connection) stays valid while the returned callable is
+        referenced.
         """
         return None
 

@@ -5,24 +5,55 @@ and writability and then receives them straight into the registered region (``re
 intermediate copy). Not one-sided at the process level: the target's agent, inside its
 ``async with Transport``, serves the request, but the target's application code does nothing.
 
+Small single-range transfers (up to ``DIRECT_MAX_BYTES``) take the **direct lane** instead: a
+second connection per peer, authenticated by the same HELLO, whose both ends are native code
+(``transport._native.tcp``). The target serves it on a native thread, checking every request
+against a native mirror of its region table, so no Python runs on either side of the wire; the
+initiator waits for the reply inside ``put()`` for up to ``DIRECT_WAIT_S`` (``Backend.mover``),
+then, if it has not come, in the background like any transfer. Anything the lane cannot do
+(too big, lane not open yet or busy, a refusal, a broken connection) takes the checked path
+above, which reports the precise error.
+
 Both sides live here: :class:`TcpBackend` (the initiator) and :func:`serve_ranges` (the target's
-agent routes PUT / GET frames to it).
+agent routes PUT / GET frames to it; its direct lane is ``transport._routes.Routes.adopt_direct``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import time
 from collections.abc import Sequence
 
 import anyio
 
-from .._agent import ChannelPool, Conn, hello
+from .._agent import Conn
+from .._channel import ChannelPool, greet_plain, hello
 from .._errors import BackendUnavailableError, TransportError
+from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, LaneResult
 from .._regions import RegionTable
 from .._tensors import MemoryKind, dtype_name
-from .._wire import FrameKind, PeerRecord, RangeRequest, RangesRequest, RegionRecord, TransferOp
-from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from .._wire import (
+    DIRECT_LANE,
+    FrameKind,
+    PeerRecord,
+    RangeRequest,
+    RangesRequest,
+    RegionRecord,
+    TransferOp,
+    close_socket,
+    connect,
+)
+from ._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget
+
+log = logging.getLogger(__name__)
 
 _FRAME_SEGMENTS = 2048  # ranges per PUTV / GETV frame (its segment table stays well under MAX_META)
+DIRECT_MAX_BYTES = 64 << 10  # single-range transfers up to this size take the direct lane
+DIRECT_WAIT_S = 0.002  # put() waits this long for the direct lane's reply, then the rest goes async
+DIRECT_RETRY_S = 1.0  # after a direct lane failed to open, try again no sooner than this
+DIRECT_MAX_CONNS = 256  # direct-lane connections one endpoint serves at once (one thread each)
 
 
 class TcpBackend(Backend):
@@ -37,6 +68,9 @@ class TcpBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth)
+        self._lanes: dict[str, tuple[str, DirectLane]] = {}  # peer -> (its incarnation, direct lane)
+        self._opening: set[str] = set()
+        self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
         if region.device != "cpu":
@@ -84,11 +118,98 @@ class TcpBackend(Backend):
         if errors:
             raise errors[0]
 
+    # -- the direct lane ----------------------------------------------------------------------
+
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Mover | None:
+        """Host regions: the direct lane, for transfers up to ``DIRECT_MAX_BYTES`` (opened in
+        the background on first use; until it is open, and while it carries another request,
+        transfers take the checked path)."""
+        key, dtype = region.key, region.dtype
+        if (region.device != "cpu" or len(key.encode()) > MAX_KEY_BYTES or len(dtype.encode()) > MAX_DTYPE_BYTES
+                or not key or not dtype):
+            return None
+        put = op == TransferOp.PUT
+
+        def move(local: int, offset: int, nbytes: int) -> bool | Pending:
+            if nbytes > DIRECT_MAX_BYTES:
+                return False
+            lane = self._lane(peer)
+            if lane is None or lane.pending:
+                return False
+            result = lane.start(put, key, dtype, offset, nbytes, local, DIRECT_WAIT_S)
+            if result is LaneResult.DONE:
+                return True
+            if result is LaneResult.PENDING:
+                return functools.partial(self._finish, peer.name, lane)
+            log.debug("tcp direct lane to %s: %s; taking the checked path", peer.name, lane.message)
+            return False  # refused (nothing written) or broken: the checked path redoes and reports it
+
+        return move
+
+    def _lane(self, peer: PeerRecord) -> DirectLane | None:
+        """The open direct lane to ``peer``'s incarnation, or None (then one is being opened,
+        unless the last attempt failed less than ``DIRECT_RETRY_S`` ago)."""
+        cached = self._lanes.get(peer.name)
+        if cached is not None:
+            incarnation, lane = cached
+            if incarnation == peer.incarnation and not lane.closed:
+                return lane
+            self._drop_lane(peer.name)
+        since_failed = time.monotonic() - self._failed.get(peer.name, -math.inf)
+        if peer.name not in self._opening and since_failed > DIRECT_RETRY_S:
+            self._opening.add(peer.name)
+            self.ctx.tg.start_soon(self._open_lane, peer)
+        return None
+
+    async def _open_lane(self, peer: PeerRecord) -> None:
+        sock = None
+        try:
+            with anyio.fail_after(self.ctx.timeout):
+                sock = await connect(peer.agent)
+                await greet_plain(sock, peer=peer.name, peer_incarnation=peer.incarnation,
+                                  hello=hello(self.ctx.name, self.ctx.incarnation, DIRECT_LANE), auth=self.ctx.auth)
+            self._drop_lane(peer.name)
+            self._lanes[peer.name] = (peer.incarnation, DirectLane(sock, self.ctx.timeout))
+        except (OSError, TransportError, TimeoutError) as exc:
+            self._failed[peer.name] = time.monotonic()
+            log.debug("tcp: no direct lane to %s (%s); its transfers take the checked path", peer.name, exc)
+            if sock is not None:
+                close_socket(sock)
+        finally:
+            self._opening.discard(peer.name)
+
+    async def _finish(self, peer: str, lane: DirectLane) -> bool:
+        """Collects the reply of ``lane``'s pending request: True once the bytes are in place;
+        False when it was refused or the connection broke (the checked path then redoes the
+        transfer and reports any error). Cancelled, it closes the lane: the reply can no longer
+        be matched, and the bytes may still land."""
+        try:
+            while True:
+                await anyio.wait_readable(lane.fileno())
+                result = lane.finish(0.0)
+                if result is not LaneResult.PENDING:
+                    return result is LaneResult.DONE
+        except BaseException:
+            lane.close()
+            raise
+        finally:
+            if self._lanes.get(peer, ("", None))[1] is not lane:  # forgotten meanwhile
+                lane.close()
+
+    def _drop_lane(self, peer: str) -> None:
+        cached = self._lanes.pop(peer, None)
+        if cached is not None and not cached[1].pending:  # a pending one is closed by its _finish
+            cached[1].close()
+
     def forget_peer(self, peer: str) -> None:
         self._pool.forget_peer(peer)
+        self._drop_lane(peer)
+        self._failed.pop(peer, None)
 
     def close(self) -> None:
         self._pool.close()
+        for peer in list(self._lanes):
+            self._drop_lane(peer)
 
 
 async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int,

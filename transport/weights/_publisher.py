@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transport.weights")
 
+# The background snapshot fill starts once the doorbells of its version were acknowledged, or
+# after this long (a subscriber busy generating acknowledges when it next yields).
+FILL_AFTER_RINGS_S = 0.05
+
 Bucket = tuple[int, int]  # [start, end) byte range of a version
 
 
@@ -435,6 +439,11 @@ class Publisher:
         pullers keep getting the previous version. Cancelled by ``aclose``."""
         complete = False
         try:
+            # First the doorbells of this version: on a few cores the copy would otherwise hold
+            # back the subscribers' flips (their Python needs a core to see the doorbell).
+            with anyio.move_on_after(FILL_AFTER_RINGS_S):
+                while self._ringing:
+                    await anyio.sleep(0.001)
             with anyio.move_on_after(self.deadline):
                 await self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
                 complete = True

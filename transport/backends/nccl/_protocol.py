@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from ..._agent import ChannelPool, hello
+from ..._channel import ChannelPool, hello
 from ..._errors import TransportError, TransportInternalError
 from ..._wire import FrameKind, PeerRecord, TransferOp
 from .._base import BackendContext

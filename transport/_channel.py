@@ -1,0 +1,297 @@
+"""Client connections to other agents: :class:`Channel` (pipelined requests on one
+connection), :class:`ChannelPool` (at most one per peer) and :func:`greet_plain` (a HELLO for a
+connection that native code takes over: the tcp direct lane). The server side is ``_agent``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ._auth import Authenticator
+from ._errors import ClosedError, PeerLostError, TransferTimeoutError
+from ._wire import (
+    CONNECTION_ENDED,
+    PRE_AUTH_META,
+    FrameKind,
+    WireError,
+    close_socket,
+    connect,
+    discard,
+    encode_frame,
+    frame_to_error,
+    payload_parts,
+    read_frame_head,
+    recv_into_exactly,
+    send_all,
+)
+
+log = logging.getLogger("transport._agent")
+
+
+class _Reply:
+    __slots__ = ("error", "event", "into", "kind", "meta")
+
+    def __init__(self, into: Sequence[memoryview] | None) -> None:
+        self.event = anyio.Event()
+        self.into = into
+        self.kind: FrameKind | None = None
+        self.meta: dict[str, Any] = {}
+        self.error: BaseException | None = None
+
+
+class Channel:
+    """One connection to a peer's agent, with pipelined requests.
+
+    Create with :meth:`open`. A broken channel (EOF, reset, protocol error, or a send that
+    overran its deadline) fails every outstanding request with :class:`PeerLostError` and
+    refuses new ones; open a new channel to retry.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self._sock = sock
+        self.peer = peer
+        self._ids = itertools.count(1)
+        self._replies: dict[int, _Reply] = {}
+        self._send_lock = anyio.Lock()
+        self._broken: BaseException | None = None
+        self._closed = anyio.Event()
+
+    @classmethod
+    async def open(
+        cls,
+        tg: TaskGroup,
+        address: tuple[str, int],
+        *,
+        peer: str,
+        peer_incarnation: str,
+        hello: Mapping[str, Any],
+        auth: Authenticator,
+    ) -> Channel:
+        """Connects, says HELLO to the expected incarnation, starts the reply reader.
+
+        Raises:
+            PeerLostError: the agent is unreachable, or it is another incarnation.
+            AuthenticationError: either side lacks the shared token.
+        """
+        try:
+            sock = await connect(address)
+        except OSError as exc:
+            raise PeerLostError(f"cannot reach the agent of {peer} at {address[0]}:{address[1]}: {exc}") from exc
+        return await cls.greet(tg, sock, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
+
+    @classmethod
+    async def greet(
+        cls,
+        tg: TaskGroup,
+        sock: socket.socket,
+        *,
+        peer: str,
+        peer_incarnation: str,
+        hello: Mapping[str, Any],
+        auth: Authenticator,
+    ) -> Channel:
+        """Says HELLO on a connected ``sock`` (see :meth:`open`, which connects first); the
+        channel owns the socket from here on, and closes it if the handshake fails.
+
+        Raises:
+            PeerLostError: the connection broke, or another incarnation answered.
+            AuthenticationError: either side lacks the shared token.
+            TransportError: any other refusal, or the HELLO could not be sent in time.
+        """
+        chan = cls(sock, peer)
+        meta = _hello_meta(hello, auth, peer, peer_incarnation)
+        try:
+            tg.start_soon(chan._read_loop)
+            reply = await chan.request(FrameKind.HELLO, meta)
+            auth.check_ok(reply, meta, peer, peer_incarnation)
+        except BaseException:
+            chan.close()
+            raise
+        return chan
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    async def wait_closed(self) -> BaseException:
+        """Waits until the connection is closed or broken; returns why (a PeerLostError when
+        the other side went away, a ClosedError when we closed it)."""
+        await self._closed.wait()
+        assert self._broken is not None
+        return self._broken
+
+    def close(self, reason: BaseException | None = None) -> None:
+        if self._broken is None:
+            self._broken = reason or ClosedError(f"connection to {self.peer} closed")
+        self._closed.set()
+        for reply in self._replies.values():
+            if not reply.event.is_set():
+                reply.error = self._broken
+                reply.event.set()
+        self._replies.clear()
+        close_socket(self._sock)
+
+    def _lost(self, what: str, cause: BaseException | None) -> PeerLostError:
+        err = PeerLostError(f"connection to {self.peer} lost: {what}")
+        err.__cause__ = cause
+        return err
+
+    async def request(
+        self,
+        kind: FrameKind,
+        meta: Mapping[str, Any],
+        payload: memoryview | Sequence[memoryview] | None = None,
+        into: memoryview | Sequence[memoryview] | None = None,
+    ) -> dict[str, Any]:
+        """Sends one request and waits for its reply; returns the reply's metadata.
+
+        ``payload`` (one view or several, back to back) is sent after the frame; ``into`` (one
+        view or several) receives a DATA reply's payload in place.
+        Once a frame has started on the wire it is finished (shielded, bounded by the caller's
+        deadline): cancelling before that sends nothing; cancelling after it only stops the wait.
+
+        Raises:
+            PeerLostError: the connection broke (before or during this request).
+            TransferTimeoutError: the frame could not be sent by the caller's deadline.
+            TransportError subclasses: the agent refused (mapped from the ERR frame).
+        """
+        if self._broken is not None:
+            raise self._lost("earlier failure", self._broken)
+        rid = next(self._ids)
+        reply = _Reply(None if into is None else payload_parts(into))
+        self._replies[rid] = reply
+        parts = payload_parts(payload)
+        frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
+        deadline = anyio.current_effective_deadline()
+        try:
+            async with self._send_lock:
+                if self._broken is not None:
+                    raise self._lost("earlier failure", self._broken)
+                with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+                    try:
+                        await send_all(self._sock, frame)
+                        for part in parts:
+                            await send_all(self._sock, part)
+                    except (OSError, anyio.ClosedResourceError) as exc:
+                        # If the reader already saw the connection die, report that cause.
+                        cause = self._broken or exc
+                        err = self._lost(f"send failed: {cause}", cause)
+                        self.close(err)
+                        raise err from cause
+                if scope.cancelled_caught:
+                    # A frame cut in half leaves the stream unusable: drop the connection.
+                    late = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")
+                    self.close(self._lost("send timed out", late))
+                    raise late
+        except BaseException:
+            if not reply.event.is_set():
+                self._replies.pop(rid, None)
+            raise
+        await reply.event.wait()
+        if reply.error is not None:
+            if isinstance(reply.error, PeerLostError):
+                raise reply.error
+            raise self._lost("connection failed", reply.error)
+        if reply.kind == FrameKind.ERR:
+            raise frame_to_error(reply.meta, self.peer)
+        return reply.meta
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, rid, meta, payload_len = await read_frame_head(self._sock)
+                reply = self._replies.pop(rid, None)
+                if reply is None:
+                    raise WireError(f"reply to unknown request {rid}")
+                if kind == FrameKind.DATA:
+                    if reply.into is None or sum(len(v) for v in reply.into) != payload_len:
+                        raise WireError(f"DATA of {payload_len} bytes does not match the request")
+                    for view in reply.into:
+                        await recv_into_exactly(self._sock, view)
+                elif payload_len:
+                    await discard(self._sock, payload_len)
+                reply.kind, reply.meta = kind, meta
+                reply.event.set()
+        except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
+            if not isinstance(exc, CONNECTION_ENDED):
+                log.warning("connection to %s: reply reader failed", self.peer, exc_info=True)
+            self.close(self._lost(str(exc) or type(exc).__name__, exc))
+        except anyio.get_cancelled_exc_class():
+            self.close(ClosedError(f"connection to {self.peer} closed"))
+            raise
+
+
+def _hello_meta(hello: Mapping[str, Any], auth: Authenticator, peer: str, peer_incarnation: str) -> dict[str, Any]:
+    meta = {**hello, "to": peer, "to_incarnation": peer_incarnation}
+    meta.update(auth.hello_fields(meta["from"], meta["from_incarnation"], peer, peer_incarnation))
+    return meta
+
+
+async def greet_plain(sock: socket.socket, *, peer: str, peer_incarnation: str, hello: Mapping[str, Any],
+                      auth: Authenticator) -> None:
+    """Says HELLO on a connected ``sock`` and reads the answer, with no reader task: for a
+    connection that native code takes over afterwards (the ``tcp`` direct lane). The caller
+    owns the socket and bounds the wait.
+
+    Raises:
+        PeerLostError: the connection broke, or another incarnation answered.
+        AuthenticationError: either side lacks the shared token.
+        TransportError: any other refusal.
+    """
+    meta = _hello_meta(hello, auth, peer, peer_incarnation)
+    try:
+        await send_all(sock, encode_frame(FrameKind.HELLO, 1, meta, 0))
+        kind, rid, reply, plen = await read_frame_head(sock, PRE_AUTH_META)
+    except CONNECTION_ENDED as exc:
+        raise PeerLostError(f"connection to {peer} lost during its HELLO: {exc}") from exc
+    if rid != 1 or plen or kind not in (FrameKind.OK, FrameKind.ERR):
+        raise PeerLostError(f"{peer} answered the HELLO with {kind.name} (request {rid}, {plen} payload bytes)")
+    if kind == FrameKind.ERR:
+        raise frame_to_error(reply, peer)
+    auth.check_ok(reply, meta, peer, peer_incarnation)
+
+
+def hello(name: str, incarnation: str, lane: str) -> dict[str, str]:
+    """The HELLO fields that say who connects (``name``, ``incarnation``) and for what (``lane``);
+    :meth:`Channel.open` adds the target and the token fields."""
+    return {"from": name, "from_incarnation": incarnation, "lane": lane}
+
+
+class ChannelPool:
+    """At most one open :class:`Channel` per peer (per incarnation), opened on first use."""
+
+    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator) -> None:
+        self._tg = tg
+        self._hello = dict(hello)
+        self._auth = auth
+        self._channels: dict[str, tuple[str, Channel]] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+
+    async def get(self, peer: str, incarnation: str, address: tuple[str, int]) -> Channel:
+        lock = self._locks.setdefault(peer, anyio.Lock())
+        async with lock:
+            cached = self._channels.get(peer)
+            if cached is not None:
+                inc, chan = cached
+                if inc == incarnation and not chan.broken:
+                    return chan
+                chan.close()
+            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello,
+                                      auth=self._auth)
+            self._channels[peer] = (incarnation, chan)
+            return chan
+
+    def forget_peer(self, peer: str) -> None:
+        cached = self._channels.pop(peer, None)
+        if cached is not None:
+            cached[1].close()
+
+    def close(self) -> None:
+        for peer in list(self._channels):
+            self.forget_peer(peer)
