@@ -106,6 +106,36 @@ async def test_zero_copy_apply_repoints_the_tensors(store):
                 assert await s2.pull() == 5 and bitwise_equal(late, src)  # the snapshot was completed too
 
 
+async def test_an_unfinished_snapshot_fill_gives_way_to_the_next_publish(store):
+    # The pull snapshot's direct buckets are filled in the background after a publish; a publish
+    # that finds that fill still running abandons it (pull() serves the version before meanwhile)
+    # at most MAX_ABANDONED_FILLS times in a row, then waits for one; pull() always gets a whole
+    # version, never a torn one.
+    from transport.weights import _publisher
+
+    src = {"big": torch.randn(32 << 20), "small": torch.randn(7)}  # 128 MiB: a fill takes many loop turns
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, bucket_bytes=16 << 20) as pub, \
+                Subscriber(tg, dst := zeros_like(src), publisher="trainer") as sub:
+            assert pub._direct
+            await pub.publish(1)
+            assert sub.apply() == 1
+            await pub._filled.wait()  # the first snapshot is complete
+            counts = []
+            for v in range(2, 10):
+                for x in src.values():
+                    x.add_(1)
+                await pub.publish(v)  # right after the previous one: its fill has not run yet
+                counts.append(pub._abandoned)
+            # v1's fill was complete; then three abandoned in a row, the fourth waited for, ...
+            assert _publisher.MAX_ABANDONED_FILLS == 3
+            assert counts == [0, 1, 2, 3, 0, 1, 2, 3], counts
+            assert sub.apply() == 9 and bitwise_equal(dst, src)
+            late = zeros_like(src)
+            async with transport.Transport("late", store=store) as tl, Subscriber(tl, late, publisher="trainer") as s2:
+                assert await s2.pull() == 9 and bitwise_equal(late, src)  # it waits for the newest fill
+
+
 async def test_fp8_rename_and_subset(store):
     src = {"model.a": torch.randn(128, 32).to(torch.bfloat16), "model.b": torch.randn(7), "opt.state": torch.randn(5)}
     dst = {"a": torch.zeros(128, 32, dtype=torch.bfloat16), "b": torch.zeros(7)}

@@ -50,6 +50,8 @@ log = logging.getLogger("transport.weights")
 # The background snapshot fill starts once the doorbells of its version were acknowledged, or
 # after this long (a subscriber busy generating acknowledges when it next yields).
 FILL_AFTER_RINGS_S = 0.05
+FILL_STOP_S = 10.0  # bounds the wait for an abandoned fill's copy to stop
+MAX_ABANDONED_FILLS = 3  # then the next publish waits for the fill: pull() is at most this many versions behind
 
 Bucket = tuple[int, int]  # [start, end) byte range of a version
 
@@ -142,6 +144,8 @@ class Publisher:
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self._landed: dict[str, tuple[int, bool]] = {}
         self._filled: anyio.Event | None = None  # set when the last background snapshot fill ended
+        self._fill_scope: anyio.CancelScope | None = None  # the background fill's, while it runs
+        self._abandoned = 0  # background fills abandoned in a row
 
     @property
     def staging_bytes(self) -> int:
@@ -358,8 +362,11 @@ class Publisher:
 
         Subscribers are served independently and concurrently; this returns when each one is
         complete, failed, or hit the deadline (a straggler: its transfers are aborted and its
-        live weights stay on the previous complete version), and the snapshot ``pull`` reads is
-        complete. The live tensors may change once it returns.
+        live weights stay on the previous complete version). The live tensors may change once it
+        returns. The snapshot ``pull`` reads is completed in the background from a subscriber's
+        slot that holds the version (or here, before returning, when no subscriber was reached
+        one-sidedly); a fill still running when the next publish starts is abandoned for that
+        publish's own, and ``pull`` serves the version before it meanwhile.
 
         Args:
             version: must grow from one publish to the next.
@@ -382,7 +389,7 @@ class Publisher:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must grow: {version} after {self.version}")
         async with self._lock:
-            await self._fill_settled()
+            await self._fill_abandoned()
             t0 = time.perf_counter()
             front = decode_front(int(self._ctl[FRONT]))
             slot = 0 if front is None else 1 - front[1]
@@ -411,8 +418,9 @@ class Publisher:
                 # tensors are free now.
                 self._ctl[FILLING] = version
                 self._filled = anyio.Event()
+                self._fill_scope = anyio.CancelScope()  # made here: the next publish may cancel it before it starts
                 self._rings.start_soon(self._fill_from, source, self._landed[source.name][0], slot, version,
-                                       self._filled)
+                                       self._filled, self._fill_scope)
             else:
                 await anyio.to_thread.run_sync(self._fill_direct, slot)
                 self._finish_snapshot(slot, version, True)
@@ -432,11 +440,25 @@ class Publisher:
             self._ctl[FRONT] = encode_front(version, slot)
         self._ctl[FILLING] = 0
 
-    async def _fill_from(self, peer: Peer, sub_slot: int, slot: int, version: int, filled: anyio.Event) -> None:
+    async def _fill_from(self, peer: Peer, sub_slot: int, slot: int, version: int, filled: anyio.Event,
+                         scope: anyio.CancelScope) -> None:
         """Copies the buckets that went straight from the live tensors from ``peer``'s slot
         ``sub_slot`` (which holds ``version``) into snapshot ``slot``, then publishes it. On
         failure (the subscriber died meanwhile, the deadline) the snapshot is not published:
-        pullers keep getting the previous version. Cancelled by ``aclose``."""
+        pullers keep getting the previous version. Cancelled by ``aclose`` and through ``scope``
+        (see :meth:`_fill_abandoned`)."""
+        complete = False
+        try:
+            with scope:
+                complete = await self._fill_copy(peer, sub_slot, slot, version)
+        finally:
+            if complete:
+                self._abandoned = 0
+            self._finish_snapshot(slot, version, complete)
+            filled.set()
+
+    async def _fill_copy(self, peer: Peer, sub_slot: int, slot: int, version: int) -> bool:
+        """The copy of :meth:`_fill_from`; True when it completed."""
         complete = False
         try:
             # First the doorbells of this version: on a few cores the copy would otherwise hold
@@ -444,24 +466,43 @@ class Publisher:
             with anyio.move_on_after(FILL_AFTER_RINGS_S):
                 while self._ringing:
                     await anyio.sleep(0.001)
-            with anyio.move_on_after(self.deadline):
-                await self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
-                complete = True
+            h = self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
+            try:
+                with anyio.move_on_after(self.deadline):
+                    await h
+                    complete = True
+            finally:
+                if not h.done():  # abandoned (or closing): its copy stops before the snapshot is reused
+                    h.cancel()
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(FILL_STOP_S):
+                        await h._ended()
             if not complete:
                 log.warning("publisher %s: the snapshot of version %d was not filled from %s within %gs; "
                             "pull() serves the previous version", self.t.name, version, peer.name, self.deadline)
         except TransportError as exc:
             log.warning("publisher %s: the snapshot of version %d could not be filled from %s (%s); pull() "
                         "serves the previous version", self.t.name, version, peer.name, exc)
-        finally:
-            self._finish_snapshot(slot, version, complete)
-            filled.set()
+        return complete
 
-    async def _fill_settled(self) -> None:
-        """Waits for the previous publish's background snapshot fill (it writes the snapshot
-        this publish would otherwise pick)."""
-        if self._filled is not None:
-            await self._filled.wait()  # bounded: the fill gives up at its deadline
+    async def _fill_abandoned(self) -> None:
+        """Ends the previous publish's background snapshot fill if it still runs: it writes the
+        snapshot this publish picks, and the new version's own fill supersedes it. Its snapshot
+        is then not published, so pull() serves the version before it until this publish's fill
+        completes (a trainer that publishes faster than a fill takes trades pull() freshness for
+        not waiting). It waits instead while no snapshot is complete yet, and after
+        ``MAX_ABANDONED_FILLS`` abandoned in a row, so pull() is at most that many versions
+        behind. Bounded: a cancelled copy stops at its next native unit."""
+        if self._filled is not None and not self._filled.is_set():
+            front = decode_front(int(self._ctl[FRONT]))
+            if front is not None and self._abandoned < MAX_ABANDONED_FILLS and self._fill_scope is not None:
+                # (a fill cancelled before it started ends at once: its scope is cancelled on entry)
+                self._abandoned += 1
+                log.debug("publisher %s: abandoning the background snapshot fill of version %s", self.t.name,
+                          self.version)
+                self._fill_scope.cancel()
+            else:
+                self._abandoned = 0
+            await self._filled.wait()
 
     def _pulled(self, peer: Peer, sub_slot: int, slot: int) -> PreparedTransfer:
         """The prepared get of the direct buckets from ``peer``'s slot ``sub_slot`` into

@@ -514,10 +514,13 @@ class Subscriber:
             while True:
                 await t.get(ctl, self.publisher, key=k.pubctl)
                 front = decode_front(int(ctl[FRONT]))
-                if front is None:
-                    return self._applied
-                version, slot = front
                 filling = int(ctl[FILLING])  # a newer version whose snapshot is still being filled
+                if front is None:
+                    if not filling:
+                        return self._applied
+                    await anyio.sleep(POLL_S)  # the first snapshot is being filled
+                    continue
+                version, slot = front
                 if self._applied is not None and max(version, filling) <= self._applied:
                     return self._applied
                 if filling > version:  # wait for it rather than take the older one
