@@ -85,7 +85,7 @@ _UCS_LINK_ERRORS = frozenset({-3, -6, -16, -20, -23, -24, -25, *range(-89, -39)}
 # Transfers this large are split across the lanes (page-aligned parts); smaller ones use one.
 _SPLIT_MIN_BYTES = 4 << 20
 _SYNC_WAIT_S = 0.002  # a synchronous (small, same-host) transfer waits this long, then goes asynchronous
-_SYNC_PAIR_MIN_BYTES = 256 << 10  # a synchronous transfer this large is split over two lanes copying at once
+_SYNC_PAIR_MIN_BYTES = 256 << 10  # a synchronous get this large is split over two lanes copying at once
 _PAGE = 4096
 # live_seq over UCX (peers on other hosts) blocks the event loop for one small read: bounded,
 # and after a read that did not complete the peer is not read again for a while (a stopped
@@ -411,19 +411,22 @@ class UcxBackend(Backend):
         """Same-host peers only (UCX reaches their memory by cma, without their help): one
         lane issues the transfer and flushes it while the caller waits, at most
         ``_SYNC_WAIT_S``; past that it is cancelled and the transfer takes the asynchronous
-        path. From ``_SYNC_PAIR_MIN_BYTES`` on, two lanes move a half each at the same time
-        (the caller drives one, the engine's assistant thread the other)."""
+        path. A get from ``_SYNC_PAIR_MIN_BYTES`` on is split over two lanes that move a half
+        each at the same time (the caller drives one, the engine's assistant thread the
+        other)."""
         if peer.host != self.ctx.host or region.nbytes == 0 or self.unreachable_reason(peer, region,
                                                                                       MemoryKind.CPU) is not None:
             return None
         link = self._link(peer)
         rkeys, address = self._rkey(link, region)
         lane = 0
+        # Gets only: split puts (each half flushed on its lane) measured slower here, and bimodal.
+        pair = op == TransferOp.GET and len(link.eps) > 1
 
         def move(local: int, offset: int, nbytes: int) -> bool:
             if link.lost is not None:
                 return False
-            if nbytes >= _SYNC_PAIR_MIN_BYTES and len(link.eps) > 1:  # two lanes copy at once
+            if pair and nbytes >= _SYNC_PAIR_MIN_BYTES:  # two lanes copy at once
                 half = (nbytes // 2 + _PAGE - 1) // _PAGE * _PAGE
                 first = UcxPart(0, link.eps[0], rkeys[0], local, address + offset, half)
                 second = UcxPart(1, link.eps[1], rkeys[1], local + half, address + offset + half, nbytes - half)
