@@ -128,6 +128,14 @@ using SteadyClock = std::chrono::steady_clock;
 constexpr auto kAssistPoll = std::chrono::microseconds(200);  // the assistant polls this long, then sleeps
 }  // namespace
 
+int Engine::run_part(Op op, const NowPart& p, int timeout_us, uint64_t* moved) {
+  try {
+    return at(p.lane).transfer_now(p.ep, p.rkey, op, p.local, p.remote, p.nbytes, timeout_us, moved);
+  } catch (const std::exception&) {
+    return UCS_ERR_NO_RESOURCE;  // the lane was shut down under us
+  }
+}
+
 int Engine::transfer_now_pair(Op op, const NowPart& first, const NowPart& second, int timeout_us, uint64_t* moved) {
   std::lock_guard<std::mutex> pair(pair_mu_);
   {
@@ -141,13 +149,7 @@ int Engine::transfer_now_pair(Op op, const NowPart& first, const NowPart& second
   }
   assist_cv_.notify_one();
   uint64_t mine = 0;
-  int status;
-  try {
-    status = at(first.lane).transfer_now(first.ep, first.rkey, op, first.local, first.remote, first.nbytes, timeout_us,
-                                         &mine);
-  } catch (const std::exception&) {
-    status = UCS_ERR_NO_RESOURCE;  // shut down under us; the assistant's part still ends below
-  }
+  const int status = run_part(op, first, timeout_us, &mine);  // the assistant's part still ends below
   // The assistant's part ends within its own bound (Lane::transfer_now); the local memory is
   // free only then.
   for (int spins = 0; assist_state_.load(std::memory_order_acquire) != 2; ++spins)
@@ -167,15 +169,8 @@ void Engine::assist() {
       assist_cv_.wait(lock, [this] { return assist_stop_ || assist_state_.load(std::memory_order_acquire) == 1; });
       if (assist_state_.load(std::memory_order_acquire) != 1) return;  // stopping, nothing posted
     }
-    const NowPart p = assist_part_;
     uint64_t moved = 0;
-    int status;
-    try {
-      status = at(p.lane).transfer_now(p.ep, p.rkey, assist_op_, p.local, p.remote, p.nbytes, assist_timeout_us_,
-                                       &moved);
-    } catch (const std::exception&) {
-      status = UCS_ERR_NO_RESOURCE;
-    }
+    const int status = run_part(assist_op_, assist_part_, assist_timeout_us_, &moved);
     assist_moved_ = moved;
     assist_status_ = status;
     assist_state_.store(2, std::memory_order_release);

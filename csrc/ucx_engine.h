@@ -94,6 +94,8 @@ class Engine : public CompletionSink {
   // part for a while after each one (a wake-up from sleep costs more than the copy on a VM),
   // then sleeps on the condition variable. One pair at a time (pair_mu_).
   void assist();
+  // Lane::transfer_now of one part; a lane shut down under it is UCS_ERR_NO_RESOURCE.
+  int run_part(Op op, const NowPart& p, int timeout_us, uint64_t* moved);
   std::mutex pair_mu_;
   std::mutex assist_mu_;
   std::condition_variable assist_cv_;

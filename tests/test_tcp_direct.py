@@ -101,6 +101,17 @@ async def warm(a: transport.Transport, peer: str, key: str, src: torch.Tensor) -
             await anyio.sleep(0.01)
 
 
+async def serving(t: transport.Transport, targets, store: str):
+    """A target process "server" serving an int64 region "w" of 64 elements to ``t`` ("init"),
+    with t's direct lane to it open."""
+    target = targets({"name": "server", "store": store, "backends": ["tcp"], "initiator": "init",
+                      "mode": "serve", "regions": [{"key": "w", "dtype": "int64", "numel": 64}]})
+    await t.wait_signal("ready", timeout=60)
+    await t.peer("server", regions=["w"])
+    await warm(t, "server", "w", torch.zeros(1, dtype=torch.int64))
+    return target
+
+
 # -- what it does -------------------------------------------------------------------------------
 
 
@@ -139,12 +150,8 @@ async def test_small_puts_and_gets_are_done_when_put_returns_even_with_the_targe
 
 async def test_a_slow_reply_completes_in_the_background_and_can_be_cancelled(targets, file_store):
     async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30) as t:
-        target = targets({"name": "server", "store": file_store, "backends": ["tcp"], "initiator": "init",
-                          "mode": "serve", "regions": [{"key": "w", "dtype": "int64", "numel": 64}]})
-        await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=["w"])
+        target = await serving(t, targets, file_store)
         pid = target.proc.pid
-        await warm(t, "server", "w", torch.zeros(1, dtype=torch.int64))
         stop(pid)  # its lane thread cannot reply now
         try:
             h = t.put(torch.full((8,), 7, dtype=torch.int64), "server", key="w")
@@ -184,11 +191,7 @@ async def test_a_slow_reply_completes_in_the_background_and_can_be_cancelled(tar
 
 async def test_a_target_killed_while_its_reply_is_awaited_is_peer_lost(targets, file_store):
     async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30) as t:
-        target = targets({"name": "server", "store": file_store, "backends": ["tcp"], "initiator": "init",
-                          "mode": "serve", "regions": [{"key": "w", "dtype": "int64", "numel": 64}]})
-        await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=["w"])
-        await warm(t, "server", "w", torch.zeros(1, dtype=torch.int64))
+        target = await serving(t, targets, file_store)
         stop(target.proc.pid)
         h = t.put(torch.ones(8, dtype=torch.int64), "server", key="w")
         assert not h.done()

@@ -162,6 +162,9 @@ class TcpBackend(Backend):
         return None
 
     async def _open_lane(self, peer: PeerRecord) -> None:
+        """Connects and says HELLO (lane ``"direct"``), then hands the socket to a native
+        :class:`DirectLane`. A failure is remembered (no new attempt for ``DIRECT_RETRY_S``);
+        cancelled (the Transport closes), the socket is closed."""
         sock = None
         try:
             with anyio.fail_after(self.ctx.timeout):
@@ -169,14 +172,14 @@ class TcpBackend(Backend):
                 await greet_plain(sock, peer=peer.name, peer_incarnation=peer.incarnation,
                                   hello=hello(self.ctx.name, self.ctx.incarnation, DIRECT_LANE), auth=self.ctx.auth)
             self._drop_lane(peer.name)
-            self._lanes[peer.name] = (peer.incarnation, DirectLane(sock, self.ctx.timeout))
+            self._lanes[peer.name] = (peer.incarnation, DirectLane(sock, self.ctx.timeout))  # detaches sock
         except (OSError, TransportError, TimeoutError) as exc:
             self._failed[peer.name] = time.monotonic()
             log.debug("tcp: no direct lane to %s (%s); its transfers take the checked path", peer.name, exc)
-            if sock is not None:
-                close_socket(sock)
         finally:
             self._opening.discard(peer.name)
+            if sock is not None:
+                close_socket(sock)  # (a no-op once the lane took it)
 
     async def _finish(self, peer: str, lane: DirectLane) -> bool:
         """Collects the reply of ``lane``'s pending request: True once the bytes are in place;

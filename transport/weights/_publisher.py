@@ -51,7 +51,7 @@ log = logging.getLogger("transport.weights")
 # after this long (a subscriber busy generating acknowledges when it next yields).
 FILL_AFTER_RINGS_S = 0.05
 FILL_STOP_S = 10.0  # bounds the wait for an abandoned fill's copy to stop
-MAX_ABANDONED_FILLS = 3  # then the next publish waits for the fill: pull() is at most this many versions behind
+MAX_ABANDONED_FILLS = 3  # in a row; then a publish waits for the fill (pull() is at most 3 versions behind)
 
 Bucket = tuple[int, int]  # [start, end) byte range of a version
 
@@ -450,39 +450,32 @@ class Publisher:
         complete = False
         try:
             with scope:
-                complete = await self._fill_copy(peer, sub_slot, slot, version)
+                # First the doorbells of this version: on a few cores the copy would otherwise hold
+                # back the subscribers' flips (their Python needs a core to see the doorbell).
+                with anyio.move_on_after(FILL_AFTER_RINGS_S):
+                    while self._ringing:
+                        await anyio.sleep(0.001)
+                h = self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
+                try:
+                    with anyio.move_on_after(self.deadline):
+                        await h
+                        complete = True
+                finally:
+                    if not h.done():  # abandoned (or closing): its copy stops before the snapshot is reused
+                        h.cancel()
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(FILL_STOP_S):
+                            await h._ended()
+                if not complete:
+                    log.warning("publisher %s: the snapshot of version %d was not filled from %s within %gs; "
+                                "pull() serves the previous version", self.t.name, version, peer.name, self.deadline)
+        except TransportError as exc:
+            log.warning("publisher %s: the snapshot of version %d could not be filled from %s (%s); pull() "
+                        "serves the previous version", self.t.name, version, peer.name, exc)
         finally:
             if complete:
                 self._abandoned = 0
             self._finish_snapshot(slot, version, complete)
             filled.set()
-
-    async def _fill_copy(self, peer: Peer, sub_slot: int, slot: int, version: int) -> bool:
-        """The copy of :meth:`_fill_from`; True when it completed."""
-        complete = False
-        try:
-            # First the doorbells of this version: on a few cores the copy would otherwise hold
-            # back the subscribers' flips (their Python needs a core to see the doorbell).
-            with anyio.move_on_after(FILL_AFTER_RINGS_S):
-                while self._ringing:
-                    await anyio.sleep(0.001)
-            h = self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
-            try:
-                with anyio.move_on_after(self.deadline):
-                    await h
-                    complete = True
-            finally:
-                if not h.done():  # abandoned (or closing): its copy stops before the snapshot is reused
-                    h.cancel()
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(FILL_STOP_S):
-                        await h._ended()
-            if not complete:
-                log.warning("publisher %s: the snapshot of version %d was not filled from %s within %gs; "
-                            "pull() serves the previous version", self.t.name, version, peer.name, self.deadline)
-        except TransportError as exc:
-            log.warning("publisher %s: the snapshot of version %d could not be filled from %s (%s); pull() "
-                        "serves the previous version", self.t.name, version, peer.name, exc)
-        return complete
 
     async def _fill_abandoned(self) -> None:
         """Ends the previous publish's background snapshot fill if it still runs: it writes the
