@@ -9,7 +9,6 @@ the background. It also reports the subscribers served before that have left or 
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 import warnings
@@ -19,26 +18,21 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .. import _kernels
 from .._errors import PeerLostError, TransportError
 from ..backends import backend_class
 from ._control import (
     CTL_WORDS,
-    FILLING,
     FRONT,
-    GEN0,
     LAYOUT_ID,
     POLL_S,
     StreamKeys,
-    decode_front,
     encode_front,
     free_slot,
-    memory_barrier,
     withdraw,
 )
-from ._copy import HostCopies, available_threads
-from ._layout import Entry, LayoutMismatchError, build_layout, describe, tensors_of
+from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._report import PublishReport, SyncResult, SyncStatus
+from ._snapshots import Snapshots
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -46,14 +40,6 @@ if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transfer, Transport
 
 log = logging.getLogger("transport.weights")
-
-# The background snapshot fill starts once the doorbells of its version were acknowledged, or
-# after this long (a subscriber busy generating acknowledges when it next yields).
-FILL_AFTER_RINGS_S = 0.05
-FILL_STOP_S = 10.0  # bounds the wait for an abandoned fill's copy to stop
-MAX_ABANDONED_FILLS = 3  # in a row; then a publish waits for the fill (pull() is at most 3 versions behind)
-
-Bucket = tuple[int, int]  # [start, end) byte range of a version
 
 
 def _one_sided(backend: str) -> bool:
@@ -127,14 +113,13 @@ class Publisher:
             if w in wire:
                 raise ValueError(f"two tensors map to the wire name {w!r}")
             wire[w] = v
-        self._wire = wire
         self.layout = build_layout(name, wire, bucket_bytes=bucket_bytes, fp8=fp8)
+        self._snapshots = Snapshots(transport, self._keys, self.layout, wire, self.deadline)
         self.version: int | None = None
         self._ringing: dict[tuple[str, str], int] = {}  # (subscriber, incarnation) -> newest version to ring
         self._rings: TaskGroup | None = None  # runs the doorbell loops; open between start and aclose
         self._lock = anyio.Lock()
         self._started = False
-        self._threads = available_threads()
         # Subscribers served by a publish, by name -> incarnation, until reported left or dead;
         # and the (name, incarnation)s reported dead, left out of every later publish.
         self._served: dict[str, str] = {}
@@ -143,9 +128,6 @@ class Publisher:
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self._landed: dict[str, tuple[int, bool]] = {}
-        self._filled: anyio.Event | None = None  # set when the last background snapshot fill ended
-        self._fill_scope: anyio.CancelScope | None = None  # the background fill's, while it runs
-        self._abandoned = 0  # background fills abandoned in a row
 
     @property
     def staging_bytes(self) -> int:
@@ -165,18 +147,13 @@ class Publisher:
         layout_bytes = self.layout.encode()
         layout_t = t.empty(k.layout, len(layout_bytes), torch.uint8, writable=False)
         layout_t.copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
-        self._snaps = [t.empty(key, self.layout.total, torch.uint8, writable=False) for key in k.snapshots]
-        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
-        ctl[LAYOUT_ID] = self.layout.layout_id
-        self._ctl = t.empty(k.pubctl, CTL_WORDS, torch.int64, writable=False)
-        self._ctl.copy_(ctl)
-        self._plan_sources()
+        self._snapshots.register()
         rings = anyio.create_task_group()
         await rings.__aenter__()
         self._rings = rings
         self._started = True
         log.info("publisher %s/%s: %s (%d of %d buckets sent straight from the live tensors)", t.name, self.name,
-                 describe(self.layout), len(self._direct), len(self.layout.buckets))
+                 describe(self.layout), len(self._snapshots.direct), len(self.layout.buckets))
 
     async def aclose(self) -> None:
         """Withdraws the published regions (subscribers can no longer pull) and stops the
@@ -209,85 +186,6 @@ class Publisher:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def _plan_sources(self) -> None:
-        """Which buckets can be sent straight from the live tensors (a byte range inside one
-        unconverted contiguous tensor) and which must be packed first (several small tensors, or
-        fp8), and which entries each bucket holds."""
-        self._direct: dict[Bucket, tuple[torch.Tensor, int]] = {}
-        for start, end in self.layout.buckets:
-            for e in self.layout.entries:
-                src = self._wire[e.name]
-                if e.offset <= start and end <= e.offset + e.nbytes and e.scale_offset < 0 and src.is_contiguous():
-                    self._direct[(start, end)] = (_kernels.as_bytes(src), e.offset)
-                    break
-        self._packed_ranges = [b for b in self.layout.buckets if b not in self._direct]
-        # Bucket -> the entries with bytes in it (an fp8 entry's bytes run to the end of its scale).
-        starts = [a for a, _ in self.layout.buckets]
-        self._members: dict[Bucket, list[Entry]] = {b: [] for b in self.layout.buckets}
-        for e in self.layout.entries:
-            end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
-            if end <= e.offset:
-                continue  # no bytes
-            for i in range(max(0, bisect.bisect_right(starts, e.offset) - 1), len(starts)):
-                bucket = self.layout.buckets[i]
-                if bucket[0] >= end:
-                    break
-                if bucket[1] > e.offset:
-                    self._members[bucket].append(e)
-
-    def _fill_direct(self, slot: int) -> None:
-        """Copies the buckets that went straight from the live tensors into snapshot ``slot``
-        (what ``pull`` reads): host sources as one copy split across the cores.
-
-        Runs in a worker thread; CUDA sources as in :meth:`_pack`.
-        """
-        snap = self._snaps[slot]
-        batch = HostCopies()
-        with torch.no_grad():
-            for (start, end), (data, offset) in self._direct.items():
-                if data.is_cuda:
-                    snap[start:end].copy_(data[start - offset : end - offset])
-                else:
-                    batch.add_raw(snap.data_ptr() + start, data.data_ptr() + start - offset, end - start)
-        batch.run(self._threads)
-
-    def _pack(self, slot: int, ranges: list[Bucket]) -> None:
-        """Packs the bytes of ``ranges`` of the version into snapshot ``slot`` with one
-        ``_kernels.pack`` per bucket. fp8 tensors that touch them are quantised whole, once.
-
-        Runs in a worker thread; CUDA sources are read on that thread's current stream (the
-        default stream), and every copy into the host snapshot has completed when this returns.
-        """
-        snap = self._snaps[slot]
-        quantized: set[str] = set()
-        plain: tuple[str, torch.Tensor] | None = None  # the last plain tensor's bytes (spans buckets)
-        with torch.no_grad():
-            for a, b in ranges:
-                tensors: list[torch.Tensor] = []
-                offsets: list[int] = []
-                for e in self._members[(a, b)]:
-                    src = self._wire[e.name]
-                    if e.scale_offset >= 0:
-                        if e.name not in quantized:
-                            quantized.add(e.name)
-                            q, scale = _kernels.quantize_fp8(src)
-                            tensors += [q, scale]
-                            offsets += [e.offset, e.scale_offset]
-                        continue
-                    if plain is None or plain[0] != e.name:
-                        plain = (e.name, _kernels.as_bytes(src.contiguous()))
-                    lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
-                    tensors.append(plain[1][lo - e.offset : hi - e.offset])
-                    offsets.append(lo)
-                _kernels.pack(snap, tensors, offsets)
-
-    def _source(self, snap: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        direct = self._direct.get((start, end))
-        if direct is None:
-            return snap[start:end]
-        data, offset = direct
-        return data[start - offset : end - offset]
 
     async def subscribers(self) -> list[str]:
         """Names of the peers currently subscribed to this stream (less those reported dead).
@@ -349,6 +247,7 @@ class Publisher:
         serving = {(n, p.incarnation) for n, p in subs.items() if (n, p.incarnation) not in self._gone}
         for c in [c for c in self._batches if (c[0], c[1]) not in serving]:
             del self._batches[c]
+        self._snapshots.forget(serving)
         for name in [n for n in self._landed if n not in subs]:
             del self._landed[name]
         for name, peer in subs.items():
@@ -389,17 +288,14 @@ class Publisher:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must grow: {version} after {self.version}")
         async with self._lock:
-            await self._fill_abandoned()
+            snapshots = self._snapshots
+            await snapshots.abandon_fill()
             t0 = time.perf_counter()
-            front = decode_front(int(self._ctl[FRONT]))
-            slot = 0 if front is None else 1 - front[1]
-            gen = GEN0 + slot
-            self._ctl[gen] += 1  # odd: the snapshot is being written (pullers skip it)
-            memory_barrier()
+            slot = snapshots.begin()
             # Only what cannot go straight from the live tensors is packed before the pushes;
             # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
             # would compete with the pushes for the same memory bandwidth and cores.
-            await anyio.to_thread.run_sync(self._pack, slot, self._packed_ranges)
+            await anyio.to_thread.run_sync(snapshots.pack, slot)
             t_packed = time.perf_counter()
             results: dict[str, SyncResult] = {}
             subs, listed = await self._discover()
@@ -407,106 +303,26 @@ class Publisher:
             t_found = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for peer in subs.values():
-                    tg.start_soon(self._push, peer, version, self._snaps[slot], t0, results)
+                    tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results)
             t_pushed = time.perf_counter()
             # A subscriber reached one-sidedly (its application takes no part in the copy back).
             source = next((subs[n] for n, r in results.items()
                            if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
-            if source is not None and self._direct and self._rings is not None:
+            if source is not None and snapshots.direct and self._rings is not None:
                 # The rest of the snapshot comes from a subscriber's slot that holds this version
                 # (no one writes it before our next publish), in the background: the live
                 # tensors are free now.
-                self._ctl[FILLING] = version
-                self._filled = anyio.Event()
-                self._fill_scope = anyio.CancelScope()  # made here: the next publish may cancel it before it starts
-                self._rings.start_soon(self._fill_from, source, self._landed[source.name][0], slot, version,
-                                       self._filled, self._fill_scope)
+                snapshots.fill_in_background(self._rings, source, self._landed[source.name][0], slot, version,
+                                             lambda: bool(self._ringing))
             else:
-                await anyio.to_thread.run_sync(self._fill_direct, slot)
-                self._finish_snapshot(slot, version, True)
+                await anyio.to_thread.run_sync(snapshots.fill_direct, slot)
+                snapshots.finish(slot, version, True)
             self.version = version
             self._remember(subs, listed, dead)
             end = time.perf_counter()
             return PublishReport(version, results, left, queued_s=t0 - entry, pack_s=t_packed - t0,
                                  discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
                                  total_s=end - entry)
-
-    def _finish_snapshot(self, slot: int, version: int, complete: bool) -> None:
-        """Ends the write of snapshot ``slot``: its generation even again, and, when it holds
-        all of ``version``, the front for pullers."""
-        memory_barrier()
-        self._ctl[GEN0 + slot] += 1  # even: stable
-        if complete:
-            self._ctl[FRONT] = encode_front(version, slot)
-        self._ctl[FILLING] = 0
-
-    async def _fill_from(self, peer: Peer, sub_slot: int, slot: int, version: int, filled: anyio.Event,
-                         scope: anyio.CancelScope) -> None:
-        """Copies the buckets that went straight from the live tensors from ``peer``'s slot
-        ``sub_slot`` (which holds ``version``) into snapshot ``slot``, then publishes it. On
-        failure (the subscriber died meanwhile, the deadline) the snapshot is not published:
-        pullers keep getting the previous version. Cancelled by ``aclose`` and through ``scope``
-        (see :meth:`_fill_abandoned`)."""
-        complete = False
-        try:
-            with scope:
-                # First the doorbells of this version: on a few cores the copy would otherwise hold
-                # back the subscribers' flips (their Python needs a core to see the doorbell).
-                with anyio.move_on_after(FILL_AFTER_RINGS_S):
-                    while self._ringing:
-                        await anyio.sleep(0.001)
-                h = self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
-                try:
-                    with anyio.move_on_after(self.deadline):
-                        await h
-                        complete = True
-                finally:
-                    if not h.done():  # abandoned (or closing): its copy stops before the snapshot is reused
-                        h.cancel()
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(FILL_STOP_S):
-                            await h._ended()
-                if not complete:
-                    log.warning("publisher %s: the snapshot of version %d was not filled from %s within %gs; "
-                                "pull() serves the previous version", self.t.name, version, peer.name, self.deadline)
-        except TransportError as exc:
-            log.warning("publisher %s: the snapshot of version %d could not be filled from %s (%s); pull() "
-                        "serves the previous version", self.t.name, version, peer.name, exc)
-        finally:
-            if complete:
-                self._abandoned = 0
-            self._finish_snapshot(slot, version, complete)
-            filled.set()
-
-    async def _fill_abandoned(self) -> None:
-        """Ends the previous publish's background snapshot fill if it still runs: it writes the
-        snapshot this publish picks, and the new version's own fill supersedes it. Its snapshot
-        is then not published, so pull() serves the version before it until this publish's fill
-        completes (a trainer that publishes faster than a fill takes trades pull() freshness for
-        not waiting). It waits instead while no snapshot is complete yet, and after
-        ``MAX_ABANDONED_FILLS`` abandoned in a row, so pull() is at most that many versions
-        behind. Bounded: a cancelled copy stops at its next native unit."""
-        if self._filled is not None and not self._filled.is_set():
-            front = decode_front(int(self._ctl[FRONT]))
-            if front is not None and self._abandoned < MAX_ABANDONED_FILLS and self._fill_scope is not None:
-                # (a fill cancelled before it started ends at once: its scope is cancelled on entry)
-                self._abandoned += 1
-                log.debug("publisher %s: abandoning the background snapshot fill of version %s", self.t.name,
-                          self.version)
-                self._fill_scope.cancel()
-            else:
-                self._abandoned = 0
-            await self._filled.wait()
-
-    def _pulled(self, peer: Peer, sub_slot: int, slot: int) -> PreparedTransfer:
-        """The prepared get of the direct buckets from ``peer``'s slot ``sub_slot`` into
-        snapshot ``slot`` (made once per subscriber incarnation and slot pair)."""
-        cache_key = (peer.name, peer.incarnation, sub_slot, -1 - slot)  # negative: not a snapshot address
-        prepared = self._batches.get(cache_key)
-        if prepared is None:
-            snap, key = self._snaps[slot], self._keys.slots[sub_slot]
-            items = [(snap[start:end], key, start) for start, end in self._direct]
-            prepared = self._batches[cache_key] = self.t.prepare_get(peer.name, items)
-        return prepared
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
                     results: dict[str, SyncResult]) -> None:
@@ -539,7 +355,7 @@ class Publisher:
         prepared = self._batches.get(cache_key)
         if prepared is None:  # (those of subscribers no longer served are dropped by _remember)
             key = self._keys.slots[slot]
-            items = [(self._source(snap, start, end), key, start) for start, end in self.layout.buckets]
+            items = [(self._snapshots.source(snap, start, end), key, start) for start, end in self.layout.buckets]
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
         return prepared
 
