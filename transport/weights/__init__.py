@@ -32,7 +32,8 @@ packed slots; nothing else grows with the model or the number of subscribers.
 
 Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
 words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_snapshots`` (its two packed
-snapshots that ``pull`` reads, and their background fill), ``_report`` (what a publish reports), ``_subscriber`` (``Subscriber``), ``_copy`` (host copies split across the cores).
+snapshots that ``pull`` reads, and their background fill), ``_report`` (what a publish
+reports), ``_subscriber`` (``Subscriber``), ``_copy`` (host copies split across the cores).
 Packing and device unpacking use the batched gather/scatter of ``transport._kernels``.
 """
 
