@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from ._procs import leave_process_group
+
 MESH, BASELINE = "mesh", "baseline"
 STREAM = "policy"
 
@@ -375,7 +377,4 @@ def run_rank(global_rank: int, spec: MeshBenchSpec, queue: Any) -> None:
         sys.exit(1)
     finally:
         if joined:
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001 - best effort at exit; the results are already out
-                logging.getLogger(__name__).info("destroy_process_group: %s", exc)
+            leave_process_group()

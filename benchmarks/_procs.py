@@ -4,7 +4,8 @@ and a group of worker processes reporting through one queue.
 A benchmark's target process is a real separate process (``python -m benchmarks.<module> ...``).
 :class:`LoggedProcess` starts it with this checkout importable, sends its output to a log file
 (quoted when it fails) and always leaves it joined. :func:`supervise` runs a group of
-``multiprocessing`` workers that put plain-dict messages on a queue, and always leaves them joined.
+``multiprocessing`` workers that put plain-dict messages on a queue, and always leaves them joined;
+:func:`leave_process_group` is what such a worker runs last.
 """
 
 from __future__ import annotations
@@ -213,3 +214,14 @@ def supervise(procs: Sequence[Any], q: Any, timeout: float, on_message: Callable
         q.close()
         q.join_thread()
     return messages, errors
+
+
+def leave_process_group() -> None:
+    """A worker's last step when it joined a ``torch.distributed`` group: destroys it, best
+    effort (its results are already out; a failure is only logged)."""
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - best effort at exit
+        log.info("destroy_process_group: %s", exc)

@@ -45,6 +45,7 @@ import torch
 
 from ._broadcast import Baseline, BucketedBroadcast, broadcast_per_param
 from ._models import DecoderConfig, checksum, make_state, stamp, stamp_mismatches
+from ._procs import leave_process_group
 
 TRAINER = "trainer"
 TRANSPORT_PREFIX = "transport/"
@@ -299,9 +300,4 @@ def run_process(role: Role, index: int, spec: GroupSpec, queue: Any) -> None:
         sys.exit(1)
     finally:
         if pg_ready:
-            import torch.distributed as dist
-
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001 - best effort at exit; the results are already out
-                logging.getLogger(__name__).info("destroy_process_group: %s", exc)
+            leave_process_group()

@@ -145,3 +145,14 @@ def targets(tmp_path):
         t.close()
 
 
+async def serving_target(t: transport.Transport, targets: Callable[[dict], Target], store: str, backend: str,
+                         regions: list[dict], name: str = "server", **spec: object) -> Target:
+    """A tests/peer_target.py process ``name`` in mode "serve" with ``regions`` (its spec's
+    list), once it said "ready" to ``t`` and ``t`` has its record with those regions."""
+    target = targets({"name": name, "store": store, "backends": [backend], "initiator": t.name, "mode": "serve",
+                      "regions": regions, **spec})
+    await t.wait_signal("ready", timeout=60)
+    await t.peer(name, regions=[r["key"] for r in regions])
+    return target
+
+

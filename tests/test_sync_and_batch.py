@@ -12,7 +12,7 @@ import torch
 
 import transport
 
-from .conftest import LoopTicks, sha
+from .conftest import LoopTicks, serving_target, sha
 
 
 @pytest.fixture
@@ -99,10 +99,8 @@ async def test_a_loop_of_synchronous_puts_still_yields_and_is_cancellable(ipc_pa
 
 async def test_a_synchronous_put_to_a_killed_process_fails(targets, file_store):
     async with transport.Transport("init", store=file_store, backends=("ipc",)) as t:
-        target = targets({"name": "victim", "store": file_store, "backends": ["ipc"], "initiator": "init",
-                          "mode": "serve", "regions": [{"key": "w", "dtype": "uint8", "numel": 64, "shared": True}]})
-        await t.wait_signal("ready", timeout=60)
-        await t.peer("victim", regions=["w"])
+        target = await serving_target(t, targets, file_store, "ipc",
+                                      [{"key": "w", "dtype": "uint8", "numel": 64, "shared": True}], name="victim")
         src = torch.ones(8, dtype=torch.uint8)
         assert t.put(src, "victim", key="w").done()  # synchronous now
         target.proc.send_signal(signal.SIGKILL)
@@ -124,11 +122,9 @@ async def test_a_large_batch_against_a_target_process(targets, file_store, backe
     # 100,000 segments over ipc; 20,000 over the others (their per-segment cost is in Python).
     n, size, stride = 100_000 if backend == "ipc" else 20_000, 16, 48
     async with transport.Transport("init", store=file_store, backends=(backend,)) as t:
-        target = targets({"name": "server", "store": file_store, "backends": [backend], "initiator": "init",
-                          "mode": "serve", "timeout": 120,
-                          "regions": [{"key": "w", "dtype": "uint8", "numel": n * stride, "shared": shared}]})
-        await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=["w"])
+        target = await serving_target(t, targets, file_store, backend,
+                                      [{"key": "w", "dtype": "uint8", "numel": n * stride, "shared": shared}],
+                                      timeout=120)
         src = torch.randint(0, 256, (n, size), dtype=torch.uint8)
         prepared = t.prepare_put("server", [(src[i], "w", i * stride + (i % 3) * 8) for i in range(n)])
         assert prepared.segments == n
@@ -188,12 +184,10 @@ async def test_synchronous_ucx_puts_drive_a_lane_that_carries_a_large_put(target
         pytest.skip(f"ucx unavailable: {why}")
     big_n, small_n = 64 << 20, 4096
     async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
-        target = targets({"name": "server", "store": file_store, "backends": ["ucx"], "initiator": "init",
-                          "mode": "serve", "timeout": 120,
-                          "regions": [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
-                                      {"key": "small", "dtype": "uint8", "numel": small_n, "shared": True}]})
-        await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=["big", "small"])
+        target = await serving_target(t, targets, file_store, "ucx",
+                                      [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
+                                       {"key": "small", "dtype": "uint8", "numel": small_n, "shared": True}],
+                                      timeout=120)
         await t.put(torch.zeros(8, dtype=torch.uint8), "server", key="small")  # learns the route
         big = torch.randint(0, 256, (big_n,), dtype=torch.uint8)
         small = torch.randint(0, 256, (small_n,), dtype=torch.uint8)
@@ -222,12 +216,10 @@ async def test_synchronous_ucx_gets_from_256_kib_move_two_halves_at_once(targets
         pytest.skip(f"ucx unavailable: {why}")
     big_n, mid_n = 32 << 20, (1 << 20) + 8192
     async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
-        target = targets({"name": "server", "store": file_store, "backends": ["ucx"], "initiator": "init",
-                          "mode": "serve", "timeout": 120,
-                          "regions": [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
-                                      {"key": "mid", "dtype": "uint8", "numel": mid_n, "shared": False}]})
-        await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=["big", "mid"])
+        target = await serving_target(t, targets, file_store, "ucx",
+                                      [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
+                                       {"key": "mid", "dtype": "uint8", "numel": mid_n, "shared": False}],
+                                      timeout=120)
         await t.put(torch.zeros(8, dtype=torch.uint8), "server", key="mid")  # learns the route
         big = torch.randint(0, 256, (big_n,), dtype=torch.uint8)
         mid = torch.zeros(mid_n, dtype=torch.uint8)

@@ -25,9 +25,10 @@ import torch
 import transport
 from transport._auth import Authenticator
 from transport._channel import greet_plain, hello
+from transport._conformance import warm_sync_route
 from transport._wire import DIRECT_LANE, connect
 
-from .conftest import sha
+from .conftest import serving_target, sha
 
 REQ = struct.Struct("<IBBBBQQQ")  # csrc/tcp_direct.h Request
 REP = struct.Struct("<IHHQQ")  # csrc/tcp_direct.h Reply
@@ -93,22 +94,11 @@ def lanes_of(t: transport.Transport):
     return t._backends[0]._lanes
 
 
-async def warm(a: transport.Transport, peer: str, key: str, src: torch.Tensor) -> None:
-    """Until a's direct lane to ``peer`` carries a put inside put()."""
-    with anyio.fail_after(10):
-        while not (h := a.put(src, peer, key=key)).done():
-            await h
-            await anyio.sleep(0.01)
-
-
 async def serving(t: transport.Transport, targets, store: str):
     """A target process "server" serving an int64 region "w" of 64 elements to ``t`` ("init"),
     with t's direct lane to it open."""
-    target = targets({"name": "server", "store": store, "backends": ["tcp"], "initiator": "init",
-                      "mode": "serve", "regions": [{"key": "w", "dtype": "int64", "numel": 64}]})
-    await t.wait_signal("ready", timeout=60)
-    await t.peer("server", regions=["w"])
-    await warm(t, "server", "w", torch.zeros(1, dtype=torch.int64))
+    target = await serving_target(t, targets, store, "tcp", [{"key": "w", "dtype": "int64", "numel": 64}])
+    await warm_sync_route(t, "server", key="w", src=torch.zeros(1, dtype=torch.int64))
     return target
 
 
@@ -125,7 +115,7 @@ async def test_small_puts_and_gets_are_done_when_put_returns_even_with_the_targe
                           "regions": [{"key": "w", "dtype": "int32", "numel": 4096}]})
         await t.wait_signal("ready", timeout=60)
         await t.peer("server", regions=["w"])
-        await warm(t, "server", "w", torch.zeros(4, dtype=torch.int32))  # opens the lane
+        await warm_sync_route(t, "server", key="w", src=torch.zeros(4, dtype=torch.int32))  # opens the lane
         await t.signal("server", "sleep", 1)
         await t.wait_signal("sleeping", timeout=30)
         await anyio.sleep(0.2)  # it is in time.sleep() now
@@ -169,7 +159,7 @@ async def test_a_slow_reply_completes_in_the_background_and_can_be_cancelled(tar
 
         # Cancelled while its reply is awaited: aborted, partial (the bytes may land), and the
         # lane is closed (its stream can no longer be matched); the next transfers still work.
-        await warm(t, "server", "w", torch.zeros(1, dtype=torch.int64))
+        await warm_sync_route(t, "server", key="w", src=torch.zeros(1, dtype=torch.int64))
         lane = lanes_of(t)["server"][1]
         stop(pid)
         try:
@@ -182,7 +172,7 @@ async def test_a_slow_reply_completes_in_the_background_and_can_be_cancelled(tar
             assert lane.closed
         finally:
             os.kill(pid, signal.SIGCONT)
-        await warm(t, "server", "w", torch.full((1,), 5, dtype=torch.int64))
+        await warm_sync_route(t, "server", key="w", src=torch.full((1,), 5, dtype=torch.int64))
         await t.get(back[:1], "server", key="w")
         assert int(back[0]) == 5
         await t.signal("server", "done", 1)
@@ -206,7 +196,7 @@ async def test_what_the_lane_refuses_takes_the_checked_path_and_its_precise_erro
         w = torch.zeros(16, dtype=torch.float32)
         b.register("w", w)
         await a.peer("b", regions=["w"])
-        await warm(a, "b", "w", torch.zeros(1))
+        await warm_sync_route(a, "b", key="w", src=torch.zeros(1))
         # b re-registers "w" as int32; a's record (and its direct route) still says float32.
         b.unregister("w")
         v = torch.zeros(16, dtype=torch.int32)
@@ -215,7 +205,7 @@ async def test_what_the_lane_refuses_takes_the_checked_path_and_its_precise_erro
             await a.put(torch.ones(4), "b", key="w")
         assert not v.any() and not w.any(), "nothing was written"
         # Its new record in hand, the lane carries the right dtype again.
-        await warm(a, "b", "w", torch.full((2,), 6, dtype=torch.int32))
+        await warm_sync_route(a, "b", key="w", src=torch.full((2,), 6, dtype=torch.int32))
         assert v[:2].tolist() == [6, 6]
 
 
@@ -224,7 +214,7 @@ async def test_large_transfers_are_not_taken_by_the_lane(memory_store):
             transport.Transport("b", store=memory_store, backends=("tcp",), timeout=10) as b:
         w = b.empty("w", 1 << 18, torch.float32)  # 1 MiB
         await a.peer("b", regions=["w"])
-        await warm(a, "b", "w", torch.zeros(1))
+        await warm_sync_route(a, "b", key="w", src=torch.zeros(1))
         h = a.put(torch.ones(1 << 18), "b", key="w")
         assert not h.done(), "past DIRECT_MAX_BYTES a put goes the asynchronous way"
         await h
