@@ -36,9 +36,12 @@ BATCH_STRIDE = 8 * KiB
 # The smallest region: the whole batch fits (80 MiB of stride) with 1 MiB to spare, whatever the sizes.
 MIN_REGION_BYTES = BATCH_SEGMENTS * BATCH_STRIDE + 1 * MiB
 
-# Automatic iteration count: about this many bytes per (operation, size), within the bounds.
+# Automatic iteration count: about this many bytes per (operation, size), within the bounds. Small
+# sizes get many: on a VM the first 100-300 transfers of a series run up to 1.5x slower while idle
+# vCPUs wake up (a native C loop of process_vm_writev shows the same), and 50 transfers of 1 MiB
+# (5 ms) measured mostly that.
 _AUTO_BYTES = 8 * GiB
-_AUTO_MIN_ITERS, _AUTO_MAX_ITERS = 5, 50
+_AUTO_MIN_ITERS, _AUTO_MAX_ITERS = 5, 1000
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class BenchConfig:
         backends: backends to measure, in this order; unavailable ones are skipped with a reason.
         sizes: transfer sizes in bytes.
         iters: timed transfers per (operation, size); None chooses per size (about 8 GiB moved,
-            between 5 and 50 transfers).
+            between 5 and 1000 transfers).
         warmup: untimed transfers before each timed series.
         latency_iters: timed small transfers for the latency figures, per size and operation.
         latency_sizes: the small transfer sizes whose latency is measured (bytes).

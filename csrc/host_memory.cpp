@@ -126,6 +126,13 @@ PeerMapping::PeerMapping(int pid, int fd, size_t nbytes, bool writable, uint64_t
                     "): the region was re-registered or its memory freed",
                 ESTALE);
   }
+  // The owner may be hostile: a file shorter than the mapping, or one it can still shrink, would
+  // turn our reads of the mapping into SIGBUS. Only a memfd whose size is sealed is mapped.
+  const int seals = fcntl(local, F_GET_SEALS);
+  if (fstat(local, &st) != 0 || static_cast<uint64_t>(st.st_size) < mapped_ || seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    close(local);
+    throw_errno(path + " is not a size-sealed memfd of at least " + std::to_string(mapped_) + " bytes", EINVAL);
+  }
   int prot = PROT_READ | (writable ? PROT_WRITE : 0);
   addr_ = mmap(nullptr, mapped_, prot, MAP_SHARED, local, 0);
   int err = errno;

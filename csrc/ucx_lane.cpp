@@ -394,16 +394,20 @@ void Lane::stop() {
 
 // -- the progress thread ---------------------------------------------------------------------
 
-void Lane::yield_to_drivers(std::unique_lock<std::mutex>& lock) {
-  if (drivers_.load(std::memory_order_acquire) == 0) return;
+bool Lane::yield_to_drivers(std::unique_lock<std::mutex>& lock) {
+  if (drivers_.load(std::memory_order_acquire) == 0) return false;
   drive_cv_.wait(lock, [this] { return drivers_.load(std::memory_order_acquire) == 0; });
+  return true;
 }
 
 void Lane::loop() {
   std::unique_lock<std::mutex> lock(drive_mu_);  // released while sleeping and for drivers
   Clock::time_point last_busy{};
   for (;;) {
-    yield_to_drivers(lock);
+    // A driver drove the worker itself and wakes this thread (cmd_efd_) when it left work
+    // behind: no spinning after it. A spinning lane thread would take a core from the next
+    // synchronous transfer (two vCPUs: the caller and the pair's assistant).
+    if (yield_to_drivers(lock)) last_busy = Clock::time_point{};
     bool busy = run_commands();
     {
       std::lock_guard<std::mutex> stop_lock(cmd_mu_);

@@ -114,7 +114,7 @@ class Lane {
 
   void call(std::function<void()> fn);  // run on the progress thread and wait
   // The lane's thread, holding `lock` (the drive lock): lets callers that wait for it drive.
-  void yield_to_drivers(std::unique_lock<std::mutex>& lock);
+  bool yield_to_drivers(std::unique_lock<std::mutex>& lock);  // true when it waited
   void post(std::function<void()> fn);  // run on the progress thread
   void loop();
   // On the lane's thread: binds a new job to its endpoint and rkey and queues it (or ends it

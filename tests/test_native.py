@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import subprocess
 
@@ -85,6 +86,29 @@ def test_shared_buffer_is_visible_through_proc_fd():
     assert bool((got == 9).all())
     with pytest.raises(RuntimeError, match="No such file"):
         C.PeerMapping(os.getpid(), 99_999, 10, True)
+
+
+def test_peer_mapping_refuses_a_file_that_could_fault_its_reads():
+    """A hostile peer publishes a descriptor of its own: a file shorter than the mapping, or a
+    memfd it can still shrink, would make our loads SIGBUS. Only a size-sealed memfd that covers
+    the mapping is mapped."""
+    short = os.memfd_create("short", os.MFD_ALLOW_SEALING)
+    unsealed = os.memfd_create("unsealed")
+    sealed_short = os.memfd_create("sealed-short", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(short, 100)  # mapping 4096 bytes of it: reads past 100 bytes fault
+        fcntl.fcntl(short, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        os.ftruncate(unsealed, 4096)
+        os.ftruncate(sealed_short, 0)
+        fcntl.fcntl(sealed_short, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        for fd in (short, unsealed, sealed_short):
+            with pytest.raises(RuntimeError, match="size-sealed memfd"):
+                PeerMapping(os.getpid(), fd, 4096, False)
+    finally:
+        for fd in (short, unsealed, sealed_short):
+            os.close(fd)
+    buf = _native.shared_buffer(4096, "t")  # ours: sealed by construction
+    assert PeerMapping(os.getpid(), buf.fd, 4096, False).read_u64() == 0
 
 
 def test_cma_probe():

@@ -208,10 +208,10 @@ async def test_synchronous_ucx_puts_drive_a_lane_that_carries_a_large_put(target
     assert info["sha256"] == {"big": sha(big), "small": sha(small)}
 
 
-async def test_synchronous_ucx_gets_from_256_kib_move_two_halves_at_once(targets, file_store):
-    # From 256 KiB a synchronous ucx get is split over lanes 0 and 1, one half driven by the
-    # caller, the other by the engine's assistant thread (puts stay on one lane); odd sizes and
-    # offsets, also while lane 1 carries a large asynchronous put.
+async def test_synchronous_ucx_transfers_from_256_kib_move_two_halves_at_once(targets, file_store):
+    # From 256 KiB a synchronous ucx put or get is split over lanes 0 and 1, one half driven by
+    # the caller, the other by the engine's assistant thread; odd sizes and offsets, also while
+    # lane 1 carries a large asynchronous put. The target's sha256 checks every put byte.
     if why := transport.backends.REGISTRY["ucx"].unavailable_reason():
         pytest.skip(f"ucx unavailable: {why}")
     big_n, mid_n = 32 << 20, (1 << 20) + 8192

@@ -50,7 +50,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
-import torch
 
 from .._errors import (
     ClosedError,
@@ -58,7 +57,7 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyStatus, RemoteWord, pack_segments
+from .._native import CopyStatus, PeerMapping, RemoteWord, SharedBuffer, pack_segments, shared_buffer
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind
@@ -71,10 +70,10 @@ LANES_ENV = "TRANSPORT_UCX_LANES"
 DEFAULT_LANES = 2
 _MAX_LANES = 16
 
-# magic, version, lanes, address of the control word, length of its rkey; then the rkey; then
-# per lane: <I length, worker address
-_ENDPOINT = struct.Struct("<4sHHQI")
-_ENDPOINT_MAGIC, _ENDPOINT_VERSION = b"UCXE", 1
+# magic, version, lanes, address of the control word, its memfd's number and inode (same-host
+# peers map it), length of its rkey; then the rkey; then per lane: <I length, worker address
+_ENDPOINT = struct.Struct("<4sHHQiQI")
+_ENDPOINT_MAGIC, _ENDPOINT_VERSION = b"UCXE", 2
 _LEN = struct.Struct("<I")
 _REGION = struct.Struct("<4sQQ")  # magic, address, nbytes; then the packed rkey
 _REGION_MAGIC = b"UCXR"
@@ -85,7 +84,7 @@ _UCS_LINK_ERRORS = frozenset({-3, -6, -16, -20, -23, -24, -25, *range(-89, -39)}
 # Transfers this large are split across the lanes (page-aligned parts); smaller ones use one.
 _SPLIT_MIN_BYTES = 4 << 20
 _SYNC_WAIT_S = 0.002  # a synchronous (small, same-host) transfer waits this long, then goes asynchronous
-_SYNC_PAIR_MIN_BYTES = 256 << 10  # a synchronous get this large is split over two lanes copying at once
+_SYNC_PAIR_MIN_BYTES = 256 << 10  # a synchronous transfer this large is split over two lanes copying at once
 _PAGE = 4096
 # live_seq over UCX (peers on other hosts) blocks the event loop for one small read: bounded,
 # and after a read that did not complete the peer is not read again for a while (a stopped
@@ -118,11 +117,14 @@ def _lanes_from_env() -> int:
 class _EndpointInfo:
     addresses: list[bytes]  # worker address per lane
     ctl_address: int  # the word holding the seq of the peer's latest record
+    ctl_fd: int  # the memfd holding it (at offset 0), as numbered in the peer's process
+    ctl_inode: int
     ctl_rkey: bytes
 
 
-def _encode_endpoint(addresses: list[bytes], ctl_address: int, ctl_rkey: bytes) -> bytes:
-    out = [_ENDPOINT.pack(_ENDPOINT_MAGIC, _ENDPOINT_VERSION, len(addresses), ctl_address, len(ctl_rkey)), ctl_rkey]
+def _encode_endpoint(addresses: list[bytes], ctl: SharedBuffer, ctl_rkey: bytes) -> bytes:
+    out = [_ENDPOINT.pack(_ENDPOINT_MAGIC, _ENDPOINT_VERSION, len(addresses), ctl.address, ctl.fd, ctl.inode,
+                          len(ctl_rkey)), ctl_rkey]
     for a in addresses:
         out += [_LEN.pack(len(a)), a]
     return b"".join(out)
@@ -131,7 +133,7 @@ def _encode_endpoint(addresses: list[bytes], ctl_address: int, ctl_rkey: bytes) 
 def _decode_endpoint(data: bytes, peer: str) -> _EndpointInfo:
     if len(data) < _ENDPOINT.size:
         raise WireError(f"{peer}: ucx endpoint descriptor of {len(data)} bytes is too short")
-    magic, version, lanes, ctl_address, ctl_len = _ENDPOINT.unpack_from(data)
+    magic, version, lanes, ctl_address, ctl_fd, ctl_inode, ctl_len = _ENDPOINT.unpack_from(data)
     if magic != _ENDPOINT_MAGIC or version != _ENDPOINT_VERSION or lanes < 1:
         raise WireError(f"{peer}: not a ucx endpoint descriptor (magic {magic!r}, version {version}, {lanes} lanes)")
     pos = _ENDPOINT.size + ctl_len
@@ -147,7 +149,7 @@ def _decode_endpoint(data: bytes, peer: str) -> _EndpointInfo:
             raise WireError(f"{peer}: truncated ucx endpoint descriptor")
         out.append(data[pos : pos + n])
         pos += n
-    return _EndpointInfo(out, ctl_address, ctl_rkey)
+    return _EndpointInfo(out, ctl_address, ctl_fd, ctl_inode, ctl_rkey)
 
 
 def _decode_region(data: bytes, where: str) -> tuple[int, int, bytes]:
@@ -203,15 +205,18 @@ class UcxBackend(Backend):
         try:
             # The control word: the seq of our latest record, which initiators read before a
             # transfer (live_seq) so that they notice (un)registrations, as ipc's control page does.
-            self._ctl = torch.zeros(8, dtype=torch.int64)
-            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.data_ptr(), 8, remote_write=False)
+            # Same-host initiators map its page (sealed against their writes) and read it with one
+            # load; others read it with a UCX get.
+            self._ctl = shared_buffer(_PAGE, f"transport:{ctx.name}:ucx-ctl", read_only=True)
+            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.address, 8, remote_write=False)
             addresses = [self._engine.worker_address(i) for i in range(lanes)]
-            self._endpoint = _encode_endpoint(addresses, self._ctl.data_ptr(), ctl_rkey)
+            self._endpoint = _encode_endpoint(addresses, self._ctl, ctl_rkey)
         except BaseException:
             self._engine.close()
             raise
         ctx.tg.start_soon(self._engine.run)
-        self._seq_word = RemoteWord()  # reads a same-host peer's control word
+        self._seq_word = RemoteWord()  # reads a same-host peer's control word that cannot be mapped
+        self._peer_ctl: dict[tuple[str, str], PeerMapping | None] = {}  # same-host peers' control pages
         self._next_lane = 0
         self._mapped: dict[int, tuple[Region, int | None, bytes | None]] = {}  # id(region) -> (region, mem, descriptor)
         self._described: set[int] = set()
@@ -269,7 +274,7 @@ class UcxBackend(Backend):
         return mem, _REGION.pack(_REGION_MAGIC, address, region.nbytes) + rkey
 
     def published(self, seq: int) -> None:
-        self._ctl[0] = seq  # one aligned 8-byte store: readers see the old or the new seq
+        self._ctl.write_u64(0, seq)  # one aligned 8-byte store: readers see the old or the new seq
         # Regions left out of the record just published were unregistered: unmap them.
         for rid in [rid for rid in self._mapped if rid not in self._described]:
             _region, mem, _desc = self._mapped.pop(rid)
@@ -323,16 +328,38 @@ class UcxBackend(Backend):
         return rkeys, address
 
     def live_seq(self, peer: PeerRecord) -> int | None:
-        """The seq in the peer's control word: same-host peers by one cross-memory-attach read
-        (microseconds), others by a bounded 8-byte UCX get. None when it cannot be read."""
+        """The seq in the peer's control word: same-host peers by one load from our mapping of
+        its control page (or, when it cannot be mapped, one cross-memory-attach read), others by
+        a bounded 8-byte UCX get. None when it cannot be read. Called before every synchronous
+        transfer, so the mapped case is kept to two dictionary lookups and a load."""
+        cache_key = (peer.name, peer.incarnation)
+        m = self._peer_ctl.get(cache_key)
+        if m is not None:
+            return m.read_u64(0)
         info = self._info(peer)
         if info is None:
             return None
         if peer.host == self.ctx.host:
+            if cache_key not in self._peer_ctl:
+                self._peer_ctl[cache_key] = self._map_ctl(peer, info)
+                m = self._peer_ctl[cache_key]
+                if m is not None:
+                    return m.read_u64(0)
             seq = self._seq_word.read(peer.pid, info.ctl_address)
             if seq is not None:
                 return seq
         return self._read_seq_over_ucx(peer)
+
+    def _map_ctl(self, peer: PeerRecord, info: _EndpointInfo) -> PeerMapping | None:
+        """A read-only mapping of a same-host peer's control page, or None (then it is read by
+        cross-memory attach). The page must be the memfd the peer published (its inode), and
+        size-sealed (PeerMapping checks): a hostile peer cannot make our loads fault."""
+        try:
+            return PeerMapping(peer.pid, info.ctl_fd, _PAGE, False, info.ctl_inode)
+        except RuntimeError as exc:
+            log.debug("transport %s: cannot map the ucx control page of %s (%s); reading it by cma",
+                      self.ctx.name, peer.name, exc)
+            return None
 
     def _info(self, peer: PeerRecord) -> _EndpointInfo | None:
         cache_key = (peer.name, peer.incarnation)
@@ -404,6 +431,7 @@ class UcxBackend(Backend):
             self._drop(link)
         self._refusals = {k: v for k, v in self._refusals.items() if k[0] != peer}
         self._infos = {k: v for k, v in self._infos.items() if k[0] != peer}
+        self._peer_ctl = {k: v for k, v in self._peer_ctl.items() if k[0] != peer}
 
     # -- data path -------------------------------------------------------------------------
 
@@ -411,7 +439,7 @@ class UcxBackend(Backend):
         """Same-host peers only (UCX reaches their memory by cma, without their help): one
         lane issues the transfer and flushes it while the caller waits, at most
         ``_SYNC_WAIT_S``; past that it is cancelled and the transfer takes the asynchronous
-        path. A get from ``_SYNC_PAIR_MIN_BYTES`` on is split over two lanes that move a half
+        path. A transfer from ``_SYNC_PAIR_MIN_BYTES`` on is split over two lanes that move a half
         each at the same time (the caller drives one, the engine's assistant thread the
         other)."""
         if peer.host != self.ctx.host or region.nbytes == 0 or self.unreachable_reason(peer, region,
@@ -420,8 +448,7 @@ class UcxBackend(Backend):
         link = self._link(peer)
         rkeys, address = self._rkey(link, region)
         lane = 0
-        # Gets only: split puts (each half flushed on its lane) measured slower here, and bimodal.
-        pair = op == TransferOp.GET and len(link.eps) > 1
+        pair = len(link.eps) > 1
 
         def move(local: int, offset: int, nbytes: int) -> bool:
             if link.lost is not None:
