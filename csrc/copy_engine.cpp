@@ -1,5 +1,7 @@
 #include "copy_engine.h"
 
+#include "stream_copy.h"
+
 #include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -23,9 +25,29 @@ struct CopyEngine::Job {
   std::atomic<uint64_t> bytes{0};
   std::atomic<int> err{0};
   std::atomic<bool> cancelled{false};
+  bool stream = false;  // local copies with streaming stores (see kStreamMinJobBytes)
 };
 
 namespace {
+
+// A local job of at least this many bytes is copied with streaming stores (stream_copy.h): far
+// larger than a cache, so its destination is not read back from cache anyway. Smaller jobs (one
+// 1 MiB put after another into the same memory) keep memcpy, which stays in the cache.
+constexpr uint64_t kStreamMinJobBytes = 16ull << 20;
+constexpr uint64_t kStreamMinSegmentBytes = 4096;  // smaller pieces of such a job: memcpy
+
+int copy_local_streaming(const Segment* segs, size_t count, uint64_t* copied) {
+  for (size_t i = 0; i < count; ++i) {
+    void* dst = reinterpret_cast<void*>(segs[i].dst);
+    const void* src = reinterpret_cast<const void*>(segs[i].src);
+    if (segs[i].len >= kStreamMinSegmentBytes)
+      stream_copy(dst, src, segs[i].len);
+    else
+      std::memcpy(dst, src, segs[i].len);
+    *copied += segs[i].len;
+  }
+  return 0;
+}
 
 // Copies one segment; returns 0 or an errno value. Partial CMA transfers are continued:
 // the kernel may stop at a page boundary it could not fault in.
@@ -148,6 +170,7 @@ uint64_t CopyEngine::submit(CopyKind kind, int pid, const Segment* segments, siz
     }
     total += s.len;
   }
+  job->stream = kind == CopyKind::kLocal && total >= kStreamMinJobBytes;
   // Units: at most kMaxUnitSegments segments and about chunk_bytes each, and at least as many
   // units as threads when there are enough segments (so that every thread has work).
   size_t nthreads = threads_.empty() ? 1 : threads_.size();
@@ -214,7 +237,9 @@ void CopyEngine::worker() {
     }
     auto [begin, end] = job->units[idx];
     uint64_t copied = 0;
-    int err = copy_segments(job->kind, job->pid, job->segs.data() + begin, end - begin, &copied);
+    const Segment* segs = job->segs.data() + begin;
+    int err = job->stream ? copy_local_streaming(segs, end - begin, &copied)
+                          : copy_segments(job->kind, job->pid, segs, end - begin, &copied);
     finish_unit(job, copied, err);
   }
 }

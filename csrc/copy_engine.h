@@ -4,7 +4,8 @@
 // `chunk_bytes`, runs of small ones into units of up to kMaxUnitSegments segments (one
 // process_vm_writev/readv call per IOV_MAX of them, or a memcpy loop). Units are served
 // round-robin across jobs, so one 1 GiB put cannot starve a small one queued behind it, and a
-// cancelled job stops at the next unit.
+// cancelled job stops at the next unit. Large local jobs are copied with streaming stores
+// (stream_copy.h).
 // Completions are queued and announced through an eventfd that the Python event loop waits on;
 // no Python runs on these threads and no thread polls.
 #pragma once

@@ -44,6 +44,30 @@ async def test_copy_engine_memcpy_and_cma_self():
     await with_copier(body)
 
 
+async def test_a_large_local_job_streams_every_byte_into_place():
+    # A local job of 16 MiB or more is copied with streaming stores: destinations at every
+    # alignment, odd lengths, pieces under the 4 KiB streaming minimum, and pieces cut at the
+    # copier's 1 MiB chunks; the bytes around each destination stay as they were.
+    rng = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=rng)
+    dst = torch.full((21 << 20,), 0xAB, dtype=torch.uint8)
+    segments, expect, s_off, d_off = [], dst.clone(), 0, 0
+    for n in [1, 31, 33, 4095, 4097, 65_537, (3 << 20) + 129, 17, 127, (1 << 20) - 1, 12 << 20]:
+        d_off += 1 + n % 61  # a gap, and every alignment of the destination
+        s_off += n % 13
+        segments.append((dst.data_ptr() + d_off, src.data_ptr() + s_off, n))
+        expect[d_off : d_off + n] = src[s_off : s_off + n]
+        d_off, s_off = d_off + n, s_off + n
+    assert sum(n for *_, n in segments) >= 16 << 20  # the streaming path
+
+    async def body(copier):
+        r = await copier.copy(CopyKind.LOCAL, 0, segments)
+        assert r.status == CopyStatus.OK and r.nbytes == sum(n for *_, n in segments)
+
+    await with_copier(body)
+    assert torch.equal(dst, expect)
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (and been reaped)."""
     proc = subprocess.Popen(["true"])
