@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "copy_engine.h"
+#include "stream_copy.h"
 #include "cuda_driver.h"
 #include "cuda_ops.h"
 #include "host_memory.h"
@@ -386,6 +387,13 @@ NB_MODULE(_C, m) {
   m.def("cma_probe", &cma_probe, nb::arg("pid"), nb::arg("address"), nb::arg("nbytes"));
   m.def("probe_address", &probe_address);
   m.def("allow_ptrace_from_any", &allow_ptrace_from_any);
+  m.def(
+      "stream_copy",
+      [](uint64_t dst, uint64_t src, uint64_t n) {
+        stream_copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+      },
+      nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>(),
+      "Copies with streaming (non-temporal) stores and a store fence; for large copies not read back soon.");
   m.def(
       "memcpy",
       [](uint64_t dst, uint64_t src, uint64_t n) {

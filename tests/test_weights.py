@@ -403,3 +403,25 @@ async def test_gpu_slots_without_a_driver_say_why(store):
             Subscriber(tg, make_model(), publisher="trainer", device="cuda")
         with pytest.raises(ValueError, match="device= must be cpu or a CUDA device"):
             Subscriber(tg, make_model(), publisher="trainer", device="meta")
+
+
+def test_host_copies_of_a_large_batch_stream_every_byte_into_place():
+    # 16 MiB or more: raw pieces are copied with streaming stores, on two threads, next to
+    # ordinary work; odd lengths and every destination alignment; bytes around them untouched.
+    from transport.weights._copy import STREAM_MIN_BYTES, HostCopies
+
+    src = torch.randint(0, 256, (STREAM_MIN_BYTES + (6 << 20),), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(3))
+    dst = torch.full((src.numel() + 4096,), 0x5A, dtype=torch.uint8)
+    expect = dst.clone()
+    batch, s_off, d_off = HostCopies(), 0, 0
+    for n in [7, 4093, (9 << 20) + 5, 129, (12 << 20) + 77]:
+        d_off += 1 + n % 29
+        batch.add_raw(dst.data_ptr() + d_off, src.data_ptr() + s_off, n)
+        expect[d_off : d_off + n] = src[s_off : s_off + n]
+        s_off, d_off = s_off + n, d_off + n
+    side = torch.zeros(64, dtype=torch.float32)
+    batch.add(256, lambda: side.fill_(2.5))
+    assert batch.nbytes >= STREAM_MIN_BYTES
+    batch.run(2)
+    assert torch.equal(dst, expect) and bool((side == 2.5).all())

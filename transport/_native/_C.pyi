@@ -76,6 +76,9 @@ def probe_address() -> int:
 def allow_ptrace_from_any() -> int:
     """prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY); returns 0 or errno."""
 
+def stream_copy(dst: int, src: int, nbytes: int) -> None:
+    """Copies with streaming (non-temporal) stores and a store fence; for large copies not read back soon."""
+
 def memcpy(dst: int, src: int, nbytes: int) -> None:
     """Plain single-threaded memcpy: the same-run baseline of the benchmarks."""
 

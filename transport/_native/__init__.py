@@ -37,6 +37,7 @@ from .copy import (
     pack_segments,
     probe_address,
     shared_buffer,
+    stream_copy,
 )
 from .probe import IpcProbe, probe_ipc
 from .ucx import UcxEngine, UcxList, UcxPart, UcxResult
@@ -66,5 +67,6 @@ __all__ = [
     "probe_address",
     "probe_ipc",
     "shared_buffer",
+    "stream_copy",
     "unavailable_reason",
 ]

@@ -75,6 +75,14 @@ def copy_now(kind: CopyKind, pid: int, dst: int, src: int, nbytes: int) -> int:
     return _C.copy_now(int(kind), pid, dst, src, nbytes)
 
 
+def stream_copy(dst: int, src: int, nbytes: int) -> None:
+    """Copies ``nbytes`` from ``src`` to ``dst`` (no overlap) on the calling thread, the GIL
+    released, with streaming stores that bypass the cache (x86-64; memcpy elsewhere): about 1.6x
+    a memcpy for a copy far larger than the cache, slower for one that fits it or is read back
+    soon. Ends with a store fence."""
+    _C.stream_copy(dst, src, nbytes)
+
+
 class RemoteWord:
     """An 8-byte buffer that reads one word of another process by cross-memory attach (e.g. a
     same-host peer's record seq), without a tensor per read."""
