@@ -186,13 +186,24 @@ void event_destroy(uint64_t event, int device) {
 
 void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream, uint64_t wait_event, uint64_t done_event,
                    int device) {
+  const uint64_t one[3] = {dst, src, nbytes};
+  copy_list_and_wait(one, 1, stream, wait_event, done_event, device);
+}
+
+void copy_list_and_wait(const uint64_t* triples, size_t count, uint64_t stream, uint64_t wait_event,
+                        uint64_t done_event, int device) {
   OnDevice on(device);
   const Api& a = on.a;
   CUstream s = as<CUstream_st>(stream);
   if (wait_event) check(a.cuStreamWaitEvent(s, as<CUevent_st>(wait_event), 0), "cuStreamWaitEvent");
-  if (nbytes) {
-    check(a.cuMemcpyAsync(dst, src, nbytes, s),
-          "cuMemcpyAsync(dst " + hex(dst) + ", src " + hex(src) + ", " + std::to_string(nbytes) + " bytes)");
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t dst = triples[3 * i], src = triples[3 * i + 1], nbytes = triples[3 * i + 2];
+    if (nbytes == 0) continue;
+    // Enqueued only: a failure here leaves the copies before it queued, and the event below is
+    // not recorded; the caller's stream is ours alone, so nothing else waits on them.
+    check(a.cuMemcpyAsync(dst, src, nbytes, s), "cuMemcpyAsync(dst " + hex(dst) + ", src " + hex(src) + ", " +
+                                                    std::to_string(nbytes) + " bytes; copy " + std::to_string(i) +
+                                                    " of " + std::to_string(count) + ")");
   }
   CUevent done = as<CUevent_st>(done_event);
   check(a.cuEventRecord(done, s), "cuEventRecord");

@@ -37,6 +37,11 @@ void event_destroy(uint64_t event, int device);
 // with the GIL released, from a worker thread.
 void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream, uint64_t wait_event, uint64_t done_event,
                    int device);
+// As copy_and_wait for `count` copies, (dst, src, nbytes) triples, all enqueued on `stream`
+// before one event is recorded and waited for. With count 0: waits for the work already
+// enqueued on `stream` (e.g. a kernel launched there).
+void copy_list_and_wait(const uint64_t* triples, size_t count, uint64_t stream, uint64_t wait_event,
+                        uint64_t done_event, int device);
 
 // Page-locks host memory for DMA (portable to every context) and undoes it. `read_only` for
 // memory mapped without write permission (the device then only reads it).

@@ -78,6 +78,18 @@ void bind_cuda(nb::module_& m) {
   m.def("cuda_copy_and_wait", &cuda::copy_and_wait, nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"), nb::arg("stream"),
         nb::arg("wait_event"), nb::arg("done_event"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>(),
         "Copies on `stream` after `wait_event` (0: none) and blocks until done. Call from a worker thread.");
+  m.def(
+      "cuda_copy_list_and_wait",
+      [](nb::bytes packed, uint64_t stream, uint64_t wait_event, uint64_t done_event, int device) {
+        std::vector<Segment> v = unpack_triples<Segment>(packed);  // (dst, src, nbytes)
+        static_assert(sizeof(Segment) == 3 * sizeof(uint64_t), "a Segment is a u64 triple");
+        nb::gil_scoped_release unlocked;
+        cuda::copy_list_and_wait(reinterpret_cast<const uint64_t*>(v.data()), v.size(), stream, wait_event,
+                                 done_event, device);
+      },
+      nb::arg("packed"), nb::arg("stream"), nb::arg("wait_event"), nb::arg("done_event"), nb::arg("device"),
+      "Enqueues every packed (dst, src, nbytes) copy on `stream` after `wait_event` (0: none), then blocks until "
+      "all are done. Call from a worker thread.");
   m.def("cuda_host_register", &cuda::host_register, nb::arg("ptr"), nb::arg("nbytes"), nb::arg("read_only"), nb::arg("device"),
         nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_host_unregister", &cuda::host_unregister, nb::arg("ptr"), nb::arg("device"),

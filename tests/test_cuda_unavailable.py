@@ -43,6 +43,7 @@ _NATIVE_ARGS = {
     "cuda_event_create": (0,),
     "cuda_event_destroy": (1, 0),
     "cuda_copy_and_wait": (1, 2, 3, 4, 0, 5, 0),
+    "cuda_copy_list_and_wait": (b"", 4, 0, 5, 0),
     "cuda_host_register": (1 << 20, 4096, False, 0),
     "cuda_host_unregister": (1 << 20, 0),
     "cuda_module_load": (b"\0" * 16, 0),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -25,7 +25,9 @@ import anyio
 import torch
 
 from ._errors import BackendUnavailableError, TransportError, TransportInternalError
+from ._kernels import launch_batched_copy_on
 from ._native import cuda as driver
+from ._native import pack_segments
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 
 IpcImportKey = tuple[str, str, bytes, int]  # a peer's IPC import: (peer, incarnation, handle, device)
 
+# CudaCopier.copy_many moves this many ranges or more by one batched-copy kernel launch (when
+# they are all memory of the copying device); fewer, one cuMemcpyAsync each.
+KERNEL_MIN_COPIES = 16
 # Pinned staging buffers are pooled up to this many bytes; beyond it they are freed on release.
 STAGING_POOL_BYTES = 1 << 30
 def unavailable_reason() -> str | None:
@@ -289,6 +294,56 @@ class CudaCopier:
         except driver.CudaError as exc:
             what = f"CUDA copy of {nbytes} bytes 0x{src:x} -> 0x{dst:x} on device {device}"
             raise TransportInternalError(f"{what}: {exc}") from exc
+
+    async def copy_many(self, copies: Sequence[tuple[int, int, int]], device: int, *, kernel: bool = False,
+                        ready: Sequence[Any] = ()) -> None:
+        """Copies every (dst, src, nbytes) on this copier's stream for ``device`` and returns once
+        all are done: one hand-off to a worker thread and one wait for the whole list, where
+        :meth:`copy` costs one of each per range.
+
+        Args:
+            copies: (dst, src, nbytes) ranges of memory ``device`` can address, no destination
+                overlapping another range.
+            device: the device whose stream (and context) runs the copies.
+            kernel: every range is memory of ``device`` itself (or pinned host memory): from
+                ``KERNEL_MIN_COPIES`` ranges on, one launch of the batched copy kernel moves
+                them all (when this build has the kernels; else one ``cuMemcpyAsync`` each).
+            ready: ``torch.cuda.Event``s the copies wait for (on the device, not here).
+
+        Raises:
+            TransportInternalError: the driver refused a copy or the launch.
+
+        Cancellation: as :meth:`copy`: once everything enqueued has finished on the device.
+        """
+        stream = self._stream(device)
+        launcher = None
+        if kernel and len(copies) >= KERNEL_MIN_COPIES:
+            try:
+                launcher = kernels(device)
+            except BackendUnavailableError as exc:
+                log.debug("batched copy kernel unavailable on device %d (%s): one cuMemcpyAsync per range",
+                          device, exc)
+        packed = b"" if launcher is not None else pack_segments(copies)
+        waits = [int(ev.cuda_event) for ev in ready]
+
+        def run() -> None:
+            done = self._event(device)
+            table = None
+            try:
+                for wait in waits:  # the stream waits for it (and this thread with it: nothing moves before)
+                    driver.copy_list_and_wait(b"", stream, wait, done, device)
+                if launcher is not None:  # the kernel's segments are (src, dst, nbytes)
+                    table = launch_batched_copy_on(launcher, stream, [(s, d, n) for d, s, n in copies])
+                driver.copy_list_and_wait(packed, stream, 0, done, device)  # empty: waits for the launch
+            finally:
+                del table  # the kernel has read it (or never ran)
+                with self._lock:
+                    self._events.setdefault(device, []).append(done)
+
+        try:
+            await anyio.to_thread.run_sync(run)
+        except driver.CudaError as exc:
+            raise TransportInternalError(f"CUDA copy of {len(copies)} ranges on device {device}: {exc}") from exc
 
     def acquire_ipc(self, peer: str, incarnation: str, handle: bytes, device: int) -> tuple[IpcImportKey, int]:
         """(import key, address in this process) of a peer's exported allocation, opened once

@@ -276,12 +276,36 @@ def _grid_for(n: int, per_block: int) -> tuple[int, int, int]:
     return (max(1, min(_MAX_GRID, -(-n // per_block))), 1, 1)
 
 
-def _launch_batched_copy(kernels: Kernels, device: torch.device, copies: list[Segment]) -> None:
+def _table_of(copies: Sequence[Segment]) -> list[Segment]:
     table = segment_table(copies, piece_bytes(sum(n for _, _, n in copies)))
-    if not table:
-        return
     if len(table) >= 1 << 31:
         raise ValueError(f"{len(table)} segments do not fit one launch")
+    return table
+
+
+def launch_batched_copy_on(kernels: Kernels, stream: int, copies: Sequence[Segment]) -> torch.Tensor | None:
+    """Enqueues one batched-copy launch of every (src, dst, nbytes) on ``stream`` (a CUstream
+    handle of the kernels' device, e.g. a transport-owned one), with its segment table in pinned
+    host memory, which the kernel reads through unified addressing: nothing runs on torch's
+    streams. Returns the table (None: nothing to copy); keep it alive until ``stream`` has run
+    the launch.
+
+    Raises:
+        TransportInternalError: the driver refused the launch.
+    """
+    table = _table_of(copies)
+    if not table:
+        return None
+    host_table = torch.tensor(table, dtype=torch.int64).pin_memory()
+    kernels.launch(abi.BATCHED_COPY, _grid_for(len(table), 1), _BLOCK,
+                   abi.batched_copy_params(host_table.data_ptr(), len(table)), stream)
+    return host_table
+
+
+def _launch_batched_copy(kernels: Kernels, device: torch.device, copies: list[Segment]) -> None:
+    table = _table_of(copies)
+    if not table:
+        return
     # The table lives in a stream-ordered caching-allocator block: freeing it after the launch
     # is enqueued is safe, the memory is reused only by later work on the same stream.
     device_table = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)

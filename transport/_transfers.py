@@ -374,9 +374,9 @@ class TransferEngine:
 
     def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> _BatchPlan:
         """How a prepared transfer's checked segments move: a backend per (region, memory
-        kind), and each backend's reusable runner (``Backend.prepare_many``) for the host
-        segments it serves directly; CUDA segments (their ready event is taken at each start)
-        and staged ones go one by one.
+        kind), and each backend's reusable runner (``Backend.prepare_many``) for the segments
+        it serves directly (CUDA ones only where it ``prepares_device``); other CUDA segments
+        (their ready event is taken at each start) and staged ones go one by one.
 
         Raises:
             BackendUnavailableError: no backend reaches one of the regions.
@@ -390,7 +390,7 @@ class TransferEngine:
             if backend is None:
                 backend = chosen[(seg.key, seg.kind)] = self.choose(record, b.region, seg.kind)
             group = groups.setdefault(backend.name, (backend, []))
-            if seg.kind == MemoryKind.CPU and seg.kind in backend.memory_kinds:
+            if seg.kind in backend.memory_kinds and (seg.kind == MemoryKind.CPU or backend.prepares_device):
                 group[1].append((LocalBuffer(seg.tensor, seg.kind), RemoteTarget(record, b.region, seg.offset,
                                                                                   seg.nbytes)))
             else:

@@ -156,6 +156,10 @@ def cuda_copy_and_wait(
 ) -> None:
     """Copies on `stream` after `wait_event` (0: none) and blocks until done. Call from a worker thread."""
 
+def cuda_copy_list_and_wait(packed: bytes, stream: int, wait_event: int, done_event: int, device: int) -> None:
+    """Enqueues every packed (dst, src, nbytes) copy on `stream` after `wait_event` (0: none), then blocks
+    until all are done. Call from a worker thread."""
+
 def cuda_host_register(ptr: int, nbytes: int, read_only: bool, device: int) -> None: ...
 def cuda_host_unregister(ptr: int, device: int) -> None: ...
 def cuda_module_load(image: bytes, device: int) -> int: ...

@@ -117,6 +117,13 @@ def copy_and_wait(dst: int, src: int, nbytes: int, stream: int, wait_event: int,
     _driver(_C.cuda_copy_and_wait, dst, src, nbytes, stream, wait_event, done_event, device)
 
 
+def copy_list_and_wait(packed: bytes, stream: int, wait_event: int, done_event: int, device: int) -> None:
+    """As :func:`copy_and_wait` for every (dst, src, nbytes) of ``packed`` (see
+    :func:`transport._native.pack_segments`): all enqueued on ``stream``, then one event
+    recorded and waited for. An empty ``packed`` waits for the work already on ``stream``."""
+    _driver(_C.cuda_copy_list_and_wait, packed, stream, wait_event, done_event, device)
+
+
 def host_register(ptr: int, nbytes: int, read_only: bool, device: int) -> None:
     """``cuMemHostRegister`` (portable): page-locks a host range for DMA. Slow for a large range."""
     _driver(_C.cuda_host_register, ptr, nbytes, read_only, device)

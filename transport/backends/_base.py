@@ -101,6 +101,8 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     one_sided: ClassVar[bool]  # True when the target's Python takes no part in a transfer
     memory_kinds: ClassVar[frozenset[MemoryKind]]
+    # True when prepare_many also takes CUDA segments (see there); else they move one by one.
+    prepares_device: ClassVar[bool] = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -171,7 +173,9 @@ class Backend(abc.ABC):
     def prepare_many(self, op: TransferOp,
                      pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
         """A reusable runner that moves these ranges of one peer (a prepared transfer's
-        segments, all of memory kinds this backend serves, none waiting on a CUDA event).
+        segments, all of memory kinds this backend serves; CUDA ones only when
+        ``prepares_device``, and then each run orders them after the work queued on their
+        device's current stream by the time it runs, as a single transfer's ready event does).
 
         Built once per prepared transfer and record of its peer; every ``await run()`` moves
         every range again (reading or writing the same memory) and returns when all are done.

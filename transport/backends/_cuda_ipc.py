@@ -19,7 +19,7 @@ shared mapping is mapped ``PROT_READ`` and page-locked read-only (see the ``ipc`
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
@@ -132,6 +132,33 @@ class CudaIpc:
         finally:
             if held is not None:
                 eng.release_ipc(held)
+
+    async def copy_device_many(self, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]], op: TransferOp) -> None:
+        """Moves every pair, each between a local CUDA tensor and a peer's device region (a
+        prepared transfer's device segments): per copying device, after the work queued on the
+        local tensors' devices' current streams by now, all ranges are enqueued on the copier's
+        stream and waited for once; many ranges whose both sides are that device's memory go by
+        one batched-copy kernel launch (:meth:`_cuda.CudaCopier.copy_many`). The peers' IPC
+        imports are held until then."""
+        eng = self.copier
+        held: list[_cuda.IpcImportKey] = []
+        groups: dict[int, tuple[list[tuple[int, int, int]], list[bool]]] = {}  # device -> (copies, on it)
+        ready = [_cuda.ready_event(t) for t in {lo.tensor.device.index: lo.tensor for lo, _ in pairs}.values()]
+        try:
+            for local, remote in pairs:
+                there, device, key = self._device_copy_target(remote.peer, remote, local)
+                if key is not None:
+                    held.append(key)
+                copies, on_device = groups.setdefault(device, ([], []))
+                copies.append((there, local.address, remote.nbytes) if op == TransferOp.PUT
+                              else (local.address, there, remote.nbytes))
+                on_device.append(local.tensor.device.index == device
+                                 and _cuda.local_index(remote.region.device) == device)
+            for device, (copies, on_device) in groups.items():
+                await eng.copy_many(copies, device, kernel=all(on_device), ready=ready)
+        finally:
+            for key in held:
+                eng.release_ipc(key)
 
     async def copy_mapped(self, local: LocalBuffer, there: int, mapping: tuple[int, int, bool], nbytes: int,
                           op: TransferOp) -> None:

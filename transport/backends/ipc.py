@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .. import _native
+from .. import _cuda, _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
 from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now, pack_segments
@@ -88,6 +88,7 @@ class IpcBackend(Backend):
     name = "ipc"
     one_sided = True
     memory_kinds = frozenset({MemoryKind.CPU, MemoryKind.CUDA})
+    prepares_device = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -294,12 +295,17 @@ class IpcBackend(Backend):
                      pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
         """Host segments become one packed native job per kind (mapped memfd: memcpy;
         elsewhere: cross-memory attach, IOV_MAX segments per system call), built once; each
-        run submits them as they are, split across the copy engine's threads. CUDA segments go
-        one by one. A failed job is retried segment by segment, which raises the precise error."""
+        run submits them as they are, split across the copy engine's threads. Device-to-device
+        segments (CUDA IPC) are enqueued together on the CUDA copier's stream and waited for
+        once (:meth:`CudaIpc.copy_device_many`); other CUDA segments go one by one. A failed job
+        is retried segment by segment, which raises the precise error."""
         jobs: dict[tuple[CopyKind, int], list[tuple[tuple[int, int, int], LocalBuffer, RemoteTarget]]] = {}
-        slow = []
+        slow, devices = [], []
         paths: dict[int, tuple[CopyKind, int, int, PeerMapping | None]] = {}  # id(region record) -> its path
         for local, remote in pairs:
+            if is_device(remote.region) and local.kind == MemoryKind.CUDA:
+                devices.append((local, remote))
+                continue
             if is_device(remote.region) or local.kind == MemoryKind.CUDA:
                 slow.append((local, remote))
                 continue
@@ -322,7 +328,11 @@ class IpcBackend(Backend):
                 if result.status != CopyStatus.OK:
                     for _, local, remote in job:
                         await self.move(op, local, remote)
+            if devices:
+                await self._cuda.copy_device_many(devices, op)
             for local, remote in slow:
+                if local.kind == MemoryKind.CUDA:  # after the work queued on its stream by now
+                    local = LocalBuffer(local.tensor, local.kind, ready=_cuda.ready_event(local.tensor))
                 await self.move(op, local, remote)
 
         return run
