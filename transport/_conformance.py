@@ -34,6 +34,7 @@ from . import (
     gather,
 )
 from ._tensors import MemoryKind
+from ._transfers import SYNC_MAX_BYTES
 from .backends import Backend, backend_class
 
 log = logging.getLogger(__name__)
@@ -368,10 +369,11 @@ async def _closed(env: _Env) -> None:
 @_check("cancel_before_start")
 async def _cancel_before_start(env: _Env) -> None:
     a, b = env.a, env.b
-    dst = env.zeros(1 << 20)
+    n = 2 * SYNC_MAX_BYTES // 4  # float32s past the synchronous limit: put() returns before a byte moves
+    dst = env.zeros(n)
     b.register("c", dst)
     await a.peer(env.peer, regions=["c"])
-    h = a.put(env.full(1 << 20, 1.0), env.peer, key="c")
+    h = a.put(env.full(n, 1.0), env.peer, key="c")
     h.cancel()  # before the transfer task has had a chance to run
     with _raises(TransferAbortedError) as caught:
         await h

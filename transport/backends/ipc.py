@@ -55,6 +55,10 @@ from ._cuda_ipc import CudaIpc, is_device
 # pid, address of a readable probe byte, memfd of the control page (-1: none)
 _ENDPOINT = struct.Struct("<qQq")
 _CTL_SEQ = 0  # byte offset in the control page of the published record's seq (a u64)
+# A synchronous cross-memory-attach copy (one thread in the kernel, ~6 GB/s) up to this size;
+# larger ones go to the copy threads. Mapped memfds are copied synchronously up to the
+# Transport's limit (transfers.SYNC_MAX_BYTES).
+_SYNC_CMA_MAX_BYTES = 1 << 20
 # A host region: address, nbytes, memfd number (-1: none), offset in the memfd, the memfd's inode
 # (which tells it from a later memfd under the same number: mappings are cached by it).
 _REGION = struct.Struct("<QQqQQ")
@@ -264,14 +268,18 @@ class IpcBackend(Backend):
 
     def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Callable[[int, int, int], bool] | None:
         """A memcpy into this process's mapping of the peer's memfd, else one cross-memory
-        attach call, on the calling thread (the GIL released)."""
+        attach call (up to ``_SYNC_CMA_MAX_BYTES``: a larger one runs faster on the copy
+        threads), on the calling thread (the GIL released)."""
         if is_device(region) or self.unreachable_reason(peer, region, MemoryKind.CPU) is not None:
             return None
         kind, pid, base, mapping = self._host_path(op, peer, region)
         write = op == TransferOp.PUT
+        limit = _SYNC_CMA_MAX_BYTES if kind != CopyKind.LOCAL else None
 
         def move(local: int, offset: int, nbytes: int, _held: PeerMapping | None = mapping) -> bool:
             # `_held` keeps the mapping referenced (mapped) while this callable lives.
+            if limit is not None and nbytes > limit:
+                return False
             there = base + offset
             err = copy_now(kind, pid, there, local, nbytes) if write else copy_now(kind, pid, local, there, nbytes)
             return err == 0
