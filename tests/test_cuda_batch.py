@@ -22,12 +22,7 @@ from transport._cuda import KERNEL_MIN_COPIES
 from .cuda_peer import digest
 from .test_cuda import Checker, cuda_region, opened, random_bytes, same_bytes
 from .test_cuda import peers as peers  # the fixture
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"),
-    pytest.mark.timeout(180),
-]
+from .test_cuda import pytestmark as pytestmark  # gpu, skipped without one, 180 s each
 
 MiB = 1 << 20
 
