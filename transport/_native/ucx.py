@@ -111,6 +111,9 @@ class UcxList:
     packed: bytes
 
 
+UcxLane = tuple[int, int, int]  # (lane, endpoint, rkey): where one part of a transfer goes
+
+
 @dataclass(frozen=True)
 class UcxPart:
     """One lane's share of a transfer: ``nbytes`` between local address ``local`` and remote
@@ -279,45 +282,41 @@ class UcxEngine:
         status, value = self._call("ucp_get_nbx of 8 bytes", self._engine.read_word, lane, ep, rkey, remote, timeout_ms)
         return int(value) if status == 0 else None
 
-    def transfer_now(self, op: TransferOp, part: UcxPart, timeout: float) -> bool:
-        """Moves one part synchronously: the calling thread (the GIL released) drives the part's
-        lane itself, issuing the part and, for a put, flushing it, while the lane's own thread
-        steps aside. For small transfers to peers whose memory UCX reaches without their help
-        (same host: cma), where this takes microseconds and a hand-off to the lane's thread
-        would cost a wake-up.
+    def now_mover(self, op: TransferOp, first: UcxLane, second: UcxLane | None, remote: int, timeout: float,
+                  pair_min: int, align: int = 4096) -> Callable[[int, int, int], bool]:
+        """A synchronous mover for one route: ``move(local, offset, nbytes)`` moves ``nbytes``
+        between local address ``local`` and remote address ``remote + offset`` while the caller
+        waits: the calling thread (the GIL released) drives the lane of ``first`` itself,
+        issuing the transfer and, for a put, flushing it, while the lane's own thread steps
+        aside. From ``pair_min`` bytes on, with ``second``, the range is split at an
+        ``align``-ed point and the engine's assistant thread moves the second part on that lane
+        at the same time. For peers whose memory UCX reaches without their help (same host:
+        cma), where this takes microseconds and a hand-off to the lanes' threads would cost a
+        wake-up; built once per route, so each call is one native call.
 
-        Returns:
-            True once every byte is in place; False when it failed or did not complete within
-            ``timeout`` seconds (then it was cancelled; some bytes may have landed). Either way
-            the engine no longer uses the local memory when this returns.
-
-        Raises:
-            ClosedError: the engine is closed.
+        ``move`` returns True once every byte is in place; False when it failed, did not
+        complete within ``timeout`` seconds (then it was cancelled; some bytes may have landed)
+        or the engine is closed. Either way the engine no longer uses the local memory then.
         """
-        timeout_us = max(1, int(timeout * 1e6))
-        try:
-            status, _moved = self._call("a synchronous ucx transfer", self._engine.transfer_now, part.lane,
-                                        _NATIVE_OP[op], part.ep, part.rkey, part.local, part.remote, part.nbytes,
-                                        timeout_us)
-        except TransportInternalError:
-            return False
-        return status == 0
+        engine, native_op, timeout_us = self._engine, _NATIVE_OP[op], max(1, int(timeout * 1e6))
+        lane0, ep0, rkey0 = first
 
-    def transfer_now_pair(self, op: TransferOp, first: UcxPart, second: UcxPart, timeout: float) -> bool:
-        """As :meth:`transfer_now`, for two parts on two lanes moved at the same time: ``first``
-        by the calling thread, ``second`` by the engine's assistant thread. Returns True once
-        both are in place; when either fails or runs late, False once both have ended."""
-        timeout_us = max(1, int(timeout * 1e6))
+        def move(local: int, offset: int, nbytes: int) -> bool:
+            there = remote + offset
+            try:
+                if second is not None and nbytes >= pair_min:
+                    half = (nbytes // 2 + align - 1) // align * align
+                    status, _moved = engine.transfer_now_pair(native_op, (lane0, ep0, rkey0, local, there, half),
+                                                              (*second, local + half, there + half, nbytes - half),
+                                                              timeout_us)
+                else:
+                    status, _moved = engine.transfer_now(lane0, native_op, ep0, rkey0, local, there, nbytes,
+                                                         timeout_us)
+            except _UCX_NATIVE_ERRORS:  # the engine was shut down, or a lane of it
+                return False
+            return status == 0
 
-        def spec(p: UcxPart) -> tuple[int, int, int, int, int, int]:
-            return (p.lane, p.ep, p.rkey, p.local, p.remote, p.nbytes)
-
-        try:
-            status, _moved = self._call("a synchronous ucx transfer", self._engine.transfer_now_pair, _NATIVE_OP[op],
-                                        spec(first), spec(second), timeout_us)
-        except TransportInternalError:
-            return False
-        return status == 0
+        return move
 
     def destroy_rkey(self, lane: int, rkey: int) -> None:
         self._post(self._engine.rkey_destroy, lane, rkey)

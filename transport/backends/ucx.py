@@ -447,19 +447,12 @@ class UcxBackend(Backend):
             return None
         link = self._link(peer)
         rkeys, address = self._rkey(link, region)
-        lane = 0
-        pair = len(link.eps) > 1
+        second = (1, link.eps[1], rkeys[1]) if len(link.eps) > 1 else None
+        now = self._engine.now_mover(op, (0, link.eps[0], rkeys[0]), second, address, _SYNC_WAIT_S,
+                                     _SYNC_PAIR_MIN_BYTES, _PAGE)
 
         def move(local: int, offset: int, nbytes: int) -> bool:
-            if link.lost is not None:
-                return False
-            if pair and nbytes >= _SYNC_PAIR_MIN_BYTES:  # two lanes copy at once
-                half = (nbytes // 2 + _PAGE - 1) // _PAGE * _PAGE
-                first = UcxPart(0, link.eps[0], rkeys[0], local, address + offset, half)
-                second = UcxPart(1, link.eps[1], rkeys[1], local + half, address + offset + half, nbytes - half)
-                return self._engine.transfer_now_pair(op, first, second, _SYNC_WAIT_S)
-            part = UcxPart(lane, link.eps[lane], rkeys[lane], local, address + offset, nbytes)
-            return self._engine.transfer_now(op, part, _SYNC_WAIT_S)
+            return link.lost is None and now(local, offset, nbytes)
 
         return move
 
