@@ -61,8 +61,8 @@ from ._wire import (
     error_to_frame,
     payload_parts,
     read_frame_head,
-    recv_into_exactly,
-    send_all,
+    recv_into_views,
+    send_all_views,
     tune_socket,
 )
 
@@ -93,16 +93,16 @@ class Conn:
     async def reply(self, kind: FrameKind, rid: int, meta: Mapping[str, Any],
                     payload: memoryview | Sequence[memoryview] | None = None) -> None:
         parts = payload_parts(payload)
-        await send_all(self.sock, encode_frame(kind, rid, meta, sum(len(p) for p in parts)))
-        for part in parts:
-            await send_all(self.sock, part)
+        frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
+        await send_all_views(self.sock, [memoryview(frame), *parts])
 
     async def refuse(self, rid: int, exc: TransportError) -> None:
         code, msg = error_to_frame(exc)
         await self.reply(FrameKind.ERR, rid, {"code": code, "message": msg})
 
-    async def recv_into(self, view: memoryview) -> None:
-        await recv_into_exactly(self.sock, view)
+    async def recv_into(self, views: Sequence[memoryview]) -> None:
+        """Fills ``views`` (bytes views) in order from the stream, many per system call."""
+        await recv_into_views(self.sock, views)
 
     async def discard(self, nbytes: int) -> None:
         if nbytes:

@@ -27,8 +27,9 @@ from ._wire import (
     frame_to_error,
     payload_parts,
     read_frame_head,
-    recv_into_exactly,
+    recv_into_views,
     send_all,
+    send_all_views,
 )
 
 log = logging.getLogger("transport._agent")
@@ -175,9 +176,7 @@ class Channel:
                     raise self._lost("earlier failure", self._broken)
                 with anyio.CancelScope(shield=True, deadline=deadline) as scope:
                     try:
-                        await send_all(self._sock, frame)
-                        for part in parts:
-                            await send_all(self._sock, part)
+                        await send_all_views(self._sock, [memoryview(frame), *parts])
                     except (OSError, anyio.ClosedResourceError) as exc:
                         # If the reader already saw the connection die, report that cause.
                         cause = self._broken or exc
@@ -212,8 +211,7 @@ class Channel:
                 if kind == FrameKind.DATA:
                     if reply.into is None or sum(len(v) for v in reply.into) != payload_len:
                         raise WireError(f"DATA of {payload_len} bytes does not match the request")
-                    for view in reply.into:
-                        await recv_into_exactly(self._sock, view)
+                    await recv_into_views(self._sock, reply.into)
                 elif payload_len:
                     await discard(self._sock, payload_len)
                 reply.kind, reply.meta = kind, meta

@@ -357,6 +357,7 @@ def decode_meta(data: bytes) -> dict[str, Any]:
 _IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds the loop
 _SOCK_BUF = 4 << 20
 _YIELD_EVERY = 16  # let other tasks run at least every this many ready syscalls
+_IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -413,6 +414,62 @@ async def recv_into_exactly(sock: socket.socket, view: memoryview) -> None:
         if got == 0:
             raise EOFError(f"connection closed with {n - pos} of {n} bytes outstanding")
         pos += got
+        ready += 1
+        if ready % _YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+
+def _next_batch(views: Sequence[memoryview], i: int, pos: int) -> list[memoryview]:
+    """The buffers of one vectored call from ``views[i][pos:]`` on: at most ``_IOV_MAX`` of
+    them and about ``_IO_CHUNK`` bytes (the first may be cut to that)."""
+    first = views[i][pos : pos + _IO_CHUNK]
+    out, room = [first], _IO_CHUNK - len(first)
+    for v in views[i + 1 : i + _IOV_MAX]:
+        if room <= 0:
+            break
+        out.append(v)
+        room -= len(v)
+    return out
+
+
+def _advance(views: Sequence[memoryview], i: int, pos: int, got: int) -> tuple[int, int]:
+    """Where ``views[i][pos:]`` stands after ``got`` more bytes (empty views are passed over)."""
+    while i < len(views) and got >= len(views[i]) - pos:
+        got -= len(views[i]) - pos
+        i, pos = i + 1, 0
+    return i, pos + got
+
+
+async def send_all_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Sends every view in order (bytes ``B`` views), many per system call (``sendmsg``, up to
+    ``_IOV_MAX`` buffers): a frame's payload of many small ranges costs a few calls, not one each."""
+    (i, pos), ready = _advance(views, 0, 0, 0), 0
+    while i < len(views):
+        try:
+            sent = sock.sendmsg(_next_batch(views, i, pos))
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+            continue
+        i, pos = _advance(views, i, pos, sent)
+        ready += 1
+        if ready % _YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+
+async def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fills every view in order (bytes ``B`` views), many per system call (``recvmsg_into``,
+    up to ``_IOV_MAX`` buffers). Raises EOFError if the peer closed first."""
+    (i, pos), ready = _advance(views, 0, 0, 0), 0
+    while i < len(views):
+        try:
+            got = sock.recvmsg_into(_next_batch(views, i, pos))[0]
+        except BlockingIOError:
+            await anyio.wait_readable(sock)
+            continue
+        if got == 0:
+            left = len(views[i]) - pos + sum(len(v) for v in views[i + 1 :])
+            raise EOFError(f"connection closed with {left} bytes outstanding")
+        i, pos = _advance(views, i, pos, got)
         ready += 1
         if ready % _YIELD_EVERY == 0:
             await anyio.lowlevel.checkpoint()

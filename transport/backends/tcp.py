@@ -24,7 +24,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 
@@ -90,33 +91,45 @@ class TcpBackend(Backend):
         await chan.request(FrameKind.GET, self._request(local, remote).to_meta(), into=local.view)
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        """The ranges go as PUTV / GETV frames of up to ``_FRAME_SEGMENTS`` ranges each (the
-        target checks every range of a frame before it takes a byte), pipelined on the peer's
-        connection."""
         if len(pairs) == 1:
             await self.move(op, *pairs[0])
             return
+        await self.prepare_many(op, pairs)()
+
+    def prepare_many(self, op: TransferOp,
+                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
+        """The ranges go as PUTV / GETV frames of up to ``_FRAME_SEGMENTS`` ranges each (the
+        target checks every range of a frame before it takes a byte), pipelined on the peer's
+        connection; each frame's segment table and views are built once, here, and each run
+        sends them as they are (the payload of a frame by a few ``sendmsg`` calls)."""
+        if not pairs:
+            return Backend.prepare_many(self, op, pairs)
         peer = pairs[0][1].peer
-        chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
         kind = FrameKind.PUTV if op == TransferOp.PUT else FrameKind.GETV
-        errors: list[TransportError] = []
+        frames = [(RangesRequest(tuple(self._request(loc, r).segments[0] for loc, r in chunk)).to_meta(),
+                   [loc.view for loc, _ in chunk])
+                  for chunk in (pairs[i : i + _FRAME_SEGMENTS] for i in range(0, len(pairs), _FRAME_SEGMENTS))]
 
-        async def frame(chunk: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-            request = RangesRequest(tuple(self._request(loc, r).segments[0] for loc, r in chunk))
-            views = [loc.view for loc, _ in chunk]
-            try:
-                if op == TransferOp.PUT:
-                    await chan.request(kind, request.to_meta(), payload=views)
-                else:
-                    await chan.request(kind, request.to_meta(), into=views)
-            except TransportError as exc:
-                errors.append(exc)
+        async def run() -> None:
+            chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
+            errors: list[TransportError] = []
 
-        async with anyio.create_task_group() as tg:
-            for i in range(0, len(pairs), _FRAME_SEGMENTS):
-                tg.start_soon(frame, pairs[i : i + _FRAME_SEGMENTS])
-        if errors:
-            raise errors[0]
+            async def frame(meta: dict[str, Any], views: list[memoryview]) -> None:
+                try:
+                    if op == TransferOp.PUT:
+                        await chan.request(kind, meta, payload=views)
+                    else:
+                        await chan.request(kind, meta, into=views)
+                except TransportError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                for meta, views in frames:
+                    tg.start_soon(frame, meta, views)
+            if errors:
+                raise errors[0]
+
+        return run
 
     # -- the direct lane ----------------------------------------------------------------------
 
@@ -225,8 +238,7 @@ async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: i
     op = TransferOp.PUT if kind in (FrameKind.PUT, FrameKind.PUTV) else TransferOp.GET
     views = []
     try:
-        for key, dtype, offset, nbytes in ranges:
-            region = regions.check(op, key, dtype, offset, nbytes)
+        for region, (key, _dtype, offset, nbytes) in zip(regions.check_many(op, ranges), ranges, strict=True):
             if region.view is None:
                 raise BackendUnavailableError(f"{regions.owner}:{key!r} is device memory; the agent's byte "
                                               "stream cannot reach it")
@@ -236,8 +248,7 @@ async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: i
         await conn.refuse(rid, exc)
         return
     if op == TransferOp.PUT:
-        for view in views:
-            await conn.recv_into(view)
+        await conn.recv_into(views)
         await conn.reply(FrameKind.OK, rid, {})
     else:
         await conn.reply(FrameKind.DATA, rid, {}, views)
