@@ -9,7 +9,7 @@ import os
 import platform
 import socket
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -105,6 +105,7 @@ class Report:
     nccl: dict[str, Any]
     error: str | None = None
     elapsed_s: float = 0.0
+    batch: dict[str, Any] = field(default_factory=dict)  # the d2d prepared batch (gpu_bench.measure_batch)
 
     def criterion(self) -> dict[str, Any] | None:
         puts = [r for r in self.rows if r.op == "d2d put"]
@@ -124,6 +125,7 @@ class Report:
                 for k, v in self.baselines.items()
             },
             "nccl_broadcast": self.nccl,
+            "d2d_batch": self.batch,
             "criterion": self.criterion(),
             "error": self.error,
             "elapsed_s": self.elapsed_s,
@@ -164,6 +166,15 @@ def format_markdown(rep: Report) -> str:
         lines.append(
             f"d2d put at {format_size(crit['size'])}: {crit['ratio']:.2f}x the same-run device copy "
             f"(criterion >= {CRITERION}: {verdict})"
+        )
+    b = rep.batch
+    if "skipped" in b:
+        lines.append(f"d2d batch: skipped: {b['skipped']}")
+    elif b:
+        lines.append(
+            f"d2d batch of {b['segments']} x {format_size(b['segment_bytes'])} at a {format_size(b['stride'])} "
+            f"stride: prepared put {b['prepared_per_s'] / 1e3:.1f}k segments/s, single puts "
+            f"{b['single_per_s'] / 1e3:.1f}k segments/s ({b['prepared_per_s'] / b['single_per_s']:.1f}x)"
         )
     nccl = rep.nccl
     if "skipped" in nccl:

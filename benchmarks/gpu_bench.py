@@ -56,6 +56,7 @@ import transport
 from ._capabilities import cuda_unavailable_reason
 from ._errors import BenchError
 from ._gpu_report import BASELINE_NAMES, DEV_KEY, HOST_KEY, OPS, Report, Row, format_markdown, machine
+from ._p2p_report import BATCH_SEGMENT_BYTES, BATCH_SEGMENTS
 from ._procs import CHECKOUT, LoggedProcess, checkout_env, module_command
 from ._sizes import GiB, format_size, parse_sizes
 from ._stats import median
@@ -293,8 +294,46 @@ async def measure_transport(
         await verify(f"d2h put + h2d get {format_size(n)}", _all_equal(scratch, a))
 
 
+async def measure_batch(t: Any, buf: Buffers, region_bytes: int, out: dict[str, Any]) -> None:
+    """One prepared put of up to 10,000 device segments of 4 KiB at an 8 KiB stride into the
+    target's device region (CUDA IPC, batched on the transport's stream): segments/s, median of
+    5 starts after one, against the same segments as single puts (one gather); read back and
+    checked. Fills ``out``."""
+    size, stride = BATCH_SEGMENT_BYTES, 2 * BATCH_SEGMENT_BYTES
+    n = min(BATCH_SEGMENTS, (region_bytes - size) // stride + 1, buf.dev_src.numel() // size)
+    if n < 2:
+        out["skipped"] = f"the {format_size(region_bytes)} region holds fewer than 2 segments"
+        return
+    src = buf.dev_src[: n * size]
+    src.copy_(torch.arange(n * size, device=src.device, dtype=torch.int64).remainder_(251).to(torch.uint8))
+    items = [(src[i * size : (i + 1) * size], DEV_KEY, i * stride) for i in range(n)]
+    prepared = t.prepare_put(TARGET, items)
+    await prepared.start()
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        await prepared.start()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    await transport.gather(*[t.put(s, TARGET, key=DEV_KEY, offset=o) for s, _, o in items])
+    single = time.perf_counter() - t0
+    back = buf.dev_dst[: n * size]
+    back.zero_()
+    await t.prepare_get(TARGET, [(back[i * size : (i + 1) * size], DEV_KEY, i * stride) for i in range(n)]).start()
+    if not torch.equal(back, src):
+        raise BenchError("d2d batch: the segments read back differ from the segments put")
+    out.clear()
+    out.update(segments=n, segment_bytes=size, stride=stride, prepared_per_s=n / median(times),
+               single_per_s=n / single)
+    print(f"gpu_bench: d2d batch of {n} x {format_size(size)}: prepared put {out['prepared_per_s'] / 1e3:.1f}k "
+          f"segments/s, single puts {out['single_per_s'] / 1e3:.1f}k/s", file=sys.stderr, flush=True)
+
+
 async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Sequence[int], iters: int | None,
-                   warmup: int, timeout: float, baselines: Baselines, rows: list[Row]) -> None:
+                   warmup: int, timeout: float, baselines: Baselines, rows: list[Row],
+                   batch: dict[str, Any]) -> None:
     import trio
 
     async with transport.Transport(INITIATOR, store=store, backends=("ipc",), timeout=timeout) as t:
@@ -311,6 +350,7 @@ async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Seque
         await t.peer(TARGET, regions=[DEV_KEY, HOST_KEY], timeout=timeout)
         try:
             await measure_transport(t, target, buf, sizes, iters, warmup, baselines, rows)
+            await measure_batch(t, buf, max(sizes), batch)
         finally:
             with trio.move_on_after(10):
                 if target.failure() is None:
@@ -448,10 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     baselines: Baselines = {}
     nccl: dict[str, Any] = {"skipped": "not run"}
+    batch: dict[str, Any] = {"skipped": "not run"}
     error = None
 
     def write(final: bool) -> str:
-        report = Report(info, config, rows, baselines, nccl, error, time.perf_counter() - started)
+        report = Report(info, config, rows, baselines, nccl, error, time.perf_counter() - started, batch=batch)
         text = format_markdown(report)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -468,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = f"file://{tmp}/store"
             target = TargetProcess(store, max(sizes), args.timeout, Path(tmp) / "target.log")
             run = functools.partial(
-                trio.run, initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows
+                trio.run, initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows,
+                batch,
             )
             target.supervise(run, BenchError)
         del buf
