@@ -28,7 +28,6 @@ from ._wire import (
     payload_parts,
     read_frame_head,
     recv_into_views,
-    send_all,
     send_all_views,
 )
 
@@ -244,7 +243,7 @@ async def greet_plain(sock: socket.socket, *, peer: str, peer_incarnation: str, 
     """
     meta = _hello_meta(hello, auth, peer, peer_incarnation)
     try:
-        await send_all(sock, encode_frame(FrameKind.HELLO, 1, meta, 0))
+        await send_all_views(sock, [memoryview(encode_frame(FrameKind.HELLO, 1, meta, 0))])
         kind, rid, reply, plen = await read_frame_head(sock, PRE_AUTH_META)
     except CONNECTION_ENDED as exc:
         raise PeerLostError(f"connection to {peer} lost during its HELLO: {exc}") from exc

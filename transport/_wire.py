@@ -388,37 +388,6 @@ async def connect(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
-async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    pos, ready = 0, 0
-    while pos < len(view):
-        try:
-            pos += sock.send(view[pos : pos + _IO_CHUNK])
-        except BlockingIOError:
-            await anyio.wait_writable(sock)
-            continue
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
-
-
-async def recv_into_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fills ``view`` from the socket. Raises EOFError if the peer closed first."""
-    pos, ready, n = 0, 0, len(view)
-    while pos < n:
-        try:
-            got = sock.recv_into(view[pos : pos + _IO_CHUNK])
-        except BlockingIOError:
-            await anyio.wait_readable(sock)
-            continue
-        if got == 0:
-            raise EOFError(f"connection closed with {n - pos} of {n} bytes outstanding")
-        pos += got
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
-
-
 def _next_batch(views: Sequence[memoryview], i: int, pos: int) -> list[memoryview]:
     """The buffers of one vectored call from ``views[i][pos:]`` on: at most ``_IOV_MAX`` of
     them and about ``_IO_CHUNK`` bytes (the first may be cut to that)."""
@@ -477,7 +446,7 @@ async def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> N
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    await recv_into_exactly(sock, memoryview(buf))
+    await recv_into_views(sock, [memoryview(buf)])
     return bytes(buf)
 
 
@@ -485,7 +454,7 @@ async def discard(sock: socket.socket, n: int) -> None:
     scratch = memoryview(bytearray(min(n, _IO_CHUNK)))
     while n > 0:
         k = min(n, len(scratch))
-        await recv_into_exactly(sock, scratch[:k])
+        await recv_into_views(sock, [scratch[:k]])
         n -= k
 
 
