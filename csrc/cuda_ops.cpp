@@ -196,16 +196,19 @@ void copy_list_and_wait(const uint64_t* triples, size_t count, uint64_t stream, 
   const Api& a = on.a;
   CUstream s = as<CUstream_st>(stream);
   if (wait_event) check(a.cuStreamWaitEvent(s, as<CUevent_st>(wait_event), 0), "cuStreamWaitEvent");
+  CUevent done = as<CUevent_st>(done_event);
   for (size_t i = 0; i < count; ++i) {
     const uint64_t dst = triples[3 * i], src = triples[3 * i + 1], nbytes = triples[3 * i + 2];
     if (nbytes == 0) continue;
-    // Enqueued only: a failure here leaves the copies before it queued, and the event below is
-    // not recorded; the caller's stream is ours alone, so nothing else waits on them.
-    check(a.cuMemcpyAsync(dst, src, nbytes, s), "cuMemcpyAsync(dst " + hex(dst) + ", src " + hex(src) + ", " +
-                                                    std::to_string(nbytes) + " bytes; copy " + std::to_string(i) +
-                                                    " of " + std::to_string(count) + ")");
+    CUresult r = a.cuMemcpyAsync(dst, src, nbytes, s);
+    if (r != CUDA_SUCCESS) {
+      // The copies queued before this one still run: they end before the error is raised, so
+      // that the caller may free or reuse their memory (and close IPC imports) afterwards.
+      if (a.cuEventRecord(done, s) == CUDA_SUCCESS) (void)a.cuEventSynchronize(done);
+      check(r, "cuMemcpyAsync(dst " + hex(dst) + ", src " + hex(src) + ", " + std::to_string(nbytes) +
+                   " bytes; copy " + std::to_string(i) + " of " + std::to_string(count) + ")");
+    }
   }
-  CUevent done = as<CUevent_st>(done_event);
   check(a.cuEventRecord(done, s), "cuEventRecord");
   check(a.cuEventSynchronize(done), "cuEventSynchronize (the copy)");
 }

@@ -57,19 +57,50 @@ async def test_prepared_device_batches_move_every_segment(peers, file_store, cou
                 where.append((key, off, length))
                 expect[key][off : off + length] = src[lo : lo + length]
         put = t.prepare_put("batch", items)
-        assert put.segments == len(items) and put.nbytes == 2 * n
+        # (empty items are dropped; the others are not adjacent both here and there: none coalesce)
+        assert put.segments == sum(1 for *_, length in where if length) and put.nbytes == 2 * n
         for _ in range(2):  # prepared once, started twice: the same bytes land
             h = put.start()
             await h
             assert h.backend == "ipc"
         seen = await check.digests("batch", ["a", "b"])
         assert seen == {k: digest(v) for k, v in expect.items()}, "the target's memory differs from the batch"
-        back = torch.zeros(2 * n, dtype=torch.uint8, device="cuda")
+        # Read back into local views one byte apart, so that the get's segments do not coalesce
+        # either (and the get takes the same path: the kernel, or the list).
+        back = torch.zeros(2 * n + len(where), dtype=torch.uint8, device="cuda")
         views, pos = [], 0
         for key, off, length in where:
             views.append((back[pos : pos + length], key, off))
-            pos += length
-        await t.prepare_get("batch", views).start()
-        want = torch.cat([expect[key][off : off + length] for key, off, length in where])
-        assert same_bytes(back, want), "a prepared get of device segments returned other bytes"
+            pos += length + 1
+        get = t.prepare_get("batch", views)
+        assert get.segments == put.segments
+        await get.start()
+        for (local, key, off), (_, _, length) in zip(views, where, strict=True):
+            assert same_bytes(local, expect[key][off : off + length]), f"a prepared get read other bytes at {key}:{off}"
+        await p.result(t)
+
+
+async def test_a_prepared_device_batch_waits_for_the_stream_current_at_start(peers, file_store):
+    # The work a start must see is what was queued on the current stream when start() was
+    # called, even when the transfer runs after the caller has left that stream.
+    n, count = 1 * MiB, 64
+    async with opened(file_store) as t:
+        p = peers({"name": "order", "regions": [cuda_region("w", "uint8", n)]})
+        await p.ready(t, ["w"])
+        check = Checker(t)
+        src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        piece = n // count
+        put = t.prepare_put("order", [(src[i * piece : (i + 1) * piece - 1], "w", i * piece) for i in range(count)])
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # a long kernel first (~0.1 s): the fill lands late
+            src.fill_(7)
+            h = put.start()
+        await h  # after leaving the side stream
+        want = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        for i in range(count):
+            want[i * piece : (i + 1) * piece - 1] = 7
+        seen = await check.digests("order", ["w"])
+        assert seen["w"] == digest(want), "the batch copied before the work queued at start() had run"
         await p.result(t)

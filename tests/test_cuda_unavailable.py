@@ -170,3 +170,13 @@ def test_staging_pieces_cover_the_bytes_in_whole_elements():
     pieces = _staging.staging_pieces(3 * chunk, granule)
     assert all(size % granule == 0 for _, size in pieces[:-1]) and sum(size for _, size in pieces) == 3 * chunk
     assert all(a + s == b for (a, s), (b, _) in itertools.pairwise(pieces))
+
+
+def test_overlapping_destinations_never_go_to_the_batched_copy_kernel():
+    # Its blocks run in no order; the ordered list of copies keeps "the later range wins".
+    from transport._cuda import _disjoint
+
+    assert _disjoint([(0, 100, 4), (4, 200, 4), (64, 300, 0), (8, 400, 8)])
+    assert not _disjoint([(0, 100, 5), (4, 200, 4)])
+    assert not _disjoint([(8, 100, 4), (0, 200, 10)])  # found whatever the order of the list
+    assert _disjoint([(6, 100, 0), (0, 200, 10)])  # an empty range writes nothing

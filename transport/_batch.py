@@ -118,6 +118,9 @@ class PreparedTransfer:
         for seg in self._segments:
             reps.setdefault(seg.tensor.untyped_storage().data_ptr(), seg.tensor)
         self._storages = list(reps.values())
+        # One CUDA tensor per local device: where each start records the event its CUDA
+        # segments wait for (the work queued on that device's current stream by then).
+        self.cuda_anchors = {s.tensor.device.index: s.tensor for s in self._segments if s.kind == MemoryKind.CUDA}
         self._plan: tuple[tuple[object, ...], Any] | None = None  # (what it was built for, plan)
         if known is not None:
             self.bind(known)  # all remote checks now, when the peer's record is at hand

@@ -15,6 +15,7 @@ copy finished on the device (so a completed Transfer means the bytes are in plac
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -237,6 +238,12 @@ class PinnedBuffer:
         _call("cuMemHostUnregister", driver.host_unregister, self.address, self._device)
 
 
+def _disjoint(copies: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether no two (dst, src, nbytes) copies write the same byte."""
+    ranges = sorted((d, d + n) for d, _s, n in copies if n)
+    return all(prev[1] <= cur[0] for prev, cur in itertools.pairwise(ranges))
+
+
 class CudaCopier:
     """One Transport's CUDA resources: a stream per device, a pool of done-events, pinned
     staging buffers, page-locked peer mappings, and CUDA IPC imports cached per peer."""
@@ -302,8 +309,8 @@ class CudaCopier:
         :meth:`copy` costs one of each per range.
 
         Args:
-            copies: (dst, src, nbytes) ranges of memory ``device`` can address, no destination
-                overlapping another range.
+            copies: (dst, src, nbytes) ranges of memory ``device`` can address; where
+                destinations overlap, the later range wins.
             device: the device whose stream (and context) runs the copies.
             kernel: every range is memory of ``device`` itself (or pinned host memory): from
                 ``KERNEL_MIN_COPIES`` ranges on, one launch of the batched copy kernel moves
@@ -317,7 +324,9 @@ class CudaCopier:
         """
         stream = self._stream(device)
         launcher = None
-        if kernel and len(copies) >= KERNEL_MIN_COPIES:
+        # The kernel's blocks run in no order: overlapping destinations (a prepared get into
+        # overlapping local views) go as the ordered list, where the last range wins.
+        if kernel and len(copies) >= KERNEL_MIN_COPIES and _disjoint(copies):
             try:
                 launcher = kernels(device)
             except BackendUnavailableError as exc:

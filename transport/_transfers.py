@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -61,7 +61,8 @@ class _BatchPlan:
     """How one prepared transfer moves to one record of its peer (see ``TransferEngine._plan``)."""
 
     backends: str  # the backends' names, "a,b" for two
-    runs: list[Callable[[], Awaitable[None]]]  # each backend's reusable runner for its host segments
+    # each backend's reusable runner, and whether it takes the start's CUDA ready events
+    runs: list[tuple[Callable[..., Awaitable[None]], bool]]
     per_start: list[tuple[Backend, Segment, RegionRecord]]  # moved one by one at every start
 
 
@@ -163,8 +164,10 @@ class TransferEngine:
             after += self._ranges.setdefault((prepared.peer, key), _Ranges()).add(xfer, lo, hi)
         xfer._rec = self._flight.start(prepared.op.value, prepared.peer, label, xfer.nbytes)
         self._inflight.setdefault(prepared.peer, set()).add(xfer)
-        self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after), timeout,
-                            tuple(spans))
+        # CUDA segments see the work queued on their device's current stream now, at start().
+        ready = {d: _cuda.ready_event(t) for d, t in prepared.cuda_anchors.items()}
+        self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after, ready),
+                            timeout, tuple(spans))
         return xfer
 
     def _now(self, op: TransferOp, tensor: torch.Tensor, peer: str, key: str, offset: int,
@@ -363,16 +366,18 @@ class TransferEngine:
         if not await pending():
             await self._execute(xfer, local, ())
 
-    async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer]) -> None:
+    async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer],
+                             ready: Mapping[int, Any]) -> None:
+        """``ready``: the events recorded at start() on each CUDA device's current stream."""
         record, plan = await self._checked(xfer, after,
                                            lambda r: prepared.plan(r, functools.partial(self._plan, xfer.op, r)))
         xfer.backend = plan.backends
         self._begin(xfer, record, plan.backends)
-        for run in plan.runs:
-            await run()
+        for run, takes_ready in plan.runs:
+            await (run(ready) if takes_ready else run())
         for backend, seg, region in plan.per_start:
-            ready = _cuda.ready_event(seg.tensor) if seg.kind == MemoryKind.CUDA else None
-            await self._move(backend, xfer.op, LocalBuffer(seg.tensor, seg.kind, ready=ready),
+            event = ready[seg.tensor.device.index] if seg.kind == MemoryKind.CUDA else None
+            await self._move(backend, xfer.op, LocalBuffer(seg.tensor, seg.kind, ready=event),
                              RemoteTarget(record, region, seg.offset, seg.nbytes))
 
     def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> _BatchPlan:
@@ -398,7 +403,8 @@ class TransferEngine:
                                                                                   seg.nbytes)))
             else:
                 per_start.append((backend, seg, b.region))
-        runs = [backend.prepare_many(op, pairs) for backend, pairs in groups.values() if pairs]
+        runs = [(backend.prepare_many(op, pairs), backend.prepares_device)
+                for backend, pairs in groups.values() if pairs]
         return _BatchPlan(",".join(groups), runs, per_start)
 
     async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:

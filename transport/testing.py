@@ -158,6 +158,10 @@ class FaultyBackend(Backend):
         """None: every transfer takes ``put``/``get``, where the faults are."""
         return None
 
+    # Its runner is the default one (below), which takes no CUDA segments: they go one by one,
+    # each with its ready event, whatever the base backend declares.
+    prepares_device: ClassVar[bool] = False
+
     def prepare_many(self, op: TransferOp,
                      pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
         """The default runner (each segment one ``move``, where the faults are)."""

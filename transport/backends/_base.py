@@ -174,8 +174,10 @@ class Backend(abc.ABC):
                      pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
         """A reusable runner that moves these ranges of one peer (a prepared transfer's
         segments, all of memory kinds this backend serves; CUDA ones only when
-        ``prepares_device``, and then each run orders them after the work queued on their
-        device's current stream by the time it runs, as a single transfer's ready event does).
+        ``prepares_device``: the runner then takes one argument, ``ready``, the
+        ``torch.cuda.Event`` recorded on each CUDA device's current stream when the transfer
+        was started (by device index; None when it runs outside a start, e.g. from
+        :meth:`move_many`: then it records them itself), which its CUDA copies wait for).
 
         Built once per prepared transfer and record of its peer; every ``await run()`` moves
         every range again (reading or writing the same memory) and returns when all are done.

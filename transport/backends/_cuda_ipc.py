@@ -19,7 +19,8 @@ shared mapping is mapped ``PROT_READ`` and page-locked read-only (see the ``ipc`
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
@@ -133,17 +134,19 @@ class CudaIpc:
             if held is not None:
                 eng.release_ipc(held)
 
-    async def copy_device_many(self, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]], op: TransferOp) -> None:
+    async def copy_device_many(self, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]], op: TransferOp,
+                               ready: Mapping[int, Any] | None) -> None:
         """Moves every pair, each between a local CUDA tensor and a peer's device region (a
-        prepared transfer's device segments): per copying device, after the work queued on the
-        local tensors' devices' current streams by now, all ranges are enqueued on the copier's
-        stream and waited for once; many ranges whose both sides are that device's memory go by
-        one batched-copy kernel launch (:meth:`_cuda.CudaCopier.copy_many`). The peers' IPC
-        imports are held until then."""
+        prepared transfer's device segments): per copying device, after ``ready`` (the events
+        recorded at start() on the local tensors' devices, by index; recorded now where absent),
+        all ranges are enqueued on the copier's stream and waited for once; many ranges whose
+        both sides are that device's memory go by one batched-copy kernel launch
+        (:meth:`_cuda.CudaCopier.copy_many`). The peers' IPC imports are held until then."""
         eng = self.copier
         held: list[_cuda.IpcImportKey] = []
         groups: dict[int, tuple[list[tuple[int, int, int]], list[bool]]] = {}  # device -> (copies, on it)
-        ready = [_cuda.ready_event(t) for t in {lo.tensor.device.index: lo.tensor for lo, _ in pairs}.values()]
+        anchors = {lo.tensor.device.index: lo.tensor for lo, _ in pairs}
+        events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
         try:
             for local, remote in pairs:
                 there, device, key = self._device_copy_target(remote.peer, remote, local)
@@ -155,7 +158,7 @@ class CudaIpc:
                 on_device.append(local.tensor.device.index == device
                                  and _cuda.local_index(remote.region.device) == device)
             for device, (copies, on_device) in groups.items():
-                await eng.copy_many(copies, device, kernel=all(on_device), ready=ready)
+                await eng.copy_many(copies, device, kernel=all(on_device), ready=events)
         finally:
             for key in held:
                 eng.release_ipc(key)

@@ -37,9 +37,9 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .. import _cuda, _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
@@ -329,18 +329,20 @@ class IpcBackend(Backend):
                   for (kind, pid), job in jobs.items()]
         held = [m for _, _, _, m in paths.values() if m is not None]
 
-        async def run(_held: list[PeerMapping] = held) -> None:
-            # `_held` keeps the mappings referenced (mapped) while this runner lives.
+        async def run(ready: Mapping[int, Any] | None = None, _held: list[PeerMapping] = held) -> None:
+            # `ready`: see Backend.prepare_many. `_held` keeps the mappings referenced (mapped)
+            # while this runner lives.
             for kind, pid, data, nbytes, job in packed:
                 result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
                 if result.status != CopyStatus.OK:
                     for _, local, remote in job:
                         await self.move(op, local, remote)
             if devices:
-                await self._cuda.copy_device_many(devices, op)
+                await self._cuda.copy_device_many(devices, op, ready)
             for local, remote in slow:
-                if local.kind == MemoryKind.CUDA:  # after the work queued on its stream by now
-                    local = LocalBuffer(local.tensor, local.kind, ready=_cuda.ready_event(local.tensor))
+                if local.kind == MemoryKind.CUDA:
+                    event = ready.get(local.tensor.device.index) if ready else None
+                    local = LocalBuffer(local.tensor, local.kind, ready=event or _cuda.ready_event(local.tensor))
                 await self.move(op, local, remote)
 
         return run
