@@ -50,11 +50,11 @@ from .._staging import bounce
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord, TransferOp
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._control import SEQ_OFFSET, PeerControlPages, control_page
 from ._cuda_ipc import CudaIpc, is_device
 
 # pid, address of a readable probe byte, memfd of the control page (-1: none)
 _ENDPOINT = struct.Struct("<qQq")
-_CTL_SEQ = 0  # byte offset in the control page of the published record's seq (a u64)
 # A synchronous cross-memory-attach copy (one thread in the kernel, ~6 GB/s) up to this size;
 # larger ones go to the copy threads. Mapped memfds are copied synchronously up to the
 # Transport's limit (transfers.SYNC_MAX_BYTES).
@@ -107,11 +107,8 @@ class IpcBackend(Backend):
         # re-registered in another buffer, or with the other writability, is mapped anew.
         self._maps: dict[tuple[str, str, str], tuple[tuple[int, int, bool], PeerMapping]] = {}
         self._map_errors: dict[tuple[str, str, str], tuple[tuple[int, int, bool], str]] = {}
-        # A page peers map read-only (sealed: they cannot map it otherwise): it holds the seq of
-        # our latest published record, so an initiator notices a (un)registration with one
-        # memory load before it writes.
-        self._ctl = _native.shared_buffer(4096, f"transport:{ctx.name}:ctl", read_only=True)
-        self._peer_ctl: dict[tuple[str, str], PeerMapping | None] = {}
+        self._ctl = control_page(ctx.name, "ctl")  # our latest record's seq, for peers (see _control)
+        self._peer_ctl = PeerControlPages(ctx.name, self._ctl_page_of)
         if ctx.cuda is None:
             raise TransportInternalError("the ipc backend needs the Transport's CUDA copier (BackendContext.cuda)")
         self._cuda = CudaIpc(ctx.pid, ctx.cuda)
@@ -120,25 +117,16 @@ class IpcBackend(Backend):
         return _ENDPOINT.pack(self.ctx.pid, _native.probe_address(), self._ctl.fd)
 
     def published(self, seq: int) -> None:
-        self._ctl.write_u64(_CTL_SEQ, seq)
+        self._ctl.write_u64(SEQ_OFFSET, seq)
 
     def live_seq(self, peer: PeerRecord) -> int | None:
-        cache_key = (peer.name, peer.incarnation)
-        m = self._peer_ctl.get(cache_key)
-        if m is not None:  # checked when it was mapped: checked every transfer, so kept cheap
-            return m.read_u64(_CTL_SEQ)
+        return self._peer_ctl.read(peer)
+
+    def _ctl_page_of(self, peer: PeerRecord) -> tuple[int, int] | None:
         if peer.host != self.ctx.host or "ipc" not in peer.backends:
             return None
-        if cache_key not in self._peer_ctl:
-            _pid, _probe, ctl_fd = _ENDPOINT.unpack(peer.backends["ipc"])
-            try:
-                self._peer_ctl[cache_key] = PeerMapping(peer.pid, ctl_fd, 4096, False)
-            except RuntimeError:
-                self._peer_ctl[cache_key] = None
-        m = self._peer_ctl[cache_key]
-        if m is None:
-            return None
-        return m.read_u64(_CTL_SEQ)
+        _pid, _probe, ctl_fd = _ENDPOINT.unpack(peer.backends["ipc"])
+        return ctl_fd, 0  # (no inode published)
 
     def region_descriptor(self, region: Region) -> bytes | None:
         if region.device != "cpu":
@@ -408,7 +396,7 @@ class IpcBackend(Backend):
         _forget(self._cma, peer)
         _forget(self._maps, peer)
         _forget(self._map_errors, peer)
-        _forget(self._peer_ctl, peer)
+        self._peer_ctl.forget(peer)
 
     def close(self) -> None:
         for _ident, m in self._maps.values():  # page-locked mappings are unpinned before they are unmapped

@@ -57,12 +57,13 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyStatus, PeerMapping, RemoteWord, SharedBuffer, pack_segments, shared_buffer
+from .._native import CopyStatus, RemoteWord, SharedBuffer, pack_segments
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._control import SEQ_OFFSET, PeerControlPages, control_page
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,8 @@ class _EndpointInfo:
 
 
 def _encode_endpoint(addresses: list[bytes], ctl: SharedBuffer, ctl_rkey: bytes) -> bytes:
-    out = [_ENDPOINT.pack(_ENDPOINT_MAGIC, _ENDPOINT_VERSION, len(addresses), ctl.address, ctl.fd, ctl.inode,
-                          len(ctl_rkey)), ctl_rkey]
+    out = [_ENDPOINT.pack(_ENDPOINT_MAGIC, _ENDPOINT_VERSION, len(addresses), ctl.address + SEQ_OFFSET, ctl.fd,
+                          ctl.inode, len(ctl_rkey)), ctl_rkey]
     for a in addresses:
         out += [_LEN.pack(len(a)), a]
     return b"".join(out)
@@ -207,8 +208,8 @@ class UcxBackend(Backend):
             # transfer (live_seq) so that they notice (un)registrations, as ipc's control page does.
             # Same-host initiators map its page (sealed against their writes) and read it with one
             # load; others read it with a UCX get.
-            self._ctl = shared_buffer(_PAGE, f"transport:{ctx.name}:ucx-ctl", read_only=True)
-            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.address, 8, remote_write=False)
+            self._ctl = control_page(ctx.name, "ucx-ctl")
+            self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.address + SEQ_OFFSET, 8, remote_write=False)
             addresses = [self._engine.worker_address(i) for i in range(lanes)]
             self._endpoint = _encode_endpoint(addresses, self._ctl, ctl_rkey)
         except BaseException:
@@ -216,7 +217,7 @@ class UcxBackend(Backend):
             raise
         ctx.tg.start_soon(self._engine.run)
         self._seq_word = RemoteWord()  # reads a same-host peer's control word that cannot be mapped
-        self._peer_ctl: dict[tuple[str, str], PeerMapping | None] = {}  # same-host peers' control pages
+        self._peer_ctl = PeerControlPages(ctx.name, self._ctl_page_of)  # same-host peers' control pages
         self._next_lane = 0
         self._mapped: dict[int, tuple[Region, int | None, bytes | None]] = {}  # id(region) -> (region, mem, descriptor)
         self._described: set[int] = set()
@@ -274,7 +275,7 @@ class UcxBackend(Backend):
         return mem, _REGION.pack(_REGION_MAGIC, address, region.nbytes) + rkey
 
     def published(self, seq: int) -> None:
-        self._ctl.write_u64(0, seq)  # one aligned 8-byte store: readers see the old or the new seq
+        self._ctl.write_u64(SEQ_OFFSET, seq)  # one aligned 8-byte store: readers see the old or the new seq
         # Regions left out of the record just published were unregistered: unmap them.
         for rid in [rid for rid in self._mapped if rid not in self._described]:
             _region, mem, _desc = self._mapped.pop(rid)
@@ -331,35 +332,22 @@ class UcxBackend(Backend):
         """The seq in the peer's control word: same-host peers by one load from our mapping of
         its control page (or, when it cannot be mapped, one cross-memory-attach read), others by
         a bounded 8-byte UCX get. None when it cannot be read. Called before every synchronous
-        transfer, so the mapped case is kept to two dictionary lookups and a load."""
-        cache_key = (peer.name, peer.incarnation)
-        m = self._peer_ctl.get(cache_key)
-        if m is not None:
-            return m.read_u64(0)
+        transfer, so the mapped case is kept to a dictionary lookup and a load."""
+        seq = self._peer_ctl.read(peer)
+        if seq is not None:
+            return seq
         info = self._info(peer)
         if info is None:
             return None
-        if peer.host == self.ctx.host:
-            if cache_key not in self._peer_ctl:
-                self._peer_ctl[cache_key] = self._map_ctl(peer, info)
-                m = self._peer_ctl[cache_key]
-                if m is not None:
-                    return m.read_u64(0)
+        if peer.host == self.ctx.host:  # its page cannot be mapped: read the word by cma
             seq = self._seq_word.read(peer.pid, info.ctl_address)
             if seq is not None:
                 return seq
         return self._read_seq_over_ucx(peer)
 
-    def _map_ctl(self, peer: PeerRecord, info: _EndpointInfo) -> PeerMapping | None:
-        """A read-only mapping of a same-host peer's control page, or None (then it is read by
-        cross-memory attach). The page must be the memfd the peer published (its inode), and
-        size-sealed (PeerMapping checks): a hostile peer cannot make our loads fault."""
-        try:
-            return PeerMapping(peer.pid, info.ctl_fd, _PAGE, False, info.ctl_inode)
-        except RuntimeError as exc:
-            log.debug("transport %s: cannot map the ucx control page of %s (%s); reading it by cma",
-                      self.ctx.name, peer.name, exc)
-            return None
+    def _ctl_page_of(self, peer: PeerRecord) -> tuple[int, int] | None:
+        info = self._info(peer) if peer.host == self.ctx.host else None
+        return (info.ctl_fd, info.ctl_inode) if info is not None else None
 
     def _info(self, peer: PeerRecord) -> _EndpointInfo | None:
         cache_key = (peer.name, peer.incarnation)
@@ -431,7 +419,7 @@ class UcxBackend(Backend):
             self._drop(link)
         self._refusals = {k: v for k, v in self._refusals.items() if k[0] != peer}
         self._infos = {k: v for k, v in self._infos.items() if k[0] != peer}
-        self._peer_ctl = {k: v for k, v in self._peer_ctl.items() if k[0] != peer}
+        self._peer_ctl.forget(peer)
 
     # -- data path -------------------------------------------------------------------------
 
