@@ -568,3 +568,27 @@ def test_decoders_are_bounded():
     big = b'{"format":"transport.peer","v":1,"name":"' + b"x" * MAX_RECORD_BYTES + b'"}'
     with pytest.raises(WireError, match="exceeds"):
         PeerRecord.decode(big)
+
+
+@pytest.mark.parametrize("endpoint", [b"", b"\x01" * 7, b"\x01" * 25], ids=["empty", "short", "long"])
+async def test_a_malformed_ipc_endpoint_is_a_reason_not_a_crash(memory_store, endpoint):
+    """A same-host peer's record whose ipc endpoint descriptor has the wrong size (another
+    version, or hostile): the ipc backend says why it cannot reach the peer and reads no control
+    word from it; nothing unpacks the bytes blindly (a struct.error would escape a put)."""
+    import dataclasses
+
+    from transport._tensors import MemoryKind
+
+    async with transport.Transport("a", store=memory_store, backends=("ipc",)) as a:
+        async with transport.Transport("b", store=memory_store, backends=("ipc",)) as b:
+            b.empty("w", 64, torch.uint8)
+            await a.peer("b", regions=["w"])
+            ipc = a._backends[0]
+            good = a._directory.known("b")
+            assert good is not None and ipc.unreachable_reason(good, good.regions["w"], MemoryKind.CPU) is None
+            bad = dataclasses.replace(good, incarnation=good.incarnation + "x",
+                                      backends={**good.backends, "ipc": endpoint})
+            why = ipc.unreachable_reason(bad, bad.regions["w"], MemoryKind.CPU)
+            assert why is not None and "ipc endpoint descriptor has" in why, why
+            assert ipc.live_seq(bad) is None
+            assert ipc.cma_refusal(bad) is not None

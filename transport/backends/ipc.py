@@ -59,6 +59,21 @@ _ENDPOINT = struct.Struct("<qQq")
 # larger ones go to the copy threads. Mapped memfds are copied synchronously up to the
 # Transport's limit (transfers.SYNC_MAX_BYTES).
 _SYNC_CMA_MAX_BYTES = 1 << 20
+
+
+def _endpoint(peer: PeerRecord) -> tuple[int, int, int] | None:
+    """The peer's (pid, probe address, control page memfd number), or None when it published no
+    ipc endpoint or one of another size (another version, or hostile): never unpacked blindly."""
+    data = peer.backends.get("ipc")
+    if data is None or len(data) != _ENDPOINT.size:
+        return None
+    pid, probe, ctl_fd = _ENDPOINT.unpack(data)
+    return pid, probe, ctl_fd
+
+
+def _malformed(peer: PeerRecord) -> str:
+    n = len(peer.backends.get("ipc", b""))
+    return f"{peer.name}'s ipc endpoint descriptor has {n} bytes, not {_ENDPOINT.size}: another version of transport?"
 # A host region: address, nbytes, memfd number (-1: none), offset in the memfd, the memfd's inode
 # (which tells it from a later memfd under the same number: mappings are cached by it).
 _REGION = struct.Struct("<QQqQQ")
@@ -123,10 +138,8 @@ class IpcBackend(Backend):
         return self._peer_ctl.read(peer)
 
     def _ctl_page_of(self, peer: PeerRecord) -> tuple[int, int] | None:
-        if peer.host != self.ctx.host or "ipc" not in peer.backends:
-            return None
-        _pid, _probe, ctl_fd = _ENDPOINT.unpack(peer.backends["ipc"])
-        return ctl_fd, 0  # (no inode published)
+        endpoint = _endpoint(peer) if peer.host == self.ctx.host else None
+        return (endpoint[2], 0) if endpoint is not None else None  # (no inode published)
 
     def region_descriptor(self, region: Region) -> bytes | None:
         if region.device != "cpu":
@@ -175,7 +188,11 @@ class IpcBackend(Backend):
         """None when CMA into ``peer`` is permitted, else the reason (cached per incarnation)."""
         cache_key = (peer.name, peer.incarnation)
         if cache_key not in self._cma:
-            pid, probe, _ctl = _ENDPOINT.unpack(peer.backends["ipc"])
+            endpoint = _endpoint(peer)
+            if endpoint is None:
+                self._cma[cache_key] = _malformed(peer)
+                return self._cma[cache_key]
+            pid, probe, _ctl = endpoint
             err = _native.cma_probe(pid, probe)
             if err == 0:
                 self._cma[cache_key] = None
@@ -218,6 +235,8 @@ class IpcBackend(Backend):
             return f"{peer.name} is on another host or PID namespace"
         if "ipc" not in region.descriptors or "ipc" not in peer.backends:
             return f"{peer.name} published no ipc descriptor for {region.key!r}"
+        if _endpoint(peer) is None:
+            return _malformed(peer)
         if not is_device(region) and len(region.descriptors["ipc"]) != _REGION.size:
             return (f"{peer.name}'s ipc descriptor for {region.key!r} has {len(region.descriptors['ipc'])} bytes, "
                     f"not {_REGION.size}: another version of transport?")
