@@ -42,6 +42,7 @@ from ._layout import LayoutMismatchError as LayoutMismatchError
 from ._mesh_publisher import MeshPublisher as MeshPublisher
 from ._mesh_publisher import MeshPublishReport as MeshPublishReport
 from ._mesh_subscriber import CommitError as CommitError
+from ._mesh_peers import read_trainer_layout as read_trainer_layout
 from ._mesh_subscriber import MeshSubscriber as MeshSubscriber
 from ._publisher import Publisher as Publisher
 from ._report import PublishReport as PublishReport
@@ -57,6 +58,7 @@ __all__ = [
     "MeshSubscriber",
     "PublishReport",
     "Publisher",
+    "read_trainer_layout",
     "Subscriber",
     "SyncResult",
     "SyncStatus",

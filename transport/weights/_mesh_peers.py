@@ -13,11 +13,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
 import torch
 
-from .._errors import TransportError
-from ..plan._codec import RankLayout, decode_rank
-from ..plan._layouts import MeshLayoutError
+from .._errors import TransferTimeoutError, TransportError
+from ..plan._codec import MAX_LAYOUT_BYTES, RankLayout, decode_rank, decode_trainer
+from ..plan._layouts import MeshLayoutError, TrainerLayout
 from ._mesh_control import MAX_TRAINER_RANKS, TCTL_WORDS, TRANK, MeshKeys
 
 if TYPE_CHECKING:
@@ -82,3 +83,37 @@ class MeshPeers:
         except (TransportError, MeshLayoutError) as exc:
             log.warning("%s: cannot use %s's generator layout (%s): %s", self.t.name, peer.name, self.keys.rank, exc)
             return None
+
+
+_LOOK_S = 0.1  # read_trainer_layout looks at the store again after this
+
+
+async def read_trainer_layout(transport: Transport, name: str, *, timeout: float) -> TrainerLayout:
+    """The trainer layout of mesh stream ``name``, read from its lowest trainer rank that
+    publishes one (waiting for one to be listed), e.g. for a generator that takes its tensor
+    list from the trainer.
+
+    Raises:
+        TransferTimeoutError: no trainer rank with a readable layout within ``timeout``
+            (the message says what was seen).
+    """
+    keys = MeshKeys.of(name)
+    peers = MeshPeers(transport, keys)
+    why = f"no trainer rank of stream {name!r} is listed"
+    with anyio.move_on_after(timeout):
+        while True:
+            try:
+                members = await peers.scan()
+                for r in sorted(members.trainers):
+                    peer = members.trainers[r]
+                    region = peer.regions.get(keys.trainer)
+                    if region is None or not 0 < region.nbytes <= MAX_LAYOUT_BYTES:
+                        why = f"trainer rank {r} ({peer.name}) publishes no readable layout"
+                        continue
+                    raw = torch.empty(region.nbytes, dtype=torch.uint8)
+                    await transport.get(raw, peer.name, key=keys.trainer)
+                    return decode_trainer(raw.numpy().tobytes())
+            except (TransportError, MeshLayoutError) as exc:
+                why = str(exc)
+            await anyio.sleep(_LOOK_S)
+    raise TransferTimeoutError(f"{transport.name}: no trainer layout of stream {name!r} within {timeout:g}s: {why}")

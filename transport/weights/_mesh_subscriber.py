@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,20 +72,26 @@ class MeshSubscriber:
         tensors: local tensor name -> the tensor ``apply`` copies into (the model's); by default
             zeroed tensors are allocated (``self.tensors``).
         timeout: default bound of ``commit``/``pull`` (seconds).
+        allocate: False: no ``self.tensors`` are allocated (``tensors`` must then be None);
+            read committed versions straight from the slots with :meth:`reading` (``apply``
+            then raises).
 
     Raises:
         MeshLayoutError: a tensor is missing or differs from the layout in shape or dtype.
     """
 
     def __init__(self, transport: Transport, name: str, *, replica: str, rank: int, size: int, layout: GeneratorRank,
-                 tensors: Mapping[str, torch.Tensor] | None = None, timeout: float = 60.0) -> None:
+                 tensors: Mapping[str, torch.Tensor] | None = None, timeout: float = 60.0,
+                 allocate: bool = True) -> None:
         if not 0 <= rank < size:
             raise MeshLayoutError(f"rank {rank} of a replica of {size}")
+        if not allocate and tensors is not None:
+            raise ValueError("allocate=False takes no tensors")
         self.t, self.name, self.replica, self.rank, self.size = transport, name, replica, rank, size
         self.layout, self.timeout = layout, timeout
         self.keys = MeshKeys.of(name)
         self.tensors: dict[str, torch.Tensor] = {}
-        for lt in layout.tensors:
+        for lt in layout.tensors if allocate else ():
             dtype = getattr(torch, lt.dtype)
             got = tensors.get(lt.name) if tensors is not None else torch.zeros(lt.shape, dtype=dtype)
             if got is None or tuple(got.shape) != lt.shape or got.dtype != dtype:
@@ -154,9 +161,43 @@ class MeshSubscriber:
             The version now applied (None: nothing committed yet).
 
         Raises:
-            CommitError: ``version`` is given and is not the committed version.
+            CommitError: ``version`` is given and is not the committed version, or the
+                subscriber was made with ``allocate=False``.
 
         Runs on the calling thread; not cancellable midway (it copies in memory only).
+        """
+        if len(self.tensors) != len(self.layout.tensors):
+            raise CommitError(f"{self.replica}/{self.rank}: made with allocate=False: read versions with reading()")
+        with self.reading(version) as got:
+            if got is None:
+                return None
+            v, views = got
+            if views is not None:
+                for name, view in views.items():
+                    self.tensors[name].copy_(view)
+        return v
+
+    @contextlib.contextmanager
+    def reading(self, version: int | None = None, *, again: bool = False
+                ) -> Iterator[tuple[int, dict[str, torch.Tensor] | None] | None]:
+        """Holds the committed version's slot for reading, as views (local tensor name ->
+        tensor of the layout's shape and dtype), and marks it applied when the block ends
+        without an exception. Trainer ranks write no byte of that slot meanwhile.
+
+        Use it to load a version straight from the slot (e.g. through a model's own loading
+        path) instead of copying it into ``self.tensors`` first.
+
+        Args:
+            version: the version the caller expects; None: the committed one.
+            again: give the views even when this version is applied already (by default the
+                block then gets ``(v, None)``: nothing to do).
+
+        Yields:
+            None (nothing committed yet), ``(v, None)`` (``v`` is applied already) or
+            ``(v, views)``. The views are valid inside the block only.
+
+        Raises:
+            CommitError: ``version`` is given and is not the committed version.
         """
         ctl = self._c
         while True:
@@ -164,26 +205,31 @@ class MeshSubscriber:
             if front is None:
                 if version is not None:
                     raise CommitError(f"{self.replica}/{self.rank}: version {version} is not committed (none is)")
-                return None
+                yield None
+                return
             v, s = front
             if version is not None and v != version:
                 raise CommitError(f"{self.replica}/{self.rank}: version {version} is not committed ({v} is)")
-            if int(ctl[APPLIED]) == v + 1:
-                return v
+            if int(ctl[APPLIED]) == v + 1 and not again:
+                yield v, None
+                return
             ctl[READING] = s  # trainer ranks skip this slot from now on...
             memory_barrier()
             if int(ctl[COMMIT]) == encode_front(v, s):  # ...unless a newer commit moved on meanwhile
                 break
             ctl[READING] = -1
-        slot = self._slots[s]
-        for lt in self.layout.tensors:
-            off, nbytes = self._offsets[lt.name]
-            self.tensors[lt.name].copy_(slot[off : off + nbytes].view(self.tensors[lt.name].dtype).view(lt.shape))
-        memory_barrier()
-        ctl[APPLIED] = v + 1
-        memory_barrier()
-        ctl[READING] = -1
-        return v
+        try:
+            slot = self._slots[s]
+            views = {}
+            for lt in self.layout.tensors:
+                off, nbytes = self._offsets[lt.name]
+                views[lt.name] = slot[off : off + nbytes].view(getattr(torch, lt.dtype)).view(lt.shape)
+            yield v, views
+            memory_barrier()
+            ctl[APPLIED] = v + 1
+        finally:
+            memory_barrier()
+            ctl[READING] = -1
 
     # -- the replica ----------------------------------------------------------------------
 

@@ -1,0 +1,269 @@
+"""The trainer side: ``TransportTrainerEngine``, vLLM's ``TrainerWeightTransferEngine`` for the
+``transport`` backend.
+
+Two ways to feed engines, chosen by the source given to ``trainer_init``:
+
+* **Whole tensors** (any ``WeightSource``, e.g. vLLM's ``ModuleSource``): every trainer rank
+  iterates the source as vLLM's contract says (an FSDP source gathers there); rank 0 publishes
+  the tensors it yields.
+* **Shards** (:class:`ShardSource` over an FSDP2/DTensor model): every trainer rank publishes
+  its own shards; each engine rank pulls nothing and waits for nothing: the trainer ranks write
+  their pieces straight into its slots (the mesh planner decides who sends what). No
+  ``full_tensor()`` gather, no rank-0 bottleneck.
+
+Either way each version goes to every engine one-sidedly and independently
+(:class:`~transport.weights.MeshPublisher`); then rank 0 drives each engine's update round
+(``start_weight_update`` / ``update_weights({"version": v})`` / ``finish_weight_update``)
+through its client, every engine in a thread of its own and bounded by ``timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from ..plan import trainer_layout_from_state_dict
+from ..weights import MeshPublisher, MeshPublishReport
+from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
+from ._info import BACKEND, TransportInitInfo
+from ._layouts import dtype_name, full_trainer_layout
+from ._loop import LoopThread
+
+log = logging.getLogger(__name__)
+
+
+class ShardSource(WeightSource):
+    """A ``WeightSource`` over a sharded (FSDP2 / DTensor) module whose ranks each publish their
+    own shards (:class:`TransportTrainerEngine` never calls ``full_tensor()`` on it).
+
+    Args:
+        module: the model (or a name -> tensor mapping); parameter names are the Hugging Face
+            names vLLM's ``load_weights`` takes.
+    """
+
+    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        self._module = module
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """name -> the live (DTensor) parameter."""
+        if isinstance(self._module, torch.nn.Module):
+            return dict(self._module.state_dict())
+        return dict(self._module)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state().items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.state().items()
+
+
+@dataclass
+class TransportTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of the ``transport`` backend.
+
+    Args:
+        rank: this trainer process's rank (keyword; rank 0 drives the engines).
+        store: the rendezvous URL every trainer rank and engine uses.
+        engines: one name per client given to ``trainer_init`` (default ``engine-0``, ...).
+        stream: the stream name.
+        backends: backend preference (None: every available one).
+        dtype: the dtype on the wire (e.g. ``"bfloat16"``); None: the source's dtypes.
+        timeout: seconds one engine's update round may take before it is reported a straggler
+            (and the bound of every other wait).
+        deadline: seconds a publish waits for any one engine rank's bytes.
+        token: the shared token of the job's Transports, if any.
+        first_version: the first version number (versions must increase across trainer restarts).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    store: str = ""
+    engines: list[str] | None = None
+    stream: str = "policy"
+    backends: list[str] | None = None
+    dtype: str | None = None
+    timeout: float = 60.0
+    deadline: float = 30.0
+    token: str | None = None
+    first_version: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.store:
+            raise ValueError("TransportTrainerInitInfo: store= (the rendezvous URL) is required")
+        if not (0 < self.timeout < float("inf")) or not (0 < self.deadline < float("inf")):
+            raise ValueError("TransportTrainerInitInfo: timeout and deadline must be positive numbers")
+        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"TransportTrainerInitInfo: unknown dtype {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one ``send_weights`` did: the version, this rank's publish report, and (rank 0) how
+    each engine's round ended."""
+
+    version: int
+    publish: MeshPublishReport | None
+    engines: dict[str, EngineResult] = field(default_factory=dict)
+    publish_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def loaded(self) -> list[str]:
+        return [e for e, r in self.engines.items() if r.status is EngineStatus.LOADED]
+
+
+class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
+    """Publishes versions of the trainer's weights to vLLM engines and has them loaded.
+
+    Build it on every trainer rank with ``trainer_init`` (or vLLM's
+    ``WeightTransferTrainerFactory.trainer_init``); call ``send_weights()`` after every
+    optimizer step on every rank; ``shutdown()`` at the end.
+    """
+
+    init_info_cls = TransportTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: WeightSource | None, info: TransportTrainerInitInfo) -> None:
+        super().__init__(client=client, source=source, is_sender=info.is_sender)
+        if source is None:
+            raise ValueError("the transport trainer engine needs a WeightSource")
+        self.info = info
+        self.sharded = isinstance(source, ShardSource)
+        clients = list(client) if isinstance(client, (list, tuple)) else ([client] if client is not None else [])
+        names = info.engines or [f"engine-{i}" for i in range(len(clients))]
+        if len(names) != len(clients):
+            raise ValueError(f"{len(clients)} clients but engines={names}")
+        self.clients: dict[str, VLLMWeightSyncClient] = dict(zip(names, clients, strict=True))
+        self.version = info.first_version - 1
+        self._driver = EngineDriver()
+        self.loop: LoopThread | None = None
+        self.publisher: MeshPublisher | None = None
+        if self.sharded or self.is_sender:
+            self._open(source)
+
+    def _open(self, source: WeightSource) -> None:
+        info = self.info
+        if isinstance(source, ShardSource):
+            state = source.state()
+            layout, rank = trainer_layout_from_state_dict(state), info.rank
+        else:  # rank 0 alone holds every tensor whole; the real ones come with each publish
+            meta = source.metadata()
+            layout, rank = full_trainer_layout((m.name, m.shape, dtype_name(m.dtype)) for m in meta), 0
+            state = {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in meta}
+        if info.dtype is not None:
+            layout = layout.cast(info.dtype)
+        self.loop = LoopThread(f"trainer-{info.rank}", store=info.store, backends=info.backends,
+                               timeout=info.timeout, token=info.token)
+        try:
+            self.publisher = MeshPublisher(self.loop.t, info.stream, state, layout, rank=rank, deadline=info.deadline)
+            self.loop.call(self.publisher.start)
+        except BaseException:
+            self.loop.close()
+            raise
+
+    @classmethod
+    def trainer_init(cls, init_info: TransportTrainerInitInfo, *, client: Any,
+                     source: WeightSource | None = None) -> TransportTrainerEngine:
+        """Opens this rank's endpoint and (rank 0) has every engine join the stream.
+
+        Args:
+            init_info: see :class:`TransportTrainerInitInfo`.
+            client: one ``VLLMWeightSyncClient`` (e.g. :class:`LLMClient`,
+                ``HTTPVLLMWeightSyncClient``) or a list of them, one per engine.
+            source: the weights: a ``WeightSource`` (whole tensors) or a :class:`ShardSource`.
+
+        Raises:
+            ValueError: no source, or the engine names do not match the clients.
+            TransportError: the endpoint cannot open; an engine failed to join.
+        """
+        engine = cls(client=client, source=source, info=init_info)
+        if engine.is_sender:
+            results = engine._driver.run(
+                {name: engine._joiner(name, c) for name, c in engine.clients.items()}, -1, init_info.timeout)
+            bad = {n: r.error for n, r in results.items() if r.status is not EngineStatus.LOADED}
+            if bad:
+                engine.shutdown()
+                raise RuntimeError(f"engines could not join stream {init_info.stream!r}: {bad}")
+        return engine
+
+    def worker_init_info(self, engine: str, *, pull_on_join: bool = True) -> TransportInitInfo:
+        """The init info of engine ``engine``'s workers (``to_env()`` of it, as
+        ``TRANSPORT_VLLM_INIT``, makes an engine started later join by itself)."""
+        i = self.info
+        return TransportInitInfo(store=i.store, engine=engine, stream=i.stream, backends=i.backends,
+                                 timeout=i.timeout, token=i.token, pull_on_join=pull_on_join)
+
+    def _joiner(self, name: str, client: VLLMWeightSyncClient) -> Any:
+        init = self.worker_init_info(name, pull_on_join=self.version >= self.info.first_version).to_dict()
+        return lambda: client.init_weight_transfer_engine(init)
+
+    def add_engine(self, name: str, client: VLLMWeightSyncClient, *, join: bool = True) -> None:
+        """Drives one more engine from the next ``send_weights`` on (rank 0). ``join``: have it
+        join now (it then loads the current version); False for an engine that joined by itself
+        (``TRANSPORT_VLLM_INIT``). A name already driven is replaced (a restarted engine)."""
+        self._driver.forget(name)
+        if join:
+            self._joiner(name, client)()
+        self.clients[name] = client
+
+    def remove_engine(self, name: str) -> None:
+        """Stops driving ``name`` (its workers stay in the stream until they leave)."""
+        self.clients.pop(name, None)
+        self._driver.forget(name)
+
+    def send_weights(self) -> SyncReport:
+        """Publishes the next version and (rank 0) has every engine load it.
+
+        Returns:
+            The report (per engine: loaded, straggler or failed). A straggler's round goes on
+            in the background; it is skipped until it ends.
+
+        Raises:
+            TransportError: this rank's publish failed as a whole (e.g. the Transport closed).
+        """
+        t0 = time.perf_counter()
+        self.version += 1
+        v = self.version
+        report = None
+        if self.sharded:
+            assert isinstance(self.source, ShardSource) and self.loop is not None and self.publisher is not None
+            report = self.loop.call(self.publisher.publish, v, self.source.state())
+        else:
+            assert self.source is not None
+            whole = {n: t.detach() for n, t in self.source}  # every rank iterates (an FSDP source gathers)
+            if self.is_sender:
+                assert self.loop is not None and self.publisher is not None
+                report = self.loop.call(self.publisher.publish, v, whole)
+        t1 = time.perf_counter()
+        engines: dict[str, EngineResult] = {}
+        if self.is_sender:
+            engines = self._driver.run({n: update_round(c, v, self.info.timeout) for n, c in self.clients.items()},
+                                       v, self.info.timeout)
+        t2 = time.perf_counter()
+        for name, r in engines.items():
+            if r.status is not EngineStatus.LOADED:
+                log.warning("engine %s did not load version %d: %s (%s)", name, v, r.status.value, r.error)
+        return SyncReport(v, report, engines, t1 - t0, t2 - t0)
+
+    def shutdown(self) -> None:
+        """Withdraws this rank from the stream and closes its endpoint (engines keep serving the
+        version they loaded)."""
+        if self.publisher is not None and self.loop is not None:
+            try:
+                self.loop.call(self.publisher.close)
+            finally:
+                self.publisher = None
+        if self.loop is not None:
+            loop, self.loop = self.loop, None
+            loop.close()

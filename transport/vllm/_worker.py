@@ -1,0 +1,258 @@
+"""The worker side: ``TransportWeightTransferEngine``, one per vLLM worker process.
+
+Each worker (every TP rank of every engine) is one Transport endpoint and one rank of a
+:class:`~transport.weights.MeshSubscriber` replica named after its engine. Trainer ranks write
+versions into its slots one-sidedly while the engine keeps generating; nothing here runs then.
+A version is loaded only inside vLLM's weight-update calls, which the engine runs between
+forward passes:
+
+* ``finish_weight_update`` (after ``update_weights({"version": v})``): TP rank 0 commits the
+  newest version every rank of the engine holds in full (waiting, bounded, until that is ``v``),
+  tells the other ranks which one over vLLM's TP group, and every rank loads exactly that
+  version from its slot through the model's own loading path (``load_weights`` under vLLM's
+  layerwise reload, so prepacked and quantized layers are rebuilt correctly). If rank 0 cannot
+  commit, every rank raises and none loads: the engine keeps serving its previous version.
+* joining (``init_weight_transfer_engine``, or at start-up when ``TRANSPORT_VLLM_INIT`` is
+  set): the same, after every rank pulled the trainer's current version from its snapshots.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from .._errors import TransportError
+from ..weights import CommitError, MeshSubscriber, read_trainer_layout
+from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
+from ._layouts import whole_tensors
+from ._loop import LoopThread
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineSyncError(TransportError):
+    """A vLLM engine could not load a version (not complete at every rank in time, or the
+    load failed); the engine keeps serving the version it had."""
+
+
+def worker_name(engine: str, rank: int, dp_rank: int | None) -> str:
+    """The store name of TP rank ``rank`` of ``engine`` (data-parallel rank ``dp_rank``)."""
+    return f"{engine}-tp{rank}" if dp_rank is None else f"{engine}-dp{dp_rank}-tp{rank}"
+
+
+def replica_name(engine: str, dp_rank: int | None) -> str:
+    return engine if dp_rank is None else f"{engine}-dp{dp_rank}"
+
+
+class _Session:
+    """One worker's membership of a stream: its Transport (on a loop thread) and subscriber."""
+
+    def __init__(self, info: TransportInitInfo, *, rank: int, size: int, dp_rank: int | None) -> None:
+        self.info, self.rank, self.size = info, rank, size
+        self.name = worker_name(info.engine, rank, dp_rank)
+        self.replica = replica_name(info.engine, dp_rank)
+        self.loop = LoopThread(self.name, store=info.store, backends=info.backends, timeout=info.timeout,
+                               token=info.token)
+        try:
+            trainer = self.loop.call(functools.partial(read_trainer_layout, self.loop.t, info.stream, timeout=info.timeout),
+                                     timeout=info.timeout + 1)
+            self.layout = whole_tensors(trainer)
+            self.sub = MeshSubscriber(self.loop.t, info.stream, replica=self.replica, rank=rank, size=size,
+                                      layout=self.layout, timeout=info.timeout, allocate=False)
+            self.loop.call(self.sub.start)
+        except BaseException:
+            self.loop.close()
+            raise
+        self.nbytes = sum(t.nbytes for t in self.layout.tensors)
+
+    def close(self) -> None:
+        try:
+            self.loop.call(self.sub.close)
+        finally:
+            self.loop.close()
+
+
+class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInfo]):
+    """vLLM's worker-side engine for ``WeightTransferConfig(backend="transport")``.
+
+    vLLM builds one in every worker process after the model is loaded. With
+    ``TRANSPORT_VLLM_INIT`` in the environment (JSON of :class:`TransportInitInfo`) it joins the
+    stream at once and loads the trainer's current version; else it joins at
+    ``init_weight_transfer_engine``. Every call is bounded by the init info's ``timeout``.
+
+    Loaded versions: ``self.loaded`` (None before the first), vLLM's ``weight_version`` (set by
+    the trainer's ``finish_weight_update``), and a ``vllm.load`` event in the flight record.
+
+    Raises (from vLLM's weight-update calls, on every rank alike):
+        EngineSyncError: a version could not be loaded (the previous one stays).
+        TransferTimeoutError: joining (the trainer layout) or committing took too long.
+        RuntimeError: an update call before the engine joined a stream.
+    """
+
+    init_info_cls = TransportInitInfo
+    update_info_cls = TransportUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        if self.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("the transport weight-transfer backend does not support pipeline parallelism yet")
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.rank = get_tensor_model_parallel_rank()
+        self.size = self.parallel_config.tensor_parallel_size
+        dp = self.parallel_config.data_parallel_size
+        self.dp_rank = self.parallel_config.data_parallel_rank if dp > 1 else None
+        self.session: _Session | None = None
+        self.loaded: int | None = None
+        self.history: list[dict[str, Any]] = []  # one entry per load: version, wait_s, load_s, at
+        self._wanted: int | None = None
+        self._wait: float | None = None
+        info = init_info_from_env()
+        if info is not None:
+            self.init_transfer_engine(info)
+
+    # -- vLLM's calls ----------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: TransportInitInfo) -> None:
+        """Joins the stream (idempotent for the same init info; another one rejoins)."""
+        if self.session is not None:
+            if self.session.info == init_info:
+                return
+            self.shutdown()
+        self.session = _Session(init_info, rank=self.rank, size=self.size, dp_rank=self.dp_rank)
+        log.info("%s: joined stream %r of %s (%d tensors, %.1f MB per slot)", self.session.name,
+                 init_info.stream, init_info.store, len(self.session.layout.tensors), self.session.nbytes / 1e6)
+        if init_info.pull_on_join:
+            self._join_current()
+
+    def start_weight_update(self) -> None:
+        self._need()
+        self._wanted, self._wait = None, None
+
+    def receive_weights(self, update_info: TransportUpdateInfo) -> None:
+        """Notes which version to load at ``finish_weight_update``; no bytes move here (they
+        are in the slots already, or arriving)."""
+        self._need()
+        self._wanted, self._wait = update_info.version, update_info.timeout
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def finish_weight_update(self) -> None:
+        """Commits and loads the requested (or newest) version at every rank, or at none."""
+        s = self._need()
+        wanted, wait = self._wanted, self._wait
+        self._wanted, self._wait = None, None
+        self._commit_and_load(s, wanted, s.info.timeout if wait is None else wait)
+
+    def shutdown(self) -> None:
+        if self.session is not None:
+            s, self.session = self.session, None
+            s.close()
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _need(self) -> _Session:
+        if self.session is None:
+            raise RuntimeError("the transport weight-transfer engine has not joined a stream: call "
+                               f"init_weight_transfer_engine first (or set TRANSPORT_VLLM_INIT)")
+        return self.session
+
+    def _join_current(self) -> None:
+        s = self._need()
+        err: str | None = None
+        try:
+            s.loop.call(s.sub.pull, timeout=s.info.timeout + 1)
+        except TransportError as exc:  # no version yet, or the trainer is gone: serve what we have
+            err = str(exc)
+        if self._agree(err is None) and err is None:
+            self._commit_and_load(s, None, s.info.timeout)
+        else:
+            log.info("%s: nothing to load at join: %s", s.name, err or "another rank pulled nothing")
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every TP rank says ``ok`` (one flag each, over vLLM's TP group)."""
+        if self.size == 1:
+            return ok
+        from vllm.distributed import get_tp_group
+
+        flags = get_tp_group().cpu_group
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=flags)
+        return bool(t.item())
+
+    def _decide(self, s: _Session, wanted: int | None, wait: float) -> tuple[int | None, str | None]:
+        """TP rank 0: commit (waiting for ``wanted`` when given); then every rank learns the
+        outcome from rank 0: ``(version, None)`` or ``(None, why)``."""
+        outcome: tuple[int | None, str | None]
+        if self.rank == 0:
+            try:
+                outcome = (s.loop.call(self._commit, s, wanted, wait, timeout=wait + 1), None)
+            except (TransportError, CommitError) as exc:
+                outcome = (None, f"{type(exc).__name__}: {exc}")
+        else:
+            outcome = (None, None)
+        if self.size > 1:
+            from vllm.distributed import get_tp_group
+
+            outcome = get_tp_group().broadcast_object(outcome if self.rank == 0 else None, src=0)
+        return outcome
+
+    @staticmethod
+    async def _commit(s: _Session, wanted: int | None, wait: float) -> int | None:
+        import anyio
+
+        deadline = time.monotonic() + wait
+        while True:
+            v = await s.sub.commit(timeout=max(deadline - time.monotonic(), 0.001))
+            if wanted is None or (v is not None and v >= wanted):
+                return v
+            if time.monotonic() >= deadline:
+                raise EngineSyncError(f"replica {s.replica}: version {wanted} is not complete at every rank "
+                                      f"within {wait:g}s (committed: {v})")
+            await s.sub.catch_up(after=1.0, timeout=max(deadline - time.monotonic(), 0.001))
+            await anyio.sleep(0.002)
+
+    def _commit_and_load(self, s: _Session, wanted: int | None, wait: float) -> None:
+        t0 = time.perf_counter()
+        v, why = self._decide(s, wanted, wait)
+        if why is not None:
+            raise EngineSyncError(f"{s.name}: no version loaded ({why}); serving version {self.loaded}")
+        if v is None or v == self.loaded:
+            return
+        if self.rank != 0:
+            s.loop.call(s.sub.wait_committed, v, timeout=wait)
+        t1 = time.perf_counter()
+        with s.sub.reading(v, again=True) as got:
+            if got is None or got[1] is None:  # cannot happen: v is committed here
+                raise EngineSyncError(f"{s.name}: version {v} is not readable from its slot")
+            self._load(got[1])
+        t2 = time.perf_counter()
+        self.loaded = v
+        self.history.append({"version": v, "wait_s": t1 - t0, "load_s": t2 - t1, "at": time.time(),
+                             "pid": os.getpid()})
+        s.loop.t._flight.event("vllm.load", s.replica, f"version {v} loaded in {t2 - t1:.3f}s")
+        log.info("%s: loaded version %d (waited %.3fs, loaded in %.3fs)", s.name, v, t1 - t0, t2 - t1)
+
+    def _load(self, views: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face tensors through the model's own path (vLLM's layerwise reload:
+        prepacked CPU layers and quantized layers are rebuilt from them)."""
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        with torch.no_grad(), disable_mtp_completeness_check():
+            self.model.load_weights(iter(views.items()))
+        finalize_layerwise_reload(self.model, self.model_config)
