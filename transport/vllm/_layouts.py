@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..plan import GeneratorRank, LocalTensor, MeshSharding, Piece, Replicate, TensorSpec, TrainerLayout, full_box
-from ..plan import ITEMSIZE, MeshLayoutError
+from ..plan import (
+    ITEMSIZE,
+    GeneratorRank,
+    LocalTensor,
+    MeshLayoutError,
+    MeshSharding,
+    Piece,
+    Replicate,
+    TensorSpec,
+    TrainerLayout,
+    full_box,
+)
 
 
 def dtype_name(dtype: object) -> str:
@@ -42,3 +52,24 @@ def whole_tensors(trainer: TrainerLayout) -> GeneratorRank:
     if not tensors:
         raise MeshLayoutError("the trainer layout offers no tensor")
     return GeneratorRank.of(tensors)
+
+
+def checkpoint_names(model: object) -> set[str] | None:
+    """The Hugging Face names ``model.load_weights`` takes, read off a vLLM model: its parameter
+    names with each fused module (``packed_modules_mapping``, e.g. ``qkv_proj``) expanded into
+    the checkpoint's parts (``q_proj``, ``k_proj``, ``v_proj``). None when the model declares no
+    mapping (the names cannot be known without loading)."""
+    packed = getattr(model, "packed_modules_mapping", None)
+    named = getattr(model, "named_parameters", None)
+    if not isinstance(packed, dict) or named is None:
+        return None
+    out: set[str] = set()
+    for name, _ in named():
+        parts = name.split(".")
+        for i, p in enumerate(parts):
+            if p in packed:
+                out.update(".".join([*parts[:i], sub, *parts[i + 1:]]) for sub in packed[p])
+                break
+        else:
+            out.add(name)
+    return out

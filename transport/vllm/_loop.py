@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .._errors import TransferTimeoutError
 from .._transport import Transport
-
-T = TypeVar("T")
 
 
 class LoopThread:
@@ -42,7 +40,7 @@ class LoopThread:
             self._stack.close()
             raise
 
-    def call(self, fn: Callable[..., Awaitable[T] | T], *args: Any, timeout: float | None = None) -> T:
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """``fn(*args)`` on the loop, within ``timeout`` (default: the Transport's).
 
         Raises:
@@ -50,11 +48,11 @@ class LoopThread:
         """
         limit = self.timeout if timeout is None else timeout
 
-        async def bounded() -> T:
+        async def bounded() -> Any:
             with anyio.fail_after(limit):
                 out = fn(*args)
                 if isinstance(out, Awaitable):
-                    return await out  # type: ignore[no-any-return]
+                    return await out
                 return out
 
         try:

@@ -222,7 +222,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         self.clients.pop(name, None)
         self._driver.forget(name)
 
-    def send_weights(self) -> SyncReport:
+    def send_weights(self) -> SyncReport:  # type: ignore[override]  # vLLM's returns None; a report is more
         """Publishes the next version and (rank 0) has every engine load it.
 
         Returns:
@@ -235,7 +235,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         t0 = time.perf_counter()
         self.version += 1
         v = self.version
-        report = None
+        report: MeshPublishReport | None = None
         if self.sharded:
             assert isinstance(self.source, ShardSource) and self.loop is not None and self.publisher is not None
             report = self.loop.call(self.publisher.publish, v, self.source.state())

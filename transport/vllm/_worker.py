@@ -28,9 +28,10 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .._errors import TransportError
-from ..weights import CommitError, MeshSubscriber, read_trainer_layout
+from ..plan import TrainerLayout
+from ..weights import CommitError, LayoutMismatchError, MeshSubscriber, read_trainer_layout
 from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
-from ._layouts import whole_tensors
+from ._layouts import checkpoint_names, whole_tensors
 from ._loop import LoopThread
 
 if TYPE_CHECKING:
@@ -64,8 +65,8 @@ class _Session:
         self.loop = LoopThread(self.name, store=info.store, backends=info.backends, timeout=info.timeout,
                                token=info.token)
         try:
-            trainer = self.loop.call(functools.partial(read_trainer_layout, self.loop.t, info.stream, timeout=info.timeout),
-                                     timeout=info.timeout + 1)
+            read = functools.partial(read_trainer_layout, self.loop.t, info.stream, timeout=info.timeout)
+            trainer: TrainerLayout = self.loop.call(read, timeout=info.timeout + 1)
             self.layout = whole_tensors(trainer)
             self.sub = MeshSubscriber(self.loop.t, info.stream, replica=self.replica, rank=rank, size=size,
                                       layout=self.layout, timeout=info.timeout, allocate=False)
@@ -131,11 +132,33 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             if self.session.info == init_info:
                 return
             self.shutdown()
-        self.session = _Session(init_info, rank=self.rank, size=self.size, dp_rank=self.dp_rank)
+        session = _Session(init_info, rank=self.rank, size=self.size, dp_rank=self.dp_rank)
+        try:
+            self._check_names(session)
+        except BaseException:
+            session.close()
+            raise
+        self.session = session
         log.info("%s: joined stream %r of %s (%d tensors, %.1f MB per slot)", self.session.name,
                  init_info.stream, init_info.store, len(self.session.layout.tensors), self.session.nbytes / 1e6)
         if init_info.pull_on_join:
             self._join_current()
+
+    def _check_names(self, s: _Session) -> None:
+        """Refuses a stream whose tensors the model cannot load, before any version is loaded
+        (a load that failed midway would leave layers half rebuilt)."""
+        want = checkpoint_names(self.model)
+        if want is None:
+            log.warning("%s: %s declares no packed_modules_mapping: tensor names are not checked before loading",
+                        s.name, type(self.model).__name__)
+            return
+        got = {t.name for t in s.layout.tensors}
+        unknown, missing = sorted(got - want), sorted(want - got)
+        if unknown or missing:
+            raise LayoutMismatchError(
+                f"{s.name}: stream {s.info.stream!r} does not match {type(self.model).__name__}: "
+                f"{len(unknown)} tensors the model does not have {unknown[:5]}, {len(missing)} it needs that are "
+                f"not sent {missing[:5]}")
 
     def start_weight_update(self) -> None:
         self._need()
@@ -167,7 +190,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
     def _need(self) -> _Session:
         if self.session is None:
             raise RuntimeError("the transport weight-transfer engine has not joined a stream: call "
-                               f"init_weight_transfer_engine first (or set TRANSPORT_VLLM_INIT)")
+                               "init_weight_transfer_engine first (or set TRANSPORT_VLLM_INIT)")
         return self.session
 
     def _join_current(self) -> None:
@@ -254,5 +277,5 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
 
         initialize_layerwise_reload(self.model)
         with torch.no_grad(), disable_mtp_completeness_check():
-            self.model.load_weights(iter(views.items()))
+            self.model.load_weights(iter(views.items()))  # type: ignore[operator]
         finalize_layerwise_reload(self.model, self.model_config)

@@ -39,10 +39,10 @@ Packing and device unpacking use the batched gather/scatter of ``transport._kern
 
 from .._public import rehome
 from ._layout import LayoutMismatchError as LayoutMismatchError
+from ._mesh_peers import read_trainer_layout as read_trainer_layout
 from ._mesh_publisher import MeshPublisher as MeshPublisher
 from ._mesh_publisher import MeshPublishReport as MeshPublishReport
 from ._mesh_subscriber import CommitError as CommitError
-from ._mesh_peers import read_trainer_layout as read_trainer_layout
 from ._mesh_subscriber import MeshSubscriber as MeshSubscriber
 from ._publisher import Publisher as Publisher
 from ._report import PublishReport as PublishReport

