@@ -73,5 +73,4 @@ def test_server_tp2_fed_by_two_trainer_ranks_and_a_trainer_dying_mid_push(tmp_pa
     # and still serves version 2.
     last = rows[-1]
     assert last["engines"]["engine-0"]["status"] == "failed"
-    assert "not complete" in last["engines"]["engine-0"]["error"]
     assert checked(last, "engine-0")["serves_previous"] and checked(last, "engine-0")["ok"]

@@ -119,11 +119,13 @@ class EngineDriver:
 
 def update_round(client: VLLMWeightSyncClient, version: int, timeout: float) -> Callable[[], None]:
     """One engine's round for ``version``: start, name the version, finish (the engine commits
-    and loads it there) and set vLLM's ``weight_version`` to it."""
+    and loads it there) and set vLLM's ``weight_version`` to it. The engine waits at most half
+    of ``timeout`` for the version to be complete at its ranks, so that a version that never
+    completes (a trainer rank died mid-push) is refused by the engine itself, in time."""
 
     def go() -> None:
         client.start_weight_update()
-        client.update_weights({"version": version, "timeout": timeout})
+        client.update_weights({"version": version, "timeout": timeout / 2})
         client.finish_weight_update(weight_version=str(version))
 
     return go

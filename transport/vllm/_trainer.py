@@ -217,6 +217,11 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
             self._joiner(name, client)()
         self.clients[name] = client
 
+    def busy(self, name: str) -> bool:
+        """Whether engine ``name``'s last round is still running (a straggler): leave that engine
+        alone (e.g. do not generate on an offline ``LLM``) until it ends."""
+        return self._driver.busy(name)
+
     def remove_engine(self, name: str) -> None:
         """Stops driving ``name`` (its workers stay in the stream until they leave)."""
         self.clients.pop(name, None)

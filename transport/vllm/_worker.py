@@ -6,12 +6,13 @@ versions into its slots one-sidedly while the engine keeps generating; nothing h
 A version is loaded only inside vLLM's weight-update calls, which the engine runs between
 forward passes:
 
-* ``finish_weight_update`` (after ``update_weights({"version": v})``): TP rank 0 commits the
-  newest version every rank of the engine holds in full (waiting, bounded, until that is ``v``),
-  tells the other ranks which one over vLLM's TP group, and every rank loads exactly that
-  version from its slot through the model's own loading path (``load_weights`` under vLLM's
-  layerwise reload, so prepacked and quantized layers are rebuilt correctly). If rank 0 cannot
-  commit, every rank raises and none loads: the engine keeps serving its previous version.
+* ``update_weights({"version": v})``: TP rank 0 commits the newest version every rank of the
+  engine holds in full (waiting, bounded, until that is ``v``) and tells the other ranks which
+  one over vLLM's TP group. If rank 0 cannot commit, every rank raises and none loads: the
+  engine keeps serving its previous version (and vLLM ends the update cleanly).
+* ``finish_weight_update``: every rank loads exactly the agreed version from its slot through
+  the model's own loading path (``load_weights`` under vLLM's layerwise reload, so prepacked and
+  quantized layers are rebuilt correctly).
 * joining (``init_weight_transfer_engine``, or at start-up when ``TRANSPORT_VLLM_INIT`` is
   set): the same, after every rank pulled the trainer's current version from its snapshots.
 """
@@ -118,8 +119,8 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         self.session: _Session | None = None
         self.loaded: int | None = None
         self.history: list[dict[str, Any]] = []  # one entry per load: version, wait_s, load_s, at
-        self._wanted: int | None = None
-        self._wait: float | None = None
+        self._agreed: int | None = None  # the version update_weights agreed on, loaded at finish
+        self._wait_s = 0.0
         info = init_info_from_env()
         if info is not None:
             self.init_transfer_engine(info)
@@ -162,23 +163,29 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
 
     def start_weight_update(self) -> None:
         self._need()
-        self._wanted, self._wait = None, None
+        self._agreed = None
 
     def receive_weights(self, update_info: TransportUpdateInfo) -> None:
-        """Notes which version to load at ``finish_weight_update``; no bytes move here (they
-        are in the slots already, or arriving)."""
-        self._need()
-        self._wanted, self._wait = update_info.version, update_info.timeout
+        """Agrees on the version to load: TP rank 0 commits it (waiting, bounded, until the
+        requested version is complete at every rank) and tells the others. No bytes move here
+        (they are in the slots already). Raising here (not in ``finish_weight_update``) lets
+        vLLM end the update cleanly: the engine keeps its version and takes the next update."""
+        s = self._need()
+        wait = s.info.timeout if update_info.timeout is None else update_info.timeout
+        self._agreed = self._agree_version(s, update_info.version, wait)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
 
     def finish_weight_update(self) -> None:
-        """Commits and loads the requested (or newest) version at every rank, or at none."""
+        """Loads the agreed version (after ``update_weights``) at every rank; without an
+        ``update_weights`` first, agrees on the newest committed one first."""
         s = self._need()
-        wanted, wait = self._wanted, self._wait
-        self._wanted, self._wait = None, None
-        self._commit_and_load(s, wanted, s.info.timeout if wait is None else wait)
+        v, self._agreed = self._agreed, None
+        if v is None:
+            v = self._agree_version(s, None, s.info.timeout)
+        if v is not None:
+            self._load_version(s, v)
 
     def shutdown(self) -> None:
         if self.session is not None:
@@ -201,7 +208,9 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         except TransportError as exc:  # no version yet, or the trainer is gone: serve what we have
             err = str(exc)
         if self._agree(err is None) and err is None:
-            self._commit_and_load(s, None, s.info.timeout)
+            v = self._agree_version(s, None, s.info.timeout)
+            if v is not None:
+                self._load_version(s, v)
         else:
             log.info("%s: nothing to load at join: %s", s.name, err or "another rank pulled nothing")
 
@@ -248,15 +257,21 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             await s.sub.catch_up(after=1.0, timeout=max(deadline - time.monotonic(), 0.001))
             await anyio.sleep(0.002)
 
-    def _commit_and_load(self, s: _Session, wanted: int | None, wait: float) -> None:
+    def _agree_version(self, s: _Session, wanted: int | None, wait: float) -> int | None:
+        """The version every rank of this engine loads next (None: nothing new), committed at
+        every rank; raises EngineSyncError on every rank alike when there is none in time."""
         t0 = time.perf_counter()
         v, why = self._decide(s, wanted, wait)
         if why is not None:
             raise EngineSyncError(f"{s.name}: no version loaded ({why}); serving version {self.loaded}")
         if v is None or v == self.loaded:
-            return
+            return None
         if self.rank != 0:
             s.loop.call(s.sub.wait_committed, v, timeout=wait)
+        self._wait_s = time.perf_counter() - t0
+        return v
+
+    def _load_version(self, s: _Session, v: int) -> None:
         t1 = time.perf_counter()
         with s.sub.reading(v, again=True) as got:
             if got is None or got[1] is None:  # cannot happen: v is committed here
@@ -264,10 +279,10 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             self._load(got[1])
         t2 = time.perf_counter()
         self.loaded = v
-        self.history.append({"version": v, "wait_s": t1 - t0, "load_s": t2 - t1, "at": time.time(),
+        self.history.append({"version": v, "wait_s": self._wait_s, "load_s": t2 - t1, "at": time.time(),
                              "pid": os.getpid()})
         s.loop.t._flight.event("vllm.load", s.replica, f"version {v} loaded in {t2 - t1:.3f}s")
-        log.info("%s: loaded version %d (waited %.3fs, loaded in %.3fs)", s.name, v, t1 - t0, t2 - t1)
+        log.info("%s: loaded version %d (agreed in %.3fs, loaded in %.3fs)", s.name, v, self._wait_s, t2 - t1)
 
     def _load(self, views: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face tensors through the model's own path (vLLM's layerwise reload:
