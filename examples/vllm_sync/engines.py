@@ -119,7 +119,7 @@ class ServedEngine:
 
     @classmethod
     def launch(cls, name: str, model: str, tp: int, dtype: str, logdir: Path,
-               env: dict[str, str] | None = None) -> ServedEngine:
+               env: dict[str, str] | None = None, extra: list[str] | None = None) -> ServedEngine:
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
         port = free_port()
@@ -127,7 +127,8 @@ class ServedEngine:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--host", "127.0.0.1", "--dtype", a["dtype"], "--tensor-parallel-size", str(tp),
                "--kv-cache-memory-bytes", str(a["kv_cache_memory_bytes"]), "--max-model-len", str(a["max_model_len"]),
-               "--enforce-eager", "--seed", "0", "--weight-transfer-config", json.dumps({"backend": "transport"})]
+               "--enforce-eager", "--seed", "0", "--weight-transfer-config", json.dumps({"backend": "transport"}),
+               *(extra or [])]
         log = logdir / f"{name}.log"
         full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **cpu_env(tp), **(env or {}))
         with open(log, "ab") as f:

@@ -30,6 +30,11 @@ class TransportInitInfo(WeightTransferInitInfo):
         token: the shared token of the job's Transports, if it uses one.
         pull_on_join: fetch and load the trainer's current version when joining (a restarted or
             late engine then serves it at once, without the trainer doing anything).
+        auto_load: also load every version as soon as it is complete at every rank, between
+            forward passes, with no update call (TP rank 0 commits in the background; before
+            each forward pass the ranks agree on the committed version with one all-reduce of
+            two words over vLLM's TP group: that is the cost). Eager mode only: a captured CUDA
+            graph runs no Python hooks.
     """
 
     store: str = ""
@@ -39,6 +44,7 @@ class TransportInitInfo(WeightTransferInitInfo):
     timeout: float = 60.0
     token: str | None = None
     pull_on_join: bool = True
+    auto_load: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:

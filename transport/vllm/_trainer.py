@@ -40,6 +40,7 @@ from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
 from ._info import BACKEND, TransportInitInfo
 from ._layouts import dtype_name, full_trainer_layout
 from ._loop import LoopThread
+from ._worker import EngineSyncError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
         deadline: seconds a publish waits for any one engine rank's bytes.
         token: the shared token of the job's Transports, if any.
         first_version: the first version number (versions must increase across trainer restarts).
+        auto_load: engines load every version as soon as it is complete, between forward
+            passes (see :class:`TransportInitInfo`); pair with ``send_weights(load=False)``.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -98,6 +101,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     deadline: float = 30.0
     token: str | None = None
     first_version: int = 1
+    auto_load: bool = False
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -185,7 +189,9 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
 
         Raises:
             ValueError: no source, or the engine names do not match the clients.
-            TransportError: the endpoint cannot open; an engine failed to join.
+            TransportError: the endpoint cannot open.
+            EngineSyncError: an engine failed to join (each engine's reason in the message, e.g. a
+                stream whose tensor names its model cannot load).
         """
         engine = cls(client=client, source=source, info=init_info)
         if engine.is_sender:
@@ -194,7 +200,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
             bad = {n: r.error for n, r in results.items() if r.status is not EngineStatus.LOADED}
             if bad:
                 engine.shutdown()
-                raise RuntimeError(f"engines could not join stream {init_info.stream!r}: {bad}")
+                raise EngineSyncError(f"engines could not join stream {init_info.stream!r}: {bad}")
         return engine
 
     def worker_init_info(self, engine: str, *, pull_on_join: bool = True) -> TransportInitInfo:
@@ -202,7 +208,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         ``TRANSPORT_VLLM_INIT``, makes an engine started later join by itself)."""
         i = self.info
         return TransportInitInfo(store=i.store, engine=engine, stream=i.stream, backends=i.backends,
-                                 timeout=i.timeout, token=i.token, pull_on_join=pull_on_join)
+                                 timeout=i.timeout, token=i.token, pull_on_join=pull_on_join, auto_load=i.auto_load)
 
     def _joiner(self, name: str, client: VLLMWeightSyncClient) -> Any:
         init = self.worker_init_info(name, pull_on_join=self.version >= self.info.first_version).to_dict()
@@ -227,8 +233,12 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         self.clients.pop(name, None)
         self._driver.forget(name)
 
-    def send_weights(self) -> SyncReport:  # type: ignore[override]  # vLLM's returns None; a report is more
+    def send_weights(self, *, load: bool = True) -> SyncReport:  # type: ignore[override]  # vLLM's: None
         """Publishes the next version and (rank 0) has every engine load it.
+
+        Args:
+            load: False: only publish (engines joined with ``auto_load`` load it by themselves,
+                between forward passes; others at their next update round).
 
         Returns:
             The report (per engine: loaded, straggler or failed). A straggler's round goes on
@@ -252,7 +262,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
                 report = self.loop.call(self.publisher.publish, v, whole)
         t1 = time.perf_counter()
         engines: dict[str, EngineResult] = {}
-        if self.is_sender:
+        if self.is_sender and load:
             engines = self._driver.run({n: update_round(c, v, self.info.timeout) for n, c in self.clients.items()},
                                        v, self.info.timeout)
         t2 = time.perf_counter()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,35 @@ class _Session:
             self.loop.close()
             raise
         self.nbytes = sum(t.nbytes for t in self.layout.tensors)
+        self._stopping = threading.Event()
+        self._tasks: list[Any] = []
+
+    def background(self, step: Any, *args: Any, every: float = 0.02) -> None:
+        """Runs ``await step(*args)`` on the loop every ``every`` seconds until ``close`` (errors
+        are logged once per kind and retried: a rank or the trainer may be away for a while)."""
+
+        async def loop() -> None:
+            import anyio
+
+            seen: set[str] = set()
+            while not self._stopping.is_set():
+                try:
+                    await step(*args)
+                except TransportError as exc:
+                    if type(exc).__name__ not in seen:
+                        seen.add(type(exc).__name__)
+                        log.info("%s: background %s: %s", self.name, getattr(step, "__name__", step), exc)
+                await anyio.sleep(every)
+
+        self._tasks.append(self.loop.portal.start_task_soon(loop))
 
     def close(self) -> None:
+        self._stopping.set()
+        for f in self._tasks:
+            try:
+                f.result(timeout=self.info.timeout)
+            except Exception:  # closing: a task that failed has nothing left to do
+                log.debug("%s: background task ended with an error", self.name, exc_info=True)
         try:
             self.loop.call(self.sub.close)
         finally:
@@ -120,6 +148,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         self.loaded: int | None = None
         self.history: list[dict[str, Any]] = []  # one entry per load: version, wait_s, load_s, at
         self._agreed: int | None = None  # the version update_weights agreed on, loaded at finish
+        self._hook: Any = None  # auto_load's forward pre-hook
         self._wait_s = 0.0
         info = init_info_from_env()
         if info is not None:
@@ -140,6 +169,8 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             session.close()
             raise
         self.session = session
+        if init_info.auto_load:
+            self._start_auto_load(session)
         log.info("%s: joined stream %r of %s (%d tensors, %.1f MB per slot)", self.session.name,
                  init_info.stream, init_info.store, len(self.session.layout.tensors), self.session.nbytes / 1e6)
         if init_info.pull_on_join:
@@ -188,9 +219,49 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             self._load_version(s, v)
 
     def shutdown(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.session is not None:
             s, self.session = self.session, None
             s.close()
+
+    # -- auto_load -------------------------------------------------------------------------
+
+    def _start_auto_load(self, s: _Session) -> None:
+        if self.rank == 0:
+            s.background(self._keep_committing, s)
+        else:
+            s.background(self._keep_catching_up, s)
+        self._hook = self.model.register_forward_pre_hook(self._before_forward)
+
+    @staticmethod
+    async def _keep_committing(s: _Session) -> None:
+        await s.sub.catch_up(after=1.0)
+        await s.sub.commit()
+
+    @staticmethod
+    async def _keep_catching_up(s: _Session) -> None:
+        await s.sub.catch_up(after=1.0)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """Before every forward pass: load the committed version if every rank sees the same
+        one and it is new (else nothing: the ranks agree at a later pass)."""
+        s = self.session
+        if s is None:
+            return
+        c = s.sub.committed()
+        v = -1 if c is None or c == self.loaded else c
+        if self.size > 1:
+            from vllm.distributed import get_tp_group
+
+            both = torch.tensor([v, -v], dtype=torch.int64)
+            torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+            if int(both[0]) != -int(both[1]):
+                return
+        if v >= 0:
+            self._wait_s = 0.0
+            self._load_version(s, v)
 
     # -- loading ---------------------------------------------------------------------------
 
