@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                 signal_all(stopped, signal.SIGCONT)
             row: dict[str, Any] = {"step": step, "version": report.version, "loss": loss, "publish_s": report.publish_s,
                    "total_s": report.total_s, "at": time.time() - t_start,
-                   "engines": {n: {"status": r.status.value, "sync_s": r.seconds, "error": r.error}
+                   # sync_s: from the start of the publish until the engine serves it; pause_s: its
+                   # update round (the engine's step loop is held only for those RPCs)
+                   "engines": {n: {"status": r.status.value, "sync_s": report.publish_s + r.seconds,
+                                   "pause_s": r.seconds, "error": r.error}
                                for n, r in report.engines.items()}}
             ok = verify_step(a, step, report, engines, trainer, ref, prev, prompts, row) and not stale
             row["matched_before_push"] = stale
@@ -329,7 +332,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ys = [s["engines"][n]["sync_s"] * 1e3 for s in summary["steps"] if n in s["engines"]]
         ax.plot(xs, ys, marker="o", label=n)
     ax.set_xlabel("step")
-    ax.set_ylabel("publish -> loaded (ms)")
+    ax.set_xticks([s["step"] for s in summary["steps"]])
+    ax.set_ylabel("publish -> engine serves it (ms)")
     ax.set_title(f"vLLM weight sync, verified={summary['verified']}")
     ax.legend()
     fig.tight_layout()
