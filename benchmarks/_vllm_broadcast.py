@@ -35,7 +35,7 @@ class BroadcastExtension:
         tensors = []
         for name, shape, dtype in json.loads(specs_json):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
-            pg.broadcast([t], root=0).wait()
+            pg.broadcast(t, 0).wait()
             tensors.append((name, t))
         t1 = time.perf_counter()
         model = self.model_runner.get_model()
@@ -43,7 +43,7 @@ class BroadcastExtension:
         with torch.no_grad():
             model.load_weights(iter(tensors))
         finalize_layerwise_reload(model, self.model_runner.model_config)
-        torch.distributed.destroy_process_group(pg)
+        _close(pg)
         return json.dumps({"recv_s": t1 - t0, "load_s": time.perf_counter() - t1})
 
 
@@ -53,5 +53,13 @@ def trainer_send(host: str, port: int, world: int, state: dict[str, torch.Tensor
 
     pg = stateless_init_torch_distributed_process_group(host, port, 0, world, "gloo", timeout=timedelta(seconds=120))
     for t in state.values():
-        pg.broadcast([t.contiguous()], root=0).wait()
-    torch.distributed.destroy_process_group(pg)
+        pg.broadcast(t.contiguous(), 0).wait()
+    _close(pg)
+
+
+def _close(pg: Any) -> None:
+    """Ends a group made by ``stateless_init_torch_distributed_process_group`` (it is not in
+    torch.distributed's registry, so ``destroy_process_group`` does not apply)."""
+    shutdown = getattr(pg, "shutdown", None)
+    if callable(shutdown):
+        shutdown()

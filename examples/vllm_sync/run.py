@@ -51,6 +51,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-engine", action="store_true", help="kill -9 engine-1 after step 1 and start a new one")
     p.add_argument("--slow-engine", action="store_true", help="SIGSTOP engine-1 for the sync of step 2")
     p.add_argument("--kill-trainer", action="store_true", help="trainer rank 1 dies before pushing the last step")
+    p.add_argument("--receive", default="whole", choices=("whole", "slices"),
+                   help="each engine rank receives whole tensors or only its TP slices")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one engine's update may take")
     p.add_argument("--store", default=None, help="rendezvous URL (default: a fresh file:// dir)")
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             model = tiny.load(model_dir, a.dtype)
             source = ModuleSource(model)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-        info = TransportTrainerInitInfo(rank=0, store=store, engines=names, timeout=a.timeout, deadline=a.timeout)
+        info = TransportTrainerInitInfo(rank=0, store=store, engines=names, timeout=a.timeout, deadline=a.timeout,
+                                        receive=a.receive)
         trainer = TransportTrainerEngine.trainer_init(info, client=[engines[n].client for n in names], source=source)
         prompts = tiny.prompts(PROMPTS, seed=1)
         all_ok = True

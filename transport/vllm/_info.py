@@ -30,6 +30,10 @@ class TransportInitInfo(WeightTransferInitInfo):
         token: the shared token of the job's Transports, if it uses one.
         pull_on_join: fetch and load the trainer's current version when joining (a restarted or
             late engine then serves it at once, without the trainer doing anything).
+        receive: ``"whole"``: every TP rank receives every tensor whole (any model);
+            ``"slices"``: each rank receives only the slices of each tensor its TP rank reads
+            (``transport.plan``'s vLLM layouts: about 1/TP of the bytes and slot memory per rank;
+            architectures ``transport.plan`` knows; others fall back to whole tensors).
         auto_load: also load every version as soon as it is complete at every rank, between
             forward passes, with no update call (TP rank 0 commits in the background; before
             each forward pass the ranks agree on the committed version with one all-reduce of
@@ -45,6 +49,7 @@ class TransportInitInfo(WeightTransferInitInfo):
     token: str | None = None
     pull_on_join: bool = True
     auto_load: bool = False
+    receive: str = "whole"
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -55,6 +60,8 @@ class TransportInitInfo(WeightTransferInitInfo):
             raise ValueError("transport init info: stream= must be a non-empty name")
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < float("inf")):
             raise ValueError(f"transport init info: timeout= must be a positive number, not {self.timeout!r}")
+        if self.receive not in ("whole", "slices"):
+            raise ValueError(f"transport init info: receive= must be 'whole' or 'slices', not {self.receive!r}")
         if self.backends is not None and not (isinstance(self.backends, list)
                                               and all(isinstance(b, str) for b in self.backends)):
             raise ValueError(f"transport init info: backends= must be a list of names, not {self.backends!r}")

@@ -86,6 +86,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
         deadline: seconds a publish waits for any one engine rank's bytes.
         token: the shared token of the job's Transports, if any.
         first_version: the first version number (versions must increase across trainer restarts).
+        receive: ``"whole"`` or ``"slices"`` (each engine rank receives only its TP slices), see
+            :class:`TransportInitInfo`.
         auto_load: engines load every version as soon as it is complete, between forward
             passes (see :class:`TransportInitInfo`); pair with ``send_weights(load=False)``.
     """
@@ -102,6 +104,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     token: str | None = None
     first_version: int = 1
     auto_load: bool = False
+    receive: str = "whole"
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -208,7 +211,8 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         ``TRANSPORT_VLLM_INIT``, makes an engine started later join by itself)."""
         i = self.info
         return TransportInitInfo(store=i.store, engine=engine, stream=i.stream, backends=i.backends,
-                                 timeout=i.timeout, token=i.token, pull_on_join=pull_on_join, auto_load=i.auto_load)
+                                 timeout=i.timeout, token=i.token, pull_on_join=pull_on_join, auto_load=i.auto_load,
+                                 receive=i.receive)
 
     def _joiner(self, name: str, client: VLLMWeightSyncClient) -> Any:
         init = self.worker_init_info(name, pull_on_join=self.version >= self.info.first_version).to_dict()

@@ -30,10 +30,10 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .._errors import TransportError
-from ..plan import TrainerLayout
+from ..plan import MeshLayoutError, TrainerLayout
 from ..weights import CommitError, LayoutMismatchError, MeshSubscriber, read_trainer_layout
 from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
-from ._layouts import checkpoint_names, whole_tensors
+from ._layouts import checkpoint_names, full_shaped, tp_slices, whole_tensors
 from ._loop import LoopThread
 
 if TYPE_CHECKING:
@@ -60,7 +60,8 @@ def replica_name(engine: str, dp_rank: int | None) -> str:
 class _Session:
     """One worker's membership of a stream: its Transport (on a loop thread) and subscriber."""
 
-    def __init__(self, info: TransportInitInfo, *, rank: int, size: int, dp_rank: int | None) -> None:
+    def __init__(self, info: TransportInitInfo, *, rank: int, size: int, dp_rank: int | None,
+                 hf_config: Any = None) -> None:
         self.info, self.rank, self.size = info, rank, size
         self.name = worker_name(info.engine, rank, dp_rank)
         self.replica = replica_name(info.engine, dp_rank)
@@ -69,7 +70,13 @@ class _Session:
         try:
             read = functools.partial(read_trainer_layout, self.loop.t, info.stream, timeout=info.timeout)
             trainer: TrainerLayout = self.loop.call(read, timeout=info.timeout + 1)
+            self.trainer = trainer
             self.layout = whole_tensors(trainer)
+            if info.receive == "slices" and size > 1:
+                try:
+                    self.layout = tp_slices(trainer, hf_config, tp=size, rank=rank)
+                except MeshLayoutError as exc:
+                    log.warning("%s: receiving whole tensors: %s", self.name, exc)
             self.sub = MeshSubscriber(self.loop.t, info.stream, replica=self.replica, rank=rank, size=size,
                                       layout=self.layout, timeout=info.timeout, allocate=False)
             self.loop.call(self.sub.start)
@@ -162,7 +169,8 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             if self.session.info == init_info:
                 return
             self.shutdown()
-        session = _Session(init_info, rank=self.rank, size=self.size, dp_rank=self.dp_rank)
+        session = _Session(init_info, rank=self.rank, size=self.size, dp_rank=self.dp_rank,
+                           hf_config=self.model_config.hf_config)
         try:
             self._check_names(session)
         except BaseException:
@@ -184,7 +192,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             log.warning("%s: %s declares no packed_modules_mapping: tensor names are not checked before loading",
                         s.name, type(self.model).__name__)
             return
-        got = {t.name for t in s.layout.tensors}
+        got = {t.name for t in s.trainer.tensors if t.scale_of is None}
         unknown, missing = sorted(got - want), sorted(want - got)
         if unknown or missing:
             raise LayoutMismatchError(
@@ -347,7 +355,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         with s.sub.reading(v, again=True) as got:
             if got is None or got[1] is None:  # cannot happen: v is committed here
                 raise EngineSyncError(f"{s.name}: version {v} is not readable from its slot")
-            self._load(got[1])
+            self._load(full_shaped(s.trainer, s.layout, got[1]))
         t2 = time.perf_counter()
         self.loaded = v
         self.history.append({"version": v, "wait_s": self._wait_s, "load_s": t2 - t1, "at": time.time(),
@@ -355,7 +363,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         s.loop.t._flight.event("vllm.load", s.replica, f"version {v} loaded in {t2 - t1:.3f}s")
         log.info("%s: loaded version %d (agreed in %.3fs, loaded in %.3fs)", s.name, v, self._wait_s, t2 - t1)
 
-    def _load(self, views: dict[str, torch.Tensor]) -> None:
+    def _load(self, tensors: Any) -> None:
         """Loads Hugging Face tensors through the model's own path (vLLM's layerwise reload:
         prepacked CPU layers and quantized layers are rebuilt from them)."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -363,5 +371,5 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
 
         initialize_layerwise_reload(self.model)
         with torch.no_grad(), disable_mtp_completeness_check():
-            self.model.load_weights(iter(views.items()))  # type: ignore[operator]
+            self.model.load_weights(tensors)  # type: ignore[operator]
         finalize_layerwise_reload(self.model, self.model_config)
