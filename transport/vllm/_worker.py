@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_NOT_YET = object()  # no update_weights in this update yet
+
+
 class EngineSyncError(TransportError):
     """A vLLM engine could not load a version (not complete at every rank in time, or the
     load failed); the engine keeps serving the version it had."""
@@ -154,7 +157,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         self.session: _Session | None = None
         self.loaded: int | None = None
         self.history: list[dict[str, Any]] = []  # one entry per load: version, wait_s, load_s, at
-        self._agreed: int | None = None  # the version update_weights agreed on, loaded at finish
+        self._agreed: int | object | None = _NOT_YET  # what update_weights agreed on (None: nothing new)
         self._hook: Any = None  # auto_load's forward pre-hook
         self._wait_s = 0.0
         info = init_info_from_env()
@@ -202,7 +205,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
 
     def start_weight_update(self) -> None:
         self._need()
-        self._agreed = None
+        self._agreed = _NOT_YET
 
     def receive_weights(self, update_info: TransportUpdateInfo) -> None:
         """Agrees on the version to load: TP rank 0 commits it (waiting, bounded, until the
@@ -220,10 +223,10 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         """Loads the agreed version (after ``update_weights``) at every rank; without an
         ``update_weights`` first, agrees on the newest committed one first."""
         s = self._need()
-        v, self._agreed = self._agreed, None
-        if v is None:
+        v, self._agreed = self._agreed, _NOT_YET
+        if v is _NOT_YET:
             v = self._agree_version(s, None, s.info.timeout)
-        if v is not None:
+        if isinstance(v, int):
             self._load_version(s, v)
 
     def shutdown(self) -> None:
