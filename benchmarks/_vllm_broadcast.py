@@ -30,8 +30,8 @@ class BroadcastExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         t0 = time.perf_counter()
-        pg = stateless_init_torch_distributed_process_group(host, int(port), 1 + get_tensor_model_parallel_rank(),
-                                                            int(world), "gloo", timeout=timedelta(seconds=120))
+        pg: Any = stateless_init_torch_distributed_process_group(
+            host, int(port), 1 + get_tensor_model_parallel_rank(), int(world), "gloo", timeout=timedelta(seconds=120))
         tensors = []
         for name, shape, dtype in json.loads(specs_json):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
@@ -51,7 +51,8 @@ def trainer_send(host: str, port: int, world: int, state: dict[str, torch.Tensor
     """The trainer's side: rank 0 of the group, broadcasts every tensor of ``state`` in order."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    pg = stateless_init_torch_distributed_process_group(host, port, 0, world, "gloo", timeout=timedelta(seconds=120))
+    pg: Any = stateless_init_torch_distributed_process_group(host, port, 0, world, "gloo",
+                                                             timeout=timedelta(seconds=120))
     for t in state.values():
         pg.broadcast(t.contiguous(), 0).wait()
     _close(pg)
