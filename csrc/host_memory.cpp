@@ -115,11 +115,28 @@ uint64_t SharedBuffer::read_only_address() {
 }
 
 PeerMapping::PeerMapping(int pid, int fd, size_t nbytes, bool writable, uint64_t inode) : nbytes_(nbytes) {
-  mapped_ = page_round(nbytes);
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  // Every argument comes from a peer's record. A size past what any file can hold would wrap the
+  // page rounding below (and map less than the caller then reads).
+  if (pid <= 0 || fd < 0 || nbytes > (static_cast<size_t>(1) << 62)) {
+    throw_errno(path + ": no memfd of " + std::to_string(nbytes) + " bytes can be mapped from that record", EINVAL);
+  }
+  mapped_ = page_round(nbytes);
+  // The peer chose the descriptor: it may name a FIFO (whose open would wait for a writer
+  // forever), a device or a socket. Only a memfd is opened, without blocking and without
+  // becoming a controlling terminal; the link is read first (readlink never touches the file),
+  // and the opened file is checked again (the peer may swap the descriptor in between).
+  char link[64] = {0};
+  const ssize_t n = readlink(path.c_str(), link, sizeof(link) - 1);
+  if (n < 0) throw_errno("readlink " + path, errno);
+  if (std::strncmp(link, "/memfd:", 7) != 0) throw_errno(path + " is not a memfd", EINVAL);
+  int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (local < 0) throw_errno("open " + path, errno);
   struct stat st;
+  if (fstat(local, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(local);
+    throw_errno(path + " is not a memfd", EINVAL);
+  }
   if (inode != 0 && (fstat(local, &st) != 0 || static_cast<uint64_t>(st.st_ino) != inode)) {
     close(local);
     throw_errno(path + " is not the memfd that was published (inode " + std::to_string(inode) +

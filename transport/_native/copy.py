@@ -241,6 +241,10 @@ class PeerMapping(_Mapped):
     """
 
     def __init__(self, pid: int, fd: int, nbytes: int, writable: bool, inode: int = 0) -> None:
+        # Every argument comes from a peer's record: out-of-range numbers are refused here, as
+        # the native constructor refuses what is not a size-sealed memfd.
+        if not (0 < pid < 1 << 31 and 0 <= fd < 1 << 31 and 0 <= nbytes < 1 << 62 and 0 <= inode < 1 << 64):
+            raise RuntimeError(f"no memfd can be mapped from pid {pid}, fd {fd}, {nbytes} bytes, inode {inode}")
         self._native: _C.PeerMapping = _C.PeerMapping(pid, fd, nbytes, writable, inode)
         self._words: ctypes.Array[ctypes.c_uint64] | None = None  # its whole words, made on first read
 

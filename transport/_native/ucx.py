@@ -25,6 +25,7 @@ from .._errors import ClosedError, TransportError, TransportInternalError
 from .._wire import TransferOp
 from ._extension import _C
 from .copy import CopyStatus
+from .ucx_format import check_rkey, check_worker_address
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +254,10 @@ class UcxEngine:
 
         Raises:
             ClosedError: the engine is closed.
+            WireError: ``address`` is not a whole worker address (checked before UCX parses it).
             TransportInternalError: UCX refused the endpoint.
         """
+        check_worker_address(address)
         return int(self._call("ucp_ep_create", self._engine.ep_create, lane, address))
 
     def disconnect(self, lane: int, ep: int, *, force: bool) -> None:
@@ -266,8 +269,10 @@ class UcxEngine:
 
         Raises:
             ClosedError: the engine is closed.
+            WireError: ``packed`` is not a whole packed rkey (checked before UCX parses it).
             TransportInternalError: UCX refused the rkey.
         """
+        check_rkey(packed)
         return int(self._call("ucp_ep_rkey_unpack", self._engine.rkey_unpack, lane, ep, packed))
 
     def read_word(self, lane: int, ep: int, rkey: int, remote: int, timeout: float) -> int | None:

@@ -59,6 +59,7 @@ from .._errors import (
 )
 from .._native import CopyStatus, RemoteWord, SharedBuffer, pack_segments
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
+from .._native.ucx_format import check_rkey, check_worker_address
 from .._regions import Region
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
@@ -140,7 +141,7 @@ def _decode_endpoint(data: bytes, peer: str) -> _EndpointInfo:
     pos = _ENDPOINT.size + ctl_len
     if pos > len(data):
         raise WireError(f"{peer}: truncated ucx endpoint descriptor")
-    ctl_rkey, out = data[_ENDPOINT.size : pos], []
+    ctl_rkey, out = data[_ENDPOINT.size : pos], list[bytes]()
     for _ in range(lanes):
         if pos + _LEN.size > len(data):
             raise WireError(f"{peer}: truncated ucx endpoint descriptor")
@@ -148,8 +149,10 @@ def _decode_endpoint(data: bytes, peer: str) -> _EndpointInfo:
         pos += _LEN.size
         if n == 0 or pos + n > len(data):
             raise WireError(f"{peer}: truncated ucx endpoint descriptor")
+        check_worker_address(data[pos : pos + n], f"{peer}: ucx worker address of lane {len(out)}")
         out.append(data[pos : pos + n])
         pos += n
+    check_rkey(ctl_rkey, f"{peer}: ucx rkey of the control word")  # before libucp ever sees them
     return _EndpointInfo(out, ctl_address, ctl_fd, ctl_inode, ctl_rkey)
 
 
@@ -159,6 +162,8 @@ def _decode_region(data: bytes, where: str) -> tuple[int, int, bytes]:
     magic, address, nbytes = _REGION.unpack_from(data)
     if magic != _REGION_MAGIC:
         raise WireError(f"{where}: not a ucx region descriptor (magic {magic!r})")
+    if nbytes:
+        check_rkey(data[_REGION.size :], f"{where}: ucx rkey")
     return address, nbytes, data[_REGION.size :]
 
 
