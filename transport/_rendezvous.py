@@ -373,6 +373,10 @@ class TCPStore(Store):
         self.port = self._store.port
         self.url = f"tcp://{host}:{self.port}"  # the real port when 0 asked for a free one
         self._indexed: set[str] = set()
+        self._names: set[str] = set()  # every key read from the index so far
+        self._scanned = 0  # the index counter when it was last read
+        self._pending: set[int] = set()  # index entries not read yet (holes, or not yet examined)
+        self._index_lock = threading.Lock()
 
     def set(self, key: str, value: bytes) -> None:
         try:
@@ -402,12 +406,54 @@ class TCPStore(Store):
             raise StoreError(f"TCPStore {self.url}: delete {key!r} failed: {exc}") from exc
 
     def keys(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, from the index.
+
+        Anyone who can reach the store can write its index, and a writer killed between
+        ``add`` and ``set`` leaves a hole: an index entry is read only once it exists (a hole
+        is looked at again by later listings, never waited for), one that is not a UTF-8 key
+        is skipped, and a listing examines at most ``_INDEX_SCAN_MAX`` new entries (the oldest
+        and the newest half when the counter jumped further), so no entry can stall or fail it.
+        """
+        with self._index_lock:  # listings may run in several threads at once
+            return self._keys(prefix)
+
+    def _keys(self, prefix: str) -> list[str]:
         try:
             n = self._store.add(self._INDEX_N, 0)
-            names = {self._store.get(f"__index/{i}").decode() for i in range(1, n + 1)}
-            return sorted(k for k in names if k.startswith(prefix) and self._store.check([k]))
+            if n > self._scanned:
+                fresh = n - self._scanned
+                if fresh > _INDEX_SCAN_MAX:
+                    half = _INDEX_SCAN_MAX // 2
+                    log.warning("TCPStore %s: the index counter jumped by %d; entries %d to %d are skipped",
+                                self.url, fresh, self._scanned + half + 1, n - half)
+                    self._pending.update(range(self._scanned + 1, self._scanned + half + 1))
+                    self._pending.update(range(n - half + 1, n + 1))
+                else:
+                    self._pending.update(range(self._scanned + 1, n + 1))
+                self._scanned = n
+                if len(self._pending) > _INDEX_SCAN_MAX:  # holes that never filled: keep the newest
+                    self._pending = set(sorted(self._pending)[-_INDEX_SCAN_MAX:])
+            for i in sorted(self._pending):
+                entry = f"__index/{i}"
+                if not self._store.check([entry]):
+                    continue  # a hole (for now): never a blocking get
+                self._pending.discard(i)
+                raw = self._store.get(entry)
+                try:
+                    name = raw.decode()
+                except UnicodeDecodeError:
+                    name = ""
+                if not 0 < len(name) <= _MAX_KEY_CHARS:
+                    log.warning("TCPStore %s: index entry %d is not a key; skipped", self.url, i)
+                    continue
+                self._names.add(name)
+            return sorted(k for k in self._names if k.startswith(prefix) and self._store.check([k]))
         except Exception as exc:
             raise StoreError(f"TCPStore {self.url}: listing {prefix!r} failed: {exc}") from exc
+
+
+_INDEX_SCAN_MAX = 1 << 16  # index entries one TCPStore listing examines at most
+_MAX_KEY_CHARS = 4096
 
 
 def _listen(host: str, port: int) -> tuple[int, int, int]:

@@ -210,6 +210,7 @@ class PeerRecord:
                     device=_typed(r, "device", str) if "device" in r else "cpu",
                     moved=_typed(r, "moved", str) if "moved" in r else "",
                 )
+                _check_region(rec)
                 regions[rec.key] = rec
             host = _typed(doc, "host", list)
             agent = _typed(doc, "agent", list)
@@ -224,8 +225,22 @@ class PeerRecord:
                 backends={k: _unb64(v) for k, v in _typed(doc, "backends", dict).items()},
                 regions=regions,
             )
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise WireError(f"malformed peer record: {exc}") from exc
+
+
+_ITEMSIZES = (1, 2, 4, 8, 16)  # every torch dtype's (this module does not import torch)
+_MAX_REGION_BYTES = 1 << 62
+
+
+def _check_region(r: RegionRecord) -> None:
+    """A region's size is its shape's element count times an itemsize, and fits a process."""
+    numel = 1
+    for d in r.shape:
+        numel *= d if d >= 0 else -(1 << 64)  # a negative dimension fits no size
+    fits = r.nbytes in {numel * i for i in _ITEMSIZES} or r.nbytes == numel == 0
+    if not 0 <= r.nbytes <= _MAX_REGION_BYTES or not fits:
+        raise ValueError(f"region {r.key!r}: {r.nbytes} bytes for shape {r.shape}")
 
 
 def _typed(doc: Any, key: str, typ: type) -> Any:

@@ -32,10 +32,13 @@ if TYPE_CHECKING:
 
 # Word indices. Subscriber control block:
 FRONT, READING, APPLIED, LAYOUT_ID, TRYING = 0, 1, 2, 3, 4
-# Publisher control block: FRONT, LAYOUT_ID, the generation of snapshot s at GEN0 + s, and
+# Publisher control block: FRONT, LAYOUT_ID, the generation of snapshot s at GEN0 + s,
 # FILLING: a version whose snapshot is being filled in the background (0: none), which a
-# puller waits for rather than taking the older FRONT.
+# puller waits for rather than taking the older FRONT, and LATEST: the newest version it has
+# begun to push, which bounds the versions a subscriber accepts (only the publisher writes
+# its block; any peer can write a subscriber's).
 FILLING = 1
+LATEST = 2  # the newest version the publisher has begun to push (set before any push of it)
 GEN0 = 4
 CTL_WORDS = 8
 POLL_S = 0.002  # how often a waiting side re-reads the other's control block
@@ -50,12 +53,22 @@ def encode_front(version: int, slot: int) -> int:
     return ((version << 2) | slot) + 1
 
 
-def decode_front(word: int) -> tuple[int, int] | None:
-    """(version, slot) of a front word, or None for "nothing yet"."""
+def decode_front(word: int, nslots: int = 4) -> tuple[int, int] | None:
+    """(version, slot) of a front word, or None for "nothing yet" and for a word naming a
+    slot past ``nslots`` (any peer may write a subscriber's words: they are range-checked)."""
     if word <= 0:
         return None
     word -= 1
+    if (word & 3) >= nslots:
+        return None
     return word >> 2, word & 3
+
+
+def publisher_latest(pubctl: torch.Tensor) -> int:
+    """The newest version a publisher's control block vouches for: what it has begun to push,
+    what its snapshots hold or are being filled with (0: nothing yet)."""
+    front = decode_front(int(pubctl[FRONT]))
+    return max(int(pubctl[LATEST]), int(pubctl[FILLING]), front[0] if front is not None else 0)
 
 
 def free_slot(ctl: torch.Tensor, nslots: int) -> int | None:

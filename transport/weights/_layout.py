@@ -96,31 +96,99 @@ class Layout:
 
     @staticmethod
     def decode(data: bytes) -> Layout:
-        """Parses and validates bytes made by :meth:`encode`.
+        """Parses bytes made by :meth:`encode` and validates the layout as a whole, before
+        anything is sized or copied from it: every entry's ``nbytes`` is its shape times its
+        wire dtype's itemsize, entries are aligned, in order and inside ``total``, an fp8
+        entry's scale word lies inside the version right after it, buckets are ordered ranges
+        inside the version, and ``total`` is where the last entry ends (at most
+        ``MAX_VERSION_BYTES``).
 
         Raises:
-            WireError: not a layout of this format and version, or an entry lies outside it.
+            MalformedLayoutError: not a layout of this format and version, or one whose fields
+                do not fit together (a ``LayoutMismatchError`` and a ``WireError``).
         """
-        doc = loads_bounded(data, max_bytes=MAX_LAYOUT_BYTES, max_depth=6, what="weights layout")
+        try:
+            doc = loads_bounded(data, max_bytes=MAX_LAYOUT_BYTES, max_depth=6, what="weights layout")
+        except WireError as exc:
+            raise MalformedLayoutError(str(exc)) from exc
         try:
             if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT or doc.get("v") != LAYOUT_VERSION:
-                raise WireError(f"not a version-{LAYOUT_VERSION} weights layout")
+                raise MalformedLayoutError(f"not a version-{LAYOUT_VERSION} weights layout")
             entries = tuple(
-                Entry(str(n), tuple(int(x) for x in shape), str(sd), str(wd), int(off), int(nb), int(so))
-                for n, shape, sd, wd, off, nb, so in doc["entries"]
+                Entry(_str(n), tuple(_int(x) for x in _list(shape)), _str(sd), _str(wd), _int(off), _int(nb), _int(so))
+                for n, shape, sd, wd, off, nb, so in _list(doc["entries"])
             )
-            buckets = tuple((int(a), int(b)) for a, b in doc["buckets"])
-            layout = Layout(str(doc["name"]), entries, buckets, int(doc["total"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise WireError(f"malformed weights layout: {exc}") from exc
-        for e in layout.entries:
-            try:
-                dtype_from_name(e.wire_dtype)
-            except ValueError as exc:
-                raise WireError(f"weights layout entry {e.name!r}: {exc}") from exc
-            if e.offset < 0 or e.offset + e.nbytes > layout.total:
-                raise WireError(f"layout entry {e.name!r} lies outside the {layout.total}-byte version")
+            buckets = tuple((_int(a), _int(b)) for a, b in _list(doc["buckets"]))
+            layout = Layout(_str(doc["name"]), entries, buckets, _int(doc["total"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedLayoutError(f"malformed weights layout: {exc}") from exc
+        _check(layout)
         return layout
+
+
+class MalformedLayoutError(LayoutMismatchError, WireError):
+    """A weights layout read from a peer that is not one: its bytes do not decode, or its
+    fields do not fit together (sizes, offsets, bounds). Nothing was sized from it."""
+
+
+MAX_VERSION_BYTES = 1 << 46  # 64 TiB: a layout claiming more is refused before anything is allocated
+_MAX_DIMS = 64
+
+
+def _int(x: object) -> int:
+    if type(x) is not int:  # bool, float, str: not a size
+        raise TypeError(f"{x!r} is not an integer")
+    return x
+
+
+def _str(x: object) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"{x!r} is not a string")
+    return x
+
+
+def _list(x: object) -> list[Any]:
+    if not isinstance(x, list):
+        raise TypeError(f"{type(x).__name__} where a list belongs")
+    return x
+
+
+def _check(layout: Layout) -> None:
+    """Raises :class:`MalformedLayoutError` unless every field of ``layout`` fits the others."""
+    total = layout.total
+    if not 0 <= total <= MAX_VERSION_BYTES:
+        raise MalformedLayoutError(f"weights layout of {total} bytes (at most {MAX_VERSION_BYTES})")
+    end = 0
+    for e in layout.entries:
+        where = f"weights layout entry {e.name!r}"
+        try:
+            wire, src = dtype_from_name(e.wire_dtype), dtype_from_name(e.src_dtype)
+        except ValueError as exc:
+            raise MalformedLayoutError(f"{where}: {exc}") from exc
+        if len(e.shape) > _MAX_DIMS or any(s < 0 for s in e.shape):
+            raise MalformedLayoutError(f"{where}: shape {e.shape}")
+        if e.nbytes != e.numel * wire.itemsize:
+            raise MalformedLayoutError(f"{where}: {e.nbytes} bytes for shape {e.shape} of {e.wire_dtype}")
+        if e.offset < end or e.offset % ALIGN:
+            raise MalformedLayoutError(f"{where}: offset {e.offset} (aligned to {ALIGN}, from byte {end} on)")
+        end = e.offset + _align(e.nbytes)
+        if e.scale_offset == -1:
+            if wire != src:
+                raise MalformedLayoutError(f"{where}: converted to {e.wire_dtype} without a scale")
+        elif wire == torch.float8_e4m3fn and src.is_floating_point and e.scale_offset == end:
+            end += ALIGN  # the float32 scale word, in its own aligned slot
+        else:
+            raise MalformedLayoutError(f"{where}: scale at {e.scale_offset} (a {e.wire_dtype} entry's "
+                                       f"scale lies at byte {end})")
+        if end > total:
+            raise MalformedLayoutError(f"{where} lies outside the {total}-byte version")
+    if layout.entries and end != total:
+        raise MalformedLayoutError(f"weights layout of {total} bytes whose entries end at byte {end}")
+    pos = 0
+    for a, b in layout.buckets:
+        if not pos <= a < b <= total:
+            raise MalformedLayoutError(f"weights layout bucket [{a}, {b}) (in order, inside {total} bytes)")
+        pos = b
 
 
 def _align(n: int) -> int:

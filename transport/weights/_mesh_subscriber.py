@@ -14,7 +14,7 @@ import torch
 
 from .._errors import TransferTimeoutError, TransportError
 from ..plan import GeneratorRank, Planner, RankPlan, Replica, ReplicaPlan
-from ..plan._codec import RankLayout, decode_trainer, encode_rank
+from ..plan._codec import MAX_LAYOUT_BYTES, RankLayout, decode_trainer, encode_rank
 from ..plan._layouts import MeshLayoutError
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
@@ -247,7 +247,10 @@ class MeshSubscriber:
         if self.keys.trainer not in source.regions:
             raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes no layout")
         if self._trainer is None or self._trainer[0] != (source.name, source.incarnation):
-            raw = torch.empty(source.regions[self.keys.trainer].nbytes, dtype=torch.uint8)
+            nbytes = source.regions[self.keys.trainer].nbytes
+            if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
+                raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes a {nbytes}-byte layout")
+            raw = torch.empty(nbytes, dtype=torch.uint8)
             await self.t.get(raw, source.name, key=self.keys.trainer)
             self._trainer = ((source.name, source.incarnation), Planner(decode_trainer(raw.numpy().tobytes())))
         planner = self._trainer[1]

@@ -23,11 +23,13 @@ from ..backends import backend_class
 from ._control import (
     CTL_WORDS,
     FRONT,
+    LATEST,
     LAYOUT_ID,
     POLL_S,
     StreamKeys,
     encode_front,
     free_slot,
+    memory_barrier,
     withdraw,
 )
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
@@ -301,6 +303,8 @@ class Publisher:
             subs, listed = await self._discover()
             left, dead = self._departed(subs, listed, version, t0, results)
             t_found = time.perf_counter()
+            snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
+            memory_barrier()
             async with anyio.create_task_group() as tg:
                 for peer in subs.values():
                     tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results)

@@ -39,10 +39,11 @@ from ._control import (
     StreamKeys,
     decode_front,
     memory_barrier,
+    publisher_latest,
     withdraw,
 )
 from ._copy import HostCopies, available_threads
-from ._layout import Entry, Layout, LayoutMismatchError, tensors_of
+from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
 
 if TYPE_CHECKING:
     from .. import Transport
@@ -206,6 +207,8 @@ class Subscriber:
         self._strict = strict
         self._keys = StreamKeys.of(name)
         self._applied: int | None = None
+        self._pub_latest = 0  # the newest version the publisher's own control block vouched for
+        self._refused: int | None = None  # the last unvouched version logged
         self._apply_lock = threading.Lock()
         self._threads = available_threads()
         self._started = False
@@ -223,8 +226,36 @@ class Subscriber:
     @property
     def latest(self) -> int | None:
         """The newest complete version waiting in a slot (may be newer than ``version``)."""
-        front = decode_front(int(self._ctl[FRONT])) if self._started else None
+        front = self._front() if self._started else None
         return None if front is None else front[0]
+
+    def _front(self) -> tuple[int, int] | None:
+        """(version, slot) of our FRONT word; None for nothing, or for a slot we do not have."""
+        return decode_front(int(self._ctl[FRONT]), len(self._slots))
+
+    async def _vouched(self, version: int) -> bool:
+        """Whether the publisher's own control block (only it writes it) vouches for
+        ``version``: any peer can write our FRONT, so a version past what the publisher has
+        begun to push is refused, and never becomes the live one. A live version the
+        publisher no longer vouches for (written by a third peer, or the publisher restarted)
+        is forgotten, so that the publisher's next version is applied: nothing can wedge us."""
+        if version > self._pub_latest or (self._applied is not None and self._applied > self._pub_latest):
+            ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+            await self.t.get(ctl, self.publisher, key=self._keys.pubctl)
+            self._pub_latest = publisher_latest(ctl)
+            if self._applied is not None and self._applied > self._pub_latest:
+                log.warning("subscriber %s: live version %d of %r is past what %s has published (%d): not "
+                            "trusted; the next version it publishes is applied", self.t.name, self._applied,
+                            self.name, self.publisher, self._pub_latest)
+                self._applied = None
+        if version <= self._pub_latest:
+            return True
+        if version != self._refused:
+            self._refused = version
+            log.warning("subscriber %s: version %d in %r's front word is past what %s has published (%d): "
+                        "someone else wrote it; ignored", self.t.name, version, self.name, self.publisher,
+                        self._pub_latest)
+        return False
 
     async def start(self, *, timeout: float | None = None) -> None:
         """Fetches the publisher's layout, checks it against the local tensors, and subscribes
@@ -237,13 +268,18 @@ class Subscriber:
             PeerNotFoundError: the publisher did not appear in time.
             LayoutMismatchError: shapes differ, or (``strict``) names do not match both ways:
                 the message lists the first few, ``not_received``/``not_sent`` all of them.
-            WireError: the publisher's layout is malformed.
+            MalformedLayoutError: the publisher's layout is malformed or its fields do not fit
+                together (also a ``WireError``); nothing was allocated from it.
 
         Cancellation: safe before the slots are registered; after, call :meth:`aclose`.
         """
         t, k = self.t, self._keys
         peer = await t.peer(self.publisher, regions=[k.layout, k.pubctl], timeout=timeout)
-        raw = torch.empty(peer.regions[k.layout].nbytes, dtype=torch.uint8)
+        nbytes = peer.regions[k.layout].nbytes
+        if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
+            raise MalformedLayoutError(f"{self.publisher} publishes a {nbytes}-byte layout of {self.name!r} "
+                                       f"(at most {MAX_LAYOUT_BYTES})")
+        raw = torch.empty(nbytes, dtype=torch.uint8)
         await t.get(raw, self.publisher, key=k.layout)
         self.layout = Layout.decode(raw.numpy().tobytes())
         self._plan = self._match(self.layout)
@@ -406,12 +442,13 @@ class Subscriber:
         """
         if not self._started:
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
-        front = decode_front(int(self._ctl[FRONT]))
-        if front is None or (self._applied is not None and front[0] <= self._applied):
+        front = self._front()
+        if front is None or not await self._vouched(front[0]) or (self._applied is not None
+                                                                   and front[0] <= self._applied):
             await anyio.lowlevel.checkpoint()
             return None
         # The copies go on the caller's current streams, after its queued work, as apply()'s do.
-        applied = await self._in_thread(self._apply_newest)
+        applied = await self._in_thread(self._apply_newest, self._pub_latest)
         await anyio.lowlevel.checkpoint_if_cancelled()
         return applied
 
@@ -429,15 +466,18 @@ class Subscriber:
 
         return await anyio.to_thread.run_sync(run)
 
-    def _apply_newest(self) -> int | None:
-        """Claims the newest complete slot (two-flag handshake), makes it live, releases it."""
+    def _apply_newest(self, bound: int | None = None) -> int | None:
+        """Claims the newest complete slot (two-flag handshake), makes it live, releases it.
+        A front naming a slot we lack, or (``bound``) a version past it, is not applied."""
         claim = TRYING if self.zero_copy else READING
         with self._apply_lock:
             ctl = self._ctl
             while True:
                 word = int(ctl[FRONT])
-                front = decode_front(word)
+                front = decode_front(word, len(self._slots))
                 if front is None or (self._applied is not None and front[0] <= self._applied):
+                    return None
+                if bound is not None and front[0] > bound:
                     return None
                 ctl[claim] = front[1]
                 memory_barrier()
@@ -476,18 +516,17 @@ class Subscriber:
         timeout = self.t.timeout if timeout is None else timeout
         with anyio.move_on_after(timeout):
             while True:
-                if self._applied is not None and self._applied >= version:
+                if self._applied is not None and self._applied >= version and await self._vouched(self._applied):
                     return self._applied
                 latest = self.latest
-                if latest is not None and latest >= version:
-                    await self.apply_async()
+                if latest is not None and latest >= version and await self.apply_async() is not None:
                     continue
                 try:  # the doorbell wakes us; polling covers an unacknowledged one
                     await self.t.wait_signal(self._keys.doorbell, at_least=version, timeout=0.05)
                 except TransferTimeoutError:
                     pass
-        if self._applied is not None and self._applied >= version:  # the timeout fell during the copy
-            return self._applied
+        if self._applied is not None and self._applied >= version and self._applied <= self._pub_latest:
+            return self._applied  # the timeout fell during the copy
         raise TransferTimeoutError(f"{self.t.name}: version {version} of {self.name!r} did not arrive within "
                                    f"{timeout:g}s (live: {self._applied})")
 
@@ -521,8 +560,12 @@ class Subscriber:
                     await anyio.sleep(POLL_S)  # the first snapshot is being filled
                     continue
                 version, slot = front
-                if self._applied is not None and max(version, filling) <= self._applied:
+                self._pub_latest = publisher_latest(ctl)
+                if self._applied is not None and max(version, filling) == self._applied:
                     return self._applied
+                # Past the publisher's own version (a third peer's word, or a restarted
+                # publisher): the publisher's current version replaces it.
+                reset = self._applied is not None and self._applied > max(version, filling)
                 if filling > version:  # wait for it rather than take the older one
                     await anyio.sleep(POLL_S)
                     continue
@@ -533,15 +576,16 @@ class Subscriber:
                     await t.get(buf, self.publisher, key=k.snapshots[slot])
                     await t.get(ctl, self.publisher, key=k.pubctl)
                     if int(ctl[GEN0 + slot]) == gen:  # nobody wrote that snapshot meanwhile
-                        return await self._in_thread(self._keep_pulled, buf, version)
+                        return await self._in_thread(self._keep_pulled, buf, version, reset)
                 await anyio.sleep(POLL_S)
         raise TransferTimeoutError(f"{t.name}: no consistent copy of {self.name!r} from {self.publisher} "
                                    f"within {timeout:g}s")
 
-    def _keep_pulled(self, buf: torch.Tensor, version: int) -> int | None:
-        """Copies a pulled version into the local tensors, unless a newer one is live by now."""
+    def _keep_pulled(self, buf: torch.Tensor, version: int, reset: bool = False) -> int | None:
+        """Copies a pulled version into the local tensors, unless a newer one is live by now
+        (``reset``: the live one is not the publisher's, so the pulled one replaces it)."""
         with self._apply_lock:
-            if self._applied is not None and version <= self._applied:
+            if self._applied is not None and version <= self._applied and not reset:
                 return self._applied
             self._unpack(buf)
             self._applied = version
