@@ -14,7 +14,8 @@ MODULES = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").rglo
 
 
 # Modules of transport that are public API (DESIGN.md); everything else in the package is internal.
-PUBLIC_MODULES = {"transport", "transport.weights", "transport.testing", "transport.backends", "transport.plan"}
+PUBLIC_MODULES = {"transport", "transport.weights", "transport.testing", "transport.backends", "transport.plan",
+                  "transport.vllm"}
 
 
 def _is_module(name: str) -> bool:

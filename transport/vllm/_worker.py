@@ -31,7 +31,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .._errors import TransportError
 from ..plan import MeshLayoutError, TrainerLayout
-from ..weights import CommitError, LayoutMismatchError, MeshSubscriber, read_trainer_layout
+from ..weights import LayoutMismatchError, MeshSubscriber, read_trainer_layout
 from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
 from ._layouts import checkpoint_names, full_shaped, tp_slices, whole_tensors
 from ._loop import LoopThread
@@ -287,8 +287,8 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         err: str | None = None
         try:
             s.loop.call(s.sub.pull, timeout=s.info.timeout + 1)
-        except TransportError as exc:  # no version yet, or the trainer is gone: serve what we have
-            err = str(exc)
+        except Exception as exc:  # noqa: BLE001 - every TP rank must reach the agreement below
+            err = f"{type(exc).__name__}: {exc}"  # e.g. no version yet, or the trainer is gone
         if self._agree(err is None) and err is None:
             v = self._agree_version(s, None, s.info.timeout)
             if v is not None:
@@ -314,7 +314,7 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         if self.rank == 0:
             try:
                 outcome = (s.loop.call(self._commit, s, wanted, wait, timeout=wait + 1), None)
-            except (TransportError, CommitError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait for rank 0's outcome: always send one
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         else:
             outcome = (None, None)
