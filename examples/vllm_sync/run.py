@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import model as tiny
-from .engines import Generation, OfflineEngine, ServedEngine, signal_all
+from .engines import Generation, OfflineEngine, ServedEngine, free_port, signal_all
 
 TOL = {"float32": 2e-4, "bfloat16": 0.15}  # max |logprob(vLLM) - logprob(trainer)|: fp32 exact, bf16 noise
 PROMPTS, MAX_TOKENS = 4, 6
@@ -122,7 +122,7 @@ def trainer_rank1(cfg: dict[str, Any]) -> None:
     info = TransportTrainerInitInfo(rank=1, store=cfg["store"], timeout=cfg["timeout"], deadline=cfg["timeout"])
     eng = TransportTrainerEngine.trainer_init(info, client=[], source=ShardSource(model))
     for step in range(cfg["steps"]):
-        prompt_ids = _recv(step)
+        prompt_ids = _recv()
         sft_step(model, opt, prompt_ids, step)
         {k: v.full_tensor() for k, v in model.state_dict().items()}  # rank 0's reference copy
         if cfg["kill_trainer"] and step == cfg["steps"] - 1:
@@ -133,7 +133,7 @@ def trainer_rank1(cfg: dict[str, Any]) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _recv(step: int) -> list[list[int]]:
+def _recv() -> list[list[int]]:
     obj: list[Any] = [None]
     torch.distributed.broadcast_object_list(obj, src=0)
     return list(obj[0])
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = tiny.load(model_dir, a.dtype)  # the trainer's own copy of each version, for the check
         prev = tiny.load(model_dir, a.dtype)  # ... and of the version before
         if a.trainers == 2:
-            port = _free_port()
+            port = free_port()
             cfg = {"model": model_dir, "dtype": a.dtype, "lr": a.lr, "store": store, "timeout": a.timeout,
                    "steps": a.steps, "port": port, "kill_trainer": a.kill_trainer}
             rank1 = multiprocessing.get_context("spawn").Process(target=trainer_rank1, args=(cfg,))
@@ -342,12 +342,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _free_port() -> int:
-    from .engines import free_port
-
-    return free_port()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-"""Layouts of the ``transport`` vLLM backend: what a trainer offers, read off its weights, and
-what each vLLM worker receives."""
+"""Layouts of the ``transport`` vLLM backend: what each vLLM worker receives (whole tensors or
+its TP slices), how it hands them to ``load_weights``, and the names a vLLM model loads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from ..plan import (
@@ -11,27 +10,10 @@ from ..plan import (
     GeneratorRank,
     LocalTensor,
     MeshLayoutError,
-    MeshSharding,
     Piece,
-    Replicate,
-    TensorSpec,
     TrainerLayout,
     full_box,
 )
-
-
-def dtype_name(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def full_trainer_layout(specs: Iterable[tuple[str, tuple[int, ...], str]]) -> TrainerLayout:
-    """The layout of one trainer rank that holds every tensor whole: ``(name, shape, dtype)``.
-
-    Raises:
-        MeshLayoutError: a duplicate name or an unknown dtype.
-    """
-    one = MeshSharding((1,), (Replicate(),), (0,))
-    return TrainerLayout.of(TensorSpec(n, tuple(int(d) for d in s), d, one) for n, s, d in specs)
 
 
 def whole_tensors(trainer: TrainerLayout) -> GeneratorRank:

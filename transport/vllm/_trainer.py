@@ -34,11 +34,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from ..plan import trainer_layout_from_state_dict
+from ..plan import full_box, trainer_layout_from_state_dict
 from ..weights import MeshPublisher, MeshPublishReport
 from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
 from ._info import BACKEND, TransportInitInfo
-from ._layouts import dtype_name, full_trainer_layout
 from ._loop import LoopThread
 from ._worker import EngineSyncError
 
@@ -166,8 +165,9 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
             layout, rank = trainer_layout_from_state_dict(state), info.rank
         else:  # rank 0 alone holds every tensor whole; the real ones come with each publish
             meta = source.metadata()
-            layout, rank = full_trainer_layout((m.name, m.shape, dtype_name(m.dtype)) for m in meta), 0
             state = {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in meta}
+            whole = {m.name: (tuple(m.shape), full_box(tuple(m.shape))) for m in meta}
+            layout, rank = trainer_layout_from_state_dict(state, rank=0, boxes=whole), 0
         if info.dtype is not None:
             layout = layout.cast(info.dtype)
         self.loop = LoopThread(f"trainer-{info.rank}", store=info.store, backends=info.backends,

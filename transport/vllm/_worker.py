@@ -263,13 +263,9 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             return
         c = s.sub.committed()
         v = -1 if c is None or c == self.loaded else c
-        if self.size > 1:
-            from vllm.distributed import get_tp_group
-
-            both = torch.tensor([v, -v], dtype=torch.int64)
-            torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
-            if int(both[0]) != -int(both[1]):
-                return
+        low, neg_high = self._tp_min(v, -v)
+        if low != -neg_high:
+            return
         if v >= 0:
             self._wait_s = 0.0
             self._load_version(s, v)
@@ -296,16 +292,20 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         else:
             log.info("%s: nothing to load at join: %s", s.name, err or "another rank pulled nothing")
 
-    def _agree(self, ok: bool) -> bool:
-        """Whether every TP rank says ``ok`` (one flag each, over vLLM's TP group)."""
+    def _tp_min(self, *values: int) -> list[int]:
+        """The minimum of each of ``values`` over the engine's TP ranks (one all-reduce over
+        vLLM's TP group; every rank must call it)."""
         if self.size == 1:
-            return ok
+            return list(values)
         from vllm.distributed import get_tp_group
 
-        flags = get_tp_group().cpu_group
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=flags)
-        return bool(t.item())
+        t = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        return [int(x) for x in t]
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every TP rank says ``ok``."""
+        return self._tp_min(int(ok))[0] == 1
 
     def _decide(self, s: _Session, wanted: int | None, wait: float) -> tuple[int | None, str | None]:
         """TP rank 0: commit (waiting for ``wanted`` when given); then every rank learns the
