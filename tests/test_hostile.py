@@ -179,8 +179,8 @@ def send_and_wait_closed(addr: tuple[str, int], data: bytes, timeout: float = 15
         return closed_by_peer(s, timeout)
 
 
-def hello_frame(to: str, incarnation: str, rid: int = 1) -> bytes:
-    return encode_frame(FrameKind.HELLO, rid, {**hello("intruder", "0" * 16, "control"), "to": to,
+def hello_frame(to: str, incarnation: str, rid: int = 1, who: str = "intruder") -> bytes:
+    return encode_frame(FrameKind.HELLO, rid, {**hello(who, "0" * 16, "control"), "to": to,
                                                  "to_incarnation": incarnation}, 0)
 
 
@@ -209,12 +209,13 @@ async def test_deeply_nested_frames_close_only_their_connection(env, name):
 # b. connection floods under a lowered RLIMIT_NOFILE
 
 
-def flood_idle(addr: tuple[str, int], n: int, first: bytes = b"") -> list[socket.socket]:
+def flood_idle(addr: tuple[str, int], n: int, first: bytes | Callable[[int], bytes] = b"") -> list[socket.socket]:
+    """``n`` connections, each sent ``first`` (or ``first(i)``) and then left idle."""
     socks = []
-    for _ in range(n):
+    for i in range(n):
         s = socket.create_connection(addr, timeout=10)
-        if first:
-            s.sendall(first)
+        if data := first(i) if callable(first) else first:
+            s.sendall(data)
         socks.append(s)
     return socks
 
@@ -252,12 +253,14 @@ async def test_idle_socket_flood_does_not_lock_out_a_legit_client(env):
 
 
 async def test_authenticated_flood_past_the_descriptor_limit_leaves_the_listener_alive(env):
-    """Without a token anyone can say HELLO; 2x the connection cap of them run the target out of
-    descriptors (its limit is lower than the cap): accept fails with EMFILE, is logged, and
-    retried; once they go, a legitimate client gets in."""
+    """Without a token anyone can say HELLO, under any name; 2x the connection cap of them (each
+    under its own name: the cap per peer stops one name sooner) run the target out of descriptors
+    (its limit is lower than the cap): accept fails with EMFILE, is logged, and retried; once
+    they go, a legitimate client gets in."""
     target = env.targets["open"]
     addr, inc = await agent_of(env, "open")
-    socks = await anyio.to_thread.run_sync(flood_idle, addr, 2 * OPEN_MAX_CONNS, hello_frame("open", inc))
+    socks = await anyio.to_thread.run_sync(flood_idle, addr, 2 * OPEN_MAX_CONNS,
+                                           lambda i: hello_frame("open", inc, who=f"intruder-{i}"))
     try:
         with anyio.fail_after(30):
             while "accept failed" not in target.log.read_text():

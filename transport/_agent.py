@@ -18,8 +18,19 @@ authenticates, and nothing one connection does stops the others:
   one (an honest client says HELLO at once, so idle sockets cannot lock it out); at most
   ``max_conns`` are open in all: a new one beyond that closes the oldest waiting one or, if all
   have said HELLO, is closed itself (without a token HELLO proves nothing: this bounds descriptors);
-* defaults 1024 / 64 / 10 s; ``$TRANSPORT_AGENT_MAX_CONNS``, ``$TRANSPORT_AGENT_MAX_PREAUTH`` and
-  ``$TRANSPORT_AGENT_HANDSHAKE_TIMEOUT`` (read when the server is made) or the fields override them;
+* after HELLO, one peer (the name its HELLO gives) holds at most ``max_conns_per_peer``
+  connections: one more is refused with an ERR naming the cap, so no single peer (a token
+  holder included) can take every slot; an honest Transport holds three or four per peer;
+* a connection on which nothing arrives for ``idle_timeout`` s, between frames or inside one (a
+  stalled payload or metadata), or that takes no reply bytes for that long, is closed. The HELLO's
+  OK carries ``idle_s``, and clients reopen a channel idle for half of it before they use it, so
+  an honest client never writes into a connection being closed. Watch connections (a peer
+  waiting for this process to end, ``lane="watch"``) are exempt between frames: idling is their job;
+* a refused payload is drained into one buffer shared by every connection, and metadata buffers
+  grow with the bytes that arrive: what a stalled connection costs is what it sent;
+* defaults 1024 / 64 / 10 s / 32 / 300 s; ``$TRANSPORT_AGENT_MAX_CONNS``, ``$TRANSPORT_AGENT_MAX_PREAUTH``,
+  ``$TRANSPORT_AGENT_HANDSHAKE_TIMEOUT``, ``$TRANSPORT_AGENT_MAX_CONNS_PER_PEER`` and
+  ``$TRANSPORT_AGENT_IDLE_TIMEOUT`` (read when the server is made) or the fields override them;
 * a failing ``accept`` never stops the listener: out of descriptors or memory is warned about
   (rate-limited) and retried after 0.1 s; an aborted connection is skipped;
 * an undecodable or oversized frame (WireError, JSON nested too deep included) or any unexpected
@@ -71,9 +82,14 @@ log = logging.getLogger(__name__)
 MAX_CONNS_ENV = "TRANSPORT_AGENT_MAX_CONNS"
 MAX_PREAUTH_ENV = "TRANSPORT_AGENT_MAX_PREAUTH"
 HANDSHAKE_TIMEOUT_ENV = "TRANSPORT_AGENT_HANDSHAKE_TIMEOUT"
+MAX_CONNS_PER_PEER_ENV = "TRANSPORT_AGENT_MAX_CONNS_PER_PEER"
+IDLE_TIMEOUT_ENV = "TRANSPORT_AGENT_IDLE_TIMEOUT"
 DEFAULT_MAX_CONNS = 1024
 DEFAULT_MAX_PREAUTH = 64
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+DEFAULT_MAX_CONNS_PER_PEER = 32
+DEFAULT_IDLE_TIMEOUT = 300.0
+WATCH_LANE = "watch"  # a connection that only waits for this process to end (see PeerDirectory.watch)
 _ACCEPT_BACKOFF_S = 0.1
 _WARN_EVERY_S = 10.0
 # accept(2) passes on errors of the connection it was about to return: skip that connection.
@@ -87,14 +103,15 @@ _CONNECTION_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, err
 class Conn:
     """The serving side of one agent connection, as a route sees it."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, stall: float | None = None) -> None:
         self.sock = sock
+        self.stall = stall  # seconds without progress after which a read or a reply gives up
 
     async def reply(self, kind: FrameKind, rid: int, meta: Mapping[str, Any],
                     payload: memoryview | Sequence[memoryview] | None = None) -> None:
         parts = payload_parts(payload)
         frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
-        await send_all_views(self.sock, [memoryview(frame), *parts])
+        await send_all_views(self.sock, [memoryview(frame), *parts], self.stall)
 
     async def refuse(self, rid: int, exc: TransportError) -> None:
         code, msg = error_to_frame(exc)
@@ -102,11 +119,11 @@ class Conn:
 
     async def recv_into(self, views: Sequence[memoryview]) -> None:
         """Fills ``views`` (bytes views) in order from the stream, many per system call."""
-        await recv_into_views(self.sock, views)
+        await recv_into_views(self.sock, views, self.stall)
 
     async def discard(self, nbytes: int) -> None:
         if nbytes:
-            await discard(self.sock, nbytes)
+            await discard(self.sock, nbytes, self.stall)
 
 
 class Routes(Protocol):
@@ -157,11 +174,16 @@ class AgentServer:
     max_preauth: int = field(default_factory=lambda: int(_env_limit(MAX_PREAUTH_ENV, DEFAULT_MAX_PREAUTH)))
     handshake_timeout: float = field(
         default_factory=lambda: _env_limit(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT))
+    max_conns_per_peer: int = field(
+        default_factory=lambda: int(_env_limit(MAX_CONNS_PER_PEER_ENV, DEFAULT_MAX_CONNS_PER_PEER)))
+    idle_timeout: float = field(default_factory=lambda: _env_limit(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT))
 
     def __post_init__(self) -> None:
-        if not (self.max_conns >= 1 and self.max_preauth >= 1 and 0 < self.handshake_timeout < math.inf):
+        if not (self.max_conns >= 1 and self.max_preauth >= 1 and self.max_conns_per_peer >= 1
+                and 0 < self.handshake_timeout < math.inf and 0 < self.idle_timeout < math.inf):
             raise ValueError(f"agent limits must be positive, got max_conns={self.max_conns!r}, "
-                             f"max_preauth={self.max_preauth!r}, handshake_timeout={self.handshake_timeout!r}")
+                             f"max_preauth={self.max_preauth!r}, handshake_timeout={self.handshake_timeout!r}, "
+                             f"max_conns_per_peer={self.max_conns_per_peer!r}, idle_timeout={self.idle_timeout!r}")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._lsock = socket.socket(family, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -171,6 +193,8 @@ class AgentServer:
         self.port = self._lsock.getsockname()[1]
         self._conns: dict[socket.socket, anyio.CancelScope] = {}  # every open connection's task
         self._waiting: dict[socket.socket, None] = {}  # those still waiting for HELLO, oldest first
+        self._by_peer: dict[str, set[socket.socket]] = {}  # authenticated connections per HELLO name
+        self._peer_of: dict[socket.socket, str] = {}
         self._warned: dict[str, tuple[float, int]] = {}  # kind of warning -> (when last logged, since)
 
     @property
@@ -207,6 +231,8 @@ class AgentServer:
             close_socket(s)
         self._conns.clear()
         self._waiting.clear()
+        self._by_peer.clear()
+        self._peer_of.clear()
 
     def _warn(self, kind: str, what: str) -> None:
         """Logs a warning about load or abuse, at most one of each kind per _WARN_EVERY_S."""
@@ -241,13 +267,23 @@ class AgentServer:
     def _drop(self, sock: socket.socket) -> None:
         """Forgets a connection and closes it (stopping its task if it still runs)."""
         self._waiting.pop(sock, None)
+        self._unclaim(sock)
         scope = self._conns.pop(sock, None)
         if scope is not None:
             scope.cancel()
         close_socket(sock)
 
+    def _unclaim(self, sock: socket.socket) -> None:
+        """Stops counting ``sock`` against its peer's cap."""
+        who = self._peer_of.pop(sock, None)
+        if who is not None:
+            socks = self._by_peer[who]
+            socks.discard(sock)
+            if not socks:
+                del self._by_peer[who]
+
     async def _serve_conn(self, sock: socket.socket, scope: anyio.CancelScope, peer: str) -> None:
-        conn = Conn(sock)
+        conn = Conn(sock, self.idle_timeout)
         try:
             with scope:
                 accepted, lane = False, ""
@@ -259,11 +295,13 @@ class AgentServer:
                     return
                 if lane == DIRECT_LANE:  # native code serves it from here (or closes it)
                     self._conns.pop(sock, None)
+                    self._unclaim(sock)
                     if not self.routes.adopt_direct(sock):
                         self._warn("direct", f"closed the direct lane from {peer}: not served (at its cap)")
                     return
+                idle = None if lane == WATCH_LANE else self.idle_timeout
                 while True:
-                    kind, rid, meta, plen = await read_frame_head(sock)
+                    kind, rid, meta, plen = await read_frame_head(sock, idle=idle, stall=self.idle_timeout)
                     await self._dispatch(conn, kind, rid, meta, plen)
         except CONNECTION_ENDED as exc:
             log.debug("agent %s: connection from %s ended: %s", self.name, peer, exc)
@@ -295,7 +333,19 @@ class AgentServer:
             await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
             return peer, False, ""
         self._waiting.pop(conn.sock, None)  # authenticated: no longer evictable
-        await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation,
+        who = str(meta.get("from", "?"))[:200]
+        mine = self._by_peer.get(who, set())
+        if len(mine) >= self.max_conns_per_peer:
+            self._warn("per-peer", f"refused a connection from {peer}: it holds {len(mine)} connections "
+                       f"(the cap per peer; ${MAX_CONNS_PER_PEER_ENV})")
+            await conn.reply(FrameKind.ERR, rid, {
+                "code": ErrCode.INTERNAL,
+                "message": f"{self.name} holds {len(mine)} connections from {who!r}, its cap per peer "
+                f"(${MAX_CONNS_PER_PEER_ENV})"})
+            return peer, False, ""
+        self._by_peer[who] = mine | {conn.sock}
+        self._peer_of[conn.sock] = who
+        await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation, "idle_s": self.idle_timeout,
                                              **self.auth.ok_fields(meta, self.incarnation)})
         lane = meta.get("lane")
         return peer, True, lane if isinstance(lane, str) else ""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +63,8 @@ class Channel:
         self._send_lock = anyio.Lock()
         self._broken: BaseException | None = None
         self._closed = anyio.Event()
+        self._used = time.monotonic()  # last request sent or reply read
+        self._idle_limit = math.inf  # the agent closes the connection after this long idle
 
     @classmethod
     async def open(
@@ -113,7 +117,16 @@ class Channel:
         except BaseException:
             chan.close()
             raise
+        idle = reply.get("idle_s")
+        if isinstance(idle, (int, float)) and not isinstance(idle, bool) and 0 < idle < math.inf:
+            chan._idle_limit = float(idle)
         return chan
+
+    @property
+    def idle_expired(self) -> bool:
+        """Whether this channel sat idle for half the time after which its agent closes idle
+        connections: the next request goes on a new one (never into a closing connection)."""
+        return not self._replies and time.monotonic() - self._used > self._idle_limit / 2
 
     @property
     def broken(self) -> bool:
@@ -164,6 +177,7 @@ class Channel:
         if self._broken is not None:
             raise self._lost("earlier failure", self._broken)
         rid = next(self._ids)
+        self._used = time.monotonic()
         reply = _Reply(None if into is None else payload_parts(into))
         self._replies[rid] = reply
         parts = payload_parts(payload)
@@ -214,6 +228,7 @@ class Channel:
                 elif payload_len:
                     await discard(self._sock, payload_len)
                 reply.kind, reply.meta = kind, meta
+                self._used = time.monotonic()
                 reply.event.set()
         except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
             if not isinstance(exc, CONNECTION_ENDED):
@@ -276,7 +291,7 @@ class ChannelPool:
             cached = self._channels.get(peer)
             if cached is not None:
                 inc, chan = cached
-                if inc == incarnation and not chan.broken:
+                if inc == incarnation and not chan.broken and not chan.idle_expired:
                     return chan
                 chan.close()
             chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello,

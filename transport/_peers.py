@@ -166,6 +166,8 @@ class PeerDirectory:
         # Tells whether an adopted record is still the peer's latest without reading the store
         # (a backend's cheap view of the peer's record seq); set once the backends exist.
         self._current: Callable[[PeerRecord], bool] = lambda record: False
+        # Tells, cheaply, that a same-host peer's Transport closed (its process may live on).
+        self._withdrawn: Callable[[PeerRecord], bool] = lambda record: False
         self._heartbeat: Heartbeat | None = None
         self._tg: TaskGroup | None = None
         # (peer, incarnation) -> its watch connection, or the token of the attempt making it
@@ -173,15 +175,19 @@ class PeerDirectory:
         self.closed = False
 
     def subscribe(self, *, forget: Forget | None = None, lost: Lost | None = None,
-                  current: Callable[[PeerRecord], bool] | None = None) -> None:
+                  current: Callable[[PeerRecord], bool] | None = None,
+                  withdrawn: Callable[[PeerRecord], bool] | None = None) -> None:
         """Registers a part that holds per-peer state; ``current(record)``: True when that part
-        can tell cheaply that ``record`` is still the peer's latest (see :meth:`lookup`)."""
+        can tell cheaply that ``record`` is still the peer's latest (see :meth:`lookup`);
+        ``withdrawn(record)``: True when it can tell cheaply that the peer's Transport closed."""
         if forget is not None:
             self._forget.append(forget)
         if lost is not None:
             self._on_lost.append(lost)
         if current is not None:
             self._current = current
+        if withdrawn is not None:
+            self._withdrawn = withdrawn
 
     @property
     def store_url(self) -> str:
@@ -433,6 +439,36 @@ class PeerDirectory:
         self._flight.event("excluded" if excluded else "peer-lost", name, f"incarnation {incarnation}: {why}")
         self._flight.dump(f"{'excluded' if excluded else 'peer lost'}: {name}: {why}")
 
+    def depart(self, record: PeerRecord, why: str) -> None:
+        """A peer closed its Transport (its process may live on): forgets everything held for
+        that incarnation (mappings, routes, connections, its record) as a loss does, with no
+        warning or dump; its transfers still in flight fail with PeerLostError. Idempotent."""
+        name, incarnation = record.name, record.incarnation
+        err = PeerLostError(f"{name} left ({why})")
+        if not self._lost.add(name, incarnation, err):
+            return
+        log.info("transport %s: peer %s (incarnation %s) left: %s", self.me.name, name, incarnation, why)
+        for lost in self._on_lost:
+            lost(name, incarnation, err, False)
+        for forget in self._forget:
+            forget(name)
+        self._unwatch_peer(name)
+        self._leases.forget(name)
+        if (known := self._peers.get(name)) is not None and known.incarnation == incarnation:
+            del self._peers[name]
+        self._flight.event("peer-left", name, f"incarnation {incarnation}: {why}")
+
+    async def _left(self, record: PeerRecord) -> str | None:
+        """Why ``record``'s Transport counts as closed (not dead): its control word says so
+        (same host), or its record is gone from the store, or replaced; None otherwise."""
+        if record.host == self.me.host and self._withdrawn(record):
+            return "its Transport closed"
+        try:
+            now = await self.fetch(record.name)
+        except TransportError:
+            return None
+        return "its record was withdrawn" if now is None else None  # (a successor: the old one died)
+
     def exclude(self, name: str) -> None:
         """See ``Transport.exclude``.
 
@@ -456,11 +492,17 @@ class PeerDirectory:
                 if record.host == self.me.host:
                     alive = self._procs.alive(record.pid, record.pid_start)
                     why = None if alive else f"{name} (pid {record.pid}) exited"
+                    if alive and self._withdrawn(record):
+                        self.depart(record, "its Transport closed")
+                        continue
                 else:
                     try:
                         beat = await self._store.aget(HEARTBEAT_PREFIX + name)
                     except TransportError as exc:
                         log.warning("transport %s: cannot read heartbeats: %s", self.me.name, exc)
+                        continue
+                    if beat is None and (left := await self._left(record)) is not None:
+                        self.depart(record, left)  # a closing Transport deletes its heartbeat, then its record
                         continue
                     why = self._leases.expired(name, record.incarnation, beat)
                 if why is not None:
@@ -513,6 +555,12 @@ class PeerDirectory:
         self._watchers[key] = chan
         why = await chan.wait_closed()
         if isinstance(why, PeerLostError) and self._watchers.get(key) is chan:
+            with anyio.move_on_after(_WATCH_CONNECT_TIMEOUT_S):
+                if (left := await self._left(record)) is not None:
+                    self._watchers.pop(key, None)
+                    if not self.closed:
+                        self.depart(record, left)
+                    return
             self._lost_by_watch(record, f"its agent at {agent} closed the connection ({why})")
 
     def _lost_by_watch(self, record: PeerRecord, why: str) -> None:

@@ -2,10 +2,15 @@
 
 :class:`Signals` owns this endpoint's signal values and the event its waiters sleep on, and
 sends signals to peers over the control connection (after fencing earlier transfers to them).
+
+The table is bounded whatever peers send: names are at most MAX_SIGNAL_NAME_BYTES (longer ones
+are refused on the wire), and it holds the MAX_SIGNALS most recently set names. Setting one more
+forgets the least recently set name nobody is waiting for (``signal_value`` is None again).
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import anyio
@@ -15,7 +20,9 @@ from ._errors import TransferTimeoutError, TransportError
 from ._flight import FlightRecorder, OpState
 from ._peers import PeerDirectory
 from ._transfers import TransferEngine
-from ._wire import FrameKind, SignalRequest
+from ._wire import FrameKind, SignalRequest, check_signal_name
+
+MAX_SIGNALS = 65_536
 
 
 class Signals:
@@ -36,7 +43,8 @@ class Signals:
         self._transfers = transfers
         self._control = control
         self._flight = flight
-        self._values: dict[str, int] = {}
+        self._values: collections.OrderedDict[str, int] = collections.OrderedDict()  # least recently set first
+        self._waited: dict[str, int] = {}  # name -> tasks waiting for it (never forgotten meanwhile)
         self._event = anyio.Event()
 
     # -- receiving ------------------------------------------------------------------------
@@ -44,6 +52,12 @@ class Signals:
     def deliver(self, request: SignalRequest) -> None:
         """A peer set signal ``request.name`` here (called by the agent)."""
         self._values[request.name] = request.value
+        self._values.move_to_end(request.name)
+        if len(self._values) > MAX_SIGNALS:
+            for name in self._values:
+                if name not in self._waited:
+                    del self._values[name]
+                    break
         self.wake()
 
     def wake(self) -> None:
@@ -56,13 +70,18 @@ class Signals:
 
     async def wait(self, name: str, at_least: int, timeout: float, check_open: Callable[[], None]) -> int:
         """See ``Transport.wait_signal``."""
-        with anyio.move_on_after(timeout):
-            while True:
-                check_open()
-                value = self._values.get(name)
-                if value is not None and value >= at_least:
-                    return value
-                await self._event.wait()
+        self._waited[name] = self._waited.get(name, 0) + 1
+        try:
+            with anyio.move_on_after(timeout):
+                while True:
+                    check_open()
+                    value = self._values.get(name)
+                    if value is not None and value >= at_least:
+                        return value
+                    await self._event.wait()
+        finally:
+            if (left := self._waited.pop(name) - 1) > 0:
+                self._waited[name] = left
         raise TransferTimeoutError(
             f"{self.name}: signal {name!r} did not reach {at_least} within {timeout:g}s (now {self._values.get(name)})"
         )
@@ -71,6 +90,7 @@ class Signals:
 
     async def send(self, peer: str, name: str, value: int, timeout: float) -> None:
         """See ``Transport.signal``."""
+        check_signal_name(name)
         rec = self._flight.start("signal", peer, name, 8)
         try:
             with anyio.fail_after(timeout):

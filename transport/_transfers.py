@@ -43,6 +43,7 @@ from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, LocalBuffer, RemoteTarget
 from .backends._base import Mover, Pending
+from .backends._control import WITHDRAWN_SEQ
 
 log = logging.getLogger("transport._transport")
 
@@ -112,7 +113,8 @@ class TransferEngine:
         self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._sync: dict[tuple[str, str, TransferOp], _SyncRoute] = {}
-        directory.subscribe(lost=self.abort_peer, forget=self._forget_routes, current=self._current)
+        directory.subscribe(lost=self.abort_peer, forget=self._forget_routes, current=self._current,
+                            withdrawn=self._withdrawn)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -226,11 +228,16 @@ class TransferEngine:
         """Whether a backend sees, cheaply, that ``record`` is still its peer's latest."""
         return any(b.live_seq(record) == record.seq for b in self._backends)
 
+    def _withdrawn(self, record: PeerRecord) -> bool:
+        """Whether a backend sees, cheaply, that ``record``'s Transport has closed."""
+        return any(b.live_seq(record) == WITHDRAWN_SEQ for b in self._backends)
+
     def _forget_routes(self, peer: str) -> None:
         """Drops the synchronous routes to ``peer`` (it restarted or was lost): what they hold,
         e.g. a mapping of its memory, goes with them."""
         for k in [k for k in self._sync if k[0] == peer]:
             del self._sync[k]
+        self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != peer}
 
     async def fence(self, peer: str, timeout: float) -> None:
         """Waits until every transfer to ``peer`` started before this call has ended.
@@ -460,7 +467,10 @@ class TransferEngine:
         finally:
             if not xfer.done():
                 xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
-            self._inflight.get(xfer.peer, set()).discard(xfer)
+            if (inflight := self._inflight.get(xfer.peer)) is not None:
+                inflight.discard(xfer)
+                if not inflight:
+                    del self._inflight[xfer.peer]
             for key in keys or (xfer.key,):
                 ranges = self._ranges.get((xfer.peer, key))
                 if ranges is not None and ranges.remove(xfer):

@@ -215,6 +215,8 @@ class Transport:
         self._signals.wake()
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
             await self._directory.withdraw()
+        for b in self._backends:
+            b.withdrawn()
         # Not inside the shield: the task groups must be exited in the scope they were entered in.
         await self._stack.aclose()
         self._regions.clear()
@@ -488,6 +490,7 @@ class Transport:
         Raises:
             As :meth:`fence` (an earlier transfer failed: no signal is sent), PeerNotFoundError,
             PeerLostError, TransferTimeoutError.
+            ValueError: ``name`` is not a str of 1 to 256 bytes of UTF-8 (nothing is sent).
 
         Cancellation: the signal may or may not have been delivered.
         """

@@ -26,7 +26,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,15 +424,29 @@ def _advance(views: Sequence[memoryview], i: int, pos: int, got: int) -> tuple[i
     return i, pos + got
 
 
-async def send_all_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+async def _wait_ready(wait: Callable[[socket.socket], Awaitable[None]], sock: socket.socket,
+                      stall: float | None) -> None:
+    """Waits until ``sock`` can move bytes; with ``stall``, at most that long (then
+    TimeoutError, an OSError: the connection counts as ended)."""
+    if stall is None:
+        await wait(sock)
+        return
+    with anyio.move_on_after(stall) as scope:
+        await wait(sock)
+    if scope.cancelled_caught:
+        raise TimeoutError(f"no progress for {stall:g}s")
+
+
+async def send_all_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None) -> None:
     """Sends every view in order (bytes ``B`` views), many per system call (``sendmsg``, up to
-    ``_IOV_MAX`` buffers): a frame's payload of many small ranges costs a few calls, not one each."""
+    ``_IOV_MAX`` buffers): a frame's payload of many small ranges costs a few calls, not one each.
+    With ``stall``, a peer that takes no bytes for that many seconds ends it (TimeoutError)."""
     (i, pos), ready = _advance(views, 0, 0, 0), 0
     while i < len(views):
         try:
             sent = sock.sendmsg(_next_batch(views, i, pos))
         except BlockingIOError:
-            await anyio.wait_writable(sock)
+            await _wait_ready(anyio.wait_writable, sock, stall)
             continue
         i, pos = _advance(views, i, pos, sent)
         ready += 1
@@ -440,15 +454,16 @@ async def send_all_views(sock: socket.socket, views: Sequence[memoryview]) -> No
             await anyio.lowlevel.checkpoint()
 
 
-async def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None) -> None:
     """Fills every view in order (bytes ``B`` views), many per system call (``recvmsg_into``,
-    up to ``_IOV_MAX`` buffers). Raises EOFError if the peer closed first."""
+    up to ``_IOV_MAX`` buffers). Raises EOFError if the peer closed first; with ``stall``,
+    TimeoutError when no byte arrived for that many seconds."""
     (i, pos), ready = _advance(views, 0, 0, 0), 0
     while i < len(views):
         try:
             got = sock.recvmsg_into(_next_batch(views, i, pos))[0]
         except BlockingIOError:
-            await anyio.wait_readable(sock)
+            await _wait_ready(anyio.wait_readable, sock, stall)
             continue
         if got == 0:
             left = len(views[i]) - pos + sum(len(v) for v in views[i + 1 :])
@@ -459,31 +474,46 @@ async def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> N
             await anyio.lowlevel.checkpoint()
 
 
-async def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    await recv_into_views(sock, [memoryview(buf)])
+async def recv_exactly(sock: socket.socket, n: int, stall: float | None = None) -> bytes:
+    """``n`` bytes from the stream. The buffer grows with what arrives (``_GROW_CHUNK`` at a
+    time), so a peer that announces much and sends little costs what it sent, not ``n``."""
+    buf = bytearray()
+    while len(buf) < n:
+        at = len(buf)
+        buf.extend(bytes(min(n - at, _GROW_CHUNK)))
+        await recv_into_views(sock, [memoryview(buf)[at:]], stall)
     return bytes(buf)
 
 
-async def discard(sock: socket.socket, n: int) -> None:
-    scratch = memoryview(bytearray(min(n, _IO_CHUNK)))
+# Where discarded payload bytes go: one buffer for every connection of the process (what lands in
+# it is never read), so a peer draining a refused payload costs no memory of its own.
+_DISCARD = memoryview(bytearray(256 << 10))
+_GROW_CHUNK = 64 << 10
+
+
+async def discard(sock: socket.socket, n: int, stall: float | None = None) -> None:
+    """Reads and drops ``n`` bytes (a refused payload), into the shared ``_DISCARD`` buffer."""
     while n > 0:
-        k = min(n, len(scratch))
-        await recv_into_views(sock, [scratch[:k]])
+        k = min(n, len(_DISCARD))
+        await recv_into_views(sock, [_DISCARD[:k]], stall)
         n -= k
 
 
-async def read_frame_head(sock: socket.socket,
-                          max_meta: int = MAX_META) -> tuple[FrameKind, int, dict[str, Any], int]:
+async def read_frame_head(sock: socket.socket, max_meta: int = MAX_META, *, idle: float | None = None,
+                          stall: float | None = None) -> tuple[FrameKind, int, dict[str, Any], int]:
     """One frame's kind, request id, metadata and payload length (the payload is left unread).
+
+    Args:
+        idle: at most this many seconds without a byte before the header is complete.
+        stall: likewise for the metadata, once the header is in.
 
     Raises:
         WireError: not a frame, metadata longer than ``max_meta`` announced (refused before any
             buffer is allocated for it), or metadata that does not decode (too deep included).
-        EOFError, OSError: the connection ended.
+        EOFError, OSError: the connection ended; TimeoutError: ``idle`` or ``stall`` passed.
     """
-    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size), max_meta)
-    meta = decode_meta(await recv_exactly(sock, hdr.meta_len))
+    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size, idle), max_meta)
+    meta = decode_meta(await recv_exactly(sock, hdr.meta_len, stall))
     return hdr.kind, hdr.request_id, meta, hdr.payload_len
 
 
@@ -579,8 +609,21 @@ class SignalRequest:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> SignalRequest:
-        """Raises WireError for a missing or mistyped field."""
-        return cls(_str(meta, "name"), _int(meta, "value"))
+        """Raises WireError for a missing or mistyped field, or a name longer than
+        MAX_SIGNAL_NAME_BYTES."""
+        return cls(check_signal_name(_str(meta, "name"), WireError), _int(meta, "value"))
+
+
+MAX_SIGNAL_NAME_BYTES = 256
+
+
+def check_signal_name(name: object, error: type[Exception] = ValueError) -> str:
+    """``name`` if it can name a signal (a str of 1 to MAX_SIGNAL_NAME_BYTES bytes of UTF-8);
+    else raises ``error``."""
+    if not isinstance(name, str) or not 0 < len(name.encode(errors="surrogatepass")) <= MAX_SIGNAL_NAME_BYTES:
+        shown = repr(name)[:80]
+        raise error(f"a signal name is a str of 1 to {MAX_SIGNAL_NAME_BYTES} bytes, got {shown}")
+    return name
 
 
 # How a connection ends from our point of view: the peer closed or reset it, it spoke nonsense,

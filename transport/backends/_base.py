@@ -127,6 +127,11 @@ class Backend(abc.ABC):
     def published(self, seq: int) -> None:  # noqa: B027 - optional hook
         """Called after this endpoint published record number ``seq``."""
 
+    def withdrawn(self) -> None:  # noqa: B027 - optional hook
+        """Called when this endpoint closes, after its record left the store: a backend with a
+        control word sets it to ``WITHDRAWN_SEQ`` so same-host peers forget this endpoint at once
+        (``live_seq`` then returns it)."""
+
     def live_seq(self, peer: PeerRecord) -> int | None:
         """The seq of ``peer``'s latest record if this backend can see it cheaply (else None):
         lets an initiator notice a newer record before it moves bytes one-sidedly."""

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
 SEQ_OFFSET = 0  # byte offset in the page of the published record's seq (a u64)
+# The seq word of a Transport that closed: peers on its host forget it at once, although its
+# process lives on (``PeerDirectory`` checks the word each heartbeat interval).
+WITHDRAWN_SEQ = (1 << 64) - 1
 
 
 def control_page(owner: str, what: str) -> SharedBuffer:

@@ -50,7 +50,7 @@ from .._staging import bounce
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord, TransferOp
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
-from ._control import SEQ_OFFSET, PeerControlPages, control_page
+from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
 from ._cuda_ipc import CudaIpc, is_device
 
 # pid, address of a readable probe byte, memfd of the control page (-1: none)
@@ -133,6 +133,9 @@ class IpcBackend(Backend):
 
     def published(self, seq: int) -> None:
         self._ctl.write_u64(SEQ_OFFSET, seq)
+
+    def withdrawn(self) -> None:
+        self._ctl.write_u64(SEQ_OFFSET, WITHDRAWN_SEQ)
 
     def live_seq(self, peer: PeerRecord) -> int | None:
         return self._peer_ctl.read(peer)

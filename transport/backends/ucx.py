@@ -64,7 +64,7 @@ from .._regions import Region
 from .._tensors import MemoryKind
 from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
-from ._control import SEQ_OFFSET, PeerControlPages, control_page
+from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,9 @@ class UcxBackend(Backend):
                 self._engine.destroy_rkey(lane, rkey)
         link.rkeys[region.key] = (desc, rkeys, address)
         return rkeys, address
+
+    def withdrawn(self) -> None:
+        self._ctl.write_u64(SEQ_OFFSET, WITHDRAWN_SEQ)
 
     def live_seq(self, peer: PeerRecord) -> int | None:
         """The seq in the peer's control word: same-host peers by one load from our mapping of
