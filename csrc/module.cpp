@@ -17,6 +17,7 @@
 #include "stream_copy.h"
 #include "cuda_driver.h"
 #include "cuda_ops.h"
+#include "delta.h"
 #include "host_memory.h"
 #include "tcp_direct.h"
 #ifdef TRANSPORT_HAVE_KERNELS
@@ -302,6 +303,43 @@ void bind_tcp(nb::module_& m) {
 
 }  // namespace
 
+// -- delta: diff + encode (publisher) and checked scatter (subscriber) of weight deltas -------
+// Addresses and sizes only; the GIL is released for every call (they run on copy threads).
+void bind_delta(nb::module_& m) {
+  m.def(
+      "delta_encode",
+      [](uint64_t fresh, uint64_t base, uint64_t snap, uint64_t n, int es, uint64_t out, uint64_t cap, int isa) {
+        auto r = delta::encode(reinterpret_cast<const void*>(fresh), reinterpret_cast<const void*>(base),
+                               reinterpret_cast<void*>(snap), n, es, reinterpret_cast<void*>(out), cap, isa);
+        return std::make_tuple(r.kind, r.changed, r.payload_bytes, r.pos_bytes, r.checksum);
+      },
+      nb::arg("fresh"), nb::arg("base"), nb::arg("snap"), nb::arg("n"), nb::arg("es"), nb::arg("out"),
+      nb::arg("cap"), nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
+      "Copies fresh to snap, diffs it against base and encodes the changes at out (at most cap bytes); "
+      "returns (kind, changed, payload_bytes, pos_bytes, checksum).");
+  m.def(
+      "delta_checksum",
+      [](uint64_t p, uint64_t n, int es, uint64_t first, uint64_t dst, int isa) {
+        return delta::checksum(reinterpret_cast<const void*>(p), n, es, first, reinterpret_cast<void*>(dst), isa);
+      },
+      nb::arg("p"), nb::arg("n"), nb::arg("es"), nb::arg("first") = 0, nb::arg("dst") = 0, nb::arg("isa") = 0,
+      nb::call_guard<nb::gil_scoped_release>(), "The checksum of n elements (copied to dst when not 0).");
+  m.def(
+      "delta_scatter",
+      [](uint64_t live, uint64_t n, int es, uint64_t payload, uint64_t payload_len, uint32_t kind, uint64_t count,
+         uint64_t pos_bytes, bool write) {
+        auto r = delta::scatter(reinterpret_cast<void*>(live), n, es, reinterpret_cast<const void*>(payload),
+                                payload_len, kind, count, pos_bytes, write);
+        return std::make_tuple(r.refusal, r.sum_old, r.sum_new);
+      },
+      nb::arg("live"), nb::arg("n"), nb::arg("es"), nb::arg("payload"), nb::arg("payload_len"), nb::arg("kind"),
+      nb::arg("count"), nb::arg("pos_bytes"), nb::arg("write"), nb::call_guard<nb::gil_scoped_release>(),
+      "Checks an encoded delta against a live tensor of n elements (and, with write, stores it); returns "
+      "(refusal, sum_old, sum_new).");
+  m.def("delta_best_isa", &delta::best_isa);
+  m.def("delta_supports", &delta::supports, nb::arg("isa"));
+}
+
 NB_MODULE(_C, m) {
   m.doc() = "Native core of transport: copy engine, shareable host memory, CMA, UCX engine.";
   // Tensors over SharedBuffers may legitimately outlive the interpreter's teardown.
@@ -417,4 +455,5 @@ NB_MODULE(_C, m) {
   bind_ucx(m);
   bind_cuda(m);
   bind_tcp(m);
+  bind_delta(m);
 }

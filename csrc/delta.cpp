@@ -1,0 +1,447 @@
+// Delta sync on the CPU (see delta.h): the diff is a streaming compare of two tensors that also
+// copies the fresh one into the publisher's snapshot and checksums it, so a delta costs one pass
+// over memory the dense snapshot pass touches anyway. The vector paths (AVX2, AVX-512BW) are
+// compiled with target attributes and picked at run time, so the extension runs on any x86-64
+// (and elsewhere, on the scalar path).
+#include "delta.h"
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TRANSPORT_DELTA_X86 1
+#endif
+
+namespace transport::delta {
+namespace {
+
+constexpr uint32_t kIndexMul = 0x9E3779B9u;
+constexpr uint32_t kMix = 0x85EBCA6Bu;
+constexpr uint64_t kStreamMin = 1 << 20;  // bytes of snapshot from which stores stream
+
+inline uint32_t mix(uint32_t x, uint64_t i) {
+  uint32_t y = (x ^ (static_cast<uint32_t>(i) * kIndexMul)) * kMix;
+  return y ^ (y >> 15);
+}
+
+inline uint32_t load_elem(const uint8_t* p, int es) {
+  if (es == 2) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline uint64_t align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
+
+// Scratch that grows and is kept per thread: the encoders run on the publisher's copy threads.
+uint8_t* scratch(int which, uint64_t nbytes) {
+  thread_local std::unique_ptr<uint8_t[]> bufs[2];
+  thread_local uint64_t caps[2] = {0, 0};
+  if (caps[which] < nbytes) {
+    bufs[which].reset(new uint8_t[nbytes]);
+    caps[which] = nbytes;
+  }
+  return bufs[which].get();
+}
+
+// Collects the changed elements: values straight into the output (up to its capacity), the
+// varint positions and the bitmask into scratch. Past the capacity only the count goes on.
+struct Emitter {
+  int es;
+  uint8_t* vals;
+  uint64_t vcap;
+  uint8_t* var;
+  uint64_t varcap;
+  uint8_t* mask;
+  uint64_t vmax;  // values that fit vcap
+  uint64_t count = 0;
+  uint64_t varlen = 0;
+  uint64_t last = 0;  // the previous position + 1
+  bool vover = false;
+  bool varover = false;
+
+  inline void one(uint64_t pos, const uint8_t* elem) {
+    if (count < vmax) {
+      std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
+    } else {
+      vover = true;
+    }
+    ++count;
+    if (varover) return;
+    if (varlen + 10 > varcap) {
+      varover = true;
+      return;
+    }
+    uint64_t gap = pos - last;
+    last = pos + 1;
+    if (gap < (uint64_t{1} << 21)) {
+      // Up to three bytes without a branch on the length (gaps are short and unpredictable).
+      uint64_t word = (gap & 0x7f) | ((gap >> 7 & 0x7f) << 8) | ((gap >> 14 & 0x7f) << 16);
+      unsigned len = 1 + (gap >= 0x80) + (gap >= 0x4000);
+      word |= (len > 1 ? 0x80u : 0u) | (len > 2 ? 0x8000u : 0u);
+      std::memcpy(var + varlen, &word, 4);  // varcap leaves room for the extra byte
+      varlen += len;
+      return;
+    }
+    do {
+      uint8_t b = gap & 0x7f;
+      gap >>= 7;
+      var[varlen++] = b | (gap ? 0x80 : 0);
+    } while (gap);
+  }
+
+  // ``bits`` flags the changed elements among the ``lanes`` at index ``i`` (elements at fresh).
+  inline void many(uint64_t bits, uint64_t i, const uint8_t* fresh) {
+    if (vover) {
+      count += static_cast<uint64_t>(__builtin_popcountll(bits));
+      return;
+    }
+    while (bits) {
+      int t = __builtin_ctzll(bits);
+      one(i + t, fresh + (i + t) * es);
+      bits &= bits - 1;
+    }
+  }
+};
+
+// The elements [from, n) one by one: compare, copy, checksum, bitmask bits (from is a
+// multiple of 8, so the tail starts on a bitmask byte of its own).
+uint64_t tail(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t from, uint64_t n, int es, Emitter* em) {
+  uint64_t sum = 0;
+  if (em != nullptr && from < n) std::memset(em->mask + from / 8, 0, (n - from + 7) / 8);
+  for (uint64_t i = from; i < n; ++i) {
+    const uint8_t* e = f + i * es;
+    uint32_t x = load_elem(e, es);
+    if (s != nullptr) std::memcpy(s + i * es, e, es);
+    sum += mix(x, i);
+    if (em != nullptr && x != load_elem(b + i * es, es)) {
+      em->mask[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+      em->one(i, e);
+    }
+  }
+  return sum;
+}
+
+uint64_t run_scalar(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, int es, uint64_t first, Emitter* em) {
+  // Indices in the checksum are first-based; positions and bitmask bits are 0-based.
+  if (first == 0) return tail(f, b, s, 0, n, es, em);
+  uint64_t sum = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint8_t* e = f + i * es;
+    if (s != nullptr) std::memcpy(s + i * es, e, es);
+    sum += mix(load_elem(e, es), first + i);
+  }
+  return sum;
+}
+
+#ifdef TRANSPORT_DELTA_X86
+
+__attribute__((target("avx2"))) inline __m256i mix8_avx2(__m256i x, __m256i h) {
+  __m256i y = _mm256_mullo_epi32(_mm256_xor_si256(x, h), _mm256_set1_epi32(static_cast<int>(kMix)));
+  return _mm256_xor_si256(y, _mm256_srli_epi32(y, 15));
+}
+
+__attribute__((target("avx2"))) inline __m256i add8_avx2(__m256i acc, __m256i y) {
+  acc = _mm256_add_epi64(acc, _mm256_cvtepu32_epi64(_mm256_castsi256_si128(y)));
+  return _mm256_add_epi64(acc, _mm256_cvtepu32_epi64(_mm256_extracti128_si256(y, 1)));
+}
+
+__attribute__((target("avx2"))) inline uint64_t hsum_avx2(__m256i acc) {
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+// 32 bytes a step: 16 bf16/fp16 or 8 fp32 elements.
+template <int ES>
+__attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n,
+                                                  uint64_t first, Emitter* em) {
+  constexpr uint64_t kLanes = 32 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int>(8u * kIndexMul));
+  const __m256i stepk = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m256i h0 = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                                                   lane),
+                                  _mm256_set1_epi32(static_cast<int>(kIndexMul)));
+  __m256i acc = _mm256_setzero_si256();
+  const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 32 == 0 && n * ES >= kStreamMin;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * ES));
+    if (s != nullptr) {
+      if (stream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
+      }
+    }
+    if constexpr (ES == 2) {
+      __m256i h1 = _mm256_add_epi32(h0, step8);
+      acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), h0));
+      acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), h1));
+    } else {
+      acc = add8_avx2(acc, mix8_avx2(a, h0));
+    }
+    h0 = _mm256_add_epi32(h0, stepk);
+    if (em != nullptr) {
+      __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ES));
+      uint32_t ne;
+      if constexpr (ES == 2) {
+        __m256i eq = _mm256_cmpeq_epi16(a, c);
+        ne = ~static_cast<uint32_t>(_mm_movemask_epi8(
+                 _mm_packs_epi16(_mm256_castsi256_si128(eq), _mm256_extracti128_si256(eq, 1)))) & 0xFFFFu;
+        uint16_t m16 = static_cast<uint16_t>(ne);
+        std::memcpy(em->mask + i / 8, &m16, 2);
+      } else {
+        ne = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, c)))) & 0xFFu;
+        em->mask[i / 8] = static_cast<uint8_t>(ne);
+      }
+      if (ne) em->many(ne, i, f);
+    }
+  }
+  if (stream) _mm_sfence();
+  uint64_t sum = hsum_avx2(acc);
+  if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
+  for (uint64_t i = body; i < n; ++i) {
+    if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
+    sum += mix(load_elem(f + i * ES, ES), first + i);
+  }
+  return sum;
+}
+
+#define TRANSPORT_AVX512 "avx512f,avx512bw,avx2"
+
+__attribute__((target(TRANSPORT_AVX512))) inline __m512i mix16_avx512(__m512i x, __m512i h) {
+  __m512i y = _mm512_mullo_epi32(_mm512_xor_si512(x, h), _mm512_set1_epi32(static_cast<int>(kMix)));
+  return _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
+}
+
+__attribute__((target(TRANSPORT_AVX512))) inline __m512i add16_avx512(__m512i acc, __m512i y) {
+  acc = _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(y)));
+  return _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(y, 1)));
+}
+
+// 64 bytes a step: 32 bf16/fp16 or 16 fp32 elements.
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, const uint8_t* b, uint8_t* s,
+                                                               uint64_t n, uint64_t first, Emitter* em) {
+  constexpr uint64_t kLanes = 64 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
+  const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m512i h0 = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                                                   lane),
+                                  _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+  __m512i acc = _mm512_setzero_si512();
+  // The snapshot is far larger than the cache and written whole: streaming stores skip reading
+  // each line before writing it (an aligned destination only).
+  const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 64 == 0 && n * ES >= kStreamMin;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    __m512i a = _mm512_loadu_si512(f + i * ES);
+    if (s != nullptr) {
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(s + i * ES), a);
+      } else {
+        _mm512_storeu_si512(s + i * ES, a);
+      }
+    }
+    if constexpr (ES == 2) {
+      __m512i h1 = _mm512_add_epi32(h0, step16);
+      acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), h0));
+      acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)), h1));
+    } else {
+      acc = add16_avx512(acc, mix16_avx512(a, h0));
+    }
+    h0 = _mm512_add_epi32(h0, stepk);
+    if (em != nullptr) {
+      __m512i c = _mm512_loadu_si512(b + i * ES);
+      uint64_t ne;
+      if constexpr (ES == 2) {
+        uint32_t m = _mm512_cmpneq_epi16_mask(a, c);
+        std::memcpy(em->mask + i / 8, &m, 4);
+        ne = m;
+      } else {
+        uint16_t m = _mm512_cmpneq_epi32_mask(a, c);
+        std::memcpy(em->mask + i / 8, &m, 2);
+        ne = m;
+      }
+      if (ne) em->many(ne, i, f);
+    }
+  }
+  if (stream) _mm_sfence();
+  uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
+  for (uint64_t i = body; i < n; ++i) {
+    if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
+    sum += mix(load_elem(f + i * ES, ES), first + i);
+  }
+  return sum;
+}
+
+#endif  // TRANSPORT_DELTA_X86
+
+int resolve(int isa) {
+  if (isa == kAuto) {
+#ifdef TRANSPORT_DELTA_X86
+    if (supports(kAvx512)) return kAvx512;
+    if (supports(kAvx2)) return kAvx2;
+#endif
+    return kScalar;
+  }
+  if (isa < kScalar || isa > kAvx512) throw std::invalid_argument("delta: unknown ISA " + std::to_string(isa));
+  if (!supports(isa)) throw std::invalid_argument("delta: this CPU lacks ISA " + std::to_string(isa));
+  return isa;
+}
+
+void check_es(int es) {
+  if (es != 2 && es != 4) throw std::invalid_argument("delta: element size must be 2 or 4, not " + std::to_string(es));
+}
+
+uint64_t run(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, int es, uint64_t first, Emitter* em,
+             int isa) {
+  switch (resolve(isa)) {
+#ifdef TRANSPORT_DELTA_X86
+    case kAvx512:
+      return es == 2 ? run_avx512<2>(f, b, s, n, first, em) : run_avx512<4>(f, b, s, n, first, em);
+    case kAvx2:
+      return es == 2 ? run_avx2<2>(f, b, s, n, first, em) : run_avx2<4>(f, b, s, n, first, em);
+#endif
+    default:
+      return run_scalar(f, b, s, n, es, first, em);
+  }
+}
+
+}  // namespace
+
+bool supports(int isa) {
+  switch (isa) {
+    case kScalar:
+      return true;
+#ifdef TRANSPORT_DELTA_X86
+    case kAvx2:
+      return __builtin_cpu_supports("avx2");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx2");
+#endif
+    default:
+      return false;
+  }
+}
+
+std::string best_isa() {
+  switch (resolve(kAuto)) {
+    case kAvx512:
+      return "avx512";
+    case kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, int isa) {
+  check_es(es);
+  return run(static_cast<const uint8_t*>(p), nullptr, static_cast<uint8_t*>(dst), n, es, first, nullptr, isa);
+}
+
+EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
+                    int isa) {
+  check_es(es);
+  const auto* f = static_cast<const uint8_t*>(fresh);
+  auto* s = static_cast<uint8_t*>(snap);
+  EncodeResult r{kDense, n, 0, 0, 0};
+  if (base == nullptr) {
+    r.checksum = run(f, nullptr, s, n, es, 0, nullptr, isa);
+    return r;
+  }
+  const uint64_t mask_bytes = (n + 7) / 8;
+  Emitter em{es, static_cast<uint8_t*>(out), cap, scratch(0, cap + 16), cap, scratch(1, mask_bytes + 8), cap / es};
+  r.checksum = run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
+  r.changed = em.count;
+  if (em.count == 0) {
+    r.kind = kUnchanged;
+    return r;
+  }
+  if (em.vover) return r;  // dense
+  const uint64_t vbytes = align8(em.count * es);
+  bool use_mask = em.varover || mask_bytes < em.varlen;
+  uint64_t pos = use_mask ? mask_bytes : em.varlen;
+  if (vbytes + pos > cap) return r;  // dense
+  auto* o = static_cast<uint8_t*>(out);
+  std::memset(o + em.count * es, 0, vbytes - em.count * es);
+  std::memcpy(o + vbytes, use_mask ? em.mask : em.var, pos);
+  r.kind = use_mask ? kBitmask : kVarint;
+  r.payload_bytes = vbytes + pos;
+  r.pos_bytes = pos;
+  return r;
+}
+
+ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
+                      uint64_t count, uint64_t pos_bytes, bool write) {
+  ScatterResult r{kOk, 0, 0};
+  if (es != 2 && es != 4) return {kBadElemSize, 0, 0};
+  if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0};
+  if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0};
+  const uint64_t vbytes = align8(count * es);
+  if (pos_bytes > payload_len || payload_len - pos_bytes != vbytes) return {kBadSize, 0, 0};
+  auto* l = static_cast<uint8_t*>(live);
+  const auto* vals = static_cast<const uint8_t*>(payload);
+  const auto* pos = vals + vbytes;
+  auto visit = [&](uint64_t k, uint64_t p) {
+    uint8_t* dst = l + p * es;
+    r.sum_old += mix(load_elem(dst, es), p);
+    r.sum_new += mix(load_elem(vals + k * es, es), p);
+    if (write) std::memcpy(dst, vals + k * es, es);
+  };
+  if (kind == kVarint) {
+    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
+    for (uint64_t k = 0; k < count; ++k) {
+      uint64_t gap = 0;
+      int shift = 0;
+      while (true) {
+        if (at >= pos_bytes) return {kCountMismatch, 0, 0};
+        uint8_t byte = pos[at++];
+        if (shift == 63 && (byte & 0x7e) != 0) return {kBadVarint, 0, 0};
+        gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
+        if (!(byte & 0x80)) break;
+        shift += 7;
+        if (shift > 63) return {kBadVarint, 0, 0};
+      }
+      if (gap >= n || next > n - 1 - gap) return {kOutOfRange, 0, 0};  // next + gap would be >= n
+      uint64_t p = next + gap;
+      visit(k, p);
+      next = p + 1;
+    }
+    if (at != pos_bytes) return {kCountMismatch, 0, 0};
+    return r;
+  }
+  if (pos_bytes != (n + 7) / 8) return {kBadBitmask, 0, 0};
+  if (n % 8 != 0 && (pos[pos_bytes - 1] >> (n % 8)) != 0) return {kBadBitmask, 0, 0};
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) total += static_cast<uint64_t>(__builtin_popcount(pos[i]));
+  if (total != count) return {kCountMismatch, 0, 0};
+  uint64_t k = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) {
+    unsigned bits = pos[i];
+    while (bits) {
+      int t = __builtin_ctz(bits);
+      uint64_t p = i * 8 + static_cast<uint64_t>(t);
+      // Both re-checked here: the payload is a peer's memory and may change under us.
+      if (p >= n) return {kOutOfRange, 0, 0};
+      if (k >= count) return {kCountMismatch, 0, 0};
+      visit(k++, p);
+      bits &= bits - 1;
+    }
+  }
+  return r;
+}
+
+}  // namespace transport::delta

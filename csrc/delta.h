@@ -1,0 +1,80 @@
+// Delta sync on the CPU: the fused diff + copy + encode of one tensor against its previous
+// version (publisher), the checksum both sides compute, and the bounds-checked scatter of an
+// encoded delta into a live tensor (subscriber).
+//
+// Elements are compared as raw bit patterns (2 or 4 bytes: bf16/fp16 or fp32), so -0.0 vs 0.0
+// and NaN payloads count as changed and an applied delta is bit-exact.
+//
+// Checksum of a tensor: sum over i of mix(bits_i, i) mod 2^64, where
+//   mix(x, i) = y ^ (y >> 15), y = (x ^ (u32)(i * 0x9E3779B9)) * 0x85EBCA6B   (u32 arithmetic).
+// A sum, so a subscriber updates it in O(changed elements): old - mix(old values) + mix(new).
+//
+// Encoded payload of a sparse tensor (all of it bytes from a peer until checked):
+//   [count values, es bytes each][zero pad to 8][positions: pos_bytes]
+// positions are either LEB128 varints of the gaps (p0, then p_k - p_{k-1} - 1), or a bitmask of
+// ceil(n / 8) bytes (bit i of byte i / 8 set: element 8 * (i / 8) + i % 8 changed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace transport::delta {
+
+enum Kind : uint32_t { kUnchanged = 0, kDense = 1, kVarint = 2, kBitmask = 3 };
+
+enum Isa : int { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// Why a payload was refused (scatter); 0 is success.
+enum Refusal : int {
+  kOk = 0,
+  kBadKind = 1,       // not kVarint / kBitmask
+  kBadSize = 2,       // the payload's length does not match count, es and pos_bytes, or count > n
+  kOutOfRange = 3,    // a position at or past n
+  kBadVarint = 4,     // a truncated or overlong varint, or a gap that overflows
+  kCountMismatch = 5, // the positions do not number exactly count, or bytes follow them
+  kBadBitmask = 6,    // bits set past n, or a bitmask of the wrong size
+  kBadElemSize = 7,   // es is not 2 or 4
+};
+
+struct EncodeResult {
+  uint32_t kind;          // Kind
+  uint64_t changed;       // elements that differ from base (all of them when there is no base)
+  uint64_t payload_bytes; // bytes written at out (sparse kinds only)
+  uint64_t pos_bytes;     // of which positions
+  uint64_t checksum;      // of fresh, over [first, first + n)
+};
+
+struct ScatterResult {
+  int refusal;       // Refusal
+  uint64_t sum_old;  // sum of mix() over the live values at the positions (before writing)
+  uint64_t sum_new;  // sum of mix() over the new values at the positions
+};
+
+// Copies n elements of es bytes from fresh to snap (when snap is not null), compares them with
+// base (when base is not null) and, when the changed elements encode into at most cap bytes,
+// writes their encoding at out. kind is kUnchanged (nothing differs), kVarint / kBitmask (the
+// smaller of the two), or kDense (no base, or the encoding does not fit cap). Nothing is
+// written past out + cap. Throws std::invalid_argument for es not 2 or 4, or an ISA this CPU
+// lacks.
+EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
+                    int isa);
+
+// The checksum of n elements of es bytes at p, their indices starting at first (so a tensor's
+// checksum is the sum of its pieces'). When dst is not null the elements are also copied there.
+uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, int isa);
+
+// Checks payload (payload_len bytes) as the encoding of count changed elements of a tensor of n
+// elements (es bytes each) and computes the sums over live and payload values at its positions.
+// With write, also stores the new values into live: every position is checked against n before
+// its store, so live is never written out of bounds whatever the payload holds (a payload that
+// fails a check part-way leaves earlier stores made: check without write first).
+ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
+                      uint64_t count, uint64_t pos_bytes, bool write);
+
+// The ISA that kAuto picks on this CPU: "avx512", "avx2" or "scalar".
+std::string best_isa();
+
+// Whether this CPU runs isa.
+bool supports(int isa);
+
+}  // namespace transport::delta
