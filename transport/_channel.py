@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ._auth import Authenticator
-from ._errors import ClosedError, PeerLostError, TransferTimeoutError
+from ._errors import ClosedError, PeerLostError, TransferTimeoutError, TransportError
 from ._wire import (
     CONNECTION_ENDED,
     PRE_AUTH_META,
@@ -150,6 +150,12 @@ class Channel:
         self._replies.clear()
         close_socket(self._sock)
 
+    def _failure(self, what: str) -> TransportError:
+        """Why a request cannot go on this broken channel: ClosedError when we closed it."""
+        if isinstance(self._broken, ClosedError):
+            return ClosedError(str(self._broken))  # a new one per request: tasks raise their own
+        return self._lost(what, self._broken)
+
     def _lost(self, what: str, cause: BaseException | None) -> PeerLostError:
         err = PeerLostError(f"connection to {self.peer} lost: {what}")
         err.__cause__ = cause
@@ -175,7 +181,7 @@ class Channel:
             TransportError subclasses: the agent refused (mapped from the ERR frame).
         """
         if self._broken is not None:
-            raise self._lost("earlier failure", self._broken)
+            raise self._failure("earlier failure")
         rid = next(self._ids)
         self._used = time.monotonic()
         reply = _Reply(None if into is None else payload_parts(into))
@@ -186,12 +192,14 @@ class Channel:
         try:
             async with self._send_lock:
                 if self._broken is not None:
-                    raise self._lost("earlier failure", self._broken)
+                    raise self._failure("earlier failure")
                 with anyio.CancelScope(shield=True, deadline=deadline) as scope:
                     try:
                         await send_all_views(self._sock, [memoryview(frame), *parts])
                     except (OSError, anyio.ClosedResourceError) as exc:
-                        # If the reader already saw the connection die, report that cause.
+                        # If the reader already saw the connection die (or we closed it), report that.
+                        if isinstance(self._broken, ClosedError):
+                            raise self._failure("closed") from exc
                         cause = self._broken or exc
                         err = self._lost(f"send failed: {cause}", cause)
                         self.close(err)
@@ -207,6 +215,8 @@ class Channel:
             raise
         await reply.event.wait()
         if reply.error is not None:
+            if isinstance(reply.error, ClosedError):
+                raise ClosedError(str(reply.error))
             if isinstance(reply.error, PeerLostError):
                 raise reply.error
             raise self._lost("connection failed", reply.error)

@@ -113,6 +113,7 @@ class TransferEngine:
         self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._sync: dict[tuple[str, str, TransferOp], _SyncRoute] = {}
+        self._closing = False  # the Transport is closing: what ends now ends with ClosedError
         directory.subscribe(lost=self.abort_peer, forget=self._forget_routes, current=self._current,
                             withdrawn=self._withdrawn)
 
@@ -265,6 +266,12 @@ class TransferEngine:
             log.warning("transport %s: %d transfers still running after draining for %gs; aborting them",
                         self.name, left, timeout)
         return left
+
+    def closing(self) -> None:
+        """The Transport is closing: transfers that end from now on, whatever broke under them
+        (a connection or an engine we close), end with ClosedError, and no peer is declared lost
+        for it."""
+        self._closing = True
 
     def abort_peer(self, name: str, incarnation: str, why: BaseException, excluded: bool) -> None:
         """Aborts the transfers in flight to one incarnation of ``name`` (it was lost or excluded)."""
@@ -445,7 +452,7 @@ class TransferEngine:
                 except TransportError as exc:
                     # An abort by the Transport (exclusion, loss) also breaks the backend's
                     # connection; the abort, not the broken connection, is what happened.
-                    error = xfer._abort_error or exc
+                    error = self._honest(xfer, xfer._abort_error or exc)
                 except Exception as exc:
                     log.exception("transport %s: unexpected failure in %r", self.name, xfer)
                     error = TransportInternalError(f"{xfer!r} failed unexpectedly: {type(exc).__name__}: {exc}")
@@ -454,7 +461,9 @@ class TransferEngine:
             if not xfer.done():  # our scope absorbed a cancellation: user cancel, deadline, peer loss
                 what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
                 partial = xfer._moving
-                if xfer._abort_error is not None:
+                if self._closing and not isinstance(xfer._abort_error, ClosedError):
+                    xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
+                elif xfer._abort_error is not None:
                     xfer._finish(xfer._abort_error)
                 elif xfer._cancel_requested:
                     suffix = " after it started" if partial else ""
@@ -476,6 +485,20 @@ class TransferEngine:
                 if ranges is not None and ranges.remove(xfer):
                     del self._ranges[(xfer.peer, key)]
             self._settle(xfer)
+
+    def _honest(self, xfer: Transfer, error: TransportError) -> TransportError:
+        """What a transfer that failed with ``error`` reports: ClosedError while we close (not
+        the broken connection that closing caused), and ``partial=True`` on a timeout or an
+        abort once bytes started to move (a frame half sent may still land)."""
+        if self._closing and not isinstance(error, ClosedError):
+            closed = ClosedError(f"transport {self.name!r} closed while {xfer!r} was running")
+            closed.__cause__ = error
+            return closed
+        if xfer._moving and isinstance(error, (TransferTimeoutError, TransferAbortedError)) and not error.partial:
+            honest = type(error)(f"{error}; some bytes may have landed", partial=True)
+            honest.__cause__ = error
+            return honest
+        return error
 
     def _settle(self, xfer: Transfer) -> None:
         err = xfer.exception()

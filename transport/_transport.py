@@ -212,6 +212,7 @@ class Transport:
             self._state = "draining"  # new transfers are refused meanwhile
             await self._transfers.drain(limit)
         self._state = "closed"
+        self._transfers.closing()
         self._signals.wake()
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout):
             await self._directory.withdraw()
