@@ -115,7 +115,8 @@ async def test_an_unfinished_snapshot_fill_gives_way_to_the_next_publish(store):
 
     src = {"big": torch.randn(32 << 20), "small": torch.randn(7)}  # 128 MiB: a fill takes many loop turns
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
-        async with Publisher(tt, src, bucket_bytes=16 << 20) as pub, \
+        # delta=False: a delta publisher packs its snapshot whole before the pushes (no fill).
+        async with Publisher(tt, src, bucket_bytes=16 << 20, delta=False) as pub, \
                 Subscriber(tg, dst := zeros_like(src), publisher="trainer") as sub:
             assert pub._snapshots.direct
             await pub.publish(1)

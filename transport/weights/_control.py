@@ -9,7 +9,8 @@ Both sides publish a small control block (``int64[CTL_WORDS]``) next to their da
   during its read (a seqlock);
 * each subscriber's (``ctl``, written by the publisher): ``FRONT`` (its newest complete slot),
   ``READING`` (the slot being read: copy mode while applying, zero-copy mode the slot the model
-  lives in), ``APPLIED``, ``LAYOUT_ID`` and ``TRYING`` (the slot a zero-copy apply is claiming).
+  lives in), ``APPLIED``, ``LAYOUT_ID``, ``TRYING`` (the slot a zero-copy apply is claiming) and
+  ``DELTA`` (1: it takes delta versions, :mod:`transport.weights._delta`).
 
 A front word packs (version, slot) into one aligned 8-byte store, so a reader never sees one
 without the other. Flags written by one side and read by the other are ordered with
@@ -30,8 +31,8 @@ from .._native import memory_fence
 if TYPE_CHECKING:
     from .. import Transport
 
-# Word indices. Subscriber control block:
-FRONT, READING, APPLIED, LAYOUT_ID, TRYING = 0, 1, 2, 3, 4
+# Word indices. Subscriber control block (DELTA: 1 when it takes delta versions):
+FRONT, READING, APPLIED, LAYOUT_ID, TRYING, DELTA = 0, 1, 2, 3, 4, 5
 # Publisher control block: FRONT, LAYOUT_ID, the generation of snapshot s at GEN0 + s,
 # FILLING: a version whose snapshot is being filled in the background (0: none), which a
 # puller waits for rather than taking the older FRONT, and LATEST: the newest version it has
@@ -103,6 +104,7 @@ class StreamKeys:
     snapshots: tuple[str, str]  # publisher: the two packed snapshots
     ctl: str  # subscriber: its control block
     slots: tuple[str, str, str]  # subscriber: slots 0 and 1; slot 2 for zero-copy subscribers only
+    deltas: tuple[str, str]  # subscriber: the delta header of slot 0 and 1 (subscribers that take deltas)
     doorbell: str  # subscriber: the signal rung with each complete version
 
     @classmethod
@@ -115,6 +117,7 @@ class StreamKeys:
             snapshots=(p + "snap0", p + "snap1"),
             ctl=p + "ctl",
             slots=(p + "slot0", p + "slot1", p + "slot2"),
+            deltas=(p + "delta0", p + "delta1"),
             doorbell=p + "version",
         )
 

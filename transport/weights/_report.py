@@ -25,6 +25,36 @@ class SyncResult:
     nbytes: int  # bytes written into the subscriber
     seconds: float  # from the start of the publish until this subscriber was complete (or given up)
     error: str | None = None
+    delta: bool = False  # it got the version as a delta against the version it held
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """What the diff of one version found (publishers with delta sync on).
+
+    Attributes:
+        base: the version it was diffed against (None: no base, every subscriber got it dense).
+        changed: elements that differ from the base, over the tensors that can travel as deltas.
+        elements: elements of those tensors.
+        dense_bytes: bytes of the dense version.
+        delta_bytes: bytes a subscriber holding the base received (``dense_bytes`` when no
+            tensor was worth a delta).
+        encode_s: the fused copy + diff + encode pass (part of ``pack_s``).
+        kinds: how many tensors went ``unchanged``, ``varint``, ``bitmask`` or ``dense``.
+    """
+
+    base: int | None
+    changed: int
+    elements: int
+    dense_bytes: int
+    delta_bytes: int
+    encode_s: float
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def density(self) -> float:
+        """The changed fraction of the elements (1.0 without a base)."""
+        return self.changed / self.elements if self.elements and self.base is not None else 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +90,7 @@ class PublishReport:
             the next publish, which waits for the copy, as ``queued_s``): then this is only
             its start. Otherwise the copy from the live tensors, here.
         total_s: the whole call.
+        delta: what the diff found, with delta sync on (else None).
     """
 
     version: int
@@ -71,6 +102,7 @@ class PublishReport:
     push_s: float = 0.0
     snapshot_s: float = 0.0
     total_s: float = 0.0
+    delta: DeltaStats | None = None
 
     @property
     def phases(self) -> dict[str, float]:

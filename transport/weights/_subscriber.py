@@ -28,6 +28,7 @@ from .._tensors import dtype_from_name, dtype_name
 from ._control import (
     APPLIED,
     CTL_WORDS,
+    DELTA,
     FILLING,
     FRONT,
     GEN0,
@@ -43,6 +44,7 @@ from ._control import (
     withdraw,
 )
 from ._copy import HostCopies, available_threads
+from ._delta import DeltaApplier, DeltaRefusedError, deltable, index_bytes
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
 
 if TYPE_CHECKING:
@@ -161,6 +163,13 @@ class Subscriber:
             same as in copy mode). Tensors that need conversion (fp8, another dtype) are still
             copied. Keep no other views of the tensors' old storage. The tensors must live on
             ``device``, where the slots are.
+        delta: take delta versions (default): a version that differs little from the live one
+            arrives as the new values of the changed elements only and is applied by scattering
+            them into the live tensors, after checking per-tensor checksums (a delta whose base
+            is not exactly the live weights is refused whole, and ``pull()`` or the next dense
+            version catches up). Only host slots copied into host tensors of the wire dtypes
+            take deltas (not ``zero_copy``, not device slots); the others always get dense
+            versions, as with ``delta=False``.
         device: where the staging slots live. ``"cpu"`` (default): shareable host memory that
             every backend reaches; a GPU model is applied by a host -> device copy. A CUDA
             device: the publisher writes straight into GPU memory (``ipc`` on one host,
@@ -186,6 +195,7 @@ class Subscriber:
         strict: bool = True,
         zero_copy: bool = False,
         device: str | torch.device = "cpu",
+        delta: bool = True,
     ) -> None:
         self.t = transport
         self.zero_copy = zero_copy
@@ -212,6 +222,11 @@ class Subscriber:
         self._apply_lock = threading.Lock()
         self._threads = available_threads()
         self._started = False
+        self._want_delta = delta
+        self._delta: DeltaApplier | None = None  # set by start when this subscriber takes deltas
+        self._indexes: list[torch.Tensor] = []
+        self._refused_word = 0  # the front word of the last delta refused (not tried again)
+        self._refusals = 0
 
     @property
     def version(self) -> int | None:
@@ -298,13 +313,36 @@ class Subscriber:
         ctl[TRYING] = NO_SLOT
         ctl[APPLIED] = NO_SLOT
         ctl[LAYOUT_ID] = self.layout.layout_id
+        self._delta = self._delta_applier() if self._want_delta else None
+        ctl[DELTA] = int(self._delta is not None)
         self._ctl = t.empty(k.ctl, CTL_WORDS, torch.int64)
         self._ctl.copy_(ctl)
+        if self._delta is not None:
+            self._indexes = [t.empty(key, index_bytes(self.layout) // 8, torch.int64) for key in k.deltas]
         # slot1 last: publishers treat a peer as subscribed once it is registered.
         order = (0, 2, 1) if self.zero_copy else (0, 1)
         slots = {i: self._new_slot(k.slots[i]) for i in order}
         self._slots = [slots[i] for i in sorted(slots)]
         self._started = True
+
+    def _delta_applier(self) -> DeltaApplier | None:
+        """The delta applier, when every tensor that can travel as a delta lands as it is in a
+        contiguous host tensor of its wire dtype (a conversion has no bits to patch)."""
+        if self.zero_copy or not self._host:
+            return None
+        local: dict[int, torch.Tensor] = {}
+        index = {e.name: i for i, e in enumerate(self.layout.entries)}
+        for e, dst in self._plan:
+            if deltable(e) and (dst.is_cuda or not dst.is_contiguous() or dtype_name(dst.dtype) != e.wire_dtype):
+                return None
+            local[index[e.name]] = dst
+        return DeltaApplier(self.layout, [local.get(i) for i in range(len(self.layout.entries))], self._threads)
+
+    @property
+    def refused_deltas(self) -> int:
+        """How many delta versions this subscriber refused (their base was not its live
+        weights, or they failed a check); each left the live weights as they were."""
+        return self._refusals
 
     def _new_slot(self, key: str) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -362,7 +400,8 @@ class Subscriber:
         if self._started:
             self._started = False
             k = self._keys
-            withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], k.ctl) if key in self.t.regions])
+            withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], *k.deltas, k.ctl)
+                              if key in self.t.regions])
 
     async def __aenter__(self) -> Subscriber:
         await self.start()
@@ -382,6 +421,8 @@ class Subscriber:
         with torch.no_grad():
             if self._host:
                 _host_unpack(buf, plan.copies, plan.converted, self._threads)
+                if self._delta is not None:
+                    self._delta.record_dense(buf)
                 return
             _kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
             _dequantize_into(buf, plan.converted)
@@ -479,6 +520,8 @@ class Subscriber:
                     return None
                 if bound is not None and front[0] > bound:
                     return None
+                if word == self._refused_word:
+                    return None  # refused already: pull() or the next version
                 ctl[claim] = front[1]
                 memory_barrier()
                 if int(ctl[FRONT]) == word:  # the publisher had not moved on: the slot is ours
@@ -487,6 +530,9 @@ class Subscriber:
             try:
                 if self.zero_copy:
                     self._repoint(self._slots[front[1]])
+                elif self._is_delta(front):
+                    if not self._apply_delta(front, word):
+                        return None
                 else:
                     self._unpack(self._slots[front[1]])
                     for d in self._gpus:  # the slot is released below: the device copies must be done
@@ -502,6 +548,30 @@ class Subscriber:
             ctl[APPLIED] = front[0]
             self._applied = front[0]
             return front[0]
+
+    def _is_delta(self, front: tuple[int, int]) -> bool:
+        """Whether the slot of ``front`` holds a delta (its header names that version)."""
+        if self._delta is None or front[1] >= len(self._indexes):
+            return False
+        head = DeltaApplier.header_of(self._indexes[front[1]])
+        return head is not None and head[0] == front[0]
+
+    def _apply_delta(self, front: tuple[int, int], word: int) -> bool:
+        """Applies the delta in the slot of ``front``, or refuses it whole (and remembers the
+        front word, so it is not tried again). The caller holds the claim on the slot."""
+        assert self._delta is not None
+        try:
+            self._delta.apply(self._slots[front[1]], self._indexes[front[1]], front[0])
+        except DeltaRefusedError as exc:
+            self._refused_word = word
+            self._refusals += 1
+            # Our APPLIED word may have been scribbled over (that is how a wrong base is
+            # chosen): say again what we hold, so the publisher's next version comes dense.
+            self._ctl[APPLIED] = NO_SLOT if self._applied is None else self._applied
+            log.warning("subscriber %s: delta version %d of %r refused, live weights stay on %s: %s", self.t.name,
+                        front[0], self.name, self._applied, exc)
+            return False
+        return True
 
     async def wait_version(self, version: int, *, timeout: float | None = None) -> int:
         """Waits until a version ≥ ``version`` is complete here, applies it, returns it.
@@ -520,6 +590,10 @@ class Subscriber:
                     return self._applied
                 latest = self.latest
                 if latest is not None and latest >= version and await self.apply_async() is not None:
+                    continue
+                if self._refused_word and self._refused_word == int(self._ctl[FRONT]) and latest is not None \
+                        and latest >= version:
+                    await self.pull(timeout=timeout)  # a refused delta: catch up from the snapshot
                     continue
                 try:  # the doorbell wakes us; polling covers an unacknowledged one
                     await self.t.wait_signal(self._keys.doorbell, at_least=version, timeout=0.05)

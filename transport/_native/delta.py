@@ -1,0 +1,116 @@
+"""The native delta-sync primitives (``csrc/delta.cpp``): the fused copy + diff + encode of one
+tensor against its previous version, the checksum both ends compute, and the bounds-checked
+scatter of an encoded delta.
+
+Every call takes raw addresses and element counts; the caller owns the memory behind them and
+keeps it alive for the call. The GIL is released for each call, so they run in parallel on
+copy threads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import TransportInternalError
+from ._extension import load
+
+
+class Kind(enum.IntEnum):
+    """How one tensor of a version travels."""
+
+    UNCHANGED = 0  # bit-identical to the base: nothing is sent
+    DENSE = 1  # the whole tensor
+    VARINT = 2  # changed values + LEB128 gaps between their positions
+    BITMASK = 3  # changed values + one bit per element
+
+
+class Isa(enum.IntEnum):
+    """Which vector path runs the diff (``AUTO``: the best this CPU has)."""
+
+    AUTO = 0
+    SCALAR = 1
+    AVX2 = 2
+    AVX512 = 3
+
+
+class Refusal(enum.IntEnum):
+    """Why :func:`scatter` refused a payload (``OK``: it did not)."""
+
+    OK = 0
+    BAD_KIND = 1
+    BAD_SIZE = 2
+    OUT_OF_RANGE = 3
+    BAD_VARINT = 4
+    COUNT_MISMATCH = 5
+    BAD_BITMASK = 6
+    BAD_ELEM_SIZE = 7
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What :func:`encode` found and wrote."""
+
+    kind: Kind
+    changed: int  # elements that differ from the base (all of them without a base)
+    payload_bytes: int  # bytes written at ``out`` (sparse kinds only)
+    pos_bytes: int  # of which positions
+    checksum: int  # of the fresh tensor
+
+
+def _call(what: str, fn: str, *args: object) -> Any:
+    try:
+        return getattr(load(), fn)(*args)
+    except (ValueError, RuntimeError) as exc:  # std::invalid_argument: a bad element size or ISA
+        raise TransportInternalError(f"{what}: {exc}") from exc
+
+
+def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int, isa: Isa = Isa.AUTO) -> Encoded:
+    """Copies ``n`` elements of ``es`` bytes from ``fresh`` to ``snap`` (0: no copy), compares
+    them bit for bit with ``base`` (0: no base, the result is DENSE) and, when the changed
+    elements encode into at most ``cap`` bytes, writes the encoding at ``out``.
+
+    Raises:
+        TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
+    """
+    kind, changed, payload, pos, checksum = _call("delta encode", "delta_encode", fresh, base, snap, n, es, out, cap,
+                                                  int(isa))
+    return Encoded(Kind(kind), changed, payload, pos, checksum)
+
+
+def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa = Isa.AUTO) -> int:
+    """The checksum of ``n`` elements of ``es`` bytes at ``ptr`` whose indices start at
+    ``first`` (a tensor's checksum is the sum of its pieces', mod 2**64); copies them to
+    ``dst`` on the way when it is not 0.
+
+    Raises:
+        TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
+    """
+    return int(_call("delta checksum", "delta_checksum", ptr, n, es, first, dst, int(isa)))
+
+
+def scatter(live: int, n: int, es: int, payload: int, payload_len: int, kind: int, count: int, pos_bytes: int,
+            write: bool) -> tuple[Refusal, int, int]:
+    """Checks ``payload`` as the encoding of ``count`` changed elements of a tensor of ``n``
+    elements at ``live`` and sums the checksum terms of the old (live) and new values at its
+    positions; with ``write`` also stores the new values. No store ever lands outside
+    ``[live, live + n * es)``; a refused payload stops the walk where it failed, so check
+    without ``write`` first.
+
+    Returns:
+        (refusal, sum of the old terms, sum of the new terms).
+    """
+    refusal, old, new = _call("delta scatter", "delta_scatter", live, n, es, payload, payload_len, kind, count,
+                              pos_bytes, write)
+    return Refusal(refusal), old, new
+
+
+def best_isa() -> str:
+    """The vector path :data:`Isa.AUTO` picks here: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    return str(load().delta_best_isa())
+
+
+def supports(isa: Isa) -> bool:
+    """Whether this CPU runs ``isa``."""
+    return bool(load().delta_supports(int(isa)))

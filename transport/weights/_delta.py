@@ -1,0 +1,400 @@
+"""Delta sync of a stream: a version sent as the new values of the changed elements only.
+
+The publisher diffs each tensor of the new version against its previous snapshot (the *base*)
+in the same native pass that copies it into the new snapshot (:class:`DeltaEncoder`), and
+chooses per tensor by measured density: unchanged (nothing sent), sparse (new values plus
+positions, as LEB128 gaps or a bitmask, whichever is smaller, at most ``SPARSE_MAX`` of the
+dense bytes) or dense. A subscriber receives a delta only when its control block says it
+applied exactly the base and has nothing newer pending; everyone else gets the dense version.
+
+A delta lands in the subscriber's slot like a dense version: a sparse tensor's encoding lies in
+the tensor's own byte range of the slot (it is smaller), dense tensors at their place; beside the
+slot, an *index* region holds the header: magic, version, base version and, per tensor of the
+layout, ``(kind, changed, position bytes, payload bytes, base checksum, new checksum)``.
+
+New values, not arithmetic deltas: applying is idempotent and bit-exact. The checksum
+(:func:`transport._native.delta.checksum`: a position-mixed sum, mod 2**64, of each tensor's raw
+bits) lets the subscriber check, before it writes anything, that every tensor it holds is the
+base the delta was made against (its cached checksums; O(tensors)), and that every touched
+tensor becomes exactly the new version (updated in O(changed elements) from the old and new
+values at the positions). A delta that fails any check is refused whole: the live weights stay
+on their version (see :class:`DeltaApplier`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _kernels
+from .._errors import TransportError
+from .._native import delta as native
+from .._tensors import dtype_from_name
+from ._copy import PIECE_BYTES, HostCopies
+from ._layout import ALIGN, Entry, Layout
+
+log = logging.getLogger("transport.weights")
+
+MAGIC = 0x31_54_4C_44_57  # "WDLT1"
+HEADER_WORDS = 4  # magic, version, base version, entries
+ENTRY_WORDS = 6  # kind, changed, position bytes, payload bytes, base checksum, new checksum
+SPARSE_MAX = 0.5  # a sparse encoding is used only up to this fraction of the tensor's dense bytes
+MASK64 = (1 << 64) - 1
+Kind = native.Kind
+
+
+class DeltaRefusedError(TransportError):
+    """A delta that does not apply to the live weights: their checksum is not the base's (a
+    wrong base, e.g. a control word that claimed a version the subscriber does not hold), or
+    the payload fails a bounds or integrity check. Nothing was written; the live weights stay
+    on their version, and ``pull()`` (or the next dense version) catches up."""
+
+
+def index_bytes(layout: Layout) -> int:
+    """Bytes of a stream's delta index region (its header) for ``layout``."""
+    return 8 * (HEADER_WORDS + ENTRY_WORDS * len(layout.entries))
+
+
+def deltable(e: Entry) -> bool:
+    """Whether ``e`` can travel as a delta: a 2- or 4-byte element type sent as it is (fp8
+    entries are quantised per version, other sizes always go dense)."""
+    return e.scale_offset < 0 and e.numel > 0 and dtype_from_name(e.wire_dtype).itemsize in (2, 4)
+
+
+def _cap(e: Entry) -> int:
+    return int(e.nbytes * SPARSE_MAX) // ALIGN * ALIGN
+
+
+@dataclass
+class DeltaVersion:
+    """One version as the encoder made it: per entry kind and sizes, the header, the items
+    that carry it, and what it weighs against dense."""
+
+    version: int
+    base: int | None  # None: no base (first version, no checksums): dense only
+    kinds: list[Kind]
+    changed: int = 0  # elements that differ from the base, over the deltable tensors
+    elements: int = 0  # elements of the deltable tensors
+    header: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    items: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (source bytes, slot offset)
+    wire_bytes: int = 0  # bytes a delta push moves (header included)
+    encode_s: float = 0.0  # the fused copy + diff + encode pass
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether any subscriber holding the base gets less than the dense version."""
+        return self.base is not None and any(k != Kind.DENSE for k in self.kinds)
+
+    @property
+    def density(self) -> float:
+        """Changed elements over the deltable elements (1.0 without a base)."""
+        return self.changed / self.elements if self.elements and self.base is not None else 1.0
+
+
+class DeltaEncoder:
+    """The publisher's side: builds each snapshot with the fused copy + diff + encode pass and
+    keeps the per-tensor checksums of both snapshots (the next version's base checksums).
+
+    Args:
+        layout: the stream's packed layout.
+        wire: the live tensors by wire name (host tensors).
+        threads: copy threads the pass may use.
+    """
+
+    def __init__(self, layout: Layout, wire: Mapping[str, torch.Tensor], threads: int) -> None:
+        self.layout = layout
+        self._wire = wire
+        self._threads = threads
+        self._offsets: list[int] = []  # entry -> its payload's offset in the staging buffer
+        pos = 0
+        for e in layout.entries:
+            self._offsets.append(pos)
+            pos += _cap(e) if deltable(e) else 0
+        self.staging_bytes = pos
+        self._staging: torch.Tensor | None = None
+        self._sums: dict[int, tuple[int, list[int]]] = {}  # snapshot slot -> (version, checksums)
+
+    def base_of(self, slot: int, version: int | None) -> int | None:
+        """``version`` when snapshot ``slot`` holds it and its checksums are known, else None."""
+        held = self._sums.get(slot)
+        return version if held is not None and version is not None and held[0] == version else None
+
+    def encode(self, snap: torch.Tensor, base: torch.Tensor | None, base_version: int | None,
+               base_slot: int | None, version: int) -> tuple[DeltaVersion, list[int]]:
+        """Copies every deltable tensor into ``snap`` (the new snapshot), diffing it against
+        ``base`` (the previous snapshot, holding ``base_version``) on the way, and writes the
+        sparse encodings into the staging buffer. Runs in a worker thread.
+
+        Returns:
+            The version as a :class:`DeltaVersion`, and the new snapshot's checksums (keep
+            them with :meth:`commit` once the snapshot is published).
+        """
+        t0 = time.perf_counter()
+        entries = self.layout.entries
+        if base is not None and self._staging is None:
+            self._staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
+        staging = self._staging
+        results: list[native.Encoded | None] = [None] * len(entries)
+        keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
+        batch = HostCopies()
+        sptr, bptr = snap.data_ptr(), 0 if base is None else base.data_ptr()
+        for i, e in enumerate(entries):
+            if not deltable(e):
+                if e.nbytes:
+                    batch.add(e.nbytes, functools.partial(self._pack_other, snap, e))
+                continue
+            src = self._wire[e.name]
+            if not src.is_contiguous():
+                src = src.contiguous()
+                keep.append(src)
+            fresh = src.data_ptr()
+            es = src.element_size()
+
+            def work(i: int = i, e: Entry = e, fresh: int = fresh, es: int = es) -> None:
+                out = 0 if staging is None else staging.data_ptr() + self._offsets[i]
+                results[i] = native.encode(fresh, bptr + e.offset if bptr else 0, sptr + e.offset, e.numel, es,
+                                           out, _cap(e) if bptr else 0)
+
+            batch.add(e.nbytes, work)
+        batch.run(self._threads)
+        del keep
+        base_sums = self._sums[base_slot][1] if base_slot is not None and base is not None else None
+        kinds: list[Kind] = []
+        sums: list[int] = []
+        dv = DeltaVersion(version, base_version if base is not None else None, kinds)
+        header = torch.zeros(HEADER_WORDS + ENTRY_WORDS * len(entries), dtype=torch.int64)
+        header[:HEADER_WORDS] = torch.tensor([MAGIC, version, -1 if dv.base is None else dv.base, len(entries)])
+        runs: list[tuple[int, int]] = []  # dense byte ranges of the snapshot
+        for i, (e, r) in enumerate(zip(entries, results, strict=True)):
+            kind = Kind.DENSE if r is None else r.kind
+            kinds.append(kind)
+            sums.append(0 if r is None else r.checksum)
+            if r is not None:
+                dv.changed += r.changed
+                dv.elements += e.numel
+            old = 0 if base_sums is None or r is None else base_sums[i]
+            w = HEADER_WORDS + ENTRY_WORDS * i
+            if r is not None and kind in (Kind.VARINT, Kind.BITMASK):
+                header[w:w + 4] = torch.tensor([int(kind), r.changed, r.pos_bytes, r.payload_bytes])
+            else:
+                header[w] = int(kind)
+            header[w + 4] = _signed(old)
+            header[w + 5] = _signed(sums[-1])
+            if kind == Kind.DENSE:
+                end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
+                if runs and e.offset - runs[-1][1] < ALIGN:  # only alignment padding between: one range
+                    runs[-1] = (runs[-1][0], end)
+                elif end > e.offset:
+                    runs.append((e.offset, end))
+            elif r is not None and staging is not None:
+                o = self._offsets[i]
+                if r.payload_bytes:
+                    dv.items.append((staging[o:o + r.payload_bytes], e.offset))
+        dv.items += [(snap[a:b], a) for a, b in runs]
+        dv.header = header
+        dv.wire_bytes = sum(t.numel() for t, _ in dv.items) + header.numel() * 8
+        dv.encode_s = time.perf_counter() - t0
+        return dv, sums
+
+    def _pack_other(self, snap: torch.Tensor, e: Entry) -> None:
+        """Packs an entry that always travels dense (fp8: quantised, with its scale)."""
+        src = self._wire[e.name]
+        with torch.no_grad():
+            if e.scale_offset >= 0:
+                q, scale = _kernels.quantize_fp8(src)
+                _kernels.pack(snap, [q, scale], [e.offset, e.scale_offset])
+            else:
+                _kernels.pack(snap, [_kernels.as_bytes(src.contiguous())], [e.offset])
+
+    def commit(self, slot: int, version: int, sums: list[int]) -> None:
+        """Records that snapshot ``slot`` holds ``version`` with these checksums."""
+        self._sums[slot] = (version, sums)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _unsigned(x: int) -> int:
+    return x & MASK64
+
+
+def checksums_of(buf: torch.Tensor, entries: Sequence[Entry], threads: int) -> list[int]:
+    """The checksum of each entry's bytes in ``buf`` (a host slot or snapshot), split across
+    ``threads`` in pieces (0 for entries that are not deltable)."""
+    sums = [0] * len(entries)
+    parts: list[list[int]] = [[] for _ in entries]
+    batch = HostCopies()
+    base = buf.data_ptr()
+    for i, e in enumerate(entries):
+        if not deltable(e):
+            continue
+        es = dtype_from_name(e.wire_dtype).itemsize
+        per = max(1, PIECE_BYTES // es)
+        for first in range(0, e.numel, per):
+            n = min(per, e.numel - first)
+
+            def work(i: int = i, first: int = first, n: int = n, ptr: int = base + e.offset + first * es,
+                     es: int = es) -> None:
+                parts[i].append(native.checksum(ptr, n, es, first))
+
+            batch.add(n * es, work)
+    batch.run(threads)
+    for i, p in enumerate(parts):
+        sums[i] = sum(p) & MASK64
+    return sums
+
+
+@dataclass
+class _Check:
+    entry: Entry
+    index: int
+    kind: Kind
+    changed: int
+    pos_bytes: int
+    payload_bytes: int
+    new_sum: int
+
+
+class DeltaApplier:
+    """The subscriber's side: the checksums of the live tensors, and the checked apply of a
+    delta from a slot.
+
+    Args:
+        layout: the publisher's layout.
+        local: per layout entry, the local tensor that receives it (None: not received here).
+        threads: copy threads.
+    """
+
+    def __init__(self, layout: Layout, local: Sequence[torch.Tensor | None], threads: int) -> None:
+        self.layout = layout
+        self._local = local
+        self._threads = threads
+        self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
+
+    def record_dense(self, buf: torch.Tensor) -> None:
+        """The live tensors now hold ``buf``'s version (a dense apply or pull): their checksums."""
+        sums = checksums_of(buf, self.layout.entries, self._threads)
+        self.sums = [s if deltable(e) and self._local[i] is not None else None
+                     for i, (e, s) in enumerate(zip(self.layout.entries, sums, strict=True))]
+
+    def forget(self) -> None:
+        """The live tensors hold no known version."""
+        self.sums = [None] * len(self.layout.entries)
+
+    @staticmethod
+    def header_of(index: torch.Tensor) -> tuple[int, int, int] | None:
+        """(version, base, entries) of an index region's header, or None when it holds none."""
+        if int(index[0]) != MAGIC:
+            return None
+        return int(index[1]), int(index[2]), int(index[3])
+
+    def apply(self, slot: torch.Tensor, index: torch.Tensor, version: int) -> None:
+        """Applies the delta for ``version`` in ``slot`` (its header in ``index``) to the live
+        tensors, all of it or nothing.
+
+        Raises:
+            DeltaRefusedError: the live tensors are not the delta's base, or the payload fails
+                a check; nothing was written.
+        """
+        words = index.clone()  # the index is a peer's to write: check and use one private copy
+        head = self.header_of(words)
+        entries = self.layout.entries
+        if head is None or head[0] != version or head[2] != len(entries):
+            raise DeltaRefusedError(f"delta header for version {version} malformed or stale: {head}")
+        checks: list[_Check] = []
+        dense: list[int] = []
+        for i, e in enumerate(entries):
+            w = HEADER_WORDS + ENTRY_WORDS * i
+            kind_word, changed, pos_bytes, payload_bytes = (int(x) for x in words[w:w + 4])
+            base_sum, new_sum = _unsigned(int(words[w + 4])), _unsigned(int(words[w + 5]))
+            if kind_word not in (0, 1, 2, 3):
+                raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
+            kind = Kind(kind_word)
+            live = self._local[i]
+            if not deltable(e):
+                if kind != Kind.DENSE:
+                    raise DeltaRefusedError(f"{e.name!r} can only travel dense, the header says {kind.name}")
+                if live is not None:
+                    dense.append(i)
+                continue
+            if live is None:
+                continue  # not received here: whatever it holds is not ours to check
+            held = self.sums[i]
+            if held is None or held != base_sum:
+                raise DeltaRefusedError(
+                    f"{e.name!r}: the live tensor is not the base of version {version} (base {head[1]}): its checksum "
+                    f"{'is unknown' if held is None else f'{held:#x}'} where the delta expects {base_sum:#x}")
+            if kind == Kind.UNCHANGED:
+                if new_sum != base_sum:
+                    raise DeltaRefusedError(f"{e.name!r}: unchanged, yet its checksum changes")
+                continue
+            if kind == Kind.DENSE:
+                got = checksums_of(slot, [e], self._threads)[0]
+                if got != new_sum:
+                    raise DeltaRefusedError(f"{e.name!r}: the dense bytes in the slot do not match their checksum")
+                dense.append(i)
+                continue
+            if not (0 < payload_bytes <= e.nbytes and 0 <= pos_bytes <= payload_bytes and 0 < changed <= e.numel):
+                raise DeltaRefusedError(f"{e.name!r}: payload of {payload_bytes} bytes / {changed} elements does not "
+                                        f"fit a {e.nbytes}-byte tensor")
+            checks.append(_Check(e, i, kind, changed, pos_bytes, payload_bytes, new_sum))
+        base_ptr = slot.data_ptr()
+        for c in checks:  # O(changed): positions in bounds, and the result has the new checksum
+            live = self._local[c.index]
+            assert live is not None
+            refusal, old, new = native.scatter(live.data_ptr(), c.entry.numel, live.element_size(),
+                                               base_ptr + c.entry.offset, c.payload_bytes, int(c.kind), c.changed,
+                                               c.pos_bytes, False)
+            if refusal != native.Refusal.OK:
+                raise DeltaRefusedError(f"{c.entry.name!r}: payload refused ({refusal.name})")
+            held = self.sums[c.index]
+            assert held is not None
+            if (held - old + new) & MASK64 != c.new_sum:
+                raise DeltaRefusedError(f"{c.entry.name!r}: the patched tensor would not have the new checksum")
+        # Every check passed: write. Only a peer scribbling over the slot we claimed could make a
+        # store fail now, and the native scatter keeps even that inside the tensor.
+        batch = HostCopies()
+        for i in dense:
+            e, dst = entries[i], self._local[i]
+            assert dst is not None
+            if e.scale_offset >= 0:
+                batch.add(e.nbytes, functools.partial(_dequantize, slot, e, dst))
+            elif dst.is_contiguous() and dst.dtype == dtype_from_name(e.wire_dtype):
+                batch.add_raw(dst.data_ptr(), base_ptr + e.offset, e.nbytes)
+            else:  # an entry that always travels dense, into a tensor of another dtype or layout
+                batch.add(e.nbytes, functools.partial(_cast, slot, e, dst))
+        for c in checks:
+            live = self._local[c.index]
+            assert live is not None
+
+            def scatter(c: _Check = c, live: torch.Tensor = live) -> None:
+                refusal, _, _ = native.scatter(live.data_ptr(), c.entry.numel, live.element_size(),
+                                               base_ptr + c.entry.offset, c.payload_bytes, int(c.kind), c.changed,
+                                               c.pos_bytes, True)
+                if refusal != native.Refusal.OK:
+                    log.error("delta of %r changed under its apply (%s): that tensor is partly written",
+                              c.entry.name, refusal.name)
+
+            batch.add(c.changed * c.entry.nbytes // max(1, c.entry.numel), scatter)
+        batch.run(self._threads)
+        for i, e in enumerate(entries):
+            if deltable(e) and self._local[i] is not None:
+                self.sums[i] = _unsigned(int(words[HEADER_WORDS + ENTRY_WORDS * i + 5]))
+
+
+def _cast(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
+    with torch.no_grad():
+        dst.copy_(_kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape))
+
+
+def _dequantize(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
+    q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
+    scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
+    with torch.no_grad():
+        dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
