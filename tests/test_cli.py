@@ -114,7 +114,18 @@ def test_parse_sizes() -> None:
             parse_size(bad)
 
 
-def test_store_serves_until_interrupted() -> None:
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's ``&`` or ``nohup`` leaves it
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_store_serves_until_interrupted(inherited: str) -> None:
+    """SIGINT stops it whatever disposition it inherited (the suite itself may run under
+    ``nohup``: the child's is set explicitly here, both ways)."""
     from transport._rendezvous import open_store
 
     proc = subprocess.Popen(
@@ -123,6 +134,7 @@ def test_store_serves_until_interrupted() -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        preexec_fn=_sigint_ignored if inherited == "ignored" else _sigint_default,
     )
     try:
         assert proc.stdout is not None and proc.stderr is not None

@@ -255,6 +255,23 @@ async def test_replaced_storage_is_refused_at_the_next_transfer(backend, memory_
             assert torch.equal(w, torch.full((1024,), 3.0))
 
 
+async def test_replaced_storage_is_noticed_at_the_owners_next_call(backend, memory_store):
+    """With heartbeats far apart, the owner's next call that is not a transfer notices the
+    replaced storage and republishes: the very next put into it is refused, not lost in the
+    old storage."""
+    async with transport.Transport("a", store=memory_store, backends=(backend,), timeout=20) as a:
+        async with transport.Transport("b", store=memory_store, backends=(backend,), timeout=20,
+                                       heartbeat=60, lease=120) as b:
+            w = torch.zeros(1024, dtype=torch.float32)
+            b.register("w", w)
+            await a.put(torch.ones(1024), "b", key="w")
+            w.set_(torch.full((1024,), 5.0).untyped_storage())
+            assert b.signal_value("anything") is None  # the owner's next local call
+            with pytest.raises(transport.RegistrationError, match="new storage"):
+                await a.put(torch.full((1024,), 2.0), "b", key="w")
+            assert torch.equal(w, torch.full((1024,), 5.0))
+
+
 # -- argument types ---------------------------------------------------------------------------
 
 

@@ -191,7 +191,9 @@ def store(args: argparse.Namespace) -> int:
         return 1
     url = f"tcp://{args.host}:{s.port}"
     print(f"hosting a rendezvous store; peers use store={url!r}  (Ctrl-C to stop)", flush=True)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Installed explicitly, SIGINT too: a shell starting us in the background (``&``, ``nohup``)
+    # leaves SIGINT ignored, and Python then installs no handler of its own.
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         while deadline is None or time.monotonic() < deadline:
@@ -199,7 +201,8 @@ def store(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         s.close()
     print("store stopped", flush=True)
     return 0

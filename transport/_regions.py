@@ -170,6 +170,7 @@ class RegionTable:
         self.owner = owner
         self._regions: dict[str, Region] = {}
         self._by_memory: dict[tuple[int, int, torch.dtype], str] = {}
+        self._reported: set[str] = set()  # keys whose moved storage was already warned about
         self._shared: list[Any] = []  # buffers allocated by allocate()
         # The host regions as the tcp direct lane's native threads see them. A region withdrawn
         # while a request still moves its bytes stays referenced here (its memory alive) until
@@ -226,21 +227,25 @@ class RegionTable:
         """Every region whose tensor's storage moved since registration: key -> why."""
         return {r.key: why for r in self._regions.values() if (why := r.moved()) is not None}
 
+    def notice_moved(self, republish: Callable[[], None]) -> None:
+        """Looks for registered tensors whose storage moved (``set_``, ``resize_``) and calls
+        ``republish`` when new ones did, so that the published record marks them moved and
+        peers' transfers into them fail with RegistrationError instead of landing in the old
+        memory (which the registration keeps alive until then)."""
+        moved = self.moved()
+        if fresh := moved.keys() - self._reported:
+            for key in fresh:
+                log.warning("transport %s: %s", self.owner, moved[key])
+                self.mirror.mark_moved(key)
+            republish()
+        self._reported = set(moved)
+
     async def watch(self, interval: float, republish: Callable[[], None]) -> None:
-        """Every ``interval`` seconds, looks for registered tensors whose storage moved
-        (``set_``, ``resize_``) and calls ``republish`` when new ones did, so that the published
-        record marks them moved and peers' transfers into them fail with RegistrationError
-        instead of landing in the old memory. Runs until cancelled."""
-        reported: set[str] = set()
+        """:meth:`notice_moved` every ``interval`` seconds (the Transport also calls it at its
+        owner's calls that are not transfers). Runs until cancelled."""
         while True:
             await anyio.sleep(interval)
-            moved = self.moved()
-            if moved.keys() - reported:
-                for key in moved.keys() - reported:
-                    log.warning("transport %s: %s", self.owner, moved[key])
-                    self.mirror.mark_moved(key)
-                republish()
-            reported = set(moved)
+            self.notice_moved(republish)
             self._release()
 
     def as_dict(self) -> dict[str, Region]:

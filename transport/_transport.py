@@ -234,11 +234,15 @@ class Transport:
             self._cuda = _cuda.CudaCopier()
         return self._cuda
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, notice: bool = True) -> None:
+        """Raises ClosedError unless open; with ``notice`` (every call that is not a transfer),
+        also republishes regions whose storage moved since the last look (see ``register``)."""
         if self._state != "open":
             if self._state in ("closed", "draining"):
                 raise ClosedError(f"transport {self.name!r} is {self._state}")
             raise ClosedError(f"transport {self.name!r} is not open; use `async with Transport(...)`")
+        if notice:
+            self._regions.notice_moved(self._publish)
 
     def _timeout(self, timeout: object) -> float:
         return self.timeout if timeout is None else seconds(timeout, "timeout")
@@ -269,7 +273,13 @@ class Transport:
             key: name peers use for this region; unique within this Transport.
             tensor: a contiguous CPU or CUDA tensor (any caching-allocator tensor, slices
                 included; not expandable-segments memory). The Transport keeps a reference to
-                it until ``unregister``; do not free or resize its storage meanwhile.
+                it until ``unregister``; do not free or resize its storage meanwhile. If its
+                storage is replaced anyway (``set_``, ``resize_``, an optimizer replacing
+                ``.data``), the Transport notices within one heartbeat interval, or at its next
+                call that is not a transfer, whichever comes first: it logs a warning and
+                republishes the region as moved, and peers' transfers into it fail with
+                RegistrationError from then on. Bytes a one-sided peer wrote before that went
+                into the old storage (kept alive until then), never into freed memory.
             writable: False refuses remote puts (gets still work).
 
         Returns:
@@ -379,7 +389,7 @@ class Transport:
         Ordering: a put that overlaps an earlier transfer from this Transport still in flight
         to the same region starts moving once that one has ended (the later put wins).
         """
-        self._check_open()
+        self._check_open(notice=False)
         src = check_tensor(src, "src")
         key = self._key_for(src, key, "src")
         kind = memory_kind(src, "src")
@@ -408,7 +418,7 @@ class Transport:
         Raises:
             As :meth:`put`, and LayoutError for a non-contiguous ``dst``.
         """
-        self._check_open()
+        self._check_open(notice=False)
         dst = check_tensor(dst, "dst")
         if not dst.is_contiguous():
             raise LayoutError("dst must be contiguous for get (the bytes land in place)")
@@ -435,14 +445,14 @@ class Transport:
             LayoutError: a non-contiguous tensor. BoundsError: two items write the same bytes.
             As :meth:`put` for the remote checks, when the peer is known. ClosedError.
         """
-        self._check_open()
+        self._check_open(notice=False)
         name = peer_name(peer)
         return PreparedTransfer(TransferOp.PUT, name, items, self._start_prepared, self._directory.known(name))
 
     def prepare_get(self, peer: str | Peer, items: Sequence[tuple[torch.Tensor, str, int]]) -> PreparedTransfer:
         """As :meth:`prepare_put`, for a get: each item ``(dst, key, offset)`` reads
         ``dst.nbytes`` bytes at byte ``offset`` of region ``key`` into ``dst``."""
-        self._check_open()
+        self._check_open(notice=False)
         name = peer_name(peer)
         return PreparedTransfer(TransferOp.GET, name, items, self._start_prepared, self._directory.known(name))
 
@@ -457,7 +467,7 @@ class Transport:
         return self.prepare_get(peer, items).start(timeout=timeout)
 
     def _start_prepared(self, prepared: PreparedTransfer, timeout: float | None) -> Transfer:
-        self._check_open()
+        self._check_open(notice=False)
         return self._transfers.start_batch(prepared, self._timeout(timeout))
 
     def _key_for(self, tensor: torch.Tensor, key: str | None, what: str) -> str:
@@ -502,6 +512,8 @@ class Transport:
 
     def signal_value(self, name: str) -> int | None:
         """The last value a peer set for signal ``name`` here, or None."""
+        if self._state == "open":
+            self._regions.notice_moved(self._publish)
         return self._signals.value(name)
 
     async def wait_signal(self, name: str, at_least: int = 1, *, timeout: float | None = None) -> int:
