@@ -13,6 +13,10 @@ the descriptor named by ``forge``:
 - ``random-address``: every ucx worker address is random bytes (seeded by ``seed``);
 - ``garbage-rkey``: the ucx descriptor of ``w`` carries random bytes as its rkey.
 
+With ``subscribe`` (``{"publisher": NAME, "stream": NAME, "numel": N}``) it first joins that
+weight-sync stream as a real ``Subscriber`` of one float32 tensor ``w0`` of N elements, so the
+forged record is a subscriber's that every publish of the stream looks up.
+
 Writes ``<out>`` (JSON: pid) once forged, then sleeps until killed.
 """
 
@@ -100,7 +104,14 @@ async def main(spec: dict) -> None:
     async with transport.Transport(spec["name"], store=spec["store"], backends=backends, timeout=30) as t:
         t.empty("w", 1 << 16, dtype=transport_dtype())
         t.empty("ro", 1 << 16, dtype=transport_dtype(), writable=False)
-        await trio.sleep(0.2)  # let the record with both regions be published
+        if sub := spec.get("subscribe"):
+            import torch
+
+            from transport.weights import Subscriber
+
+            await Subscriber(t, {"w0": torch.zeros(sub["numel"])}, publisher=sub["publisher"],
+                             name=sub["stream"]).start()
+        await trio.sleep(0.2)  # let the record with every region be published
         store = open_store(spec["store"])
         key = "peer/" + spec["name"]
         record = PeerRecord.decode(store.get(key))

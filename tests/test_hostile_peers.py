@@ -15,9 +15,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import pytest
+import torch
 
+import transport
 from transport.backends import REGISTRY
+from transport.weights import Publisher, Subscriber
 
 from .conftest import PYTHON, ROOT, python_env
 
@@ -29,9 +34,10 @@ class _Peers:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.store, self.procs = tmp, f"file://{tmp / 'store'}", []
 
-    def start(self, name: str, forge: str, backends: list[str], seed: int = 0) -> None:
+    def start(self, name: str, forge: str, backends: list[str], seed: int = 0, **extra: object) -> None:
         out = self.tmp / f"{name}.ready"
-        spec = {"name": name, "store": self.store, "backends": backends, "forge": forge, "seed": seed, "out": str(out)}
+        spec = {"name": name, "store": self.store, "backends": backends, "forge": forge, "seed": seed, "out": str(out),
+                **extra}
         log = open(self.tmp / f"{name}.log", "wb")
         proc = subprocess.Popen([PYTHON, "-m", "tests.forged_peer", json.dumps(spec)], env=python_env(), cwd=ROOT,
                                 stderr=log)
@@ -106,3 +112,27 @@ def test_malformed_ucx_descriptors_never_reach_ucx(peers, forge, seed):
     assert "ucx" in out["liar"]["put"], out  # the refusal names the backend and why
     if forge != "random-address":
         assert out["liar"]["get"] == "ok", out  # only w's rkey lies: ro still works
+
+
+@pytest.mark.parametrize("backend,forge", [("ipc", "fifo-ipc-ctl"),
+                                           pytest.param("ucx", "fifo-ucx-ctl", marks=needs_ucx)])
+async def test_a_subscriber_naming_a_fifo_does_not_stall_a_publish(peers, backend, forge):
+    """A forged subscriber of the stream (a real Subscriber, then its record's control page fd
+    pointed at a FIFO): ``publish(deadline=2)`` still returns in bounded time and the legitimate
+    subscriber gets the version. Before, the publisher's lookup opened the FIFO and its event
+    loop blocked forever."""
+    numel = 1 << 14
+    model = {"w0": torch.arange(numel, dtype=torch.float32)}
+    async with transport.Transport("trainer", store=peers.store, backends=(backend,), timeout=10) as t, \
+            transport.Transport("good", store=peers.store, backends=(backend,), timeout=10) as g:
+        async with Publisher(t, model, name="s", deadline=2) as pub:
+            await anyio.to_thread.run_sync(lambda: peers.start(
+                "liar", forge, [backend], subscribe={"publisher": "trainer", "stream": "s", "numel": numel}))
+            live = {"w0": torch.zeros(numel)}
+            good = Subscriber(g, live, publisher="trainer", name="s")
+            await good.start()
+            with anyio.fail_after(60):
+                report = await pub.publish(1)
+                assert await good.wait_version(1, timeout=10) == 1
+            assert torch.equal(live["w0"], model["w0"])
+            assert "good" in str(report), report
