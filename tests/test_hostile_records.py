@@ -20,10 +20,11 @@ import transport
 from transport._rendezvous import TCPStore, open_store
 from transport._wire import PeerRecord, WireError
 from transport._wire import WireError as MalformedLayoutError
-from transport.weights import LayoutMismatchError, Publisher, Subscriber
+from transport.plan import GeneratorRank, LocalTensor, Piece, full_box, trainer_layout_from_state_dict
+from transport.weights import LayoutMismatchError, MeshPublisher, MeshSubscriber, Publisher, Subscriber
 from transport.weights._control import StreamKeys, encode_front
 from transport.weights._layout import Layout, build_layout
-from transport.weights._mesh_control import TCTL_WORDS, TRANK, MeshKeys
+from transport.weights._mesh_control import TCTL_WORDS, TRANK, MeshKeys, done_word
 from transport.weights._mesh_peers import MeshPeers
 
 
@@ -216,3 +217,42 @@ async def test_control_words_from_a_third_peer_never_break_or_wedge_a_subscriber
             await _scribble(ts, encode_front(1 << 60, 0))
             assert sub.apply() == 1 << 60
             assert await sub.pull(timeout=30) == 4 and sub.version == 4 and bool((dst["w"] == 4).all())
+
+
+async def test_done_words_from_a_third_peer_never_wedge_a_mesh_replica(memory_store):
+    """A scribbler marks slot 0 of a generator rank done at version 2**60 for the trainer rank
+    (its ctl is writable by design): the leader's commit refuses a version no trainer rank has
+    snapshotted, and the replica goes on committing the trainer's real versions."""
+    state = {"w": torch.zeros(256)}
+    layout = trainer_layout_from_state_dict(state, rank=0, boxes={"w": ((256,), full_box((256,)))})
+    keys = MeshKeys.of("m")
+    async with (transport.Transport("trainer", store=memory_store) as tt,
+                transport.Transport("gen", store=memory_store) as tg,
+                transport.Transport("scribbler", store=memory_store) as ts):
+        pub = MeshPublisher(tt, "m", state, layout, rank=0, deadline=10)
+        sub = MeshSubscriber(tg, "m", replica="r", rank=0, size=1, layout=whole_generator_rank(layout), timeout=30)
+        pub.start()
+        sub.start()
+        try:
+            state["w"].fill_(1)
+            await pub.publish(2)
+            assert await sub.commit(timeout=30) == 2 and sub.apply() == 2  # (slot 0 free for 4 again)
+
+            forged = 1 << 60  # even: slot 0, as the protocol puts it
+            await ts.put(torch.tensor([forged + 1], dtype=torch.int64), "gen", key=keys.ctl,
+                         offset=8 * done_word(0, 0))
+            assert await sub.commit(timeout=30) == 2, "committed a version no trainer rank has"
+            state["w"].fill_(4)
+            await pub.publish(4)
+            assert await sub.commit(timeout=30) == 4
+            assert sub.apply() == 4 and bool((sub.tensors["w"] == 4).all())
+        finally:
+            sub.close()
+            pub.close()
+
+
+def whole_generator_rank(layout):
+    """One generator rank that takes every tensor whole (as transport.vllm's default does)."""
+    return GeneratorRank.of([LocalTensor(t.name, t.shape, t.dtype, (Piece(t.name, full_box(t.shape),
+                                                                         full_box(t.shape)),))
+                             for t in layout.tensors])

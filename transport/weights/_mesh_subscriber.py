@@ -312,11 +312,16 @@ class MeshSubscriber:
         async def ctls() -> dict[int, torch.Tensor]:
             return {r: await self._ctl_of(peers[r], words[r]) for r in range(self.size)}
 
+        newest = await self._trainers_newest(now, {t for r in range(self.size) for t in plans[r].sources()})
+
         def complete(ctls: Mapping[int, torch.Tensor], slot: int) -> int | None:
-            """The version every rank holds in full in ``slot`` (ranks fed by nobody aside)."""
+            """The version every rank holds in full in ``slot`` (ranks fed by nobody aside), if
+            no trainer rank's own read-only control block says it is from the future (any peer
+            can write DONE words: a scribbled 2**60 must not wedge the replica)."""
             versions = {slot_version(ctls[r], slot, plans[r].sources()) for r in range(self.size)
                         if plans[r].sources()}
-            return versions.pop() if len(versions) == 1 else None
+            v = versions.pop() if len(versions) == 1 else None
+            return v if v is not None and (newest is None or v <= newest) else None
 
         seen = await ctls()
         best = max((v for v in (complete(seen, 0), complete(seen, 1)) if v is not None), default=None)
@@ -334,6 +339,24 @@ class MeshSubscriber:
         for r in range(self.size):
             await self._write(peers[r], COMMIT, word)
         return best
+
+    async def _trainers_newest(self, now: _Replica, sources: set[int]) -> int | None:
+        """The newest version any trainer rank of ``sources`` has snapshotted (its own SNAPVER
+        words, which only it can write); None when none of them can be read."""
+        newest = None
+        for t in sorted(sources):
+            peer = now.trainers.get(t)
+            if peer is None:
+                continue
+            tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
+            try:
+                await self.t.get(tctl, peer, key=self.keys.tctl)
+            except TransportError as exc:
+                log.debug("%s/%s: cannot read trainer rank %d's control block: %s", self.replica, self.rank, t, exc)
+                continue
+            v = max(int(tctl[SNAPVER0]), int(tctl[SNAPVER0 + 1])) - 1
+            newest = v if newest is None else max(newest, v)
+        return newest
 
     async def wait_committed(self, at_least: int, *, timeout: float | None = None) -> int:
         """Waits until the replica has committed ``at_least`` or a later version here (ranks
