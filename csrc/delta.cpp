@@ -20,6 +20,7 @@ namespace {
 constexpr uint32_t kIndexMul = 0x9E3779B9u;
 constexpr uint32_t kMix = 0x85EBCA6Bu;
 constexpr uint64_t kStreamMin = 1 << 20;  // bytes of snapshot from which stores stream
+constexpr uint64_t kCheckEvery = 1 << 16;  // elements between two looks at the running density
 
 inline uint32_t mix(uint32_t x, uint64_t i) {
   uint32_t y = (x ^ (static_cast<uint32_t>(i) * kIndexMul)) * kMix;
@@ -60,7 +61,11 @@ struct Emitter {
   uint64_t varcap;
   uint8_t* mask;
   uint64_t vmax;  // values that fit vcap
+  const uint8_t* base;
+  uint64_t n;
   uint64_t count = 0;
+  uint64_t sum_old = 0;  // mix() of the base values at the changed positions
+  uint64_t next_check = kCheckEvery;
   uint64_t varlen = 0;
   uint64_t last = 0;  // the previous position + 1
   bool vover = false;
@@ -69,6 +74,7 @@ struct Emitter {
   inline void one(uint64_t pos, const uint8_t* elem) {
     if (count < vmax) {
       std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
+      sum_old += mix(load_elem(base + pos * es, es), pos);
     } else {
       vover = true;
     }
@@ -98,6 +104,14 @@ struct Emitter {
 
   // ``bits`` flags the changed elements among the ``lanes`` at index ``i`` (elements at fresh).
   inline void many(uint64_t bits, uint64_t i, const uint8_t* fresh) {
+    if (i >= next_check && !vover) {
+      // Far past the crossover already (a quarter more changes than the budget allows at this
+      // point): the tensor goes dense, so stop encoding and only count.
+      next_check = i + kCheckEvery;
+      if (i >= n / 16 && static_cast<double>(count) > 1.25 * static_cast<double>(vmax) * static_cast<double>(i) /
+                                                          static_cast<double>(n))
+        vover = true;
+    }
     if (vover) {
       count += static_cast<uint64_t>(__builtin_popcountll(bits));
       return;
@@ -216,6 +230,11 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
 }
 
 #define TRANSPORT_AVX512 "avx512f,avx512bw,avx2"
+// GCC 12 flags the self-initialised placeholder inside its own _mm512_undefined_*() (used by the
+// unmasked AVX-512 intrinsics) as maybe uninitialised: a false positive in its headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 __attribute__((target(TRANSPORT_AVX512))) inline __m512i mix16_avx512(__m512i x, __m512i h) {
   __m512i y = _mm512_mullo_epi32(_mm512_xor_si512(x, h), _mm512_set1_epi32(static_cast<int>(kMix)));
@@ -285,6 +304,7 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
   return sum;
 }
 
+#pragma GCC diagnostic pop
 #endif  // TRANSPORT_DELTA_X86
 
 int resolve(int isa) {
@@ -357,13 +377,14 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   check_es(es);
   const auto* f = static_cast<const uint8_t*>(fresh);
   auto* s = static_cast<uint8_t*>(snap);
-  EncodeResult r{kDense, n, 0, 0, 0};
+  EncodeResult r{kDense, n, 0, 0, 0, 0};
   if (base == nullptr) {
     r.checksum = run(f, nullptr, s, n, es, 0, nullptr, isa);
     return r;
   }
   const uint64_t mask_bytes = (n + 7) / 8;
-  Emitter em{es, static_cast<uint8_t*>(out), cap, scratch(0, cap + 16), cap, scratch(1, mask_bytes + 8), cap / es};
+  Emitter em{es, static_cast<uint8_t*>(out), cap, scratch(0, cap + 16), cap, scratch(1, mask_bytes + 8), cap / es,
+             static_cast<const uint8_t*>(base), n};
   r.checksum = run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
   r.changed = em.count;
   if (em.count == 0) {
@@ -379,6 +400,7 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   std::memset(o + em.count * es, 0, vbytes - em.count * es);
   std::memcpy(o + vbytes, use_mask ? em.mask : em.var, pos);
   r.kind = use_mask ? kBitmask : kVarint;
+  r.sum_old = em.sum_old;
   r.payload_bytes = vbytes + pos;
   r.pos_bytes = pos;
   return r;
@@ -395,11 +417,16 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
   auto* l = static_cast<uint8_t*>(live);
   const auto* vals = static_cast<const uint8_t*>(payload);
   const auto* pos = vals + vbytes;
+  if (write && l == nullptr) return {kBadSize, 0, 0};
   auto visit = [&](uint64_t k, uint64_t p) {
-    uint8_t* dst = l + p * es;
-    r.sum_old += mix(load_elem(dst, es), p);
     r.sum_new += mix(load_elem(vals + k * es, es), p);
-    if (write) std::memcpy(dst, vals + k * es, es);
+    if (l == nullptr) return;
+    uint8_t* dst = l + p * es;
+    if (write) {
+      std::memcpy(dst, vals + k * es, es);
+    } else {
+      r.sum_old += mix(load_elem(dst, es), p);
+    }
   };
   if (kind == kVarint) {
     uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name

@@ -42,11 +42,13 @@ struct EncodeResult {
   uint64_t payload_bytes; // bytes written at out (sparse kinds only)
   uint64_t pos_bytes;     // of which positions
   uint64_t checksum;      // of fresh, over [first, first + n)
+  uint64_t sum_old;       // sparse kinds: the sum of mix() over the base values at the positions
 };
 
 struct ScatterResult {
   int refusal;       // Refusal
-  uint64_t sum_old;  // sum of mix() over the live values at the positions (before writing)
+  uint64_t sum_old;  // without write and with live not null: the sum of mix() over the live values at
+                     // the positions (live null: only the payload is read; 0)
   uint64_t sum_new;  // sum of mix() over the new values at the positions
 };
 
@@ -67,7 +69,8 @@ uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, 
 // elements (es bytes each) and computes the sums over live and payload values at its positions.
 // With write, also stores the new values into live: every position is checked against n before
 // its store, so live is never written out of bounds whatever the payload holds (a payload that
-// fails a check part-way leaves earlier stores made: check without write first).
+// fails a check part-way leaves earlier stores made: check without write first, with live null
+// to read the payload alone).
 ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                       uint64_t count, uint64_t pos_bytes, bool write);
 

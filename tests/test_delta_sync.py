@@ -76,8 +76,12 @@ def test_diff_encode_and_scatter_are_bit_exact(isa, dtype):
             assert want * fresh.element_size() + (n + 7) // 8 > out.numel() - 8
             continue
         live = base.clone()
-        refusal, old, new = native.scatter(live.data_ptr(), n, fresh.element_size(), out.data_ptr(), r.payload_bytes,
-                                           int(r.kind), r.changed, r.pos_bytes, True)
+        args = (n, fresh.element_size(), out.data_ptr(), r.payload_bytes, int(r.kind), r.changed, r.pos_bytes)
+        refusal, old, new = native.scatter(live.data_ptr(), *args, False)  # check, reading the live values
+        assert refusal == native.Refusal.OK and np.array_equal(raw(live), raw(base))  # nothing written
+        assert old == r.sum_old  # the base terms the header carries are the live values' terms
+        assert native.scatter(0, *args, False) == (native.Refusal.OK, 0, new)  # the payload alone
+        refusal, _, _ = native.scatter(live.data_ptr(), *args, True)
         assert refusal == native.Refusal.OK
         assert np.array_equal(raw(live), raw(fresh))
         # The subscriber's O(changed) update gives the fresh tensor's checksum.
@@ -165,7 +169,7 @@ def test_random_payloads_never_store_outside_the_tensor():
 
 async def test_dense_above_the_crossover_and_forced_dense():
     store = f"memory://{uuid.uuid4().hex}"
-    src = {"a": torch.randn(256, 256).to(torch.bfloat16), "b": torch.randn(4096)}
+    src = {"a": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(1 << 16)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg, \
             transport.Transport("old", store=store) as to:
         async with Publisher(tt, src) as pub, Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()},
@@ -176,13 +180,25 @@ async def test_dense_above_the_crossover_and_forced_dense():
             assert await sub.wait_version(1) == 1 and await dense_only.wait_version(1) == 1
             a = src["a"].view(-1)
             a[torch.randperm(a.numel())[: a.numel() * 6 // 10]] += 1  # 60%: above the crossover
-            src["b"][:10] += 1  # 0.2%: sparse
+            src["b"][:100] += 1  # 0.15%: sparse
             r = await pub.publish(2)
-            assert r.delta is not None and r.delta.kinds == {"dense": 1, "varint": 1}
+            # Per tensor: the small one that changed a lot goes dense inside the delta.
+            assert r.delta is not None and r.delta.kinds == {"dense": 1, "varint": 1} and not r.delta.sampled
             assert r.results["gen"].delta and not r.results["old"].delta
-            assert r.results["old"].nbytes == pub.layout.total > r.results["gen"].nbytes
+            assert r.results["old"].nbytes == pub.layout.total > 10 * r.results["gen"].nbytes
             assert await sub.wait_version(2) == 2 and await dense_only.wait_version(2) == 2
             assert same_bits(dst, src) and same_bits(old, src)
+            for x in src.values():  # 90% of everything: the sample says dense, no full diff runs
+                flat = x.view(-1)
+                flat[torch.randperm(flat.numel())[: flat.numel() * 9 // 10]] += 1
+            r = await pub.publish(3)
+            assert r.delta is not None and r.delta.sampled and r.delta.base is None and r.delta.density > 0.8
+            assert not r.results["gen"].delta and r.results["gen"].nbytes == pub.layout.total
+            assert await sub.wait_version(3) == 3 and same_bits(dst, src)
+            src["b"][:10] += 1  # sparse again: the snapshot of the dense version 3 is the base
+            r = await pub.publish(4)
+            assert r.delta is not None and r.delta.base == 3 and r.results["gen"].delta
+            assert await sub.wait_version(4) == 4 and same_bits(dst, src)
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         async with Publisher(tt, src, delta=False) as pub, Subscriber(tg, dst, publisher="trainer") as sub:
             assert not pub.delta and pub.staging_bytes == 2 * pub.layout.total
@@ -297,3 +313,49 @@ def test_support_model_changes_bits_that_float_comparison_misses():
         bits_b = b[k].view(BITS[b[k].dtype][0])
         assert not torch.equal(bits_a, bits_b)
     assert not same_bits(a, b) and same_bits(a, model_at(1)) and same_bits(zeros(), zeros())
+
+
+# ---- the CUDA diff (run by scripts/gpu_check.sh, which runs every gpu-marked test) -------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_diff_matches_the_cpu_encoder(dtype):
+    import struct
+
+    from transport import _cuda
+
+    g = torch.Generator().manual_seed(11)
+    n = 1_000_003
+    base = torch.randn(n, generator=g).to(dtype)
+    fresh = base.clone()
+    fresh[torch.randperm(n, generator=g)[: n // 50]] = torch.randn(n // 50, generator=g).to(dtype)
+    fresh.view(BITS[dtype][0])[7] ^= torch.tensor(1 << (8 * fresh.element_size() - 1)).to(BITS[dtype][0])  # -x
+    r, _ = encode(fresh, base, native.Isa.AUTO)
+    mask_bytes = (n + 7) // 8
+    dev = torch.device("cuda", 0)
+    f, b = fresh.to(dev), base.to(dev)
+    snap = torch.empty_like(f)
+    words = (n + 31) // 32
+    mask = torch.zeros(words, dtype=torch.int32, device=dev)
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)  # count, checksum
+    suffix = "u16" if fresh.element_size() == 2 else "u32"
+    k = _cuda.kernels(0)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    k.launch(f"transport_delta_diff_{suffix}", (256, 1, 1), (256, 1, 1),
+             struct.pack("@QQQQQQQ", f.data_ptr(), b.data_ptr(), snap.data_ptr(), n, mask.data_ptr(),
+                         acc.data_ptr(), acc.data_ptr() + 8), stream)
+    offsets = torch.zeros(words, dtype=torch.int64, device=dev)
+    pop = torch.tensor([bin(int(w) & 0xFFFFFFFF).count("1") for w in mask.cpu()], dtype=torch.int64)
+    offsets.copy_(torch.cumsum(pop, 0) - pop)
+    values = torch.empty(int(pop.sum()), dtype=dtype, device=dev)
+    k.launch(f"transport_delta_gather_{suffix}", (256, 1, 1), (256, 1, 1),
+             struct.pack("@QQQQQ", f.data_ptr(), mask.data_ptr(), offsets.data_ptr(), words, values.data_ptr()),
+             stream)
+    torch.cuda.synchronize(dev)
+    assert torch.equal(snap.cpu().view(torch.uint8), fresh.view(torch.uint8))
+    assert int(acc[0]) == r.changed and int(acc[1]) % 2**64 == r.checksum
+    gpu_mask = mask.cpu().numpy().view(np.uint8)[:mask_bytes]
+    cpu_bits = raw(fresh) != raw(base)
+    assert np.array_equal(np.unpackbits(gpu_mask, bitorder="little")[:n].astype(bool), cpu_bits)
+    assert np.array_equal(raw(values.cpu()), raw(fresh)[cpu_bits])

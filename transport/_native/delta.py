@@ -57,6 +57,7 @@ class Encoded:
     payload_bytes: int  # bytes written at ``out`` (sparse kinds only)
     pos_bytes: int  # of which positions
     checksum: int  # of the fresh tensor
+    sum_old: int  # sparse kinds: the checksum terms of the base values at the changed positions
 
 
 def _call(what: str, fn: str, *args: object) -> Any:
@@ -74,9 +75,9 @@ def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int
     Raises:
         TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
     """
-    kind, changed, payload, pos, checksum = _call("delta encode", "delta_encode", fresh, base, snap, n, es, out, cap,
-                                                  int(isa))
-    return Encoded(Kind(kind), changed, payload, pos, checksum)
+    kind, changed, payload, pos, checksum, sum_old = _call("delta encode", "delta_encode", fresh, base, snap, n, es,
+                                                           out, cap, int(isa))
+    return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old)
 
 
 def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa = Isa.AUTO) -> int:
@@ -93,13 +94,14 @@ def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa =
 def scatter(live: int, n: int, es: int, payload: int, payload_len: int, kind: int, count: int, pos_bytes: int,
             write: bool) -> tuple[Refusal, int, int]:
     """Checks ``payload`` as the encoding of ``count`` changed elements of a tensor of ``n``
-    elements at ``live`` and sums the checksum terms of the old (live) and new values at its
-    positions; with ``write`` also stores the new values. No store ever lands outside
-    ``[live, live + n * es)``; a refused payload stops the walk where it failed, so check
-    without ``write`` first.
+    elements at ``live`` and sums the checksum terms of the new values at its positions (and,
+    without ``write`` and with ``live`` not 0, of the live values there); with ``write`` also
+    stores the new values. No store ever lands outside ``[live, live + n * es)``; a refused
+    payload stops the walk where it failed, so check first: without ``write`` and with ``live``
+    0, only the payload is read.
 
     Returns:
-        (refusal, sum of the old terms, sum of the new terms).
+        (refusal, sum of the old terms (0 unless read), sum of the new terms).
     """
     refusal, old, new = _call("delta scatter", "delta_scatter", live, n, es, payload, payload_len, kind, count,
                               pos_bytes, write)

@@ -1,24 +1,26 @@
 """Delta sync of a stream: a version sent as the new values of the changed elements only.
 
-The publisher diffs each tensor of the new version against its previous snapshot (the *base*)
-in the same native pass that copies it into the new snapshot (:class:`DeltaEncoder`), and
-chooses per tensor by measured density: unchanged (nothing sent), sparse (new values plus
-positions, as LEB128 gaps or a bitmask, whichever is smaller, at most ``SPARSE_MAX`` of the
-dense bytes) or dense. A subscriber receives a delta only when its control block says it
-applied exactly the base and has nothing newer pending; everyone else gets the dense version.
+The publisher diffs each tensor of the new version against its previous snapshot (the *base*) in
+the same native pass that copies it into the new snapshot (:class:`DeltaEncoder`), and chooses
+per tensor by measured density: unchanged (nothing sent), sparse (new values plus positions, as
+LEB128 gaps or a bitmask, whichever is smaller, at most ``SPARSE_MAX`` of the dense bytes) or
+dense. A subscriber receives a delta only when its control block says it applied exactly the
+base and has nothing newer pending; everyone else gets the dense version.
 
 A delta lands in the subscriber's slot like a dense version: a sparse tensor's encoding lies in
-the tensor's own byte range of the slot (it is smaller), dense tensors at their place; beside the
-slot, an *index* region holds the header: magic, version, base version and, per tensor of the
-layout, ``(kind, changed, position bytes, payload bytes, base checksum, new checksum)``.
+the tensor's own byte range of the slot (it is smaller), dense tensors at their place; beside
+the slot, an *index* region holds the header: magic, version, base version and, per tensor of
+the layout, ``(kind, changed, position bytes, payload bytes, base checksum, new checksum, base
+terms)``, the last being the checksum terms of the base values at the changed positions.
 
 New values, not arithmetic deltas: applying is idempotent and bit-exact. The checksum
 (:func:`transport._native.delta.checksum`: a position-mixed sum, mod 2**64, of each tensor's raw
 bits) lets the subscriber check, before it writes anything, that every tensor it holds is the
 base the delta was made against (its cached checksums; O(tensors)), and that every touched
-tensor becomes exactly the new version (updated in O(changed elements) from the old and new
-values at the positions). A delta that fails any check is refused whole: the live weights stay
-on their version (see :class:`DeltaApplier`).
+tensor becomes exactly the new version: base checksum - base terms + the terms of the new values
+at the positions read from the payload must be the new checksum, which reads the payload alone
+(O(changed elements)) and catches a corrupted value or position. A delta that fails any check is
+refused whole: the live weights stay on their version (see :class:`DeltaApplier`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ log = logging.getLogger("transport.weights")
 
 MAGIC = 0x31_54_4C_44_57  # "WDLT1"
 HEADER_WORDS = 4  # magic, version, base version, entries
-ENTRY_WORDS = 6  # kind, changed, position bytes, payload bytes, base checksum, new checksum
+ENTRY_WORDS = 7  # kind, changed, position bytes, payload bytes, base checksum, new checksum, base terms
 SPARSE_MAX = 0.5  # a sparse encoding is used only up to this fraction of the tensor's dense bytes
+PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of dense goes dense undiffed
+SAMPLE_BLOCKS, SAMPLE_RUN = 64, 256  # the sample of one tensor: runs of elements spread over it
 MASK64 = (1 << 64) - 1
 Kind = native.Kind
 
@@ -185,6 +189,7 @@ class DeltaEncoder:
                 header[w] = int(kind)
             header[w + 4] = _signed(old)
             header[w + 5] = _signed(sums[-1])
+            header[w + 6] = _signed(r.sum_old if r is not None else 0)
             if kind == Kind.DENSE:
                 end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
                 if runs and e.offset - runs[-1][1] < ALIGN:  # only alignment padding between: one range
@@ -210,6 +215,48 @@ class DeltaEncoder:
                 _kernels.pack(snap, [q, scale], [e.offset, e.scale_offset])
             else:
                 _kernels.pack(snap, [_kernels.as_bytes(src.contiguous())], [e.offset])
+
+    def predicts_dense(self, base: torch.Tensor) -> tuple[bool, int, int]:
+        """Whether a delta against snapshot ``base`` would not pay, judged from a sample of
+        each tensor (``SAMPLE_BLOCKS`` runs of ``SAMPLE_RUN`` elements, whole if smaller): when
+        the estimated delta is more than ``PREDICT_DENSE`` of the dense version, the version
+        goes dense without the full diff (as fast as ``delta=False``). Runs in a worker thread.
+
+        Returns:
+            (dense, changed elements in the sample, elements sampled).
+        """
+        estimate = changed_total = sampled_total = 0
+        for e in self.layout.entries:
+            src = self._wire[e.name]
+            if not deltable(e) or not src.is_contiguous():
+                estimate += e.nbytes
+                continue
+            es = src.element_size()
+            view = torch.int16 if es == 2 else torch.int32
+            fresh = src.reshape(-1).view(view)
+            old = base[e.offset:e.offset + e.nbytes].view(view)
+            n = e.numel
+            if n <= 4 * SAMPLE_BLOCKS * SAMPLE_RUN:
+                changed, sampled = int((fresh != old).sum()), n
+            else:
+                starts = torch.linspace(0, n - SAMPLE_RUN, SAMPLE_BLOCKS).long()
+                idx = (starts[:, None] + torch.arange(SAMPLE_RUN)).reshape(-1)
+                changed, sampled = int((fresh[idx] != old[idx]).sum()), idx.numel()
+            changed_total += changed
+            sampled_total += sampled
+            f = changed / sampled
+            sparse = f * n * es + min(2 * f * n, n / 8) + 64  # values + the smaller positions (~2 B a gap)
+            estimate += int(min(sparse, e.nbytes)) if sparse <= _cap(e) else e.nbytes
+        return estimate > PREDICT_DENSE * self.layout.total, changed_total, sampled_total
+
+    def learn(self, slot: int, version: int, snap: torch.Tensor) -> None:
+        """Computes the checksums of snapshot ``slot`` (holding ``version``, filled by a dense
+        publish) so the next version can be diffed against it. Runs in a worker thread."""
+        self._sums[slot] = (version, checksums_of(snap, self.layout.entries, self._threads))
+
+    def forget(self, slot: int) -> None:
+        """Snapshot ``slot`` is being rewritten by a dense publish: its checksums are stale."""
+        self._sums.pop(slot, None)
 
     def commit(self, slot: int, version: int, sums: list[int]) -> None:
         """Records that snapshot ``slot`` holds ``version`` with these checksums."""
@@ -259,6 +306,7 @@ class _Check:
     pos_bytes: int
     payload_bytes: int
     new_sum: int
+    old_terms: int
 
 
 class DeltaApplier:
@@ -277,11 +325,39 @@ class DeltaApplier:
         self._threads = threads
         self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
 
-    def record_dense(self, buf: torch.Tensor) -> None:
-        """The live tensors now hold ``buf``'s version (a dense apply or pull): their checksums."""
-        sums = checksums_of(buf, self.layout.entries, self._threads)
-        self.sums = [s if deltable(e) and self._local[i] is not None else None
-                     for i, (e, s) in enumerate(zip(self.layout.entries, sums, strict=True))]
+    def apply_dense(self, buf: torch.Tensor) -> None:
+        """Copies a whole version from ``buf`` (a slot or a pulled copy) into the live tensors
+        and keeps their checksums: one native pass copies and checksums each deltable tensor
+        (in pieces across the copy threads), so a dense apply reads ``buf`` once."""
+        entries = self.layout.entries
+        parts: list[list[int]] = [[] for _ in entries]
+        batch = HostCopies()
+        base = buf.data_ptr()
+        for i, e in enumerate(entries):
+            dst = self._local[i]
+            if dst is None or not e.nbytes:
+                continue
+            if e.scale_offset >= 0:
+                batch.add(e.nbytes, functools.partial(_dequantize, buf, e, dst))
+            elif not deltable(e):
+                if dst.is_contiguous() and dst.dtype == dtype_from_name(e.wire_dtype):
+                    batch.add_raw(dst.data_ptr(), base + e.offset, e.nbytes)
+                else:
+                    batch.add(e.nbytes, functools.partial(_cast, buf, e, dst))
+            else:
+                es = dst.element_size()
+                per = max(1, PIECE_BYTES // es)
+                for first in range(0, e.numel, per):
+                    n = min(per, e.numel - first)
+
+                    def work(i: int = i, first: int = first, n: int = n, src: int = base + e.offset + first * es,
+                             to: int = dst.data_ptr() + first * es, es: int = es) -> None:
+                        parts[i].append(native.checksum(src, n, es, first, to))
+
+                    batch.add(n * es, work)
+        batch.run(self._threads)
+        self.sums = [sum(p) & MASK64 if deltable(e) and self._local[i] is not None else None
+                     for i, (e, p) in enumerate(zip(entries, parts, strict=True))]
 
     def forget(self) -> None:
         """The live tensors hold no known version."""
@@ -312,7 +388,7 @@ class DeltaApplier:
         for i, e in enumerate(entries):
             w = HEADER_WORDS + ENTRY_WORDS * i
             kind_word, changed, pos_bytes, payload_bytes = (int(x) for x in words[w:w + 4])
-            base_sum, new_sum = _unsigned(int(words[w + 4])), _unsigned(int(words[w + 5]))
+            base_sum, new_sum, old_terms = (_unsigned(int(x)) for x in words[w + 4:w + 7])
             if kind_word not in (0, 1, 2, 3):
                 raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
             kind = Kind(kind_word)
@@ -343,19 +419,19 @@ class DeltaApplier:
             if not (0 < payload_bytes <= e.nbytes and 0 <= pos_bytes <= payload_bytes and 0 < changed <= e.numel):
                 raise DeltaRefusedError(f"{e.name!r}: payload of {payload_bytes} bytes / {changed} elements does not "
                                         f"fit a {e.nbytes}-byte tensor")
-            checks.append(_Check(e, i, kind, changed, pos_bytes, payload_bytes, new_sum))
+            checks.append(_Check(e, i, kind, changed, pos_bytes, payload_bytes, new_sum, old_terms))
         base_ptr = slot.data_ptr()
-        for c in checks:  # O(changed): positions in bounds, and the result has the new checksum
-            live = self._local[c.index]
-            assert live is not None
-            refusal, old, new = native.scatter(live.data_ptr(), c.entry.numel, live.element_size(),
-                                               base_ptr + c.entry.offset, c.payload_bytes, int(c.kind), c.changed,
-                                               c.pos_bytes, False)
+        for c in checks:  # O(changed), the payload alone: positions in bounds, the new checksum
+            es = dtype_from_name(c.entry.wire_dtype).itemsize
+            refusal, _, new = native.scatter(0, c.entry.numel, es, base_ptr + c.entry.offset, c.payload_bytes,
+                                             int(c.kind), c.changed, c.pos_bytes, False)
             if refusal != native.Refusal.OK:
                 raise DeltaRefusedError(f"{c.entry.name!r}: payload refused ({refusal.name})")
             held = self.sums[c.index]
             assert held is not None
-            if (held - old + new) & MASK64 != c.new_sum:
+            # held == the base checksum (checked above), so the live values at the positions are
+            # the base values whose terms the header carries.
+            if (held - c.old_terms + new) & MASK64 != c.new_sum:
                 raise DeltaRefusedError(f"{c.entry.name!r}: the patched tensor would not have the new checksum")
         # Every check passed: write. Only a peer scribbling over the slot we claimed could make a
         # store fail now, and the native scatter keeps even that inside the tensor.

@@ -321,15 +321,22 @@ class Publisher:
             slot = snapshots.begin()
             dv: DeltaVersion | None = None
             sums: list[int] = []
-            if self._delta is not None:
-                # The whole snapshot is packed before the pushes, diffed against the previous
-                # one in the same pass: the delta costs no extra read of the live tensors.
-                base_slot = None if front is None else front[1]
-                base_version = None if front is None else self._delta.base_of(front[1], front[0])
-                base = snapshots.snaps[base_slot] if base_slot is not None and base_version is not None else None
-                dv, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], base,
-                                                          base_version, base_slot, version)
-            else:
+            sample: tuple[bool, int, int] | None = None
+            if self._delta is not None and front is not None:
+                # A sample of the change decides whether the full diff can pay: a version that
+                # changed too much goes dense at once, exactly as with delta=False.
+                base = snapshots.snaps[front[1]]
+                sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
+                if not sample[0]:
+                    if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
+                        await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base)
+                    # The whole snapshot is packed before the pushes, diffed against the previous
+                    # one in the same pass: the delta costs no extra read of the live tensors.
+                    dv, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], base,
+                                                              front[0], front[1], version)
+            if dv is None:
+                if self._delta is not None:
+                    self._delta.forget(slot)
                 # Only what cannot go straight from the live tensors is packed before the pushes;
                 # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
                 # would compete with the pushes for the same memory bandwidth and cores.
@@ -348,7 +355,7 @@ class Publisher:
             # A subscriber reached one-sidedly (its application takes no part in the copy back).
             source = next((subs[n] for n, r in results.items()
                            if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
-            if self._delta is not None:  # the snapshot was packed whole before the pushes
+            if dv is not None and self._delta is not None:  # the snapshot was packed whole before the pushes
                 snapshots.finish(slot, version, True)
                 self._delta.commit(slot, version, sums)
             elif source is not None and snapshots.direct and self._rings is not None:
@@ -363,10 +370,17 @@ class Publisher:
             self.version = version
             self._remember(subs, listed, dead)
             end = time.perf_counter()
-            stats = None if dv is None else DeltaStats(
-                base=dv.base, changed=dv.changed, elements=dv.elements, dense_bytes=self.layout.total,
-                delta_bytes=dv.wire_bytes if dv.is_delta else self.layout.total, encode_s=dv.encode_s,
-                kinds={k.name.lower(): dv.kinds.count(k) for k in set(dv.kinds)})
+            stats = None
+            if dv is not None:
+                stats = DeltaStats(base=dv.base, changed=dv.changed, elements=dv.elements,
+                                   dense_bytes=self.layout.total,
+                                   delta_bytes=dv.wire_bytes if dv.is_delta else self.layout.total,
+                                   encode_s=dv.encode_s,
+                                   kinds={k.name.lower(): dv.kinds.count(k) for k in set(dv.kinds)})
+            elif self._delta is not None:  # dense without a full diff: no base, or the sample said so
+                stats = DeltaStats(base=None, changed=sample[1] if sample else 0, elements=sample[2] if sample else 0,
+                                   dense_bytes=self.layout.total, delta_bytes=self.layout.total, encode_s=0.0,
+                                   kinds={"dense": len(self.layout.entries)}, sampled=sample is not None)
             return PublishReport(version, results, left, queued_s=t0 - entry, pack_s=t_packed - t0,
                                  discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
                                  total_s=end - entry, delta=stats)

@@ -41,6 +41,8 @@ class DeltaStats:
             tensor was worth a delta).
         encode_s: the fused copy + diff + encode pass (part of ``pack_s``).
         kinds: how many tensors went ``unchanged``, ``varint``, ``bitmask`` or ``dense``.
+        sampled: the version went dense without a full diff because a sample of the change said
+            a delta would not pay (``changed``/``elements`` are then the sample's).
     """
 
     base: int | None
@@ -50,11 +52,15 @@ class DeltaStats:
     delta_bytes: int
     encode_s: float
     kinds: dict[str, int] = field(default_factory=dict)
+    sampled: bool = False
 
     @property
     def density(self) -> float:
-        """The changed fraction of the elements (1.0 without a base)."""
-        return self.changed / self.elements if self.elements and self.base is not None else 1.0
+        """The changed fraction of the elements (the sample's when ``sampled``; 1.0 without a
+        base and a sample)."""
+        if self.elements and (self.base is not None or self.sampled):
+            return self.changed / self.elements
+        return 1.0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -227,6 +228,7 @@ class Subscriber:
         self._indexes: list[torch.Tensor] = []
         self._refused_word = 0  # the front word of the last delta refused (not tried again)
         self._refusals = 0
+        self._last_apply_s: float | None = None
 
     @property
     def version(self) -> int | None:
@@ -339,6 +341,12 @@ class Subscriber:
         return DeltaApplier(self.layout, [local.get(i) for i in range(len(self.layout.entries))], self._threads)
 
     @property
+    def last_apply_s(self) -> float | None:
+        """Seconds the last apply that made a version live spent copying (or, for a delta,
+        checking and scattering) into the local tensors; None before the first."""
+        return self._last_apply_s
+
+    @property
     def refused_deltas(self) -> int:
         """How many delta versions this subscriber refused (their base was not its live
         weights, or they failed a check); each left the live weights as they were."""
@@ -419,10 +427,11 @@ class Subscriber:
         """
         plan = self._apply_plan
         with torch.no_grad():
+            if self._delta is not None:  # host to host, and the checksums kept for the next delta
+                self._delta.apply_dense(buf)
+                return
             if self._host:
                 _host_unpack(buf, plan.copies, plan.converted, self._threads)
-                if self._delta is not None:
-                    self._delta.record_dense(buf)
                 return
             _kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
             _dequantize_into(buf, plan.converted)
@@ -527,6 +536,7 @@ class Subscriber:
                 if int(ctl[FRONT]) == word:  # the publisher had not moved on: the slot is ours
                     break
                 ctl[claim] = NO_SLOT
+            t0 = time.perf_counter()
             try:
                 if self.zero_copy:
                     self._repoint(self._slots[front[1]])
@@ -547,6 +557,7 @@ class Subscriber:
                     ctl[READING] = NO_SLOT
             ctl[APPLIED] = front[0]
             self._applied = front[0]
+            self._last_apply_s = time.perf_counter() - t0
             return front[0]
 
     def _is_delta(self, front: tuple[int, int]) -> bool:

@@ -1,0 +1,305 @@
+"""Delta sync against dense, on real training updates: ``python -m benchmarks.delta_sync``.
+
+The trainer trains the Llama-style model of ``examples.mesh_sync`` (about 100M parameters) with
+AdamW on its toy next-token loss, fp32 master weights, and publishes bf16 weights after every
+step twice, on two streams of the same Transport: once with delta sync (``delta`` stream) and
+once forced dense (``dense`` stream, ``Publisher(delta=False)``). Two subscriber processes hold
+both streams and apply every version as soon as it is complete. Per step it reports the
+measured changed fraction, the bytes on the wire (dense vs delta), the diff + encode pass, the
+subscribers' apply times, and the time from the start of the publish until both subscribers
+hold the version (live), for each learning rate. Then a sweep of forced densities (bit flips of
+that fraction of each tensor's elements) shows where dense takes over.
+
+The same-run baselines: memcpy bandwidth over the model's bf16 bytes (one thread, and split
+across the copy threads as the diff is), and forced-dense publishing.
+
+    python -m benchmarks.delta_sync                      # the recorded run (tcp and ipc)
+    python -m benchmarks.delta_sync --short --json out   # the smoke test's tiny run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+import transport
+from transport._native import delta as native_delta
+from transport.weights import Publisher, Subscriber
+from transport.weights._copy import HostCopies, available_threads
+
+ROOT = Path(__file__).resolve().parent.parent
+STREAMS = ("delta", "dense")
+SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
+SUBSCRIBERS = ("gen-0", "gen-1")
+
+
+def model_config(short: bool) -> dict[str, Any]:
+    from examples.mesh_sync.model import CONFIG
+
+    if short:
+        return {**CONFIG, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}
+    return dict(CONFIG)
+
+
+def bf16_state(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from examples.mesh_sync.model import LlamaLM
+
+    with torch.device("meta"):
+        m = LlamaLM(cfg)
+    return {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in m.state_dict().items()}
+
+
+# ---- subscriber process -----------------------------------------------------------------------
+
+def sub_apply_s(sub: Subscriber, t0: float) -> float:
+    """The last apply's own time (the copy or scatter), else the wait since ``t0``."""
+    return sub.last_apply_s if sub.last_apply_s is not None else time.perf_counter() - t0
+
+
+async def subscriber(spec: dict[str, Any]) -> None:
+    cfg = model_config(spec["short"])
+    applies: dict[str, list[dict[str, Any]]] = {s: [] for s in STREAMS}
+    async with transport.Transport(spec["name"], store=spec["store"], backends=(spec["backend"],), timeout=60) as t:
+        # The dense stream is the forced-dense baseline on both ends (no checksums kept).
+        subs = {s: Subscriber(t, bf16_state(cfg), publisher="trainer", name=s, delta=s == "delta") for s in STREAMS}
+        for sub in subs.values():
+            await sub.start()
+
+        async def follow(stream: str) -> None:
+            sub = subs[stream]
+            while True:  # versions are consecutive: wait for the next one, apply it, report it
+                t0 = time.perf_counter()
+                refused = sub.refused_deltas
+                got = await sub.wait_version((sub.version or 0) + 1, timeout=600)
+                applies[stream].append({"version": got, "apply_s": sub_apply_s(sub, t0),
+                                        "refused": sub.refused_deltas - refused})
+                await t.signal("trainer", f"live.{stream}.{spec['name']}", got)
+
+        async def stop(cancel: trio.CancelScope) -> None:
+            await t.wait_signal("stop", at_least=1, timeout=3600)
+            cancel.cancel()
+
+        await t.signal("trainer", f"ready.{spec['name']}", 1)
+        async with trio.open_nursery() as n:
+            for s in STREAMS:
+                n.start_soon(follow, s)
+            n.start_soon(stop, n.cancel_scope)
+        for sub in subs.values():
+            await sub.aclose()
+    Path(spec["out"]).write_text(json.dumps(applies))
+
+
+# ---- trainer ----------------------------------------------------------------------------------
+
+def memcpy_gbps(nbytes: int) -> dict[str, float]:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    out = {}
+    for label, threads in (("1 thread", 1), (f"{available_threads()} threads", available_threads())):
+        best = float("inf")
+        for _ in range(3):
+            batch = HostCopies()
+            batch.add_raw(dst.data_ptr(), src.data_ptr(), nbytes)
+            t0 = time.perf_counter()
+            batch.run(threads)
+            best = min(best, time.perf_counter() - t0)
+        out[label] = nbytes / best / 1e9
+    return out
+
+
+async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], version: int) -> dict[str, Any]:
+    """Publishes ``version`` on both streams, one after the other, and waits on each until both
+    subscribers hold it."""
+    row: dict[str, Any] = {"version": version}
+    for stream in STREAMS:
+        t0 = time.perf_counter()
+        report = await pubs[stream].publish(version)
+        for name in SUBSCRIBERS:
+            await t.wait_signal(f"live.{stream}.{name}", at_least=version, timeout=120)
+        live_s = time.perf_counter() - t0
+        res = [report.results[n] for n in SUBSCRIBERS]
+        row[stream] = {"live_s": live_s, "publish_s": report.total_s, "pack_s": report.pack_s,
+                       "push_s": report.push_s, "wire_bytes": max(r.nbytes for r in res),
+                       "as_delta": [r.delta for r in res]}
+        if report.delta is not None:
+            d = report.delta
+            row["changed_fraction"] = d.density
+            row["diff_encode_s"] = d.encode_s
+            row["diff_gbps"] = d.dense_bytes / d.encode_s / 1e9 if d.encode_s else None
+            row["kinds"] = d.kinds
+            row["dense_bytes"] = d.dense_bytes
+    return row
+
+
+def flip(state: dict[str, torch.Tensor], fraction: float, g: torch.Generator) -> None:
+    """Changes ``fraction`` of each tensor's elements (their lowest bit)."""
+    for t in state.values():
+        flat = t.view(-1).view(torch.int16)
+        k = int(flat.numel() * fraction)
+        if k:
+            idx = torch.randperm(flat.numel(), generator=g)[:k]
+            flat[idx] ^= 1
+
+
+async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    from examples.mesh_sync.model import LlamaLM
+
+    tmp = Path(args.tmp) / f"{backend}-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir(parents=True)
+    store = f"file://{tmp / 'store'}"
+    cfg = model_config(args.short)
+    torch.manual_seed(0)
+    model = LlamaLM(cfg)
+    published = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    dense_bytes = sum(v.numel() * 2 for v in published.values())
+    procs, outs = [], []
+    for name in SUBSCRIBERS:
+        out = tmp / f"{name}.json"
+        spec = {"name": name, "store": store, "backend": backend, "short": args.short, "out": str(out)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.delta_sync", "--role", "sub",
+                                       json.dumps(spec)], cwd=ROOT))
+        outs.append(out)
+    steps: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    try:
+        async with transport.Transport("trainer", store=store, backends=(backend,), timeout=120) as t:
+            async with Publisher(t, published, name="delta") as pd, \
+                    Publisher(t, published, name="dense", delta=False) as pn:
+                await run_steps(args, t, model, published, cfg, {"delta": pd, "dense": pn}, backend, steps, sweep)
+        for p in procs:
+            p.wait(timeout=120)
+        applies = [json.loads(o.read_text()) for o in outs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rows in (steps, sweep):
+        for row in rows:
+            for stream in STREAMS:
+                row[stream]["apply_s"] = [next((a["apply_s"] for a in sub[stream] if a["version"] == row["version"]),
+                                               None) for sub in applies]
+    return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep}
+
+
+async def run_steps(args: argparse.Namespace, t: transport.Transport, model: torch.nn.Module,
+                    published: dict[str, torch.Tensor], cfg: dict[str, Any], pubs: dict[str, Publisher], backend: str,
+                    steps: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> None:
+    from examples.mesh_sync.model import batch
+
+    for name in SUBSCRIBERS:
+        await t.wait_signal(f"ready.{name}", at_least=1, timeout=300)
+    version = 1
+    steps.append({"lr": None, "loss": None, **await publish_both(t, pubs, version)})  # the base
+    for lr in args.lr:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for s in range(args.steps):
+            x, y = batch(version, cfg["vocab_size"], batch_size=args.batch, seq=args.seq)
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    published[k].copy_(v)  # fp32 master -> bf16 published, in place
+            version += 1
+            row = await publish_both(t, pubs, version)
+            steps.append({"lr": lr, "step": s, "loss": float(loss.detach()), **row})
+            print(f"[{backend}] lr={lr:g} step {s}: changed {row['changed_fraction']:.4%}, wire "
+                  f"{row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
+                  f"live {row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms, "
+                  f"diff {row['diff_encode_s'] * 1e3:.1f} ms", flush=True)
+    g = torch.Generator().manual_seed(5)
+    for f in args.sweep:
+        flip(published, f, g)
+        version += 1
+        row = await publish_both(t, pubs, version)
+        sweep.append({"forced": f, **row})
+        print(f"[{backend}] forced {f:.1%}: measured {row['changed_fraction']:.4%}, kinds {row['kinds']}, "
+              f"wire {row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
+              f"live {row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms",
+              flush=True)
+    for name in SUBSCRIBERS:
+        await t.signal(name, "stop", 1)
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    """The done-when figures of one backend's run, from its rows."""
+    out: dict[str, Any] = {}
+    for lr in sorted({r["lr"] for r in run["steps"] if r["lr"] is not None}):
+        rows = [r for r in run["steps"] if r["lr"] == lr]
+        live_ratio = [r["delta"]["live_s"] / r["dense"]["live_s"] for r in rows]
+        out[f"lr={lr:g}"] = {
+            "changed_fraction_mean": sum(r["changed_fraction"] for r in rows) / len(rows),
+            "wire_ratio_mean": sum(r["delta"]["wire_bytes"] / r["dense"]["wire_bytes"] for r in rows) / len(rows),
+            "wire_over_2f_dense_max": max((r["delta"]["wire_bytes"]
+                                           / (2 * r["changed_fraction"] * r["dense"]["wire_bytes"])
+                                           for r in rows if r["changed_fraction"]), default=None),
+            "live_ratio_mean": sum(live_ratio) / len(live_ratio),
+            "live_ratio_max": max(live_ratio),
+            "diff_gbps_mean": sum(r["diff_gbps"] for r in rows) / len(rows),
+        }
+    out["sweep"] = [{"forced": r["forced"], "measured": r["changed_fraction"], "kinds": r["kinds"],
+                     "wire_ratio": r["delta"]["wire_bytes"] / r["dense"]["wire_bytes"],
+                     "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"],
+                     "apply_s": r["delta"]["apply_s"], "dense_apply_s": r["dense"]["apply_s"]} for r in run["sweep"]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", choices=("trainer", "sub"), default="trainer")
+    p.add_argument("spec", nargs="?", help="(subscriber processes) their JSON spec")
+    p.add_argument("--backends", nargs="+", default=["tcp", "ipc"])
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps per learning rate")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--sweep", type=float, nargs="*", default=list(SWEEP))
+    p.add_argument("--short", action="store_true", help="a tiny model (the test suite's smoke run)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--tmp", default=f"/tmp/delta_sync-{os.getpid()}")
+    args = p.parse_args(argv)
+    if args.role == "sub":
+        trio.run(subscriber, json.loads(args.spec))
+        return
+    torch.set_num_threads(max(1, available_threads()))
+    cfg = model_config(args.short)
+    nbytes = sum(v.numel() * 2 for v in bf16_state(cfg).values())
+    memcpy = memcpy_gbps(nbytes)
+    print(f"model: {nbytes / 1e6:.1f} MB of bf16; memcpy {', '.join(f'{k}: {v:.2f} GB/s' for k, v in memcpy.items())}",
+          flush=True)
+    runs = [trio.run(trainer, args, b) for b in args.backends]
+    result: dict[str, Any] = {
+        "benchmark": "delta_sync", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": available_threads(),
+                    "torch": torch.__version__, "diff_isa": native_delta.best_isa()},
+        "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "bf16_bytes": nbytes,
+        "memcpy_gbps": memcpy, "args": {k: v for k, v in vars(args).items() if k not in ("spec", "role")},
+        "runs": runs, "summary": {r["backend"]: summarize(r) for r in runs},
+    }
+    summary: dict[str, dict[str, Any]] = result["summary"]
+    for b, s in summary.items():
+        for key, v in s.items():
+            if key != "sweep":
+                print(f"[{b}] {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()), flush=True)
+        for r in s["sweep"]:
+            print(f"[{b}] sweep {r['forced']:.1%}: wire x{r['wire_ratio']:.3f}, live x{r['live_ratio']:.3f}, "
+                  f"apply {r['apply_s']} vs dense {r['dense_apply_s']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
