@@ -5,6 +5,7 @@
 // (and elsewhere, on the scalar path).
 #include "delta.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -70,6 +71,7 @@ struct Emitter {
   uint64_t last = 0;  // the previous position + 1
   bool vover = false;
   bool varover = false;
+  bool from_mask = false;  // the varints are made from the finished bitmask (vector path)
 
   inline void one(uint64_t pos, const uint8_t* elem) {
     if (count < vmax) {
@@ -79,7 +81,11 @@ struct Emitter {
       vover = true;
     }
     ++count;
-    if (varover) return;
+    if (varover || from_mask) return;
+    gap(pos);
+  }
+
+  inline void gap(uint64_t pos) {
     if (varlen + 10 > varcap) {
       varover = true;
       return;
@@ -229,7 +235,7 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
   return sum;
 }
 
-#define TRANSPORT_AVX512 "avx512f,avx512bw,avx2"
+#define TRANSPORT_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2"
 // GCC 12 flags the self-initialised placeholder inside its own _mm512_undefined_*() (used by the
 // unmasked AVX-512 intrinsics) as maybe uninitialised: a false positive in its headers.
 #pragma GCC diagnostic push
@@ -259,6 +265,8 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
                                                    lane),
                                   _mm512_set1_epi32(static_cast<int>(kIndexMul)));
   __m512i acc = _mm512_setzero_si512();
+  __m512i old = _mm512_setzero_si512();  // checksum terms of the base values at the changes
+  if (em != nullptr) em->from_mask = true;
   // The snapshot is far larger than the cache and written whole: streaming stores skip reading
   // each line before writing it (an aligned destination only).
   const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 64 == 0 && n * ES >= kStreamMin;
@@ -291,10 +299,39 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
         std::memcpy(em->mask + i / 8, &m, 2);
         ne = m;
       }
-      if (ne) em->many(ne, i, f);
+      if (ne) {
+        // The changed values, packed by one compress-store; their base values' checksum terms
+        // by masked lanes: no loop over the changed elements.
+        const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
+        if (i >= em->next_check && !em->vover) {
+          em->next_check = i + kCheckEvery;
+          if (i >= n / 16 && static_cast<double>(em->count) >
+                                 1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
+            em->vover = true;
+        }
+        if (!em->vover && em->count + k <= em->vmax) {
+          if constexpr (ES == 2) {
+            _mm512_mask_compressstoreu_epi16(em->vals + em->count * 2, static_cast<__mmask32>(ne), a);
+            __m512i h1 = _mm512_add_epi32(h0, _mm512_sub_epi32(step16, stepk));
+            __m512i hb = _mm512_sub_epi32(h0, stepk);
+            __m512i lo = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(c)), hb);
+            __m512i hi = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(c, 1)), h1);
+            old = add16_avx512(old, _mm512_maskz_mov_epi32(static_cast<__mmask16>(ne), lo));
+            old = add16_avx512(old, _mm512_maskz_mov_epi32(static_cast<__mmask16>(ne >> 16), hi));
+          } else {
+            _mm512_mask_compressstoreu_epi32(em->vals + em->count * 4, static_cast<__mmask16>(ne), a);
+            __m512i y = mix16_avx512(c, _mm512_sub_epi32(h0, stepk));
+            old = add16_avx512(old, _mm512_maskz_mov_epi32(static_cast<__mmask16>(ne), y));
+          }
+        } else {
+          em->vover = true;
+        }
+        em->count += k;
+      }
     }
   }
   if (stream) _mm_sfence();
+  if (em != nullptr) em->sum_old += static_cast<uint64_t>(_mm512_reduce_add_epi64(old));
   uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
   if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
   for (uint64_t i = body; i < n; ++i) {
@@ -302,6 +339,66 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
     sum += mix(load_elem(f + i * ES, ES), first + i);
   }
   return sum;
+}
+
+// The bitmask scatter, 64 bytes of the tensor a step: one expand-load of the block's new values
+// and one masked store; the new values' checksum terms by masked lanes. The bitmask's size, tail
+// and popcount are checked by the caller; the running count is checked again here before every
+// load (the payload is a peer's memory), and stores never leave [0, n).
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) int scatter_mask_avx512(uint8_t* l, uint64_t n, const uint8_t* vals,
+                                                                  uint64_t count, const uint8_t* mask, bool write,
+                                                                  uint64_t* sum_new) {
+  constexpr uint64_t kLanes = 64 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
+  const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m512i h0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+  __m512i acc = _mm512_setzero_si512();
+  uint64_t k = 0;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    uint64_t m;
+    if constexpr (ES == 2) {
+      uint32_t x;
+      std::memcpy(&x, mask + i / 8, 4);
+      m = x;
+    } else {
+      uint16_t x;
+      std::memcpy(&x, mask + i / 8, 2);
+      m = x;
+    }
+    const __m512i hb = h0;
+    h0 = _mm512_add_epi32(h0, stepk);
+    if (!m) continue;
+    const uint64_t pc = static_cast<uint64_t>(__builtin_popcountll(m));
+    if (k + pc > count) return kCountMismatch;
+    if constexpr (ES == 2) {
+      const __m512i v = _mm512_maskz_expandloadu_epi16(static_cast<__mmask32>(m), vals + k * 2);
+      if (write) _mm512_mask_storeu_epi16(l + i * 2, static_cast<__mmask32>(m), v);
+      const __m512i lo = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), hb);
+      const __m512i hi = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)),
+                                      _mm512_add_epi32(hb, step16));
+      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), lo));
+      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m >> 16), hi));
+    } else {
+      const __m512i v = _mm512_maskz_expandloadu_epi32(static_cast<__mmask16>(m), vals + k * 4);
+      if (write) _mm512_mask_storeu_epi32(l + i * 4, static_cast<__mmask16>(m), v);
+      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), mix16_avx512(v, hb)));
+    }
+    k += pc;
+  }
+  uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  for (uint64_t i = body; i < n; ++i) {
+    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
+    if (k >= count) return kCountMismatch;
+    sum += mix(load_elem(vals + k * ES, ES), i);
+    if (write) std::memcpy(l + i * ES, vals + k * ES, ES);
+    ++k;
+  }
+  if (k != count) return kCountMismatch;
+  *sum_new = sum;
+  return kOk;
 }
 
 #pragma GCC diagnostic pop
@@ -347,8 +444,9 @@ bool supports(int isa) {
 #ifdef TRANSPORT_DELTA_X86
     case kAvx2:
       return __builtin_cpu_supports("avx2");
-    case kAvx512:
+    case kAvx512:  // with VBMI2: the 16-bit compress and expand
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
              __builtin_cpu_supports("avx2");
 #endif
     default:
@@ -392,6 +490,23 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
     return r;
   }
   if (em.vover) return r;  // dense
+  if (em.from_mask) {
+    // Varints at most one byte a change can only beat the bitmask below a byte per 8 elements.
+    if (em.count < mask_bytes) {
+      const uint8_t* m = em.mask;
+      for (uint64_t w = 0; w < mask_bytes && !em.varover; w += 8) {
+        uint64_t bits = 0;
+        std::memcpy(&bits, m + w, std::min<uint64_t>(8, mask_bytes - w));
+        while (bits && !em.varover) {
+          em.gap(w * 8 + static_cast<uint64_t>(__builtin_ctzll(bits)));
+          bits &= bits - 1;
+        }
+        if (em.varlen >= mask_bytes) em.varover = true;
+      }
+    } else {
+      em.varover = true;
+    }
+  }
   const uint64_t vbytes = align8(em.count * es);
   bool use_mask = em.varover || mask_bytes < em.varlen;
   uint64_t pos = use_mask ? mask_bytes : em.varlen;
@@ -455,6 +570,14 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
   uint64_t total = 0;
   for (uint64_t i = 0; i < pos_bytes; ++i) total += static_cast<uint64_t>(__builtin_popcount(pos[i]));
   if (total != count) return {kCountMismatch, 0, 0};
+#ifdef TRANSPORT_DELTA_X86
+  if ((write || l == nullptr) && supports(kAvx512)) {
+    int refusal = es == 2 ? scatter_mask_avx512<2>(l, n, vals, count, pos, write, &r.sum_new)
+                          : scatter_mask_avx512<4>(l, n, vals, count, pos, write, &r.sum_new);
+    if (refusal != kOk) return {refusal, 0, 0};
+    return r;
+  }
+#endif
   uint64_t k = 0;
   for (uint64_t i = 0; i < pos_bytes; ++i) {
     unsigned bits = pos[i];

@@ -359,3 +359,26 @@ def test_cuda_diff_matches_the_cpu_encoder(dtype):
     cpu_bits = raw(fresh) != raw(base)
     assert np.array_equal(np.unpackbits(gpu_mask, bitorder="little")[:n].astype(bool), cpu_bits)
     assert np.array_equal(raw(values.cpu()), raw(fresh)[cpu_bits])
+
+
+async def test_a_corrupted_delta_is_refused_whole():
+    # A peer scribbles over one position byte of a delta waiting in the subscriber's slot: the
+    # patched checksum no longer adds up, so nothing is written and pull() catches up.
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(512, 64).to(torch.bfloat16), "b": torch.randn(4096)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            held = {k: v.clone() for k, v in dst.items()}
+            src["a"].view(-1)[::50] += 1
+            r = await pub.publish(2)
+            assert r.results["gen"].delta and sub.latest == 2
+            e = next(x for x in pub.layout.entries if x.name == "a")
+            slot = sub._slots[sub._front()[1]]
+            values = (r.delta.changed * 2 + 7) // 8 * 8
+            slot[e.offset + values + 3] ^= 1  # a gap of the varint positions
+            assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
+            assert same_bits(dst, held)
+            assert await sub.pull() == 2 and same_bits(dst, src)
