@@ -65,7 +65,8 @@ struct Emitter {
   const uint8_t* base;
   uint64_t n;
   uint64_t count = 0;
-  uint64_t sum_old = 0;  // mix() of the base values at the changed positions
+  uint64_t sum_old = 0;  // mix() of the base values at the changed positions (all of them)
+  uint64_t sum_new = 0;  // mix() of the fresh values there: new checksum = base's - old + new
   uint64_t next_check = kCheckEvery;
   uint64_t varlen = 0;
   uint64_t last = 0;  // the previous position + 1
@@ -74,9 +75,10 @@ struct Emitter {
   bool from_mask = false;  // the varints are made from the finished bitmask (vector path)
 
   inline void one(uint64_t pos, const uint8_t* elem) {
-    if (count < vmax) {
+    sum_old += mix(load_elem(base + pos * es, es), pos);
+    sum_new += mix(load_elem(elem, es), pos);
+    if (count < vmax && !vover) {
       std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
-      sum_old += mix(load_elem(base + pos * es, es), pos);
     } else {
       vover = true;
     }
@@ -118,10 +120,6 @@ struct Emitter {
                                                           static_cast<double>(n))
         vover = true;
     }
-    if (vover) {
-      count += static_cast<uint64_t>(__builtin_popcountll(bits));
-      return;
-    }
     while (bits) {
       int t = __builtin_ctzll(bits);
       one(i + t, fresh + (i + t) * es);
@@ -139,7 +137,7 @@ uint64_t tail(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t from, uin
     const uint8_t* e = f + i * es;
     uint32_t x = load_elem(e, es);
     if (s != nullptr) std::memcpy(s + i * es, e, es);
-    sum += mix(x, i);
+    if (em == nullptr) sum += mix(x, i);
     if (em != nullptr && x != load_elem(b + i * es, es)) {
       em->mask[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
       em->one(i, e);
@@ -201,14 +199,16 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
       }
     }
-    if constexpr (ES == 2) {
-      __m256i h1 = _mm256_add_epi32(h0, step8);
-      acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), h0));
-      acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), h1));
-    } else {
-      acc = add8_avx2(acc, mix8_avx2(a, h0));
+    if (em == nullptr) {  // with a base, only the changes are hashed (by the emitter)
+      if constexpr (ES == 2) {
+        __m256i h1 = _mm256_add_epi32(h0, step8);
+        acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), h0));
+        acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), h1));
+      } else {
+        acc = add8_avx2(acc, mix8_avx2(a, h0));
+      }
+      h0 = _mm256_add_epi32(h0, stepk);
     }
-    h0 = _mm256_add_epi32(h0, stepk);
     if (em != nullptr) {
       __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ES));
       uint32_t ne;
@@ -279,60 +279,73 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
         _mm512_storeu_si512(s + i * ES, a);
       }
     }
-    if constexpr (ES == 2) {
-      __m512i h1 = _mm512_add_epi32(h0, step16);
-      acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), h0));
-      acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)), h1));
-    } else {
-      acc = add16_avx512(acc, mix16_avx512(a, h0));
-    }
+    const __m512i hb = h0;  // the checksum keys of this block's elements
     h0 = _mm512_add_epi32(h0, stepk);
-    if (em != nullptr) {
-      __m512i c = _mm512_loadu_si512(b + i * ES);
-      uint64_t ne;
+    if (em == nullptr) {
       if constexpr (ES == 2) {
-        uint32_t m = _mm512_cmpneq_epi16_mask(a, c);
-        std::memcpy(em->mask + i / 8, &m, 4);
-        ne = m;
+        acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), hb));
+        acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)),
+                                             _mm512_add_epi32(hb, step16)));
       } else {
-        uint16_t m = _mm512_cmpneq_epi32_mask(a, c);
-        std::memcpy(em->mask + i / 8, &m, 2);
-        ne = m;
+        acc = add16_avx512(acc, mix16_avx512(a, hb));
       }
-      if (ne) {
-        // The changed values, packed by one compress-store; their base values' checksum terms
-        // by masked lanes: no loop over the changed elements.
-        const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
-        if (i >= em->next_check && !em->vover) {
-          em->next_check = i + kCheckEvery;
-          if (i >= n / 16 && static_cast<double>(em->count) >
-                                 1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
-            em->vover = true;
-        }
-        if (!em->vover && em->count + k <= em->vmax) {
-          if constexpr (ES == 2) {
-            _mm512_mask_compressstoreu_epi16(em->vals + em->count * 2, static_cast<__mmask32>(ne), a);
-            __m512i h1 = _mm512_add_epi32(h0, _mm512_sub_epi32(step16, stepk));
-            __m512i hb = _mm512_sub_epi32(h0, stepk);
-            __m512i lo = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(c)), hb);
-            __m512i hi = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(c, 1)), h1);
-            old = add16_avx512(old, _mm512_maskz_mov_epi32(static_cast<__mmask16>(ne), lo));
-            old = add16_avx512(old, _mm512_maskz_mov_epi32(static_cast<__mmask16>(ne >> 16), hi));
-          } else {
-            _mm512_mask_compressstoreu_epi32(em->vals + em->count * 4, static_cast<__mmask16>(ne), a);
-            __m512i y = mix16_avx512(c, _mm512_sub_epi32(h0, stepk));
-            old = add16_avx512(old, _mm512_maskz_mov_epi32(static_cast<__mmask16>(ne), y));
-          }
-        } else {
-          em->vover = true;
-        }
-        em->count += k;
-      }
+      continue;
     }
+    __m512i c = _mm512_loadu_si512(b + i * ES);
+    uint64_t ne;
+    if constexpr (ES == 2) {
+      uint32_t m = _mm512_cmpneq_epi16_mask(a, c);
+      std::memcpy(em->mask + i / 8, &m, 4);
+      ne = m;
+    } else {
+      uint16_t m = _mm512_cmpneq_epi32_mask(a, c);
+      std::memcpy(em->mask + i / 8, &m, 2);
+      ne = m;
+    }
+    if (!ne) continue;
+    // Only a block with changes is hashed: the checksum terms of its changed lanes, base and
+    // fresh (masked), and one compress-store packs its changed values; no loop over elements.
+    const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
+    if (i >= em->next_check && !em->vover) {
+      em->next_check = i + kCheckEvery;
+      if (i >= n / 16 && static_cast<double>(em->count) >
+                             1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
+        em->vover = true;  // far past the crossover: dense; only count and hash from here
+    }
+    if constexpr (ES == 2) {
+      const __m512i h1 = _mm512_add_epi32(hb, step16);
+      const __mmask16 m0 = static_cast<__mmask16>(ne), m1 = static_cast<__mmask16>(ne >> 16);
+      old = add16_avx512(old, _mm512_maskz_mov_epi32(m0, mix16_avx512(
+                                  _mm512_cvtepu16_epi32(_mm512_castsi512_si256(c)), hb)));
+      old = add16_avx512(old, _mm512_maskz_mov_epi32(m1, mix16_avx512(
+                                  _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(c, 1)), h1)));
+      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(m0, mix16_avx512(
+                                  _mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), hb)));
+      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(m1, mix16_avx512(
+                                  _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)), h1)));
+    } else {
+      const __mmask16 m0 = static_cast<__mmask16>(ne);
+      old = add16_avx512(old, _mm512_maskz_mov_epi32(m0, mix16_avx512(c, hb)));
+      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(m0, mix16_avx512(a, hb)));
+    }
+    if (!em->vover && em->count + k <= em->vmax) {
+      if constexpr (ES == 2) {
+        _mm512_mask_compressstoreu_epi16(em->vals + em->count * 2, static_cast<__mmask32>(ne), a);
+      } else {
+        _mm512_mask_compressstoreu_epi32(em->vals + em->count * 4, static_cast<__mmask16>(ne), a);
+      }
+    } else {
+      em->vover = true;
+    }
+    em->count += k;
   }
   if (stream) _mm_sfence();
-  if (em != nullptr) em->sum_old += static_cast<uint64_t>(_mm512_reduce_add_epi64(old));
   uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  if (em != nullptr) {  // with a base: acc holds the fresh terms of the changed lanes
+    em->sum_old += static_cast<uint64_t>(_mm512_reduce_add_epi64(old));
+    em->sum_new += sum;
+    sum = 0;
+  }
   if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
   for (uint64_t i = body; i < n; ++i) {
     if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
@@ -475,7 +488,7 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   check_es(es);
   const auto* f = static_cast<const uint8_t*>(fresh);
   auto* s = static_cast<uint8_t*>(snap);
-  EncodeResult r{kDense, n, 0, 0, 0, 0};
+  EncodeResult r{kDense, n, 0, 0, 0, 0, 0};
   if (base == nullptr) {
     r.checksum = run(f, nullptr, s, n, es, 0, nullptr, isa);
     return r;
@@ -483,8 +496,10 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   const uint64_t mask_bytes = (n + 7) / 8;
   Emitter em{es, static_cast<uint8_t*>(out), cap, scratch(0, cap + 16), cap, scratch(1, mask_bytes + 8), cap / es,
              static_cast<const uint8_t*>(base), n};
-  r.checksum = run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
+  run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
   r.changed = em.count;
+  r.sum_old = em.sum_old;
+  r.sum_new = em.sum_new;
   if (em.count == 0) {
     r.kind = kUnchanged;
     return r;
@@ -515,7 +530,6 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   std::memset(o + em.count * es, 0, vbytes - em.count * es);
   std::memcpy(o + vbytes, use_mask ? em.mask : em.var, pos);
   r.kind = use_mask ? kBitmask : kVarint;
-  r.sum_old = em.sum_old;
   r.payload_bytes = vbytes + pos;
   r.pos_bytes = pos;
   return r;

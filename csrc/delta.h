@@ -41,8 +41,9 @@ struct EncodeResult {
   uint64_t changed;       // elements that differ from base (all of them when there is no base)
   uint64_t payload_bytes; // bytes written at out (sparse kinds only)
   uint64_t pos_bytes;     // of which positions
-  uint64_t checksum;      // of fresh, over [first, first + n)
-  uint64_t sum_old;       // sparse kinds: the sum of mix() over the base values at the positions
+  uint64_t checksum;      // without a base: the checksum of fresh (with one: 0, see below)
+  uint64_t sum_old;       // with a base: the sum of mix() over the base values at the changed positions
+  uint64_t sum_new;       // and over the fresh values there; fresh's checksum is base's - sum_old + sum_new
 };
 
 struct ScatterResult {
@@ -54,7 +55,8 @@ struct ScatterResult {
 
 // Copies n elements of es bytes from fresh to snap (when snap is not null), compares them with
 // base (when base is not null) and, when the changed elements encode into at most cap bytes,
-// writes their encoding at out. kind is kUnchanged (nothing differs), kVarint / kBitmask (the
+// writes their encoding at out. With a base only the changed elements are hashed (the caller
+// knows the base's checksum), so the pass costs little more than reading both. kind is kUnchanged (nothing differs), kVarint / kBitmask (the
 // smaller of the two), or kDense (no base, or the encoding does not fit cap). Nothing is
 // written past out + cap. Throws std::invalid_argument for es not 2 or 4, or an ISA this CPU
 // lacks.

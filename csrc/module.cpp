@@ -311,12 +311,12 @@ void bind_delta(nb::module_& m) {
       [](uint64_t fresh, uint64_t base, uint64_t snap, uint64_t n, int es, uint64_t out, uint64_t cap, int isa) {
         auto r = delta::encode(reinterpret_cast<const void*>(fresh), reinterpret_cast<const void*>(base),
                                reinterpret_cast<void*>(snap), n, es, reinterpret_cast<void*>(out), cap, isa);
-        return std::make_tuple(r.kind, r.changed, r.payload_bytes, r.pos_bytes, r.checksum, r.sum_old);
+        return std::make_tuple(r.kind, r.changed, r.payload_bytes, r.pos_bytes, r.checksum, r.sum_old, r.sum_new);
       },
       nb::arg("fresh"), nb::arg("base"), nb::arg("snap"), nb::arg("n"), nb::arg("es"), nb::arg("out"),
       nb::arg("cap"), nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
       "Copies fresh to snap, diffs it against base and encodes the changes at out (at most cap bytes); "
-      "returns (kind, changed, payload_bytes, pos_bytes, checksum, sum_old).");
+      "returns (kind, changed, payload_bytes, pos_bytes, checksum, sum_old, sum_new).");
   m.def(
       "delta_checksum",
       [](uint64_t p, uint64_t n, int es, uint64_t first, uint64_t dst, int isa) {

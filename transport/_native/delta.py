@@ -56,8 +56,9 @@ class Encoded:
     changed: int  # elements that differ from the base (all of them without a base)
     payload_bytes: int  # bytes written at ``out`` (sparse kinds only)
     pos_bytes: int  # of which positions
-    checksum: int  # of the fresh tensor
-    sum_old: int  # sparse kinds: the checksum terms of the base values at the changed positions
+    checksum: int  # without a base: the fresh tensor's checksum (with one: 0)
+    sum_old: int  # with a base: the checksum terms of the base values at the changed positions
+    sum_new: int  # and of the fresh values there (fresh's checksum: base's - sum_old + sum_new)
 
 
 def _call(what: str, fn: str, *args: object) -> Any:
@@ -70,14 +71,15 @@ def _call(what: str, fn: str, *args: object) -> Any:
 def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int, isa: Isa = Isa.AUTO) -> Encoded:
     """Copies ``n`` elements of ``es`` bytes from ``fresh`` to ``snap`` (0: no copy), compares
     them bit for bit with ``base`` (0: no base, the result is DENSE) and, when the changed
-    elements encode into at most ``cap`` bytes, writes the encoding at ``out``.
+    elements encode into at most ``cap`` bytes, writes the encoding at ``out``. With a base only
+    the changed elements are hashed: the fresh checksum is the base's ``- sum_old + sum_new``.
 
     Raises:
         TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
     """
-    kind, changed, payload, pos, checksum, sum_old = _call("delta encode", "delta_encode", fresh, base, snap, n, es,
-                                                           out, cap, int(isa))
-    return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old)
+    kind, changed, payload, pos, checksum, sum_old, sum_new = _call("delta encode", "delta_encode", fresh, base, snap,
+                                                                    n, es, out, cap, int(isa))
+    return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old, sum_new)
 
 
 def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa = Isa.AUTO) -> int:
