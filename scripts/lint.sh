@@ -20,4 +20,6 @@ echo "== ruff check transport benchmarks examples tests"
 "$PY" -m ruff check transport benchmarks examples tests || rc=1
 echo "== mypy (files and settings: pyproject.toml)"
 "$PY" -m mypy || rc=1
+echo "== module sizes (warnings only)"
+"$PY" scripts/module_sizes.py
 exit "$rc"

@@ -125,37 +125,34 @@ def _settle(pid: int, seconds: float = 1.0) -> dict[str, float]:
     return memory_of(pid)
 
 
-def stalled(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:
-    before = _settle(pid)
-    socks, refused = [], 0
-    meta = {"key": "no-such-key", "dtype": "uint8", "offset": 0, "nbytes": STALL_PAYLOAD}
-    for i in range(n):
-        try:
-            s = greeted(addr, to, incarnation, f"intruder-{i}")  # one name each: past the cap per peer
-            s.sendall(encode_frame(FrameKind.PUT, 2, meta, STALL_PAYLOAD) + bytes(1024))
-            socks.append(s)
-        except OSError:
-            refused += 1
-    after = _settle(pid, 2.0)
-    for s in socks:
-        s.close()
-    return {"scenario": "stalled", "connections": n, "refused": refused, "before": before, "after": after}
-
-
-def meta_stall(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:
+def _stall(scenario: str, first: bytes, addr: tuple[str, int], to: str, incarnation: str, n: int,
+           pid: int) -> dict[str, Any]:
+    """``n`` connections (one name each: past the cap per peer) say HELLO, send ``first`` and
+    stall; the target's memory before and with them open."""
     before = _settle(pid)
     socks, refused = [], 0
     for i in range(n):
         try:
             s = greeted(addr, to, incarnation, f"intruder-{i}")
-            s.sendall(FRAME_HEADER.pack(FRAME_MAGIC, FrameKind.SIGNAL, 0, 0, 2, META_ANNOUNCED, 0) + b'{"name": "')
+            s.sendall(first)
             socks.append(s)
         except OSError:
             refused += 1
     after = _settle(pid, 2.0)
     for s in socks:
         s.close()
-    return {"scenario": "meta", "connections": n, "refused": refused, "before": before, "after": after}
+    return {"scenario": scenario, "connections": n, "refused": refused, "before": before, "after": after}
+
+
+def stalled(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:
+    meta = {"key": "no-such-key", "dtype": "uint8", "offset": 0, "nbytes": STALL_PAYLOAD}
+    first = encode_frame(FrameKind.PUT, 2, meta, STALL_PAYLOAD) + bytes(1024)
+    return _stall("stalled", first, addr, to, incarnation, n, pid)
+
+
+def meta_stall(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:
+    first = FRAME_HEADER.pack(FRAME_MAGIC, FrameKind.SIGNAL, 0, 0, 2, META_ANNOUNCED, 0) + b'{"name": "'
+    return _stall("meta", first, addr, to, incarnation, n, pid)
 
 
 def signal_flood(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:

@@ -153,13 +153,9 @@ def test_only_native_touches_the_extension_and_ctypes() -> None:
     assert (PKG / "_native" / "_C.pyi").is_file()
 
 
-def test_transport_is_one_small_class_and_modules_stay_small() -> None:
+def test_transport_is_one_class_without_mixins() -> None:
+    """(Module and class sizes are an alarm in the lint step, scripts/module_sizes.py.)"""
     assert transport.Transport.__mro__[1:] == (object,), "no mixins"
-    tree = ast.parse((PKG / "_transport.py").read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Transport"]
-    assert cls.end_lineno is not None and cls.end_lineno - cls.lineno + 1 <= 550
-    big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 600}
-    assert not big
 
 
 def _readme_error_tree() -> dict[str, str | None]:

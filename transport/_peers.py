@@ -430,12 +430,7 @@ class PeerDirectory:
             return
         log.warning("transport %s: peer %s (incarnation %s) %s: %s", self.me.name, name, incarnation,
                     "excluded" if excluded else "lost", why)
-        for lost in self._on_lost:
-            lost(name, incarnation, why, excluded)
-        for forget in self._forget:
-            forget(name)
-        self._unwatch_peer(name)
-        self._leases.forget(name)
+        self._let_go(name, incarnation, why, excluded)
         self._flight.event("excluded" if excluded else "peer-lost", name, f"incarnation {incarnation}: {why}")
         self._flight.dump(f"{'excluded' if excluded else 'peer lost'}: {name}: {why}")
 
@@ -448,15 +443,19 @@ class PeerDirectory:
         if not self._lost.add(name, incarnation, err):
             return
         log.info("transport %s: peer %s (incarnation %s) left: %s", self.me.name, name, incarnation, why)
+        self._let_go(name, incarnation, err, False)
+        if (known := self._peers.get(name)) is not None and known.incarnation == incarnation:
+            del self._peers[name]
+        self._flight.event("peer-left", name, f"incarnation {incarnation}: {why}")
+
+    def _let_go(self, name: str, incarnation: str, why: BaseException, excluded: bool) -> None:
+        """Tells every part holding state for ``name`` to abort its transfers and drop it."""
         for lost in self._on_lost:
-            lost(name, incarnation, err, False)
+            lost(name, incarnation, why, excluded)
         for forget in self._forget:
             forget(name)
         self._unwatch_peer(name)
         self._leases.forget(name)
-        if (known := self._peers.get(name)) is not None and known.incarnation == incarnation:
-            del self._peers[name]
-        self._flight.event("peer-left", name, f"incarnation {incarnation}: {why}")
 
     async def _left(self, record: PeerRecord) -> str | None:
         """Why ``record``'s Transport counts as closed (not dead): its control word says so
