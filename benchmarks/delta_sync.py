@@ -202,6 +202,16 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
         await t.wait_signal(f"ready.{name}", at_least=1, timeout=300)
     version = 1
     steps.append({"lr": None, "loss": None, **await publish_both(t, pubs, version)})  # the base
+    # Warm-up, not reported: two dense versions (90% of the bits flipped, then the true weights
+    # again) so that every (snapshot, subscriber slot) pair has had a dense push on both streams:
+    # a first push to a slot maps and faults in the subscriber's memory on this side.
+    warm = {k: v.clone() for k, v in published.items()}
+    flip(published, 0.9, torch.Generator().manual_seed(9))
+    for _ in range(2):
+        version += 1
+        await publish_both(t, pubs, version)
+        for k, v in published.items():
+            v.copy_(warm[k])
     for lr in args.lr:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         for s in range(args.steps):

@@ -68,8 +68,9 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
 uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, int isa);
 
 // Checks payload (payload_len bytes) as the encoding of count changed elements of a tensor of n
-// elements (es bytes each) and computes the sums over live and payload values at its positions.
-// With write, also stores the new values into live: every position is checked against n before
+// elements (es bytes each) and, without write, computes the sums over live and payload values at
+// its positions. With write, stores the new values into live instead (the sums are then not
+// computed, except by the vector bitmask path): every position is checked against n before
 // its store, so live is never written out of bounds whatever the payload holds (a payload that
 // fails a check part-way leaves earlier stores made: check without write first, with live null
 // to read the payload alone).
