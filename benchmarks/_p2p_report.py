@@ -162,6 +162,35 @@ class BatchResult:
         return self.prepared_seg_per_s / self.single_seg_per_s
 
 
+@dataclass(frozen=True)
+class PreparedResult:
+    """One segment of ``nbytes``: a prepared put started again and again vs plain puts (medians
+    of the same number of timed transfers, each awaited before the next)."""
+
+    nbytes: int
+    iters: int
+    put_gbps: float
+    prepared_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        """The prepared rate over the plain put's."""
+        return self.prepared_gbps / self.put_gbps
+
+
+@dataclass(frozen=True)
+class RunsResult:
+    """An array of runs (``prepare_put_runs``): what preparing it and starting it the first
+    time takes (median of ``tries`` fresh prepares), and the rate of the reposted starts."""
+
+    runs: int
+    run_bytes: int
+    stride: int
+    tries: int
+    first_runs_per_s: float  # runs / (prepare + first start, awaited)
+    reposted_runs_per_s: float
+
+
 @dataclass
 class BackendResult:
     """Everything measured for one backend."""
@@ -171,6 +200,8 @@ class BackendResult:
     sizes: list[SizeResult] = field(default_factory=list)
     latency: list[LatencyResult] = field(default_factory=list)
     batch: list[BatchResult] = field(default_factory=list)
+    prepared: list[PreparedResult] = field(default_factory=list)
+    runs: list[RunsResult] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -293,6 +324,8 @@ class BenchReport:
                     "sizes": [_size_json(s) for s in b.sizes],
                     "latency": [dataclasses.asdict(lat) for lat in b.latency],
                     "batch": [{**dataclasses.asdict(x), "speedup": x.speedup} for x in b.batch],
+                    "prepared": [{**dataclasses.asdict(x), "ratio": x.ratio} for x in b.prepared],
+                    "runs": [dataclasses.asdict(x) for x in b.runs],
                 }
                 for b in self.backends
             },
@@ -386,6 +419,11 @@ def _ratio_table(rows: list[Ratio]) -> list[str]:
     return lines
 
 
+def _rate(nbytes: int, gbps: float) -> str:
+    """GB/s from 64 KiB up, the time per transfer below (where bandwidth says little)."""
+    return f"{gbps:.2f} GB/s" if nbytes >= 64 << 10 else f"{nbytes / (gbps * 1e3):.1f} us each"
+
+
 def format_report(report: BenchReport) -> str:
     """Fixed-width tables, one per backend (then its latency and batch lines), one per peer, and
     the ratios of ours to each peer's."""
@@ -411,6 +449,14 @@ def format_report(report: BenchReport) -> str:
                 f"prepared put {x.prepared_seg_per_s / 1e3:.1f}k segments/s, single puts "
                 f"{x.single_seg_per_s / 1e3:.1f}k segments/s ({x.speedup:.1f}x)"
             )
+        for pr in b.prepared:
+            lines.append(f"  prepared put of one {format_size(pr.nbytes)} segment, reposted: "
+                         f"{_rate(pr.nbytes, pr.prepared_gbps)}, plain put {_rate(pr.nbytes, pr.put_gbps)} "
+                         f"({pr.ratio:.2f}x)")
+        for r in b.runs:
+            lines.append(f"  runs: {r.runs} x {format_size(r.run_bytes)} at a {format_size(r.stride)} stride, "
+                         f"prepare_put_runs + first start {r.first_runs_per_s / 1e6:.2f}M runs/s "
+                         f"(median of {r.tries}), reposted {r.reposted_runs_per_s / 1e6:.2f}M runs/s")
     for name, reason in report.skipped.items():
         lines += ["", f"backend {name} skipped: {reason}"]
     for p in report.peers:

@@ -14,7 +14,9 @@ Layout of one run:
   puts into and gets from the target's region, one transfer at a time (each awaited before the
   next), after a warm-up, and reports the median: bandwidth at every size (1 MiB always among
   them), the latency of small puts and gets (8 B and 4 KiB by default), and a batch of 10,000
-  segments of 4 KiB at an 8 KiB stride as one prepared put (the region is always large enough);
+  segments of 4 KiB at an 8 KiB stride as one prepared put (the region is always large enough),
+  a one-segment prepared put reposted against plain puts of the same bytes (8 B, 4 KiB, 1 MiB,
+  8 MiB), and ``prepare_put_runs`` of 100,000 runs of 64 B (prepare + first start, runs/s);
 * in the same run, the **baseline**: a single-threaded native ``memcpy`` (the C library's)
   between two pre-faulted buffers of this process, at the same sizes; tables show backend GB/s /
   memcpy GB/s;
@@ -39,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import transport
@@ -59,6 +62,8 @@ from ._p2p_report import (
     BenchReport,
     LatencyResult,
     PeerResult,
+    PreparedResult,
+    RunsResult,
     SizeResult,
     format_report,
     machine_info,
@@ -72,6 +77,11 @@ log = logging.getLogger(__name__)
 
 _LATENCY_WARMUP = 50
 _BATCH_ITERS = 5
+# A prepared put of one segment against plain puts, at these sizes (those the region holds).
+_PREPARED_SIZES = (8, 4 << 10, 1 << 20, 8 << 20)
+# An array of runs: RUNS runs of RUN_BYTES at a RUN_STRIDE stride (no two adjacent: nothing
+# coalesces), prepared afresh RUNS_TRIES times.
+RUNS, RUN_BYTES, RUN_STRIDE, RUNS_TRIES = 100_000, 64, 128, 3
 _TARGET_START_TIMEOUT_S = 60.0  # the target imports torch and pre-faults the largest region
 
 
@@ -150,6 +160,8 @@ def _lifetime_bound(config: BenchConfig) -> float:
     per_backend = sum(config.iters_for(n) + config.warmup for n in config.table_sizes) * 2
     per_backend += len(config.latency_sizes) * 2 * (config.latency_iters + _LATENCY_WARMUP)
     per_backend += _BATCH_ITERS + 1 + 1 + 2  # the batch: warm-up, timed starts, single puts (one gather)
+    per_backend += 2 * len(_PREPARED_SIZES) * (2000 + 4 * config.warmup)  # prepared vs put
+    per_backend += RUNS_TRIES + _BATCH_ITERS + 2  # the runs
     return _TARGET_START_TIMEOUT_S + config.timeout * (per_backend * len(config.backends) + 2)
 
 
@@ -239,7 +251,57 @@ async def _measure_backend(
     if batch is not None:
         result.batch.append(batch)
     check_target()
+    result.prepared = await _measure_prepared(t, config, src)
+    check_target()
+    runs = await _measure_runs(t, config, src)
+    if runs is not None:
+        result.runs.append(runs)
+    check_target()
     return result
+
+
+async def _measure_prepared(t: transport.Transport, config: BenchConfig, src: torch.Tensor) -> list[PreparedResult]:
+    """A one-segment prepared put, started again and again (as NIXL reposts a prepared
+    handle), against plain puts of the same bytes; the two interleaved in rounds, so that
+    both see the same machine."""
+    out = []
+    for size in _PREPARED_SIZES:
+        if size > min(config.region_bytes, src.numel()):
+            continue
+        iters = max(20, min(config.iters_for(size), 2000))
+        piece = src[:size]
+        prepared = t.prepare_put(TARGET_NAME, [(piece, REGION_KEY, 0)])
+        put = functools.partial(t.put, piece, TARGET_NAME, key=REGION_KEY)
+        puts, preps = [], []
+        for _ in range(4):  # rounds
+            puts += await _timed(put, iters // 4, config.warmup)
+            preps += await _timed(prepared.start, iters // 4, config.warmup)
+        out.append(PreparedResult(size, len(puts), size / median(puts) / 1e9, size / median(preps) / 1e9))
+    return out
+
+
+async def _measure_runs(t: transport.Transport, config: BenchConfig, src: torch.Tensor) -> RunsResult | None:
+    """``prepare_put_runs`` of RUNS runs, prepare plus first start (awaited), RUNS_TRIES times
+    with a fresh prepare each; then that transfer reposted. Checks the bytes landed."""
+    n = min(RUNS, (config.region_bytes - RUN_BYTES) // RUN_STRIDE + 1, src.numel() // RUN_BYTES)
+    if n < 2:
+        return None
+    idx = np.arange(n, dtype=np.int64)
+    runs = np.stack([idx * RUN_BYTES, idx * RUN_STRIDE, np.full(n, RUN_BYTES)], axis=1)
+    firsts = []
+    prepared = None
+    for _ in range(RUNS_TRIES):
+        t0 = time.perf_counter()
+        prepared = t.prepare_put_runs(TARGET_NAME, src, REGION_KEY, runs)
+        await prepared.start()
+        firsts.append(time.perf_counter() - t0)
+    assert prepared is not None
+    reposted = await _timed(prepared.start, _BATCH_ITERS, 1)
+    back = torch.empty(RUN_BYTES, dtype=torch.uint8)
+    await t.get(back, TARGET_NAME, key=REGION_KEY, offset=int(runs[-1, 1]))
+    if not torch.equal(back, src[int(runs[-1, 0]) : int(runs[-1, 0]) + RUN_BYTES]):
+        raise BenchError("the last run read back from the target differs from what was put")
+    return RunsResult(n, RUN_BYTES, RUN_STRIDE, RUNS_TRIES, n / median(firsts), n / median(reposted))
 
 
 async def _measure_batch(t: transport.Transport, config: BenchConfig, src: torch.Tensor) -> BatchResult | None:

@@ -128,10 +128,11 @@ async def test_a_prepared_put_is_ordered_after_an_overlapping_put(pair):
 
 async def test_a_cancelled_prepared_transfer_reports_it(pair):
     a, b = pair
-    b.empty("w", 1 << 20, torch.uint8)
+    b.empty("w", 2 << 20, torch.uint8)
     await a.peer("b", regions=["w"])
     src = torch.ones(1 << 20, dtype=torch.uint8)
-    h = a.prepare_put("b", [(src[: 1 << 19], "w", 0), (src[1 << 19 :], "w", 1 << 19)]).start()
+    # Two segments apart (one would move as a put does, completed inside start() when small).
+    h = a.prepare_put("b", [(src[: 1 << 19], "w", 0), (src[1 << 19 :], "w", 1 << 20)]).start()
     h.cancel()  # before its task ran: nothing moves
     with pytest.raises(transport.TransferAbortedError) as info:
         await h

@@ -64,6 +64,7 @@ from ._wire import (
     FrameKind,
     RangeRequest,
     RangesRequest,
+    RunsRequest,
     SignalRequest,
     WireError,
     close_socket,
@@ -140,6 +141,11 @@ class Routes(Protocol):
                             payload_len: int) -> None:
         """PUT / GET / PUTV / GETV (the ``tcp`` backend's target side): serves the bytes and
         replies on ``conn``."""
+
+    async def runs_request(self, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
+                           payload_len: int) -> None:
+        """PUTR / GETR (the ``tcp`` backend's prepared runs): reads the run table, serves the
+        bytes and replies on ``conn``."""
 
     def adopt_direct(self, sock: socket.socket) -> bool:
         """A connection whose HELLO asked for the ``tcp`` direct lane: native code takes the
@@ -369,6 +375,17 @@ class AgentServer:
                 await conn.refuse(rid, exc)
                 return
             await conn.reply(FrameKind.OK, rid, answer)
+            return
+        if kind in (FrameKind.PUTR, FrameKind.GETR):
+            try:
+                runs = RunsRequest.from_meta(meta)
+                if plen < runs.table_bytes or (kind == FrameKind.GETR and plen != runs.table_bytes):
+                    raise WireError(f"a {kind.name} of {runs.count} runs with {plen} payload bytes")
+            except TransportError as exc:
+                await conn.discard(plen)
+                await conn.refuse(rid, exc)
+                return
+            await self.routes.runs_request(conn, kind, rid, runs, plen)
             return
         if kind not in (FrameKind.PUT, FrameKind.GET, FrameKind.PUTV, FrameKind.GETV):
             raise WireError(f"unexpected {kind.name} request")

@@ -12,9 +12,9 @@ from ._errors import BackendUnavailableError
 from ._native.tcp import DirectServer
 from ._regions import Region, RegionTable
 from ._signals import Signals
-from ._wire import FrameKind, RangeRequest, RangesRequest, SignalRequest, TransferOp
+from ._wire import FrameKind, RangeRequest, RangesRequest, RunsRequest, SignalRequest, TransferOp
 from .backends import Backend
-from .backends.tcp import DIRECT_MAX_CONNS, serve_ranges
+from .backends.tcp import DIRECT_MAX_CONNS, serve_ranges, serve_runs
 
 
 class Routes:
@@ -46,6 +46,10 @@ class Routes:
     async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest | RangesRequest,
                             payload_len: int) -> None:
         await serve_ranges(self._regions, conn, kind, rid, request.segments, payload_len)
+
+    async def runs_request(self, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
+                           payload_len: int) -> None:
+        await serve_runs(self._regions, conn, kind, rid, request, payload_len)
 
     def adopt_direct(self, sock: socket.socket) -> bool:
         """Serves a tcp direct-lane connection on a native thread (``transport._native.tcp``):

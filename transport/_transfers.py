@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,7 +22,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from . import _cuda
-from ._batch import Bound, PreparedTransfer, Segment
+from ._batch import Bound, PreparedTransfer, Runs, Segment
 from ._errors import (
     BackendUnavailableError,
     BoundsError,
@@ -39,6 +40,7 @@ from ._peers import PeerDirectory
 from ._regions import check
 from ._staging import bounce, staging_kind
 from ._tensors import MemoryKind, dtype_from_name, dtype_name, nbytes_of
+from ._timeouts import seconds
 from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, LocalBuffer, RemoteTarget
@@ -102,8 +104,14 @@ class TransferEngine:
     """
 
     def __init__(self, name: str, tg: TaskGroup, directory: PeerDirectory, backends: Sequence[Backend],
-                 flight: FlightRecorder, cuda: Callable[[], _cuda.CudaCopier]) -> None:
+                 flight: FlightRecorder, cuda: Callable[[], _cuda.CudaCopier], timeout: float) -> None:
         self.name = name
+        self.timeout = timeout  # a prepared transfer's default
+        self.state = "open"  # "draining" / "closed": prepared transfers refuse to start (ClosedError)
+        # Each prepared transfer's plan for one record of its peer (its backends' native lists),
+        # owned here: made at its first start on that record, dropped with the transfer.
+        self._plans: weakref.WeakKeyDictionary[PreparedTransfer, tuple[tuple[object, ...], _BatchPlan]] = (
+            weakref.WeakKeyDictionary())
         self._tg = tg
         self._directory = directory
         self._backends = tuple(backends)
@@ -152,6 +160,22 @@ class TransferEngine:
                 else functools.partial(self._execute_pending, xfer, local, *pending))
         self._tg.start_soon(self._run, xfer, work, timeout)
         return xfer
+
+    def start_prepared(self, prepared: PreparedTransfer, timeout: float | None) -> Transfer:
+        """See ``PreparedTransfer.start``. One host segment takes the path a put of it would
+        (completed here when it can be, see :meth:`start`): a prepared transfer is never slower
+        than the plain transfer of the same bytes.
+
+        Raises:
+            ClosedError: the Transport is draining or closed. ValueError: a bad timeout.
+        """
+        if self.state != "open":
+            raise ClosedError(f"transport {self.name!r} is {self.state}")
+        limit = self.timeout if timeout is None else seconds(timeout, "timeout")
+        segs = prepared.single()
+        if segs is not None and segs.kind is MemoryKind.CPU:
+            return self.start(prepared.op, segs.tensor, segs.kind, prepared.peer, segs.key, segs.offset, limit)
+        return self.start_batch(prepared, limit)
 
     def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
         """Starts every segment of ``prepared`` as one transfer (see ``PreparedTransfer.start``).
@@ -272,6 +296,7 @@ class TransferEngine:
         (a connection or an engine we close), end with ClosedError, and no peer is declared lost
         for it."""
         self._closing = True
+        self.state = "closed"
 
     def abort_peer(self, name: str, incarnation: str, why: BaseException, excluded: bool) -> None:
         """Aborts the transfers in flight to one incarnation of ``name`` (it was lost or excluded)."""
@@ -383,8 +408,7 @@ class TransferEngine:
     async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer],
                              ready: Mapping[int, Any]) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream."""
-        record, plan = await self._checked(xfer, after,
-                                           lambda r: prepared.plan(r, functools.partial(self._plan, xfer.op, r)))
+        record, plan = await self._checked(xfer, after, lambda r: self._plan_for(prepared, r))
         xfer.backend = plan.backends
         self._begin(xfer, record, plan.backends)
         for run, takes_ready in plan.runs:
@@ -393,6 +417,39 @@ class TransferEngine:
             event = ready[seg.tensor.device.index] if seg.kind == MemoryKind.CUDA else None
             await self._move(backend, xfer.op, LocalBuffer(seg.tensor, seg.kind, ready=event),
                              RemoteTarget(record, region, seg.offset, seg.nbytes))
+
+    def _plan_for(self, prepared: PreparedTransfer, record: PeerRecord) -> _BatchPlan:
+        """``prepared``'s plan for ``record``, kept while the peer's incarnation and record and
+        the local memory stay the same (built at the first start on them).
+
+        Raises:
+            As ``PreparedTransfer.bind``; BackendUnavailableError.
+        """
+        bound = prepared.bind(record)
+        ident = (record.incarnation, record.seq, *prepared.memory())
+        cached = self._plans.get(prepared)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        if prepared.runs is not None:
+            plan = self._plan_runs(prepared.op, record, bound[0].region, prepared.runs)
+        else:
+            plan = self._plan(prepared.op, record, bound)
+        self._plans[prepared] = (ident, plan)
+        return plan
+
+    def _plan_runs(self, op: TransferOp, record: PeerRecord, region: RegionRecord, runs: Runs) -> _BatchPlan:
+        """A prepared array of runs: one backend's runner over the array as it is
+        (``Backend.prepare_runs``); memory the backend cannot serve directly goes run by run
+        through staging at every start."""
+        backend = self.choose(record, region, runs.kind)
+        if runs.kind in backend.memory_kinds and (runs.kind == MemoryKind.CPU or backend.prepares_device):
+            runner = backend.prepare_runs(op, LocalBuffer(runs.tensor, runs.kind),
+                                          RemoteTarget(record, region, 0, region.nbytes), runs.array)
+            return _BatchPlan(backend.name, [(runner, backend.prepares_device)], [])
+        flat = runs.tensor.view(-1).view(torch.uint8)
+        per_start = [(backend, Segment(flat[a : a + n], runs.kind, runs.key, b, n), region)
+                     for a, b, n in runs.array.tolist()]
+        return _BatchPlan(backend.name, [], per_start)
 
     def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> _BatchPlan:
         """How a prepared transfer's checked segments move: a backend per (region, memory

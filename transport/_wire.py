@@ -280,6 +280,8 @@ class FrameKind(enum.IntEnum):
     BACKEND = 5  # a backend's own control request (meta["backend"] names it), e.g. nccl's recv
     PUTV = 6  # many ranges in one frame (a prepared transfer's segments): meta["segs"], payloads in order
     GETV = 7
+    PUTR = 8  # many runs of one region (a prepared array of runs): a binary run table leads the payload
+    GETR = 9
     OK = 16
     DATA = 17
     ERR = 18
@@ -595,6 +597,35 @@ class RangesRequest:
                 raise WireError("a range must be [key, dtype, offset, nbytes]")
             out.append(RangeRequest.from_meta(dict(zip(("key", "dtype", "offset", "nbytes"), s, strict=True))))
         return cls(tuple((r.key, r.dtype, r.offset, r.nbytes) for r in out))
+
+
+RUN_ROW = 16  # one run in a PUTR / GETR table: remote byte offset, nbytes (little-endian int64)
+
+
+@dataclass(frozen=True)
+class RunsRequest:
+    """A PUTR or GETR: ``count`` runs of region ``key``. The payload starts with the run table
+    (``count`` rows of :data:`RUN_ROW` bytes), then, for PUTR, the runs' bytes back to back;
+    the target reads and checks the whole table before it takes a data byte."""
+
+    key: str
+    dtype: str
+    count: int
+
+    @property
+    def table_bytes(self) -> int:
+        return self.count * RUN_ROW
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"key": self.key, "dtype": self.dtype, "count": self.count}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RunsRequest:
+        """Raises WireError for a missing or mistyped field, or more than MAX_SEGMENTS runs."""
+        count = _int(meta, "count")
+        if not 0 < count <= MAX_SEGMENTS:
+            raise WireError(f"request field 'count' must be 1 to {MAX_SEGMENTS}, got {count}")
+        return cls(_str(meta, "key"), _str(meta, "dtype"), count)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import anyio
+import torch
 from anyio.abc import TaskGroup
 
 from .._auth import Authenticator
@@ -192,6 +193,19 @@ class Backend(abc.ABC):
         Raises (from ``run``): as :meth:`move_many`.
         """
         return functools.partial(self.move_many, op, list(pairs))
+
+    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
+                     runs: Any) -> Callable[..., Awaitable[None]]:
+        """A reusable runner over an array of runs between ``local`` and ``remote.region``
+        (``runs``: int64 ``(N, 3)``, rows ``(local byte offset, remote byte offset, nbytes)``,
+        checked, coalesced and in remote order; ``remote.offset`` is 0). It takes ``ready`` as
+        :meth:`prepare_many`'s runner does. Backends with a native list turn the array into it
+        as it is; the default makes one range per run and calls :meth:`prepare_many`.
+        """
+        flat = local.tensor.view(-1).view(torch.uint8)
+        pairs = [(LocalBuffer(flat[a : a + n], local.kind), RemoteTarget(remote.peer, remote.region, b, n))
+                 for a, b, n in runs.tolist()]
+        return self.prepare_many(op, pairs)
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
         """Moves many ranges of one peer (a prepared transfer's segments, all of memory kinds

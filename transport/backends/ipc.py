@@ -41,6 +41,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+import torch
+
 from .. import _cuda, _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
@@ -354,6 +357,28 @@ class IpcBackend(Backend):
                     event = ready.get(local.tensor.device.index) if ready else None
                     local = LocalBuffer(local.tensor, local.kind, ready=event or _cuda.ready_event(local.tensor))
                 await self.move(op, local, remote)
+
+        return run
+
+    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
+                     runs: Any) -> Callable[..., Awaitable[None]]:
+        """Host memory on both sides: the array becomes one packed native job as it is (the
+        region's address added to one column, the tensor's to the other), split across the copy
+        engine's threads at every run; a failed job is retried run by run for the precise error.
+        Device memory takes the default path."""
+        if is_device(remote.region) or local.kind == MemoryKind.CUDA:
+            return Backend.prepare_runs(self, op, local, remote, runs)
+        kind, pid, base, mapping = self._host_path(op, remote.peer, remote.region)
+        here, there = runs[:, 0] + local.address, runs[:, 1] + base
+        dst, src = (there, here) if op == TransferOp.PUT else (here, there)
+        data = np.stack([dst, src, runs[:, 2]], axis=1).astype(np.uint64).tobytes()
+        nbytes = int(runs[:, 2].sum())
+
+        async def run(ready: Mapping[int, Any] | None = None, _held: PeerMapping | None = mapping,
+                      _keep: torch.Tensor = local.tensor) -> None:
+            result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
+            if result.status != CopyStatus.OK:
+                await Backend.prepare_runs(self, op, local, remote, runs)()
 
         return run
 

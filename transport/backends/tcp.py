@@ -28,21 +28,25 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import numpy as np
 
 from .._agent import Conn
 from .._channel import ChannelPool, greet_plain, hello
-from .._errors import BackendUnavailableError, TransportError
+from .._errors import BackendUnavailableError, BoundsError, TransportError
 from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, LaneResult
 from .._regions import RegionTable
 from .._tensors import MemoryKind, dtype_name
 from .._wire import (
     DIRECT_LANE,
+    RUN_ROW,
     FrameKind,
     PeerRecord,
     RangeRequest,
     RangesRequest,
     RegionRecord,
+    RunsRequest,
     TransferOp,
+    WireError,
     close_socket,
     connect,
 )
@@ -51,6 +55,7 @@ from ._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteT
 log = logging.getLogger(__name__)
 
 _FRAME_SEGMENTS = 2048  # ranges per PUTV / GETV frame (its segment table stays well under MAX_META)
+_FRAME_RUNS = 16384  # runs per PUTR / GETR frame (a 256 KiB binary table)
 DIRECT_MAX_BYTES = 64 << 10  # single-range transfers up to this size take the direct lane
 DIRECT_WAIT_S = 0.002  # put() waits this long for the direct lane's reply, then the rest goes async
 DIRECT_RETRY_S = 1.0  # after a direct lane failed to open, try again no sooner than this
@@ -126,6 +131,42 @@ class TcpBackend(Backend):
             async with anyio.create_task_group() as tg:
                 for meta, views in frames:
                     tg.start_soon(frame, meta, views)
+            if errors:
+                raise errors[0]
+
+        return run
+
+    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
+                     runs: Any) -> Callable[..., Awaitable[None]]:
+        """The array goes as PUTR / GETR frames of up to ``_FRAME_RUNS`` runs, each led by its
+        binary run table (made once, here, from the array's columns), pipelined on the peer's
+        connection; the local views are cut once too."""
+        peer, key = remote.peer, remote.region.key
+        kind = FrameKind.PUTR if op == TransferOp.PUT else FrameKind.GETR
+        view = local.view
+        frames = []
+        for i in range(0, len(runs), _FRAME_RUNS):
+            chunk = runs[i : i + _FRAME_RUNS]
+            table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
+            views = [view[a : a + n] for a, _, n in chunk.tolist()]
+            frames.append((RunsRequest(key, dtype_name(local.tensor.dtype), len(chunk)).to_meta(), table, views))
+
+        async def run() -> None:
+            chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
+            errors: list[TransportError] = []
+
+            async def frame(meta: dict[str, Any], table: memoryview, views: list[memoryview]) -> None:
+                try:
+                    if op == TransferOp.PUT:
+                        await chan.request(kind, meta, payload=[table, *views])
+                    else:
+                        await chan.request(kind, meta, payload=table, into=views)
+                except TransportError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                for meta, table, views in frames:
+                    tg.start_soon(frame, meta, table, views)
             if errors:
                 raise errors[0]
 
@@ -226,6 +267,45 @@ class TcpBackend(Backend):
         self._pool.close()
         for peer in list(self._lanes):
             self._drop_lane(peer)
+
+
+async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
+                     payload_len: int) -> None:
+    """The target side of a PUTR / GETR: reads the run table (its size was bounded from the
+    frame's header), checks every run (non-negative, aligned to the region's items, inside
+    it) and the region once for the runs' span, before any data byte is taken; a refusal
+    drains the rest of the payload, so nothing is written and the stream stays in step. Then
+    the data goes straight into the region (or back from it), run by run."""
+    op = TransferOp.PUT if kind == FrameKind.PUTR else TransferOp.GET
+    table = bytearray(request.table_bytes)
+    await conn.recv_into([memoryview(table)])
+    rows = np.frombuffer(table, dtype="<i8").reshape(request.count, RUN_ROW // 8)
+    offsets, sizes = rows[:, 0], rows[:, 1]
+    data = payload_len - request.table_bytes
+    try:
+        if (rows < 0).any() or (offsets > (1 << 62) - sizes).any():
+            raise BoundsError(f"{regions.owner}:{request.key!r}: a run with a negative or huge offset or size")
+        lo, hi = int(offsets.min()), int((offsets + sizes).max())
+        region = regions.check(op, request.key, request.dtype, lo, hi - lo)
+        item = region.tensor.element_size()
+        if item > 1 and ((offsets % item != 0).any() or (sizes % item != 0).any()):
+            raise BoundsError(f"{regions.owner}:{request.key!r}: a run is not aligned to {item}-byte items")
+        if op == TransferOp.PUT and int(sizes.sum()) != data:
+            raise WireError(f"{request.count} runs of {int(sizes.sum())} bytes with {data} data bytes")
+        if region.view is None:
+            raise BackendUnavailableError(f"{regions.owner}:{request.key!r} is device memory; the agent's byte "
+                                          "stream cannot reach it")
+    except TransportError as exc:
+        await conn.discard(data)
+        await conn.refuse(rid, exc)
+        return
+    view = region.view
+    views = [view[o : o + n] for o, n in rows.tolist()]
+    if op == TransferOp.PUT:
+        await conn.recv_into(views)
+        await conn.reply(FrameKind.OK, rid, {})
+    else:
+        await conn.reply(FrameKind.DATA, rid, {}, views)
 
 
 async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int,

@@ -48,8 +48,10 @@ import os
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
+import numpy as np
 
 from .._errors import (
     ClosedError,
@@ -499,8 +501,37 @@ class UcxBackend(Backend):
                     lists.append(UcxList(lane, link.eps[lane], rkeys[lane], pack_segments(segs)))
         except (TransportInternalError, WireError) as exc:
             raise TransportInternalError(f"{what}: {exc}") from exc
-        keep = [local for local, _ in pairs]  # the tensors stay referenced until UCX lets go
+        return self._runner(op, link, lists, [local for local, _ in pairs], what)
 
+    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
+                     runs: Any) -> Callable[..., Awaitable[None]]:
+        """The array becomes one native list per lane as it is (addresses added to two
+        columns, split by bytes in order), as :meth:`prepare_many` builds from ranges."""
+        if local.kind != MemoryKind.CPU:
+            return Backend.prepare_runs(self, op, local, remote, runs)
+        peer = remote.peer
+        what = f"ucx {op.name.lower()} of {len(runs)} runs to {peer.name}"
+        try:
+            link = self._link(peer)
+            rkeys, address = self._rkey(link, remote.region)
+            n = runs[:, 2]
+            segs = np.stack([runs[:, 0] + local.address, runs[:, 1] + address, n], axis=1).astype(np.uint64)
+            lanes = len(link.eps)
+            parts = [segs]
+            if lanes > 1 and len(segs) > 1:
+                ends = np.cumsum(n)
+                share = -(-int(ends[-1]) // lanes)
+                parts = np.split(segs, np.searchsorted(ends, [share * (k + 1) for k in range(lanes - 1)]) + 1)
+            lists = [UcxList(lane, link.eps[lane], rkeys[lane], part.tobytes())
+                     for lane, part in enumerate(parts) if len(part)]
+        except (TransportInternalError, WireError) as exc:
+            raise TransportInternalError(f"{what}: {exc}") from exc
+        return self._runner(op, link, lists, [local], what)
+
+    def _runner(self, op: TransferOp, link: _Link, lists: list[UcxList], keep: list[LocalBuffer],
+                what: str) -> Callable[[], Awaitable[None]]:
+        """Submits ``lists`` at every call and awaits their one result (``keep``: the local
+        buffers, referenced until UCX lets go of them)."""
         async def run() -> None:
             if link.lost is not None:
                 raise self._lost_error(what, link)
