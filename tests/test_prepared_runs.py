@@ -62,6 +62,17 @@ async def test_runs_land_exactly_and_come_back(backend, targets, file_store):
         got, ref = dst.numpy().view(np.uint8), src.numpy().view(np.uint8)
         for a, _b, n in runs[:50].tolist():
             assert np.array_equal(got[a : a + n], ref[a : a + n])
+
+        # Small and large runs in one transfer (tcp stages the small ones, moves the large in place).
+        mixed = np.array([[0, 0, 4], [4096, 8, 100 << 10], [8192, (100 << 10) + 64, 8], [65536, 512 << 10, 256 << 10]])
+        await t.prepare_put_runs(target.name, src, "w", mixed).start()
+        await t.get(back, target.name, key="w")
+        want = expected(want, src.numpy().view(np.uint8), mixed)
+        assert np.array_equal(back.numpy().view(np.uint8), want)
+        dst.zero_()
+        await t.prepare_get_runs(target.name, dst, "w", mixed).start()
+        for a, b, n in mixed.tolist():
+            assert np.array_equal(dst.numpy().view(np.uint8)[a : a + n], want[b : b + n])
         await t.signal(target.name, "done", 1)
         await target.result()
 
@@ -137,23 +148,24 @@ async def test_hostile_run_tables_are_refused_before_a_byte_lands(memory_store):
         region = b.empty("w", 256, torch.int32)
         addr, inc = b._agent.address, b.incarnation
 
-        def putr(rows: list[tuple[int, int]], data: bytes, rid: int, count: int | None = None) -> bytes:
+        def putr(rows: list[tuple[int, int]], data: bytes, rid: int, staged: bool = False) -> bytes:
             table = np.array(rows, dtype="<i8").tobytes()
-            meta = {"key": "w", "dtype": "int32", "count": len(rows) if count is None else count}
+            meta = {"key": "w", "dtype": "int32", "count": len(rows), "staged": staged}
             return encode_frame(FrameKind.PUTR, rid, meta, len(table) + len(data)) + table + data
 
-        good = putr([(0, 8), (64, 4)], bytes([1] * 12), 10)
+        good = [putr([(0, 4), (64, 4)], bytes([1] * 8), 10, staged=True), putr([(4, 4)], bytes([1] * 4), 11)]
         replies = await anyio.to_thread.run_sync(_frame, addr, "b", inc, [
             putr([(-4, 4)], bytes(4), 2),                # negative offset
             putr([(1020, 8)], bytes(8), 3),              # past the end of the region
             putr([(2, 4)], bytes(4), 4),                 # misaligned for int32
             putr([(0, 4), (8, 4)], bytes(4), 5),         # the table wants 8 data bytes, 4 follow
             putr([(0, (1 << 63) - 1)], b"", 6),          # an offset + size that overflows
-            good,
+            putr([(0, 4), (8, 4)], bytes(4), 7, staged=True),  # staged, and short of data
+            *good,
         ])
         kinds = [k for k, _ in replies]
-        assert kinds == [FrameKind.ERR] * 5 + [FrameKind.OK], replies
-        codes = [json.loads(meta)["code"] for _, meta in replies[:5]]
-        assert codes == [ErrCode.BOUNDS] * 3 + [ErrCode.INTERNAL, ErrCode.BOUNDS], replies
+        assert kinds == [FrameKind.ERR] * 6 + [FrameKind.OK] * 2, replies
+        codes = [json.loads(meta)["code"] for _, meta in replies[:6]]
+        assert codes == [ErrCode.BOUNDS] * 3 + [ErrCode.INTERNAL, ErrCode.BOUNDS, ErrCode.INTERNAL], replies
         assert region[:2].tolist() == [0x01010101, 0x01010101] and region[16].item() == 0x01010101
         assert int(region[2:16].count_nonzero()) == 0 and int(region[17:].count_nonzero()) == 0

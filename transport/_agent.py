@@ -73,6 +73,7 @@ from ._wire import (
     error_to_frame,
     payload_parts,
     read_frame_head,
+    recv_growing,
     recv_into_views,
     send_all_views,
     tune_socket,
@@ -121,6 +122,10 @@ class Conn:
     async def recv_into(self, views: Sequence[memoryview]) -> None:
         """Fills ``views`` (bytes views) in order from the stream, many per system call."""
         await recv_into_views(self.sock, views, self.stall)
+
+    async def recv_bytes(self, nbytes: int) -> bytearray:
+        """``nbytes`` from the stream into a new buffer that grows with what arrives."""
+        return await recv_growing(self.sock, nbytes, self.stall)
 
     async def discard(self, nbytes: int) -> None:
         if nbytes:

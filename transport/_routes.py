@@ -9,6 +9,7 @@ from typing import Any
 
 from ._agent import Conn
 from ._errors import BackendUnavailableError
+from ._native import Copier
 from ._native.tcp import DirectServer
 from ._regions import Region, RegionTable
 from ._signals import Signals
@@ -21,8 +22,9 @@ class Routes:
     """What this endpoint's agent serves: signals, backends' own requests and tcp ranges."""
 
     def __init__(self, name: str, regions: RegionTable, backends: Sequence[Backend], signals: Signals,
-                 timeout: float) -> None:
+                 timeout: float, copier: Copier) -> None:
         self._name = name
+        self._copier = copier  # places staged runs (tcp PUTR / GETR)
         self._regions = regions
         self._backends = backends
         self._signals = signals
@@ -49,7 +51,7 @@ class Routes:
 
     async def runs_request(self, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
                            payload_len: int) -> None:
-        await serve_runs(self._regions, conn, kind, rid, request, payload_len)
+        await serve_runs(self._regions, conn, kind, rid, request, payload_len, self._copier)
 
     def adopt_direct(self, sock: socket.socket) -> bool:
         """Serves a tcp direct-lane connection on a native thread (``transport._native.tcp``):

@@ -172,7 +172,7 @@ class Transport:
         self._transfers = TransferEngine(self.name, tg, self._directory, self._backends, self._flight,
                                          self._cuda_copier, self.timeout)
         self._signals = Signals(self.name, self._directory, self._transfers, self._control, self._flight)
-        routes = Routes(self.name, self._regions, self._backends, self._signals, self.timeout)
+        routes = Routes(self.name, self._regions, self._backends, self._signals, self.timeout, self._copier)
         stack.callback(routes.close)
         host, port = listen_address(self._listen, self._store.url)
         self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)

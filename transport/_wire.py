@@ -477,14 +477,19 @@ async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stal
 
 
 async def recv_exactly(sock: socket.socket, n: int, stall: float | None = None) -> bytes:
+    """``n`` bytes from the stream (see :func:`recv_growing`)."""
+    return bytes(await recv_growing(sock, n, stall))
+
+
+async def recv_growing(sock: socket.socket, n: int, stall: float | None = None) -> bytearray:
     """``n`` bytes from the stream. The buffer grows with what arrives (``_GROW_CHUNK`` at a
     time), so a peer that announces much and sends little costs what it sent, not ``n``."""
     buf = bytearray()
     while len(buf) < n:
         at = len(buf)
         buf.extend(bytes(min(n - at, _GROW_CHUNK)))
-        await recv_into_views(sock, [memoryview(buf)[at:]], stall)
-    return bytes(buf)
+        await recv_into_views(sock, [memoryview(buf)[at:]], stall)  # (dropped before the next extend)
+    return buf
 
 
 # Where discarded payload bytes go: one buffer for every connection of the process (what lands in
@@ -611,13 +616,17 @@ class RunsRequest:
     key: str
     dtype: str
     count: int
+    # The runs' bytes are packed back to back and copied to (from) their places natively, in
+    # one job, at most MAX_STAGED_BYTES of them: small runs, where a system-call buffer per run
+    # would cost more than the copy.
+    staged: bool = False
 
     @property
     def table_bytes(self) -> int:
         return self.count * RUN_ROW
 
     def to_meta(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "count": self.count}
+        return {"key": self.key, "dtype": self.dtype, "count": self.count, "staged": self.staged}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RunsRequest:
@@ -625,7 +634,13 @@ class RunsRequest:
         count = _int(meta, "count")
         if not 0 < count <= MAX_SEGMENTS:
             raise WireError(f"request field 'count' must be 1 to {MAX_SEGMENTS}, got {count}")
-        return cls(_str(meta, "key"), _str(meta, "dtype"), count)
+        staged = meta.get("staged", False)
+        if not isinstance(staged, bool):
+            raise WireError("request field 'staged' must be a bool")
+        return cls(_str(meta, "key"), _str(meta, "dtype"), count, staged)
+
+
+MAX_STAGED_BYTES = 4 << 20  # data bytes of one staged PUTR / GETR frame
 
 
 @dataclass(frozen=True)

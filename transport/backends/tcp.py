@@ -20,11 +20,13 @@ agent routes PUT / GET frames to it; its direct lane is ``transport._routes.Rout
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -32,12 +34,14 @@ import numpy as np
 
 from .._agent import Conn
 from .._channel import ChannelPool, greet_plain, hello
-from .._errors import BackendUnavailableError, BoundsError, TransportError
+from .._errors import BackendUnavailableError, BoundsError, TransportError, TransportInternalError
+from .._native import Copier, CopyKind, CopyStatus
 from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, LaneResult
 from .._regions import RegionTable
 from .._tensors import MemoryKind, dtype_name
 from .._wire import (
     DIRECT_LANE,
+    MAX_STAGED_BYTES,
     RUN_ROW,
     FrameKind,
     PeerRecord,
@@ -56,6 +60,8 @@ log = logging.getLogger(__name__)
 
 _FRAME_SEGMENTS = 2048  # ranges per PUTV / GETV frame (its segment table stays well under MAX_META)
 _FRAME_RUNS = 16384  # runs per PUTR / GETR frame (a 256 KiB binary table)
+_STAGE_RUN_MAX = 64 << 10  # runs up to this size travel staged (packed by one native copy job)
+_STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES per Transport (staged frames in flight)
 DIRECT_MAX_BYTES = 64 << 10  # single-range transfers up to this size take the direct lane
 DIRECT_WAIT_S = 0.002  # put() waits this long for the direct lane's reply, then the rest goes async
 DIRECT_RETRY_S = 1.0  # after a direct lane failed to open, try again no sooner than this
@@ -77,6 +83,7 @@ class TcpBackend(Backend):
         self._lanes: dict[str, tuple[str, DirectLane]] = {}  # peer -> (its incarnation, direct lane)
         self._opening: set[str] = set()
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
+        self._stages = _Stages(ctx.copier)  # staging buffers for small runs, shared by every transfer
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
         if region.device != "cpu":
@@ -138,35 +145,56 @@ class TcpBackend(Backend):
 
     def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
                      runs: Any) -> Callable[..., Awaitable[None]]:
-        """The array goes as PUTR / GETR frames of up to ``_FRAME_RUNS`` runs, each led by its
-        binary run table (made once, here, from the array's columns), pipelined on the peer's
-        connection; the local views are cut once too."""
-        peer, key = remote.peer, remote.region.key
+        """The array goes as PUTR / GETR frames, each led by its binary run table (made once,
+        here, from the array's columns), pipelined on the peer's connection.
+
+        Runs up to ``_STAGE_RUN_MAX`` travel *staged*: a frame's runs (up to MAX_STAGED_BYTES)
+        are packed back to back by one native copy job and sent as one buffer, and the agent
+        places them by one job too, so a small run costs no Python and no system-call buffer
+        on either side. Larger runs go as they are, one view each, received in place."""
+        peer, key, dtype = remote.peer, remote.region.key, dtype_name(local.tensor.dtype)
         kind = FrameKind.PUTR if op == TransferOp.PUT else FrameKind.GETR
-        view = local.view
-        frames = []
-        for i in range(0, len(runs), _FRAME_RUNS):
-            chunk = runs[i : i + _FRAME_RUNS]
-            table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
-            views = [view[a : a + n] for a, _, n in chunk.tolist()]
-            frames.append((RunsRequest(key, dtype_name(local.tensor.dtype), len(chunk)).to_meta(), table, views))
+        small = runs[:, 2] <= _STAGE_RUN_MAX
+        frames: list[_RunsFrame] = []
+        for part, staged in ((runs[small], True), (runs[~small], False)):
+            for chunk in _frames(part, staged):
+                table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
+                meta = RunsRequest(key, dtype, len(chunk), staged).to_meta()
+                if staged:  # (staging offset, local address, nbytes): the copy job, less the buffer's address
+                    at = np.cumsum(chunk[:, 2]) - chunk[:, 2]
+                    frames.append(_RunsFrame(meta, table, np.stack([at, chunk[:, 0] + local.address, chunk[:, 2]],
+                                                                   axis=1), int(chunk[:, 2].sum()), []))
+                else:
+                    view = local.view
+                    frames.append(_RunsFrame(meta, table, None, 0, [view[a : a + n] for a, _, n in chunk.tolist()]))
+        stages = self._stages
+        put = op == TransferOp.PUT
+
+        async def frame(chan: Any, f: _RunsFrame, errors: list[TransportError]) -> None:
+            try:
+                if f.copies is None:
+                    if put:
+                        await chan.request(kind, f.meta, payload=[f.table, *f.views])
+                    else:
+                        await chan.request(kind, f.meta, payload=f.table, into=f.views)
+                    return
+                async with stages.buffer() as (buf, address):
+                    data = buf[: f.nbytes]
+                    if put:
+                        await stages.copy(f.copies, address, to_stage=True, nbytes=f.nbytes)
+                        await chan.request(kind, f.meta, payload=[f.table, data])
+                    else:
+                        await chan.request(kind, f.meta, payload=f.table, into=data)
+                        await stages.copy(f.copies, address, to_stage=False, nbytes=f.nbytes)
+            except TransportError as exc:
+                errors.append(exc)
 
         async def run() -> None:
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             errors: list[TransportError] = []
-
-            async def frame(meta: dict[str, Any], table: memoryview, views: list[memoryview]) -> None:
-                try:
-                    if op == TransferOp.PUT:
-                        await chan.request(kind, meta, payload=[table, *views])
-                    else:
-                        await chan.request(kind, meta, payload=table, into=views)
-                except TransportError as exc:
-                    errors.append(exc)
-
             async with anyio.create_task_group() as tg:
-                for meta, table, views in frames:
-                    tg.start_soon(frame, meta, table, views)
+                for f in frames:
+                    tg.start_soon(frame, chan, f, errors)
             if errors:
                 raise errors[0]
 
@@ -269,13 +297,78 @@ class TcpBackend(Backend):
             self._drop_lane(peer)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunsFrame:
+    """One PUTR / GETR frame of a prepared array of runs: staged (``copies``: the rows of its
+    native copy job, staging offsets in the first column) or in place (``views``)."""
+
+    meta: dict[str, Any]
+    table: memoryview
+    copies: np.ndarray | None
+    nbytes: int
+    views: list[memoryview]
+
+
+def _frames(runs: np.ndarray, staged: bool) -> list[np.ndarray]:
+    """``runs`` cut into frames of at most ``_FRAME_RUNS`` runs and, staged, at most
+    MAX_STAGED_BYTES of data (every staged run is at most ``_STAGE_RUN_MAX``)."""
+    if not len(runs):
+        return []
+    count = np.arange(len(runs)) // _FRAME_RUNS
+    if not staged:
+        return [runs[i : i + _FRAME_RUNS] for i in range(0, len(runs), _FRAME_RUNS)]
+    before = np.cumsum(runs[:, 2]) - runs[:, 2]
+    size = before // (MAX_STAGED_BYTES - _STAGE_RUN_MAX)
+    cuts = np.flatnonzero((np.diff(count) != 0) | (np.diff(size) != 0)) + 1
+    return np.split(runs, cuts)
+
+
+class _Stages:
+    """A Transport's tcp staging buffers (``_STAGE_BUFFERS`` of MAX_STAGED_BYTES, made on first
+    use), each lent to one frame at a time, and the native copies in and out."""
+
+    def __init__(self, copier: Copier) -> None:
+        self._copier = copier
+        self._free: list[tuple[memoryview, int, Any]] = []
+        self._made = 0
+        self._ready = anyio.Semaphore(_STAGE_BUFFERS)
+
+    @contextlib.asynccontextmanager
+    async def buffer(self) -> AsyncIterator[tuple[memoryview, int]]:
+        async with self._ready:
+            if self._free:
+                item = self._free.pop()
+            else:
+                arr = np.empty(MAX_STAGED_BYTES, dtype=np.uint8)
+                item = (memoryview(arr), int(arr.ctypes.data), arr)  # type: ignore[arg-type]  # ndarray is a Buffer
+            try:
+                yield item[0], item[1]
+            finally:
+                self._free.append(item)
+
+    async def copy(self, rows: np.ndarray, address: int, *, to_stage: bool, nbytes: int) -> None:
+        """Packs (``to_stage``) or unpacks a frame's runs with one native copy job.
+
+        Raises:
+            TransportInternalError: the copy failed (a bug: both sides are this process's memory).
+        """
+        stage = rows[:, 0] + address
+        dst, src = (stage, rows[:, 1]) if to_stage else (rows[:, 1], stage)
+        job = np.stack([dst, src, rows[:, 2]], axis=1).astype(np.uint64).tobytes()
+        result = await self._copier.copy_packed(CopyKind.LOCAL, 0, job, nbytes)
+        if result.status != CopyStatus.OK:
+            raise TransportInternalError(f"tcp: staging copy of {len(rows)} runs failed (errno {result.err})")
+
+
 async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
-                     payload_len: int) -> None:
+                     payload_len: int, copier: Copier) -> None:
     """The target side of a PUTR / GETR: reads the run table (its size was bounded from the
     frame's header), checks every run (non-negative, aligned to the region's items, inside
     it) and the region once for the runs' span, before any data byte is taken; a refusal
     drains the rest of the payload, so nothing is written and the stream stays in step. Then
-    the data goes straight into the region (or back from it), run by run."""
+    the data goes straight into the region (or back from it), run by run; a staged frame's
+    data (at most MAX_STAGED_BYTES) is received whole first and placed by one native copy job
+    (or gathered by one, then sent)."""
     op = TransferOp.PUT if kind == FrameKind.PUTR else TransferOp.GET
     table = bytearray(request.table_bytes)
     await conn.recv_into([memoryview(table)])
@@ -292,12 +385,17 @@ async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int
             raise BoundsError(f"{regions.owner}:{request.key!r}: a run is not aligned to {item}-byte items")
         if op == TransferOp.PUT and int(sizes.sum()) != data:
             raise WireError(f"{request.count} runs of {int(sizes.sum())} bytes with {data} data bytes")
+        if request.staged and int(sizes.sum()) > MAX_STAGED_BYTES:
+            raise WireError(f"a staged frame of {int(sizes.sum())} bytes (at most {MAX_STAGED_BYTES})")
         if region.view is None:
             raise BackendUnavailableError(f"{regions.owner}:{request.key!r} is device memory; the agent's byte "
                                           "stream cannot reach it")
     except TransportError as exc:
         await conn.discard(data)
         await conn.refuse(rid, exc)
+        return
+    if request.staged:
+        await _serve_staged(conn, op, rid, region.tensor, offsets, sizes, data, copier)
         return
     view = region.view
     views = [view[o : o + n] for o, n in rows.tolist()]
@@ -306,6 +404,30 @@ async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int
         await conn.reply(FrameKind.OK, rid, {})
     else:
         await conn.reply(FrameKind.DATA, rid, {}, views)
+
+
+async def _serve_staged(conn: Conn, op: TransferOp, rid: int, tensor: Any, offsets: np.ndarray, sizes: np.ndarray,
+                        data: int, copier: Copier) -> None:
+    """A checked staged frame: its runs' bytes packed back to back, placed (or gathered) by one
+    native copy job. ``tensor`` (the region's) stays referenced until the job is done."""
+    total = int(sizes.sum())
+    at = np.cumsum(sizes) - sizes
+    there = offsets + tensor.data_ptr()
+    if op == TransferOp.PUT:
+        buf = await conn.recv_bytes(data)
+        stage = np.frombuffer(buf, dtype=np.uint8)
+        job = np.stack([there, at + stage.ctypes.data, sizes], axis=1).astype(np.uint64).tobytes()
+    else:
+        stage = np.empty(total, dtype=np.uint8)
+        job = np.stack([at + stage.ctypes.data, there, sizes], axis=1).astype(np.uint64).tobytes()
+    result = await copier.copy_packed(CopyKind.LOCAL, 0, job, total)
+    if result.status != CopyStatus.OK:
+        await conn.refuse(rid, TransportInternalError(f"placing {len(sizes)} staged runs failed (errno {result.err})"))
+        return
+    if op == TransferOp.PUT:
+        await conn.reply(FrameKind.OK, rid, {})
+    else:
+        await conn.reply(FrameKind.DATA, rid, {}, [memoryview(stage)])  # type: ignore[arg-type]
 
 
 async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int,
