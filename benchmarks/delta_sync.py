@@ -138,6 +138,7 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
             row["diff_encode_s"] = d.encode_s
             row["diff_gbps"] = d.dense_bytes / d.encode_s / 1e9 if d.encode_s else None
             row["kinds"] = d.kinds
+            row["sampled"] = d.sampled  # dense without a full diff: the sample was above the crossover
             row["dense_bytes"] = d.dense_bytes
     return row
 
@@ -174,7 +175,8 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     sweep: list[dict[str, Any]] = []
     try:
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=120) as t:
-            async with Publisher(t, published, name="delta") as pd, \
+            crossover = {} if args.crossover is None else {"delta_crossover": args.crossover}
+            async with Publisher(t, published, name="delta", **crossover) as pd, \
                     Publisher(t, published, name="dense", delta=False) as pn:
                 await run_steps(args, t, model, published, cfg, {"delta": pd, "dense": pn}, backend, steps, sweep)
         for p in procs:
@@ -229,7 +231,7 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
             print(f"[{backend}] lr={lr:g} step {s}: changed {row['changed_fraction']:.4%}, wire "
                   f"{row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
                   f"live {row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms, "
-                  f"diff {row['diff_encode_s'] * 1e3:.1f} ms", flush=True)
+                  f"diff {diff_cell(row)}", flush=True)
     g = torch.Generator().manual_seed(5)
     for f in args.sweep:
         flip(published, f, g)
@@ -250,21 +252,69 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     for lr in sorted({r["lr"] for r in run["steps"] if r["lr"] is not None}):
         rows = [r for r in run["steps"] if r["lr"] == lr]
         live_ratio = [r["delta"]["live_s"] / r["dense"]["live_s"] for r in rows]
+        diffed = [r for r in rows if r["diff_gbps"]]
         out[f"lr={lr:g}"] = {
             "changed_fraction_mean": sum(r["changed_fraction"] for r in rows) / len(rows),
             "wire_ratio_mean": sum(r["delta"]["wire_bytes"] / r["dense"]["wire_bytes"] for r in rows) / len(rows),
             "wire_over_2f_dense_max": max((r["delta"]["wire_bytes"]
                                            / (2 * r["changed_fraction"] * r["dense"]["wire_bytes"])
-                                           for r in rows if r["changed_fraction"]), default=None),
+                                           for r in rows if all(r["delta"]["as_delta"])), default=float("nan")),
             "live_ratio_mean": sum(live_ratio) / len(live_ratio),
             "live_ratio_max": max(live_ratio),
-            "diff_gbps_mean": sum(r["diff_gbps"] for r in rows) / len(rows),
+            "diff_gbps_mean": (sum(r["diff_gbps"] for r in diffed) / len(diffed)) if diffed else float("nan"),
+            "delta_versions": sum(1 for r in rows if all(r["delta"]["as_delta"])),
         }
     out["sweep"] = [{"forced": r["forced"], "measured": r["changed_fraction"], "kinds": r["kinds"],
                      "wire_ratio": r["delta"]["wire_bytes"] / r["dense"]["wire_bytes"],
                      "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"],
                      "apply_s": r["delta"]["apply_s"], "dense_apply_s": r["dense"]["apply_s"]} for r in run["sweep"]]
     return out
+
+
+def diff_cell(r: dict[str, Any]) -> str:
+    if not r.get("diff_gbps"):
+        return "none (sample above the crossover: dense)"
+    return f"{r['diff_encode_s'] * 1e3:.0f} ({r['diff_gbps']:.2f})"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results file: per backend, the training steps and the density sweep, with the
+    same-run baselines (forced dense, memcpy)."""
+    m = result["machine"]
+    out = [f"# Delta sync vs dense on real AdamW updates ({result['date']})", "",
+           f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['threads']} copy threads), no GPU; torch "
+           f"{m['torch']}; diff ISA {m['diff_isa']}. Model: {result['model']} "
+           f"({result['bf16_bytes'] / 1e6:.1f} MB of bf16). Two subscriber processes per backend; each "
+           "version published on the delta stream, then on the forced-dense stream (`delta=False` both ends).",
+           "", "Same-run memcpy: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in result["memcpy_gbps"].items())
+           + f". Command: `python -m benchmarks.delta_sync {' '.join(result.get('argv', []))}`", ""]
+    for run in result["runs"]:
+        b = run["backend"]
+        out += [f"## {b}", "", "| lr | step | loss | changed | wire delta / dense (MB) | diff ms (GB/s) | "
+                "apply ms delta / dense | live ms delta / dense | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in run["steps"][1:]:
+            d, n = r["delta"], r["dense"]
+            out.append(f"| {r['lr']:g} | {r['step']} | {r['loss']:.3f} | {r['changed_fraction']:.3%} | "
+                       f"{d['wire_bytes'] / 1e6:.2f} / {n['wire_bytes'] / 1e6:.2f} | {diff_cell(r)} | "
+                       f"{max(d['apply_s']) * 1e3:.0f} / {max(n['apply_s']) * 1e3:.0f} | "
+                       f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} |")
+        out += ["", f"Forced densities ({b}): bit flips of that fraction of every tensor.", "",
+                "| forced | measured | kinds | wire ratio | apply ms delta / dense | live ms delta / dense | ratio |",
+                "|---|---|---|---|---|---|---|"]
+        for r in run["sweep"]:
+            d, n = r["delta"], r["dense"]
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items()))
+            out.append(f"| {r['forced']:.1%} | {r['changed_fraction']:.3%} | {kinds} | "
+                       f"{d['wire_bytes'] / n['wire_bytes']:.3f} | {max(d['apply_s']) * 1e3:.0f} / "
+                       f"{max(n['apply_s']) * 1e3:.0f} | {d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | "
+                       f"{d['live_s'] / n['live_s']:.2f} |")
+        s = result["summary"][b]
+        out += ["", f"Summary ({b}):", ""]
+        for key, v in s.items():
+            if key != "sweep":
+                out.append(f"- {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()))
+        out.append("")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,11 +328,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--sweep", type=float, nargs="*", default=list(SWEEP))
     p.add_argument("--short", action="store_true", help="a tiny model (the test suite's smoke run)")
+    p.add_argument("--crossover", type=float, help="Publisher(delta_crossover=...) (default: the library's)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--markdown", help="write the results as markdown here")
+    p.add_argument("--render", help="only render this results JSON (with --markdown)")
     p.add_argument("--tmp", default=f"/tmp/delta_sync-{os.getpid()}")
     args = p.parse_args(argv)
     if args.role == "sub":
         trio.run(subscriber, json.loads(args.spec))
+        return
+    if args.render:
+        Path(args.markdown).write_text(markdown(json.loads(Path(args.render).read_text())))
         return
     torch.set_num_threads(max(1, available_threads()))
     cfg = model_config(args.short)
@@ -307,8 +363,11 @@ def main(argv: list[str] | None = None) -> None:
         for r in s["sweep"]:
             print(f"[{b}] sweep {r['forced']:.1%}: wire x{r['wire_ratio']:.3f}, live x{r['live_ratio']:.3f}, "
                   f"apply {r['apply_s']} vs dense {r['dense_apply_s']}", flush=True)
+    result["argv"] = sys.argv[1:] if argv is None else argv
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(result))
 
 
 if __name__ == "__main__":

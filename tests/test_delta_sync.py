@@ -201,6 +201,9 @@ async def test_dense_above_the_crossover_and_forced_dense():
             r = await pub.publish(4)
             assert r.delta is not None and r.delta.base == 3 and r.results["gen"].delta
             assert await sub.wait_version(4) == 4 and same_bits(dst, src)
+        for bad in (0.0, 0.6, float("nan")):
+            with pytest.raises(ValueError, match="delta_crossover"):
+                Publisher(tt, src, name="other", delta_crossover=bad)
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         async with Publisher(tt, src, delta=False) as pub, Subscriber(tg, dst, publisher="trainer") as sub:
             assert not pub.delta and pub.staging_bytes == 2 * pub.layout.total

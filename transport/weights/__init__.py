@@ -30,10 +30,17 @@ How a version travels, and why it is never torn:
 Memory: the publisher holds two packed copies of the (converted) weights, each subscriber two
 packed slots; nothing else grows with the model or the number of subscribers.
 
+Delta sync (``delta=True``, the default for host state): a version that changed little goes to
+a subscriber holding exactly the previous one as the new values of the changed elements only,
+checked against per-tensor checksums before anything is written and applied inside the same
+slot handshake (``_delta``; README, "Delta sync").
+
 Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
 words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_snapshots`` (its two packed
 snapshots that ``pull`` reads, and their background fill), ``_report`` (what a publish
-reports), ``_subscriber`` (``Subscriber``), ``_copy`` (host copies split across the cores).
+reports), ``_subscriber`` (``Subscriber``), ``_apply`` (how a slot becomes the local weights),
+``_delta`` (the diff, the encodings, the checked scatter), ``_copy`` (host copies split across
+the cores).
 Packing and device unpacking use the batched gather/scatter of ``transport._kernels``.
 """
 

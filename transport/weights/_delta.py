@@ -47,6 +47,11 @@ HEADER_WORDS = 4  # magic, version, base version, entries
 ENTRY_WORDS = 7  # kind, changed, position bytes, payload bytes, base checksum, new checksum, base terms
 SPARSE_MAX = 0.5  # a sparse encoding is used only up to this fraction of the tensor's dense bytes
 PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of dense goes dense undiffed
+# The changed fraction above which a tensor goes dense (and a version, by its sample, without the
+# full diff): where scattering stops paying against a dense copy when the link runs about as fast
+# as memory (benchmarks/results/delta_sync-2026-12-01.md). Over a network, bytes dominate: up to
+# about 0.4 still pays there (Publisher(delta_crossover=...)).
+CROSSOVER = 0.05
 SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elements spread over it
 MASK64 = (1 << 64) - 1
 Kind = native.Kind
@@ -110,8 +115,10 @@ class DeltaEncoder:
         threads: copy threads the pass may use.
     """
 
-    def __init__(self, layout: Layout, wire: Mapping[str, torch.Tensor], threads: int) -> None:
+    def __init__(self, layout: Layout, wire: Mapping[str, torch.Tensor], threads: int,
+                 crossover: float = CROSSOVER) -> None:
         self.layout = layout
+        self.crossover = crossover
         self._wire = wire
         self._threads = threads
         self._offsets: list[int] = []  # entry -> its payload's offset in the staging buffer
@@ -163,7 +170,7 @@ class DeltaEncoder:
             def work(i: int = i, e: Entry = e, fresh: int = fresh, es: int = es) -> None:
                 out = 0 if staging is None else staging.data_ptr() + self._offsets[i]
                 results[i] = native.encode(fresh, bptr + e.offset if bptr else 0, sptr + e.offset, e.numel, es,
-                                           out, _cap(e) if bptr else 0)
+                                           out, self._budget(e) if bptr else 0)
 
             batch.add(e.nbytes, work)
         batch.run(self._threads)
@@ -177,6 +184,8 @@ class DeltaEncoder:
         runs: list[tuple[int, int]] = []  # dense byte ranges of the snapshot
         for i, (e, r) in enumerate(zip(entries, results, strict=True)):
             kind = Kind.DENSE if r is None else r.kind
+            if r is not None and kind in (Kind.VARINT, Kind.BITMASK) and r.changed > self.crossover * e.numel:
+                kind = Kind.DENSE  # above the crossover: the dense copy applies faster
             kinds.append(kind)
             if r is None:
                 sums.append(0)
@@ -226,7 +235,8 @@ class DeltaEncoder:
         """Whether a delta against snapshot ``base`` would not pay, judged from a sample of
         each tensor (``SAMPLE_BLOCKS`` runs of ``SAMPLE_RUN`` elements spread over it, the whole
         tensor when it is small; the native diff, counting only): when
-        the estimated delta is more than ``PREDICT_DENSE`` of the dense version, the version
+        the sampled changed fraction is above the crossover, or the estimated delta is more
+        than ``PREDICT_DENSE`` of the dense version, the version
         goes dense without the full diff (as fast as ``delta=False``). Runs in a worker thread.
 
         Returns:
@@ -251,8 +261,10 @@ class DeltaEncoder:
             sampled_total += sampled
             f = changed / sampled
             sparse = f * n * es + min(2 * f * n, n / 8) + 64  # values + the smaller positions (~2 B a gap)
-            estimate += int(min(sparse, e.nbytes)) if sparse <= _cap(e) else e.nbytes
+            estimate += int(min(sparse, e.nbytes)) if sparse <= _cap(e) and f <= self.crossover else e.nbytes
         self.sample_s = time.perf_counter() - t0
+        if sampled_total and changed_total > self.crossover * sampled_total:
+            return True, changed_total, sampled_total
         return estimate > PREDICT_DENSE * self.layout.total, changed_total, sampled_total
 
     def learn(self, slot: int, version: int, snap: torch.Tensor) -> None:
@@ -263,6 +275,13 @@ class DeltaEncoder:
     def forget(self, slot: int) -> None:
         """Snapshot ``slot`` is being rewritten by a dense publish: its checksums are stale."""
         self._sums.pop(slot, None)
+
+    def _budget(self, e: Entry) -> int:
+        """The bytes ``e``'s encoding may take: what fits half its dense bytes, and no more
+        than its values and positions at the crossover (the native pass gives up early past it)."""
+        es = dtype_from_name(e.wire_dtype).itemsize
+        at_crossover = int(self.crossover * e.numel) * (es + 3) + (e.numel + 7) // 8 + ALIGN
+        return min(_cap(e), (at_crossover + ALIGN - 1) // ALIGN * ALIGN)
 
     def commit(self, slot: int, version: int, sums: list[int]) -> None:
         """Records that snapshot ``slot`` holds ``version`` with these checksums."""

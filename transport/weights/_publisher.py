@@ -36,7 +36,7 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads
-from ._delta import DeltaEncoder, DeltaVersion, index_bytes
+from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
 from ._snapshots import Snapshots
@@ -83,16 +83,20 @@ class Publisher:
         delta: (default) delta sync where it pays: each version is diffed bit for bit against
             the previous one while it is packed, and a subscriber that holds exactly that
             previous version (and nothing newer pending) receives only the new values of the
-            changed elements, per tensor when its encoding is at most half its dense bytes
-            (dense otherwise); a subscriber that is behind, new or restarted gets the dense
-            version. Lossless and atomic: the subscriber checks per-tensor checksums before it
+            changed elements, per tensor up to ``delta_crossover`` changed (dense above it; a
+            version whose sample of the change is above it goes dense without the full diff,
+            as fast as ``delta=False``); a subscriber that is behind, new or restarted gets the
+            dense version. Lossless and atomic: the subscriber checks per-tensor checksums before it
             writes anything and applies the delta inside the usual commit, or refuses it whole.
             Costs a third host buffer of up to half the packed size (the encodings). Applies to
             host (CPU) state only; CUDA state and ``delta=False`` send every version dense.
+        delta_crossover: the changed fraction of a tensor above which it goes dense. The
+            default suits links about as fast as memory (one host); over a network bytes
+            dominate and up to about 0.4 still pays.
 
     Raises:
-        ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive, or two tensors
-            map to one wire name.
+        ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive,
+            ``delta_crossover`` outside (0, 0.5], or two tensors map to one wire name.
         TypeError: a state value is not a tensor.
         TransportError: a tensor is on neither the CPU nor a CUDA device.
     """
@@ -110,12 +114,15 @@ class Publisher:
         include: Callable[[str], bool] | None = None,
         fp8: Callable[[str, torch.Tensor], bool] | None = None,
         delta: bool = True,
+        delta_crossover: float = CROSSOVER,
     ) -> None:
         if max_inflight is not None:
             warnings.warn("Publisher(max_inflight=...) is ignored: each subscriber gets a version as one prepared "
                           "transfer of all its buckets", DeprecationWarning, stacklevel=2)
         if not deadline > 0:
             raise ValueError("deadline must be > 0")
+        if not 0 < delta_crossover <= SPARSE_MAX:
+            raise ValueError(f"delta_crossover must be in (0, {SPARSE_MAX}], not {delta_crossover!r}")
         self.t = transport
         self.name = name
         self.deadline = float(deadline)
@@ -133,7 +140,8 @@ class Publisher:
         self.layout = build_layout(name, wire, bucket_bytes=bucket_bytes, fp8=fp8)
         self._snapshots = Snapshots(transport, self._keys, self.layout, wire, self.deadline)
         on_host = all(not v.is_cuda for v in wire.values())
-        self._delta = DeltaEncoder(self.layout, wire, available_threads()) if delta and on_host else None
+        self._delta = DeltaEncoder(self.layout, wire, available_threads(), delta_crossover) \
+            if delta and on_host else None
         self._index_bytes = index_bytes(self.layout)
         self.version: int | None = None
         self._ringing: dict[tuple[str, str], int] = {}  # (subscriber, incarnation) -> newest version to ring

@@ -12,12 +12,10 @@ seqlock.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -25,7 +23,8 @@ import torch
 
 from .. import _cuda, _kernels
 from .._errors import BackendUnavailableError, TransferTimeoutError, TransportError
-from .._tensors import dtype_from_name, dtype_name
+from .._tensors import dtype_name
+from ._apply import ApplyPlan, dequantize_into, host_unpack
 from ._control import (
     APPLIED,
     CTL_WORDS,
@@ -44,7 +43,7 @@ from ._control import (
     publisher_latest,
     withdraw,
 )
-from ._copy import HostCopies, available_threads
+from ._copy import available_threads
 from ._delta import DeltaApplier, DeltaRefusedError, deltable, index_bytes
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
 
@@ -53,85 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transport.weights")
 SHOWN_NAMES = 5  # names listed in a mismatch message before "and N more"
-
-
-@dataclass
-class _Copies:
-    """Destinations filled by one ``_kernels.unpack`` from a slot: (tensor, byte offset, stored dtype)."""
-
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    dtypes: list[torch.dtype] = field(default_factory=list)
-
-    def add(self, entry: Entry, dst: torch.Tensor) -> None:
-        self.dsts.append(dst)
-        self.offsets.append(entry.offset)
-        self.dtypes.append(dtype_from_name(entry.wire_dtype))
-
-
-@dataclass
-class _ApplyPlan:
-    """How a slot becomes the local weights, worked out once per layout.
-
-    ``copies`` and ``converted`` (fp8 entries: dequantised) make a copy apply and ``pull``;
-    zero-copy apply re-points ``repoint`` (tensor, storage offset in elements, strides) at the
-    slot and fills the rest (``zc_copies``, ``converted``) by copying.
-    """
-
-    copies: _Copies
-    converted: list[tuple[Entry, torch.Tensor]]
-    repoint: list[tuple[Entry, torch.Tensor, tuple[int, ...]]]
-    zc_copies: _Copies
-
-    @classmethod
-    def of(cls, matched: list[tuple[Entry, torch.Tensor]]) -> _ApplyPlan:
-        plan = cls(_Copies(), [], [], _Copies())
-        for e, dst in matched:
-            if e.scale_offset >= 0:
-                plan.converted.append((e, dst))
-                continue
-            plan.copies.add(e, dst)
-            if e.wire_dtype == dtype_name(dst.dtype) and e.numel:
-                plan.repoint.append((e, dst, torch.empty(e.shape, device="meta").stride()))
-            else:
-                plan.zc_copies.add(e, dst)
-        return plan
-
-
-def _dequantize_into(buf: torch.Tensor, converted: list[tuple[Entry, torch.Tensor]]) -> None:
-    for e, dst in converted:
-        _dequantize_one(buf, e, dst)
-
-
-def _dequantize_one(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
-    q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
-    scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
-    with torch.no_grad():  # grad mode is per thread: this may run on a copy thread
-        dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
-
-
-def _cast_into(buf: torch.Tensor, offset: int, dtype: torch.dtype, dst: torch.Tensor) -> None:
-    with torch.no_grad():
-        dst.copy_(_kernels.view_in(buf, offset, dtype, dst.shape))
-
-
-def _host_unpack(buf: torch.Tensor, copies: _Copies, converted: list[tuple[Entry, torch.Tensor]],
-                 threads: int) -> None:
-    """``_kernels.unpack`` + ``_dequantize_into`` for a host ``buf`` and host destinations,
-    split across ``threads`` (same-dtype contiguous destinations are plain memcpys)."""
-    batch = HostCopies()
-    base = buf.data_ptr()
-    for dst, off, dtype in zip(copies.dsts, copies.offsets, copies.dtypes, strict=True):
-        n = dst.numel() * dtype.itemsize
-        if not n:
-            continue
-        if dst.dtype == dtype and dst.is_contiguous():
-            batch.add_raw(dst.data_ptr(), base + off, n)
-        else:
-            batch.add(n, functools.partial(_cast_into, buf, off, dtype, dst))
-    for e, dst in converted:
-        batch.add(e.nbytes, functools.partial(_dequantize_one, buf, e, dst))
-    batch.run(threads)
 
 
 def _names(names: Sequence[str]) -> str:
@@ -300,7 +220,7 @@ class Subscriber:
         await t.get(raw, self.publisher, key=k.layout)
         self.layout = Layout.decode(raw.numpy().tobytes())
         self._plan = self._match(self.layout)
-        self._apply_plan = _ApplyPlan.of(self._plan)
+        self._apply_plan = ApplyPlan.of(self._plan)
         # Host slots into host tensors: copies split across the cores (else _kernels.unpack).
         self._host = self.device.type == "cpu" and all(not dst.is_cuda for _, dst in self._plan)
         # CUDA devices an apply queues work on (apply_async queues it on the caller's streams).
@@ -431,10 +351,10 @@ class Subscriber:
                 self._delta.apply_dense(buf)
                 return
             if self._host:
-                _host_unpack(buf, plan.copies, plan.converted, self._threads)
+                host_unpack(buf, plan.copies, plan.converted, self._threads)
                 return
             _kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
-            _dequantize_into(buf, plan.converted)
+            dequantize_into(buf, plan.converted)
 
     def _repoint(self, slot: torch.Tensor) -> None:
         """Re-points the local tensors at ``slot``; those that need a conversion are copied."""
@@ -444,10 +364,10 @@ class Subscriber:
             for e, dst, strides in plan.repoint:
                 dst.set_(storage, e.offset // dst.element_size(), e.shape, strides)
             if self._host:
-                _host_unpack(slot, plan.zc_copies, plan.converted, self._threads)
+                host_unpack(slot, plan.zc_copies, plan.converted, self._threads)
                 return
             _kernels.unpack(slot, plan.zc_copies.dsts, plan.zc_copies.offsets, plan.zc_copies.dtypes)
-            _dequantize_into(slot, plan.converted)
+            dequantize_into(slot, plan.converted)
 
     def apply(self) -> int | None:
         """Makes the newest complete version live, if newer than the live one, on the calling
