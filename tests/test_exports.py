@@ -32,11 +32,13 @@ PUBLIC = {
     "TransportError", "ClosedError", "PeerLostError", "TransferTimeoutError", "TransferAbortedError",
     "RegistrationError", "ReadOnlyRegionError", "BoundsError", "DTypeMismatchError", "LayoutError",
     "BackendUnavailableError", "PeerNotFoundError", "AuthenticationError", "StoreError", "TransportInternalError",
+    "RecordTooLargeError", "WireError",
 }
 TRANSPORT_METHODS = {
     "aclose", "register", "register_many", "unregister", "empty", "regions", "put", "get", "fence",
     "signal", "signal_value", "wait_signal", "peer", "lookup", "peers", "exclude", "dump_flight_record",
     "flight_record", "backends", "store_url", "prepare_put", "prepare_get", "put_many", "get_many",
+    "prepare_put_runs", "prepare_get_runs",
 }
 WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport", "LayoutMismatchError",
            "MeshPublisher", "MeshPublishReport", "MeshSubscriber", "CommitError"}
@@ -182,6 +184,8 @@ def test_readme_draws_every_public_error_with_its_real_parent() -> None:
     errors = {n: getattr(transport, n) for n in transport.__all__
               if isinstance(getattr(transport, n), type) and issubclass(getattr(transport, n), Exception)}
     errors["LayoutMismatchError"] = transport.weights.LayoutMismatchError
+    errors["CommitError"] = transport.weights.CommitError
+    errors["MeshLayoutError"] = transport.plan.MeshLayoutError
     assert set(tree) == set(errors), set(tree) ^ set(errors)
     for name, parent in tree.items():
         cls = errors[name]

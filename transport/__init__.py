@@ -22,6 +22,7 @@ from ._errors import TransportInternalError as TransportInternalError
 from ._peers import Peer as Peer
 from ._public import rehome
 from ._regions import Region as Region
+from ._rendezvous import RecordTooLargeError as RecordTooLargeError
 from ._rendezvous import StoreError as StoreError
 from ._rendezvous import serve_store as serve_store
 from ._support import available_backends as available_backends
@@ -30,6 +31,7 @@ from ._transfer import Transfer as Transfer
 from ._transfer import gather as gather
 from ._transport import Transport as Transport
 from ._wire import TransferOp as TransferOp
+from ._wire import WireError as WireError
 from .backends import register_backend as register_backend
 
 __version__ = "0.1.0"
@@ -60,7 +62,9 @@ __all__ = [
     "PeerNotFoundError",
     "AuthenticationError",
     "StoreError",
+    "RecordTooLargeError",
     "TransportInternalError",
+    "WireError",
 ]
 
 rehome(globals(), __all__, __name__)

@@ -12,12 +12,16 @@
     ├── BoundsError              offset + nbytes outside the remote region, or misaligned
     ├── DTypeMismatchError       local and remote dtypes differ
     ├── LayoutError              a tensor layout the operation cannot serve (non-contiguous dst)
-    │   └── LayoutMismatchError  (transport.weights) publisher and subscriber tensors do not match
+    │   ├── LayoutMismatchError  (transport.weights) publisher and subscriber tensors do not match
+    │   └── MeshLayoutError      (transport.plan) a mesh layout that cannot be planned (also a ValueError)
     ├── BackendUnavailableError  no backend can serve this peer / memory kind (says what to install)
     ├── PeerNotFoundError        no peer of that name appeared within the timeout
     ├── AuthenticationError      a peer or connection did not present the shared token
+    ├── CommitError              (transport.weights) a mesh replica cannot commit: not its leader, a rank missing
     ├── StoreError               (transport._rendezvous) the rendezvous store failed or is untrusted
+    │   └── RecordTooLargeError  a record in the store is larger than any record is read
     └── TransportInternalError   a bug, an unexpected native failure, or bytes that do not decode
+        └── WireError            (transport._wire) bytes from a peer or the store that do not decode
 
 Errors about bad input are raised before any byte moves; the remote memory is then unchanged.
 """

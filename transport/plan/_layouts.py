@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import LayoutError
+
 from ._boxes import Box, Shape, box_shape, chunk, contains, full_box, volume
 
 #: Bytes per element of the dtypes a layout may name (torch names without the ``torch.``).
@@ -36,10 +38,10 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
-class MeshLayoutError(ValueError):
+class MeshLayoutError(LayoutError, ValueError):
     """A layout that cannot be planned from: a box outside its tensor, overlapping pieces, an
     unknown tensor or dtype, a sharding that does not fit its mesh. The message names the
-    tensor and the rank."""
+    tensor and the rank. A LayoutError of the error tree, and a ValueError (what it was first)."""
 
 
 @dataclass(frozen=True)
