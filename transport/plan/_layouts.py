@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from .._errors import LayoutError
-
 from ._boxes import Box, Shape, box_shape, chunk, contains, full_box, volume
 
 #: Bytes per element of the dtypes a layout may name (torch names without the ``torch.``).
