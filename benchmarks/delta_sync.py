@@ -122,7 +122,9 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     """Publishes ``version`` on both streams, one after the other, and waits on each until both
     subscribers hold it."""
     row: dict[str, Any] = {"version": version}
-    for stream in STREAMS:
+    # Alternate which stream goes first: the first publish after a training step reads live
+    # tensors the optimizer just wrote.
+    for stream in STREAMS if version % 2 else STREAMS[::-1]:
         t0 = time.perf_counter()
         report = await pubs[stream].publish(version)
         for name in SUBSCRIBERS:

@@ -349,44 +349,38 @@ class DeltaApplier:
         self._local = local
         self._threads = threads
         self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
+        self._stale = True  # the sums are to be taken from the live tensors before the next delta
 
-    def apply_dense(self, buf: torch.Tensor) -> None:
-        """Copies a whole version from ``buf`` (a slot or a pulled copy) into the live tensors
-        and keeps their checksums: one native pass copies and checksums each deltable tensor
-        (in pieces across the copy threads), so a dense apply reads ``buf`` once."""
+    def dense_applied(self) -> None:
+        """The live tensors were just copied from a dense version: their checksums are taken
+        from them when the next delta needs them (a dense apply then costs what it costs
+        without delta sync; the first delta after it reads the live tensors once)."""
+        self.sums = [None] * len(self.layout.entries)
+        self._stale = True
+
+    def _learn_live(self) -> None:
+        """The checksum of every live tensor that can take deltas, across the copy threads."""
         entries = self.layout.entries
         parts: list[list[int]] = [[] for _ in entries]
         batch = HostCopies()
-        base = buf.data_ptr()
         for i, e in enumerate(entries):
             dst = self._local[i]
-            if dst is None or not e.nbytes:
+            if dst is None or not deltable(e):
                 continue
-            if e.scale_offset >= 0:
-                batch.add(e.nbytes, functools.partial(_dequantize, buf, e, dst))
-            elif not deltable(e):
-                if dst.is_contiguous() and dst.dtype == dtype_from_name(e.wire_dtype):
-                    batch.add_raw(dst.data_ptr(), base + e.offset, e.nbytes)
-                else:
-                    batch.add(e.nbytes, functools.partial(_cast, buf, e, dst))
-            else:
-                es = dst.element_size()
-                per = max(1, PIECE_BYTES // es)
-                for first in range(0, e.numel, per):
-                    n = min(per, e.numel - first)
+            es = dst.element_size()
+            per = max(1, PIECE_BYTES // es)
+            for first in range(0, e.numel, per):
+                n = min(per, e.numel - first)
 
-                    def work(i: int = i, first: int = first, n: int = n, src: int = base + e.offset + first * es,
-                             to: int = dst.data_ptr() + first * es, es: int = es) -> None:
-                        parts[i].append(native.checksum(src, n, es, first, to))
+                def work(i: int = i, first: int = first, n: int = n, ptr: int = dst.data_ptr() + first * es,
+                         es: int = es) -> None:
+                    parts[i].append(native.checksum(ptr, n, es, first))
 
-                    batch.add(n * es, work)
+                batch.add(n * es, work)
         batch.run(self._threads)
         self.sums = [sum(p) & MASK64 if deltable(e) and self._local[i] is not None else None
                      for i, (e, p) in enumerate(zip(entries, parts, strict=True))]
-
-    def forget(self) -> None:
-        """The live tensors hold no known version."""
-        self.sums = [None] * len(self.layout.entries)
+        self._stale = False
 
     @staticmethod
     def header_of(index: torch.Tensor) -> tuple[int, int, int] | None:
@@ -405,6 +399,8 @@ class DeltaApplier:
         """
         words = index.clone()  # the index is a peer's to write: check and use one private copy
         head = self.header_of(words)
+        if self._stale:
+            self._learn_live()
         entries = self.layout.entries
         if head is None or head[0] != version or head[2] != len(entries):
             raise DeltaRefusedError(f"delta header for version {version} malformed or stale: {head}")

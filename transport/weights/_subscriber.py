@@ -347,11 +347,10 @@ class Subscriber:
         """
         plan = self._apply_plan
         with torch.no_grad():
-            if self._delta is not None:  # host to host, and the checksums kept for the next delta
-                self._delta.apply_dense(buf)
-                return
             if self._host:
                 host_unpack(buf, plan.copies, plan.converted, self._threads)
+                if self._delta is not None:
+                    self._delta.dense_applied()
                 return
             _kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
             dequantize_into(buf, plan.converted)
