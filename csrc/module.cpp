@@ -1,7 +1,7 @@
 // The one boundary between Python and native code: transport._C.
 // Only integers, byte counts and addresses cross it; no torch at build time. Native failures
 // arrive in Python as RuntimeError and are translated into the TransportError tree in
-// transport/_native.py, the single place that knows about this module.
+// the transport._native package, the single place that knows about this module.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>

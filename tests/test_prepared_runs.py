@@ -50,7 +50,9 @@ async def test_runs_land_exactly_and_come_back(backend, targets, file_store):
         prepared = t.prepare_put_runs(target.name, src, "w", runs)
         assert prepared.segments == len(runs) and prepared.nbytes == int(runs[:, 2].sum())
         for _ in range(2):  # the plan is reused
-            await prepared.start()
+            h = prepared.start()
+            await h
+            assert h.one_sided is (backend != "tcp") and h.backend == backend
         back = torch.zeros(REGION // 4)
         await t.get(back, target.name, key="w")
         want = expected(np.zeros(REGION, np.uint8), src.numpy().view(np.uint8), runs)
@@ -73,6 +75,9 @@ async def test_runs_land_exactly_and_come_back(backend, targets, file_store):
         await t.prepare_get_runs(target.name, dst, "w", mixed).start()
         for a, b, n in mixed.tolist():
             assert np.array_equal(dst.numpy().view(np.uint8)[a : a + n], want[b : b + n])
+        single = t.put(src[:16], target.name, key="w")
+        await single
+        assert single.one_sided is (backend != "tcp")
         await t.signal(target.name, "done", 1)
         await target.result()
 

@@ -33,7 +33,7 @@ from ._wire import (
     send_all_views,
 )
 
-log = logging.getLogger("transport._agent")
+log = logging.getLogger(__name__)
 
 
 class _Reply:

@@ -29,7 +29,7 @@ from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases, LostTable
 from ._rendezvous import RecordTooLargeError, Store
 from ._wire import HostId, PeerRecord, RegionRecord, WireError, connect
 
-log = logging.getLogger("transport._transport")
+log = logging.getLogger(__name__)
 
 PEER_PREFIX = "peer/"
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.2

@@ -30,7 +30,7 @@ from ._native.tcp import RegionMirror
 from ._tensors import MemoryKind, byte_view, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
 from ._wire import RegionRecord, TransferOp
 
-log = logging.getLogger("transport._transport")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

@@ -43,6 +43,9 @@ class Transfer:
         backend: name of the backend that carries it (None until chosen; "a,b" when a prepared
             transfer's segments go over two).
         segments: ranges it moves (1, or a prepared transfer's coalesced segment count).
+        one_sided: True when every backend that carries it moves the bytes without the peer's
+            process taking part (``ipc``, ``ucx``); False when the peer's agent serves them
+            (``tcp``); None until a backend is chosen.
 
     Waiting is not aborting: ``await h`` and ``await h.wait(timeout=...)`` only observe. A
     ``wait`` that times out raises the builtin :class:`TimeoutError` and leaves the transfer
@@ -57,8 +60,8 @@ class Transfer:
     """
 
     __slots__ = ("_abort_error", "_cancel_requested", "_done", "_error", "_event", "_finished", "_incarnation",
-                 "_moving", "_rec", "_scope", "_started", "_waiters", "backend", "key", "nbytes", "offset", "op",
-                 "peer", "segments")
+                 "_moving", "_rec", "_scope", "_started", "_waiters", "backend", "key", "nbytes", "offset", "one_sided",
+                 "op", "peer", "segments")
 
     def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int) -> None:
         self.op = op
@@ -67,6 +70,7 @@ class Transfer:
         self.nbytes = nbytes
         self.offset = offset
         self.backend: str | None = None
+        self.one_sided: bool | None = None
         self.segments = 1  # ranges moved (more for a prepared transfer)
         self._done = False
         self._event: anyio.Event | None = None  # made by the first task that has to wait
@@ -83,11 +87,11 @@ class Transfer:
 
     @classmethod
     def _completed(cls, op: TransferOp, peer: str, key: str, nbytes: int, offset: int, backend: str,
-                   started: float) -> Transfer:
+                   one_sided: bool, started: float) -> Transfer:
         """A handle for a transfer that already completed when it was started (the engine's
         synchronous path for small transfers); ``started``: its ``time.monotonic()``."""
         x = cls(op, peer, key, nbytes, offset)
-        x.backend = backend
+        x.backend, x.one_sided = backend, one_sided
         x._started = started
         x._finished = time.monotonic()
         x._moving = True

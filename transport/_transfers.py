@@ -47,7 +47,7 @@ from .backends import Backend, LocalBuffer, RemoteTarget
 from .backends._base import Mover, Pending
 from .backends._control import WITHDRAWN_SEQ
 
-log = logging.getLogger("transport._transport")
+log = logging.getLogger(__name__)
 
 # Host transfers up to this size are moved synchronously inside put()/get() when the backend
 # has a synchronous path (``Backend.mover``; each may decline by size) and the route is known:
@@ -67,6 +67,7 @@ class _BatchPlan:
     # each backend's reusable runner, and whether it takes the start's CUDA ready events
     runs: list[tuple[Callable[..., Awaitable[None]], bool]]
     per_start: list[tuple[Backend, Segment, RegionRecord]]  # moved one by one at every start
+    one_sided: bool  # every backend of it moves bytes without the peer's process
 
 
 class _SyncRoute:
@@ -232,7 +233,7 @@ class TransferEngine:
             return self._launch(op, LocalBuffer(tensor, MemoryKind.CPU), peer, key, offset, timeout,
                                 (record, backend, moved))
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
-        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, t0)
+        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, backend.one_sided, t0)
 
     def _sync_route(self, op: TransferOp, record: PeerRecord, key: str) -> _SyncRoute:
         region = record.regions.get(key)
@@ -390,7 +391,7 @@ class TransferEngine:
         record, region = await self._checked(xfer, after,
                                              lambda r: self._check_remote(r, xfer, local.tensor.dtype))
         backend = self.choose(record, region, local.kind)
-        xfer.backend = backend.name
+        xfer.backend, xfer.one_sided = backend.name, backend.one_sided
         self._begin(xfer, record, backend.name)
         if xfer.nbytes == 0:
             return
@@ -400,7 +401,7 @@ class TransferEngine:
                                pending: Pending) -> None:
         """Completes a synchronous attempt whose request went out (see :meth:`_now`); when it
         comes back refused or broken, moves the bytes again by the checked path."""
-        xfer.backend = backend.name
+        xfer.backend, xfer.one_sided = backend.name, backend.one_sided
         self._begin(xfer, record, backend.name)
         if not await pending():
             await self._execute(xfer, local, ())
@@ -409,7 +410,7 @@ class TransferEngine:
                              ready: Mapping[int, Any]) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream."""
         record, plan = await self._checked(xfer, after, lambda r: self._plan_for(prepared, r))
-        xfer.backend = plan.backends
+        xfer.backend, xfer.one_sided = plan.backends, plan.one_sided
         self._begin(xfer, record, plan.backends)
         for run, takes_ready in plan.runs:
             await (run(ready) if takes_ready else run())
@@ -445,11 +446,11 @@ class TransferEngine:
         if runs.kind in backend.memory_kinds and (runs.kind == MemoryKind.CPU or backend.prepares_device):
             runner = backend.prepare_runs(op, LocalBuffer(runs.tensor, runs.kind),
                                           RemoteTarget(record, region, 0, region.nbytes), runs.array)
-            return _BatchPlan(backend.name, [(runner, backend.prepares_device)], [])
+            return _BatchPlan(backend.name, [(runner, backend.prepares_device)], [], backend.one_sided)
         flat = runs.tensor.view(-1).view(torch.uint8)
         per_start = [(backend, Segment(flat[a : a + n], runs.kind, runs.key, b, n), region)
                      for a, b, n in runs.array.tolist()]
-        return _BatchPlan(backend.name, [], per_start)
+        return _BatchPlan(backend.name, [], per_start, backend.one_sided)
 
     def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> _BatchPlan:
         """How a prepared transfer's checked segments move: a backend per (region, memory
@@ -476,7 +477,7 @@ class TransferEngine:
                 per_start.append((backend, seg, b.region))
         runs = [(backend.prepare_many(op, pairs), backend.prepares_device)
                 for backend, pairs in groups.values() if pairs]
-        return _BatchPlan(",".join(groups), runs, per_start)
+        return _BatchPlan(",".join(groups), runs, per_start, all(b.one_sided for b, _ in groups.values()))
 
     async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Moves one range with ``backend``, through a bounce buffer when it does not serve the
