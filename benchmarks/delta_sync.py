@@ -145,6 +145,20 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     return row
 
 
+def fp8_change(state: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None
+               ) -> tuple[float | None, dict[str, torch.Tensor]]:
+    """The fraction of float8 e4m3 bytes (per-tensor scale, as ``Publisher(fp8=...)`` sends)
+    that differ from ``prev``'s after requantizing ``state`` (not timed; fp8 entries always
+    travel dense, this measures whether a delta of them would pay)."""
+    from transport import _kernels
+
+    now = {k: _kernels.quantize_fp8(v)[0].view(torch.uint8) for k, v in state.items() if v.dim() == 2}
+    if prev is None:
+        return None, now
+    changed = sum(int((now[k] != prev[k]).sum()) for k in now)
+    return changed / sum(v.numel() for v in now.values()), now
+
+
 def flip(state: dict[str, torch.Tensor], fraction: float, g: torch.Generator) -> None:
     """Changes ``fraction`` of each tensor's elements (their lowest bit)."""
     for t in state.values():
@@ -216,6 +230,7 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
         await publish_both(t, pubs, version)
         for k, v in published.items():
             v.copy_(warm[k])
+    _, fp8_prev = fp8_change(published, None)
     for lr in args.lr:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         for s in range(args.steps):
@@ -229,12 +244,18 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
                     published[k].copy_(v)  # fp32 master -> bf16 published, in place
             version += 1
             row = await publish_both(t, pubs, version)
+            row["fp8_changed_fraction"], fp8_prev = fp8_change(published, fp8_prev)
             steps.append({"lr": lr, "step": s, "loss": float(loss.detach()), **row})
             print(f"[{backend}] lr={lr:g} step {s}: changed {row['changed_fraction']:.4%}, wire "
                   f"{row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
                   f"live {row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms, "
                   f"diff {diff_cell(row)}", flush=True)
     g = torch.Generator().manual_seed(5)
+    # Unreported: a small delta first, so that the first swept version does not carry the one
+    # read of the live tensors a subscriber makes when a delta follows dense versions.
+    flip(published, 0.0001, g)
+    version += 1
+    await publish_both(t, pubs, version)
     for f in args.sweep:
         flip(published, f, g)
         version += 1
@@ -264,6 +285,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             "live_ratio_mean": sum(live_ratio) / len(live_ratio),
             "live_ratio_max": max(live_ratio),
             "diff_gbps_mean": (sum(r["diff_gbps"] for r in diffed) / len(diffed)) if diffed else float("nan"),
+            "fp8_changed_fraction_mean": sum(r.get("fp8_changed_fraction") or 0 for r in rows) / len(rows),
             "delta_versions": sum(1 for r in rows if all(r["delta"]["as_delta"])),
         }
     out["sweep"] = [{"forced": r["forced"], "measured": r["changed_fraction"], "kinds": r["kinds"],
@@ -287,7 +309,13 @@ def markdown(result: dict[str, Any]) -> str:
            f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['threads']} copy threads), no GPU; torch "
            f"{m['torch']}; diff ISA {m['diff_isa']}. Model: {result['model']} "
            f"({result['bf16_bytes'] / 1e6:.1f} MB of bf16). Two subscriber processes per backend; each "
-           "version published on the delta stream, then on the forced-dense stream (`delta=False` both ends).",
+           "version published on the delta stream and on the forced-dense stream (`delta=False` both ends), "
+           "which goes first alternating by version. Load average at the start: "
+           f"{result.get('load_before', 'not recorded')}; commit {result.get('commit', 'not recorded')}.",
+           "", "live = from the start of the publish until both subscribers report the version applied; apply = "
+           "the subscriber's own copy or checked scatter (the slower of the two); diff = the fused copy + "
+           "diff + encode pass (GB/s of the dense version); changed = the full diff's measured fraction (for "
+           "versions that went dense by their sample, the sample's).",
            "", "Same-run memcpy: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in result["memcpy_gbps"].items())
            + f". Command: `python -m benchmarks.delta_sync {' '.join(result.get('argv', []))}`", ""]
     for run in result["runs"]:
@@ -342,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.render:
         Path(args.markdown).write_text(markdown(json.loads(Path(args.render).read_text())))
         return
+    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=False).stdout.strip() or "unknown"
     torch.set_num_threads(max(1, available_threads()))
     cfg = model_config(args.short)
     nbytes = sum(v.numel() * 2 for v in bf16_state(cfg).values())
@@ -356,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "bf16_bytes": nbytes,
         "memcpy_gbps": memcpy, "args": {k: v for k, v in vars(args).items() if k not in ("spec", "role")},
         "runs": runs, "summary": {r["backend"]: summarize(r) for r in runs},
+        "load_before": load_before, "commit": commit,
     }
     summary: dict[str, dict[str, Any]] = result["summary"]
     for b, s in summary.items():
