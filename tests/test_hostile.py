@@ -464,8 +464,14 @@ class _Routes:
     async def backend_request(self, meta: Any) -> Any:
         raise RuntimeError("a bug in a route")
 
-    async def range_request(self, conn: Any, kind: Any, rid: int, request: Any, payload_len: int) -> None:
+    def serves(self, kind: Any, meta: Any) -> bool:
+        return False
+
+    async def frame(self, conn: Any, kind: Any, rid: int, meta: Any, payload_len: int) -> None:
         raise AssertionError("not used")
+
+    def takes_lane(self, lane: str) -> bool:
+        return False
 
 
 async def test_an_unexpected_error_in_a_route_closes_only_its_connection():

@@ -319,7 +319,7 @@ async def test_unreachable_reasons() -> None:
 def nccl_routes(t: transport.Transport, backend: NcclBackend) -> Routes:
     """The agent routes of a real Transport, except that BACKEND requests go to a real
     NcclBackend (a Transport refuses to run nccl on a machine without a GPU)."""
-    return Routes(t.name, t._regions, [backend], t._signals, t.timeout)
+    return Routes(t.name, t._regions, [backend], t._signals)
 
 
 @contextlib.asynccontextmanager

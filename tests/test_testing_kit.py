@@ -12,10 +12,14 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import transport
+from transport._channel import ChannelPool, hello
+from transport._tensors import MemoryKind, dtype_name
+from transport._wire import FrameKind, TransferOp
 from transport.backends import (
     ENTRY_POINT_GROUP,
     REGISTRY,
@@ -66,6 +70,72 @@ def kit_tcp() -> Iterator[type[Backend]]:
 async def test_a_backend_registered_in_a_test_passes_check_backend(kit_tcp, memory_store):
     assert backend_class("kit_tcp") is KitTcp and registered_backends()["kit_tcp"] is KitTcp
     await check_backend(pair_factory("kit_tcp", memory_store))
+
+
+class KitFrames(Backend):
+    """A third-party backend with a target side of its own: the initiator sends its own
+    ``FrameKind.BACKEND_DATA`` requests to the peer's agent, which hands them to this class's
+    ``serve_frame`` there (the hook ``tcp`` is built on); nothing in the core knows of it."""
+
+    name = "kit_frames"
+    one_sided = False
+    memory_kinds = frozenset({MemoryKind.CPU})
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "kit_frames"), ctx.auth)
+
+    def unreachable_reason(self, peer: Any, region: Any, local: Any) -> str | None:
+        return None if region.device == "cpu" else "host memory only"
+
+    async def _request(self, op: str, local: Any, remote: Any, **io: Any) -> None:
+        chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
+        meta = {"backend": self.name, "op": op, "key": remote.region.key, "dtype": dtype_name(local.tensor.dtype),
+                "offset": remote.offset, "nbytes": remote.nbytes}
+        await chan.request(FrameKind.BACKEND_DATA, meta, **io)
+
+    async def put(self, local: Any, remote: Any) -> None:
+        await self._request("put", local, remote, payload=local.view)
+
+    async def get(self, local: Any, remote: Any) -> None:
+        await self._request("get", local, remote, into=local.view)
+
+    async def serve_frame(self, conn: Any, kind: FrameKind, rid: int, meta: Any, payload_len: int) -> None:
+        op = TransferOp.PUT if meta.get("op") == "put" else TransferOp.GET
+        try:
+            nbytes = meta.get("nbytes")
+            if op == TransferOp.PUT and nbytes != payload_len:
+                raise transport.WireError("payload does not match nbytes")
+            region = self.ctx.regions.check(op, meta.get("key"), meta.get("dtype"), meta.get("offset"), nbytes)
+        except transport.TransportError as exc:
+            await conn.discard(payload_len)
+            await conn.refuse(rid, exc)
+            return
+        view = region.view[meta["offset"] : meta["offset"] + nbytes]
+        if op == TransferOp.PUT:
+            await conn.recv_into([view])
+            await conn.reply(FrameKind.OK, rid, {})
+        else:
+            await conn.discard(payload_len)
+            await conn.reply(FrameKind.DATA, rid, {}, view)
+
+    def forget_peer(self, peer: str) -> None:
+        self._pool.forget_peer(peer)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+async def test_a_third_party_backend_serves_its_own_frames_through_the_target_hook(memory_store):
+    register_backend("kit_frames", KitFrames)
+    try:
+        await check_backend(pair_factory("kit_frames", memory_store))
+    finally:
+        unregister_backend("kit_frames")
 
 
 async def test_registered_backends_run_only_where_named(kit_tcp, memory_store):

@@ -6,8 +6,8 @@ by OK / DATA / ERR with the same request id. Requests are pipelined: many may be
 on one connection, and a reader task matches replies to them.
 
 The agent authenticates connections and dispatches their requests to a :class:`Routes` object
-(signals, backends' own requests, and the ``tcp`` backend's byte ranges); it touches no region
-itself.
+(signals, backends' control requests, and every other frame to the backend that serves its
+kind, ``Backend.serve_frame``); it touches no region and names no backend itself.
 
 Anyone who can reach the port can connect, so what a connection may cost is bounded before it
 authenticates, and nothing one connection does stops the others:
@@ -55,16 +55,12 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._auth import Authenticator
-from ._errors import AuthenticationError, TransportError
+from ._errors import AuthenticationError, BackendUnavailableError, TransportError
 from ._wire import (
     CONNECTION_ENDED,
-    DIRECT_LANE,
     PRE_AUTH_META,
     ErrCode,
     FrameKind,
-    RangeRequest,
-    RangesRequest,
-    RunsRequest,
     SignalRequest,
     WireError,
     close_socket,
@@ -142,19 +138,19 @@ class Routes(Protocol):
         """BACKEND: a backend's own request (``meta["backend"]`` names it); returns the reply's
         metadata or raises TransportError."""
 
-    async def range_request(self, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest | RangesRequest,
-                            payload_len: int) -> None:
-        """PUT / GET / PUTV / GETV (the ``tcp`` backend's target side): serves the bytes and
-        replies on ``conn``."""
+    def serves(self, kind: FrameKind, meta: Mapping[str, Any]) -> bool:
+        """Whether a backend here serves frames like this one (else it is a protocol error)."""
 
-    async def runs_request(self, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
-                           payload_len: int) -> None:
-        """PUTR / GETR (the ``tcp`` backend's prepared runs): reads the run table, serves the
-        bytes and replies on ``conn``."""
+    async def frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any], payload_len: int) -> None:
+        """Any other frame (PUT / GET ... of ``tcp``, a backend's own data request): the backend
+        that serves its kind takes its payload and replies on ``conn``."""
 
-    def adopt_direct(self, sock: socket.socket) -> bool:
-        """A connection whose HELLO asked for the ``tcp`` direct lane: native code takes the
-        socket over (detaching it). False: not served; the socket is closed then."""
+    def takes_lane(self, lane: str) -> bool:
+        """Whether a backend takes over connections whose HELLO asks for ``lane``."""
+
+    def adopt_lane(self, lane: str, sock: socket.socket) -> bool:
+        """A connection whose HELLO asked for such a lane: the backend (its native code) takes
+        the socket over (detaching it). False: not served; the socket is closed then."""
 
 
 def _env_limit(name: str, default: float) -> float:
@@ -304,11 +300,11 @@ class AgentServer:
                     log.debug("agent %s: closing the connection from %s (%s)", self.name, peer,
                               "no HELLO in time" if handshake.cancelled_caught else "refused")
                     return
-                if lane == DIRECT_LANE:  # native code serves it from here (or closes it)
+                if lane and self.routes.takes_lane(lane):  # a backend's native code serves it (or closes it)
                     self._conns.pop(sock, None)
                     self._unclaim(sock)
-                    if not self.routes.adopt_direct(sock):
-                        self._warn("direct", f"closed the direct lane from {peer}: not served (at its cap)")
+                    if not self.routes.adopt_lane(lane, sock):
+                        self._warn("lane", f"closed the {lane} lane from {peer}: not served (at its cap)")
                     return
                 idle = None if lane == WATCH_LANE else self.idle_timeout
                 while True:
@@ -381,29 +377,16 @@ class AgentServer:
                 return
             await conn.reply(FrameKind.OK, rid, answer)
             return
-        if kind in (FrameKind.PUTR, FrameKind.GETR):
-            try:
-                runs = RunsRequest.from_meta(meta)
-                if plen < runs.table_bytes or (kind == FrameKind.GETR and plen != runs.table_bytes):
-                    raise WireError(f"a {kind.name} of {runs.count} runs with {plen} payload bytes")
-            except TransportError as exc:
-                await conn.discard(plen)
-                await conn.refuse(rid, exc)
-                return
-            await self.routes.runs_request(conn, kind, rid, runs, plen)
-            return
-        if kind not in (FrameKind.PUT, FrameKind.GET, FrameKind.PUTV, FrameKind.GETV):
+        if kind in (FrameKind.HELLO, FrameKind.OK, FrameKind.DATA, FrameKind.ERR):
             raise WireError(f"unexpected {kind.name} request")
-        try:
-            vectored = kind in (FrameKind.PUTV, FrameKind.GETV)
-            request = RangesRequest.from_meta(meta) if vectored else RangeRequest.from_meta(meta)
-            if kind in (FrameKind.PUT, FrameKind.PUTV) and request.nbytes != plen:
-                raise WireError("request byte count does not match its payload")
-        except TransportError as exc:
-            await conn.discard(plen)  # keep the stream in step; nothing is written
-            await conn.refuse(rid, exc)
+        if not self.routes.serves(kind, meta):
+            if kind != FrameKind.BACKEND_DATA:
+                raise WireError(f"unexpected {kind.name} request")
+            await conn.discard(plen)  # a backend's own request for a backend not run here: refused
+            await conn.refuse(rid, BackendUnavailableError(
+                f"{self.name} does not run backend {str(meta.get('backend'))[:100]!r}"))
             return
-        await self.routes.range_request(conn, kind, rid, request, plen)
+        await self.routes.frame(conn, kind, rid, meta, plen)
 
 
 def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:

@@ -7,7 +7,6 @@ its peer published it (before any byte moves), the target against its own live r
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -26,7 +25,6 @@ from ._errors import (
     RegistrationError,
     TransportError,
 )
-from ._native.tcp import RegionMirror
 from ._tensors import MemoryKind, byte_view, check_tensor, dtype_from_name, dtype_name, memory_kind, nbytes_of
 from ._wire import RegionRecord, TransferOp
 
@@ -148,6 +146,16 @@ def check(
         raise refuse(ReadOnlyRegionError, f"{owner}:{key!r} is read-only")
 
 
+class RegionObserver(Protocol):
+    """What follows this table's changes (a backend's target side, see ``Backend``)."""
+
+    def region_added(self, region: Region) -> None: ...
+
+    def region_removed(self, region: Region) -> None: ...
+
+    def region_moved(self, key: str) -> None: ...
+
+
 class Describer(Protocol):
     """What builds a region's published descriptors: a backend."""
 
@@ -172,12 +180,7 @@ class RegionTable:
         self._by_memory: dict[tuple[int, int, torch.dtype], str] = {}
         self._reported: set[str] = set()  # keys whose moved storage was already warned about
         self._shared: list[Any] = []  # buffers allocated by allocate()
-        # The host regions as the tcp direct lane's native threads see them. A region withdrawn
-        # while a request still moves its bytes stays referenced here (its memory alive) until
-        # the mirror releases its token.
-        self.mirror = RegionMirror()
-        self._retired: dict[int, Region] = {}
-        self._tokens = itertools.count(1)
+        self._observers: list[RegionObserver] = []  # told of every change (backends' target sides)
 
     def __iter__(self) -> Iterator[Region]:
         return iter(list(self._regions.values()))
@@ -236,7 +239,8 @@ class RegionTable:
         if fresh := moved.keys() - self._reported:
             for key in fresh:
                 log.warning("transport %s: %s", self.owner, moved[key])
-                self.mirror.mark_moved(key)
+                for o in self._observers:
+                    o.region_moved(key)
             republish()
         self._reported = set(moved)
 
@@ -246,7 +250,6 @@ class RegionTable:
         while True:
             await anyio.sleep(interval)
             self.notice_moved(republish)
-            self._release()
 
     def as_dict(self) -> dict[str, Region]:
         return dict(self._regions)
@@ -304,14 +307,16 @@ class RegionTable:
                 shared = buf
         return Region(key, tensor, bool(writable), shared)
 
+    def observe(self, observer: RegionObserver) -> None:
+        """Tells ``observer`` of every region added, removed or moved from now on."""
+        self._observers.append(observer)
+
     def add(self, regions: Mapping[str, Region]) -> None:
         for region in regions.values():
             self._regions[region.key] = region
             self._by_memory.setdefault((region.address, region.nbytes, region.dtype), region.key)
-            if region.view is not None:
-                self.mirror.set(region.key, region.address, region.nbytes, region.dtype.itemsize, region.writable,
-                                dtype_name(region.dtype))
-        self._release()
+            for o in self._observers:
+                o.region_added(region)
 
     def remove(self, key: str) -> Region:
         """Withdraws ``key``.
@@ -325,10 +330,8 @@ class RegionTable:
         mem = (region.address, region.nbytes, region.dtype)
         if self._by_memory.get(mem) == key:
             del self._by_memory[mem]
-        token = next(self._tokens)
-        if self.mirror.remove(key, token):
-            self._retired[token] = region
-        self._release()
+        for o in self._observers:
+            o.region_removed(region)
         if region.shared is not None and all(r.shared is not region.shared for r in self._regions.values()):
             # The memory itself lives as long as the tensors over it; we only stop tracking it.
             self._shared = [b for b in self._shared if b is not region.shared]
@@ -374,14 +377,8 @@ class RegionTable:
             out[key] = region.record(descs)
         return out
 
-    def _release(self) -> None:
-        """Lets go of withdrawn regions whose memory no direct-lane request uses any more."""
-        for token in self.mirror.released():
-            self._retired.pop(token, None)
-
     def clear(self) -> None:
-        """Forgets every region (the Transport closed; its direct-lane threads have ended)."""
+        """Forgets every region (the Transport closed; its backends are closed)."""
         self._regions.clear()
         self._by_memory.clear()
-        self.mirror.clear()
-        self._retired.clear()
+        self._observers.clear()

@@ -161,8 +161,11 @@ class Transport:
         self._directory = PeerDirectory(me, self._store, self._auth, self._flight, self._heartbeat_s, self._lease_s)
         stack.callback(self._directory.close)
         ctx = BackendContext(self.name, self.incarnation, me.pid, me.host, tg, self._copier, self.timeout,
-                             self._auth, self._lanes, self._store, self._cuda_copier, self._directory.watch)
+                             self._auth, self._lanes, self._store, self._cuda_copier, self._directory.watch,
+                             self._regions)
         self._backends = [cls(ctx) for cls in backend_classes]
+        for b in self._backends:
+            self._regions.observe(b)
         stack.callback(self._close_backends)
         for b in self._backends:
             self._directory.subscribe(forget=b.forget_peer)
@@ -172,8 +175,7 @@ class Transport:
         self._transfers = TransferEngine(self.name, tg, self._directory, self._backends, self._flight,
                                          self._cuda_copier, self.timeout)
         self._signals = Signals(self.name, self._directory, self._transfers, self._control, self._flight)
-        routes = Routes(self.name, self._regions, self._backends, self._signals, self.timeout, self._copier)
-        stack.callback(routes.close)
+        routes = Routes(self.name, self._regions, self._backends, self._signals)
         host, port = listen_address(self._listen, self._store.url)
         self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
         tg.start_soon(self._agent.serve, tg)

@@ -282,6 +282,7 @@ class FrameKind(enum.IntEnum):
     GETV = 7
     PUTR = 8  # many runs of one region (a prepared array of runs): a binary run table leads the payload
     GETR = 9
+    BACKEND_DATA = 10  # a backend's own request with a payload (meta["backend"] names it): Backend.serve_frame
     OK = 16
     DATA = 17
     ERR = 18

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import abc
 import functools
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import torch
@@ -22,10 +23,13 @@ from anyio.abc import TaskGroup
 from .._auth import Authenticator
 from .._errors import TransportError, TransportInternalError
 from .._native import Copier
-from .._regions import Region
+from .._regions import Region, RegionTable
 from .._rendezvous import Store
 from .._tensors import LocalBuffer, MemoryKind, RemoteTarget
-from .._wire import HostId, PeerRecord, RegionRecord, TransferOp
+from .._wire import FrameKind, HostId, PeerRecord, RegionRecord, TransferOp
+
+if TYPE_CHECKING:
+    from .._agent import Conn
 
 MANY_INFLIGHT = 32  # ranges of one move_many in flight at once (default implementation)
 
@@ -59,6 +63,9 @@ class BackendContext:
     # Asks the Transport to watch a peer's process through its agent connection (the peer is
     # then declared lost, and forget_peer called, the moment it dies). For one-sided backends.
     watch: Callable[[PeerRecord], None] | None = None
+    # This endpoint's registered regions, for a backend that serves frames on the target side
+    # (serve_frame): check requests against it with RegionTable.check / check_many.
+    regions: RegionTable | None = None
 
 
 class Backend(abc.ABC):
@@ -95,6 +102,14 @@ class Backend(abc.ABC):
     Per-peer state (connections, mappings, keys) is dropped in :meth:`forget_peer`, which the
     Transport calls when a peer restarts (new incarnation), is lost or is excluded.
 
+    **The target side.** A backend that is not one-sided serves its peers' requests in this
+    endpoint's agent, through one hook: the agent hands every frame of a kind in ``frames``
+    (and every ``FrameKind.BACKEND_DATA`` frame whose ``meta["backend"]`` names it) to
+    :meth:`serve_frame`, and every connection whose HELLO asks for a lane in ``lanes`` to
+    :meth:`adopt_lane` (native code may take it over). It follows the regions registered here
+    through :meth:`region_added` / :meth:`region_removed` / :meth:`region_moved`. ``tcp`` is
+    built on exactly this; nothing in the core names a backend.
+
     ``transport.testing.check_backend`` runs the conformance suite against a backend; a
     third-party backend registered with ``transport.register_backend`` must pass it.
     """
@@ -104,6 +119,8 @@ class Backend(abc.ABC):
     memory_kinds: ClassVar[frozenset[MemoryKind]]
     # True when prepare_many also takes CUDA segments (see there); else they move one by one.
     prepares_device: ClassVar[bool] = False
+    frames: ClassVar[frozenset[FrameKind]] = frozenset()  # frame kinds served on the target side
+    lanes: ClassVar[frozenset[str]] = frozenset()  # HELLO lanes it takes over (adopt_lane)
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -246,6 +263,29 @@ class Backend(abc.ABC):
         nbytes)`` validates key/dtype/bounds/writability and returns the local :class:`Region`.
         Returns the reply's metadata; raises TransportError to refuse."""
         raise TransportInternalError(f"backend {self.name} serves no requests")
+
+    async def serve_frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any],
+                          payload_len: int) -> None:
+        """Target side: serves one frame (see the class docstring), already read up to its
+        payload. It must take exactly ``payload_len`` payload bytes from ``conn`` (or discard
+        them) and reply with the same ``rid`` (``conn.reply`` / ``conn.refuse``): a refusal
+        keeps the connection; anything it raises closes that connection only."""
+        raise TransportInternalError(f"backend {self.name} serves no frames")
+
+    def adopt_lane(self, lane: str, sock: socket.socket) -> bool:
+        """Takes over ``sock``, an authenticated connection whose HELLO asked for ``lane`` (one
+        of ``lanes``): True once taken (the agent lets go of it), False to have it closed."""
+        return False
+
+    def region_added(self, region: Region) -> None:  # noqa: B027 - optional hook
+        """A region was registered here."""
+
+    def region_removed(self, region: Region) -> None:  # noqa: B027 - optional hook
+        """A region was withdrawn here (the backend may keep it referenced while it still
+        moves its bytes)."""
+
+    def region_moved(self, key: str) -> None:  # noqa: B027 - optional hook
+        """The tensor of region ``key`` was given new storage: refuse transfers into it."""
 
     def forget_peer(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Drops cached connections, mappings and keys of ``peer`` (it left or restarted)."""

@@ -14,8 +14,11 @@ then, if it has not come, in the background like any transfer. Anything the lane
 (too big, lane not open yet or busy, a refusal, a broken connection) takes the checked path
 above, which reports the precise error.
 
-Both sides live here: :class:`TcpBackend` (the initiator) and :func:`serve_ranges` (the target's
-agent routes PUT / GET frames to it; its direct lane is ``transport._routes.Routes.adopt_direct``).
+Both sides live here, behind the backend interface's target-side hook: :class:`TcpBackend` is
+the initiator, and on the target its :meth:`~TcpBackend.serve_frame` serves the PUT / GET /
+PUTV / GETV / PUTR / GETR frames the agent hands it, its :meth:`~TcpBackend.adopt_lane` takes
+the direct lane's connections, and it keeps the native mirror of the region table the direct
+lane's threads check against (``region_added`` / ``region_removed`` / ``region_moved``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
+import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -36,8 +41,8 @@ from .._agent import Conn
 from .._channel import ChannelPool, greet_plain, hello
 from .._errors import BackendUnavailableError, BoundsError, TransportError, TransportInternalError
 from .._native import Copier, CopyKind, CopyStatus
-from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, LaneResult
-from .._regions import RegionTable
+from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
+from .._regions import Region, RegionTable
 from .._tensors import MemoryKind, dtype_name
 from .._wire import (
     DIRECT_LANE,
@@ -72,6 +77,8 @@ class TcpBackend(Backend):
     name = "tcp"
     one_sided = False
     memory_kinds = frozenset({MemoryKind.CPU})
+    frames = frozenset({FrameKind.PUT, FrameKind.GET, FrameKind.PUTV, FrameKind.GETV, FrameKind.PUTR, FrameKind.GETR})
+    lanes = frozenset({DIRECT_LANE})
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -84,6 +91,13 @@ class TcpBackend(Backend):
         self._opening: set[str] = set()
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
         self._stages = _Stages(ctx.copier)  # staging buffers for small runs, shared by every transfer
+        # The target side: the host regions as the direct lane's native threads see them. A
+        # region withdrawn while a request still moves its bytes stays referenced in _retired
+        # (its memory alive) until the mirror releases its token.
+        self._mirror = RegionMirror()
+        self._retired: dict[int, Region] = {}
+        self._tokens = itertools.count(1)
+        self._direct: DirectServer | None = None  # made on the first direct-lane connection
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
         if region.device != "cpu":
@@ -291,10 +305,71 @@ class TcpBackend(Backend):
         self._drop_lane(peer)
         self._failed.pop(peer, None)
 
+    # -- the target side (the agent's hook) ------------------------------------------------------
+
+    async def serve_frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any],
+                          payload_len: int) -> None:
+        """PUT / GET / PUTV / GETV / PUTR / GETR from a peer: the request is parsed and every
+        range checked against the live registration before a payload byte is taken; a refusal
+        drains the payload (nothing is written; the stream stays in step)."""
+        regions = self.ctx.regions
+        assert regions is not None, "the Transport gives its backends its region table"
+        try:
+            if kind in (FrameKind.PUTR, FrameKind.GETR):
+                runs = RunsRequest.from_meta(meta)
+                if payload_len < runs.table_bytes or (kind == FrameKind.GETR and payload_len != runs.table_bytes):
+                    raise WireError(f"a {kind.name} of {runs.count} runs with {payload_len} payload bytes")
+            else:
+                vectored = kind in (FrameKind.PUTV, FrameKind.GETV)
+                request = RangesRequest.from_meta(meta) if vectored else RangeRequest.from_meta(meta)
+                if kind in (FrameKind.PUT, FrameKind.PUTV) and request.nbytes != payload_len:
+                    raise WireError("request byte count does not match its payload")
+        except TransportError as exc:
+            await conn.discard(payload_len)
+            await conn.refuse(rid, exc)
+            return
+        if kind in (FrameKind.PUTR, FrameKind.GETR):
+            await serve_runs(regions, conn, kind, rid, runs, payload_len, self.ctx.copier)
+        else:
+            await serve_ranges(regions, conn, kind, rid, request.segments, payload_len)
+
+    def adopt_lane(self, lane: str, sock: socket.socket) -> bool:
+        """A direct-lane connection: served on a native thread (``transport._native.tcp``),
+        its requests checked against the native region mirror."""
+        if self._direct is None:
+            self._direct = DirectServer(self._mirror, self.ctx.name, self.ctx.timeout, DIRECT_MAX_CONNS)
+        return self._direct.adopt(sock)
+
+    def region_added(self, region: Region) -> None:
+        if region.view is not None:  # host memory: the direct lane may serve it
+            self._mirror.set(region.key, region.address, region.nbytes, region.dtype.itemsize, region.writable,
+                             dtype_name(region.dtype))
+        self._release()
+
+    def region_removed(self, region: Region) -> None:
+        token = next(self._tokens)
+        if self._mirror.remove(region.key, token):
+            self._retired[token] = region
+        self._release()
+
+    def region_moved(self, key: str) -> None:
+        self._mirror.mark_moved(key)
+        self._release()
+
+    def _release(self) -> None:
+        """Lets go of withdrawn regions whose memory no direct-lane request uses any more."""
+        for token in self._mirror.released():
+            self._retired.pop(token, None)
+
     def close(self) -> None:
         self._pool.close()
         for peer in list(self._lanes):
             self._drop_lane(peer)
+        if self._direct is not None:  # ends the direct-lane connections and joins their threads
+            self._direct.close()
+            self._direct = None
+        self._mirror.clear()
+        self._retired.clear()
 
 
 @dataclasses.dataclass(frozen=True)
