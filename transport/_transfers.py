@@ -1,10 +1,12 @@
 """The transfer engine: every put and get from start to settled outcome.
 
-It owns the in-flight table. For one transfer it resolves the peer's record, checks the range
-against it (:func:`transport._regions.check`), chooses a backend, moves the bytes (through a
-bounce buffer when the backend does not serve the tensor's memory) and settles the outcome in
-the handle and the flight recorder. A backend that sees its peer die reports it here, and the
-engine tells the peer directory, which tells everyone.
+It owns the in-flight table and each transfer's lifecycle. For one transfer it resolves the
+peer's record, checks the range against it (:func:`transport._regions.check`), has the router
+(:mod:`transport._routing`) choose a backend or a prepared plan, waits for the overlapping
+transfers before it (:mod:`transport._ordering`), moves the bytes (through a bounce buffer when
+the backend does not serve the tensor's memory) and settles the outcome in the handle and the
+flight recorder. A backend that sees its peer die reports it here, and the engine tells the
+peer directory, which tells everyone.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -22,9 +22,8 @@ import torch
 from anyio.abc import TaskGroup
 
 from . import _cuda
-from ._batch import Bound, PreparedTransfer, Runs, Segment
+from ._batch import PreparedTransfer
 from ._errors import (
-    BackendUnavailableError,
     BoundsError,
     ClosedError,
     DTypeMismatchError,
@@ -36,16 +35,17 @@ from ._errors import (
     TransportInternalError,
 )
 from ._flight import FlightRecorder, OpState
+from ._ordering import Ranges, ended_within
 from ._peers import PeerDirectory
 from ._regions import check
-from ._staging import bounce, staging_kind
-from ._tensors import MemoryKind, dtype_from_name, dtype_name, nbytes_of
+from ._routing import Router
+from ._staging import bounce
+from ._tensors import MemoryKind, dtype_name, nbytes_of
 from ._timeouts import seconds
 from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, LocalBuffer, RemoteTarget
-from .backends._base import Mover, Pending
-from .backends._control import WITHDRAWN_SEQ
+from .backends._base import Pending
 
 log = logging.getLogger(__name__)
 
@@ -56,38 +56,7 @@ log = logging.getLogger(__name__)
 # a VM): with a cap of 1 MiB, ipc put 2 MiB at 5.4 GB/s, 1 MiB at 22; with 8 MiB, 2-8 MiB at 28.
 # The event loop is held for the copy: at most ~0.5 ms (8 MiB at memory speed).
 SYNC_MAX_BYTES = 8 << 20
-_SYNC_ROUTES_MAX = 4096  # cached (peer, key, op) routes; the cache is reset past this
 
-
-@dataclass(frozen=True)
-class _BatchPlan:
-    """How one prepared transfer moves to one record of its peer (see ``TransferEngine._plan``)."""
-
-    backends: str  # the backends' names, "a,b" for two
-    # each backend's reusable runner, and whether it takes the start's CUDA ready events
-    runs: list[tuple[Callable[..., Awaitable[None]], bool]]
-    per_start: list[tuple[Backend, Segment, RegionRecord]]  # moved one by one at every start
-    one_sided: bool  # every backend of it moves bytes without the peer's process
-
-
-class _SyncRoute:
-    """What a synchronous transfer to one region needs, valid for one record of its peer: the
-    region's facts for the per-transfer check (the rest of :func:`transport._regions.check`,
-    existence, writability and whether it moved, was settled when the route was made)."""
-
-    __slots__ = ("backend", "dtype", "itemsize", "limit", "move", "record")
-
-    def __init__(self, record: PeerRecord, region: RegionRecord | None, backend: Backend | None,
-                 move: Mover | None) -> None:
-        self.record = record
-        self.backend = backend
-        self.move = move
-        self.dtype: torch.dtype | None = None
-        self.itemsize = self.limit = 0
-        if region is not None and move is not None:
-            self.dtype = dtype_from_name(region.dtype)
-            self.itemsize = self.dtype.itemsize
-            self.limit = region.nbytes
 
 _Checked = TypeVar("_Checked")
 
@@ -109,22 +78,17 @@ class TransferEngine:
         self.name = name
         self.timeout = timeout  # a prepared transfer's default
         self.state = "open"  # "draining" / "closed": prepared transfers refuse to start (ClosedError)
-        # Each prepared transfer's plan for one record of its peer (its backends' native lists),
-        # owned here: made at its first start on that record, dropped with the transfer.
-        self._plans: weakref.WeakKeyDictionary[PreparedTransfer, tuple[tuple[object, ...], _BatchPlan]] = (
-            weakref.WeakKeyDictionary())
         self._tg = tg
         self._directory = directory
         self._backends = tuple(backends)
         self._flight = flight
         self._cuda = cuda
         self._inflight: dict[str, set[Transfer]] = {}
-        self._ranges: dict[tuple[str, str], _Ranges] = {}  # (peer, key) -> transfers in flight to it
-        self._fallbacks_logged: set[tuple[str, str]] = set()
-        self._sync: dict[tuple[str, str, TransferOp], _SyncRoute] = {}
+        self._ranges: dict[tuple[str, str], Ranges] = {}  # (peer, key) -> transfers in flight to it
+        self._router = Router(name, backends)  # backend choice, synchronous routes, prepared plans
         self._closing = False  # the Transport is closing: what ends now ends with ClosedError
-        directory.subscribe(lost=self.abort_peer, forget=self._forget_routes, current=self._current,
-                            withdrawn=self._withdrawn)
+        directory.subscribe(lost=self.abort_peer, forget=self._router.forget, current=self._router.current,
+                            withdrawn=self._router.withdrawn)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -154,7 +118,7 @@ class TransferEngine:
         xfer = Transfer(op, peer, key, nbytes_of(local.tensor), offset)
         if pending is not None:  # its request is out: the bytes may land whatever happens next
             xfer._moving, xfer._incarnation = True, pending[0].incarnation
-        after = self._ranges.setdefault((peer, key), _Ranges()).add(xfer, offset, offset + xfer.nbytes)
+        after = self._ranges.setdefault((peer, key), Ranges()).add(xfer, offset, offset + xfer.nbytes)
         xfer._rec = self._flight.start(op.value, peer, key, xfer.nbytes)
         self._inflight.setdefault(peer, set()).add(xfer)
         work = (functools.partial(self._execute, xfer, local, after) if pending is None
@@ -189,7 +153,7 @@ class TransferEngine:
         xfer.segments = prepared.segments
         after: list[Transfer] = []
         for key, (lo, hi) in spans.items():
-            after += self._ranges.setdefault((prepared.peer, key), _Ranges()).add(xfer, lo, hi)
+            after += self._ranges.setdefault((prepared.peer, key), Ranges()).add(xfer, lo, hi)
         xfer._rec = self._flight.start(prepared.op.value, prepared.peer, label, xfer.nbytes)
         self._inflight.setdefault(prepared.peer, set()).add(xfer)
         # CUDA segments see the work queued on their device's current stream now, at start().
@@ -212,9 +176,7 @@ class TransferEngine:
         record = self._directory.known(peer)
         if record is None:
             return None
-        route = self._sync.get((peer, key, op))
-        if route is None or route.record is not record:
-            route = self._sync_route(op, record, key)
+        route = self._router.sync_route(op, record, key)
         move, backend = route.move, route.backend
         if move is None or backend is None:
             return None
@@ -235,36 +197,6 @@ class TransferEngine:
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
         return Transfer._completed(op, peer, key, nbytes, offset, backend.name, backend.one_sided, t0)
 
-    def _sync_route(self, op: TransferOp, record: PeerRecord, key: str) -> _SyncRoute:
-        region = record.regions.get(key)
-        backend = move = None
-        if region is not None and not region.moved and (op == TransferOp.GET or region.writable):
-            try:
-                backend = self.choose(record, region, MemoryKind.CPU)
-            except BackendUnavailableError:
-                pass
-            else:
-                move = backend.mover(op, record, region)
-        if len(self._sync) >= _SYNC_ROUTES_MAX:
-            self._sync.clear()
-        route = self._sync[(record.name, key, op)] = _SyncRoute(record, region, backend, move)
-        return route
-
-    def _current(self, record: PeerRecord) -> bool:
-        """Whether a backend sees, cheaply, that ``record`` is still its peer's latest."""
-        return any(b.live_seq(record) == record.seq for b in self._backends)
-
-    def _withdrawn(self, record: PeerRecord) -> bool:
-        """Whether a backend sees, cheaply, that ``record``'s Transport has closed."""
-        return any(b.live_seq(record) == WITHDRAWN_SEQ for b in self._backends)
-
-    def _forget_routes(self, peer: str) -> None:
-        """Drops the synchronous routes to ``peer`` (it restarted or was lost): what they hold,
-        e.g. a mapping of its memory, goes with them."""
-        for k in [k for k in self._sync if k[0] == peer]:
-            del self._sync[k]
-        self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != peer}
-
     async def fence(self, peer: str, timeout: float) -> None:
         """Waits until every transfer to ``peer`` started before this call has ended.
 
@@ -273,7 +205,7 @@ class TransferEngine:
             TransportError: the first error among them (the others still ended).
         """
         pending = list(self._inflight.get(peer, ()))
-        unfinished = await _ended_within(pending, timeout)
+        unfinished = await ended_within(pending, timeout)
         if unfinished:
             raise TransferTimeoutError(
                 f"fence({peer}): {len(unfinished)} of {len(pending)} transfers still running after {timeout:g}s"
@@ -286,7 +218,7 @@ class TransferEngine:
     async def drain(self, timeout: float) -> int:
         """Waits up to ``timeout`` for every transfer in flight to end; returns how many are
         still running then. Cancellation: stops waiting; nothing is aborted here."""
-        left = len(await _ended_within([x for xs in self._inflight.values() for x in xs], timeout))
+        left = len(await ended_within([x for xs in self._inflight.values() for x in xs], timeout))
         if left:
             log.warning("transport %s: %d transfers still running after draining for %gs; aborting them",
                         self.name, left, timeout)
@@ -324,39 +256,6 @@ class TransferEngine:
         assert region is not None
         return region
 
-    def choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
-        """The first backend that can move bytes between ``kind`` memory here and ``region``.
-        A host-memory backend serves local CUDA tensors through pinned staging, a device-memory
-        backend (nccl) local host tensors through a device buffer.
-
-        Raises:
-            BackendUnavailableError: none can, with every backend's reason.
-        """
-        reasons = []
-        for b in self._backends:
-            # The memory it would touch here: the tensor itself, or a staging copy of it.
-            touch = kind if kind in b.memory_kinds else staging_kind(kind)
-            if b.name not in record.backends:
-                reasons.append(f"{b.name}: {record.name} does not speak it")
-            elif touch not in b.memory_kinds:
-                reasons.append(f"{b.name}: does not serve {kind.value} memory")
-            elif touch != kind and touch == MemoryKind.CUDA and (why := _cuda.unavailable_reason()) is not None:
-                reasons.append(f"{b.name}: serves {kind.value} memory through a GPU buffer, but {why}")
-            elif (why := b.unreachable_reason(record, region, touch)) is not None:
-                reasons.append(f"{b.name}: {why}")
-            else:
-                if reasons and (record.name, b.name) not in self._fallbacks_logged:
-                    self._fallbacks_logged.add((record.name, b.name))
-                    log.warning("transport %s: using %s for %s because %s", self.name, b.name, record.name,
-                                "; ".join(reasons))
-                return b
-        ours = ", ".join(b.name for b in self._backends) or "nothing"
-        theirs = ", ".join(record.backends) or "nothing"
-        raise BackendUnavailableError(
-            f"no backend can reach {record.name}:{region.key!r} from {kind.value} memory "
-            f"(we speak {ours}; it speaks {theirs}): " + "; ".join(reasons)
-        )
-
     # -- moving ---------------------------------------------------------------------------
 
     async def _checked(self, xfer: Transfer, after: Sequence[Transfer],
@@ -390,7 +289,7 @@ class TransferEngine:
     async def _execute(self, xfer: Transfer, local: LocalBuffer, after: Sequence[Transfer]) -> None:
         record, region = await self._checked(xfer, after,
                                              lambda r: self._check_remote(r, xfer, local.tensor.dtype))
-        backend = self.choose(record, region, local.kind)
+        backend = self._router.choose(record, region, local.kind)
         xfer.backend, xfer.one_sided = backend.name, backend.one_sided
         self._begin(xfer, record, backend.name)
         if xfer.nbytes == 0:
@@ -409,7 +308,7 @@ class TransferEngine:
     async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer],
                              ready: Mapping[int, Any]) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream."""
-        record, plan = await self._checked(xfer, after, lambda r: self._plan_for(prepared, r))
+        record, plan = await self._checked(xfer, after, lambda r: self._router.plan_for(prepared, r))
         xfer.backend, xfer.one_sided = plan.backends, plan.one_sided
         self._begin(xfer, record, plan.backends)
         for run, takes_ready in plan.runs:
@@ -418,66 +317,6 @@ class TransferEngine:
             event = ready[seg.tensor.device.index] if seg.kind == MemoryKind.CUDA else None
             await self._move(backend, xfer.op, LocalBuffer(seg.tensor, seg.kind, ready=event),
                              RemoteTarget(record, region, seg.offset, seg.nbytes))
-
-    def _plan_for(self, prepared: PreparedTransfer, record: PeerRecord) -> _BatchPlan:
-        """``prepared``'s plan for ``record``, kept while the peer's incarnation and record and
-        the local memory stay the same (built at the first start on them).
-
-        Raises:
-            As ``PreparedTransfer.bind``; BackendUnavailableError.
-        """
-        bound = prepared.bind(record)
-        ident = (record.incarnation, record.seq, *prepared.memory())
-        cached = self._plans.get(prepared)
-        if cached is not None and cached[0] == ident:
-            return cached[1]
-        if prepared.runs is not None:
-            plan = self._plan_runs(prepared.op, record, bound[0].region, prepared.runs)
-        else:
-            plan = self._plan(prepared.op, record, bound)
-        self._plans[prepared] = (ident, plan)
-        return plan
-
-    def _plan_runs(self, op: TransferOp, record: PeerRecord, region: RegionRecord, runs: Runs) -> _BatchPlan:
-        """A prepared array of runs: one backend's runner over the array as it is
-        (``Backend.prepare_runs``); memory the backend cannot serve directly goes run by run
-        through staging at every start."""
-        backend = self.choose(record, region, runs.kind)
-        if runs.kind in backend.memory_kinds and (runs.kind == MemoryKind.CPU or backend.prepares_device):
-            runner = backend.prepare_runs(op, LocalBuffer(runs.tensor, runs.kind),
-                                          RemoteTarget(record, region, 0, region.nbytes), runs.array)
-            return _BatchPlan(backend.name, [(runner, backend.prepares_device)], [], backend.one_sided)
-        flat = runs.tensor.view(-1).view(torch.uint8)
-        per_start = [(backend, Segment(flat[a : a + n], runs.kind, runs.key, b, n), region)
-                     for a, b, n in runs.array.tolist()]
-        return _BatchPlan(backend.name, [], per_start, backend.one_sided)
-
-    def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> _BatchPlan:
-        """How a prepared transfer's checked segments move: a backend per (region, memory
-        kind), and each backend's reusable runner (``Backend.prepare_many``) for the segments
-        it serves directly (CUDA ones only where it ``prepares_device``); other CUDA segments
-        (their ready event is taken at each start) and staged ones go one by one.
-
-        Raises:
-            BackendUnavailableError: no backend reaches one of the regions.
-        """
-        groups: dict[str, tuple[Backend, list[tuple[LocalBuffer, RemoteTarget]]]] = {}
-        chosen: dict[tuple[str, MemoryKind], Backend] = {}
-        per_start: list[tuple[Backend, Segment, RegionRecord]] = []
-        for b in bound:
-            seg = b.segment
-            backend = chosen.get((seg.key, seg.kind))
-            if backend is None:
-                backend = chosen[(seg.key, seg.kind)] = self.choose(record, b.region, seg.kind)
-            group = groups.setdefault(backend.name, (backend, []))
-            if seg.kind in backend.memory_kinds and (seg.kind == MemoryKind.CPU or backend.prepares_device):
-                group[1].append((LocalBuffer(seg.tensor, seg.kind), RemoteTarget(record, b.region, seg.offset,
-                                                                                  seg.nbytes)))
-            else:
-                per_start.append((backend, seg, b.region))
-        runs = [(backend.prepare_many(op, pairs), backend.prepares_device)
-                for backend, pairs in groups.values() if pairs]
-        return _BatchPlan(",".join(groups), runs, per_start, all(b.one_sided for b, _ in groups.values()))
 
     async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Moves one range with ``backend``, through a bounce buffer when it does not serve the
@@ -572,49 +411,3 @@ class TransferEngine:
             self._directory.declare_lost(xfer.peer, xfer._incarnation, err)
         elif isinstance(err, TransferTimeoutError):
             self._flight.dump(f"timeout: {err}", force=False)
-
-
-async def _ended_within(transfers: Sequence[Transfer], timeout: float) -> list[Transfer]:
-    """Waits up to ``timeout`` for ``transfers`` to end (observing only); returns those still
-    running then."""
-    with anyio.move_on_after(timeout):
-        for x in transfers:
-            await x._ended()
-    return [x for x in transfers if not x.done()]
-
-
-class _Ranges:
-    """The transfers in flight to one region, in start order, for the ordering rule.
-
-    Adding is O(1) in the common case of transfers that do not overlap the span of those in
-    flight (e.g. a state dict pushed bucket by bucket); otherwise it scans them.
-    """
-
-    __slots__ = ("_hi", "_lo", "_xfers")
-
-    def __init__(self) -> None:
-        self._xfers: list[tuple[Transfer, int, int]] = []
-        self._lo = self._hi = 0  # a span covering every range in flight (may be wider)
-
-    def add(self, xfer: Transfer, start: int, end: int) -> list[Transfer]:
-        """Adds ``xfer``, which covers bytes ``start``..``end`` here; returns the earlier
-        transfers it must wait for (they overlap it, and one of the two writes)."""
-        after: list[Transfer] = []
-        if not self._xfers:
-            self._lo, self._hi = start, end
-        elif end <= self._lo or start >= self._hi or start == end:
-            self._lo, self._hi = min(self._lo, start), max(self._hi, end)
-        else:
-            writes = xfer.op == TransferOp.PUT
-            after = [x for x, lo, hi in self._xfers if (writes or x.op == TransferOp.PUT) and lo < end and start < hi]
-            self._lo, self._hi = min(self._lo, start), max(self._hi, end)
-        self._xfers.append((xfer, start, end))
-        return after
-
-    def remove(self, xfer: Transfer) -> bool:
-        """Removes ``xfer``; True when nothing is left in flight."""
-        for i, entry in enumerate(self._xfers):
-            if entry[0] is xfer:
-                del self._xfers[i]
-                break
-        return not self._xfers

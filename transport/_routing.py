@@ -1,0 +1,217 @@
+"""Which backend moves a transfer, and what is built once per peer record to move it fast.
+
+:class:`Router` owns, for one Transport: the choice of backend for a peer's region from a kind
+of local memory (first in preference order that can, with every refusal's reason when none
+can); the synchronous routes of small host transfers (:class:`SyncRoute`, one per peer, key and
+direction, valid for one record of the peer); and each prepared transfer's plan for one record
+(:class:`BatchPlan`: its backends' reusable runners over their native descriptor lists), kept
+weakly, so a plan lives as long as its prepared transfer. The transfer engine asks; nothing here
+starts, waits for or settles a transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _cuda
+from ._batch import Bound, PreparedTransfer, Runs, Segment
+from ._errors import BackendUnavailableError
+from ._staging import staging_kind
+from ._tensors import MemoryKind, dtype_from_name
+from ._wire import PeerRecord, RegionRecord, TransferOp
+from .backends import Backend, LocalBuffer, RemoteTarget
+from .backends._base import Mover
+from .backends._control import WITHDRAWN_SEQ
+
+log = logging.getLogger(__name__)
+
+SYNC_ROUTES_MAX = 4096  # cached (peer, key, op) routes; the cache is reset past this
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one prepared transfer moves to one record of its peer (see :meth:`Router.plan_for`)."""
+
+    backends: str  # the backends' names, "a,b" for two
+    # each backend's reusable runner, and whether it takes the start's CUDA ready events
+    runs: list[tuple[Callable[..., Awaitable[None]], bool]]
+    per_start: list[tuple[Backend, Segment, RegionRecord]]  # moved one by one at every start
+    one_sided: bool  # every backend of it moves bytes without the peer's process
+
+
+class SyncRoute:
+    """What a synchronous transfer to one region needs, valid for one record of its peer: the
+    region's facts for the per-transfer check (the rest of :func:`transport._regions.check`,
+    existence, writability and whether it moved, was settled when the route was made)."""
+
+    __slots__ = ("backend", "dtype", "itemsize", "limit", "move", "record")
+
+    def __init__(self, record: PeerRecord, region: RegionRecord | None, backend: Backend | None,
+                 move: Mover | None) -> None:
+        self.record = record
+        self.backend = backend
+        self.move = move
+        self.dtype: torch.dtype | None = None
+        self.itemsize = self.limit = 0
+        if region is not None and move is not None:
+            self.dtype = dtype_from_name(region.dtype)
+            self.itemsize = self.dtype.itemsize
+            self.limit = region.nbytes
+
+
+class Router:
+    """Backend choice, synchronous routes and prepared-transfer plans for one Transport.
+
+    Args:
+        name: the Transport's name (for messages).
+        backends: the backends in preference order.
+    """
+
+    def __init__(self, name: str, backends: Sequence[Backend]) -> None:
+        self.name = name
+        self._backends = tuple(backends)
+        self._fallbacks_logged: set[tuple[str, str]] = set()
+        self._sync: dict[tuple[str, str, TransferOp], SyncRoute] = {}
+        # Each prepared transfer's plan for one record of its peer (its backends' native lists):
+        # made at its first start on that record, dropped with the transfer.
+        self._plans: weakref.WeakKeyDictionary[PreparedTransfer, tuple[tuple[object, ...], BatchPlan]] = (
+            weakref.WeakKeyDictionary())
+
+    @property
+    def backends(self) -> tuple[Backend, ...]:
+        return self._backends
+
+    def choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
+        """The first backend that can move bytes between ``kind`` memory here and ``region``.
+        A host-memory backend serves local CUDA tensors through pinned staging, a device-memory
+        backend (nccl) local host tensors through a device buffer.
+
+        Raises:
+            BackendUnavailableError: none can, with every backend's reason.
+        """
+        reasons = []
+        for b in self._backends:
+            # The memory it would touch here: the tensor itself, or a staging copy of it.
+            touch = kind if kind in b.memory_kinds else staging_kind(kind)
+            if b.name not in record.backends:
+                reasons.append(f"{b.name}: {record.name} does not speak it")
+            elif touch not in b.memory_kinds:
+                reasons.append(f"{b.name}: does not serve {kind.value} memory")
+            elif touch != kind and touch == MemoryKind.CUDA and (why := _cuda.unavailable_reason()) is not None:
+                reasons.append(f"{b.name}: serves {kind.value} memory through a GPU buffer, but {why}")
+            elif (why := b.unreachable_reason(record, region, touch)) is not None:
+                reasons.append(f"{b.name}: {why}")
+            else:
+                if reasons and (record.name, b.name) not in self._fallbacks_logged:
+                    self._fallbacks_logged.add((record.name, b.name))
+                    log.warning("transport %s: using %s for %s because %s", self.name, b.name, record.name,
+                                "; ".join(reasons))
+                return b
+        ours = ", ".join(b.name for b in self._backends) or "nothing"
+        theirs = ", ".join(record.backends) or "nothing"
+        raise BackendUnavailableError(
+            f"no backend can reach {record.name}:{region.key!r} from {kind.value} memory "
+            f"(we speak {ours}; it speaks {theirs}): " + "; ".join(reasons)
+        )
+
+    def sync_route(self, op: TransferOp, record: PeerRecord, key: str) -> SyncRoute:
+        """The synchronous route of ``op`` to ``record``'s region ``key`` (made once per record)."""
+        route = self._sync.get((record.name, key, op))
+        if route is None or route.record is not record:
+            route = self._new_route(op, record, key)
+        return route
+
+    def _new_route(self, op: TransferOp, record: PeerRecord, key: str) -> SyncRoute:
+        region = record.regions.get(key)
+        backend = move = None
+        if region is not None and not region.moved and (op == TransferOp.GET or region.writable):
+            try:
+                backend = self.choose(record, region, MemoryKind.CPU)
+            except BackendUnavailableError:
+                pass
+            else:
+                move = backend.mover(op, record, region)
+        if len(self._sync) >= SYNC_ROUTES_MAX:
+            self._sync.clear()
+        route = self._sync[(record.name, key, op)] = SyncRoute(record, region, backend, move)
+        return route
+
+    def current(self, record: PeerRecord) -> bool:
+        """Whether a backend sees, cheaply, that ``record`` is still its peer's latest."""
+        return any(b.live_seq(record) == record.seq for b in self._backends)
+
+    def withdrawn(self, record: PeerRecord) -> bool:
+        """Whether a backend sees, cheaply, that ``record``'s Transport has closed."""
+        return any(b.live_seq(record) == WITHDRAWN_SEQ for b in self._backends)
+
+    def forget(self, peer: str) -> None:
+        """Drops the synchronous routes to ``peer`` (it restarted or was lost): what they hold,
+        e.g. a mapping of its memory, goes with them."""
+        for k in [k for k in self._sync if k[0] == peer]:
+            del self._sync[k]
+        self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != peer}
+
+    def plan_for(self, prepared: PreparedTransfer, record: PeerRecord) -> BatchPlan:
+        """``prepared``'s plan for ``record``, kept while the peer's incarnation and record and
+        the local memory stay the same (built at the first start on them).
+
+        Raises:
+            As ``PreparedTransfer.bind``; BackendUnavailableError.
+        """
+        bound = prepared.bind(record)
+        ident = (record.incarnation, record.seq, *prepared.memory())
+        cached = self._plans.get(prepared)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        if prepared.runs is not None:
+            plan = self._plan_runs(prepared.op, record, bound[0].region, prepared.runs)
+        else:
+            plan = self._plan(prepared.op, record, bound)
+        self._plans[prepared] = (ident, plan)
+        return plan
+
+    def _plan_runs(self, op: TransferOp, record: PeerRecord, region: RegionRecord, runs: Runs) -> BatchPlan:
+        """A prepared array of runs: one backend's runner over the array as it is
+        (``Backend.prepare_runs``); memory the backend cannot serve directly goes run by run
+        through staging at every start."""
+        backend = self.choose(record, region, runs.kind)
+        if runs.kind in backend.memory_kinds and (runs.kind == MemoryKind.CPU or backend.prepares_device):
+            runner = backend.prepare_runs(op, LocalBuffer(runs.tensor, runs.kind),
+                                          RemoteTarget(record, region, 0, region.nbytes), runs.array)
+            return BatchPlan(backend.name, [(runner, backend.prepares_device)], [], backend.one_sided)
+        flat = runs.tensor.view(-1).view(torch.uint8)
+        per_start = [(backend, Segment(flat[a : a + n], runs.kind, runs.key, b, n), region)
+                     for a, b, n in runs.array.tolist()]
+        return BatchPlan(backend.name, [], per_start, backend.one_sided)
+
+    def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> BatchPlan:
+        """How a prepared transfer's checked segments move: a backend per (region, memory
+        kind), and each backend's reusable runner (``Backend.prepare_many``) for the segments
+        it serves directly (CUDA ones only where it ``prepares_device``); other CUDA segments
+        (their ready event is taken at each start) and staged ones go one by one.
+
+        Raises:
+            BackendUnavailableError: no backend reaches one of the regions.
+        """
+        groups: dict[str, tuple[Backend, list[tuple[LocalBuffer, RemoteTarget]]]] = {}
+        chosen: dict[tuple[str, MemoryKind], Backend] = {}
+        per_start: list[tuple[Backend, Segment, RegionRecord]] = []
+        for b in bound:
+            seg = b.segment
+            backend = chosen.get((seg.key, seg.kind))
+            if backend is None:
+                backend = chosen[(seg.key, seg.kind)] = self.choose(record, b.region, seg.kind)
+            group = groups.setdefault(backend.name, (backend, []))
+            if seg.kind in backend.memory_kinds and (seg.kind == MemoryKind.CPU or backend.prepares_device):
+                group[1].append((LocalBuffer(seg.tensor, seg.kind), RemoteTarget(record, b.region, seg.offset,
+                                                                                  seg.nbytes)))
+            else:
+                per_start.append((backend, seg, b.region))
+        runs = [(backend.prepare_many(op, pairs), backend.prepares_device)
+                for backend, pairs in groups.values() if pairs]
+        return BatchPlan(",".join(groups), runs, per_start, all(b.one_sided for b, _ in groups.values()))
