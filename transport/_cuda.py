@@ -26,8 +26,8 @@ import anyio
 import torch
 
 from ._errors import BackendUnavailableError, TransportError, TransportInternalError
-from ._kernels import launch_batched_copy_on
 from ._native import cuda as driver
+from ._native import kernels as abi
 from ._native import pack_segments
 
 _P = ParamSpec("_P")
@@ -176,6 +176,25 @@ def kernels(device: int) -> Kernels:
         if k is None:
             k = _kernels[device] = Kernels(device)
         return k
+
+
+def launch_batched_copy_on(kernels: Kernels, stream: int, copies: Sequence[abi.Segment]) -> torch.Tensor | None:
+    """Enqueues one batched-copy launch of every (src, dst, nbytes) on ``stream`` (a CUstream
+    handle of the kernels' device, e.g. a transport-owned one), with its segment table in pinned
+    host memory, which the kernel reads through unified addressing: nothing runs on torch's
+    streams. Returns the table (None: nothing to copy); keep it alive until ``stream`` has run
+    the launch.
+
+    Raises:
+        TransportInternalError: the driver refused the launch.
+    """
+    table = abi.table_of(copies)
+    if not table:
+        return None
+    host_table = torch.tensor(table, dtype=torch.int64).pin_memory()
+    kernels.launch(abi.BATCHED_COPY, abi.grid_for(len(table), 1), abi.BLOCK,
+                   abi.batched_copy_params(host_table.data_ptr(), len(table)), stream)
+    return host_table
 
 
 def stream_create(device: int) -> int:

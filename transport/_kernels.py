@@ -27,6 +27,13 @@ import torch
 
 from ._errors import BackendUnavailableError
 from ._native import kernels as abi
+from ._native.kernels import (  # noqa: F401 - part of this module's API
+    MAX_PIECE,
+    MIN_PIECE,
+    Segment,
+    piece_bytes,
+    segment_table,
+)
 
 if TYPE_CHECKING:
     from ._cuda import Kernels
@@ -36,19 +43,8 @@ log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
-# Launch geometry: every block has abi.BLOCK_THREADS threads (the kernels' __launch_bounds__).
-_BLOCK = (abi.BLOCK_THREADS, 1, 1)
-_MAX_GRID = 4096
-# batched_copy splits long ranges into pieces so that blocks balance: about _TARGET_PIECES pieces
-# per launch (enough for every SM of an H100 several times over), each between MIN_PIECE (a block
-# start is amortised) and MAX_PIECE bytes. Pieces are multiples of 16 bytes, so each piece keeps
-# the alignment of its range and the kernel's 16-byte words.
-MIN_PIECE = 64 << 10
-MAX_PIECE = 1 << 20
-_TARGET_PIECES = 1024
+_BLOCK = abi.BLOCK
 SEGMENT_BYTES = abi.SEGMENT_BYTES  # struct Segment { uint64 src, dst, nbytes; }
-
-Segment = tuple[int, int, int]  # (src address, dst address, nbytes)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -203,29 +199,6 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 # -- batched copy ---------------------------------------------------------------------------------
 
 
-def piece_bytes(total: int) -> int:
-    """The piece size batched_copy splits ranges into, for ``total`` bytes in one launch."""
-    piece = min(MAX_PIECE, max(MIN_PIECE, -(-total // _TARGET_PIECES)))
-    return (piece + 15) & ~15
-
-
-def segment_table(copies: Iterable[Segment], piece: int) -> list[Segment]:
-    """The kernel's segment list for (src, dst, nbytes) copies: empty copies dropped, longer ones
-    split into pieces of ``piece`` bytes (the last one shorter).
-
-    Raises:
-        ValueError: ``piece`` is not a positive multiple of 16, or a copy has nbytes < 0.
-    """
-    if piece <= 0 or piece % 16:
-        raise ValueError(f"piece must be a positive multiple of 16 bytes, not {piece}")
-    table: list[Segment] = []
-    for src, dst, n in copies:
-        if n < 0:
-            raise ValueError(f"negative byte count {n}")
-        table.extend((src + start, dst + start, min(piece, n - start)) for start in range(0, n, piece))
-    return table
-
-
 def batched_copy_reference(segments: Iterable[Segment]) -> None:
     """CPU reference of the batched copy: for each (src, dst, nbytes) of host addresses, copies
     nbytes bytes from src to dst. Segments must not overlap another's destination (the kernel's
@@ -272,38 +245,8 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _grid_for(n: int, per_block: int) -> tuple[int, int, int]:
-    return (max(1, min(_MAX_GRID, -(-n // per_block))), 1, 1)
-
-
-def _table_of(copies: Sequence[Segment]) -> list[Segment]:
-    table = segment_table(copies, piece_bytes(sum(n for _, _, n in copies)))
-    if len(table) >= 1 << 31:
-        raise ValueError(f"{len(table)} segments do not fit one launch")
-    return table
-
-
-def launch_batched_copy_on(kernels: Kernels, stream: int, copies: Sequence[Segment]) -> torch.Tensor | None:
-    """Enqueues one batched-copy launch of every (src, dst, nbytes) on ``stream`` (a CUstream
-    handle of the kernels' device, e.g. a transport-owned one), with its segment table in pinned
-    host memory, which the kernel reads through unified addressing: nothing runs on torch's
-    streams. Returns the table (None: nothing to copy); keep it alive until ``stream`` has run
-    the launch.
-
-    Raises:
-        TransportInternalError: the driver refused the launch.
-    """
-    table = _table_of(copies)
-    if not table:
-        return None
-    host_table = torch.tensor(table, dtype=torch.int64).pin_memory()
-    kernels.launch(abi.BATCHED_COPY, _grid_for(len(table), 1), _BLOCK,
-                   abi.batched_copy_params(host_table.data_ptr(), len(table)), stream)
-    return host_table
-
-
 def _launch_batched_copy(kernels: Kernels, device: torch.device, copies: list[Segment]) -> None:
-    table = _table_of(copies)
+    table = abi.table_of(copies)
     if not table:
         return
     # The table lives in a stream-ordered caching-allocator block: freeing it after the launch
@@ -311,7 +254,7 @@ def _launch_batched_copy(kernels: Kernels, device: torch.device, copies: list[Se
     device_table = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
     kernels.launch(
         abi.BATCHED_COPY,
-        _grid_for(len(table), 1),
+        abi.grid_for(len(table), 1),
         _BLOCK,
         abi.batched_copy_params(device_table.data_ptr(), len(table)),
         _stream(device),
@@ -324,7 +267,7 @@ def _launch_quantize_bf16(kernels: Kernels, t: torch.Tensor) -> tuple[torch.Tens
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
-    grid = _grid_for(n, abi.BLOCK_THREADS * 8)
+    grid = abi.grid_for(n, abi.BLOCK_THREADS * 8)
     stream = _stream(x.device)
     kernels.launch(abi.AMAX_BF16, grid, _BLOCK, abi.amax_bf16_params(x.data_ptr(), n, amax.data_ptr()), stream)
     kernels.launch(
@@ -344,7 +287,7 @@ def _launch_dequantize_bf16(kernels: Kernels, q: torch.Tensor, scale: torch.Tens
     n = q.numel()
     kernels.launch(
         abi.DEQUANTIZE_FP8_BF16,
-        _grid_for(n, abi.BLOCK_THREADS * 8),
+        abi.grid_for(n, abi.BLOCK_THREADS * 8),
         _BLOCK,
         abi.dequantize_fp8_bf16_params(q.data_ptr(), n, scale.data_ptr(), out.data_ptr()),
         _stream(q.device),

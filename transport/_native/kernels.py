@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Iterable, Sequence
 
 # kBlockThreads in transport_kernels.cu: every kernel's __launch_bounds__, so every launch's block.
 BLOCK_THREADS = 256
@@ -56,3 +57,57 @@ def dequantize_fp8_bf16_params(q: int, n: int, scale: int, out: int) -> bytes:
 def host_memmove(dst: int, src: int, nbytes: int) -> None:
     """Copies ``nbytes`` between host addresses of this process (ranges may overlap)."""
     ctypes.memmove(dst, src, nbytes)
+
+
+# Launch geometry: every block has BLOCK_THREADS threads (the kernels' __launch_bounds__).
+BLOCK = (BLOCK_THREADS, 1, 1)
+MAX_GRID = 4096
+# The batched copy splits long ranges into pieces so that blocks balance: about TARGET_PIECES
+# pieces per launch (enough for every SM of an H100 several times over), each between MIN_PIECE
+# (a block start is amortised) and MAX_PIECE bytes. Pieces are multiples of 16 bytes, so each
+# piece keeps the alignment of its range and the kernel's 16-byte words.
+MIN_PIECE = 64 << 10
+MAX_PIECE = 1 << 20
+TARGET_PIECES = 1024
+
+Segment = tuple[int, int, int]  # (src address, dst address, nbytes)
+
+
+def grid_for(n: int, per_block: int) -> tuple[int, int, int]:
+    """The grid of a launch over ``n`` items, ``per_block`` per block (at most MAX_GRID blocks)."""
+    return (max(1, min(MAX_GRID, -(-n // per_block))), 1, 1)
+
+
+def piece_bytes(total: int) -> int:
+    """The piece size the batched copy splits ranges into, for ``total`` bytes in one launch."""
+    piece = min(MAX_PIECE, max(MIN_PIECE, -(-total // TARGET_PIECES)))
+    return (piece + 15) & ~15
+
+
+def segment_table(copies: Iterable[Segment], piece: int) -> list[Segment]:
+    """The kernel's segment list for (src, dst, nbytes) copies: empty copies dropped, longer ones
+    split into pieces of ``piece`` bytes (the last one shorter).
+
+    Raises:
+        ValueError: ``piece`` is not a positive multiple of 16, or a copy has nbytes < 0.
+    """
+    if piece <= 0 or piece % 16:
+        raise ValueError(f"piece must be a positive multiple of 16 bytes, not {piece}")
+    table: list[Segment] = []
+    for src, dst, n in copies:
+        if n < 0:
+            raise ValueError(f"negative byte count {n}")
+        table.extend((src + start, dst + start, min(piece, n - start)) for start in range(0, n, piece))
+    return table
+
+
+def table_of(copies: Sequence[Segment]) -> list[Segment]:
+    """The segment list of one batched-copy launch over ``copies``.
+
+    Raises:
+        ValueError: more segments than one launch takes (or as :func:`segment_table`).
+    """
+    table = segment_table(copies, piece_bytes(sum(n for _, _, n in copies)))
+    if len(table) >= 1 << 31:
+        raise ValueError(f"{len(table)} segments do not fit one launch")
+    return table
