@@ -387,3 +387,28 @@ async def test_a_corrupted_delta_is_refused_whole():
             assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
             assert same_bits(dst, held)
             assert await sub.pull() == 2 and same_bits(dst, src)
+
+
+async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
+    # A header beside the free slot already names the next version (left by a publisher that
+    # counted this far before it restarted, or scribbled): the dense version that lands in that
+    # slot must not be read as a delta. The publisher clears the header before a dense push.
+    from transport.weights._delta import MAGIC
+
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(256, 64).to(torch.bfloat16)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src) as pub, \
+                Subscriber(tg, dst := {"a": torch.zeros(256, 64, dtype=torch.bfloat16)}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            src["a"].view(-1)[::100] += 1
+            assert (await pub.publish(2)).results["gen"].delta
+            assert await sub.wait_version(2) == 2
+            free = 1 - sub._front()[1]
+            stale = sub._indexes[free]
+            stale[:4] = torch.tensor([MAGIC, 3, 2, len(pub.layout.entries)])
+            src["a"].copy_(torch.randn(256, 64).to(torch.bfloat16))  # all changed: dense
+            r = await pub.publish(3)
+            assert not r.results["gen"].delta and int(stale[0]) == 0  # cleared before the push
+            assert await sub.wait_version(3) == 3 and same_bits(dst, src) and sub.refused_deltas == 0

@@ -156,6 +156,8 @@ class Publisher:
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self._landed: dict[str, tuple[int, bool]] = {}
+        self._takes_delta: dict[str, bool] = {}  # subscriber -> its control block's DELTA word, last read
+        self._takers = False  # whether a subscriber served by the last publish takes deltas
 
     @property
     def staging_bytes(self) -> int:
@@ -284,6 +286,8 @@ class Publisher:
         self._snapshots.forget(serving)
         for name in [n for n in self._landed if n not in subs]:
             del self._landed[name]
+        for name in [n for n in self._takes_delta if n not in subs]:
+            del self._takes_delta[name]
         for name, peer in subs.items():
             if (name, peer.incarnation) in self._gone:
                 self._served.pop(name, None)
@@ -330,9 +334,10 @@ class Publisher:
             dv: DeltaVersion | None = None
             sums: list[int] = []
             sample: tuple[bool, int, int] | None = None
-            if self._delta is not None and front is not None:
+            if self._delta is not None and front is not None and self._takers:
                 # A sample of the change decides whether the full diff can pay: a version that
-                # changed too much goes dense at once, exactly as with delta=False.
+                # changed too much goes dense at once, exactly as with delta=False. (No diff at
+                # all while no subscriber takes deltas: zero-copy or device-slot ones, say.)
                 base = snapshots.snaps[front[1]]
                 sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
                 if not sample[0]:
@@ -376,6 +381,7 @@ class Publisher:
                 await anyio.to_thread.run_sync(snapshots.fill_direct, slot)
                 snapshots.finish(slot, version, True)
             self.version = version
+            self._takers = any(self._takes_delta.get(n, False) for n in subs)
             self._remember(subs, listed, dead)
             end = time.perf_counter()
             stats = None
@@ -477,6 +483,7 @@ class Publisher:
                 f"{sub} subscribed to a different layout of {self.name!r} (restart it or let it re-subscribe)"
             )
         nslots = 3 if k.slots[2] in peer.regions else 2
+        self._takes_delta[sub] = int(ctl[DELTA]) == 1
         while (back := free_slot(ctl, nslots)) is None:  # it is applying or living in them
             await anyio.sleep(POLL_S)
             await t.get(ctl, sub, key=k.ctl)
@@ -487,6 +494,11 @@ class Publisher:
             h = t.put_many(sub, items, timeout=self.deadline)
             nbytes, moved[1] = dv.wire_bytes, 1
         else:
+            if int(ctl[DELTA]) == 1 and k.deltas[back] in peer.regions:
+                # That slot's delta header may name this version (a restarted publisher counts
+                # again): cleared first, so the dense bytes are never read as a delta.
+                await t.put(torch.zeros(1, dtype=torch.int64), sub, key=k.deltas[back], offset=0,
+                            timeout=self.deadline)
             # The whole version as one prepared transfer into that slot: its segment list
             # (coalesced, checked, and packed into each backend's native list) is built the
             # first time and reused every later version with this subscriber, slot and snapshot.
