@@ -322,6 +322,22 @@ def test_support_model_changes_bits_that_float_comparison_misses():
 
 # ---- the CUDA diff (run by scripts/gpu_check.sh, which runs every gpu-marked test) -------------
 
+DELTA_KERNELS = ("transport_delta_diff_u16", "transport_delta_diff_u32", "transport_delta_gather_u16",
+                 "transport_delta_gather_u32")
+
+
+def test_the_cuda_delta_kernels_are_built_into_the_kernel_image():
+    # Built wherever the transfer kernels are (nvcc at build time, no GPU needed): the image is
+    # an uncompressed fatbin, so each kernel's name is in its symbol tables.
+    from transport._native import load
+
+    image = load().kernels_image()
+    if image is None:
+        pytest.skip("this build has no CUDA kernels (nvcc was not found when it was built)")
+    for name in DELTA_KERNELS:
+        assert name.encode() in image, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
