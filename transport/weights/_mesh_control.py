@@ -38,9 +38,10 @@ partial FP8 block maxima of version ``v`` are in ``amax<s>``; 0 while they are w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..plan import GeneratorRank, LocalTensor, Move, Planner, TrainerLayout, full_box, volume
@@ -124,17 +125,20 @@ def slot_layout(rank: GeneratorRank) -> tuple[dict[str, tuple[int, int]], int]:
 
 
 def byte_runs(planner: Planner, moves: Iterable[Move], local: Mapping[str, LocalTensor],
-              snapshot: Mapping[str, tuple[int, int]], slot: Mapping[str, tuple[int, int]]
-              ) -> Iterator[tuple[int, int, int]]:
+              snapshot: Mapping[str, tuple[int, int]], slot: Mapping[str, tuple[int, int]]) -> np.ndarray:
     """``(snapshot offset, slot offset, nbytes)`` of every run of ``moves`` into the generator
-    rank whose local tensors are ``local`` (pushes go snapshot -> slot, pulls slot <- snapshot)."""
+    rank whose local tensors are ``local``, as an int64 ``(N, 3)`` array: what
+    ``prepare_put_runs`` takes as it is (pushes go snapshot -> slot; pulls, slot <- snapshot,
+    swap the first two columns). The planner's run arrays stay arrays: no object per run."""
+    parts = []
     for m in moves:
         lt = local[m.dst_tensor]
         item = ITEMSIZE[lt.dtype]
-        a0, b0 = snapshot[m.name][0], slot[m.dst_tensor][0]
         src, dst, n = planner.segments(m, lt)
-        for a, b, c in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
-            yield a0 + a * item, b0 + b * item, c * item
+        parts.append(np.stack([snapshot[m.name][0] + src.astype(np.int64) * item,
+                               slot[m.dst_tensor][0] + dst.astype(np.int64) * item, n.astype(np.int64) * item],
+                              axis=1))
+    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
 
 
 def pack(items: Iterable[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:

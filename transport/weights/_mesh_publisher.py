@@ -300,8 +300,7 @@ class MeshPublisher:
             layout = work.rank.layout
             runs = byte_runs(self._planner, work.moves, {lt.name: lt for lt in layout.tensors}, self._offsets,
                              slot_layout(layout)[0])
-            items = [(snap[a : a + n], target, b) for a, b, n in runs]
-            got = self._prepared[key] = self.t.prepare_put(peer, items)
+            got = self._prepared[key] = self.t.prepare_put_runs(peer, snap, target, runs)
         return got
 
     async def _push_one(self, label: str, peer: str, incarnation: str, work: ReplicaPlanMoves, version: int,

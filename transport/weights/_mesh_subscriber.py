@@ -486,9 +486,9 @@ class MeshSubscriber:
                     return None
                 snapshot = snapshot_layout(now.planner.trainer, t)[1]
                 runs = byte_runs(now.planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
-                items = [(self._slots[s][b : b + n], self.keys.snaps[s], a) for a, b, n in runs]
-                if items:
-                    await self.t.get_many(trainer_ranks[t], items)
+                if len(runs):
+                    await self.t.prepare_get_runs(trainer_ranks[t], self._slots[s], self.keys.snaps[s],
+                                                  runs[:, [1, 0, 2]]).start()
                 after = torch.empty(TCTL_WORDS, dtype=torch.int64)
                 await self.t.get(after, trainer_ranks[t], key=self.keys.tctl)
                 if int(after[GEN0 + s]) != gen or int(after[SNAPVER0 + s]) != v + 1:
