@@ -34,9 +34,7 @@ import torch
 import trio
 
 import transport
-from transport._native import delta as native_delta
-from transport.weights import Publisher, Subscriber
-from transport.weights._copy import HostCopies, available_threads
+from transport.weights import Publisher, Subscriber, delta_isa
 
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = ("delta", "dense")
@@ -104,17 +102,22 @@ async def subscriber(spec: dict[str, Any]) -> None:
 # ---- trainer ----------------------------------------------------------------------------------
 
 def memcpy_gbps(nbytes: int) -> dict[str, float]:
+    """The same-run memcpy baseline: torch's copy of ``nbytes`` on one thread and on all."""
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     out = {}
-    for label, threads in (("1 thread", 1), (f"{available_threads()} threads", available_threads())):
-        best = float("inf")
-        for _ in range(3):
-            batch = HostCopies()
-            batch.add_raw(dst.data_ptr(), src.data_ptr(), nbytes)
-            t0 = time.perf_counter()
-            batch.run(threads)
-            best = min(best, time.perf_counter() - t0)
-        out[label] = nbytes / best / 1e9
+    threads_before = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    try:
+        for label, threads in (("1 thread", 1), (f"{cores} threads", cores)):
+            torch.set_num_threads(threads)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+            out[label] = nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads_before)
     return out
 
 
@@ -145,14 +148,21 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     return row
 
 
+def _e4m3(t: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled float8 e4m3, as the publisher's fp8 path makes it (scale = amax / 448,
+    or 1 where that is not positive; round to nearest even, saturated)."""
+    x = t.detach().float()
+    amax = x.abs().max()
+    scale = amax / 448.0 if bool(amax > 0) else torch.ones((), dtype=torch.float32)
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def fp8_change(state: dict[str, torch.Tensor], prev: dict[str, torch.Tensor] | None
                ) -> tuple[float | None, dict[str, torch.Tensor]]:
     """The fraction of float8 e4m3 bytes (per-tensor scale, as ``Publisher(fp8=...)`` sends)
     that differ from ``prev``'s after requantizing ``state`` (not timed; fp8 entries always
     travel dense, this measures whether a delta of them would pay)."""
-    from transport import _kernels
-
-    now = {k: _kernels.quantize_fp8(v)[0].view(torch.uint8) for k, v in state.items() if v.dim() == 2}
+    now = {k: _e4m3(v).view(torch.uint8) for k, v in state.items() if v.dim() == 2}
     if prev is None:
         return None, now
     changed = sum(int((now[k] != prev[k]).sum()) for k in now)
@@ -373,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=False).stdout.strip() or "unknown"
-    torch.set_num_threads(max(1, available_threads()))
+    torch.set_num_threads(os.cpu_count() or 1)
     cfg = model_config(args.short)
     nbytes = sum(v.numel() * 2 for v in bf16_state(cfg).values())
     memcpy = memcpy_gbps(nbytes)
@@ -382,8 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = [trio.run(trainer, args, b) for b in args.backends]
     result: dict[str, Any] = {
         "benchmark": "delta_sync", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": available_threads(),
-                    "torch": torch.__version__, "diff_isa": native_delta.best_isa()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": os.cpu_count() or 1,
+                    "torch": torch.__version__, "diff_isa": delta_isa()},
         "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "bf16_bytes": nbytes,
         "memcpy_gbps": memcpy, "args": {k: v for k, v in vars(args).items() if k not in ("spec", "role")},
         "runs": runs, "summary": {r["backend"]: summarize(r) for r in runs},

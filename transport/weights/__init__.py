@@ -45,6 +45,7 @@ Packing and device unpacking use the batched gather/scatter of ``transport._kern
 """
 
 from .._public import rehome
+from ._delta import delta_isa as delta_isa
 from ._layout import LayoutMismatchError as LayoutMismatchError
 from ._mesh_peers import read_trainer_layout as read_trainer_layout
 from ._mesh_publisher import MeshPublisher as MeshPublisher
@@ -52,6 +53,7 @@ from ._mesh_publisher import MeshPublishReport as MeshPublishReport
 from ._mesh_subscriber import CommitError as CommitError
 from ._mesh_subscriber import MeshSubscriber as MeshSubscriber
 from ._publisher import Publisher as Publisher
+from ._report import DeltaStats as DeltaStats
 from ._report import PublishReport as PublishReport
 from ._report import SyncResult as SyncResult
 from ._report import SyncStatus as SyncStatus
@@ -59,6 +61,7 @@ from ._subscriber import Subscriber as Subscriber
 
 __all__ = [
     "CommitError",
+    "DeltaStats",
     "LayoutMismatchError",
     "MeshPublishReport",
     "MeshPublisher",
@@ -69,6 +72,7 @@ __all__ = [
     "Subscriber",
     "SyncResult",
     "SyncStatus",
+    "delta_isa",
 ]
 
 rehome(globals(), __all__, __name__)

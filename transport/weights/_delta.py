@@ -495,3 +495,9 @@ def _dequantize(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
     scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
     with torch.no_grad():
         dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
+
+
+def delta_isa() -> str:
+    """The vector path the native diff takes on this CPU: ``"avx512"``, ``"avx2"`` or
+    ``"scalar"`` (picked at run time)."""
+    return native.best_isa()
