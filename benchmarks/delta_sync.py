@@ -202,7 +202,7 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     try:
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=120) as t:
             crossover = {} if args.crossover is None else {"delta_crossover": args.crossover}
-            async with Publisher(t, published, name="delta", **crossover) as pd, \
+            async with Publisher(t, published, name="delta", delta=True, **crossover) as pd, \
                     Publisher(t, published, name="dense", delta=False) as pn:
                 await run_steps(args, t, model, published, cfg, {"delta": pd, "dense": pn}, backend, steps, sweep)
         for p in procs:

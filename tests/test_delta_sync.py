@@ -169,13 +169,41 @@ def test_random_payloads_never_store_outside_the_tensor():
     assert torch.equal(mem[:4096], guard[0]) and torch.equal(mem[-4096:], guard[1])
 
 
+async def test_by_default_deltas_go_over_the_network_only():
+    """delta="auto": a subscriber reached over ipc (a link as fast as memory) gets every version
+    dense and costs no diff; one reached over tcp gets deltas, bit for bit."""
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(1 << 16)}
+    async with transport.Transport("trainer", store=store, backends=("ipc", "tcp")) as tt, \
+            transport.Transport("near", store=store, backends=("ipc",)) as tn, \
+            transport.Transport("far", store=store, backends=("tcp",)) as tf:
+        async with Publisher(tt, src) as pub, \
+                Subscriber(tn, near := {"a": torch.zeros(1 << 16)}, publisher="trainer") as s_near, \
+                Subscriber(tf, far := {"a": torch.zeros(1 << 16)}, publisher="trainer") as s_far:
+            for v in range(1, 5):
+                if v > 1:
+                    src["a"][v * 10 : v * 10 + 5] += 1
+                r = await pub.publish(v)
+                assert not r.results["near"].delta and r.results["near"].nbytes == pub.layout.total
+                assert r.results["far"].delta == (v >= 2), (v, r.results["far"])
+                assert await s_near.wait_version(v) == v and await s_far.wait_version(v) == v
+                assert same_bits(near, src) and same_bits(far, src)
+        async with Publisher(tt, src, name="near-only") as pub2, \
+                Subscriber(tn, {"a": torch.zeros(1 << 16)}, publisher="trainer", name="near-only") as s2:
+            for v in range(1, 4):
+                src["a"][:3] += 1
+                r = await pub2.publish(v)
+                assert await s2.wait_version(v) == v
+                assert r.delta is None or r.delta.base is None, "a version was diffed for an ipc subscriber only"
+
+
 async def test_dense_above_the_crossover_and_forced_dense():
     store = f"memory://{uuid.uuid4().hex}"
     src = {"a": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(1 << 16)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg, \
             transport.Transport("old", store=store) as to:
-        async with Publisher(tt, src) as pub, Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()},
-                                                         publisher="trainer") as sub, \
+        async with Publisher(tt, src, delta=True) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub, \
                 Subscriber(to, old := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer",
                            delta=False) as dense_only:
             await pub.publish(1)
@@ -275,7 +303,7 @@ async def test_every_subscriber_holds_every_version_bit_for_bit(tmp_path, backen
         outs = {name: peers.start(name, plan) for name, plan in PLANS.items()}
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=30) as tt, \
                 transport.Transport("intruder", store=store, backends=(backend,), timeout=30) as ti:
-            async with Publisher(tt, live) as pub:
+            async with Publisher(tt, live, delta=True) as pub:
                 for name in PLANS:
                     await tt.wait_signal(f"ready.{name}", at_least=1, timeout=60)
                 acked = dict.fromkeys(PLANS, 0)
@@ -388,7 +416,7 @@ async def test_a_corrupted_delta_is_refused_whole():
     store = f"memory://{uuid.uuid4().hex}"
     src = {"a": torch.randn(512, 64).to(torch.bfloat16), "b": torch.randn(4096)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
-        async with Publisher(tt, src) as pub, \
+        async with Publisher(tt, src, delta=True) as pub, \
                 Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
             await pub.publish(1)
             assert await sub.wait_version(1) == 1
@@ -414,7 +442,7 @@ async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
     store = f"memory://{uuid.uuid4().hex}"
     src = {"a": torch.randn(256, 64).to(torch.bfloat16)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
-        async with Publisher(tt, src) as pub, \
+        async with Publisher(tt, src, delta=True) as pub, \
                 Subscriber(tg, dst := {"a": torch.zeros(256, 64, dtype=torch.bfloat16)}, publisher="trainer") as sub:
             await pub.publish(1)
             assert await sub.wait_version(1) == 1
