@@ -459,7 +459,8 @@ class PeerDirectory:
 
     async def _left(self, record: PeerRecord) -> str | None:
         """Why ``record``'s Transport counts as closed (not dead): its control word says so
-        (same host), or its record is gone from the store, or replaced; None otherwise."""
+        (same host), or its record is gone from the store; None otherwise (a record replaced by a
+        successor means the old incarnation died: that is a loss, not a departure)."""
         if record.host == self.me.host and self._withdrawn(record):
             return "its Transport closed"
         try:

@@ -82,10 +82,6 @@ class Router:
         self._plans: weakref.WeakKeyDictionary[PreparedTransfer, tuple[tuple[object, ...], BatchPlan]] = (
             weakref.WeakKeyDictionary())
 
-    @property
-    def backends(self) -> tuple[Backend, ...]:
-        return self._backends
-
     def choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
         """The first backend that can move bytes between ``kind`` memory here and ``region``.
         A host-memory backend serves local CUDA tensors through pinned staging, a device-memory
@@ -144,6 +140,10 @@ class Router:
     def current(self, record: PeerRecord) -> bool:
         """Whether a backend sees, cheaply, that ``record`` is still its peer's latest."""
         return any(b.live_seq(record) == record.seq for b in self._backends)
+
+    def republished(self, record: PeerRecord) -> bool:
+        """Whether a backend sees, cheaply, that the peer published a record after ``record``."""
+        return any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends)
 
     def withdrawn(self, record: PeerRecord) -> bool:
         """Whether a backend sees, cheaply, that ``record``'s Transport has closed."""

@@ -80,7 +80,6 @@ class TransferEngine:
         self.state = "open"  # "draining" / "closed": prepared transfers refuse to start (ClosedError)
         self._tg = tg
         self._directory = directory
-        self._backends = tuple(backends)
         self._flight = flight
         self._cuda = cuda
         self._inflight: dict[str, set[Transfer]] = {}
@@ -271,7 +270,7 @@ class TransferEngine:
         for earlier in after:
             await earlier._ended()
         record = await self._directory.resolve(xfer.peer)
-        if any((seq := b.live_seq(record)) is not None and seq != record.seq for b in self._backends):
+        if self._router.republished(record):
             record = await self._directory.resolve(xfer.peer, refresh=True)
         try:
             return record, check(record)

@@ -389,9 +389,9 @@ def _frames(runs: np.ndarray, staged: bool) -> list[np.ndarray]:
     MAX_STAGED_BYTES of data (every staged run is at most ``_STAGE_RUN_MAX``)."""
     if not len(runs):
         return []
-    count = np.arange(len(runs)) // _FRAME_RUNS
     if not staged:
         return [runs[i : i + _FRAME_RUNS] for i in range(0, len(runs), _FRAME_RUNS)]
+    count = np.arange(len(runs)) // _FRAME_RUNS
     before = np.cumsum(runs[:, 2]) - runs[:, 2]
     size = before // (MAX_STAGED_BYTES - _STAGE_RUN_MAX)
     cuts = np.flatnonzero((np.diff(count) != 0) | (np.diff(size) != 0)) + 1
