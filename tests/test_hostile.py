@@ -494,6 +494,65 @@ async def test_an_unexpected_error_in_a_route_closes_only_its_connection():
         tg.cancel_scope.cancel()
 
 
+class _ReleasingRoutes(_Routes):
+    """Routes whose SIGNAL releases the client's channel while its reply is still to be sent
+    (the client forgetting a peer that answered and then closed), and whose backend request
+    never answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.client: Channel | None = None
+
+    def signal(self, request: Any) -> None:
+        super().signal(request)
+        assert self.client is not None
+        self.client.release(transport.PeerLostError("srv is gone"), grace=10)
+
+    async def backend_request(self, meta: Any) -> Any:
+        await anyio.sleep_forever()
+
+
+async def test_a_released_channel_still_takes_the_replies_on_their_way():
+    """A peer forgotten (it left) while a request is in flight: the answer it sent before going
+    still counts; what it never answers fails with PeerLostError after the grace period, and
+    nothing new is sent."""
+    routes = _ReleasingRoutes()
+    server = AgentServer("srv", "inc", Authenticator(None), routes)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve, tg)
+
+        async def channel() -> Channel:
+            return await Channel.open(tg, server.address, peer="srv", peer_incarnation="inc",
+                                      hello=hello("me", "i", "control"), auth=Authenticator(None))
+
+        with anyio.fail_after(20):
+            routes.client = await channel()
+            assert await routes.client.request(FrameKind.SIGNAL, {"name": "s", "value": 1}) == {}
+            assert routes.client.broken
+            with pytest.raises(transport.PeerLostError):
+                await routes.client.request(FrameKind.SIGNAL, {"name": "s", "value": 2})
+            assert [s.value for s in routes.signals] == [1]
+
+            stuck = await channel()
+            failed: list[BaseException] = []
+
+            async def ask() -> None:
+                try:
+                    await stuck.request(FrameKind.BACKEND, {"backend": "x"})
+                except transport.TransportError as exc:
+                    failed.append(exc)
+
+            tg.start_soon(ask)
+            await anyio.wait_all_tasks_blocked()
+            start = time.monotonic()
+            stuck.release(transport.PeerLostError("srv is gone"), grace=0.3)
+            while not failed:
+                await anyio.sleep(0.01)
+            assert isinstance(failed[0], transport.PeerLostError) and "srv is gone" in str(failed[0])
+            assert time.monotonic() - start >= 0.25  # not before the grace period
+        tg.cancel_scope.cancel()
+
+
 async def test_connection_cap_closes_the_newest_when_all_have_said_hello(monkeypatch, memory_store):
     monkeypatch.setenv("TRANSPORT_AGENT_MAX_CONNS", "4")
     async with transport.Transport("capped", store=memory_store, backends=("tcp",), timeout=10) as b:

@@ -35,6 +35,10 @@ from ._wire import (
 
 log = logging.getLogger(__name__)
 
+# How long a released channel (its peer forgotten: it left, or was lost or excluded) keeps reading
+# replies already on their way: a request the peer answered just before it closed succeeds.
+RELEASE_GRACE_S = 2.0
+
 
 class _Reply:
     __slots__ = ("error", "event", "into", "kind", "meta")
@@ -65,6 +69,7 @@ class Channel:
         self._closed = anyio.Event()
         self._used = time.monotonic()  # last request sent or reply read
         self._idle_limit = math.inf  # the agent closes the connection after this long idle
+        self._tg: TaskGroup | None = None  # where the reader runs (and a release's deadline)
 
     @classmethod
     async def open(
@@ -109,6 +114,7 @@ class Channel:
             TransportError: any other refusal, or the HELLO could not be sent in time.
         """
         chan = cls(sock, peer)
+        chan._tg = tg
         meta = _hello_meta(hello, auth, peer, peer_incarnation)
         try:
             tg.start_soon(chan._read_loop)
@@ -149,6 +155,24 @@ class Channel:
                 reply.event.set()
         self._replies.clear()
         close_socket(self._sock)
+
+    def release(self, reason: BaseException, grace: float = RELEASE_GRACE_S) -> None:
+        """Takes no new request (they raise ``reason``'s kind) but keeps reading the replies of
+        those in flight for up to ``grace`` seconds, then closes; what is still unanswered then
+        (or when the peer closes first) fails with ``reason``. A peer that answered and then
+        closed its Transport is not reported as having failed the request."""
+        if self._broken is not None:
+            return
+        self._broken = reason
+        if not self._replies or self._tg is None:
+            self.close(reason)
+            return
+        self._tg.start_soon(self._close_after, grace)
+
+    async def _close_after(self, grace: float) -> None:
+        with anyio.move_on_after(grace):
+            await self._closed.wait()
+        self.close()
 
     def _failure(self, what: str) -> TransportError:
         """Why a request cannot go on this broken channel: ClosedError when we closed it."""
@@ -240,6 +264,9 @@ class Channel:
                 reply.kind, reply.meta = kind, meta
                 self._used = time.monotonic()
                 reply.event.set()
+                if self._broken is not None and not self._replies:  # released, and nothing left to read
+                    self.close()
+                    return
         except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
             if not isinstance(exc, CONNECTION_ENDED):
                 log.warning("connection to %s: reply reader failed", self.peer, exc_info=True)
@@ -310,10 +337,13 @@ class ChannelPool:
             return chan
 
     def forget_peer(self, peer: str) -> None:
+        """Drops the channel to ``peer`` (it left, or was lost or excluded): requests in flight
+        on it still get replies already on their way (see :meth:`Channel.release`)."""
         cached = self._channels.pop(peer, None)
         if cached is not None:
-            cached[1].close()
+            cached[1].release(PeerLostError(f"connection to {peer} released: {peer} is gone"))
 
     def close(self) -> None:
-        for peer in list(self._channels):
-            self.forget_peer(peer)
+        for _, chan in self._channels.values():
+            chan.close()
+        self._channels.clear()
