@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-Box = tuple[tuple[int, int], ...]
-Shape = tuple[int, ...]
+Box = tuple[tuple[int, int], ...]  # one half-open (lo, hi) interval per dimension
+Shape = tuple[int, ...]  # a tensor's (or a box's) extent per dimension
 
 
 def full_box(shape: Sequence[int]) -> Box:

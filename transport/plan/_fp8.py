@@ -29,25 +29,26 @@ from ._layouts import (
     TrainerLayout,
 )
 
-BLOCK = 128
-FP8 = "float8_e4m3fn"
+FP8_BLOCK = 128  # the side of a square block that shares one scale, in elements
+FP8_DTYPE = "float8_e4m3fn"  # the dtype name FP8 tensors carry in layouts
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
-def scale_name(weight: str) -> str:
+def fp8_scale_name(weight: str) -> str:
     """``a.b.weight`` -> ``a.b.weight_scale_inv`` (vLLM's name for block scales)."""
     return weight + "_scale_inv"
 
 
-def blocks(n: int) -> int:
-    return -(-n // BLOCK)
+def fp8_blocks(n: int) -> int:
+    """Blocks of ``FP8_BLOCK`` elements that cover ``n`` elements (the last one may be partial)."""
+    return -(-n // FP8_BLOCK)
 
 
 def scale_box(box: Box) -> Box:
     """The scale blocks whose first element lies in ``box`` (leading dims unchanged, the last
     two in blocks): the blocks a trainer rank holding ``box`` sends the scales of."""
     lead, rows, cols = box[:-2], box[-2], box[-1]
-    return (*lead, (blocks(rows[0]), blocks(rows[1])), (blocks(cols[0]), blocks(cols[1])))
+    return (*lead, (fp8_blocks(rows[0]), fp8_blocks(rows[1])), (fp8_blocks(cols[0]), fp8_blocks(cols[1])))
 
 
 def _default_select(t: TensorSpec) -> bool:
@@ -75,17 +76,17 @@ def fp8_trainer_layout(layout: TrainerLayout, select: Callable[[TensorSpec], boo
             continue
         if len(t.shape) < 2:
             raise MeshLayoutError(f"{t.name}: FP8 block scales need 2+ dimensions, shape {t.shape}")
-        out.append(TensorSpec(t.name, t.shape, FP8, t.sharding))
+        out.append(TensorSpec(t.name, t.shape, FP8_DTYPE, t.sharding))
         held = tuple((r, scale_box(b)) for r, b in sorted(t.sharding.boxes(t.shape).items()))
-        shape = (*t.shape[:-2], blocks(t.shape[-2]), blocks(t.shape[-1]))
-        out.append(TensorSpec(scale_name(t.name), shape, "float32", ExplicitSharding(held), scale_of=t.name))
+        shape = (*t.shape[:-2], fp8_blocks(t.shape[-2]), fp8_blocks(t.shape[-1]))
+        out.append(TensorSpec(fp8_scale_name(t.name), shape, "float32", ExplicitSharding(held), scale_of=t.name))
     return TrainerLayout.of(out)
 
 
 def _aligned(lo: int, hi: int, n: int, what: str) -> tuple[int, int]:
-    if lo % BLOCK or (hi % BLOCK and hi != n):
-        raise MeshLayoutError(f"{what}: [{lo}, {hi}) of {n} is not on {BLOCK}-element block boundaries")
-    return lo // BLOCK, blocks(hi)
+    if lo % FP8_BLOCK or (hi % FP8_BLOCK and hi != n):
+        raise MeshLayoutError(f"{what}: [{lo}, {hi}) of {n} is not on {FP8_BLOCK}-element block boundaries")
+    return lo // FP8_BLOCK, fp8_blocks(hi)
 
 
 def fp8_generator_rank(rank: GeneratorRank, trainer: TrainerLayout) -> GeneratorRank:
@@ -99,18 +100,18 @@ def fp8_generator_rank(rank: GeneratorRank, trainer: TrainerLayout) -> Generator
     specs = trainer.by_name()
     out = list(rank.tensors)
     for lt in rank.tensors:
-        if lt.dtype != FP8 or len(lt.shape) < 2 or not lt.pieces:
+        if lt.dtype != FP8_DTYPE or len(lt.shape) < 2 or not lt.pieces:
             continue
         pieces = []
         for p in lt.pieces:
             spec = specs.get(p.name)
-            if spec is None or spec.dtype != FP8 or scale_name(p.name) not in specs:
+            if spec is None or spec.dtype != FP8_DTYPE or fp8_scale_name(p.name) not in specs:
                 raise MeshLayoutError(f"{lt.name}: FP8 but fed from {p.name}, which the trainer does not send as FP8")
             g_shape, where = spec.shape, f"{lt.name} <- {p.name}"
             gbox = (*p.box[:-2], _aligned(*p.box[-2], g_shape[-2], where), _aligned(*p.box[-1], g_shape[-1], where))
             lbox = (*p.local[:-2], _aligned(*p.local[-2], lt.shape[-2], where),
                     _aligned(*p.local[-1], lt.shape[-1], where))
-            pieces.append(Piece(scale_name(p.name), gbox, lbox))
-        shape = (*lt.shape[:-2], blocks(lt.shape[-2]), blocks(lt.shape[-1]))
-        out.append(LocalTensor(scale_name(lt.name), shape, "float32", tuple(pieces)))
+            pieces.append(Piece(fp8_scale_name(p.name), gbox, lbox))
+        shape = (*lt.shape[:-2], fp8_blocks(lt.shape[-2]), fp8_blocks(lt.shape[-1]))
+        out.append(LocalTensor(fp8_scale_name(lt.name), shape, "float32", tuple(pieces)))
     return GeneratorRank.of(out)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fp8 import FP8, fp8_generator_rank, fp8_trainer_layout
+from ._fp8 import FP8_DTYPE, fp8_generator_rank, fp8_trainer_layout
 from ._layouts import ITEMSIZE, MeshLayoutError, Replica
 from ._models import ModelConfig, builtin_model, checkpoint_tensors, model_config, trainer_layout
 from ._netsim import Network, SimResult, simulate
@@ -90,7 +90,7 @@ def run(model: str, trainer_spec: str, generator_spec: str, network: Network, *,
     trainer = trainer_layout(cfg, trainer_spec, dtype=trainer_dtype, stacked=True)
     replicas = [generator_replica(cfg, f"replica{r}", tp=gen.tp, ep=gen.ep, dtype=generator_dtype, stacked=True)
                 for r in range(gen.replicas)]
-    if generator_dtype == FP8:  # block scales are planned and sent like any other tensor
+    if generator_dtype == FP8_DTYPE:  # block scales are planned and sent like any other tensor
         trainer = fp8_trainer_layout(trainer)
         replicas = [Replica(rep.id, tuple(fp8_generator_rank(g, trainer) for g in rep.ranks)) for rep in replicas]
     t_layout = time.perf_counter() - t0

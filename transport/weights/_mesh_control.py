@@ -44,9 +44,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..plan import GeneratorRank, LocalTensor, Move, Planner, TrainerLayout, full_box, volume
-from ..plan._boxes import Shape, box_shape
-from ..plan._layouts import ITEMSIZE
+from ..plan import (
+    ITEMSIZE,
+    GeneratorRank,
+    LocalTensor,
+    Move,
+    Planner,
+    Shape,
+    TrainerLayout,
+    box_shape,
+    full_box,
+    volume,
+)
 
 # Generator ctl.
 COMMIT, READING, APPLIED, PROPOSED = 0, 1, 2, 3

@@ -6,7 +6,7 @@ spread over several trainer ranks, so each rank computes the maxima of its part 
 the other ranks that share its blocks (one-sided gets, each checked against that rank's
 ``AMAXVER`` word before and after the read), and scales its own rows with the combined maxima:
 exactly what a quantizer holding the whole block would produce. The rank holding a block's first
-element sends its scale (see ``transport.plan._fp8``).
+element sends its scale (see ``transport.plan.fp8_trainer_layout``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,18 @@ import anyio
 import torch
 
 from .._errors import TransferTimeoutError
-from ..plan import Box, TrainerLayout
-from ..plan._boxes import box_shape, intersect, volume
-from ..plan._fp8 import BLOCK, FP8, FP8_MAX, blocks, scale_name
+from ..plan import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    Box,
+    TrainerLayout,
+    box_shape,
+    fp8_blocks,
+    fp8_scale_name,
+    intersect,
+    volume,
+)
 from ._control import memory_barrier
 from ._mesh_control import AMAXVER0, POLL_S, TCTL_WORDS, MeshKeys, slot_of
 
@@ -30,7 +39,7 @@ if TYPE_CHECKING:
 def block_range(box: Box) -> Box:
     """The blocks ``box`` touches: leading dims as they are, the last two in blocks."""
     lead, (r0, r1), (c0, c1) = box[:-2], box[-2], box[-1]
-    return (*lead, (r0 // BLOCK, blocks(r1)), (c0 // BLOCK, blocks(c1)))
+    return (*lead, (r0 // FP8_BLOCK, fp8_blocks(r1)), (c0 // FP8_BLOCK, fp8_blocks(c1)))
 
 
 def _local(region: Box, origin: Box) -> tuple[slice, ...]:
@@ -42,7 +51,7 @@ def partial_layout(layout: TrainerLayout, rank: int) -> tuple[dict[str, tuple[in
     arrays (float32 elements): name -> (offset, the block range it covers); and the total."""
     out, at = {}, 0
     for spec in layout.tensors:
-        if spec.dtype != FP8:
+        if spec.dtype != FP8_DTYPE:
             continue
         box = spec.sharding.boxes(spec.shape).get(rank)
         if box is None or any(hi <= lo for lo, hi in box):
@@ -55,13 +64,13 @@ def partial_layout(layout: TrainerLayout, rank: int) -> tuple[dict[str, tuple[in
 
 def _block_view(x: torch.Tensor, box: Box) -> torch.Tensor:
     """``x`` (the local shard of ``box``) zero-padded to whole blocks and shaped
-    ``[*lead, nbr, BLOCK, nbc, BLOCK]``."""
+    ``[*lead, nbr, FP8_BLOCK, nbc, FP8_BLOCK]``."""
     (r0, r1), (c0, c1) = box[-2], box[-1]
-    top, left = r0 % BLOCK, c0 % BLOCK
-    nbr, nbc = blocks(r1) - r0 // BLOCK, blocks(c1) - c0 // BLOCK
-    padded = x.new_zeros((*x.shape[:-2], nbr * BLOCK, nbc * BLOCK))
+    top, left = r0 % FP8_BLOCK, c0 % FP8_BLOCK
+    nbr, nbc = fp8_blocks(r1) - r0 // FP8_BLOCK, fp8_blocks(c1) - c0 // FP8_BLOCK
+    padded = x.new_zeros((*x.shape[:-2], nbr * FP8_BLOCK, nbc * FP8_BLOCK))
     padded[..., top : top + x.shape[-2], left : left + x.shape[-1]] = x
-    return padded.view(*x.shape[:-2], nbr, BLOCK, nbc, BLOCK)
+    return padded.view(*x.shape[:-2], nbr, FP8_BLOCK, nbc, FP8_BLOCK)
 
 
 class BlockQuantizer:
@@ -82,7 +91,7 @@ class BlockQuantizer:
         self._boxes = {n: self.specs[n].sharding.boxes(self.specs[n].shape)[rank] for n in self.mine}
         self._scale_boxes = {}
         for n in self.mine:
-            sname = scale_name(n)
+            sname = fp8_scale_name(n)
             sbox = self.specs[sname].sharding.boxes(self.specs[sname].shape).get(rank)
             if sbox is not None and volume(sbox) > 0:
                 self._scale_boxes[n] = sbox
@@ -92,7 +101,7 @@ class BlockQuantizer:
 
     @property
     def active(self) -> bool:
-        return any(s.dtype == FP8 for s in self.layout.tensors)
+        return any(s.dtype == FP8_DTYPE for s in self.layout.tensors)
 
     def start(self) -> None:
         if self.active:
@@ -139,13 +148,13 @@ class BlockQuantizer:
             box = self._boxes[name]
             scale = (amax[name] / FP8_MAX).clamp(min=1e-12)
             x = _block_view(shards[name].detach().float(), box)
-            q = (x / scale[..., :, None, :, None]).view(*x.shape[:-4], x.shape[-4] * BLOCK, x.shape[-2] * BLOCK)
+            q = (x / scale[..., :, None, :, None]).view(*x.shape[:-4], x.shape[-4] * FP8_BLOCK, x.shape[-2] * FP8_BLOCK)
             (r0, r1), (c0, c1) = box[-2], box[-1]
-            top, left = r0 % BLOCK, c0 % BLOCK
+            top, left = r0 % FP8_BLOCK, c0 % FP8_BLOCK
             out[name] = q[..., top : top + r1 - r0, left : left + c1 - c0].to(torch.float8_e4m3fn)
             sbox = self._scale_boxes.get(name)
             if sbox is not None:
-                out[scale_name(name)] = scale[_local(sbox, rng)].contiguous()
+                out[fp8_scale_name(name)] = scale[_local(sbox, rng)].contiguous()
         return out
 
     async def _combine(self, version: int, amax: dict[str, torch.Tensor], trainer_peers: dict[int, str]) -> None:

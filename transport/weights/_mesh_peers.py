@@ -18,8 +18,7 @@ import torch
 
 from .._errors import ClosedError, TransferTimeoutError, TransportError
 from .._wire import WireError
-from ..plan._codec import MAX_LAYOUT_BYTES, RankLayout, decode_rank, decode_trainer
-from ..plan._layouts import MeshLayoutError, TrainerLayout
+from ..plan import MAX_LAYOUT_BYTES, MeshLayoutError, RankLayout, TrainerLayout, decode_rank, decode_trainer
 from ._mesh_control import MAX_TRAINER_RANKS, TCTL_WORDS, TRANK, MeshKeys
 
 if TYPE_CHECKING:

@@ -12,9 +12,17 @@ import anyio
 import torch
 
 from .._errors import ClosedError, TransportError
-from ..plan import Move, Planner, ReplicaPlan, Topology, TrainerLayout
-from ..plan._codec import RankLayout, encode_trainer
-from ..plan._layouts import MeshLayoutError, Replica
+from ..plan import (
+    MeshLayoutError,
+    Move,
+    Planner,
+    RankLayout,
+    Replica,
+    ReplicaPlan,
+    Topology,
+    TrainerLayout,
+    encode_trainer,
+)
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,

@@ -13,9 +13,18 @@ import anyio
 import torch
 
 from .._errors import TransferTimeoutError, TransportError
-from ..plan import GeneratorRank, Planner, RankPlan, Replica, ReplicaPlan
-from ..plan._codec import MAX_LAYOUT_BYTES, RankLayout, decode_trainer, encode_rank
-from ..plan._layouts import MeshLayoutError
+from ..plan import (
+    MAX_LAYOUT_BYTES,
+    GeneratorRank,
+    MeshLayoutError,
+    Planner,
+    RankLayout,
+    RankPlan,
+    Replica,
+    ReplicaPlan,
+    decode_trainer,
+    encode_rank,
+)
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
