@@ -290,11 +290,12 @@ void bind_tcp(nb::module_& m) {
       .def_prop_ro("served", &DirectServer::served)
       .def("close", &DirectServer::close, nb::call_guard<nb::gil_scoped_release>());
   nb::class_<DirectLane>(m, "DirectLane")
-      .def(nb::init<int, double>(), nb::arg("fd"), nb::arg("io_timeout_s"))
+      .def(nb::init<int>(), nb::arg("fd"))
       .def("start", &DirectLane::start, nb::arg("op"), nb::arg("key"), nb::arg("dtype"), nb::arg("offset"),
            nb::arg("nbytes"), nb::arg("local"), nb::arg("wait_s"), nb::call_guard<nb::gil_scoped_release>())
       .def("finish", &DirectLane::finish, nb::arg("wait_s"), nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("pending", &DirectLane::pending)
+      .def_prop_ro("writing", &DirectLane::writing)
       .def_prop_ro("closed", &DirectLane::closed)
       .def_prop_ro("fd", &DirectLane::fd)
       .def_prop_ro("message", &DirectLane::message)

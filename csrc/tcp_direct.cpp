@@ -298,15 +298,14 @@ void DirectServer::serve(Conn* c) {
 
 // -- the initiator's lane ----------------------------------------------------------------------
 
-DirectLane::DirectLane(int fd, double io_timeout_s)
-    : fd_(fd), io_timeout_ms_(static_cast<int>(std::clamp(io_timeout_s, 0.001, 86400.0) * 1000)) {}
+DirectLane::DirectLane(int fd) : fd_(fd) {}
 
 DirectLane::~DirectLane() { close(); }
 
 void DirectLane::close() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
-  pending_ = false;
+  state_ = kIdle;
 }
 
 int DirectLane::broken(const std::string& what) {
@@ -318,50 +317,122 @@ int DirectLane::broken(const std::string& what) {
 int DirectLane::start(uint8_t op, const std::string& key, const std::string& dtype, uint64_t offset, uint64_t nbytes,
                       uint64_t local, double wait_s) {
   if (fd_ < 0) return broken("the direct lane is closed");
-  if (pending_) return broken("a request is still pending on the direct lane");
+  if (state_ != kIdle) return broken("a request is still pending on the direct lane");
   if ((op != kPut && op != kGet) || key.empty() || key.size() > kMaxKey || dtype.empty() || dtype.size() > kMaxDtype)
     throw std::invalid_argument("bad direct-lane request");
-  Request rq{kRequestMagic, op, static_cast<uint8_t>(key.size()), static_cast<uint8_t>(dtype.size()), 0,
-             next_rid_++, offset, nbytes};
-  iovec iov[4] = {{&rq, sizeof rq},
-                  {const_cast<char*>(key.data()), key.size()},
-                  {const_cast<char*>(dtype.data()), dtype.size()},
-                  {reinterpret_cast<void*>(local), op == kPut ? nbytes : 0}};
-  if (int e = send_all(fd_, iov, 4, now_ms() + io_timeout_ms_))
-    return broken(std::string("sending the request failed: ") + std::strerror(e));
-  pending_ = true;
+  key_ = key;
+  dtype_ = dtype;
+  rq_ = Request{kRequestMagic, op, static_cast<uint8_t>(key_.size()), static_cast<uint8_t>(dtype_.size()), 0,
+                next_rid_++, offset, nbytes};
+  iov_[0] = {&rq_, sizeof rq_};
+  iov_[1] = {key_.data(), key_.size()};
+  iov_[2] = {dtype_.data(), dtype_.size()};
+  iov_[3] = {reinterpret_cast<void*>(local), op == kPut ? nbytes : 0};
+  iov_first_ = 0;
   op_ = op;
-  rid_ = rq.rid;
+  rid_ = rq_.rid;
   nbytes_ = nbytes;
   local_ = local;
-  return read_reply(static_cast<int>(std::clamp(wait_s, 0.0, 86400.0) * 1000));
+  state_ = kSending;
+  const int wait_ms = static_cast<int>(std::clamp(wait_s, 0.0, 86400.0) * 1000);
+  return advance(now_ms() + wait_ms, wait_ms > 0);
 }
 
 int DirectLane::finish(double wait_s) {
-  if (!pending_) return broken("no request is pending on the direct lane");
-  return read_reply(static_cast<int>(std::clamp(wait_s, 0.0, 86400.0) * 1000));
+  if (fd_ < 0) return broken("the direct lane is closed");
+  if (state_ == kIdle) return broken("no request is pending on the direct lane");
+  const int wait_ms = static_cast<int>(std::clamp(wait_s, 0.0, 86400.0) * 1000);
+  return advance(now_ms() + wait_ms, wait_ms > 0);
 }
 
-int DirectLane::read_reply(int wait_ms) {
-  if (fd_ < 0) return broken("the direct lane is closed");
-  if (int e = wait_fd(fd_, POLLIN, now_ms() + wait_ms, wait_ms > 0)) {
-    if (e == ETIMEDOUT) return kPending;
-    return broken(std::string("waiting for the reply failed: ") + std::strerror(e));
+int DirectLane::send_step() {
+  while (iov_first_ < 4) {
+    msghdr msg{};
+    msg.msg_iov = iov_ + iov_first_;
+    msg.msg_iovlen = static_cast<size_t>(4 - iov_first_);
+    ssize_t r = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno == EWOULDBLOCK ? EAGAIN : errno;
+    }
+    auto sent = static_cast<size_t>(r);
+    while (iov_first_ < 4 && sent >= iov_[iov_first_].iov_len) {
+      sent -= iov_[iov_first_].iov_len;
+      iov_[iov_first_++].iov_len = 0;
+    }
+    if (iov_first_ < 4) {
+      iov_[iov_first_].iov_base = static_cast<char*>(iov_[iov_first_].iov_base) + sent;
+      iov_[iov_first_].iov_len -= sent;
+    }
   }
-  const int64_t deadline = now_ms() + io_timeout_ms_;
-  Reply r;
-  if (int e = recv_exact(fd_, &r, sizeof r, deadline))
-    return broken(e == ECONNRESET ? "the peer closed the connection" : std::string("reading the reply failed: ") +
-                                                                          std::strerror(e));
+  return 0;
+}
+
+int DirectLane::recv_step(char* buf, uint64_t n) {
+  while (got_ < n) {
+    ssize_t r = ::recv(fd_, buf + got_, static_cast<size_t>(std::min<uint64_t>(n - got_, 1ull << 30)), MSG_DONTWAIT);
+    if (r > 0) {
+      got_ += static_cast<uint64_t>(r);
+    } else if (r == 0) {
+      return ECONNRESET;
+    } else if (errno != EINTR) {
+      return errno == EWOULDBLOCK ? EAGAIN : errno;
+    }
+  }
+  got_ = 0;
+  return 0;
+}
+
+int DirectLane::reply_head() {
+  const Reply& r = reply_;
   if (r.magic != kReplyMagic || r.rid != rid_ || r.msg_len > kMaxMessage ||
       (r.status == kOk && r.nbytes != (op_ == kGet ? nbytes_ : 0)) || (r.status != kOk && r.nbytes != 0))
     return broken("the peer sent a malformed reply");
   message_.assign(r.msg_len, '\0');
-  if (recv_exact(fd_, message_.data(), r.msg_len, deadline) != 0) return broken("the reply was cut short");
-  if (r.status == kOk && r.nbytes && recv_exact(fd_, reinterpret_cast<void*>(local_), r.nbytes, deadline) != 0)
-    return broken("the reply's data was cut short");
-  pending_ = false;
-  return r.status == kOk ? kDone : kRefused;
+  state_ = kMessage;
+  return -1;  // go on
+}
+
+int DirectLane::advance(int64_t deadline_ms, bool spin) {
+  for (;;) {
+    int e = 0;
+    short want = POLLIN;
+    switch (state_) {
+      case kIdle:
+        return kDone;
+      case kSending:
+        want = POLLOUT;
+        if ((e = send_step()) == 0) state_ = kHead;
+        break;
+      case kHead:
+        if ((e = recv_step(reinterpret_cast<char*>(&reply_), sizeof reply_)) == 0) {
+          if (int r = reply_head(); r >= 0) return r;
+        }
+        break;
+      case kMessage:
+        if ((e = recv_step(message_.data(), message_.size())) == 0)
+          state_ = reply_.status == kOk && reply_.nbytes ? kData : kIdle;
+        if (e == 0 && state_ == kIdle) return reply_.status == kOk ? kDone : kRefused;
+        break;
+      case kData:
+        if ((e = recv_step(reinterpret_cast<char*>(local_), reply_.nbytes)) == 0) {
+          state_ = kIdle;
+          return kDone;
+        }
+        break;
+    }
+    if (e == 0) continue;
+    if (e != EAGAIN) {
+      const bool sending = state_ == kSending;
+      if (e == ECONNRESET && !sending) return broken("the peer closed the connection");
+      return broken(std::string(sending ? "sending the request failed: " : "reading the reply failed: ") +
+                    std::strerror(e));
+    }
+    if (int w = wait_fd(fd_, want, deadline_ms, spin)) {
+      if (w == ETIMEDOUT) return kPending;
+      return broken(std::string("waiting on the direct lane failed: ") + std::strerror(w));
+    }
+  }
 }
 
 }  // namespace transport::tcp

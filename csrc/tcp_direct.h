@@ -12,6 +12,8 @@
 // checked without overflow, and a malformed request closes that connection only.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -148,42 +150,57 @@ class DirectServer {
 };
 
 // The initiator's end of one direct-lane connection. Not thread-safe: one request at a time,
-// from the event loop's thread.
+// from the event loop's thread. Every call does only what the socket takes or has ready without
+// blocking, waiting at most the `wait_s` it is given: a stalled or slow peer never holds the
+// calling thread longer than that (the caller then waits for the socket in its event loop, as
+// writing() says, and calls finish() again).
 class DirectLane {
  public:
   enum Result : int {
     kDone = 0,      // the bytes are in place (a put: in the peer's region; a get: here)
-    kPending = 1,   // sent; the reply did not arrive within the wait: call finish() later
+    kPending = 1,   // not finished within the wait: call finish() when the socket is ready
     kRefused = 2,   // the peer refused it (message()); nothing was written
     kBroken = 3,    // the connection failed (message()); the lane is closed
   };
-  explicit DirectLane(int fd, double io_timeout_s);
+  explicit DirectLane(int fd);
   ~DirectLane();
   DirectLane(const DirectLane&) = delete;
   DirectLane& operator=(const DirectLane&) = delete;
 
-  // Sends one request (a put's payload from `local`) and waits up to `wait_s` for its reply (a
-  // get's payload lands at `local`).
+  // Starts one request (a put's payload read from `local`; a get's reply lands at `local`, and
+  // both must stay valid until it is done) and drives it for up to `wait_s`.
   int start(uint8_t op, const std::string& key, const std::string& dtype, uint64_t offset, uint64_t nbytes,
             uint64_t local, double wait_s);
-  // Waits up to `wait_s` more for the pending request's reply.
+  // Drives the pending request for up to `wait_s` more.
   int finish(double wait_s);
-  bool pending() const { return pending_; }
+  bool pending() const { return state_ != kIdle; }
+  // Whether the pending request still has bytes to send (wait for writable), else it waits for
+  // its reply (wait for readable).
+  bool writing() const { return state_ == kSending; }
   bool closed() const { return fd_ < 0; }
   int fd() const { return fd_; }
   const std::string& message() const { return message_; }
   void close();
 
  private:
+  enum State { kIdle, kSending, kHead, kMessage, kData };
   int broken(const std::string& what);
-  int read_reply(int wait_ms);
+  int advance(int64_t deadline_ms, bool spin);
+  int send_step();                           // 0: all sent; EAGAIN; or an errno value
+  int recv_step(char* buf, uint64_t n);      // 0: `n` bytes in (progress in got_); EAGAIN; errno
+  int reply_head();                          // the reply header is in: check it, go on
 
   int fd_;
-  const int io_timeout_ms_;
   uint64_t next_rid_ = 1;
-  bool pending_ = false;
+  State state_ = kIdle;
   uint8_t op_ = 0;
   uint64_t rid_ = 0, nbytes_ = 0, local_ = 0;
+  Request rq_{};
+  std::string key_, dtype_;
+  iovec iov_[4]{};
+  int iov_first_ = 0;  // the first iov_ entry with bytes left to send
+  Reply reply_{};
+  uint64_t got_ = 0;  // bytes of the current piece received
   std::string message_;
 };
 

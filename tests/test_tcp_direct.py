@@ -1,7 +1,9 @@
-"""The tcp direct lane (transport/_native/tcp.py, csrc/tcp_direct.cpp): small single-range
-transfers served by native threads on both ends, against real Transports and real processes.
+"""The tcp direct lane (transport/_native/tcp.py, csrc/tcp_direct.cpp): single-range transfers
+up to DIRECT_MAX_BYTES served by native threads on both ends, against real Transports and real
+processes.
 
-* what it moves, and that it moves it inside put()/get();
+* what it moves, and that it moves small ones inside put()/get();
+* a large put to a stopped target never blocks the initiator's event loop;
 * a reply that takes longer (a stopped target) completes in the background, can be cancelled,
   and a target killed meanwhile is a PeerLostError;
 * whatever the lane refuses takes the checked path, which reports the precise error;
@@ -16,6 +18,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
 
 import anyio
@@ -26,7 +29,9 @@ import transport
 from transport._auth import Authenticator
 from transport._channel import greet_plain, hello
 from transport._conformance import warm_sync_route
+from transport._transfers import SYNC_MAX_BYTES
 from transport._wire import DIRECT_LANE, connect
+from transport.backends.tcp import DIRECT_MAX_BYTES
 
 from .conftest import serving_target, sha
 
@@ -209,16 +214,66 @@ async def test_what_the_lane_refuses_takes_the_checked_path_and_its_precise_erro
         assert v[:2].tolist() == [6, 6]
 
 
-async def test_large_transfers_are_not_taken_by_the_lane(memory_store):
+async def test_medium_puts_and_gets_go_by_the_lane_and_larger_ones_do_not(memory_store):
+    """Up to DIRECT_MAX_BYTES a single-range transfer is served by the target's native lane
+    threads (its served count says so); past it, by the checked path (the count stays)."""
+    cap = DIRECT_MAX_BYTES // 4
     async with transport.Transport("a", store=memory_store, backends=("tcp",), timeout=10) as a, \
             transport.Transport("b", store=memory_store, backends=("tcp",), timeout=10) as b:
-        w = b.empty("w", 1 << 18, torch.float32)  # 1 MiB
+        w = b.empty("w", cap + 1, torch.float32)
         await a.peer("b", regions=["w"])
         await warm_sync_route(a, "b", key="w", src=torch.zeros(1))
-        h = a.put(torch.ones(1 << 18), "b", key="w")
+        served = b._backends[0]._direct.served
+        for numel in (1 << 18, cap):  # 1 MiB, and the lane's largest
+            src = torch.arange(numel, dtype=torch.float32)
+            await a.put(src, "b", key="w")
+            back = torch.zeros(numel)
+            await a.get(back, "b", key="w")
+            assert torch.equal(w[:numel], src) and torch.equal(back, src)
+        assert b._backends[0]._direct.served == served + 4
+        h = a.put(torch.ones(cap + 1), "b", key="w")
         assert not h.done(), "past DIRECT_MAX_BYTES a put goes the asynchronous way"
         await h
-        assert torch.equal(w, torch.ones(1 << 18))
+        assert torch.equal(w, torch.ones(cap + 1))
+        assert b._backends[0]._direct.served == served + 4
+
+
+async def test_a_lane_put_to_a_stopped_target_never_blocks_the_event_loop(targets, file_store):
+    """A put far larger than the socket buffers, to a target whose lane thread is stopped:
+    put() returns a running handle at once (the rest is sent from the event loop whenever the
+    socket is writable), other tasks run meanwhile, and the bytes land once the target runs."""
+    numel = min(DIRECT_MAX_BYTES, SYNC_MAX_BYTES) // 8  # put() itself starts it on the lane
+    async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=60) as t:
+        target = await serving_target(t, targets, file_store, "tcp", [{"key": "w", "dtype": "int64", "numel": numel}])
+        await warm_sync_route(t, "server", key="w", src=torch.zeros(1, dtype=torch.int64))
+        pid = target.proc.pid
+        resumed = threading.Event()
+        # A guard, not a measurement: were put() to block (the old lane sent with blocking
+        # writes for up to the Transport's timeout), it would return only after this fired.
+        watchdog = threading.Timer(30, lambda: (resumed.set(), os.kill(pid, signal.SIGCONT)))
+        stop(pid)
+        watchdog.start()
+        try:
+            src = torch.arange(numel, dtype=torch.int64)
+            h = t.put(src, "server", key="w")
+            assert not resumed.is_set(), "put() returned only after the target was resumed"
+            assert not h.done()
+            ticks = 0
+            for _ in range(20):
+                await anyio.sleep(0.01)
+                ticks += 1
+            assert ticks == 20 and not h.done(), "the loop runs while the put waits for the stopped target"
+            assert lanes_of(t)["server"][1].pending, "the lane carries it"
+        finally:
+            watchdog.cancel()
+            os.kill(pid, signal.SIGCONT)
+        with anyio.fail_after(30):
+            await h
+        back = torch.zeros(numel, dtype=torch.int64)
+        await t.get(back, "server", key="w")
+        assert torch.equal(back, src)
+        await t.signal("server", "done", 1)
+        assert (await target.result())["sha256"] == {"w": sha(src)}
 
 
 # -- hostile bytes on an authenticated direct lane ----------------------------------------------

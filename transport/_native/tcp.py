@@ -29,7 +29,7 @@ class LaneResult(enum.IntEnum):
     """What a direct-lane request came to (``DirectLane::Result``)."""
 
     DONE = 0  # the bytes are in place
-    PENDING = 1  # sent; its reply has not arrived yet (call finish())
+    PENDING = 1  # not finished yet: call finish() when the socket is ready (``writing`` says which way)
     REFUSED = 2  # the target refused it; nothing was written (``message`` says why)
     BROKEN = 3  # the connection failed; the lane is closed (``message`` says how)
 
@@ -98,20 +98,22 @@ class DirectServer:
 
 
 class DirectLane:
-    """The initiator's end of one direct-lane connection: one request at a time.
+    """The initiator's end of one direct-lane connection: one request at a time. A call never
+    blocks longer than the ``wait`` it is given, whatever the peer does: what the socket does
+    not take or have ready by then is left for :meth:`finish`.
 
     Args:
         sock: the connected socket, after its HELLO was accepted (detached from it here).
-        io_timeout: seconds sending a request, or reading a reply once it began, may take.
     """
 
-    def __init__(self, sock: socket.socket, io_timeout: float) -> None:
-        self._lane = _C.DirectLane(sock.detach(), io_timeout)
+    def __init__(self, sock: socket.socket) -> None:
+        self._lane = _C.DirectLane(sock.detach())
 
     def start(self, put: bool, key: str, dtype: str, offset: int, nbytes: int, local: int,
               wait: float) -> LaneResult:
-        """Sends one request (a put's payload read from address ``local``; a get's reply lands
-        there) and waits up to ``wait`` seconds for its reply. ``key`` and ``dtype`` must fit
+        """Starts one request (a put's payload read from address ``local``; a get's reply lands
+        there; the memory must stay valid until it is done) and drives it for up to ``wait``
+        seconds: sending it, then reading its reply. ``key`` and ``dtype`` must fit
         (:data:`MAX_KEY_BYTES`, :data:`MAX_DTYPE_BYTES`, checked by the caller)."""
         try:
             return LaneResult(self._lane.start(1 if put else 2, key, dtype, offset, nbytes, local, wait))
@@ -119,12 +121,18 @@ class DirectLane:
             raise TransportInternalError(f"direct lane: {exc}") from exc
 
     def finish(self, wait: float) -> LaneResult:
-        """Waits up to ``wait`` seconds more for the pending request's reply."""
+        """Drives the pending request for up to ``wait`` seconds more."""
         return LaneResult(self._lane.finish(wait))
 
     @property
     def pending(self) -> bool:
         return bool(self._lane.pending)
+
+    @property
+    def writing(self) -> bool:
+        """Whether the pending request still has bytes to send (wait until the socket is
+        writable), rather than waiting for its reply (readable)."""
+        return bool(self._lane.writing)
 
     @property
     def closed(self) -> bool:

@@ -5,12 +5,13 @@ and writability and then receives them straight into the registered region (``re
 intermediate copy). Not one-sided at the process level: the target's agent, inside its
 ``async with Transport``, serves the request, but the target's application code does nothing.
 
-Small single-range transfers (up to ``DIRECT_MAX_BYTES``) take the **direct lane** instead: a
-second connection per peer, authenticated by the same HELLO, whose both ends are native code
+Single-range transfers up to ``DIRECT_MAX_BYTES`` take the **direct lane** instead: a second
+connection per peer, authenticated by the same HELLO, whose both ends are native code
 (``transport._native.tcp``). The target serves it on a native thread, checking every request
 against a native mirror of its region table, so no Python runs on either side of the wire; the
-initiator waits for the reply inside ``put()`` for up to ``DIRECT_WAIT_S`` (``Backend.mover``),
-then, if it has not come, in the background like any transfer. Anything the lane cannot do
+initiator drives the request inside ``put()`` for up to ``DIRECT_WAIT_S`` (``Backend.mover``),
+then, if it is not done, from the event loop like any transfer (sending what the socket takes
+whenever it is writable, then reading the reply): a slow or stalled peer never blocks the loop. Anything the lane cannot do
 (too big, lane not open yet or busy, a refusal, a broken connection) takes the checked path
 above, which reports the precise error.
 
@@ -67,7 +68,10 @@ _FRAME_SEGMENTS = 2048  # ranges per PUTV / GETV frame (its segment table stays 
 _FRAME_RUNS = 16384  # runs per PUTR / GETR frame (a 256 KiB binary table)
 _STAGE_RUN_MAX = 64 << 10  # runs up to this size travel staged (packed by one native copy job)
 _STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES per Transport (staged frames in flight)
-DIRECT_MAX_BYTES = 64 << 10  # single-range transfers up to this size take the direct lane
+# Single-range transfers up to this size take the direct lane: native on both ends, about 3-4x
+# the checked path's rate at 1-4 MiB (benchmarks/results/ has the figures). Larger ones take the
+# checked path, which pipelines frames over the connection.
+DIRECT_MAX_BYTES = 16 << 20
 DIRECT_WAIT_S = 0.002  # put() waits this long for the direct lane's reply, then the rest goes async
 DIRECT_RETRY_S = 1.0  # after a direct lane failed to open, try again no sooner than this
 DIRECT_MAX_CONNS = 256  # direct-lane connections one endpoint serves at once (one thread each)
@@ -109,12 +113,32 @@ class TcpBackend(Backend):
         return RangeRequest(remote.region.key, dtype_name(local.tensor.dtype), remote.offset, remote.nbytes)
 
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        if await self._by_lane(True, local, remote):
+            return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
         await chan.request(FrameKind.PUT, self._request(local, remote).to_meta(), payload=local.view)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        if await self._by_lane(False, local, remote):
+            return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
         await chan.request(FrameKind.GET, self._request(local, remote).to_meta(), into=local.view)
+
+    async def _by_lane(self, put: bool, local: LocalBuffer, remote: RemoteTarget) -> bool:
+        """Moves one range by the direct lane when it can take it (size, key, lane open and
+        free): True once the bytes are in place; False when it did not, or was refused or broke
+        (nothing written, or the checked path rewrites it all and reports the error)."""
+        key, dtype = remote.region.key, dtype_name(local.tensor.dtype)
+        if (not 0 < remote.nbytes <= DIRECT_MAX_BYTES or remote.region.device != "cpu"
+                or len(key.encode()) > MAX_KEY_BYTES or len(dtype.encode()) > MAX_DTYPE_BYTES):
+            return False
+        lane = self._lane(remote.peer)
+        if lane is None or lane.pending:
+            return False
+        result = lane.start(put, key, dtype, remote.offset, remote.nbytes, local.address, 0.0)
+        if result is LaneResult.PENDING:
+            return await self._finish(remote.peer.name, lane)
+        return result is LaneResult.DONE
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
         if len(pairs) == 1:
@@ -268,7 +292,7 @@ class TcpBackend(Backend):
                 await greet_plain(sock, peer=peer.name, peer_incarnation=peer.incarnation,
                                   hello=hello(self.ctx.name, self.ctx.incarnation, DIRECT_LANE), auth=self.ctx.auth)
             self._drop_lane(peer.name)
-            self._lanes[peer.name] = (peer.incarnation, DirectLane(sock, self.ctx.timeout))  # detaches sock
+            self._lanes[peer.name] = (peer.incarnation, DirectLane(sock))  # detaches sock
         except (OSError, TransportError, TimeoutError) as exc:
             self._failed[peer.name] = time.monotonic()
             log.debug("tcp: no direct lane to %s (%s); its transfers take the checked path", peer.name, exc)
@@ -278,13 +302,14 @@ class TcpBackend(Backend):
                 close_socket(sock)  # (a no-op once the lane took it)
 
     async def _finish(self, peer: str, lane: DirectLane) -> bool:
-        """Collects the reply of ``lane``'s pending request: True once the bytes are in place;
+        """Drives ``lane``'s pending request to its end (sending the rest when the socket is
+        writable, reading the reply when it is readable): True once the bytes are in place;
         False when it was refused or the connection broke (the checked path then redoes the
         transfer and reports any error). Cancelled, it closes the lane: the reply can no longer
         be matched, and the bytes may still land."""
         try:
             while True:
-                await anyio.wait_readable(lane.fileno())
+                await (anyio.wait_writable if lane.writing else anyio.wait_readable)(lane.fileno())
                 result = lane.finish(0.0)
                 if result is not LaneResult.PENDING:
                     return result is LaneResult.DONE
