@@ -11,9 +11,9 @@ connection per peer, authenticated by the same HELLO, whose both ends are native
 against a native mirror of its region table, so no Python runs on either side of the wire; the
 initiator drives the request inside ``put()`` for up to ``DIRECT_WAIT_S`` (``Backend.mover``),
 then, if it is not done, from the event loop like any transfer (sending what the socket takes
-whenever it is writable, then reading the reply): a slow or stalled peer never blocks the loop. Anything the lane cannot do
-(too big, lane not open yet or busy, a refusal, a broken connection) takes the checked path
-above, which reports the precise error.
+whenever it is writable, then reading the reply): a slow or stalled peer never blocks the loop.
+Anything the lane cannot do (too big, lane not open yet or busy, a refusal, a broken
+connection) takes the checked path above, which reports the precise error.
 
 Both sides live here, behind the backend interface's target-side hook: :class:`TcpBackend` is
 the initiator, and on the target its :meth:`~TcpBackend.serve_frame` serves the PUT / GET /
