@@ -1,10 +1,12 @@
-"""The point-to-point benchmark's headline rows and its NIXL peer (``python -m transport bench --peers nixl``),
-run as real processes with tiny settings.
+"""The point-to-point benchmark's headline rows and its peers (``python -m transport bench --peers
+nixl,mooncake``), run as real processes with tiny settings.
 
 Whatever ``--sizes`` says, a run reports the 8 B and 4 KiB latencies, the 1 MiB put and one batch of
 10,000 x 4 KiB segments. With ``--peers nixl`` it measures NIXL the same way (UCX backend, DRAM, its
-own target process; the bench itself checks the bytes NIXL reads back) and prints the ratios; without
-NIXL installed it says so in one line and the rest of the run stands. No timings are asserted.
+own target process), with ``--peers mooncake`` Mooncake Transfer Engine (TCP transport, DRAM, its own
+target process); the bench itself checks the bytes each reads back, and prints the ratios. Without a
+peer installed it says so in one line and the rest of the run stands. CI installs neither, so the
+side-by-side tests run where they are installed by hand. No timings are asserted.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
 TINY = ("--backends", "ipc", "--sizes", "64KiB", "--iters", "2", "--latency-iters", "20")
 
-# A real process in which no NIXL module can be imported, whatever is installed here.
-_WITHOUT_NIXL = (
+# A real process in which no NIXL or Mooncake module can be imported, whatever is installed here.
+_WITHOUT_PEERS = (
     "import sys\n"
-    "for name in ('nixl', 'nixl_cu12', 'nixl_cu13'):\n"
+    "for name in ('nixl', 'nixl_cu12', 'nixl_cu13', 'mooncake'):\n"
     "    sys.modules[name] = None\n"
     "from transport.__main__ import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
@@ -37,10 +39,14 @@ def _nixl_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12", "nixl_cu13"))
 
 
-def _bench(tmp_path: Path, *args: str, without_nixl: bool = False) -> tuple[str, dict[str, Any]]:
+def _mooncake_installed() -> bool:
+    return importlib.util.find_spec("mooncake") is not None
+
+
+def _bench(tmp_path: Path, *args: str, without_peers: bool = False) -> tuple[str, dict[str, Any]]:
     """Runs the bench with ``args``; returns its stdout and its JSON."""
     out = tmp_path / "bench.json"
-    prefix = ["-c", _WITHOUT_NIXL] if without_nixl else ["-m", "transport"]
+    prefix = ["-c", _WITHOUT_PEERS] if without_peers else ["-m", "transport"]
     cmd = [sys.executable, *prefix, "bench", *args, "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -60,13 +66,15 @@ def _check_sizes(rows: list[dict[str, Any]]) -> None:
             assert x[key] > 0, (x, key)
 
 
-def test_headline_rows_and_nixl_missing_in_one_line(tmp_path: Path) -> None:
-    stdout, data = _bench(tmp_path, *TINY, "--peers", "nixl", without_nixl=True)
+def test_headline_rows_and_missing_peers_in_one_line_each(tmp_path: Path) -> None:
+    stdout, data = _bench(tmp_path, *TINY, "--peers", "nixl,mooncake", without_peers=True)
 
     for text in ("latency put 8 B", "latency put 4 KiB", "latency get 4 KiB", "batch of 10000 x 4 KiB", "1 MiB |"):
         assert text in stdout, text
     [line] = [x for x in stdout.splitlines() if x.startswith("nixl:")]
     assert line.startswith("nixl: not installed (pip install nixl-cu12"), line
+    [line] = [x for x in stdout.splitlines() if x.startswith("mooncake:")]
+    assert line.startswith("mooncake: not installed (pip install mooncake-transfer-engine-non-cuda"), line
 
     assert data["schema"] == 2 and data["config"]["latency_sizes"] == [8, 4096]
     ipc = data["backends"]["ipc"]
@@ -75,7 +83,8 @@ def test_headline_rows_and_nixl_missing_in_one_line(tmp_path: Path) -> None:
     [batch] = ipc["batch"]
     assert (batch["segments"], batch["segment_bytes"], batch["stride"]) == (10_000, 4096, 8192)
     assert batch["prepared_seg_per_s"] > 0 and batch["single_seg_per_s"] > 0
-    assert data["peers"]["nixl"]["unavailable"].startswith("not installed")
+    for peer in ("nixl", "mooncake"):
+        assert data["peers"][peer]["unavailable"].startswith("not installed")
     assert data["ratios"] == []
 
 
@@ -103,6 +112,36 @@ def test_nixl_measured_side_by_side(tmp_path: Path) -> None:
         "put 1 MiB",
         "put 8 B median latency",
         "put 4 KiB median latency",
+        # our one-segment prepared put reposted, against NIXL's reposted handle of the same size
+        "prepared put 8 B, reposted (time each)",
+        "prepared put 4 KiB, reposted (time each)",
+        "prepared put 1 MiB, reposted",
     }
+    for r in ratios.values():
+        assert r["ours"] > 0 and r["theirs"] > 0 and r["ratio"] == pytest.approx(r["ours"] / r["theirs"])
+
+
+@pytest.mark.skipif(
+    not _mooncake_installed(),
+    reason="mooncake not installed (pip install mooncake-transfer-engine-non-cuda; needs libibverbs1); "
+    "CI does not install it",
+)
+def test_mooncake_measured_side_by_side_with_tcp(tmp_path: Path) -> None:
+    stdout, data = _bench(tmp_path, "--backends", "tcp", *TINY[2:], "--peers", "mooncake")
+
+    mooncake = data["peers"]["mooncake"]
+    # As for NIXL, the bench checks what Mooncake reads back (every size and both batches).
+    assert mooncake["unavailable"] is None, mooncake["unavailable"]
+    assert "peer mooncake (" in stdout and "transport / mooncake" in stdout
+    _check_sizes(mooncake["sizes"])
+    _check_latency(mooncake["latency"], {"put", "get"})
+    [batch] = mooncake["batch"]
+    [separate] = mooncake["separate"]
+    for x in (batch, separate):
+        assert (x["segments"], x["segment_bytes"], x["stride"]) == (10_000, 4096, 8192)
+    assert batch["seg_per_s"] > 0 and separate["puts_per_s"] > 0
+
+    ratios = {r["measure"]: r for r in data["ratios"] if r["backend"] == "tcp"}
+    assert {"put 1 MiB", "10000 separate 4 KiB puts", "batch 10000 x 4 KiB"} <= set(ratios)
     for r in ratios.values():
         assert r["ours"] > 0 and r["theirs"] > 0 and r["ratio"] == pytest.approx(r["ours"] / r["theirs"])

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._capabilities import available_backends
-from benchmarks._mesh_roles import BASELINE, MESH, MeshBenchSpec, local_tensors, order
-from benchmarks.mesh_sync import assemble, model_of, parse_args, sizes
+from benchmarks.common.capabilities import available_backends
+from benchmarks.mesh_sync._roles import BASELINE, MESH, MeshBenchSpec, local_tensors, order
+from benchmarks.mesh_sync._run import assemble, model_of, parse_args, sizes
 from transport.plan import ITEMSIZE, checkpoint_tensors, generator_rank, model_config, volume
 
 from .conftest import PYTHON, ROOT, python_env

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from benchmarks import _report
-from benchmarks._broadcast import plan_buckets
-from benchmarks._capabilities import available_backends
-from benchmarks._models import checksum, llama_like, make_state, stamp, stamp_mismatches
-from benchmarks._roles import schedule
-from benchmarks.weight_sync import parse_size
+from benchmarks.common.capabilities import available_backends
+from benchmarks.common.sizes import parse_size
+from benchmarks.weight_sync import _report
+from benchmarks.weight_sync._broadcast import plan_buckets
+from benchmarks.weight_sync._models import checksum, llama_like, make_state, stamp, stamp_mismatches
+from benchmarks.weight_sync._roles import schedule
 
 from .conftest import PYTHON, ROOT, python_env
 

@@ -142,7 +142,7 @@ def _bench_harness() -> ModuleType | None:
     is used, whatever the working directory.
     """
     checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "benchmarks" / "p2p.py").is_file() and str(checkout) not in sys.path:
+    if (checkout / "benchmarks" / "p2p" / "__init__.py").is_file() and str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     try:
         return importlib.import_module(_BENCH_HARNESS)

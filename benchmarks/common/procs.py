@@ -1,7 +1,7 @@
 """Helper processes of the benchmarks: a benchmark module run as a child, its output in a log file;
 and a group of worker processes reporting through one queue.
 
-A benchmark's target process is a real separate process (``python -m benchmarks.<module> ...``).
+A benchmark's target process is a real separate process (``python -m benchmarks.<name>.<module> ...``).
 :class:`LoggedProcess` starts it with this checkout importable, sends its output to a log file
 (quoted when it fails) and always leaves it joined. :func:`supervise` runs a group of
 ``multiprocessing`` workers that put plain-dict messages on a queue, and always leaves them joined;
@@ -20,28 +20,28 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._errors import BenchError
+from .errors import BenchError
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _EXIT_TIMEOUT_S = 20.0
 
-CHECKOUT = Path(__file__).resolve().parent.parent
+CHECKOUT = Path(__file__).resolve().parents[2]
 """The source checkout this ``benchmarks`` package lives in."""
 
 
 def module_command(module: str, *args: str) -> list[str]:
-    """The command line that runs ``python -m benchmarks.<module> ARGS`` with this interpreter.
+    """The command line that runs ``python -m MODULE ARGS`` with this interpreter.
 
     Args:
-        module: a module of this package, e.g. ``"_p2p_target"``.
+        module: a module of the benchmarks, dotted in full, e.g. ``"benchmarks.p2p._target"``.
         args: its arguments.
 
     Returns:
         The argv, for :class:`LoggedProcess`.
     """
-    return [sys.executable, "-m", f"{__package__}.{module}", *args]
+    return [sys.executable, "-m", module, *args]
 
 
 def checkout_env() -> dict[str, str]:

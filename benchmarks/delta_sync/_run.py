@@ -358,7 +358,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.delta_sync", description=__doc__.split("\n\n")[0])
     p.add_argument("--role", choices=("trainer", "sub"), default="trainer")
     p.add_argument("spec", nargs="?", help="(subscriber processes) their JSON spec")
     p.add_argument("--backends", nargs="+", default=["tcp", "ipc"])
@@ -412,7 +412,3 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.markdown:
         Path(args.markdown).write_text(markdown(result))
-
-
-if __name__ == "__main__":
-    main()

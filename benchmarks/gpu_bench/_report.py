@@ -16,7 +16,7 @@ import torch
 
 import transport
 
-from ._sizes import GiB, format_size
+from ..common.sizes import GiB, format_size
 
 DEV_KEY, HOST_KEY = "bench.dev", "bench.host"  # the target's device and host regions
 CRITERION = 0.8  # the bar: d2d put across processes >= 0.8x the same-run device copy

@@ -53,13 +53,13 @@ import torch
 
 import transport
 
-from ._capabilities import cuda_unavailable_reason
-from ._errors import BenchError
-from ._gpu_report import BASELINE_NAMES, DEV_KEY, HOST_KEY, OPS, Report, Row, format_markdown, machine
-from ._p2p_report import BATCH_SEGMENT_BYTES, BATCH_SEGMENTS
-from ._procs import CHECKOUT, LoggedProcess, checkout_env, module_command
-from ._sizes import GiB, format_size, parse_sizes
-from ._stats import median
+from ..common.batch import BATCH_SEGMENT_BYTES, BATCH_SEGMENTS
+from ..common.capabilities import cuda_unavailable_reason
+from ..common.errors import BenchError
+from ..common.procs import CHECKOUT, LoggedProcess, checkout_env, module_command
+from ..common.sizes import GiB, format_size, parse_sizes
+from ..common.stats import median
+from ._report import BASELINE_NAMES, DEV_KEY, HOST_KEY, OPS, Report, Row, format_markdown, machine
 
 DEFAULT_SIZES = "1MiB,64MiB,1GiB"
 TARGET = "gpu-bench-target"
@@ -172,7 +172,7 @@ class TargetProcess(LoggedProcess):
 
     def __init__(self, store: str, nbytes: int, timeout: float, log_path: Path) -> None:
         cmd = module_command(
-            "gpu_bench", "serve", "--store", store, "--nbytes", str(nbytes), "--timeout", str(timeout),
+            "benchmarks.gpu_bench", "serve", "--store", store, "--nbytes", str(nbytes), "--timeout", str(timeout),
             "--parent", str(os.getpid()),
         )  # fmt: skip
         super().__init__(cmd, log_path, env=checkout_env(), cwd=CHECKOUT)
@@ -528,7 +528,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu_bench: failed: {error}", file=sys.stderr)
     print(write(final=True), flush=True)
     return 1 if error else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

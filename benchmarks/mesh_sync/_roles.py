@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ._procs import leave_process_group
+from ..common.procs import leave_process_group
 
 MESH, BASELINE = "mesh", "baseline"
 STREAM = "policy"

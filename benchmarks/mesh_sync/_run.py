@@ -58,21 +58,18 @@ from typing import Any
 
 from examples.mesh_sync.model import CONFIG
 
-from ._capabilities import available_backends
-from ._mesh_roles import BASELINE, MESH, MeshBenchSpec, order, run_rank
-from ._procs import supervise
-from ._stats import median
-from .weight_sync import CpuSample, command_line, library, library_line, machine, other_load
+from ..common.capabilities import available_backends
+from ..common.errors import BenchError
+from ..common.machine import CpuSample, command_line, library, library_line, machine, other_load
+from ..common.procs import supervise
+from ..common.stats import median
+from ._roles import BASELINE, MESH, MeshBenchSpec, order, run_rank
 
 _JOIN_S = 30.0
 LABELS = {
     MESH: "mesh (transport.weights MeshPublisher -> MeshSubscriber)",
     BASELINE: "baseline (full_tensor() gather + gloo broadcast from trainer rank 0)",
 }
-
-
-class BenchmarkError(RuntimeError):
-    """The processes failed or timed out, or what arrived is wrong."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -159,7 +156,7 @@ def run(spec: MeshBenchSpec, run_timeout: float) -> list[dict[str, Any]]:
     process on failure or timeout.
 
     Raises:
-        BenchmarkError: a process failed or the run did not finish within ``run_timeout``.
+        BenchError: a process failed or the run did not finish within ``run_timeout``.
     """
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
@@ -174,7 +171,7 @@ def run(spec: MeshBenchSpec, run_timeout: float) -> list[dict[str, Any]]:
 
     messages, errors = supervise(procs, q, run_timeout, progress, _JOIN_S)
     if errors:
-        raise BenchmarkError("\n".join(errors))
+        raise BenchError("\n".join(errors))
     return messages
 
 
@@ -420,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpu0 = CpuSample.take()
         try:
             messages = run(spec, args.run_timeout)
-        except BenchmarkError as exc:
+        except BenchError as exc:
             print(f"mesh_sync: FAILED:\n{exc}", file=sys.stderr)
             return 1
         wall_s = time.monotonic() - t0
@@ -463,7 +460,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print("mesh_sync: both methods verified bit for bit against the trainer's full weights, every version")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

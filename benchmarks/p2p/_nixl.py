@@ -2,12 +2,10 @@
 
 Layout (two processes, NIXL's UCX backend, DRAM):
 
-* this process (the initiator) listens on a Unix socket in the run's temporary directory and
-  starts the NIXL target (``python -m benchmarks._nixl_target``). The target creates a NIXL agent
-  with the UCX backend, registers one pre-faulted DRAM region of ``config.region_bytes``, connects
-  and sends a hello: the region's address and size and its agent metadata
-  (``get_agent_metadata``). It then only waits: the socket closing is its exit bell (also when
-  this process dies);
+* this process (the initiator) starts the NIXL target (``python -m benchmarks.p2p._nixl_target``;
+  the hello and the exit bell are :mod:`._peer`'s). The target creates a NIXL agent with the UCX
+  backend, registers one pre-faulted DRAM region of ``config.region_bytes`` and sends the region's
+  address and size and its agent metadata (``get_agent_metadata``);
 * the initiator creates its own agent (without NIXL's progress thread: its polls progress the
   worker), registers its source and destination buffers (the same ones our backends used), loads
   the target's metadata (``add_remote_agent``) and measures, one transfer in flight at a time,
@@ -38,11 +36,9 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import socket
-import struct
+import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -50,20 +46,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import BenchError
-from ._p2p_report import (
-    BATCH_SEGMENT_BYTES,
-    BATCH_SEGMENTS,
-    BATCH_STRIDE,
+from ..common.batch import BATCH_SEGMENT_BYTES, BATCH_SEGMENTS, BATCH_STRIDE
+from ..common.errors import BenchError
+from ..common.sizes import format_size
+from ..common.stats import median, percentile
+from ._peer import START_TIMEOUT_S, TargetHello, timed, with_target
+from ._report import (
     BenchConfig,
     DescListResult,
     LatencyResult,
     PeerResult,
     SizeResult,
 )
-from ._procs import CHECKOUT, LoggedProcess, checkout_env, module_command
-from ._sizes import MiB, format_size
-from ._stats import median, percentile
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +79,6 @@ _DISTRIBUTIONS = ("nixl-cu12", "nixl-cu13", "nixl")
 _DONE, _IN_PROGRESS = "DONE", "PROC"
 _POLLS_PER_CLOCK_CHECK = 1024  # the deadline is read once per this many polls, not on every one
 
-# The target's hello: magic, version, region address, region bytes, metadata length; then the metadata.
-_HELLO = struct.Struct("!4sHQQI")
-_HELLO_MAGIC = b"TBNX"
-_HELLO_VERSION = 1
-_MAX_METADATA_BYTES = 64 * MiB
-_START_TIMEOUT_S = 60.0  # the target imports torch and NIXL and pre-faults its region
-_ACCEPT_POLL_S = 0.25  # while waiting for the target to connect, how often to check it has not died
 
 
 # -------------------------------------------------------------------------------------------------
@@ -136,6 +123,20 @@ def nixl_version() -> str:
     return "nixl (version unknown)"
 
 
+def _skip_ib_modules_without_devices() -> None:
+    """Keeps NIXL's UCX from loading its InfiniBand modules on a host with no RDMA device.
+
+    NIXL's wheel bundles its own libibverbs and libnl; where the system's libibverbs is installed
+    too (Mooncake's TCP transport needs it), UCX's ib module loads both copies of libnl-route, and
+    the process crashes in their destructors at exit (SIGSEGV in ``rtnl_tc_unregister``), after
+    the run. Without a device those modules have nothing to drive, so this changes no figure.
+    A ``UCX_MODULES`` the user set is left alone. UCX reads it when the agent creates its context.
+    """
+    devices = Path("/sys/class/infiniband")
+    if not (devices.is_dir() and any(devices.iterdir())):
+        os.environ.setdefault("UCX_MODULES", "^ib")
+
+
 def make_agent(api: ModuleType, name: str, *, progress_thread: bool) -> Any:
     """A NIXL agent with the UCX backend (NIXL's default agent configuration otherwise).
 
@@ -148,6 +149,7 @@ def make_agent(api: ModuleType, name: str, *, progress_thread: bool) -> Any:
     Raises:
         BenchError: NIXL has no UCX backend here.
     """
+    _skip_ib_modules_without_devices()
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[NIXL_BACKEND])
     agent = api.nixl_agent(name, config)
     if NIXL_BACKEND not in agent.backends:
@@ -155,57 +157,6 @@ def make_agent(api: ModuleType, name: str, *, progress_thread: bool) -> Any:
             f"NIXL could not create its {NIXL_BACKEND} backend (plugins found: {', '.join(agent.get_plugin_list())})"
         )
     return agent
-
-
-# -------------------------------------------------------------------------------------------------
-# The target's hello
-
-
-@dataclass(frozen=True)
-class TargetHello:
-    """What the NIXL target tells the initiator: where its registered region is, and how to
-    reach its agent."""
-
-    address: int
-    nbytes: int
-    metadata: bytes
-
-    def encode(self) -> bytes:
-        """The hello as sent on the socket."""
-        header = _HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, self.address, self.nbytes, len(self.metadata))
-        return header + self.metadata
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``sock`` (its own timeout bounds every wait).
-
-    Raises:
-        BenchError: the peer closed the connection first.
-        TimeoutError: the socket's timeout passed.
-    """
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise BenchError(f"the NIXL target closed the connection {n - left} bytes into a {n}-byte message")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_hello(sock: socket.socket) -> TargetHello:
-    """Reads and checks the target's hello.
-
-    Raises:
-        BenchError: not a hello of this version, or the connection closed early.
-        TimeoutError: the socket's timeout passed.
-    """
-    magic, version, address, nbytes, md_len = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
-    if magic != _HELLO_MAGIC or version != _HELLO_VERSION:
-        raise BenchError(f"the NIXL target sent no hello of version {_HELLO_VERSION} (magic {magic!r}, v{version})")
-    if not 0 < md_len <= _MAX_METADATA_BYTES:
-        raise BenchError(f"the NIXL target announced {md_len} bytes of agent metadata")
-    return TargetHello(address, nbytes, _recv_exact(sock, md_len))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -279,18 +230,6 @@ class _Initiator:
             self.agent.release_xfer_handle(h)
 
 
-def _timed(op: Callable[[], object], iters: int, warmup: int) -> list[float]:
-    """Runs ``op`` ``warmup`` times, then ``iters`` times; returns the timed durations (s)."""
-    for _ in range(warmup):
-        op()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _measure_sizes(
     x: _Initiator, config: BenchConfig, src: torch.Tensor, dst: torch.Tensor, memcpy_gbps: dict[int, float]
 ) -> list[SizeResult]:
@@ -302,9 +241,9 @@ def _measure_sizes(
         s_view.fill_(value)
         d_view.fill_(0)
         with x.handle("WRITE", s_view) as write:
-            put_times = _timed(functools.partial(x.wait, write), iters, config.warmup)
+            put_times = timed(functools.partial(x.wait, write), iters, config.warmup)
         with x.handle("READ", d_view) as read:
-            get_times = _timed(functools.partial(x.wait, read), iters, config.warmup)
+            get_times = timed(functools.partial(x.wait, read), iters, config.warmup)
         if not torch.equal(s_view, d_view):
             raise BenchError(f"{format_size(size)} READ back from the NIXL target differs from what was written")
         sr = SizeResult(size, iters, size / median(put_times) / 1e9, size / median(get_times) / 1e9, memcpy_gbps[size])
@@ -326,13 +265,13 @@ def _measure_latency(x: _Initiator, config: BenchConfig, src: torch.Tensor, dst:
         s_view.fill_((17 * i + 29) % 251 + 1)
         d_view.fill_(0)
         with x.handle("WRITE", s_view) as write:
-            out.append(_latency("put", n, _timed(functools.partial(x.wait, write), iters, warmup)))
+            out.append(_latency("put", n, timed(functools.partial(x.wait, write), iters, warmup)))
         with x.handle("READ", d_view) as read:
-            out.append(_latency("get", n, _timed(functools.partial(x.wait, read), iters, warmup)))
+            out.append(_latency("get", n, timed(functools.partial(x.wait, read), iters, warmup)))
         if not torch.equal(s_view, d_view):
             raise BenchError(f"{format_size(n)} READ back from the NIXL target differs from what was written")
         new_handle = functools.partial(x.once_with_new_handle, "WRITE", s_view)
-        out.append(_latency("put", n, _timed(new_handle, iters, warmup), "new handle"))
+        out.append(_latency("put", n, timed(new_handle, iters, warmup), "new handle"))
     return out
 
 
@@ -366,7 +305,7 @@ def _measure_batch(x: _Initiator, src: torch.Tensor, dst: torch.Tensor) -> DescL
         indices = np.arange(n, dtype=np.int32)
         write = agent.make_prepped_xfer("WRITE", lists["src"], indices, lists["remote"], indices)
         stack.callback(_quietly, "release_xfer_handle", functools.partial(agent.release_xfer_handle, write))
-        times = _timed(functools.partial(x.wait, write), BATCH_ITERS, 1)
+        times = timed(functools.partial(x.wait, write), BATCH_ITERS, 1)
         read = agent.make_prepped_xfer("READ", lists["dst"], indices, lists["remote"], indices)
         stack.callback(_quietly, "release_xfer_handle", functools.partial(agent.release_xfer_handle, read))
         x.wait(read)
@@ -385,56 +324,31 @@ def lifetime_bound(config: BenchConfig) -> float:
     transfers = sum(config.iters_for(n) + config.warmup for n in config.table_sizes) * 2
     transfers += len(config.latency_sizes) * 3 * (config.latency_iters + LATENCY_WARMUP)
     transfers += BATCH_ITERS + 2
-    return _START_TIMEOUT_S + config.timeout * (transfers + 2)
-
-
-def _accept(listener: socket.socket, target: LoggedProcess, timeout: float) -> socket.socket:
-    """The target's connection, once it has created its agent and registered its region.
-
-    Raises:
-        BenchError: the target exited, or did not connect within ``timeout`` s.
-    """
-    deadline = time.monotonic() + timeout
-    listener.settimeout(_ACCEPT_POLL_S)
-    while time.monotonic() < deadline:
-        try:
-            conn, _ = listener.accept()
-            return conn
-        except TimeoutError:
-            failure = target.failure()
-            if failure is not None:
-                raise BenchError(failure) from None
-    raise BenchError(
-        f"the NIXL target did not connect within {timeout:g}s; its output ends with:\n{target.output_tail()}"
-    )
+    return START_TIMEOUT_S + config.timeout * (transfers + 2)
 
 
 def _initiate(
     api: ModuleType,
-    listener: socket.socket,
-    target: LoggedProcess,
     config: BenchConfig,
     src: torch.Tensor,
     dst: torch.Tensor,
     memcpy_gbps: dict[int, float],
+    hello: TargetHello,
 ) -> PeerResult:
-    """Everything measured with NIXL; closing the connection on the way out lets the target exit."""
-    with _accept(listener, target, _START_TIMEOUT_S + config.timeout) as conn:
-        conn.settimeout(config.timeout)
-        hello = read_hello(conn)
-        if hello.nbytes < config.region_bytes:
-            raise BenchError(f"the NIXL target registered {hello.nbytes} bytes, not {config.region_bytes}")
-        # No progress thread here: the initiator polls every transfer to completion, and those
-        # polls progress the worker; NIXL's thread (which spins) would only compete for the cores.
-        # On a 2-core machine, with it NIXL's 256 MiB WRITE ran at ~1.6 GB/s instead of ~2.5, and
-        # its batch at ~75-95k segments/s instead of ~115k. The target keeps its thread (see there).
-        agent = make_agent(api, INITIATOR_AGENT, progress_thread=False)
-        try:
-            return _measure_with(agent, hello, config, src, dst, memcpy_gbps)
-        finally:
-            # NIXL's Python API has no close: dropping the last reference destroys the agent (its
-            # UCX workers and endpoints) here, before the connection closes and the target goes.
-            del agent
+    """Everything measured with NIXL, against the target that sent ``hello``."""
+    if hello.nbytes < config.region_bytes:
+        raise BenchError(f"the NIXL target registered {hello.nbytes} bytes, not {config.region_bytes}")
+    # No progress thread here: the initiator polls every transfer to completion, and those
+    # polls progress the worker; NIXL's thread (which spins) would only compete for the cores
+    # (on a 2-core machine it cost this process's large WRITEs and its batch a third of their
+    # rate). The target keeps its thread (see there).
+    agent = make_agent(api, INITIATOR_AGENT, progress_thread=False)
+    try:
+        return _measure_with(agent, hello, config, src, dst, memcpy_gbps)
+    finally:
+        # NIXL's Python API has no close: dropping the last reference destroys the agent (its
+        # UCX workers and endpoints) here, before the connection closes and the target goes.
+        del agent
 
 
 def _measure_with(
@@ -489,20 +403,10 @@ def measure(
     if api is None:
         return PeerResult(PEER_NAME, unavailable=f"not installed ({INSTALL_HINT})")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-            path = workdir / "nixl.sock"
-            listener.bind(str(path))
-            listener.listen(1)
-            cmd = module_command(
-                "_nixl_target",
-                "--socket", str(path),
-                "--nbytes", str(config.region_bytes),
-                "--timeout", str(config.timeout),
-                "--lifetime", str(lifetime_bound(config)),
-            )  # fmt: skip
-            target = LoggedProcess(cmd, workdir / "nixl-target.log", env=checkout_env(), cwd=CHECKOUT)
-            initiate = functools.partial(_initiate, api, listener, target, config, src, dst, memcpy_gbps)
-            return target.supervise(initiate)
+        args = ("--nbytes", str(config.region_bytes), "--timeout", str(config.timeout),
+                "--lifetime", str(lifetime_bound(config)))
+        initiate = functools.partial(_initiate, api, config, src, dst, memcpy_gbps)
+        return with_target(PEER_NAME, f"{__package__}._nixl_target", args, workdir, config.timeout, initiate)
     except Exception as exc:  # whatever NIXL raised becomes the reason; our rows stand
         log.debug("nixl measurement failed", exc_info=True)
         why = str(exc).strip() if isinstance(exc, BenchError) else f"{type(exc).__name__}: {str(exc).strip()}"

@@ -1,4 +1,4 @@
-"""The NIXL peer's target process: ``python -m benchmarks._nixl_target ...`` (see :mod:`benchmarks._nixl`).
+"""The NIXL peer's target process: ``python -m benchmarks.p2p._nixl_target ...`` (see :mod:`._nixl`).
 
 It creates a NIXL agent with the UCX backend, registers one pre-faulted DRAM region, connects to
 the initiator's Unix socket and sends its hello (the region and its agent metadata); then it only
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 from collections.abc import Sequence
 
 import torch
 
-from ._errors import BenchError
-from ._nixl import MEM_TYPE, TARGET_AGENT, TargetHello, load_api, make_agent
+from ..common.errors import BenchError
+from ._nixl import MEM_TYPE, TARGET_AGENT, load_api, make_agent
+from ._peer import TargetHello, send_hello_and_wait
 
 
 def serve(socket_path: str, nbytes: int, timeout: float, lifetime: float) -> None:
@@ -46,16 +46,7 @@ def serve(socket_path: str, nbytes: int, timeout: float, lifetime: float) -> Non
     agent.register_memory(descs)
     try:
         hello = TargetHello(region.data_ptr(), nbytes, agent.get_agent_metadata())
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(socket_path)
-            conn.sendall(hello.encode())
-            conn.settimeout(lifetime)
-            try:
-                while conn.recv(4096):  # the initiator sends nothing; EOF is the bell
-                    pass
-            except TimeoutError as exc:
-                raise BenchError(f"no exit bell within {lifetime:g}s") from exc
+        send_hello_and_wait(socket_path, hello, timeout, lifetime)
     finally:
         agent.deregister_memory(descs)
 
@@ -69,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code: 0 after the exit bell, 1 on any failure (one line on stderr).
     """
-    p = argparse.ArgumentParser(prog="python -m benchmarks._nixl_target", description="NIXL target (internal)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.p2p._nixl_target", description="NIXL target (internal)")
     p.add_argument("--socket", required=True)
     p.add_argument("--nbytes", type=int, required=True)
     p.add_argument("--timeout", type=float, default=120.0)

@@ -1,7 +1,7 @@
 """The point-to-point benchmark's configuration, its results, and the tables it prints.
 
-See :mod:`benchmarks.p2p` for what is measured and how, and :mod:`benchmarks._nixl` for the NIXL
-peer measured in the same run (``--peers nixl``).
+See :mod:`benchmarks.p2p` for what is measured and how, and :mod:`._nixl` and :mod:`._mooncake` for the
+peers measured in the same run (``--peers nixl,mooncake``).
 """
 
 from __future__ import annotations
@@ -19,20 +19,17 @@ import torch
 
 import transport
 
-from ._sizes import GiB, KiB, MiB, format_size
+from ..common.batch import BATCH_SEGMENTS, BATCH_STRIDE
+from ..common.sizes import GiB, KiB, MiB, format_size
 
 DEFAULT_SIZES: tuple[int, ...] = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
 DEFAULT_BACKENDS: tuple[str, ...] = ("ipc", "ucx", "tcp")
 DEFAULT_LATENCY_SIZES: tuple[int, ...] = (8, 4 * KiB)
-KNOWN_PEERS: tuple[str, ...] = ("nixl",)
+KNOWN_PEERS: tuple[str, ...] = ("nixl", "mooncake")
 
 REFERENCE_PUT_BYTES = 1 * MiB
 """Always in the bandwidth table, whatever ``--sizes`` says: the headline small-bulk put."""
 
-# The batch: BATCH_SEGMENTS pieces of BATCH_SEGMENT_BYTES, BATCH_STRIDE apart in the target's region.
-BATCH_SEGMENTS = 10_000
-BATCH_SEGMENT_BYTES = 4 * KiB
-BATCH_STRIDE = 8 * KiB
 # The smallest region: the whole batch fits (80 MiB of stride) with 1 MiB to spare, whatever the sizes.
 MIN_REGION_BYTES = BATCH_SEGMENTS * BATCH_STRIDE + 1 * MiB
 
@@ -214,6 +211,19 @@ class DescListResult:
     stride: int
     iters: int
     seg_per_s: float  # median of the timed posts
+    calls: int = 1  # descriptor lists posted per transfer (a library may cap the entries per list)
+
+
+@dataclass(frozen=True)
+class SeparateResult:
+    """A peer library's separate puts: the segments of :class:`BatchResult`, one transfer each,
+    all submitted and then each waited for (as our single puts are all started, then gathered)."""
+
+    segments: int
+    segment_bytes: int
+    stride: int
+    puts_per_s: float
+    window: int  # at most this many in flight (the library's cap per peer), else all of them
 
 
 @dataclass
@@ -231,6 +241,7 @@ class PeerResult:
     sizes: list[SizeResult] = field(default_factory=list)
     latency: list[LatencyResult] = field(default_factory=list)
     batch: list[DescListResult] = field(default_factory=list)
+    separate: list[SeparateResult] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -244,7 +255,7 @@ class Ratio:
     backend: str
     peer: str
     measure: str  # e.g. "put 1 MiB"
-    unit: str  # "GB/s", "segments/s" or "us"
+    unit: str  # "GB/s", "segments/s", "puts/s" or "us"
     ours: float
     theirs: float
 
@@ -264,9 +275,18 @@ def _put_median_us(latency: list[LatencyResult], nbytes: int) -> float | None:
     return next((x.median_us for x in latency if (x.op, x.nbytes, x.variant) == ("put", nbytes, "")), None)
 
 
+def _reposted_us(peer: PeerResult, nbytes: int) -> float | None:
+    """Microseconds per transfer of the peer's prepared WRITE handle reposted, at ``nbytes``: from
+    its bandwidth table, else from its latency series (both post one handle again and again)."""
+    gbps = _put_gbps(peer.sizes, nbytes)
+    return nbytes / (gbps * 1e3) if gbps else _put_median_us(peer.latency, nbytes)
+
+
 def ratios(backends: list[BackendResult], peer: PeerResult, config: BenchConfig) -> list[Ratio]:
-    """Each backend's figures over the peer's: batch segments/s, put GB/s at every table size,
-    put median latency at every latency size. Figures either side lacks are left out."""
+    """Each backend's figures over the peer's: batch segments/s, separate puts/s, put GB/s at
+    every table size, put median latency at every latency size, and our one-segment prepared put
+    reposted against the peer's reposted handle of the same size (GB/s from 64 KiB up, us
+    below). Figures either side lacks are left out."""
     out: list[Ratio] = []
     if peer.unavailable is not None:
         return out
@@ -276,8 +296,22 @@ def ratios(backends: list[BackendResult], peer: PeerResult, config: BenchConfig)
             x, d = b.batch[0], peer.batch[0]
             label = f"batch {x.segments} x {format_size(x.segment_bytes)}"
             rows.append((label, "segments/s", x.prepared_seg_per_s, d.seg_per_s))
+        if b.batch and peer.separate and b.batch[0].segments == peer.separate[0].segments:
+            x, s = b.batch[0], peer.separate[0]
+            label = f"{x.segments} separate {format_size(x.segment_bytes)} puts"
+            rows.append((label, "puts/s", x.single_seg_per_s, s.puts_per_s))
         for size in config.table_sizes:
             rows.append((f"put {format_size(size)}", "GB/s", _put_gbps(b.sizes, size), _put_gbps(peer.sizes, size)))
+        for pr in b.prepared:
+            theirs_us = _reposted_us(peer, pr.nbytes)
+            if theirs_us is None:
+                continue
+            label = f"prepared put {format_size(pr.nbytes)}, reposted"
+            ours_us = pr.nbytes / (pr.prepared_gbps * 1e3)
+            if pr.nbytes >= 64 * KiB:
+                rows.append((label, "GB/s", pr.prepared_gbps, pr.nbytes / (theirs_us * 1e3)))
+            else:
+                rows.append((label + " (time each)", "us", ours_us, theirs_us))
         for n in config.latency_sizes:
             ours, theirs = _put_median_us(b.latency, n), _put_median_us(peer.latency, n)
             rows.append((f"put {format_size(n)} median latency", "us", ours, theirs))
@@ -311,7 +345,7 @@ class BenchReport:
         """A JSON-ready dict of everything in the report (ratios included).
 
         Schema 2: ``config.latency_sizes`` (a list) replaced ``config.latency_bytes``; ``peers``
-        and ``ratios`` are new.
+        and ``ratios`` are new. A peer's ``separate`` (its separate puts) may be empty.
         """
         return {
             "schema": 2,
@@ -337,6 +371,7 @@ class BenchReport:
                     "sizes": [_size_json(s) for s in p.sizes],
                     "latency": [dataclasses.asdict(lat) for lat in p.latency],
                     "batch": [dataclasses.asdict(x) for x in p.batch],
+                    "separate": [dataclasses.asdict(x) for x in p.separate],
                 }
                 for p in self.peers
             },
@@ -397,7 +432,7 @@ def _latency_lines(latency: list[LatencyResult]) -> list[str]:
 
 
 def _format_figure(value: float, unit: str) -> str:
-    if unit == "segments/s":
+    if unit in ("segments/s", "puts/s"):
         return f"{value / 1e3:.1f}k"
     return f"{value:.2f}" if unit == "GB/s" else f"{value:.1f}"
 
@@ -405,7 +440,7 @@ def _format_figure(value: float, unit: str) -> str:
 def _ratio_table(rows: list[Ratio]) -> list[str]:
     """``ours / theirs`` per backend and measure."""
     peer = rows[0].peer
-    header = f"{'backend':<7} | {'measure':<32} | {'unit':<10} | {'transport':>10} | {peer:>10} | {'ratio':>6}"
+    header = f"{'backend':<7} | {'measure':<40} | {'unit':<10} | {'transport':>10} | {peer:>10} | {'ratio':>6}"
     lines = [
         f"transport / {peer} (rates: above 1 = transport faster; latencies: below 1 = transport faster)",
         header,
@@ -413,7 +448,7 @@ def _ratio_table(rows: list[Ratio]) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"{r.backend:<7} | {r.measure:<32} | {r.unit:<10} | {_format_figure(r.ours, r.unit):>10} | "
+            f"{r.backend:<7} | {r.measure:<40} | {r.unit:<10} | {_format_figure(r.ours, r.unit):>10} | "
             f"{_format_figure(r.theirs, r.unit):>10} | {r.ratio:>6.2f}"
         )
     return lines
@@ -467,8 +502,14 @@ def format_report(report: BenchReport) -> str:
         for d in p.batch:
             lines.append(
                 f"  batch of {d.segments} x {format_size(d.segment_bytes)} at a {format_size(d.stride)} stride: "
-                f"one transfer from a {d.segments}-entry descriptor list, {d.seg_per_s / 1e3:.1f}k segments/s "
-                f"(prepared once, median of {d.iters} posts)"
+                + (f"one transfer from a {d.segments}-entry descriptor list" if d.calls == 1 else
+                   f"{d.calls} batch calls of up to {-(-d.segments // d.calls)} descriptors")
+                + f", {d.seg_per_s / 1e3:.1f}k segments/s (prepared once, median of {d.iters} posts)"
+            )
+        for s in p.separate:
+            lines.append(
+                f"  {s.segments} separate {format_size(s.segment_bytes)} puts at a {format_size(s.stride)} stride, "
+                f"submitted {s.window} at a time, each waited for: {s.puts_per_s / 1e3:.1f}k puts/s"
             )
     for p in report.peers:
         table = ratios(report.backends, p, report.config)

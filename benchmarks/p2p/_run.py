@@ -6,7 +6,7 @@
 
 Layout of one run:
 
-* a **target** process (``python -m benchmarks._p2p_target ...``, a real separate process)
+* a **target** process (``python -m benchmarks.p2p._target ...``, a real separate process)
   opens a Transport on a temporary ``file://`` store, allocates one destination region of the
   largest size with :meth:`transport.Transport.empty` (shareable, pre-faulted) and then only waits
   for the exit doorbell: its application code takes no part in any transfer;
@@ -20,8 +20,9 @@ Layout of one run:
 * in the same run, the **baseline**: a single-threaded native ``memcpy`` (the C library's)
   between two pre-faulted buffers of this process, at the same sizes; tables show backend GB/s /
   memcpy GB/s;
-* with ``--peers nixl``, after our backends: NIXL (UCX backend, DRAM, its own target process)
-  measured the same way (:mod:`benchmarks._nixl`), and a table of ratios (ours / NIXL). When NIXL
+* with ``--peers nixl,mooncake``, after our backends: NIXL (UCX backend, DRAM) and Mooncake
+  Transfer Engine (TCP transport, DRAM), each with its own target process, measured the same way
+  (:mod:`._nixl`, :mod:`._mooncake`), and a table of ratios (ours / theirs) per peer. When a peer
   is not installed, or fails here, the report says why and the rest of the run stands.
 
 GB/s means 1e9 bytes per second. Nothing here asserts on timings: it measures and reports.
@@ -46,13 +47,14 @@ import torch
 
 import transport
 
-from . import _nixl
-from ._capabilities import available_backends, is_one_sided
-from ._errors import BenchError
-from ._p2p_report import (
-    BATCH_SEGMENT_BYTES,
-    BATCH_SEGMENTS,
-    BATCH_STRIDE,
+from ..common.batch import BATCH_SEGMENT_BYTES, BATCH_SEGMENTS, BATCH_STRIDE
+from ..common.capabilities import available_backends, is_one_sided
+from ..common.errors import BenchError
+from ..common.procs import CHECKOUT, LoggedProcess, checkout_env, module_command
+from ..common.sizes import format_size, parse_size, parse_sizes
+from ..common.stats import median, percentile
+from . import _mooncake, _nixl
+from ._report import (
     DEFAULT_LATENCY_SIZES,
     DEFAULT_SIZES,
     KNOWN_PEERS,
@@ -68,10 +70,7 @@ from ._p2p_report import (
     format_report,
     machine_info,
 )
-from ._p2p_target import EXIT_SIGNAL, PARENT_POLL_S, REGION_KEY, TARGET_NAME
-from ._procs import CHECKOUT, LoggedProcess, checkout_env, module_command
-from ._sizes import format_size, parse_size, parse_sizes
-from ._stats import median, percentile
+from ._target import EXIT_SIGNAL, PARENT_POLL_S, REGION_KEY, TARGET_NAME
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,8 @@ _PREPARED_SIZES = (8, 4 << 10, 1 << 20, 8 << 20)
 # An array of runs: RUNS runs of RUN_BYTES at a RUN_STRIDE stride (no two adjacent: nothing
 # coalesces), prepared afresh RUNS_TRIES times.
 RUNS, RUN_BYTES, RUN_STRIDE, RUNS_TRIES = 100_000, 64, 128, 3
+# The peers of ``--peers``, each measured with its own target process after ours has gone.
+_PEERS = {_nixl.PEER_NAME: _nixl, _mooncake.PEER_NAME: _mooncake}
 _TARGET_START_TIMEOUT_S = 60.0  # the target imports torch and pre-faults the largest region
 
 
@@ -142,7 +143,7 @@ class _TargetProcess(LoggedProcess):
 
     def __init__(self, store_url: str, config: BenchConfig, backends: Sequence[str], log_path: Path) -> None:
         cmd = module_command(
-            "_p2p_target",
+            f"{__package__}._target",
             "--store", store_url,
             "--name", TARGET_NAME,
             "--nbytes", str(config.region_bytes),
@@ -386,8 +387,8 @@ def run(config: BenchConfig) -> BenchReport:
         initiate = functools.partial(trio.run, _initiate, config, backends, store_url, target, src, dst, memcpy_gbps)
         results = target.supervise(initiate)
         # After our target has gone (its region freed): each peer with its own target process.
-        if "nixl" in config.peers:
-            peers.append(_nixl.measure(config, src, dst, memcpy_gbps, Path(tmp)))
+        for name in config.peers:
+            peers.append(_PEERS[name].measure(config, src, dst, memcpy_gbps, Path(tmp)))
     return BenchReport(
         config=config,
         machine=machine_info(),
@@ -435,8 +436,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--peers",
         default="",
         help=(
-            f"comma-separated other libraries to measure the same way in the same run ({', '.join(KNOWN_PEERS)}: "
-            "NIXL, UCX backend, DRAM; needs pip install nixl-cu12); the report adds ratios ours / theirs"
+            f"comma-separated other libraries to measure the same way in the same run ({', '.join(KNOWN_PEERS)}; "
+            "nixl: NIXL, UCX backend, DRAM, needs pip install nixl-cu12; mooncake: Mooncake Transfer Engine, "
+            "TCP transport, DRAM, needs pip install mooncake-transfer-engine-non-cuda and libibverbs1); "
+            "the report adds ratios ours / theirs"
         ),
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write all results as JSON here")
@@ -509,8 +512,3 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.p2
         path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         print(f"results written to {path}")
     return 0
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The point-to-point benchmark's target process: ``python -m benchmarks._p2p_target ...``.
+"""The point-to-point benchmark's target process: ``python -m benchmarks.p2p._target ...``.
 
 It opens a Transport, allocates one destination region with :meth:`transport.Transport.empty`
 (shareable, pre-faulted) and then only waits for the exit doorbell: its application code takes no
@@ -18,7 +18,7 @@ import torch
 
 import transport
 
-from ._errors import BenchError
+from ..common.errors import BenchError
 
 TARGET_NAME = "bench-target"
 REGION_KEY = "bench.dst"
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import trio
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks._p2p_target", description="bench target process (internal)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.p2p._target", description="bench target process (internal)")
     p.add_argument("--store", required=True)
     p.add_argument("--name", default=TARGET_NAME)
     p.add_argument("--nbytes", type=int, required=True)

@@ -2,7 +2,7 @@
 the full state dict, opens a gloo group with every vLLM worker, broadcasts every tensor, and
 each worker loads them with ``load_weights`` under vLLM's layerwise reload (as vLLM's own nccl
 backend does). The worker side is a vLLM worker extension (``--worker-extension-cls
-benchmarks._vllm_broadcast.BroadcastExtension``), called through the server's
+benchmarks.vllm_sync._broadcast.BroadcastExtension``), called through the server's
 ``/collective_rpc`` route, so it runs on the very engine the transport path feeds."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-EXTENSION = "benchmarks._vllm_broadcast.BroadcastExtension"
+EXTENSION = "benchmarks.vllm_sync._broadcast.BroadcastExtension"
 
 
 class BroadcastExtension:

@@ -11,7 +11,7 @@ Per round the trainer perturbs its weights and makes the engine serve them, by e
   the engine loads the version between two forward passes as soon as it is complete
   ("until served" is then measured by polling the engine every 50 ms);
 * **broadcast**: the full state dict broadcast over gloo into every worker, which then runs
-  ``load_weights`` (``benchmarks/_vllm_broadcast.py``; one ``/collective_rpc`` call: the engine
+  ``load_weights`` (``benchmarks/vllm_sync/_broadcast.py``; one ``/collective_rpc`` call: the engine
   cannot generate while it runs).
 
 Reported per method (medians over rounds): the time from the start of the sync until the engine
@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from examples.vllm_sync.run import compare
     from transport.vllm import TransportTrainerEngine, TransportTrainerInitInfo
 
-    from . import _vllm_broadcast as bcast
+    from . import _broadcast as bcast
 
     work = Path(tempfile.mkdtemp(prefix="vllm_bench-"))
     path = str(tiny.build(work / "model", num_hidden_layers=a.layers, hidden_size=a.hidden,
@@ -199,7 +198,3 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"vllm_sync-{stamp}.md").write_text(
             f"# python -m benchmarks.vllm_sync ({doc['date']}, {doc['machine']})\n\n" + "\n".join(lines) + "\n")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from ..common.procs import leave_process_group
 from ._broadcast import Baseline, BucketedBroadcast, broadcast_per_param
 from ._models import DecoderConfig, checksum, make_state, stamp, stamp_mismatches
-from ._procs import leave_process_group
 
 TRAINER = "trainer"
 TRANSPORT_PREFIX = "transport/"

@@ -41,24 +41,23 @@ import datetime
 import json
 import multiprocessing
 import os
-import platform
-import resource
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _capabilities, _report
+from ..common import capabilities
+from ..common.errors import BenchError
+from ..common.machine import CpuSample, command_line, library, library_line, machine, meminfo, other_load
+from ..common.procs import supervise
+from ..common.sizes import parse_size  # one size syntax for every benchmark
+from . import _report
 from ._broadcast import Baseline
 from ._models import llama_like
-from ._procs import supervise
 from ._progress import Progress
 from ._report import GroupResult, MemcpyRates, size_label
 from ._roles import (
@@ -69,7 +68,6 @@ from ._roles import (
     run_process,
     transport_method,
 )
-from ._sizes import parse_size  # one size syntax for every benchmark
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = "256MiB,1GiB"
@@ -81,9 +79,6 @@ QUICK = {"sizes": "16MiB,64MiB", "ks": "1,2", "versions": 3, "straggler_versions
 _PROCESS_OVERHEAD = 450 * MiB  # Python + torch + gloo in one process (measured RSS ≈ 300-400 MiB)
 _MEMORY_HEADROOM = 1 * GiB  # left for the OS and the launcher
 _JOIN_S = 15.0
-
-class BenchmarkError(RuntimeError):
-    """A group's processes failed, timed out, or delivered wrong weights."""
 
 
 def _csv(text: str) -> list[str]:
@@ -168,87 +163,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-# -- machine ---------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    """What this host is (for the record)."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "host": platform.node(), "cpu": cpu, "nproc": os.cpu_count(),
-        "memory_gib": round(_meminfo("MemTotal") / GiB, 1),
-        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-    }
-
-
-def library() -> dict[str, Any]:
-    """Which ``transport`` was measured: its version, and the git commit of its checkout with the
-    files that differ from it (the numbers describe that exact code)."""
-    import transport
-
-    root = Path(transport.__file__).resolve().parent.parent
-    out: dict[str, Any] = {"version": getattr(transport, "__version__", "?"), "path": str(root)}
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "transport", "csrc"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return out
-    out["commit"] = commit
-    out["uncommitted"] = sorted(line[3:] for line in dirty)
-    return out
-
-
-def _meminfo(field: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * KiB
-    except OSError:
-        pass
-    return 0
-
-
-@dataclass(frozen=True)
-class CpuSample:
-    """Busy CPU seconds of the whole machine, and of this process and its reaped children."""
-
-    machine_busy_s: float
-    ours_s: float
-    wall: float
-
-    @staticmethod
-    def take() -> CpuSample:
-        busy = 0.0
-        try:
-            fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-            # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
-            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return CpuSample(busy, own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, time.monotonic())
-
-
-def other_load(start: CpuSample, end: CpuSample) -> dict[str, float]:
-    """CPU time that processes outside this benchmark used during the run: on a shared machine,
-    the numbers are only as good as this is small."""
-    wall = max(1e-9, end.wall - start.wall)
-    cores = os.cpu_count() or 1
-    others = max(0.0, (end.machine_busy_s - start.machine_busy_s) - (end.ours_s - start.ours_s))
-    return {"other_cpu_s": round(others, 1), "other_cores_avg": round(others / wall, 2),
-            "other_share": round(others / (wall * cores), 3)}
+# -- memory --------------------------------------------------------------------------------------
 
 
 def memory_needed(state_bytes: int, k: int, methods: Sequence[str], bucket_bytes: int) -> int:
@@ -262,7 +177,7 @@ def memory_needed(state_bytes: int, k: int, methods: Sequence[str], bucket_bytes
 
 def available_backends(names: Sequence[str]) -> tuple[list[str], list[str]]:
     """(available, reasons for the others)."""
-    known = _capabilities.available_backends()
+    known = capabilities.available_backends()
     ok, why = [], []
     for n in names:
         reason = known[n] if n in known else "unknown backend"
@@ -335,7 +250,7 @@ def run_group(spec: GroupSpec, size: int, progress: Progress, group_timeout: flo
     joins them (bounded). Kills every process of the group on failure or timeout.
 
     Raises:
-        BenchmarkError: a process failed, the group timed out, or wrong weights arrived.
+        BenchError: a process failed, the group timed out, or wrong weights arrived.
     """
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
@@ -354,23 +269,17 @@ def run_group(spec: GroupSpec, size: int, progress: Progress, group_timeout: flo
 
     messages, errors = supervise(procs, q, group_timeout, report, _JOIN_S)
     if errors:
-        raise BenchmarkError(f"{label} failed:\n" + "\n".join(errors))
+        raise BenchError(f"{label} failed:\n" + "\n".join(errors))
     straggler = spec.generators[spec.straggler] if spec.straggler is not None else None
     records, verified, problems = _report.assemble(messages, spec.generators)
     if problems:
-        raise BenchmarkError(f"{label}: " + "; ".join(problems))
+        raise BenchError(f"{label}: " + "; ".join(problems))
     peak = {m["who"]: m["peak_rss"] for m in messages if m["kind"] == "exit"}
     return GroupResult(size, spec.k, spec.config.describe(), spec.methods, straggler, spec.straggler_delay,
                        records, verified, wall_s=time.monotonic() - t0, peak_rss=peak)
 
 
 # -- output ----------------------------------------------------------------------------------------
-
-
-def command_line(argv: Sequence[str] | None, module: str = "benchmarks.weight_sync") -> str:
-    """The command that ran ``python -m module`` with ``argv`` (default: this process's)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return f"python -m {module}" + ("" if not args else " " + shlex.join(args))
 
 
 def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Sequence[str],
@@ -472,15 +381,6 @@ def write_outputs(text: str, summary: dict[str, Any], groups: Sequence[GroupResu
     return written
 
 
-def library_line(lib: dict[str, Any]) -> str:
-    line = f"Library: transport {lib.get('version', '?')}"
-    if "commit" in lib:
-        line += f" at commit {lib['commit']}"
-        if lib["uncommitted"]:
-            line += f" with uncommitted changes in {', '.join(lib['uncommitted'])}"
-    return line + "."
-
-
 def _peak_generator_rss(group: GroupResult) -> int:
     """The largest peak RSS (bytes) among the group's generators, 0 without any."""
     return max((v for k, v in group.peak_rss.items() if k != "trainer"), default=0)
@@ -491,7 +391,7 @@ def _peak_generator_rss(group: GroupResult) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cmd = command_line(argv)
+    cmd = command_line(argv, "benchmarks.weight_sync")
     started = datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
     info = machine()
     info["library"] = library()
@@ -515,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = llama_like(size)
             for k in args.k_list:
                 need = memory_needed(config.nbytes, k, methods, bucket_bytes)
-                have = _meminfo("MemAvailable") - _MEMORY_HEADROOM
+                have = meminfo("MemAvailable") - _MEMORY_HEADROOM
                 if have > 0 and need > have:
                     notes.append(f"skipped {size_label(size)} K={k}: needs ~{need / GiB:.1f} GiB "
                                  f"({k + 1} processes × (model + 2 staging copies + runtime)), "
@@ -536,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 g = run_group(spec, size, progress, args.group_timeout)
                 groups.append(g)
                 progress.write(f"{size_label(size)} K={spec.k}: done in {g.wall_s:.0f} s")
-        except BenchmarkError as exc:
+        except BenchError as exc:
             print(f"weight_sync: {exc}", file=sys.stderr)
             return 1
         finally:
@@ -558,7 +458,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in write_outputs(text, summary, groups, args, info, cmd, started, wall_s, notes):
         print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,8 @@
+"""``python -m benchmarks.delta_sync``: runs the harness (:func:`._run.main`) with the command line."""
+
+from __future__ import annotations
+
+from ._run import main
+
+if __name__ == "__main__":
+    main()
