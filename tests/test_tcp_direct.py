@@ -29,9 +29,9 @@ import transport
 from transport._auth import Authenticator
 from transport._channel import greet_plain, hello
 from transport._conformance import warm_sync_route
+from transport._sockets import connect
 from transport._transfers import SYNC_MAX_BYTES
-from transport._wire import DIRECT_LANE, connect
-from transport.backends.tcp import DIRECT_MAX_BYTES
+from transport.backends.tcp import DIRECT_LANE, DIRECT_MAX_BYTES
 
 from .conftest import serving_target, sha
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import transport
-from transport._wire import _IO_CHUNK, _IOV_MAX, FrameKind, recv_into_views, send_all_views
+from transport._sockets import _IO_CHUNK, _IOV_MAX, recv_into_views, send_all_views
+from transport._wire import FrameKind
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:

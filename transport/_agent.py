@@ -56,17 +56,10 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ._auth import Authenticator
 from ._errors import AuthenticationError, BackendUnavailableError, TransportError
-from ._wire import (
+from ._sockets import (
     CONNECTION_ENDED,
-    PRE_AUTH_META,
-    ErrCode,
-    FrameKind,
-    SignalRequest,
-    WireError,
     close_socket,
     discard,
-    encode_frame,
-    error_to_frame,
     payload_parts,
     read_frame_head,
     recv_growing,
@@ -74,6 +67,7 @@ from ._wire import (
     send_all_views,
     tune_socket,
 )
+from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, WireError, encode_frame, error_to_frame
 
 log = logging.getLogger(__name__)
 

@@ -17,21 +17,17 @@ from anyio.abc import TaskGroup
 
 from ._auth import Authenticator
 from ._errors import ClosedError, PeerLostError, TransferTimeoutError, TransportError
-from ._wire import (
+from ._sockets import (
     CONNECTION_ENDED,
-    PRE_AUTH_META,
-    FrameKind,
-    WireError,
     close_socket,
     connect,
     discard,
-    encode_frame,
-    frame_to_error,
     payload_parts,
     read_frame_head,
     recv_into_views,
     send_all_views,
 )
+from ._wire import PRE_AUTH_META, FrameKind, WireError, encode_frame, frame_to_error
 
 log = logging.getLogger(__name__)
 

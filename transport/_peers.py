@@ -27,7 +27,8 @@ from ._flight import FlightRecorder
 from ._host import ProcessWatch
 from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases, LostTable
 from ._rendezvous import RecordTooLargeError, Store
-from ._wire import HostId, PeerRecord, RegionRecord, WireError, connect
+from ._sockets import connect
+from ._wire import HostId, PeerRecord, RegionRecord, WireError
 
 log = logging.getLogger(__name__)
 

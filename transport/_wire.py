@@ -1,13 +1,11 @@
-"""The wire: versioned encodings of everything that crosses a process boundary (never pickle),
-and the socket reads and writes that frames travel by.
+"""The wire: versioned encodings of everything that crosses a process boundary (never pickle).
+The socket reads and writes that frames travel by are in :mod:`transport._sockets`.
 
 * Peer records (what a peer publishes in the rendezvous store): JSON with a format tag and a
   version number, validated field by field into frozen dataclasses. Backend descriptors are
   opaque bytes (base64 in the JSON).
 * Agent frames (the control / ``tcp`` data connection): a fixed binary header, a small JSON
-  metadata part and a raw payload; read and written on raw non-blocking sockets driven by
-  ``anyio.wait_readable/wait_writable`` (the same code under trio and asyncio, ``recv_into``
-  in place without copies).
+  metadata part and a raw payload.
 
 Everything here decodes bytes that another process (or anyone who can reach a port or write to
 the store) chose, so every decoder is bounded before it parses: :func:`loads_bounded` refuses
@@ -19,18 +17,13 @@ and every way decoding can fail (including RecursionError and MemoryError) is a
 from __future__ import annotations
 
 import base64
-import contextlib
 import enum
 import json
-import os
 import re
-import socket
 import struct
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import anyio
 
 from ._errors import (
     AuthenticationError,
@@ -370,171 +363,6 @@ def decode_meta(data: bytes) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Frames on a socket
-
-_IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds the loop
-_SOCK_BUF = 4 << 20
-_YIELD_EVERY = 16  # let other tasks run at least every this many ready syscalls
-_IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
-
-
-def tune_socket(sock: socket.socket) -> None:
-    """Non-blocking, no Nagle delay, large buffers."""
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):  # a smaller buffer only costs speed
-            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
-
-
-async def connect(address: tuple[str, int]) -> socket.socket:
-    """A tuned socket connected to ``address``. Raises OSError; closes the socket on any failure."""
-    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        tune_socket(sock)
-        try:
-            sock.connect(address)
-        except BlockingIOError:
-            await anyio.wait_writable(sock)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err)) from None
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _next_batch(views: Sequence[memoryview], i: int, pos: int) -> list[memoryview]:
-    """The buffers of one vectored call from ``views[i][pos:]`` on: at most ``_IOV_MAX`` of
-    them and about ``_IO_CHUNK`` bytes (the first may be cut to that)."""
-    first = views[i][pos : pos + _IO_CHUNK]
-    out, room = [first], _IO_CHUNK - len(first)
-    for v in views[i + 1 : i + _IOV_MAX]:
-        if room <= 0:
-            break
-        out.append(v)
-        room -= len(v)
-    return out
-
-
-def _advance(views: Sequence[memoryview], i: int, pos: int, got: int) -> tuple[int, int]:
-    """Where ``views[i][pos:]`` stands after ``got`` more bytes (empty views are passed over)."""
-    while i < len(views) and got >= len(views[i]) - pos:
-        got -= len(views[i]) - pos
-        i, pos = i + 1, 0
-    return i, pos + got
-
-
-async def _wait_ready(wait: Callable[[socket.socket], Awaitable[None]], sock: socket.socket,
-                      stall: float | None) -> None:
-    """Waits until ``sock`` can move bytes; with ``stall``, at most that long (then
-    TimeoutError, an OSError: the connection counts as ended)."""
-    if stall is None:
-        await wait(sock)
-        return
-    with anyio.move_on_after(stall) as scope:
-        await wait(sock)
-    if scope.cancelled_caught:
-        raise TimeoutError(f"no progress for {stall:g}s")
-
-
-async def send_all_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None) -> None:
-    """Sends every view in order (bytes ``B`` views), many per system call (``sendmsg``, up to
-    ``_IOV_MAX`` buffers): a frame's payload of many small ranges costs a few calls, not one each.
-    With ``stall``, a peer that takes no bytes for that many seconds ends it (TimeoutError)."""
-    (i, pos), ready = _advance(views, 0, 0, 0), 0
-    while i < len(views):
-        try:
-            sent = sock.sendmsg(_next_batch(views, i, pos))
-        except BlockingIOError:
-            await _wait_ready(anyio.wait_writable, sock, stall)
-            continue
-        i, pos = _advance(views, i, pos, sent)
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
-
-
-async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None) -> None:
-    """Fills every view in order (bytes ``B`` views), many per system call (``recvmsg_into``,
-    up to ``_IOV_MAX`` buffers). Raises EOFError if the peer closed first; with ``stall``,
-    TimeoutError when no byte arrived for that many seconds."""
-    (i, pos), ready = _advance(views, 0, 0, 0), 0
-    while i < len(views):
-        try:
-            got = sock.recvmsg_into(_next_batch(views, i, pos))[0]
-        except BlockingIOError:
-            await _wait_ready(anyio.wait_readable, sock, stall)
-            continue
-        if got == 0:
-            left = len(views[i]) - pos + sum(len(v) for v in views[i + 1 :])
-            raise EOFError(f"connection closed with {left} bytes outstanding")
-        i, pos = _advance(views, i, pos, got)
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
-
-
-async def recv_exactly(sock: socket.socket, n: int, stall: float | None = None) -> bytes:
-    """``n`` bytes from the stream (see :func:`recv_growing`)."""
-    return bytes(await recv_growing(sock, n, stall))
-
-
-async def recv_growing(sock: socket.socket, n: int, stall: float | None = None) -> bytearray:
-    """``n`` bytes from the stream. The buffer grows with what arrives (``_GROW_CHUNK`` at a
-    time), so a peer that announces much and sends little costs what it sent, not ``n``."""
-    buf = bytearray()
-    while len(buf) < n:
-        at = len(buf)
-        buf.extend(bytes(min(n - at, _GROW_CHUNK)))
-        await recv_into_views(sock, [memoryview(buf)[at:]], stall)  # (dropped before the next extend)
-    return buf
-
-
-# Where discarded payload bytes go: one buffer for every connection of the process (what lands in
-# it is never read), so a peer draining a refused payload costs no memory of its own.
-_DISCARD = memoryview(bytearray(256 << 10))
-_GROW_CHUNK = 64 << 10
-
-
-async def discard(sock: socket.socket, n: int, stall: float | None = None) -> None:
-    """Reads and drops ``n`` bytes (a refused payload), into the shared ``_DISCARD`` buffer."""
-    while n > 0:
-        k = min(n, len(_DISCARD))
-        await recv_into_views(sock, [_DISCARD[:k]], stall)
-        n -= k
-
-
-async def read_frame_head(sock: socket.socket, max_meta: int = MAX_META, *, idle: float | None = None,
-                          stall: float | None = None) -> tuple[FrameKind, int, dict[str, Any], int]:
-    """One frame's kind, request id, metadata and payload length (the payload is left unread).
-
-    Args:
-        idle: at most this many seconds without a byte before the header is complete.
-        stall: likewise for the metadata, once the header is in.
-
-    Raises:
-        WireError: not a frame, metadata longer than ``max_meta`` announced (refused before any
-            buffer is allocated for it), or metadata that does not decode (too deep included).
-        EOFError, OSError: the connection ended; TimeoutError: ``idle`` or ``stall`` passed.
-    """
-    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size, idle), max_meta)
-    meta = decode_meta(await recv_exactly(sock, hdr.meta_len, stall))
-    return hdr.kind, hdr.request_id, meta, hdr.payload_len
-
-
-def close_socket(sock: socket.socket) -> None:
-    """Closes ``sock`` now, waking any task waiting on it (with ClosedResourceError)."""
-    if sock.fileno() >= 0:
-        with contextlib.suppress(Exception):  # waking readers is best effort; we close anyway
-            anyio.notify_closing(sock)
-        sock.close()
-
-
-
-# ---------------------------------------------------------------------------------------------
 # Typed requests (the metadata of PUT / GET / SIGNAL frames), validated on arrival
 
 
@@ -671,17 +499,3 @@ def check_signal_name(name: object, error: type[Exception] = ValueError) -> str:
         shown = repr(name)[:80]
         raise error(f"a signal name is a str of 1 to {MAX_SIGNAL_NAME_BYTES} bytes, got {shown}")
     return name
-
-
-# How a connection ends from our point of view: the peer closed or reset it, it spoke nonsense,
-# or we closed the socket under a waiting task (anyio.ClosedResourceError).
-CONNECTION_ENDED = (OSError, EOFError, WireError, anyio.ClosedResourceError, anyio.BrokenResourceError)
-
-DIRECT_LANE = "direct"  # the HELLO lane of a tcp direct-lane connection (transport._native.tcp)
-
-
-def payload_parts(views: memoryview | Sequence[memoryview] | None) -> Sequence[memoryview]:
-    """A frame's payload as a sequence of views (none, one, or several back to back)."""
-    if views is None:
-        return ()
-    return (views,) if isinstance(views, memoryview) else views

@@ -44,9 +44,9 @@ from .._errors import BackendUnavailableError, BoundsError, TransportError, Tran
 from .._native import Copier, CopyKind, CopyStatus
 from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
 from .._regions import Region, RegionTable
+from .._sockets import close_socket, connect
 from .._tensors import MemoryKind, dtype_name
 from .._wire import (
-    DIRECT_LANE,
     MAX_STAGED_BYTES,
     RUN_ROW,
     FrameKind,
@@ -57,12 +57,12 @@ from .._wire import (
     RunsRequest,
     TransferOp,
     WireError,
-    close_socket,
-    connect,
 )
 from ._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget
 
 log = logging.getLogger(__name__)
+
+DIRECT_LANE = "direct"  # the HELLO lane of a direct-lane connection (Backend.lanes: the agent hands it to us)
 
 _FRAME_SEGMENTS = 2048  # ranges per PUTV / GETV frame (its segment table stays well under MAX_META)
 _FRAME_RUNS = 16384  # runs per PUTR / GETR frame (a 256 KiB binary table)
