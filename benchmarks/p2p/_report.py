@@ -503,7 +503,7 @@ def format_report(report: BenchReport) -> str:
             lines.append(
                 f"  batch of {d.segments} x {format_size(d.segment_bytes)} at a {format_size(d.stride)} stride: "
                 + (f"one transfer from a {d.segments}-entry descriptor list" if d.calls == 1 else
-                   f"{d.calls} batch calls of up to {-(-d.segments // d.calls)} descriptors")
+                   f"{d.calls} batch calls (the library's cap on transfers in flight per peer)")
                 + f", {d.seg_per_s / 1e3:.1f}k segments/s (prepared once, median of {d.iters} posts)"
             )
         for s in p.separate:
