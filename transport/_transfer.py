@@ -63,7 +63,8 @@ class Transfer:
                  "_moving", "_rec", "_scope", "_started", "_waiters", "backend", "key", "nbytes", "offset", "one_sided",
                  "op", "peer", "segments")
 
-    def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int) -> None:
+    def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int, *, segments: int = 1,
+                 rec: Any = None) -> None:
         self.op = op
         self.peer = peer
         self.key = key
@@ -71,7 +72,7 @@ class Transfer:
         self.offset = offset
         self.backend: str | None = None
         self.one_sided: bool | None = None
-        self.segments = 1  # ranges moved (more for a prepared transfer)
+        self.segments = segments  # ranges moved (more for a prepared transfer)
         self._done = False
         self._event: anyio.Event | None = None  # made by the first task that has to wait
         self._error: TransportError | None = None
@@ -81,7 +82,7 @@ class Transfer:
         self._moving = False  # set once bytes may have started to move
         self._incarnation: str | None = None  # the peer incarnation the bytes go to
         self._abort_error: TransportError | None = None  # set when the Transport aborts it
-        self._rec: Any = None  # its flight-recorder record
+        self._rec: Any = rec  # its flight-recorder record
         self._scope: anyio.CancelScope | None = None
         self._waiters = 0  # tasks awaiting this handle now (wait() or gather())
 
@@ -97,6 +98,37 @@ class Transfer:
         x._moving = True
         x._done = True
         return x
+
+    # -- what the transfer engine tells the handle (it changes the handle's state only so) ---
+
+    def _routed(self, backend: str, one_sided: bool) -> None:
+        """The backend(s) that carry it were chosen."""
+        self.backend, self.one_sided = backend, one_sided
+
+    def _began(self, incarnation: str) -> None:
+        """Bytes may start to move now, to that incarnation of the peer."""
+        self._moving, self._incarnation = True, incarnation
+
+    def _running_in(self, scope: anyio.CancelScope) -> None:
+        """It runs in ``scope`` (cancelled by :meth:`cancel`, at once if it was already asked)."""
+        self._scope = scope
+        if self._cancel_requested:
+            scope.cancel()
+
+    def _abort(self, error: TransportError) -> None:
+        """The Transport aborts it (peer lost or excluded, or closing): it ends with ``error``."""
+        if self._done:
+            return
+        self._abort_error = error
+        if self._scope is not None:
+            self._scope.cancel()
+        else:
+            self.cancel()
+
+    @property
+    def _partial(self) -> bool:
+        """Whether bytes may have moved (an abort or a timeout now leaves the range undefined)."""
+        return self._moving
 
     def done(self) -> bool:
         """True once the transfer has completed, failed or been aborted."""

@@ -114,11 +114,11 @@ class TransferEngine:
                 pending: tuple[PeerRecord, Backend, Pending] | None = None) -> Transfer:
         """Runs one transfer in the background: checked and moved (``_execute``), or, with
         ``pending``, the completion of a synchronous attempt that went out (``_execute_pending``)."""
-        xfer = Transfer(op, peer, key, nbytes_of(local.tensor), offset)
+        nbytes = nbytes_of(local.tensor)
+        xfer = Transfer(op, peer, key, nbytes, offset, rec=self._flight.start(op.value, peer, key, nbytes))
         if pending is not None:  # its request is out: the bytes may land whatever happens next
-            xfer._moving, xfer._incarnation = True, pending[0].incarnation
+            xfer._began(pending[0].incarnation)
         after = self._ranges.setdefault((peer, key), Ranges()).add(xfer, offset, offset + xfer.nbytes)
-        xfer._rec = self._flight.start(op.value, peer, key, xfer.nbytes)
         self._inflight.setdefault(peer, set()).add(xfer)
         work = (functools.partial(self._execute, xfer, local, after) if pending is None
                 else functools.partial(self._execute_pending, xfer, local, *pending))
@@ -148,12 +148,11 @@ class TransferEngine:
         keys = sorted(spans) or [prepared.first_key]
         label = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1} regions)"
         first = spans[keys[0]][0] if spans else 0
-        xfer = Transfer(prepared.op, prepared.peer, label, prepared.nbytes, first)
-        xfer.segments = prepared.segments
+        xfer = Transfer(prepared.op, prepared.peer, label, prepared.nbytes, first, segments=prepared.segments,
+                        rec=self._flight.start(prepared.op.value, prepared.peer, label, prepared.nbytes))
         after: list[Transfer] = []
         for key, (lo, hi) in spans.items():
             after += self._ranges.setdefault((prepared.peer, key), Ranges()).add(xfer, lo, hi)
-        xfer._rec = self._flight.start(prepared.op.value, prepared.peer, label, xfer.nbytes)
         self._inflight.setdefault(prepared.peer, set()).add(xfer)
         # CUDA segments see the work queued on their device's current stream now, at start().
         ready = {d: _cuda.ready_event(t) for d, t in prepared.cuda_anchors.items()}
@@ -235,16 +234,13 @@ class TransferEngine:
         for xfer in list(self._inflight.get(name, ())):
             if xfer._incarnation in (None, incarnation) and not xfer.done():
                 what = f"{xfer.op.value} of {xfer.nbytes} bytes to {name}:{xfer.key!r}"
+                error: TransportError
                 if excluded:
-                    xfer._abort_error = TransferAbortedError(f"{what} aborted: {name} was excluded",
-                                                             partial=xfer._moving)
+                    error = TransferAbortedError(f"{what} aborted: {name} was excluded", partial=xfer._partial)
                 else:
-                    xfer._abort_error = PeerLostError(f"{what} aborted: {why}")
-                    xfer._abort_error.__cause__ = why
-                if xfer._scope is not None:
-                    xfer._scope.cancel()
-                else:
-                    xfer.cancel()
+                    error = PeerLostError(f"{what} aborted: {why}")
+                    error.__cause__ = why
+                xfer._abort(error)
 
     # -- choosing -------------------------------------------------------------------------
 
@@ -281,15 +277,14 @@ class TransferEngine:
     def _begin(self, xfer: Transfer, record: PeerRecord, backend: str) -> None:
         if self._directory.stale(record):
             raise PeerLostError(f"{record.name} (pid {record.pid}) has exited")
-        xfer._moving = True
-        xfer._incarnation = record.incarnation
+        xfer._began(record.incarnation)
         self._flight.transition(xfer._rec, OpState.MOVING, backend=backend)
 
     async def _execute(self, xfer: Transfer, local: LocalBuffer, after: Sequence[Transfer]) -> None:
         record, region = await self._checked(xfer, after,
                                              lambda r: self._check_remote(r, xfer, local.tensor.dtype))
         backend = self._router.choose(record, region, local.kind)
-        xfer.backend, xfer.one_sided = backend.name, backend.one_sided
+        xfer._routed(backend.name, backend.one_sided)
         self._begin(xfer, record, backend.name)
         if xfer.nbytes == 0:
             return
@@ -299,7 +294,7 @@ class TransferEngine:
                                pending: Pending) -> None:
         """Completes a synchronous attempt whose request went out (see :meth:`_now`); when it
         comes back refused or broken, moves the bytes again by the checked path."""
-        xfer.backend, xfer.one_sided = backend.name, backend.one_sided
+        xfer._routed(backend.name, backend.one_sided)
         self._begin(xfer, record, backend.name)
         if not await pending():
             await self._execute(xfer, local, ())
@@ -308,7 +303,7 @@ class TransferEngine:
                              ready: Mapping[int, Any]) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream."""
         record, plan = await self._checked(xfer, after, lambda r: self._router.plan_for(prepared, r))
-        xfer.backend, xfer.one_sided = plan.backends, plan.one_sided
+        xfer._routed(plan.backends, plan.one_sided)
         self._begin(xfer, record, plan.backends)
         for run, takes_ready in plan.runs:
             await (run(ready) if takes_ready else run())
@@ -337,11 +332,9 @@ class TransferEngine:
                    keys: Sequence[str] = ()) -> None:
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
-                xfer._scope = scope
-                if xfer._cancel_requested:
-                    scope.cancel()
-                    if not xfer._moving:  # (one already moving must still clean up, in work())
-                        await anyio.lowlevel.checkpoint()  # deliver it before anything moves
+                xfer._running_in(scope)
+                if scope.cancel_called and not xfer._partial:  # cancelled already; (one moving
+                    await anyio.lowlevel.checkpoint()  # must still clean up, in work()) deliver it now
                 error: TransportError | None = None
                 try:
                     await work()
@@ -356,7 +349,7 @@ class TransferEngine:
                 xfer._finish(error)
             if not xfer.done():  # our scope absorbed a cancellation: user cancel, deadline, peer loss
                 what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
-                partial = xfer._moving
+                partial = xfer._partial
                 if self._closing and not isinstance(xfer._abort_error, ClosedError):
                     xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
                 elif xfer._abort_error is not None:
@@ -390,7 +383,7 @@ class TransferEngine:
             closed = ClosedError(f"transport {self.name!r} closed while {xfer!r} was running")
             closed.__cause__ = error
             return closed
-        if xfer._moving and isinstance(error, (TransferTimeoutError, TransferAbortedError)) and not error.partial:
+        if xfer._partial and isinstance(error, (TransferTimeoutError, TransferAbortedError)) and not error.partial:
             honest = type(error)(f"{error}; some bytes may have landed", partial=True)
             honest.__cause__ = error
             return honest

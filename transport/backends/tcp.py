@@ -132,7 +132,7 @@ class TcpBackend(Backend):
         if (not 0 < remote.nbytes <= DIRECT_MAX_BYTES or remote.region.device != "cpu"
                 or len(key.encode()) > MAX_KEY_BYTES or len(dtype.encode()) > MAX_DTYPE_BYTES):
             return False
-        lane = self._lane(remote.peer)
+        lane = self._lane(remote.peer, open_one=False)  # (put()'s synchronous path opens them)
         if lane is None or lane.pending:
             return False
         result = lane.start(put, key, dtype, remote.offset, remote.nbytes, local.address, 0.0)
@@ -266,9 +266,9 @@ class TcpBackend(Backend):
 
         return move
 
-    def _lane(self, peer: PeerRecord) -> DirectLane | None:
-        """The open direct lane to ``peer``'s incarnation, or None (then one is being opened,
-        unless the last attempt failed less than ``DIRECT_RETRY_S`` ago)."""
+    def _lane(self, peer: PeerRecord, open_one: bool = True) -> DirectLane | None:
+        """The open direct lane to ``peer``'s incarnation, or None (then, with ``open_one``, one
+        is being opened, unless the last attempt failed less than ``DIRECT_RETRY_S`` ago)."""
         cached = self._lanes.get(peer.name)
         if cached is not None:
             incarnation, lane = cached
@@ -276,7 +276,7 @@ class TcpBackend(Backend):
                 return lane
             self._drop_lane(peer.name)
         since_failed = time.monotonic() - self._failed.get(peer.name, -math.inf)
-        if peer.name not in self._opening and since_failed > DIRECT_RETRY_S:
+        if open_one and peer.name not in self._opening and since_failed > DIRECT_RETRY_S:
             self._opening.add(peer.name)
             self.ctx.tg.start_soon(self._open_lane, peer)
         return None
