@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._sizes import parse_size, parse_sizes
+from benchmarks.common.sizes import parse_size, parse_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
