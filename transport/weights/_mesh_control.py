@@ -34,28 +34,16 @@ Trainer ``tctl`` words: ``FRONT`` (newest complete snapshot, front-encoded), ``S
 (``v + 1`` of snapshot ``s``), ``GEN0 + s`` (odd while snapshot ``s`` is being written: a
 seqlock for pullers), ``TRANK`` (the trainer rank + 1), ``AMAXVER0 + s`` (``v + 1`` once the
 partial FP8 block maxima of version ``v`` are in ``amax<s>``; 0 while they are written).
+
+Where each tensor's bytes lie in the snapshots and slots is the binding's (:mod:`._binding`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-
-from ..plan import (
-    ITEMSIZE,
-    GeneratorRank,
-    LocalTensor,
-    Move,
-    Planner,
-    Shape,
-    TrainerLayout,
-    box_shape,
-    full_box,
-    volume,
-)
 
 # Generator ctl.
 COMMIT, READING, APPLIED, PROPOSED = 0, 1, 2, 3
@@ -67,7 +55,6 @@ CTL_WORDS = HEADER_WORDS + 2 * MAX_TRAINER_RANKS
 FRONT, SNAPVER0, GEN0, TRANK, AMAXVER0 = 0, 1, 3, 5, 6
 TCTL_WORDS = 8
 
-ALIGN = 64  # every packed tensor starts on a 64-byte boundary
 POLL_S = 0.002
 
 
@@ -112,53 +99,3 @@ class MeshKeys:
         p = f"mesh.{name}."
         return cls(p + "trainer", p + "tctl", (p + "snap0", p + "snap1"), p + "rank", p + "ctl",
                    (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"))
-
-
-def snapshot_layout(layout: TrainerLayout, rank: int) -> tuple[list[tuple[str, Shape, str]], dict[str, tuple[int, int]],
-                                                                int]:
-    """What trainer ``rank`` packs into a snapshot (its box of every tensor it holds part of, at
-    the layout's dtype), where (name -> (offset, nbytes)), and the total size: the publisher
-    packs by it, and a generator rank pulling from that trainer rank reads by it."""
-    packed = []
-    for spec in layout.tensors:
-        box = spec.sharding.boxes(spec.shape).get(rank)
-        if box is not None and volume(box) > 0:
-            packed.append((spec.name, box_shape(box), spec.dtype))
-    offsets, total = pack((n, volume(full_box(shape)) * ITEMSIZE[d]) for n, shape, d in packed)
-    return packed, offsets, total
-
-
-def slot_layout(rank: GeneratorRank) -> tuple[dict[str, tuple[int, int]], int]:
-    """Where each local tensor of a generator rank lies in its slots, and the slot size."""
-    return pack((lt.name, lt.nbytes) for lt in rank.tensors)
-
-
-def byte_runs(planner: Planner, moves: Iterable[Move], local: Mapping[str, LocalTensor],
-              snapshot: Mapping[str, tuple[int, int]], slot: Mapping[str, tuple[int, int]]) -> np.ndarray:
-    """``(snapshot offset, slot offset, nbytes)`` of every run of ``moves`` into the generator
-    rank whose local tensors are ``local``, as an int64 ``(N, 3)`` array: what
-    ``prepare_put_runs`` takes as it is (pushes go snapshot -> slot; pulls, slot <- snapshot,
-    swap the first two columns). The planner's run arrays stay arrays: no object per run."""
-    parts = []
-    for m in moves:
-        lt = local[m.dst_tensor]
-        item = ITEMSIZE[lt.dtype]
-        src, dst, n = planner.segments(m, lt)
-        parts.append(np.stack([snapshot[m.name][0] + src.astype(np.int64) * item,
-                               slot[m.dst_tensor][0] + dst.astype(np.int64) * item, n.astype(np.int64) * item],
-                              axis=1))
-    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
-
-
-def pack(items: Iterable[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """Byte offsets of ``(name, nbytes)`` items packed in order, each aligned to ALIGN.
-
-    Returns:
-        name -> (offset, nbytes), and the total size.
-    """
-    out, at = {}, 0
-    for name, nbytes in items:
-        at = -(-at // ALIGN) * ALIGN
-        out[name] = (at, nbytes)
-        at += nbytes
-    return out, max(at, 1)

@@ -23,6 +23,7 @@ from ..plan import (
     TrainerLayout,
     encode_trainer,
 )
+from ._binding import byte_runs, slot_layout, snapshot_layout
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
@@ -37,11 +38,8 @@ from ._mesh_control import (
     TCTL_WORDS,
     TRANK,
     MeshKeys,
-    byte_runs,
     done_word,
-    slot_layout,
     slot_of,
-    snapshot_layout,
 )
 from ._mesh_fp8 import BlockQuantizer
 from ._mesh_peers import MeshMembers, MeshPeers

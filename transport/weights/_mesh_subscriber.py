@@ -25,6 +25,7 @@ from ..plan import (
     decode_trainer,
     encode_rank,
 )
+from ._binding import byte_runs, slot_layout, snapshot_layout
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
@@ -38,13 +39,10 @@ from ._mesh_control import (
     SNAPVER0,
     TCTL_WORDS,
     MeshKeys,
-    byte_runs,
     ctl_words_for,
     done_word,
-    slot_layout,
     slot_of,
     slot_version,
-    snapshot_layout,
 )
 from ._mesh_peers import MeshPeers
 
