@@ -19,7 +19,6 @@ import anyio
 import torch
 
 from .._errors import PeerLostError, TransportError
-from ..backends import backend_class
 from ._control import (
     APPLIED,
     CTL_WORDS,
@@ -47,14 +46,6 @@ if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transfer, Transport
 
 log = logging.getLogger("transport.weights")
-
-
-def _one_sided(backend: str) -> bool:
-    """Whether ``backend`` moves bytes without the peer's application (its agent) taking part."""
-    try:
-        return backend_class(backend).one_sided
-    except ValueError:
-        return False
 
 
 class Publisher:
@@ -520,7 +511,9 @@ class Publisher:
         self._memory_link[sub] = "ipc" in (h.backend or "").split(",")
         self._takes_delta[sub] = self._takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
         moved[0] = nbytes
-        self._landed[sub] = (back, all(_one_sided(b) for b in (h.backend or "").split(",") if b))
+        # Reached one-sidedly (every backend that carried it): its slot can be read back for the
+        # snapshot fill without its application taking part.
+        self._landed[sub] = (back, h.one_sided is True)
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
         await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
