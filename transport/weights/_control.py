@@ -42,7 +42,6 @@ FILLING = 1
 LATEST = 2  # the newest version the publisher has begun to push (set before any push of it)
 GEN0 = 4
 CTL_WORDS = 8
-POLL_S = 0.002  # how often a waiting side re-reads the other's control block
 NO_SLOT = -1  # READING / TRYING / APPLIED when nothing is being read, claimed or applied
 
 

@@ -55,8 +55,6 @@ CTL_WORDS = HEADER_WORDS + 2 * MAX_TRAINER_RANKS
 FRONT, SNAPVER0, GEN0, TRANK, AMAXVER0 = 0, 1, 3, 5, 6
 TCTL_WORDS = 8
 
-POLL_S = 0.002
-
 
 def done_word(slot: int, trainer_rank: int) -> int:
     """Index of the DONE word of ``trainer_rank`` for ``slot`` in a generator's ctl."""

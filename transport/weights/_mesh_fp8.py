@@ -30,7 +30,8 @@ from ..plan import (
     volume,
 )
 from ._control import memory_barrier
-from ._mesh_control import AMAXVER0, POLL_S, TCTL_WORDS, MeshKeys, slot_of
+from ._mesh_control import AMAXVER0, TCTL_WORDS, MeshKeys, slot_of
+from ._polling import PENDING, Pending, poll, seqlock_read
 
 if TYPE_CHECKING:
     from .. import Transport
@@ -159,7 +160,6 @@ class BlockQuantizer:
 
     async def _combine(self, version: int, amax: dict[str, torch.Tensor], trainer_peers: dict[int, str]) -> None:
         """Folds in the partial maxima of every other rank that shares a block with this one."""
-        s = slot_of(version)
         for other, peer in sorted(trainer_peers.items()):
             if other == self.rank:
                 continue
@@ -173,24 +173,49 @@ class BlockQuantizer:
                     shared.append((n, common))
             if not shared:
                 continue
-            word = torch.empty(TCTL_WORDS, dtype=torch.int64)
-            while True:
-                await self.t.get(word, peer, key=self.keys.tctl)
-                if int(word[AMAXVER0 + s]) == version + 1:
-                    break
-                if int(word[AMAXVER0 + s]) > version + 1:
-                    raise TransferTimeoutError(f"trainer rank {other} is past version {version} already")
-                await anyio.sleep(POLL_S)
-            got = {}
-            for n, region in shared:
-                off, rng = theirs[n]
-                ext = box_shape(rng)
-                buf = torch.empty(volume(rng), dtype=torch.float32)
-                await self.t.get(buf, peer, key=self.keys.amax[s], offset=off * 4)
-                got[n] = (buf.view(ext), region, rng)
-            await self.t.get(word, peer, key=self.keys.tctl)
-            if int(word[AMAXVER0 + s]) != version + 1:
-                raise TransferTimeoutError(f"trainer rank {other} overwrote its partial maxima while they were read")
+            got = await self._read_partials(version, other, peer, theirs, shared)
             for n, (theirs_arr, region, rng) in got.items():
                 mine = amax[n][_local(region, self.mine[n][1])]
                 torch.maximum(mine, theirs_arr[_local(region, rng)], out=mine)
+
+    async def _read_partials(self, version: int, other: int, peer: str, theirs: dict[str, tuple[int, Box]],
+                             shared: list[tuple[str, Box]]) -> dict[str, tuple[torch.Tensor, Box, Box]]:
+        """Trainer rank ``other``'s partial maxima of ``version`` for the ``shared`` regions,
+        read once its ``AMAXVER`` word says they are complete, and kept only if that word did
+        not change during the read (it is the seqlock of its ``amax`` arrays: 0 while written).
+        Waits as long as the caller's deadline lets it.
+
+        Returns:
+            name -> (their partial maxima of its block range, the shared region, that range).
+
+        Raises:
+            TransferTimeoutError: ``other`` is past ``version`` already, or overwrote its
+                partial maxima while they were read.
+        """
+        s = slot_of(version)
+        word = torch.empty(TCTL_WORDS, dtype=torch.int64)
+
+        async def amax_version() -> int:
+            await self.t.get(word, peer, key=self.keys.tctl)
+            return int(word[AMAXVER0 + s])
+
+        async def published() -> int | Pending:
+            v = await amax_version()
+            if v > version + 1:
+                raise TransferTimeoutError(f"trainer rank {other} is past version {version} already")
+            return v if v == version + 1 else PENDING
+
+        async def read() -> dict[str, tuple[torch.Tensor, Box, Box]]:
+            got = {}
+            for n, region in shared:
+                off, rng = theirs[n]
+                buf = torch.empty(volume(rng), dtype=torch.float32)
+                await self.t.get(buf, peer, key=self.keys.amax[s], offset=off * 4)
+                got[n] = (buf.view(box_shape(rng)), region, rng)
+            return got
+
+        seen = await poll(published, timeout=None, what=f"trainer rank {other}'s partial maxima of {version}")
+        got = await seqlock_read(amax_version, read, stable=lambda v: v == version + 1, seen=seen)
+        if got is PENDING:
+            raise TransferTimeoutError(f"trainer rank {other} overwrote its partial maxima while they were read")
+        return got

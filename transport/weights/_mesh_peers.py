@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import ClosedError, TransferTimeoutError, TransportError
+from .._errors import ClosedError, TransportError
 from .._wire import WireError
 from ..plan import MAX_LAYOUT_BYTES, MeshLayoutError, RankLayout, TrainerLayout, decode_rank, decode_trainer
 from ._mesh_control import MAX_TRAINER_RANKS, TCTL_WORDS, TRANK, MeshKeys
+from ._polling import PENDING, Pending, poll
 
 if TYPE_CHECKING:
     from .. import Peer, Transport
@@ -147,24 +148,30 @@ async def read_trainer_layout(transport: Transport, name: str, *, timeout: float
     Raises:
         TransferTimeoutError: no trainer rank with a readable layout within ``timeout``
             (the message says what was seen).
+
+    Cancellation: nothing is left behind (it only reads).
     """
     keys = MeshKeys.of(name)
     peers = MeshPeers(transport, keys)
     why = f"no trainer rank of stream {name!r} is listed"
-    with anyio.move_on_after(timeout):
-        while True:
-            try:
-                members = await peers.scan()
-                for r in sorted(members.trainers):
-                    peer = members.trainers[r]
-                    region = peer.regions.get(keys.trainer)
-                    if region is None or not 0 < region.nbytes <= MAX_LAYOUT_BYTES:
-                        why = f"trainer rank {r} ({peer.name}) publishes no readable layout"
-                        continue
-                    raw = torch.empty(region.nbytes, dtype=torch.uint8)
-                    await transport.get(raw, peer.name, key=keys.trainer)
-                    return decode_trainer(raw.numpy().tobytes())
-            except (TransportError, MeshLayoutError) as exc:
-                why = str(exc)
-            await anyio.sleep(_LOOK_S)
-    raise TransferTimeoutError(f"{transport.name}: no trainer layout of stream {name!r} within {timeout:g}s: {why}")
+
+    async def look() -> TrainerLayout | Pending:
+        nonlocal why
+        try:
+            members = await peers.scan()
+            for r in sorted(members.trainers):
+                peer = members.trainers[r]
+                region = peer.regions.get(keys.trainer)
+                if region is None or not 0 < region.nbytes <= MAX_LAYOUT_BYTES:
+                    why = f"trainer rank {r} ({peer.name}) publishes no readable layout"
+                    continue
+                raw = torch.empty(region.nbytes, dtype=torch.uint8)
+                await transport.get(raw, peer.name, key=keys.trainer)
+                return decode_trainer(raw.numpy().tobytes())
+        except (TransportError, MeshLayoutError) as exc:
+            why = str(exc)
+        return PENDING
+
+    # Every look scans the store: at a steady pace, not backing off from a fast first one.
+    return await poll(look, timeout=timeout, what=f"{transport.name}: no trainer layout of stream {name!r}",
+                      why=lambda: why, first=_LOOK_S, longest=_LOOK_S)

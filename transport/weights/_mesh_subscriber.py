@@ -33,7 +33,6 @@ from ._mesh_control import (
     CTL_WORDS,
     FRONT,
     GEN0,
-    POLL_S,
     PROPOSED,
     READING,
     SNAPVER0,
@@ -45,8 +44,11 @@ from ._mesh_control import (
     slot_version,
 )
 from ._mesh_peers import MeshPeers
+from ._polling import PENDING, Pending, even, poll, seqlock_read
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .. import Transport
 
 log = logging.getLogger(__name__)
@@ -368,19 +370,27 @@ class MeshSubscriber:
     async def wait_committed(self, at_least: int, *, timeout: float | None = None) -> int:
         """Waits until the replica has committed ``at_least`` or a later version here (ranks
         other than the leader; the leader's :meth:`commit` returns it). Polls its own control
-        block every POLL_S.
+        block, which the leader writes, backing off to a few hundredths of a second.
+
+        Args:
+            at_least: the oldest version that will do.
+            timeout: seconds (default: the subscriber's ``timeout``).
+
+        Returns:
+            The committed version.
 
         Raises:
             TransferTimeoutError: not within ``timeout``.
+
+        Cancellation: nothing changes (it only reads).
         """
         limit = self.timeout if timeout is None else timeout
-        with anyio.move_on_after(limit):
-            while True:
-                v = self.committed()
-                if v is not None and v >= at_least:
-                    return v
-                await anyio.sleep(POLL_S)
-        raise TransferTimeoutError(f"{self.replica}/{self.rank}: version {at_least} not committed within {limit:g}s")
+
+        async def look() -> int | Pending:
+            v = self.committed()
+            return v if v is not None and v >= at_least else PENDING
+
+        return await poll(look, timeout=limit, what=f"{self.replica}/{self.rank}: version {at_least} not committed")
 
     def _held(self, sources: list[int]) -> int | None:
         """The newest version complete in one of this rank's slots (all ``sources`` done)."""
@@ -449,20 +459,18 @@ class MeshSubscriber:
         """
         limit = self.timeout if timeout is None else timeout
         why = "the trainer kept overwriting its snapshots"
-        try:
-            with anyio.fail_after(limit):
-                while True:
-                    try:
-                        got = await self._pull_once()
-                    except CommitError as exc:  # a trainer rank or a rank of the replica is not up (yet)
-                        why = str(exc)
-                        await anyio.sleep(_WAIT_S)
-                        continue
-                    if got is not None:
-                        return got
-                    await anyio.sleep(POLL_S)
-        except TimeoutError as exc:
-            raise TransferTimeoutError(f"{self.replica}/{self.rank}: pull not done within {limit:g}s: {why}") from exc
+
+        async def attempt() -> int | Pending:
+            nonlocal why
+            try:
+                got = await self._pull_once()
+            except CommitError as exc:  # a trainer rank or a rank of the replica is not up (yet)
+                why = str(exc)
+                await anyio.sleep(_WAIT_S)  # each attempt scans the store: not more often than this
+                return PENDING
+            return PENDING if got is None else got
+
+        return await poll(attempt, timeout=limit, what=f"{self.replica}/{self.rank}: pull not done", why=lambda: why)
 
     async def _pull_once(self) -> int | None:
         now = await self._replica_now()
@@ -488,24 +496,42 @@ class MeshSubscriber:
                 return None  # a trainer rank is writing it right now: try again
             local = {lt.name: lt for lt in self.layout.tensors}
             for t in sources:
-                gen = int(tctls[t][GEN0 + s])
-                if gen % 2:
-                    return None
                 snapshot = snapshot_layout(now.planner.trainer, t)[1]
                 runs = byte_runs(now.planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
-                if len(runs):
-                    await self.t.prepare_get_runs(trainer_ranks[t], self._slots[s], self.keys.snaps[s],
-                                                  runs[:, [1, 0, 2]]).start()
-                after = torch.empty(TCTL_WORDS, dtype=torch.int64)
-                await self.t.get(after, trainer_ranks[t], key=self.keys.tctl)
-                if int(after[GEN0 + s]) != gen or int(after[SNAPVER0 + s]) != v + 1:
-                    return None  # overwritten while read: try again
+                if not await self._read_snapshot(trainer_ranks[t], tctls[t], v, runs):
+                    return None  # being written, or overwritten while read: try again
             for t in sources:
                 ctl[done_word(s, t)] = v + 1
             memory_barrier()
             return v
         finally:
             ctl[READING] = -1
+
+
+    async def _read_snapshot(self, peer: str, seen: torch.Tensor, version: int, runs: np.ndarray) -> bool:
+        """Reads ``runs`` of trainer rank ``peer``'s snapshot of ``version`` into this rank's
+        slot of it, under the snapshot's seqlock (its generation word, and the version it
+        holds, as ``seen`` in its control words just before).
+
+        Returns:
+            True when the copy is consistent; False when the snapshot was being written or was
+            rewritten during the read (the slot's bytes are then undefined).
+        """
+        s = slot_of(version)
+
+        async def stamp() -> tuple[int, int]:
+            after = torch.empty(TCTL_WORDS, dtype=torch.int64)
+            await self.t.get(after, peer, key=self.keys.tctl)
+            return int(after[GEN0 + s]), int(after[SNAPVER0 + s])
+
+        async def read() -> bool:
+            if len(runs):
+                await self.t.prepare_get_runs(peer, self._slots[s], self.keys.snaps[s], runs[:, [1, 0, 2]]).start()
+            return True
+
+        got = await seqlock_read(stamp, read, stable=lambda g: even(g[0]) and g[1] == version + 1,
+                                 seen=(int(seen[GEN0 + s]), int(seen[SNAPVER0 + s])))
+        return got is not PENDING
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from ._control import (
     FRONT,
     LATEST,
     LAYOUT_ID,
-    POLL_S,
     StreamKeys,
     decode_front,
     encode_front,
@@ -37,6 +36,7 @@ from ._control import (
 from ._copy import available_threads
 from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
+from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
 from ._snapshots import Snapshots
 
@@ -485,9 +485,15 @@ class Publisher:
         nslots = 3 if k.slots[2] in peer.regions else 2
         self._takes_delta[sub] = int(ctl[DELTA]) == 1 and (self._delta_everywhere
                                                            or not self._memory_link.get(sub, False))
-        while (back := free_slot(ctl, nslots)) is None:  # it is applying or living in them
-            await anyio.sleep(POLL_S)
-            await t.get(ctl, sub, key=k.ctl)
+        back = free_slot(ctl, nslots)
+        if back is None:  # it is applying or living in them: look again (within _push's deadline)
+
+            async def freed() -> int | Pending:
+                await t.get(ctl, sub, key=k.ctl)
+                slot = free_slot(ctl, nslots)
+                return PENDING if slot is None else slot
+
+            back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
         if (dv is not None and dv.is_delta and self._takes_delta[sub]
                 and self._holds_base(peer, ctl, nslots, back, dv)):
             # Only what changed since the base it holds, with the header beside the slot.

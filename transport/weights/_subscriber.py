@@ -34,7 +34,6 @@ from ._control import (
     GEN0,
     LAYOUT_ID,
     NO_SLOT,
-    POLL_S,
     READING,
     TRYING,
     StreamKeys,
@@ -46,6 +45,7 @@ from ._control import (
 from ._copy import available_threads
 from ._delta import DeltaApplier, DeltaRefusedError, deltable, index_bytes
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
+from ._polling import PENDING, Pending, even, poll, seqlock_read
 
 if TYPE_CHECKING:
     from .. import Transport
@@ -553,37 +553,41 @@ class Subscriber:
         timeout = t.timeout if timeout is None else timeout
         ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
         buf: torch.Tensor | None = None
-        with anyio.move_on_after(timeout):
-            while True:
+
+        async def attempt() -> int | Pending | None:
+            await t.get(ctl, self.publisher, key=k.pubctl)
+            front = decode_front(int(ctl[FRONT]))
+            filling = int(ctl[FILLING])  # a newer version whose snapshot is still being filled
+            if front is None:
+                return PENDING if filling else self._applied  # (filling: the first snapshot)
+            version, slot = front
+            self._pub_latest = publisher_latest(ctl)
+            if self._applied is not None and max(version, filling) == self._applied:
+                return self._applied
+            # Past the publisher's own version (a third peer's word, or a restarted
+            # publisher): the publisher's current version replaces it.
+            reset = self._applied is not None and self._applied > max(version, filling)
+            if filling > version:  # wait for it rather than take the older one
+                return PENDING
+
+            async def generation() -> int:
                 await t.get(ctl, self.publisher, key=k.pubctl)
-                front = decode_front(int(ctl[FRONT]))
-                filling = int(ctl[FILLING])  # a newer version whose snapshot is still being filled
-                if front is None:
-                    if not filling:
-                        return self._applied
-                    await anyio.sleep(POLL_S)  # the first snapshot is being filled
-                    continue
-                version, slot = front
-                self._pub_latest = publisher_latest(ctl)
-                if self._applied is not None and max(version, filling) == self._applied:
-                    return self._applied
-                # Past the publisher's own version (a third peer's word, or a restarted
-                # publisher): the publisher's current version replaces it.
-                reset = self._applied is not None and self._applied > max(version, filling)
-                if filling > version:  # wait for it rather than take the older one
-                    await anyio.sleep(POLL_S)
-                    continue
-                gen = int(ctl[GEN0 + slot])
-                if gen % 2 == 0:
-                    if buf is None:
-                        buf = torch.empty(self.layout.total, dtype=torch.uint8)
-                    await t.get(buf, self.publisher, key=k.snapshots[slot])
-                    await t.get(ctl, self.publisher, key=k.pubctl)
-                    if int(ctl[GEN0 + slot]) == gen:  # nobody wrote that snapshot meanwhile
-                        return await self._in_thread(self._keep_pulled, buf, version, reset)
-                await anyio.sleep(POLL_S)
-        raise TransferTimeoutError(f"{t.name}: no consistent copy of {self.name!r} from {self.publisher} "
-                                   f"within {timeout:g}s")
+                return int(ctl[GEN0 + slot])
+
+            async def read() -> torch.Tensor:
+                nonlocal buf
+                if buf is None:
+                    buf = torch.empty(self.layout.total, dtype=torch.uint8)
+                await t.get(buf, self.publisher, key=k.snapshots[slot])
+                return buf
+
+            copy = await seqlock_read(generation, read, stable=even, seen=int(ctl[GEN0 + slot]))
+            if copy is PENDING:  # being written, or written while we read it
+                return PENDING
+            return await self._in_thread(self._keep_pulled, copy, version, reset)
+
+        return await poll(attempt, timeout=timeout,
+                          what=f"{t.name}: no consistent copy of {self.name!r} from {self.publisher}")
 
     def _keep_pulled(self, buf: torch.Tensor, version: int, reset: bool = False) -> int | None:
         """Copies a pulled version into the local tensors, unless a newer one is live by now
