@@ -1,5 +1,6 @@
-"""The weights surface: the two helpers every wait on a peer's control words goes through (the
-poll loop with its backoff and deadline, and the seqlock read), against real Transports."""
+"""The weights surface: every sync class as ``async with`` / ``aclose()`` against real
+Transports, and the two helpers every wait on a peer's control words goes through (the poll
+loop with its backoff and deadline, and the seqlock read)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,85 @@ import pytest
 import torch
 
 import transport
+from transport.plan import (
+    GeneratorRank,
+    LocalTensor,
+    MeshSharding,
+    Piece,
+    Shard,
+    TensorSpec,
+    TrainerLayout,
+    full_box,
+)
+from transport.weights import MeshPublisher, MeshSubscriber, Publisher, Subscriber, SyncStatus
 from transport.weights._polling import LONGEST_WAIT_S, PENDING, Pending, even, poll, seqlock_read
 
 
 @pytest.fixture
 def store() -> str:
     return f"memory://{uuid.uuid4().hex}"
+
+
+def _mine(t: transport.Transport, prefix: str) -> set[str]:
+    return {k for k in t.regions if k.startswith(prefix)}
+
+
+# -- async with / aclose on all four classes ------------------------------------------------
+
+
+async def test_publisher_and_subscriber_as_async_with(store):
+    src = {"w": torch.arange(12, dtype=torch.float32), "b": torch.ones(3)}
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    async with transport.Transport("pub", store=store) as tp, transport.Transport("sub", store=store) as ts:
+        async with Publisher(tp, src) as pub, Subscriber(ts, dst, publisher="pub") as sub:
+            assert _mine(tp, "wsync.") and _mine(ts, "wsync.")
+            report = await pub.publish(1)
+            assert report.done == ["sub"]
+            assert await sub.wait_version(1, timeout=10) == 1
+            assert all(torch.equal(dst[k], src[k]) for k in src)
+        assert not _mine(tp, "wsync.") and not _mine(ts, "wsync.")  # both withdrew their regions
+        await pub.aclose()  # idempotent
+        await sub.aclose()
+
+
+def _one_rank_mesh() -> tuple[TrainerLayout, GeneratorRank]:
+    """One trainer rank holding ``w`` whole (a 1-rank shard), one generator rank needing it."""
+    shape = (8, 6)
+    layout = TrainerLayout.of([TensorSpec("w", shape, "float32", MeshSharding((1,), (Shard(0),), (0,)))])
+    rank = GeneratorRank.of([LocalTensor("w", shape, "float32", (Piece("w", full_box(shape), full_box(shape)),))])
+    return layout, rank
+
+
+async def test_mesh_publisher_and_subscriber_as_async_with(store):
+    layout, need = _one_rank_mesh()
+    w = torch.arange(48, dtype=torch.float32).view(8, 6)
+    async with transport.Transport("t0", store=store) as tt, transport.Transport("g0", store=store) as tg:
+        async with MeshPublisher(tt, "m", {"w": w}, layout, rank=0) as pub, \
+                MeshSubscriber(tg, "m", replica="A", rank=0, size=1, layout=need, timeout=10) as sub:
+            report = await pub.publish(0)
+            assert report.results["A/0"].status is SyncStatus.DONE, report
+            assert await sub.commit() == 0
+            assert sub.apply() == 0 and torch.equal(sub.tensors["w"], w)
+        assert not _mine(tt, "mesh.") and not _mine(tg, "mesh.")  # both withdrew their regions
+        await pub.aclose()  # idempotent, and close() is still there
+        pub.close()
+        await sub.aclose()
+        sub.close()
+        with pytest.raises(transport.ClosedError):
+            await pub.publish(1)
+
+
+async def test_mesh_classes_close_and_aclose_alike(store):
+    layout, need = _one_rank_mesh()
+    async with transport.Transport("t0", store=store) as tt, transport.Transport("g0", store=store) as tg:
+        pub = MeshPublisher(tt, "m", {"w": torch.zeros(8, 6)}, layout, rank=0)
+        sub = MeshSubscriber(tg, "m", replica="A", rank=0, size=1, layout=need)
+        pub.start()
+        sub.start()
+        assert _mine(tt, "mesh.") and _mine(tg, "mesh.")
+        pub.close()  # the synchronous spelling
+        await sub.aclose()
+        assert not _mine(tt, "mesh.") and not _mine(tg, "mesh.")
 
 
 # -- poll -----------------------------------------------------------------------------------

@@ -40,7 +40,13 @@ words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_snapshots`` (
 snapshots that ``pull`` reads, and their background fill), ``_report`` (what a publish
 reports), ``_subscriber`` (``Subscriber``), ``_apply`` (how a slot becomes the local weights),
 ``_delta`` (the diff, the encodings, the checked scatter), ``_copy`` (host copies split across
-the cores).
+the cores), ``_polling`` (the one poll loop and the one seqlock read every wait on a peer's
+control words goes through).
+Mesh sync: ``_mesh_publisher`` (``MeshPublisher``), ``_mesh_subscriber`` (``MeshSubscriber``),
+``_mesh_control`` (its regions and control words), ``_binding`` (the plan's moves bound to
+byte offsets of the snapshots and slots), ``_mesh_peers`` (who takes part), ``_mesh_fp8`` (FP8
+block scales made at the source). Every class here is an async context manager and has
+``aclose()``.
 Packing and device unpacking use the batched gather/scatter of ``transport._kernels``.
 """
 

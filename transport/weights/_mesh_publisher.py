@@ -98,6 +98,9 @@ class MeshPublisher:
     control block. A generator rank whose slot is still committed or being applied is skipped
     for this version (a straggler); one that fails is reported; neither delays the others.
 
+    Use as ``async with MeshPublisher(...) as pub:`` (or ``pub.start()`` / ``await
+    pub.aclose()``; ``close()`` is the same as ``aclose()`` for synchronous callers).
+
     Args:
         transport: this trainer rank's open Transport.
         name: the stream name (generators use the same).
@@ -134,6 +137,7 @@ class MeshPublisher:
         self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
         self._version: int | None = None
         self._lock = anyio.Lock()
+        self._open = False  # between start() and close()
 
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """name -> this rank's local shard, for every tensor of the state it holds a box of
@@ -158,13 +162,14 @@ class MeshPublisher:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        await self.aclose()
 
     def start(self) -> None:
         """Registers this rank's layout, control block and snapshots (read-only to peers).
 
         Raises:
             RegistrationError: a region name is taken.
+            ClosedError: the Transport is closed.
         """
         data = encode_trainer(self.layout)
         self._layout_bytes = self.t.empty(self.keys.trainer, len(data), torch.uint8, writable=False)
@@ -173,9 +178,23 @@ class MeshPublisher:
         self._tctl[TRANK] = self.rank + 1
         self._snaps = [self.t.empty(k, self._total, torch.uint8, writable=False) for k in self.keys.snaps]
         self._quant.start()
+        self._open = True
+
+    async def aclose(self) -> None:
+        """Withdraws this rank's regions: generator ranks then see it gone (their next commit
+        or pull waits for a trainer rank that is listed), and its prepared pushes are dropped.
+
+        Idempotent, and safe after the Transport closed (which withdrew the regions already).
+        A later :meth:`publish` raises :class:`ClosedError`. The shards passed in stay the
+        caller's; the snapshots are freed once no push in flight uses them.
+
+        Cancellation: the regions are withdrawn all the same (nothing here waits).
+        """
+        self.close()
 
     def close(self) -> None:
-        """Withdraws the regions (generators then see this rank gone)."""
+        """:meth:`aclose` for synchronous callers (the same, as nothing in it waits)."""
+        self._open = False
         withdraw(self.t, [*self.keys.amax, *self.keys.snaps, self.keys.tctl, self.keys.trainer])
         self._prepared.clear()
 
@@ -199,13 +218,15 @@ class MeshPublisher:
         Raises:
             ValueError: the version does not increase.
             MeshLayoutError: a shard in ``shards`` is missing or has the wrong shape.
-            ClosedError: the Transport is closed.
+            ClosedError: the publisher is not started or is closed, or the Transport is closed.
 
         Cancellation: pushes in flight are abandoned; generator ranks never see that version
         complete from this rank (their done words say "writing"), so it is never applied.
         """
         if self._tctl is None:
             raise ClosedError(f"mesh publisher {self.name!r}: not started")
+        if not self._open:
+            raise ClosedError(f"mesh publisher {self.name!r}: closed")
         if version < 0 or (self._version is not None and version <= self._version):
             raise ValueError(f"version {version} does not increase (last {self._version})")
         if shards is not None:

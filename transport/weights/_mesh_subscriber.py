@@ -71,6 +71,9 @@ class MeshSubscriber:
     calls :meth:`apply`, which copies the committed version into its tensors. A rank that
     (re)starts calls :meth:`pull` to fetch its slices from the trainer ranks' snapshots itself.
 
+    Use as ``async with MeshSubscriber(...) as sub:`` (or ``sub.start()`` / ``await
+    sub.aclose()``; ``close()`` is the same as ``aclose()`` for synchronous callers).
+
     Args:
         transport: this rank's open Transport.
         name: the stream name (the trainer ranks use the same).
@@ -122,13 +125,14 @@ class MeshSubscriber:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        await self.aclose()
 
     def start(self) -> None:
         """Registers the slots, the control block and this rank's layout.
 
         Raises:
             RegistrationError: a region name is taken.
+            ClosedError: the Transport is closed.
         """
         data = encode_rank(RankLayout(self.replica, self.rank, self.size, self.layout))
         raw = self.t.empty(self.keys.rank, len(data), torch.uint8, writable=False)
@@ -137,8 +141,19 @@ class MeshSubscriber:
         self._ctl[READING] = -1
         self._slots = [self.t.empty(k, self._total, torch.uint8) for k in self.keys.slots]
 
+    async def aclose(self) -> None:
+        """Withdraws this rank's regions: trainer ranks stop serving it from their next
+        publish, and its replica cannot commit until it (or a rank in its place) is back.
+
+        Idempotent, and safe after the Transport closed (which withdrew the regions already).
+        ``self.tensors`` stay as they are (the last version applied).
+
+        Cancellation: the regions are withdrawn all the same (nothing here waits).
+        """
+        self.close()
+
     def close(self) -> None:
-        """Withdraws the regions: trainer ranks stop serving this rank."""
+        """:meth:`aclose` for synchronous callers (the same, as nothing in it waits)."""
         withdraw(self.t, [*self.keys.slots, self.keys.ctl, self.keys.rank])
 
     @property
