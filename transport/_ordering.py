@@ -12,6 +12,9 @@ from ._transfer import Transfer
 from ._wire import TransferOp
 
 
+_SCAN_MAX = 64  # transfers in flight that clear_of() compares one by one
+
+
 class Ranges:
     """The transfers in flight to one region, in start order, for the ordering rule.
 
@@ -39,6 +42,16 @@ class Ranges:
             self._lo, self._hi = min(self._lo, start), max(self._hi, end)
         self._xfers.append((xfer, start, end))
         return after
+
+    def clear_of(self, op: TransferOp, start: int, end: int) -> bool:
+        """Whether a transfer over bytes ``start``..``end`` would wait for none in flight here
+        (cheaply: past a few dozen in flight inside its span, it answers False)."""
+        if not self._xfers or end <= self._lo or start >= self._hi or start == end:
+            return True
+        if len(self._xfers) > _SCAN_MAX:
+            return False
+        writes = op == TransferOp.PUT
+        return not any((writes or x.op == TransferOp.PUT) and lo < end and start < hi for x, lo, hi in self._xfers)
 
     def remove(self, xfer: Transfer) -> bool:
         """Removes ``xfer``; True when nothing is left in flight."""

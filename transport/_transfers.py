@@ -99,10 +99,12 @@ class TransferEngine:
         (where either writes) starts moving only once that one has ended: from one Transport,
         the later put wins. Non-overlapping transfers run concurrently.
 
-        A small host transfer on a known route with nothing in flight to its region completes
-        here, synchronously (see :meth:`_now`); the handle returned is then already done.
+        A small host transfer on a known route with nothing in flight to the bytes it covers
+        completes here, synchronously (see :meth:`_now`); the handle returned is then already
+        done.
         """
-        if kind is MemoryKind.CPU and (peer, key) not in self._ranges:
+        ranges = self._ranges.get((peer, key))
+        if kind is MemoryKind.CPU and (ranges is None or ranges.clear_of(op, offset, offset + nbytes_of(tensor))):
             done = self._now(op, tensor, peer, key, offset, timeout)
             if done is not None:
                 return done

@@ -75,6 +75,9 @@ DIRECT_MAX_BYTES = 16 << 20
 DIRECT_WAIT_S = 0.002  # put() waits this long for the direct lane's reply, then the rest goes async
 DIRECT_RETRY_S = 1.0  # after a direct lane failed to open, try again no sooner than this
 DIRECT_MAX_CONNS = 256  # direct-lane connections one endpoint serves at once (one thread each)
+# Direct lanes to one peer: a request whose reply is late holds its lane, and the next transfers
+# take another rather than the checked path (more are opened, one at a time, as they are needed).
+DIRECT_LANES_PER_PEER = 4
 
 
 class TcpBackend(Backend):
@@ -91,7 +94,7 @@ class TcpBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth)
-        self._lanes: dict[str, tuple[str, DirectLane]] = {}  # peer -> (its incarnation, direct lane)
+        self._lanes: dict[str, tuple[str, list[DirectLane]]] = {}  # peer -> (its incarnation, direct lanes)
         self._opening: set[str] = set()
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
         self._stages = _Stages(ctx.copier)  # staging buffers for small runs, shared by every transfer
@@ -267,16 +270,23 @@ class TcpBackend(Backend):
         return move
 
     def _lane(self, peer: PeerRecord, open_one: bool = True) -> DirectLane | None:
-        """The open direct lane to ``peer``'s incarnation, or None (then, with ``open_one``, one
-        is being opened, unless the last attempt failed less than ``DIRECT_RETRY_S`` ago)."""
+        """A free (open, nothing pending) direct lane to ``peer``'s incarnation, or None: then,
+        with ``open_one``, one more is being opened, unless there are ``DIRECT_LANES_PER_PEER``
+        or the last attempt failed less than ``DIRECT_RETRY_S`` ago."""
+        lanes: list[DirectLane] = []
         cached = self._lanes.get(peer.name)
         if cached is not None:
-            incarnation, lane = cached
-            if incarnation == peer.incarnation and not lane.closed:
-                return lane
-            self._drop_lane(peer.name)
+            if cached[0] != peer.incarnation:
+                self._drop_lane(peer.name)
+            else:
+                lanes = cached[1]
+                lanes[:] = [lane for lane in lanes if not lane.closed]
+                for lane in lanes:
+                    if not lane.pending:
+                        return lane
         since_failed = time.monotonic() - self._failed.get(peer.name, -math.inf)
-        if open_one and peer.name not in self._opening and since_failed > DIRECT_RETRY_S:
+        if (open_one and len(lanes) < DIRECT_LANES_PER_PEER and peer.name not in self._opening
+                and since_failed > DIRECT_RETRY_S):
             self._opening.add(peer.name)
             self.ctx.tg.start_soon(self._open_lane, peer)
         return None
@@ -291,8 +301,11 @@ class TcpBackend(Backend):
                 sock = await connect(peer.agent)
                 await greet_plain(sock, peer=peer.name, peer_incarnation=peer.incarnation,
                                   hello=hello(self.ctx.name, self.ctx.incarnation, DIRECT_LANE), auth=self.ctx.auth)
-            self._drop_lane(peer.name)
-            self._lanes[peer.name] = (peer.incarnation, DirectLane(sock))  # detaches sock
+            cached = self._lanes.get(peer.name)
+            if cached is None or cached[0] != peer.incarnation:
+                self._drop_lane(peer.name)
+                cached = self._lanes[peer.name] = (peer.incarnation, [])
+            cached[1].append(DirectLane(sock))  # (detaches sock)
         except (OSError, TransportError, TimeoutError) as exc:
             self._failed[peer.name] = time.monotonic()
             log.debug("tcp: no direct lane to %s (%s); its transfers take the checked path", peer.name, exc)
@@ -317,13 +330,16 @@ class TcpBackend(Backend):
             lane.close()
             raise
         finally:
-            if self._lanes.get(peer, ("", None))[1] is not lane:  # forgotten meanwhile
+            if lane not in self._lanes.get(peer, ("", []))[1]:  # forgotten meanwhile
                 lane.close()
 
     def _drop_lane(self, peer: str) -> None:
+        """Forgets the direct lanes to ``peer`` and closes them (a pending one is closed by
+        its ``_finish``)."""
         cached = self._lanes.pop(peer, None)
-        if cached is not None and not cached[1].pending:  # a pending one is closed by its _finish
-            cached[1].close()
+        for lane in cached[1] if cached is not None else ():
+            if not lane.pending:
+                lane.close()
 
     def forget_peer(self, peer: str) -> None:
         self._pool.forget_peer(peer)
