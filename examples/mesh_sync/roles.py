@@ -104,37 +104,35 @@ async def _wait_for_generators(t: transport.Transport, cfg: Config) -> None:
 async def _train(cfg: Config, rank: int, model: Any, opt: Any, layout: Any) -> dict[str, Any]:
     async with transport.Transport(f"trainer-{rank}", store=cfg.store, backends=cfg.backends,
                                    timeout=cfg.timeout) as t:
-        pub = MeshPublisher(t, STREAM, model.state_dict(), layout, rank=rank, deadline=cfg.deadline)
-        pub.start()
-        await _wait_for_generators(t, cfg)
-        history = []
-        for step in range(cfg.steps):
-            tokens, targets = batch(step, cfg.model["vocab_size"])
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            started = time.time()
-            report = await pub.publish(step, model.state_dict())
-            nbytes = sum(r.nbytes for r in report.results.values())
-            history.append({
-                "step": step, "loss": loss.item(), "publish_start": started, "pack_s": report.pack_s,
-                "push_s": report.push_s, "total_s": report.total_s,
-                "bytes": nbytes,
-                "status": {k: r.status.value for k, r in report.results.items()},
-                "incomplete": list(report.incomplete),
-            })
-            _write_reference(cfg, rank, step, model)
-            if rank == 0:
-                await t.signal("launcher", "step", step + 1)
-                print(f"trainer: step {step} loss {loss.item():.3f}, pushed {nbytes / 1e6:.1f} MB "
-                      f"in {report.push_s * 1e3:.0f} ms: {history[-1]['status']}", flush=True)
-        Path(cfg.out, f"trainer-{rank}.json").write_text(json.dumps({"history": history}))
-        # A trainer lives on in a real job: stay until the launcher says so, so that a generator
-        # rank restarted late can still pull its slices from this rank's snapshot.
-        await t.wait_signal("stop", timeout=cfg.timeout)
-        pub.close()
+        async with MeshPublisher(t, STREAM, model.state_dict(), layout, rank=rank, deadline=cfg.deadline) as pub:
+            await _wait_for_generators(t, cfg)
+            history = []
+            for step in range(cfg.steps):
+                tokens, targets = batch(step, cfg.model["vocab_size"])
+                logits = model(tokens)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                started = time.time()
+                report = await pub.publish(step, model.state_dict())
+                nbytes = sum(r.nbytes for r in report.results.values())
+                history.append({
+                    "step": step, "loss": loss.item(), "publish_start": started, "pack_s": report.pack_s,
+                    "push_s": report.push_s, "total_s": report.total_s,
+                    "bytes": nbytes,
+                    "status": {k: r.status.value for k, r in report.results.items()},
+                    "incomplete": list(report.incomplete),
+                })
+                _write_reference(cfg, rank, step, model)
+                if rank == 0:
+                    await t.signal("launcher", "step", step + 1)
+                    print(f"trainer: step {step} loss {loss.item():.3f}, pushed {nbytes / 1e6:.1f} MB "
+                          f"in {report.push_s * 1e3:.0f} ms: {history[-1]['status']}", flush=True)
+            Path(cfg.out, f"trainer-{rank}.json").write_text(json.dumps({"history": history}))
+            # A trainer lives on in a real job: stay until the launcher says so, so that a generator
+            # rank restarted late can still pull its slices from this rank's snapshot.
+            await t.wait_signal("stop", timeout=cfg.timeout)
     return {"rank": rank, "steps": cfg.steps}
 
 
@@ -178,31 +176,30 @@ async def _generate(cfg: Config, replica: str, rank: int, restarted: bool) -> di
     applied: list[dict[str, Any]] = []
     errors: list[str] = []
     async with transport.Transport(name, store=cfg.store, backends=cfg.backends, timeout=cfg.timeout) as t:
-        sub = MeshSubscriber(t, STREAM, replica=replica, rank=rank, size=cfg.tp, layout=layout, timeout=30)
-        sub.start()
-        pulled = None
-        if restarted:
-            pulled = await sub.pull(timeout=120)
-            print(f"{name}: restarted, pulled version {pulled} from the trainer ranks", flush=True)
-        last = None
-        while t.signal_value("stop") is None:
-            # A version published while this replica was incomplete (a rank down) never reaches
-            # it by push: after a second without it, every rank pulls its own slices.
-            await sub.catch_up(after=1.0, timeout=120)
-            if rank == 0:
-                try:
-                    await sub.commit(timeout=10)
-                except (CommitError, transport.TransportError) as exc:  # e.g. a rank of this replica is down
-                    if not errors or errors[-1] != str(exc):
-                        errors.append(str(exc))
-            v = sub.apply()
-            if v is not None and v != last:
-                applied.append({"version": v, "at": time.time(),
-                                "sha": {n: sha(x) for n, x in sub.tensors.items()}})
-                last = v
-                await t.signal("launcher", f"{name}.applied", v + 1)
-            await anyio.sleep(0.05 + slow)  # a generation step
-        sub.close()
+        async with MeshSubscriber(t, STREAM, replica=replica, rank=rank, size=cfg.tp, layout=layout,
+                                  timeout=30) as sub:
+            pulled = None
+            if restarted:
+                pulled = await sub.pull(timeout=120)
+                print(f"{name}: restarted, pulled version {pulled} from the trainer ranks", flush=True)
+            last = None
+            while t.signal_value("stop") is None:
+                # A version published while this replica was incomplete (a rank down) never reaches
+                # it by push: after a second without it, every rank pulls its own slices.
+                await sub.catch_up(after=1.0, timeout=120)
+                if rank == 0:
+                    try:
+                        await sub.commit(timeout=10)
+                    except (CommitError, transport.TransportError) as exc:  # e.g. a rank of this replica is down
+                        if not errors or errors[-1] != str(exc):
+                            errors.append(str(exc))
+                v = sub.apply()
+                if v is not None and v != last:
+                    applied.append({"version": v, "at": time.time(),
+                                    "sha": {n: sha(x) for n, x in sub.tensors.items()}})
+                    last = v
+                    await t.signal("launcher", f"{name}.applied", v + 1)
+                await anyio.sleep(0.05 + slow)  # a generation step
     suffix = "-restarted" if restarted else ""
     Path(cfg.out, f"{name}{suffix}.json").write_text(json.dumps({"applied": applied, "pulled": pulled,
                                                                  "errors": errors}))
