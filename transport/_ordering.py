@@ -11,7 +11,6 @@ import anyio
 from ._transfer import Transfer
 from ._wire import TransferOp
 
-
 _SCAN_MAX = 64  # transfers in flight that clear_of() compares one by one
 
 
