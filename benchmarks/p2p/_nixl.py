@@ -50,7 +50,7 @@ from ..common.batch import BATCH_SEGMENT_BYTES, BATCH_SEGMENTS, BATCH_STRIDE
 from ..common.errors import BenchError
 from ..common.sizes import format_size
 from ..common.stats import median, percentile
-from ._peer import START_TIMEOUT_S, TargetHello, timed, with_target
+from ._peer import START_TIMEOUT_S, TargetHello, measure_peer, timed
 from ._report import (
     BenchConfig,
     DescListResult,
@@ -396,18 +396,11 @@ def measure(
         The results; or, when NIXL is not installed or anything about it failed, a result whose
         ``unavailable`` says why (the message of what NIXL or its target printed).
     """
-    try:
-        api = load_api()
-    except BenchError as exc:
-        return PeerResult(PEER_NAME, unavailable=f"failed: {exc}")
-    if api is None:
-        return PeerResult(PEER_NAME, unavailable=f"not installed ({INSTALL_HINT})")
-    try:
-        args = ("--nbytes", str(config.region_bytes), "--timeout", str(config.timeout),
-                "--lifetime", str(lifetime_bound(config)))
-        initiate = functools.partial(_initiate, api, config, src, dst, memcpy_gbps)
-        return with_target(PEER_NAME, f"{__package__}._nixl_target", args, workdir, config.timeout, initiate)
-    except Exception as exc:  # whatever NIXL raised becomes the reason; our rows stand
-        log.debug("nixl measurement failed", exc_info=True)
-        why = str(exc).strip() if isinstance(exc, BenchError) else f"{type(exc).__name__}: {str(exc).strip()}"
-        return PeerResult(PEER_NAME, detail=nixl_version(), unavailable=f"failed: {why}")
+    args = ("--nbytes", str(config.region_bytes), "--timeout", str(config.timeout),
+            "--lifetime", str(lifetime_bound(config)))
+
+    def initiate(api: ModuleType, hello: TargetHello) -> PeerResult:
+        return _initiate(api, config, src, dst, memcpy_gbps, hello)
+
+    return measure_peer(PEER_NAME, load_api, INSTALL_HINT, nixl_version, f"{__package__}._nixl_target", args, workdir,
+                        config.timeout, initiate)

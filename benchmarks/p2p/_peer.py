@@ -10,17 +10,22 @@ when the initiator dies. Its application code takes no part in any transfer.
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 from ..common.errors import BenchError
 from ..common.procs import CHECKOUT, LoggedProcess, checkout_env, module_command
 from ..common.sizes import MiB
+from ._report import PeerResult
+
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -160,6 +165,46 @@ def with_target(
                 return measure(read_hello(conn, peer))
 
         return target.supervise(initiate)
+
+
+def measure_peer(
+    peer: str,
+    load_api: Callable[[], ModuleType | None],
+    install_hint: str,
+    version: Callable[[], str],
+    target: str,
+    args: Sequence[str],
+    workdir: Path,
+    timeout: float,
+    initiate: Callable[[ModuleType, TargetHello], PeerResult],
+) -> PeerResult:
+    """Measures one other library against its own target process (``python -m target``),
+    never raising: not installed, or anything about it failing, becomes the result's
+    ``unavailable`` reason, so the rest of the run stands.
+
+    Args:
+        peer: the library's name.
+        load_api: imports it (None: not installed; BenchError: installed but broken).
+        install_hint: how to install it, for the report.
+        version: its version, for the report of a failure.
+        target: the target's module, dotted in full.
+        args: the target's other arguments.
+        workdir: a private temporary directory (the socket and the target's log go there).
+        timeout: seconds bounding each step (see :func:`with_target`).
+        initiate: the measurement, given the imported module and the target's hello.
+    """
+    try:
+        api = load_api()
+    except BenchError as exc:
+        return PeerResult(peer, unavailable=f"failed: {exc}")
+    if api is None:
+        return PeerResult(peer, unavailable=f"not installed ({install_hint})")
+    try:
+        return with_target(peer, target, args, workdir, timeout, lambda hello: initiate(api, hello))
+    except Exception as exc:  # whatever the library raised becomes the reason; our rows stand
+        log.debug("%s measurement failed", peer, exc_info=True)
+        why = str(exc).strip() if isinstance(exc, BenchError) else f"{type(exc).__name__}: {str(exc).strip()}"
+        return PeerResult(peer, detail=version(), unavailable=f"failed: {why}")
 
 
 def timed(op: Callable[[], object], iters: int, warmup: int) -> list[float]:
