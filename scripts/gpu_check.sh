@@ -44,7 +44,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 # Checked with torch's default allocator: expandable segments cannot be exported over legacy
-# CUDA IPC (tests/test_cuda.py checks that error in a process of its own).
+# CUDA IPC (tests/gpu/test_cuda.py checks that error in a process of its own).
 ALLOC_CONF_NOTE=""
 if [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
     ALLOC_CONF_NOTE="PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF was set; unset for this run"
@@ -239,7 +239,7 @@ step "pytest -m gpu tests/" 240 190 \
     "$PY" -m pytest -m gpu "${PYTEST_ARGS[@]}" --continue-on-collection-errors --junitxml="$OUT/pytest-gpu.xml" tests/
 
 FILES=()
-for f in tests/test_cuda.py tests/test_kernels.py tests/test_nccl.py; do
+for f in tests/gpu/test_cuda.py tests/gpu/test_kernels.py tests/backends/test_nccl.py; do
     if [ -f "$f" ]; then FILES+=("$f"); else say "note: $f does not exist (yet)"; fi
 done
 if [ "${#FILES[@]}" -gt 0 ]; then

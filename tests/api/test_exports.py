@@ -1,0 +1,195 @@
+"""Guards the public surface and the package's shape.
+
+* the public names (``transport``, ``transport.weights``, ``transport.testing``) and the
+  public methods of ``Transport`` are exactly the documented ones (README "Public API");
+* public names report ``transport`` (or ``transport.backends``, public for backend authors) as
+  their module, never a private one;
+* layering: no import cycle among ``transport`` modules, only ``transport._native`` touches the
+  extension or ctypes, and nothing outside ``transport/`` imports a private module (tests of
+  internals excepted);
+* size: ``Transport`` is one class of at most 550 lines (500 until the prepared-transfer API added four
+  delegating methods; most of it is docstrings), and no module exceeds 600 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import transport
+import transport.plan
+import transport.testing
+import transport.weights
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "transport"
+
+PUBLIC = {
+    "Transport", "Transfer", "PreparedTransfer", "TransferOp", "gather", "Peer", "Region", "serve_store",
+    "register_backend", "available_backends", "cuda_unavailable_reason",
+    "TransportError", "ClosedError", "PeerLostError", "TransferTimeoutError", "TransferAbortedError",
+    "RegistrationError", "ReadOnlyRegionError", "BoundsError", "DTypeMismatchError", "LayoutError",
+    "BackendUnavailableError", "PeerNotFoundError", "AuthenticationError", "StoreError", "TransportInternalError",
+    "RecordTooLargeError", "WireError",
+}
+TRANSPORT_METHODS = {
+    "aclose", "register", "register_many", "unregister", "empty", "regions", "put", "get", "fence",
+    "signal", "signal_value", "wait_signal", "peer", "lookup", "peers", "exclude", "dump_flight_record",
+    "flight_record", "backends", "store_url", "prepare_put", "prepare_get", "put_many", "get_many",
+    "prepare_put_runs", "prepare_get_runs",
+}
+WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport", "LayoutMismatchError",
+           "MeshPublisher", "MeshPublishReport", "MeshSubscriber", "CommitError"}
+PLAN = {"TrainerLayout", "TensorSpec", "MeshSharding", "ExplicitSharding", "Shard", "Replicate", "Replica",
+        "GeneratorRank", "LocalTensor", "Piece", "Planner", "Plan", "ReplicaPlan", "RankPlan", "Move", "Topology",
+        "MeshLayoutError", "trainer_layout", "generator_rank", "generator_replica", "model_config", "builtin_model",
+        "trainer_layout_from_state_dict", "merge_trainer_layouts"}
+
+
+def test_public_names_are_exactly_the_documented_ones() -> None:
+    assert set(transport.__all__) == PUBLIC
+    for name in transport.__all__:
+        assert hasattr(transport, name), name
+
+
+def test_public_names_report_a_public_module() -> None:
+    for name in transport.__all__:
+        module = getattr(transport, name).__module__
+        assert module in ("transport", "transport.backends"), (name, module)
+
+
+def test_transport_methods_are_exactly_the_documented_ones() -> None:
+    public = {n for n, _ in inspect.getmembers(transport.Transport) if not n.startswith("_")}
+    assert public == TRANSPORT_METHODS
+
+
+def test_every_public_method_has_a_docstring() -> None:
+    for name in TRANSPORT_METHODS:
+        assert inspect.getdoc(getattr(transport.Transport, name)), name
+
+
+def test_weights_plan_and_testing_exports() -> None:
+    assert WEIGHTS <= set(transport.weights.__all__)
+    assert PLAN <= set(transport.plan.__all__)
+    for name in transport.plan.__all__:
+        obj = getattr(transport.plan, name)
+        if (isinstance(obj, type) and obj.__module__ != "builtins") or inspect.isfunction(obj):  # not aliases
+            assert obj.__module__ == "transport.plan", (name, obj.__module__)
+    assert {"check_backend"} <= set(transport.testing.__all__)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
+    """Absolute names of the modules ``module`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                prefix = ".".join(base[: len(base) - node.level + 1])
+                mod = f"{prefix}.{node.module}" if node.module else prefix
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def test_no_import_cycle_among_transport_modules() -> None:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        deps = set()
+        for i in _imports(m, p, top_level_only=True):
+            parts = i.split(".")
+            # Importing a.b.c runs a.b's __init__ too (the root package is where every import starts).
+            deps.update(".".join(parts[:k]) for k in range(2, len(parts) + 1))
+        graph[m] = {d for d in deps if d in mods and d != m}
+    # A package's __init__ importing its own submodules is not a cycle.
+    for m in graph:
+        graph[m] = {i for i in graph[m] if not i.startswith(m + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(n):], n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_only_native_touches_the_extension_and_ctypes() -> None:
+    offenders = []
+    for m, p in _modules().items():
+        if m.startswith("transport._native"):
+            continue
+        names = _imports(m, p, top_level_only=False)
+        if "ctypes" in names or any(n == "transport._C" or n.startswith("transport._C.") for n in names):
+            offenders.append(m)
+    assert not offenders
+    assert (PKG / "_native" / "_C.pyi").is_file()
+
+
+def test_transport_is_one_class_without_mixins() -> None:
+    """(Module and class sizes are an alarm in the lint step, scripts/module_sizes.py.)"""
+    assert transport.Transport.__mro__[1:] == (object,), "no mixins"
+
+
+def _readme_error_tree() -> dict[str, str | None]:
+    """The error tree drawn in the README: class name -> parent name (None for the root)."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("Errors form one tree"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[: block.index("```")]
+    parents: dict[str, str | None] = {}
+    stack: list[tuple[int, str]] = []
+    for line in block.splitlines():
+        m = re.match(r"^([\s│├└─]*)(\w+)", line)
+        assert m, line
+        depth, name = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        parents[name] = stack[-1][1] if stack else None
+        stack.append((depth, name))
+    return parents
+
+
+def test_readme_draws_every_public_error_with_its_real_parent() -> None:
+    tree = _readme_error_tree()
+    errors = {n: getattr(transport, n) for n in transport.__all__
+              if isinstance(getattr(transport, n), type) and issubclass(getattr(transport, n), Exception)}
+    errors["LayoutMismatchError"] = transport.weights.LayoutMismatchError
+    errors["CommitError"] = transport.weights.CommitError
+    errors["MeshLayoutError"] = transport.plan.MeshLayoutError
+    assert set(tree) == set(errors), set(tree) ^ set(errors)
+    for name, parent in tree.items():
+        cls = errors[name]
+        if parent is None:
+            assert cls is transport.TransportError
+        else:
+            assert cls.__bases__[0] is errors[parent], (name, parent, cls.__bases__)

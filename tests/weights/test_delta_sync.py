@@ -1,0 +1,457 @@
+"""Delta sync (transport.weights with delta=True): the native diff and scatter, and real
+subscriber processes that must hold every version bit for bit, whether it came as a delta or
+dense, including one that skipped versions, one that restarted, and one whose control word was
+poisoned so that it received a delta against a base it does not hold."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import transport
+from tests._support import PYTHON, python_env
+from tests._support.delta_model import model_at, same_bits, step, zeros
+from transport._native import delta as native
+from transport.weights import Publisher, Subscriber
+from transport.weights._control import APPLIED
+
+ROOT = Path(__file__).resolve().parents[2]
+ISAS = [isa for isa in (native.Isa.SCALAR, native.Isa.AVX2, native.Isa.AVX512) if native.supports(isa)]
+BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int16, np.uint16),
+        torch.float32: (torch.int32, np.uint32)}
+
+
+def reference_checksum(bits: np.ndarray, first: int = 0) -> int:
+    """The checksum as delta.h defines it, in numpy."""
+    i = (np.arange(len(bits), dtype=np.uint64) + np.uint64(first)).astype(np.uint32)
+    y = (bits.astype(np.uint32) ^ (i * np.uint32(0x9E3779B9))) * np.uint32(0x85EBCA6B)
+    y = y ^ (y >> np.uint32(15))
+    return int(y.astype(np.uint64).sum(dtype=np.uint64))
+
+
+def raw(t: torch.Tensor) -> np.ndarray:
+    return t.view(BITS[t.dtype][0]).numpy().view(BITS[t.dtype][1])
+
+
+def encode(fresh: torch.Tensor, base: torch.Tensor, isa: native.Isa, cap: int | None = None):
+    snap = torch.empty_like(fresh)
+    out = torch.zeros(cap if cap is not None else fresh.numel() * fresh.element_size() // 2, dtype=torch.uint8)
+    r = native.encode(fresh.data_ptr(), base.data_ptr(), snap.data_ptr(), fresh.numel(), fresh.element_size(),
+                      out.data_ptr(), out.numel(), isa)
+    assert torch.equal(snap.view(torch.uint8), fresh.view(torch.uint8))  # the fused copy
+    return r, out
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_diff_encode_and_scatter_are_bit_exact(isa, dtype):
+    g = torch.Generator().manual_seed(7)
+    for n, changed in [(1, 1), (13, 0), (1001, 1), (100_003, 1000), (100_003, 30_000), (100_003, 70_000)]:
+        base = torch.randn(n, generator=g).to(dtype)
+        base.view(-1)[::11] = 0.0
+        fresh = base.clone()
+        idx = torch.randperm(n, generator=g)[:changed]
+        fresh[idx] = torch.randn(changed, generator=g).to(dtype)
+        bits = fresh.view(BITS[dtype][0])
+        if n > 22:  # changes no float comparison sees: 0.0 -> -0.0, and a NaN payload
+            bits[11] ^= torch.tensor(1 << (8 * fresh.element_size() - 1)).to(bits.dtype)
+            base.view(BITS[dtype][0])[0] = 0x7FC1 if fresh.element_size() == 2 else 0x7FC00001
+            bits[0] = 0x7FC2 if fresh.element_size() == 2 else 0x7FC00002
+        want = int((raw(fresh) != raw(base)).sum())
+        r, out = encode(fresh, base, isa)
+        # Only the changes are hashed: the base's checksum - their old terms + their new terms.
+        fresh_sum = (reference_checksum(raw(base)) - r.sum_old + r.sum_new) % 2**64
+        assert r.changed == want and fresh_sum == reference_checksum(raw(fresh))
+        if want == 0:
+            assert r.kind == native.Kind.UNCHANGED
+            continue
+        if r.kind == native.Kind.DENSE:  # the encoding did not fit half the dense bytes
+            assert want * fresh.element_size() + (n + 7) // 8 > out.numel() - 8
+            continue
+        live = base.clone()
+        args = (n, fresh.element_size(), out.data_ptr(), r.payload_bytes, int(r.kind), r.changed, r.pos_bytes)
+        refusal, old, new = native.scatter(live.data_ptr(), *args, False)  # check, reading the live values
+        assert refusal == native.Refusal.OK and np.array_equal(raw(live), raw(base))  # nothing written
+        assert old == r.sum_old  # the base terms the header carries are the live values' terms
+        assert native.scatter(0, *args, False) == (native.Refusal.OK, 0, new)  # the payload alone
+        refusal, _, _ = native.scatter(live.data_ptr(), *args, True)
+        assert refusal == native.Refusal.OK
+        assert np.array_equal(raw(live), raw(fresh))
+        # The subscriber's O(changed) update gives the fresh tensor's checksum.
+        assert (reference_checksum(raw(base)) - old + new) % 2**64 == fresh_sum and new == r.sum_new
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_checksum_of_pieces_sums_to_the_whole(isa):
+    t = torch.randn(70_001).to(torch.bfloat16)
+    whole = native.checksum(t.data_ptr(), t.numel(), 2, 0, 0, isa)
+    assert whole == reference_checksum(raw(t))
+    cut = 33_333
+    parts = native.checksum(t.data_ptr(), cut, 2, 0, 0, isa) + native.checksum(t.data_ptr() + 2 * cut,
+                                                                                 t.numel() - cut, 2, cut, 0, isa)
+    assert parts % 2**64 == whole
+
+
+def guarded(n: int, es: int = 2, guard: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """A live tensor of n elements with guard bytes on both sides (to see any stray store)."""
+    mem = torch.full((2 * guard + n * es,), 0xA5, dtype=torch.uint8)
+    return mem, mem[guard:guard + n * es]
+
+
+def varint(*gaps: int) -> bytes:
+    out = bytearray()
+    for g in gaps:
+        while True:
+            b = g & 0x7F
+            g >>= 7
+            out.append(b | (0x80 if g else 0))
+            if not g:
+                break
+    return bytes(out)
+
+
+def payload(values: int, pos: bytes, es: int = 2) -> torch.Tensor:
+    vbytes = (values * es + 7) // 8 * 8
+    return torch.frombuffer(bytearray(b"\x11" * vbytes + pos), dtype=torch.uint8)
+
+
+HOSTILE = [  # (what, n, kind, count, positions, declared pos_bytes or None, refusal)
+    ("position past the end", 100, native.Kind.VARINT, 1, varint(100), None, native.Refusal.OUT_OF_RANGE),
+    ("gap past the end", 100, native.Kind.VARINT, 2, varint(50, 49), None, native.Refusal.OUT_OF_RANGE),
+    ("huge gap wrapping around", 100, native.Kind.VARINT, 2, varint(5, 2**64 - 3), None, native.Refusal.OUT_OF_RANGE),
+    ("overlong varint", 100, native.Kind.VARINT, 1, b"\xff" * 11, None, native.Refusal.BAD_VARINT),
+    ("truncated varint", 100, native.Kind.VARINT, 1, b"\x80", None, native.Refusal.COUNT_MISMATCH),
+    ("fewer positions than values", 100, native.Kind.VARINT, 3, varint(1, 1), None, native.Refusal.COUNT_MISMATCH),
+    ("bytes after the positions", 100, native.Kind.VARINT, 1, varint(1, 1), None, native.Refusal.COUNT_MISMATCH),
+    ("more values than elements", 4, native.Kind.VARINT, 5, varint(0, 0, 0, 0, 0), None, native.Refusal.BAD_SIZE),
+    ("length that does not add up", 100, native.Kind.VARINT, 1, varint(1), 7, native.Refusal.BAD_SIZE),
+    ("bitmask bits past the end", 10, native.Kind.BITMASK, 1, b"\x00\x04", None, native.Refusal.BAD_BITMASK),
+    ("bitmask of the wrong size", 10, native.Kind.BITMASK, 1, b"\x01", None, native.Refusal.BAD_BITMASK),
+    ("bitmask count mismatch", 16, native.Kind.BITMASK, 1, b"\x03\x00", None, native.Refusal.COUNT_MISMATCH),
+    ("unknown kind", 100, 9, 1, varint(1), None, native.Refusal.BAD_KIND),
+]
+
+
+@pytest.mark.parametrize("what,n,kind,count,pos,declared,refusal", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_payloads_are_refused_and_never_written_out_of_bounds(what, n, kind, count, pos, declared, refusal):
+    mem, live = guarded(n)
+    before = mem.clone()
+    p = payload(count, pos)
+    pos_bytes = len(pos) if declared is None else declared
+    for write in (False, True):
+        got, _, _ = native.scatter(live.data_ptr(), n, 2, p.data_ptr(), p.numel(), int(kind), count, pos_bytes, write)
+        assert got == refusal, what
+    assert torch.equal(mem[:4096], before[:4096]) and torch.equal(mem[-4096:], before[-4096:])
+
+
+def test_random_payloads_never_store_outside_the_tensor():
+    g = np.random.default_rng(3)
+    n = 1000
+    mem, live = guarded(n)
+    guard = mem[:4096].clone(), mem[-4096:].clone()
+    for _ in range(3000):
+        size = int(g.integers(8, 600))
+        p = torch.from_numpy(g.integers(0, 256, size, dtype=np.uint8))
+        count = int(g.integers(1, 300))
+        kind = int(g.choice([2, 3]))
+        vbytes = (count * 2 + 7) // 8 * 8
+        pos_bytes = size - vbytes if size > vbytes else int(g.integers(0, 600))
+        native.scatter(live.data_ptr(), n, 2, p.data_ptr(), size, kind, count, pos_bytes, True)
+    assert torch.equal(mem[:4096], guard[0]) and torch.equal(mem[-4096:], guard[1])
+
+
+async def test_by_default_deltas_go_over_the_network_only():
+    """delta="auto": a subscriber reached over ipc (a link as fast as memory) gets every version
+    dense and costs no diff; one reached over tcp gets deltas, bit for bit."""
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(1 << 16)}
+    async with transport.Transport("trainer", store=store, backends=("ipc", "tcp")) as tt, \
+            transport.Transport("near", store=store, backends=("ipc",)) as tn, \
+            transport.Transport("far", store=store, backends=("tcp",)) as tf:
+        async with Publisher(tt, src) as pub, \
+                Subscriber(tn, near := {"a": torch.zeros(1 << 16)}, publisher="trainer") as s_near, \
+                Subscriber(tf, far := {"a": torch.zeros(1 << 16)}, publisher="trainer") as s_far:
+            for v in range(1, 5):
+                if v > 1:
+                    src["a"][v * 10 : v * 10 + 5] += 1
+                r = await pub.publish(v)
+                assert not r.results["near"].delta and r.results["near"].nbytes == pub.layout.total
+                assert r.results["far"].delta == (v >= 2), (v, r.results["far"])
+                assert await s_near.wait_version(v) == v and await s_far.wait_version(v) == v
+                assert same_bits(near, src) and same_bits(far, src)
+        async with Publisher(tt, src, name="near-only") as pub2, \
+                Subscriber(tn, {"a": torch.zeros(1 << 16)}, publisher="trainer", name="near-only") as s2:
+            for v in range(1, 4):
+                src["a"][:3] += 1
+                r = await pub2.publish(v)
+                assert await s2.wait_version(v) == v
+                assert r.delta is None or r.delta.base is None, "a version was diffed for an ipc subscriber only"
+
+
+async def test_dense_above_the_crossover_and_forced_dense():
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(1 << 16)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg, \
+            transport.Transport("old", store=store) as to:
+        async with Publisher(tt, src, delta=True) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub, \
+                Subscriber(to, old := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer",
+                           delta=False) as dense_only:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1 and await dense_only.wait_version(1) == 1
+            a = src["a"].view(-1)
+            a[torch.randperm(a.numel())[: a.numel() * 6 // 10]] += 1  # 60%: above the crossover
+            src["b"][:100] += 1  # 0.15%: sparse
+            r = await pub.publish(2)
+            # Per tensor: the small one that changed a lot goes dense inside the delta.
+            assert r.delta is not None and r.delta.kinds == {"dense": 1, "varint": 1} and not r.delta.sampled
+            assert r.results["gen"].delta and not r.results["old"].delta
+            assert r.results["old"].nbytes == pub.layout.total > 10 * r.results["gen"].nbytes
+            assert await sub.wait_version(2) == 2 and await dense_only.wait_version(2) == 2
+            assert same_bits(dst, src) and same_bits(old, src)
+            for x in src.values():  # 90% of everything: the sample says dense, no full diff runs
+                flat = x.view(-1)
+                flat[torch.randperm(flat.numel())[: flat.numel() * 9 // 10]] += 1
+            r = await pub.publish(3)
+            assert r.delta is not None and r.delta.sampled and r.delta.base is None and r.delta.density > 0.8
+            assert not r.results["gen"].delta and r.results["gen"].nbytes == pub.layout.total
+            assert await sub.wait_version(3) == 3 and same_bits(dst, src)
+            src["b"][:10] += 1  # sparse again: the snapshot of the dense version 3 is the base
+            r = await pub.publish(4)
+            assert r.delta is not None and r.delta.base == 3 and r.results["gen"].delta
+            assert await sub.wait_version(4) == 4 and same_bits(dst, src)
+        for bad in (0.0, 0.6, float("nan")):
+            with pytest.raises(ValueError, match="delta_crossover"):
+                Publisher(tt, src, name="other", delta_crossover=bad)
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, delta=False) as pub, Subscriber(tg, dst, publisher="trainer") as sub:
+            assert not pub.delta and pub.staging_bytes == 2 * pub.layout.total
+            for v in (1, 2):
+                src["b"][0] += 1
+                r = await pub.publish(v)
+                assert r.delta is None and not r.results["gen"].delta and r.results["gen"].nbytes == pub.layout.total
+                assert await sub.wait_version(v) == v and same_bits(dst, src)
+
+
+# ---- real processes ---------------------------------------------------------------------------
+
+PLANS = {
+    "steady": [["apply", v] for v in range(1, 7)],
+    "skipper": [["apply", 1], ["apply", 2], ["skip", 3], ["skip", 4], ["apply", 5], ["apply", 6]],
+    "restarter": [["apply", 1], ["apply", 2]],  # then exits; a new process under its name runs RESTARTED
+    "victim": [["apply", 1], ["skip", 2], ["refuse", 3], ["pull", 3], ["apply", 4], ["apply", 5], ["apply", 6]],
+}
+RESTARTED = [["apply", 4], ["apply", 5], ["apply", 6]]
+RESTART_BASE = 100  # the restarted process's ready and ack signals count on from here
+# Which subscribers receive each version as a delta (the rest get it dense).
+DELTA = {
+    1: set(),
+    2: {"steady", "skipper", "restarter", "victim"},
+    3: {"steady", "skipper", "victim"},  # victim: its APPLIED word was poisoned to claim version 2
+    4: {"steady", "victim"},  # skipper is behind (applied 2), restarter is a new incarnation
+    5: {"steady", "restarter", "victim"},
+    6: {"steady", "skipper", "restarter", "victim"},
+}
+
+
+class Peers:
+    def __init__(self, tmp: Path, store: str, backend: str) -> None:
+        self.tmp, self.store, self.backend = tmp, store, backend
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, plan: list, tag: str = "", ack_base: int = 0) -> Path:
+        out = self.tmp / f"{name}{tag}.json"
+        spec = {"name": name, "store": self.store, "publisher": "trainer", "backends": [self.backend], "plan": plan,
+                "out": str(out), "ack_base": ack_base}
+        self.procs.append(subprocess.Popen([PYTHON, "-m", "tests.peers.delta_peer", json.dumps(spec)], env=python_env(),
+                                           cwd=ROOT, stderr=subprocess.PIPE))
+        return out
+
+    async def records(self, out: Path, timeout: float = 60) -> list[dict]:
+        with anyio.fail_after(timeout):
+            while not out.exists():
+                for p in self.procs:
+                    if p.poll() not in (None, 0):
+                        raise AssertionError(p.stderr.read().decode()[-3000:] if p.stderr else p.returncode)
+                await anyio.sleep(0.02)
+        return json.loads(out.read_text())
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+            if p.stderr is not None:
+                p.stderr.close()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "tcp"])
+async def test_every_subscriber_holds_every_version_bit_for_bit(tmp_path, backend):
+    store = f"file://{tmp_path / 'store'}"
+    peers = Peers(tmp_path, store, backend)
+    live = model_at(1)
+    try:
+        outs = {name: peers.start(name, plan) for name, plan in PLANS.items()}
+        async with transport.Transport("trainer", store=store, backends=(backend,), timeout=30) as tt, \
+                transport.Transport("intruder", store=store, backends=(backend,), timeout=30) as ti:
+            async with Publisher(tt, live, delta=True) as pub:
+                for name in PLANS:
+                    await tt.wait_signal(f"ready.{name}", at_least=1, timeout=60)
+                acked = dict.fromkeys(PLANS, 0)
+                for v in range(1, 7):
+                    if v > 1:
+                        step(live, v)
+                    if v == 4:  # the restarted subscriber, a new process under the old name
+                        outs["restarter#2"] = peers.start("restarter", RESTARTED, "#2", ack_base=RESTART_BASE)
+                        await tt.wait_signal("ready.restarter", at_least=RESTART_BASE + 1, timeout=60)
+                    report = await pub.publish(v)
+                    serving = {n for n in PLANS if n != "restarter" or v != 3}
+                    assert set(report.done) == serving, (v, report.results)
+                    assert {n for n in serving if report.results[n].delta} == DELTA[v], v
+                    assert report.delta is not None and (report.delta.base is None) == (v == 1)
+                    for n in DELTA[v]:
+                        assert report.results[n].nbytes == report.delta.delta_bytes < pub.layout.total // 5
+                    for n in serving:  # each subscriber ran its steps for this version
+                        plan = RESTARTED if n == "restarter" and v >= 4 else PLANS[n]
+                        acked[n] = sum(1 for _, pv in plan if pv <= v) + (RESTART_BASE if plan is RESTARTED else 0)
+                        await tt.wait_signal(f"ack.{n}", at_least=acked[n], timeout=60)
+                    if v == 2:
+                        # A third peer claims that victim applied version 2 (it holds 1, and 2
+                        # waits unapplied): the publisher believes it and sends a delta against 2.
+                        word = torch.tensor([2], dtype=torch.int64)
+                        await ti.put(word, "victim", key="wsync.policy.ctl", offset=APPLIED * 8)
+        results = {name: await peers.records(out) for name, out in outs.items()}
+    finally:
+        peers.close()
+    for name, records in results.items():
+        assert records and all(r["ok"] for r in records), (name, records)
+    victim = results["victim"]
+    assert victim[2] == {"action": "refuse", "version": 3, "ok": True, "live": 1, "refused": 1}
+    assert [r["live"] for r in results["skipper"]] == [1, 2, 2, 2, 5, 6]
+
+
+def test_support_model_changes_bits_that_float_comparison_misses():
+    a, b = model_at(1), model_at(2)
+    for k in ("embed.weight", "layers.0.w", "layers.0.h", "ln.weight"):
+        bits_a = a[k].view(BITS[a[k].dtype][0])
+        bits_b = b[k].view(BITS[b[k].dtype][0])
+        assert not torch.equal(bits_a, bits_b)
+    assert not same_bits(a, b) and same_bits(a, model_at(1)) and same_bits(zeros(), zeros())
+
+
+# ---- the CUDA diff (run by scripts/gpu_check.sh, which runs every gpu-marked test) -------------
+
+DELTA_KERNELS = ("transport_delta_diff_u16", "transport_delta_diff_u32", "transport_delta_gather_u16",
+                 "transport_delta_gather_u32")
+
+
+def test_the_cuda_delta_kernels_are_built_into_the_kernel_image():
+    # Built wherever the transfer kernels are (nvcc at build time, no GPU needed): the image is
+    # an uncompressed fatbin, so each kernel's name is in its symbol tables.
+    from transport._native import load
+
+    image = load().kernels_image()
+    if image is None:
+        pytest.skip("this build has no CUDA kernels (nvcc was not found when it was built)")
+    for name in DELTA_KERNELS:
+        assert name.encode() in image, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_diff_matches_the_cpu_encoder(dtype):
+    import struct
+
+    from transport import _cuda
+
+    g = torch.Generator().manual_seed(11)
+    n = 1_000_003
+    base = torch.randn(n, generator=g).to(dtype)
+    fresh = base.clone()
+    fresh[torch.randperm(n, generator=g)[: n // 50]] = torch.randn(n // 50, generator=g).to(dtype)
+    fresh.view(BITS[dtype][0])[7] ^= torch.tensor(1 << (8 * fresh.element_size() - 1)).to(BITS[dtype][0])  # -x
+    r, _ = encode(fresh, base, native.Isa.AUTO)
+    mask_bytes = (n + 7) // 8
+    dev = torch.device("cuda", 0)
+    f, b = fresh.to(dev), base.to(dev)
+    snap = torch.empty_like(f)
+    words = (n + 31) // 32
+    mask = torch.zeros(words, dtype=torch.int32, device=dev)
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)  # count, checksum
+    suffix = "u16" if fresh.element_size() == 2 else "u32"
+    k = _cuda.kernels(0)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    k.launch(f"transport_delta_diff_{suffix}", (256, 1, 1), (256, 1, 1),
+             struct.pack("@QQQQQQQ", f.data_ptr(), b.data_ptr(), snap.data_ptr(), n, mask.data_ptr(),
+                         acc.data_ptr(), acc.data_ptr() + 8), stream)
+    offsets = torch.zeros(words, dtype=torch.int64, device=dev)
+    pop = torch.tensor([bin(int(w) & 0xFFFFFFFF).count("1") for w in mask.cpu()], dtype=torch.int64)
+    offsets.copy_(torch.cumsum(pop, 0) - pop)
+    values = torch.empty(int(pop.sum()), dtype=dtype, device=dev)
+    k.launch(f"transport_delta_gather_{suffix}", (256, 1, 1), (256, 1, 1),
+             struct.pack("@QQQQQ", f.data_ptr(), mask.data_ptr(), offsets.data_ptr(), words, values.data_ptr()),
+             stream)
+    torch.cuda.synchronize(dev)
+    assert torch.equal(snap.cpu().view(torch.uint8), fresh.view(torch.uint8))
+    assert int(acc[0]) == r.changed and int(acc[1]) % 2**64 == reference_checksum(raw(fresh))
+    gpu_mask = mask.cpu().numpy().view(np.uint8)[:mask_bytes]
+    cpu_bits = raw(fresh) != raw(base)
+    assert np.array_equal(np.unpackbits(gpu_mask, bitorder="little")[:n].astype(bool), cpu_bits)
+    assert np.array_equal(raw(values.cpu()), raw(fresh)[cpu_bits])
+
+
+async def test_a_corrupted_delta_is_refused_whole():
+    # A peer scribbles over one position byte of a delta waiting in the subscriber's slot: the
+    # patched checksum no longer adds up, so nothing is written and pull() catches up.
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(512, 64).to(torch.bfloat16), "b": torch.randn(4096)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, delta=True) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            held = {k: v.clone() for k, v in dst.items()}
+            src["a"].view(-1)[::50] += 1
+            r = await pub.publish(2)
+            assert r.results["gen"].delta and sub.latest == 2
+            e = next(x for x in pub.layout.entries if x.name == "a")
+            slot = sub._slots[sub._front()[1]]
+            values = (r.delta.changed * 2 + 7) // 8 * 8
+            slot[e.offset + values + 3] ^= 1  # a gap of the varint positions
+            assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
+            assert same_bits(dst, held)
+            assert await sub.pull() == 2 and same_bits(dst, src)
+
+
+async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
+    # A header beside the free slot already names the next version (left by a publisher that
+    # counted this far before it restarted, or scribbled): the dense version that lands in that
+    # slot must not be read as a delta. The publisher clears the header before a dense push.
+    from transport.weights._delta import MAGIC
+
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(256, 64).to(torch.bfloat16)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, delta=True) as pub, \
+                Subscriber(tg, dst := {"a": torch.zeros(256, 64, dtype=torch.bfloat16)}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            src["a"].view(-1)[::100] += 1
+            assert (await pub.publish(2)).results["gen"].delta
+            assert await sub.wait_version(2) == 2
+            free = 1 - sub._front()[1]
+            stale = sub._indexes[free]
+            stale[:4] = torch.tensor([MAGIC, 3, 2, len(pub.layout.entries)])
+            src["a"].copy_(torch.randn(256, 64).to(torch.bfloat16))  # all changed: dense
+            r = await pub.publish(3)
+            assert not r.results["gen"].delta and int(stale[0]) == 0  # cleared before the push
+            assert await sub.wait_version(3) == 3 and same_bits(dst, src) and sub.refused_deltas == 0
