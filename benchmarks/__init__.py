@@ -1,7 +1,7 @@
 """Benchmarks of ``transport`` against the status quo: one package per benchmark, each run as
 ``python -m benchmarks.<name>``, and :mod:`benchmarks.common` for what two or more share.
 
-They use only the public ``transport`` API (``tests/test_public_api_use.py`` checks it).
+They use only the public ``transport`` API (``tests/api/test_public_api_use.py`` checks it).
 
 * ``p2p``: put/get bandwidth and small-transfer latency per backend between two processes, next to
   a same-run ``memcpy`` baseline; ``--peers nixl,mooncake`` adds those libraries, measured the same

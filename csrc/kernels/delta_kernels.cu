@@ -5,7 +5,7 @@
 // Compiled into the same fatbin as transport_kernels.cu (CMakeLists.txt includes both in one
 // translation unit) and launched by name through the CUDA driver; the conventions of that file
 // hold here too (extern "C", pointer / 64-bit parameters, grid-stride loops, a fixed block
-// size). tests/test_delta_sync.py holds the kernels against the CPU encoder on a GPU.
+// size). tests/weights/test_delta_sync.py holds the kernels against the CPU encoder on a GPU.
 #include <stdint.h>
 
 namespace delta_kernels {

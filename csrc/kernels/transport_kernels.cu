@@ -3,7 +3,7 @@
 // nvcc compiles this file into a fatbin (CMakeLists.txt, "transfer kernels" block) that is
 // embedded in transport._C; transport/_kernels.py loads it through the CUDA driver and launches
 // the kernels by name. The CPU references with the same semantics are in transport/_kernels.py
-// and tests/test_kernels.py holds the two against each other.
+// and tests/gpu/test_kernels.py holds the two against each other.
 //
 // Conventions every kernel here keeps, because the host side relies on them:
 // * extern "C": the host looks kernels up by their plain name.
