@@ -11,9 +11,9 @@ from typing import Any
 from ._roles import is_transport, is_zero_copy
 
 NORMAL, STRAGGLER = "normal", "straggler"
-TARGET_SPEEDUP = 3.0  # issue 8: best transport backend vs faster broadcast, 1 GiB, K = 2
-TARGET_OTHERS_RATIO = 1.2  # issue 8: others' completion with / without a straggler (transport)
-# Issue 14, on the same (1 GiB, K = 2) point:
+TARGET_SPEEDUP = 3.0  # best transport backend vs the faster broadcast, 1 GiB, K = 2
+TARGET_OTHERS_RATIO = 1.2  # others' completion with / without a straggler (transport)
+# Per apply mode, on the same (1 GiB, K = 2) point:
 TARGET_COPY_SPEEDUP = 2.0  # the best copy-mode backend vs the faster broadcast
 TARGET_ZERO_COPY_SPEEDUP = 3.5  # the best zero-copy backend vs the faster broadcast
 TARGET_BLOCKED_RATIO = 1.1  # trainer blocked / all generators have the version live (each mode's best backend)
@@ -267,9 +267,9 @@ def _best(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     return min(rows, key=lambda r: r["complete_s"], default=None)
 
 
-def issue14_targets(rows: Sequence[dict[str, Any]], memcpy_gbps: float | None, size: int = GiB,
+def mode_targets(rows: Sequence[dict[str, Any]], memcpy_gbps: float | None, size: int = GiB,
                     k: int = 2) -> dict[str, Any]:
-    """Issue 14's acceptance numbers on the (``size``, ``k``) point, for each apply mode's best
+    """The apply modes' acceptance numbers on the (``size``, ``k``) point, for each apply mode's best
     backend (the least ``complete_s``): copy mode ≥ 2× and zero-copy ≥ 3.5× the faster broadcast,
     the trainer blocked ≤ 1.1× the time until every generator has the version live, zero-copy
     within 1.3× of the memory-bandwidth floor.
@@ -373,12 +373,12 @@ def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def targets_text(t: dict[str, Any]) -> str:
-    """Issue 8's target lines (Target 1, 2a, 2b)."""
+    """The sync targets' lines (Target 1, 2a, 2b: speed-up, and a straggler's cost to the others)."""
     if not t.get("measured"):
-        return f"Issue 8 targets: not checked ({t.get('note')})."
+        return f"Sync targets: not checked ({t.get('note')})."
     s = t["speedup"]
     lines = [
-        "Issue 8 targets:",
+        "Sync targets:",
         (
             f"Target 1 ({t['size_label']}, K={t['k']}): {s['transport']} {s['transport_s']:.3f} s vs {s['broadcast']} "
             f"{s['broadcast_s']:.3f} s = {s['value']:.2f}× faster (target ≥ {s['target']:g}×): "
@@ -408,11 +408,11 @@ def _verdict(holds: bool) -> str:
     return "HOLDS" if holds else "MISSED"
 
 
-def issue14_text(t: dict[str, Any]) -> str:
-    """Issue 14's target lines, from :func:`issue14_targets`."""
+def mode_targets_text(t: dict[str, Any]) -> str:
+    """The apply modes' target lines, from :func:`mode_targets`."""
     if not t.get("measured"):
-        return f"Issue 14 targets: not checked ({t.get('note')})."
-    lines = [f"Issue 14 targets ({t['size_label']}, K={t['k']}):"]
+        return f"Apply-mode targets: not checked ({t.get('note')})."
+    lines = [f"Apply-mode targets ({t['size_label']}, K={t['k']}):"]
     for key, mode in (("copy_speedup", "copy mode"), ("zero_copy_speedup", "zero-copy")):
         s = t[key]
         if s is None:

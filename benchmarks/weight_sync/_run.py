@@ -287,7 +287,7 @@ def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Seque
     """(the text report, its JSON summary)."""
     rows = _report.summary_rows(groups, memcpy)
     tg = _report.targets(rows, args.straggler_delay)
-    t14 = _report.issue14_targets(rows, memcpy.two_thread_gbps)
+    mode_t = _report.mode_targets(rows, memcpy.two_thread_gbps)
     parts = [
         (f"Memory-bandwidth baseline, this run, in the benchmark's parent process before the points: "
          f"{memcpy.describe()}. Floor of a point = K × model bytes ÷ the 2-thread rate."),
@@ -312,14 +312,14 @@ def render(groups: Sequence[GroupResult], args: argparse.Namespace, notes: Seque
         "",
         _report.breakdown_table(rows),
         "",
-        _report.issue14_text(t14),
+        _report.mode_targets_text(mode_t),
         "",
         _report.targets_text(tg),
     ]
     for n in notes:
         parts += ["", f"Note: {n}"]
     summary = {"memcpy": memcpy.to_json(), "rows": rows, "speedups": _report.speedups(rows), "targets": tg,
-               "issue14_targets": t14}
+               "mode_targets": mode_t}
     return "\n".join(parts), summary
 
 

@@ -5,7 +5,7 @@ and tcp with copying and zero-copy apply, per-parameter and bucketed broadcast) 
 entry point works end to end and that its JSON has the documented structure with positive
 numbers and bit-for-bit verified weights, and that the derived numbers agree with the measured
 ones: the memory-bandwidth floor (K × model bytes ÷ the same run's 2-thread memcpy rate), each
-method's time over it, the trainer's blocked share, and issue 14's targets computed from them.
+method's time over it, the trainer's blocked share, and the apply-mode targets computed from them.
 No timing is asserted.
 """
 
@@ -78,7 +78,7 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert "| size | K | method |" in proc.stdout
     assert "| blocked ÷ applied | floor (s) | ÷ floor |" in proc.stdout
     assert "1 thread" in proc.stdout and "2 threads (each copies half)" in proc.stdout
-    assert "Issue 14 targets: not checked" in proc.stdout and "Issue 8 targets: not checked" in proc.stdout
+    assert "Apply-mode targets: not checked" in proc.stdout and "Sync targets: not checked" in proc.stdout
 
     doc = json.loads(out.read_text())
     assert {"benchmark", "date", "command", "machine", "config", "summary", "groups"} <= set(doc)
@@ -126,17 +126,17 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert {(s["k"], s["size"]) for s in doc["summary"]["speedups"]} == {(1, 2 << 20), (2, 2 << 20)}
     assert all(s["speedup"] > 0 for s in doc["summary"]["speedups"])
     assert doc["summary"]["targets"]["measured"] is False  # no 1 GiB point in a smoke run
-    assert doc["summary"]["issue14_targets"]["measured"] is False
+    assert doc["summary"]["mode_targets"]["measured"] is False
     text = md.read_text()
     assert "Machine:" in text and "Command:" in text and "| size | K | method |" in text
-    assert "÷ floor" in text and f"{mc['two_thread_gbps']:.2f} GB/s" in text and "Issue 14 targets" in text
-    _check_issue14_targets(rows, mc["two_thread_gbps"])
+    assert "÷ floor" in text and f"{mc['two_thread_gbps']:.2f} GB/s" in text and "Apply-mode targets" in text
+    _check_mode_targets(rows, mc["two_thread_gbps"])
 
 
-def _check_issue14_targets(rows: list[dict[str, Any]], gbps: float) -> None:
-    """Issue 14's targets computed on the smoke run's (2 MiB, K = 2) point: each mode's best backend,
+def _check_mode_targets(rows: list[dict[str, Any]], gbps: float) -> None:
+    """The apply-mode targets computed on the smoke run's (2 MiB, K = 2) point: each mode's best backend,
     its ratios taken from the rows, each verdict consistent with its value and target."""
-    t = _report.issue14_targets(rows, gbps, size=2 << 20, k=2)
+    t = _report.mode_targets(rows, gbps, size=2 << 20, k=2)
     assert t["measured"] is True
     here = [r for r in rows if r["k"] == 2]
     bcast = min((r for r in here if not r["method"].startswith("transport/")), key=lambda r: r["complete_s"])
@@ -157,6 +157,6 @@ def _check_issue14_targets(rows: list[dict[str, Any]], gbps: float) -> None:
     f = t["zero_copy_floor"]
     assert f["method"] == best["zero-copy"]["method"] and f["memcpy_two_thread_gbps"] == gbps
     assert f["value"] == pytest.approx(f["complete_s"] / f["floor_s"]) and f["holds"] == (f["value"] <= 1.3)
-    lines = _report.issue14_text(t).splitlines()
-    assert lines[0] == "Issue 14 targets (2 MiB, K=2):" and len(lines) == 6
+    lines = _report.mode_targets_text(t).splitlines()
+    assert lines[0] == "Apply-mode targets (2 MiB, K=2):" and len(lines) == 6
     assert all(line.endswith((": HOLDS", ": MISSED")) for line in lines[1:])
