@@ -254,9 +254,16 @@ async def _many_in_flight(env: _Env) -> None:
         await warm_sync_route(a, env.peer, srcs[0], "many")
     handles = [a.put(s, env.peer, key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
     if _synchronous(env):  # put() completes small host transfers itself (Backend.mover)
-        # (a ucx one that its lane does not finish within the bound goes asynchronous: "most")
-        _ensure(sum(h.done() for h in handles) > count // 2,
-                "small host puts on a known route should complete inside put()")
+        # A reply later than the synchronous bound (2 ms; a loaded machine) sends a put, and
+        # those behind it while its lane is busy, the asynchronous way: "most", of one of three
+        # bursts. A backend whose synchronous path never works fails all three.
+        inline = [sum(h.done() for h in handles)]
+        while inline[-1] <= count // 2 and len(inline) < 3:
+            await gather(*handles)
+            handles = [a.put(s, env.peer, key="many", offset=i * chunk * 8) for i, s in enumerate(srcs)]
+            inline.append(sum(h.done() for h in handles))
+        _ensure(inline[-1] > count // 2,
+                f"small host puts on a known route should complete inside put() (of {count}, {inline} did)")
     else:
         _ensure(sum(not h.done() for h in handles) > 100, "transfers should be in flight concurrently")
     await gather(*handles)
