@@ -37,11 +37,15 @@ RELEASE_GRACE_S = 2.0
 
 
 class _Reply:
-    __slots__ = ("error", "event", "into", "kind", "meta")
+    __slots__ = ("abandoned", "error", "event", "into", "kind", "meta")
 
     def __init__(self, into: Sequence[memoryview] | None) -> None:
         self.event = anyio.Event()
         self.into = into
+        # Its waiter gave up (cancelled, or its deadline passed) after the request went out: a
+        # payload that still comes is read and dropped, never written into ``into`` (the
+        # caller may reuse that memory, or a bounce buffer went back to its pool).
+        self.abandoned = False
         self.kind: FrameKind | None = None
         self.meta: dict[str, Any] = {}
         self.error: BaseException | None = None
@@ -160,7 +164,7 @@ class Channel:
         if self._broken is not None:
             return
         self._broken = reason
-        if not self._replies or self._tg is None:
+        if self._tg is None or all(r.abandoned for r in self._replies.values()):
             self.close(reason)
             return
         self._tg.start_soon(self._close_after, grace)
@@ -233,12 +237,20 @@ class Channel:
             if not reply.event.is_set():
                 self._replies.pop(rid, None)
             raise
-        await reply.event.wait()
+        try:
+            await reply.event.wait()
+        except BaseException:
+            reply.abandoned = True
+            if self._broken is not None and all(r.abandoned for r in self._replies.values()):
+                self.close()  # released, and nobody waits for what is left
+            raise
         if reply.error is not None:
             if isinstance(reply.error, ClosedError):
                 raise ClosedError(str(reply.error))
-            if isinstance(reply.error, PeerLostError):
-                raise reply.error
+            if isinstance(reply.error, PeerLostError):  # a new one per request: tasks raise their own
+                lost = PeerLostError(str(reply.error))
+                lost.__cause__ = reply.error.__cause__
+                raise lost
             raise self._lost("connection failed", reply.error)
         if reply.kind == FrameKind.ERR:
             raise frame_to_error(reply.meta, self.peer)
@@ -251,7 +263,7 @@ class Channel:
                 reply = self._replies.pop(rid, None)
                 if reply is None:
                     raise WireError(f"reply to unknown request {rid}")
-                if kind == FrameKind.DATA:
+                if kind == FrameKind.DATA and not reply.abandoned:
                     if reply.into is None or sum(len(v) for v in reply.into) != payload_len:
                         raise WireError(f"DATA of {payload_len} bytes does not match the request")
                     await recv_into_views(self._sock, reply.into)
@@ -260,8 +272,8 @@ class Channel:
                 reply.kind, reply.meta = kind, meta
                 self._used = time.monotonic()
                 reply.event.set()
-                if self._broken is not None and not self._replies:  # released, and nothing left to read
-                    self.close()
+                if self._broken is not None and all(r.abandoned for r in self._replies.values()):
+                    self.close()  # released, and nothing left that anyone waits for
                     return
         except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
             if not isinstance(exc, CONNECTION_ENDED):

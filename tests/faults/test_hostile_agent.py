@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import uuid
@@ -509,6 +510,51 @@ class _ReleasingRoutes(_Routes):
 
     async def backend_request(self, meta: Any) -> Any:
         await anyio.sleep_forever()
+
+
+async def test_a_reply_whose_waiter_gave_up_is_dropped_not_written():
+    """A get whose wait was cancelled after its request went out (its deadline, an abort): its
+    DATA, when it comes later, is read and dropped, never written into the buffer the caller
+    may already reuse; the channel serves on, also once released."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    go = threading.Event()
+
+    def serve() -> None:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.settimeout(20)
+
+            def frame() -> int:
+                _, _, _, _, rid, meta_len, _ = FRAME_HEADER.unpack(conn.recv(FRAME_HEADER.size, socket.MSG_WAITALL))
+                conn.recv(meta_len, socket.MSG_WAITALL)
+                return rid
+
+            conn.sendall(encode_frame(FrameKind.OK, frame(), {}, 0))  # the HELLO
+            late = frame()  # the get that will be given up on
+            go.wait(20)
+            conn.sendall(encode_frame(FrameKind.DATA, late, {}, 8) + b"LATEDATA")
+            conn.sendall(encode_frame(FrameKind.DATA, frame(), {}, 8) + b"FRESHONE")
+            conn.recv(1)  # until the client hangs up
+
+    with lsock:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, serve)
+            with anyio.fail_after(20):
+                chan = await Channel.open(tg, lsock.getsockname(), peer="fake", peer_incarnation="x",
+                                          hello=hello("me", "i", "control"), auth=Authenticator(None))
+                buf = bytearray(8)
+                with anyio.move_on_after(0.2):
+                    await chan.request(FrameKind.GET, {"k": 1}, into=memoryview(buf))
+                buf[:] = b"RETRYOK!"  # the caller, told it failed, reuses the buffer
+                go.set()
+                other = bytearray(8)
+                assert await chan.request(FrameKind.GET, {"k": 2}, into=memoryview(other)) == {}
+                assert bytes(other) == b"FRESHONE" and bytes(buf) == b"RETRYOK!"
+                chan.release(transport.PeerLostError("fake is gone"))
+                assert chan.broken
+            tg.cancel_scope.cancel()
 
 
 async def test_a_released_channel_still_takes_the_replies_on_their_way():
