@@ -162,7 +162,8 @@ async def test_a_slow_reply_completes_in_the_background_and_can_be_cancelled(tar
         assert torch.equal(back, torch.full((8,), 9, dtype=torch.int64)), "the later put must win"
 
         # Cancelled while its reply is awaited: aborted, partial (the bytes may land), and the
-        # lane is closed (its stream can no longer be matched); the next transfers still work.
+        # lane is given up (its stream can no longer be matched): settled, then closed, once the
+        # target has ended that connection; the next transfers still work.
         await warm_sync_route(t, "server", key="w", src=torch.zeros(1, dtype=torch.int64))
         lane = lanes_of(t)["server"][1][0]
         stop(pid)
@@ -173,9 +174,12 @@ async def test_a_slow_reply_completes_in_the_background_and_can_be_cancelled(tar
             with anyio.fail_after(10), pytest.raises(transport.TransferAbortedError) as err:
                 await h
             assert err.value.partial
-            assert lane.closed
+            assert lane.closed or lane in t._backends[0]._settling
         finally:
             os.kill(pid, signal.SIGCONT)
+        with anyio.fail_after(20):
+            while not lane.closed:
+                await anyio.sleep(0.01)
         await warm_sync_route(t, "server", key="w", src=torch.full((1,), 5, dtype=torch.int64))
         await t.get(back[:1], "server", key="w")
         assert int(back[0]) == 5
@@ -273,6 +277,49 @@ async def test_a_lane_put_to_a_stopped_target_never_blocks_the_event_loop(target
         assert torch.equal(back, src)
         await t.signal("server", "done", 1)
         assert (await target.result())["sha256"] == {"w": sha(src)}
+
+
+async def test_a_put_given_up_on_the_lane_never_lands_after_a_later_overlapping_put(targets, file_store):
+    """A large put cancelled while its lane still carried it (the target stopped, its bytes in
+    the sockets' buffers): the target's lane thread writes them once it runs again. A later
+    overlapping put, on another lane, must land after them, not before (the later put wins)."""
+    n = 1 << 20  # 8 MiB of int64
+    async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=60) as t:
+        target = await serving_target(t, targets, file_store, "tcp", [{"key": "w", "dtype": "int64", "numel": n},
+                                                                      {"key": "w2", "dtype": "int64", "numel": 8}])
+        await warm_sync_route(t, "server", key="w", src=torch.zeros(1, dtype=torch.int64))
+        pid = target.proc.pid
+        # A second lane: one put holds the first while another asks for a lane.
+        stop(pid)
+        h = t.put(torch.zeros(n, dtype=torch.int64), "server", key="w")
+        t.put(torch.zeros(1, dtype=torch.int64), "server", key="w2")
+        await anyio.sleep(0.1)
+        os.kill(pid, signal.SIGCONT)
+        await h
+        with anyio.fail_after(20):
+            while len(lanes_of(t)["server"][1]) < 2:
+                t.put(torch.zeros(1, dtype=torch.int64), "server", key="w2")
+                await anyio.sleep(0.02)
+        stop(pid)
+        try:
+            a = t.put(torch.full((n,), 111, dtype=torch.int64), "server", key="w")
+            await anyio.sleep(0.3)  # its bytes fill the sockets' buffers
+            a.cancel()
+            with pytest.raises(transport.TransferAbortedError) as caught:
+                await a
+            assert caught.value.partial
+            off = 6 << 20
+            b = t.put(torch.full((8192,), 222, dtype=torch.int64), "server", key="w", offset=off)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await b
+        await anyio.sleep(0.3)  # (were a's bytes still to come, they would have landed by now)
+        back = torch.zeros(8192, dtype=torch.int64)
+        await t.get(back, "server", key="w", offset=off)
+        assert back.unique().tolist() == [222], "the later, completed put was overwritten by the one given up on"
+        await t.signal("server", "done", 1)
+        assert (await target.result())["sha256"]
 
 
 # -- hostile bytes on an authenticated direct lane ----------------------------------------------

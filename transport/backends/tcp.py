@@ -30,9 +30,10 @@ import functools
 import itertools
 import logging
 import math
+import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -105,6 +106,11 @@ class TcpBackend(Backend):
         self._retired: dict[int, Region] = {}
         self._tokens = itertools.count(1)
         self._direct: DirectServer | None = None  # made on the first direct-lane connection
+        # Puts given up on (cancelled, timed out) while a direct lane carried them: their bytes
+        # may still land until the target's lane thread has ended that connection. Overlapping
+        # transfers to the region wait for that (see _abandon).
+        self._unsettled: dict[tuple[str, str], list[_Unsettled]] = {}
+        self._settling: set[DirectLane] = set()  # their lanes, closed once settled
 
     def unreachable_reason(self, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> str | None:
         if region.device != "cpu":
@@ -116,12 +122,14 @@ class TcpBackend(Backend):
         return RangeRequest(remote.region.key, dtype_name(local.tensor.dtype), remote.offset, remote.nbytes)
 
     async def put(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        await self._after_unsettled(remote.peer.name, remote.region.key, remote.offset, remote.nbytes)
         if await self._by_lane(True, local, remote):
             return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
         await chan.request(FrameKind.PUT, self._request(local, remote).to_meta(), payload=local.view)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
+        await self._after_unsettled(remote.peer.name, remote.region.key, remote.offset, remote.nbytes)
         if await self._by_lane(False, local, remote):
             return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
@@ -140,7 +148,7 @@ class TcpBackend(Backend):
             return False
         result = lane.start(put, key, dtype, remote.offset, remote.nbytes, local.address, 0.0)
         if result is LaneResult.PENDING:
-            return await self._finish(remote.peer.name, lane)
+            return await self._finish(remote.peer.name, lane, (key, remote.offset, remote.nbytes) if put else None)
         return result is LaneResult.DONE
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
@@ -163,7 +171,11 @@ class TcpBackend(Backend):
                    [loc.view for loc, _ in chunk])
                   for chunk in (pairs[i : i + _FRAME_SEGMENTS] for i in range(0, len(pairs), _FRAME_SEGMENTS))]
 
+        spans = _spans((r.region.key, r.offset, r.nbytes) for _, r in pairs)
+
         async def run() -> None:
+            for (key, lo, hi) in spans:
+                await self._after_unsettled(peer.name, key, lo, hi - lo)
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             errors: list[TransportError] = []
 
@@ -230,7 +242,10 @@ class TcpBackend(Backend):
             except TransportError as exc:
                 errors.append(exc)
 
+        lo, hi = (int(runs[:, 1].min()), int((runs[:, 1] + runs[:, 2]).max())) if len(runs) else (0, 0)
+
         async def run() -> None:
+            await self._after_unsettled(peer.name, key, lo, hi - lo)
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             errors: list[TransportError] = []
             async with anyio.create_task_group() as tg:
@@ -254,7 +269,7 @@ class TcpBackend(Backend):
         put = op == TransferOp.PUT
 
         def move(local: int, offset: int, nbytes: int) -> bool | Pending:
-            if nbytes > DIRECT_MAX_BYTES:
+            if nbytes > DIRECT_MAX_BYTES or (self._unsettled and self._unsettled_at(peer.name, key, offset, nbytes)):
                 return False
             lane = self._lane(peer)
             if lane is None or lane.pending:
@@ -263,7 +278,7 @@ class TcpBackend(Backend):
             if result is LaneResult.DONE:
                 return True
             if result is LaneResult.PENDING:
-                return functools.partial(self._finish, peer.name, lane)
+                return functools.partial(self._finish, peer.name, lane, (key, offset, nbytes) if put else None)
             log.debug("tcp direct lane to %s: %s; taking the checked path", peer.name, lane.message)
             return False  # refused (nothing written) or broken: the checked path redoes and reports it
 
@@ -314,12 +329,13 @@ class TcpBackend(Backend):
             if sock is not None:
                 close_socket(sock)  # (a no-op once the lane took it)
 
-    async def _finish(self, peer: str, lane: DirectLane) -> bool:
+    async def _finish(self, peer: str, lane: DirectLane, put: tuple[str, int, int] | None) -> bool:
         """Drives ``lane``'s pending request to its end (sending the rest when the socket is
         writable, reading the reply when it is readable): True once the bytes are in place;
         False when it was refused or the connection broke (the checked path then redoes the
-        transfer and reports any error). Cancelled, it closes the lane: the reply can no longer
-        be matched, and the bytes may still land."""
+        transfer and reports any error). Cancelled, the lane is given up (its reply can no
+        longer be matched); a put's bytes (``put``: key, offset, nbytes) may still land, so it
+        is abandoned (:meth:`_abandon`), a get's lane closed."""
         try:
             while True:
                 await (anyio.wait_writable if lane.writing else anyio.wait_readable)(lane.fileno())
@@ -327,11 +343,70 @@ class TcpBackend(Backend):
                 if result is not LaneResult.PENDING:
                     return result is LaneResult.DONE
         except BaseException:
-            lane.close()
+            if put is not None and not lane.closed:
+                self._abandon(peer, lane, *put)
+            else:
+                lane.close()
             raise
         finally:
-            if lane not in self._lanes.get(peer, ("", []))[1]:  # forgotten meanwhile
+            if lane not in self._lanes.get(peer, ("", []))[1] and lane not in self._settling:  # forgotten meanwhile
                 lane.close()
+
+    def _abandon(self, peer: str, lane: DirectLane, key: str, offset: int, nbytes: int) -> None:
+        """A put given up on while ``lane`` carried it: the target's lane thread may still be
+        writing its bytes (those in the sockets' buffers), after a later transfer's, unless
+        that one waits. So its range stays *unsettled*: transfers to the region that overlap
+        it wait (:meth:`_after_unsettled`) until the target has ended that connection, which
+        its thread does only after its last write (we end our side: no more bytes, then read
+        until the end), for at most the Transport's timeout."""
+        entry = _Unsettled(offset, offset + nbytes, anyio.Event())
+        self._unsettled.setdefault((peer, key), []).append(entry)
+        self._settling.add(lane)
+        self.ctx.tg.start_soon(self._settle, peer, key, entry, lane)
+
+    async def _settle(self, peer: str, key: str, entry: _Unsettled, lane: DirectLane) -> None:
+        try:
+            with socket.socket(fileno=os.dup(lane.fileno())) as sock:  # (the same connection)
+                sock.setblocking(False)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+                with anyio.move_on_after(self.ctx.timeout) as waited:
+                    while True:
+                        await anyio.wait_readable(sock)
+                        try:
+                            if not sock.recv(1 << 16):
+                                break
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            break
+                if waited.cancelled_caught:
+                    log.warning("tcp: %s did not end the direct-lane connection of a put given up on within %gs; "
+                                "its bytes at %s:%r %d..%d may still land", peer, self.ctx.timeout, peer, key,
+                                entry.lo, entry.hi)
+        except OSError as exc:  # (the lane's descriptor is gone: nothing more can arrive by it)
+            log.debug("tcp: settling a direct lane to %s: %s", peer, exc)
+        finally:
+            self._settling.discard(lane)
+            lane.close()
+            entry.done.set()
+            waiting = self._unsettled.get((peer, key), [])
+            if entry in waiting:
+                waiting.remove(entry)
+            if not waiting:
+                self._unsettled.pop((peer, key), None)
+
+    def _unsettled_at(self, peer: str, key: str, offset: int, nbytes: int) -> _Unsettled | None:
+        for entry in self._unsettled.get((peer, key), ()):
+            if entry.lo < offset + nbytes and offset < entry.hi:
+                return entry
+        return None
+
+    async def _after_unsettled(self, peer: str, key: str, offset: int, nbytes: int) -> None:
+        """Returns once no abandoned put overlapping these bytes may still land (bounded by the
+        caller's deadline)."""
+        while self._unsettled and (entry := self._unsettled_at(peer, key, offset, nbytes)) is not None:
+            await entry.done.wait()
 
     def _drop_lane(self, peer: str) -> None:
         """Forgets the direct lanes to ``peer`` and closes them (a pending one is closed by
@@ -411,6 +486,24 @@ class TcpBackend(Backend):
             self._direct = None
         self._mirror.clear()
         self._retired.clear()
+
+
+@dataclasses.dataclass(eq=False)
+class _Unsettled:
+    """The range of a put given up on while a direct lane carried it (see ``TcpBackend._abandon``)."""
+
+    lo: int
+    hi: int
+    done: anyio.Event
+
+
+def _spans(ranges: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Per key, the span (key, lo, hi) that the (key, offset, nbytes) ranges cover."""
+    out: dict[str, tuple[int, int]] = {}
+    for key, offset, nbytes in ranges:
+        lo, hi = out.get(key, (offset, offset + nbytes))
+        out[key] = (min(lo, offset), max(hi, offset + nbytes))
+    return [(key, lo, hi) for key, (lo, hi) in out.items()]
 
 
 @dataclasses.dataclass(frozen=True)
