@@ -4,9 +4,9 @@
 // the socket to a DirectServer. The server's thread for that connection reads fixed-size binary
 // requests, checks each one against a RegionMirror (the host regions this endpoint registered,
 // kept current by Python's RegionTable) and moves the bytes straight between the socket and the
-// region, with no Python on the path. The initiator's DirectLane sends one request at a time
-// and waits for its reply on the calling thread, for at most a short bound; past it the reply is
-// collected later, when the event loop sees the socket readable.
+// region, with no Python on the path. The initiator's DirectLane carries one request at a time
+// and drives it on the calling thread for at most a short bound; past it, the event loop drives
+// the rest (sending when the socket is writable, reading the reply when it is readable).
 //
 // Every request byte is hostile until checked: field sizes are fixed or bounded, ranges are
 // checked without overflow, and a malformed request closes that connection only.

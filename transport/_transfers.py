@@ -297,7 +297,13 @@ class TransferEngine:
         """Completes a synchronous attempt whose request went out (see :meth:`_now`); when it
         comes back refused or broken, moves the bytes again by the checked path."""
         xfer._routed(backend.name, backend.one_sided)
-        self._begin(xfer, record, backend.name)
+        try:
+            self._begin(xfer, record, backend.name)
+        except BaseException:
+            with anyio.CancelScope() as scope:  # the backend lets go of what the request holds
+                scope.cancel()
+                await pending()
+            raise
         if not await pending():
             await self._execute(xfer, local, ())
 

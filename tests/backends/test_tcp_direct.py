@@ -32,6 +32,7 @@ from transport._channel import greet_plain, hello
 from transport._conformance import warm_sync_route
 from transport._sockets import connect
 from transport._transfers import SYNC_MAX_BYTES
+from transport.backends import tcp as tcp_backend
 from transport.backends.tcp import DIRECT_LANE, DIRECT_MAX_BYTES
 
 REQ = struct.Struct("<IBBBBQQQ")  # csrc/tcp_direct.h Request
@@ -320,6 +321,30 @@ async def test_a_put_given_up_on_the_lane_never_lands_after_a_later_overlapping_
         assert back.unique().tolist() == [222], "the later, completed put was overwritten by the one given up on"
         await t.signal("server", "done", 1)
         assert (await target.result())["sha256"]
+
+
+async def test_a_target_at_its_lane_cap_is_not_asked_again_and_again(monkeypatch, memory_store):
+    """A target serving its cap of direct-lane connections closes a new one after its HELLO:
+    the initiator's first request on it breaks, and it backs off (no new lane for
+    DIRECT_RETRY_S) instead of reconnecting for every put; the puts take the checked path."""
+    monkeypatch.setattr(tcp_backend, "DIRECT_MAX_CONNS", 1)
+    async with transport.Transport("a", store=memory_store, backends=("tcp",), timeout=10) as a, \
+            transport.Transport("b", store=memory_store, backends=("tcp",), timeout=10) as b:
+        w = b.empty("w", 64, torch.int64)
+        held = await direct_lane(b)  # takes b's only lane slot
+        try:
+            await a.peer("b", regions=["w"])
+            accepted = []
+            real = b._backends[0].adopt_lane
+            monkeypatch.setattr(b._backends[0], "adopt_lane", lambda lane, sock: accepted.append(1) or real(lane, sock))
+            for i in range(50):
+                await a.put(torch.full((8,), i, dtype=torch.int64), "b", key="w")
+                await anyio.sleep(0.005)
+            assert torch.equal(w[:8], torch.full((8,), 49, dtype=torch.int64))
+            assert "b" in a._backends[0]._failed, "the lane that broke unused is remembered"
+            assert len(accepted) <= 2, f"{len(accepted)} direct-lane connections in 50 puts"
+        finally:
+            held.close()
 
 
 # -- hostile bytes on an authenticated direct lane ----------------------------------------------

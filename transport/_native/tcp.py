@@ -8,9 +8,9 @@ on both ends:
   requests, checks each against a :class:`RegionMirror` of the endpoint's host regions (kept
   current by :class:`transport._regions.RegionTable`) and moves the bytes between the socket and
   the region with no Python on the path;
-* the initiator's :class:`DirectLane` sends one request at a time and waits for its reply on the
-  calling thread for a short bound; a reply that takes longer is collected when the event loop
-  sees the socket readable (:meth:`DirectLane.finish`).
+* the initiator's :class:`DirectLane` carries one request at a time and drives it on the calling
+  thread for a short bound; the rest (payload still to send, a reply still to come) is driven
+  when the event loop sees the socket writable or readable (:meth:`DirectLane.finish`).
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ class DirectLane:
 
     def __init__(self, sock: socket.socket) -> None:
         self._lane = _C.DirectLane(sock.detach())
+        self.completed = 0  # requests that came back (done or refused)
 
     def start(self, put: bool, key: str, dtype: str, offset: int, nbytes: int, local: int,
               wait: float) -> LaneResult:
@@ -116,13 +117,18 @@ class DirectLane:
         seconds: sending it, then reading its reply. ``key`` and ``dtype`` must fit
         (:data:`MAX_KEY_BYTES`, :data:`MAX_DTYPE_BYTES`, checked by the caller)."""
         try:
-            return LaneResult(self._lane.start(1 if put else 2, key, dtype, offset, nbytes, local, wait))
+            return self._count(LaneResult(self._lane.start(1 if put else 2, key, dtype, offset, nbytes, local, wait)))
         except (ValueError, RuntimeError) as exc:
             raise TransportInternalError(f"direct lane: {exc}") from exc
 
     def finish(self, wait: float) -> LaneResult:
         """Drives the pending request for up to ``wait`` seconds more."""
-        return LaneResult(self._lane.finish(wait))
+        return self._count(LaneResult(self._lane.finish(wait)))
+
+    def _count(self, result: LaneResult) -> LaneResult:
+        if result in (LaneResult.DONE, LaneResult.REFUSED):
+            self.completed += 1
+        return result
 
     @property
     def pending(self) -> bool:

@@ -5,8 +5,9 @@ and writability and then receives them straight into the registered region (``re
 intermediate copy). Not one-sided at the process level: the target's agent, inside its
 ``async with Transport``, serves the request, but the target's application code does nothing.
 
-Single-range transfers up to ``DIRECT_MAX_BYTES`` take the **direct lane** instead: a second
-connection per peer, authenticated by the same HELLO, whose both ends are native code
+Single-range transfers up to ``DIRECT_MAX_BYTES`` take a **direct lane** instead: another
+connection to the peer (up to ``DIRECT_LANES_PER_PEER``, opened as needed), authenticated by the
+same HELLO, whose both ends are native code
 (``transport._native.tcp``). The target serves it on a native thread, checking every request
 against a native mirror of its region table, so no Python runs on either side of the wire; the
 initiator drives the request inside ``put()`` for up to ``DIRECT_WAIT_S`` (``Backend.mover``),
@@ -96,7 +97,7 @@ class TcpBackend(Backend):
         super().__init__(ctx)
         self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth)
         self._lanes: dict[str, tuple[str, list[DirectLane]]] = {}  # peer -> (its incarnation, direct lanes)
-        self._opening: set[str] = set()
+        self._opening: dict[str, object] = {}  # peer -> the attempt opening a lane to it now
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
         self._stages = _Stages(ctx.copier)  # staging buffers for small runs, shared by every transfer
         # The target side: the host regions as the direct lane's native threads see them. A
@@ -149,6 +150,7 @@ class TcpBackend(Backend):
         result = lane.start(put, key, dtype, remote.offset, remote.nbytes, local.address, 0.0)
         if result is LaneResult.PENDING:
             return await self._finish(remote.peer.name, lane, (key, remote.offset, remote.nbytes) if put else None)
+        self._broke_unused(remote.peer.name, lane)
         return result is LaneResult.DONE
 
     async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
@@ -259,9 +261,9 @@ class TcpBackend(Backend):
     # -- the direct lane ----------------------------------------------------------------------
 
     def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord) -> Mover | None:
-        """Host regions: the direct lane, for transfers up to ``DIRECT_MAX_BYTES`` (opened in
-        the background on first use; until it is open, and while it carries another request,
-        transfers take the checked path)."""
+        """Host regions: a free direct lane, for transfers up to ``DIRECT_MAX_BYTES`` (lanes
+        are opened in the background as needed; while none is free, and where a put given up
+        on may still land, transfers take the asynchronous path)."""
         key, dtype = region.key, region.dtype
         if (region.device != "cpu" or len(key.encode()) > MAX_KEY_BYTES or len(dtype.encode()) > MAX_DTYPE_BYTES
                 or not key or not dtype):
@@ -280,9 +282,17 @@ class TcpBackend(Backend):
             if result is LaneResult.PENDING:
                 return functools.partial(self._finish, peer.name, lane, (key, offset, nbytes) if put else None)
             log.debug("tcp direct lane to %s: %s; taking the checked path", peer.name, lane.message)
+            self._broke_unused(peer.name, lane)
             return False  # refused (nothing written) or broken: the checked path redoes and reports it
 
         return move
+
+    def _broke_unused(self, peer: str, lane: DirectLane) -> None:
+        """A lane that broke before it completed any request (e.g. a target at its cap of
+        direct-lane connections closes new ones after their HELLO): no new lane to ``peer`` for
+        ``DIRECT_RETRY_S``, rather than a reconnection per transfer."""
+        if lane.closed and lane.completed == 0:
+            self._failed[peer] = time.monotonic()
 
     def _lane(self, peer: PeerRecord, open_one: bool = True) -> DirectLane | None:
         """A free (open, nothing pending) direct lane to ``peer``'s incarnation, or None: then,
@@ -302,11 +312,11 @@ class TcpBackend(Backend):
         since_failed = time.monotonic() - self._failed.get(peer.name, -math.inf)
         if (open_one and len(lanes) < DIRECT_LANES_PER_PEER and peer.name not in self._opening
                 and since_failed > DIRECT_RETRY_S):
-            self._opening.add(peer.name)
-            self.ctx.tg.start_soon(self._open_lane, peer)
+            self._opening[peer.name] = attempt = object()
+            self.ctx.tg.start_soon(self._open_lane, peer, attempt)
         return None
 
-    async def _open_lane(self, peer: PeerRecord) -> None:
+    async def _open_lane(self, peer: PeerRecord, attempt: object) -> None:
         """Connects and says HELLO (lane ``"direct"``), then hands the socket to a native
         :class:`DirectLane`. A failure is remembered (no new attempt for ``DIRECT_RETRY_S``);
         cancelled (the Transport closes), the socket is closed."""
@@ -316,6 +326,8 @@ class TcpBackend(Backend):
                 sock = await connect(peer.agent)
                 await greet_plain(sock, peer=peer.name, peer_incarnation=peer.incarnation,
                                   hello=hello(self.ctx.name, self.ctx.incarnation, DIRECT_LANE), auth=self.ctx.auth)
+            if self._opening.get(peer.name) is not attempt:  # the peer was forgotten meanwhile
+                return
             cached = self._lanes.get(peer.name)
             if cached is None or cached[0] != peer.incarnation:
                 self._drop_lane(peer.name)
@@ -325,7 +337,8 @@ class TcpBackend(Backend):
             self._failed[peer.name] = time.monotonic()
             log.debug("tcp: no direct lane to %s (%s); its transfers take the checked path", peer.name, exc)
         finally:
-            self._opening.discard(peer.name)
+            if self._opening.get(peer.name) is attempt:
+                del self._opening[peer.name]
             if sock is not None:
                 close_socket(sock)  # (a no-op once the lane took it)
 
@@ -341,6 +354,7 @@ class TcpBackend(Backend):
                 await (anyio.wait_writable if lane.writing else anyio.wait_readable)(lane.fileno())
                 result = lane.finish(0.0)
                 if result is not LaneResult.PENDING:
+                    self._broke_unused(peer, lane)
                     return result is LaneResult.DONE
         except BaseException:
             if put is not None and not lane.closed:
@@ -420,6 +434,7 @@ class TcpBackend(Backend):
         self._pool.forget_peer(peer)
         self._drop_lane(peer)
         self._failed.pop(peer, None)
+        self._opening.pop(peer, None)  # a lane still being opened to it is dropped when it is
 
     # -- the target side (the agent's hook) ------------------------------------------------------
 
