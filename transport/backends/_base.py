@@ -162,8 +162,8 @@ class Backend(abc.ABC):
         The Transport asks once per route (and again when the peer's record changes), then
         calls ``move(local_address, offset, nbytes)`` on the event loop inside ``put``/``get``,
         after every check passed, for host transfers of at most ``transfers.SYNC_MAX_BYTES``
-        that wait for no transfer in flight (none overlapping their bytes where either writes). It must take microseconds, or at most a
-        bounded wait of a millisecond or two. It returns:
+        that wait for no transfer in flight (none overlapping their bytes where either writes).
+        It must take microseconds, or at most a bounded wait of a millisecond or two. It returns:
 
         * True once the bytes are in place (a put: in the peer's memory; a get: here);
         * False to decline, having moved nothing that could land later: the transfer then
