@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._errors import BoundsError, LayoutError
+from ._ordering import spans_of
 from ._regions import check
 from ._tensors import MemoryKind, byte_offset, check_tensor, dtype_name, memory_kind, nbytes_of
 from ._transfer import Transfer
@@ -180,10 +181,7 @@ class PreparedTransfer:
         self._segments = _coalesce([s for s in segments if s.nbytes])
         self._check_overlap()
         self.nbytes = sum(s.nbytes for s in self._segments)
-        self._spans: dict[str, tuple[int, int]] = {}
-        for seg in self._segments:
-            lo, hi = self._spans.get(seg.key, (seg.offset, seg.offset + seg.nbytes))
-            self._spans[seg.key] = (min(lo, seg.offset), max(hi, seg.offset + seg.nbytes))
+        self._spans = spans_of((s.key, s.offset, s.nbytes) for s in self._segments)
         self._init_common(engine, known)
 
     @classmethod

@@ -4,7 +4,7 @@ one has ended, so the later put wins; transfers that do not overlap run concurre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import anyio
 
@@ -30,27 +30,26 @@ class Ranges:
     def add(self, xfer: Transfer, start: int, end: int) -> list[Transfer]:
         """Adds ``xfer``, which covers bytes ``start``..``end`` here; returns the earlier
         transfers it must wait for (they overlap it, and one of the two writes)."""
-        after: list[Transfer] = []
-        if not self._xfers:
-            self._lo, self._hi = start, end
-        elif end <= self._lo or start >= self._hi or start == end:
-            self._lo, self._hi = min(self._lo, start), max(self._hi, end)
-        else:
-            writes = xfer.op == TransferOp.PUT
-            after = [x for x, lo, hi in self._xfers if (writes or x.op == TransferOp.PUT) and lo < end and start < hi]
-            self._lo, self._hi = min(self._lo, start), max(self._hi, end)
+        after = [] if self._outside(start, end) else list(self._blocking(xfer.op, start, end))
+        self._lo, self._hi = (start, end) if not self._xfers else (min(self._lo, start), max(self._hi, end))
         self._xfers.append((xfer, start, end))
         return after
 
     def clear_of(self, op: TransferOp, start: int, end: int) -> bool:
         """Whether a transfer over bytes ``start``..``end`` would wait for none in flight here
         (cheaply: past a few dozen in flight inside its span, it answers False)."""
-        if not self._xfers or end <= self._lo or start >= self._hi or start == end:
+        if self._outside(start, end):
             return True
-        if len(self._xfers) > _SCAN_MAX:
-            return False
+        return len(self._xfers) <= _SCAN_MAX and next(self._blocking(op, start, end), None) is None
+
+    def _outside(self, start: int, end: int) -> bool:
+        """Whether bytes ``start``..``end`` cannot overlap anything in flight (O(1))."""
+        return not self._xfers or end <= self._lo or start >= self._hi or start == end
+
+    def _blocking(self, op: TransferOp, start: int, end: int) -> Iterator[Transfer]:
+        """The transfers in flight that one of ``op`` over ``start``..``end`` must wait for."""
         writes = op == TransferOp.PUT
-        return not any((writes or x.op == TransferOp.PUT) and lo < end and start < hi for x, lo, hi in self._xfers)
+        return (x for x, lo, hi in self._xfers if (writes or x.op == TransferOp.PUT) and lo < end and start < hi)
 
     def remove(self, xfer: Transfer) -> bool:
         """Removes ``xfer``; True when nothing is left in flight."""
@@ -59,6 +58,16 @@ class Ranges:
                 del self._xfers[i]
                 break
         return not self._xfers
+
+
+def spans_of(ranges: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
+    """Per region key, the byte span ``(lo, hi)`` that the ``(key, offset, nbytes)`` ranges
+    cover (what a transfer of all of them counts as, for the ordering rule)."""
+    out: dict[str, tuple[int, int]] = {}
+    for key, offset, nbytes in ranges:
+        lo, hi = out.get(key, (offset, offset + nbytes))
+        out[key] = (min(lo, offset), max(hi, offset + nbytes))
+    return out
 
 
 async def ended_within(transfers: Sequence[Transfer], timeout: float) -> list[Transfer]:

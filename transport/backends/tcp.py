@@ -34,7 +34,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -45,6 +45,7 @@ from .._channel import ChannelPool, greet_plain, hello
 from .._errors import BackendUnavailableError, BoundsError, TransportError, TransportInternalError
 from .._native import Copier, CopyKind, CopyStatus
 from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
+from .._ordering import spans_of
 from .._regions import Region, RegionTable
 from .._sockets import close_socket, connect
 from .._tensors import MemoryKind, dtype_name
@@ -173,10 +174,10 @@ class TcpBackend(Backend):
                    [loc.view for loc, _ in chunk])
                   for chunk in (pairs[i : i + _FRAME_SEGMENTS] for i in range(0, len(pairs), _FRAME_SEGMENTS))]
 
-        spans = _spans((r.region.key, r.offset, r.nbytes) for _, r in pairs)
+        spans = spans_of((r.region.key, r.offset, r.nbytes) for _, r in pairs)
 
         async def run() -> None:
-            for (key, lo, hi) in spans:
+            for key, (lo, hi) in spans.items():
                 await self._after_unsettled(peer.name, key, lo, hi - lo)
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             errors: list[TransportError] = []
@@ -510,15 +511,6 @@ class _Unsettled:
     lo: int
     hi: int
     done: anyio.Event
-
-
-def _spans(ranges: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Per key, the span (key, lo, hi) that the (key, offset, nbytes) ranges cover."""
-    out: dict[str, tuple[int, int]] = {}
-    for key, offset, nbytes in ranges:
-        lo, hi = out.get(key, (offset, offset + nbytes))
-        out[key] = (min(lo, offset), max(hi, offset + nbytes))
-    return [(key, lo, hi) for key, (lo, hi) in out.items()]
 
 
 @dataclasses.dataclass(frozen=True)
