@@ -164,8 +164,10 @@ class Channel:
         if self._broken is not None:
             return
         self._broken = reason
-        if self._tg is None or all(r.abandoned for r in self._replies.values()):
-            self.close(reason)
+        if self._close_if_unwaited():
+            return
+        if self._tg is None:
+            self.close()
             return
         self._tg.start_soon(self._close_after, grace)
 
@@ -173,6 +175,13 @@ class Channel:
         with anyio.move_on_after(grace):
             await self._closed.wait()
         self.close()
+
+    def _close_if_unwaited(self) -> bool:
+        """Closes a released channel once nobody waits for a reply on it; True if closed."""
+        if self._broken is None or not all(r.abandoned for r in self._replies.values()):
+            return False
+        self.close()
+        return True
 
     def _failure(self, what: str) -> TransportError:
         """Why a request cannot go on this broken channel: ClosedError when we closed it."""
@@ -241,8 +250,7 @@ class Channel:
             await reply.event.wait()
         except BaseException:
             reply.abandoned = True
-            if self._broken is not None and all(r.abandoned for r in self._replies.values()):
-                self.close()  # released, and nobody waits for what is left
+            self._close_if_unwaited()
             raise
         if reply.error is not None:
             if isinstance(reply.error, ClosedError):
@@ -272,8 +280,7 @@ class Channel:
                 reply.kind, reply.meta = kind, meta
                 self._used = time.monotonic()
                 reply.event.set()
-                if self._broken is not None and all(r.abandoned for r in self._replies.values()):
-                    self.close()  # released, and nothing left that anyone waits for
+                if self._close_if_unwaited():
                     return
         except Exception as exc:  # ended, garbled, or a bug of ours: fail this channel, never the task group
             if not isinstance(exc, CONNECTION_ENDED):

@@ -125,11 +125,6 @@ class Transfer:
         else:
             self.cancel()
 
-    @property
-    def _partial(self) -> bool:
-        """Whether bytes may have moved (an abort or a timeout now leaves the range undefined)."""
-        return self._moving
-
     def done(self) -> bool:
         """True once the transfer has completed, failed or been aborted."""
         return self._done

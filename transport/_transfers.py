@@ -238,7 +238,7 @@ class TransferEngine:
                 what = f"{xfer.op.value} of {xfer.nbytes} bytes to {name}:{xfer.key!r}"
                 error: TransportError
                 if excluded:
-                    error = TransferAbortedError(f"{what} aborted: {name} was excluded", partial=xfer._partial)
+                    error = TransferAbortedError(f"{what} aborted: {name} was excluded", partial=xfer._moving)
                 else:
                     error = PeerLostError(f"{what} aborted: {why}")
                     error.__cause__ = why
@@ -341,7 +341,7 @@ class TransferEngine:
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
                 xfer._running_in(scope)
-                if scope.cancel_called and not xfer._partial:  # cancelled already; (one moving
+                if scope.cancel_called and not xfer._moving:  # cancelled already; (one moving
                     await anyio.lowlevel.checkpoint()  # must still clean up, in work()) deliver it now
                 error: TransportError | None = None
                 try:
@@ -357,7 +357,7 @@ class TransferEngine:
                 xfer._finish(error)
             if not xfer.done():  # our scope absorbed a cancellation: user cancel, deadline, peer loss
                 what = f"{xfer.op.value} of {xfer.nbytes} bytes to {xfer.peer}:{xfer.key!r}"
-                partial = xfer._partial
+                partial = xfer._moving
                 if self._closing and not isinstance(xfer._abort_error, ClosedError):
                     xfer._finish(ClosedError(f"transport {self.name!r} closed while {xfer!r} was running"))
                 elif xfer._abort_error is not None:
@@ -391,7 +391,7 @@ class TransferEngine:
             closed = ClosedError(f"transport {self.name!r} closed while {xfer!r} was running")
             closed.__cause__ = error
             return closed
-        if xfer._partial and isinstance(error, (TransferTimeoutError, TransferAbortedError)) and not error.partial:
+        if xfer._moving and isinstance(error, (TransferTimeoutError, TransferAbortedError)) and not error.partial:
             honest = type(error)(f"{error}; some bytes may have landed", partial=True)
             honest.__cause__ = error
             return honest
