@@ -265,9 +265,8 @@ def _initiate(
     memcpy_gbps: dict[int, float],
     hello: TargetHello,
 ) -> PeerResult:
-    """Everything measured with Mooncake, against the target that sent ``hello``."""
-    if hello.nbytes < config.region_bytes:
-        raise BenchError(f"the Mooncake target registered {hello.nbytes} bytes, not {config.region_bytes}")
+    """Everything measured with Mooncake, against the target that sent ``hello`` (which holds
+    ``config.region_bytes``, as :func:`measure_peer` checked)."""
     engine = make_engine(api)
     for buf in (src, dst):
         register(engine, buf)
@@ -311,4 +310,4 @@ def measure(
         return _initiate(api, config, src, dst, memcpy_gbps, hello)
 
     return measure_peer(PEER_NAME, load_api, INSTALL_HINT, mooncake_version, f"{__package__}._mooncake_target",
-                        args, workdir, config.timeout, initiate)
+                        args, workdir, config, initiate)

@@ -23,7 +23,7 @@ from typing import TypeVar
 from ..common.errors import BenchError
 from ..common.procs import CHECKOUT, LoggedProcess, checkout_env, module_command
 from ..common.sizes import MiB
-from ._report import PeerResult
+from ._report import BenchConfig, PeerResult
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def measure_peer(
     target: str,
     args: Sequence[str],
     workdir: Path,
-    timeout: float,
+    config: BenchConfig,
     initiate: Callable[[ModuleType, TargetHello], PeerResult],
 ) -> PeerResult:
     """Measures one other library against its own target process (``python -m target``),
@@ -190,7 +190,8 @@ def measure_peer(
         target: the target's module, dotted in full.
         args: the target's other arguments.
         workdir: a private temporary directory (the socket and the target's log go there).
-        timeout: seconds bounding each step (see :func:`with_target`).
+        config: the run's configuration: its timeout bounds each step (see :func:`with_target`),
+            and the target must have registered its ``region_bytes``.
         initiate: the measurement, given the imported module and the target's hello.
     """
     try:
@@ -200,7 +201,13 @@ def measure_peer(
     if api is None:
         return PeerResult(peer, unavailable=f"not installed ({install_hint})")
     try:
-        return with_target(peer, target, args, workdir, timeout, lambda hello: initiate(api, hello))
+
+        def checked(hello: TargetHello) -> PeerResult:
+            if hello.nbytes < config.region_bytes:
+                raise BenchError(f"the {peer} target registered {hello.nbytes} bytes, not {config.region_bytes}")
+            return initiate(api, hello)
+
+        return with_target(peer, target, args, workdir, config.timeout, checked)
     except Exception as exc:  # whatever the library raised becomes the reason; our rows stand
         log.debug("%s measurement failed", peer, exc_info=True)
         why = str(exc).strip() if isinstance(exc, BenchError) else f"{type(exc).__name__}: {str(exc).strip()}"
