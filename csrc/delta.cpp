@@ -606,4 +606,114 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
   return r;
 }
 
+// -- Deltas cut along byte runs (mesh sync) -----------------------------------------------
+
+namespace {
+
+template <int ES>
+inline uint64_t record(const uint8_t* s, uint64_t i, uint64_t offset, uint64_t* positions, uint8_t* old,
+                       uint64_t cap, uint64_t count) {
+  if (count < cap) {
+    positions[count] = offset + i * ES;
+    std::memcpy(old + count * ES, s + i * ES, ES);
+  }
+  return count + 1;
+}
+
+template <int ES>
+uint64_t diff_scalar(const uint8_t* f, uint8_t* s, uint64_t from, uint64_t n, uint64_t offset, uint64_t* positions,
+                     uint8_t* old, uint64_t cap, uint64_t count) {
+  for (uint64_t i = from; i < n; ++i) {
+    if (std::memcmp(f + i * ES, s + i * ES, ES) != 0) {
+      count = record<ES>(s, i, offset, positions, old, cap, count);
+      std::memcpy(s + i * ES, f + i * ES, ES);
+    }
+  }
+  return count;
+}
+
+#ifdef TRANSPORT_DELTA_X86
+// 32 bytes at a time: one compare, and the changed lanes walked by their mask bits.
+template <int ES>
+__attribute__((target("avx2"))) uint64_t diff_avx2(const uint8_t* f, uint8_t* s, uint64_t n, uint64_t offset,
+                                                   uint64_t* positions, uint8_t* old, uint64_t cap) {
+  constexpr uint64_t kLanes = 32 / ES;
+  uint64_t count = 0, i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * ES));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i * ES));
+    const __m256i eq = ES == 2 ? _mm256_cmpeq_epi16(a, b) : _mm256_cmpeq_epi32(a, b);
+    uint32_t diff = ~static_cast<uint32_t>(_mm256_movemask_epi8(eq));
+    if (diff == 0) continue;
+    diff &= ES == 2 ? 0x55555555u : 0x11111111u;  // one bit per lane
+    while (diff) {
+      const uint64_t lane = static_cast<uint64_t>(__builtin_ctz(diff)) / ES;
+      count = record<ES>(s, i + lane, offset, positions, old, cap, count);
+      diff &= diff - 1;
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
+  }
+  return diff_scalar<ES>(f, s, i, n, offset, positions, old, cap, count);
+}
+#endif
+
+}  // namespace
+
+uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64_t offset, uint64_t* positions,
+                       void* old, uint64_t cap, int isa) {
+  check_es(es);
+  const auto* f = static_cast<const uint8_t*>(fresh);
+  auto* s = static_cast<uint8_t*>(snap);
+  auto* o = static_cast<uint8_t*>(old);
+#ifdef TRANSPORT_DELTA_X86
+  if (resolve(isa) != kScalar)
+    return es == 2 ? diff_avx2<2>(f, s, n, offset, positions, o, cap) : diff_avx2<4>(f, s, n, offset, positions, o, cap);
+#else
+  resolve(isa);
+#endif
+  return es == 2 ? diff_scalar<2>(f, s, 0, n, offset, positions, o, cap, 0)
+                 : diff_scalar<4>(f, s, 0, n, offset, positions, o, cap, 0);
+}
+
+uint64_t encode_positions(const uint64_t* positions, uint64_t count, void* out, uint64_t cap) {
+  auto* o = static_cast<uint8_t*>(out);
+  uint64_t len = 0, next = 0;
+  for (uint64_t k = 0; k < count; ++k) {
+    const uint64_t p = positions[k];
+    if (p < next) return UINT64_MAX;
+    uint64_t gap = p - next;
+    next = p + 1;
+    do {
+      if (len >= cap) return UINT64_MAX;
+      const uint8_t b = gap & 0x7f;
+      gap >>= 7;
+      o[len++] = b | (gap ? 0x80 : 0);
+    } while (gap);
+  }
+  return len;
+}
+
+uint64_t terms(const void* values, const uint64_t* positions, uint64_t count, int es) {
+  check_es(es);
+  const auto* v = static_cast<const uint8_t*>(values);
+  uint64_t sum = 0;
+  for (uint64_t k = 0; k < count; ++k) sum += mix(load_elem(v + k * es, es), positions[k]);
+  return sum;
+}
+
+uint64_t checksum_runs(const void* base, const int64_t* runs, uint64_t count, int addr_col, int pos_col, int isa) {
+  if (addr_col < 0 || addr_col > 1 || pos_col < 0 || pos_col > 1)
+    throw std::invalid_argument("delta: run columns must be 0 or 1");
+  const auto* b = static_cast<const uint8_t*>(base);
+  uint64_t sum = 0;
+  for (uint64_t k = 0; k < count; ++k) {
+    const int64_t* r = runs + 3 * k;
+    if (r[0] < 0 || r[1] < 0 || r[2] < 0 || ((r[0] | r[1] | r[2]) & 1))
+      throw std::invalid_argument("delta: a run with a negative or odd offset or length");
+    sum += run(b + r[addr_col], nullptr, nullptr, static_cast<uint64_t>(r[2]) / 2, 2,
+               static_cast<uint64_t>(r[pos_col]) / 2, nullptr, isa);
+  }
+  return sum;
+}
+
 }  // namespace transport::delta

@@ -77,6 +77,30 @@ uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, 
 ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                       uint64_t count, uint64_t pos_bytes, bool write);
 
+// -- Deltas cut along byte runs (mesh sync) -----------------------------------------------
+// A mesh trainer rank diffs its snapshot in place (the snapshot holds the version it last wrote
+// there, the base) and cuts the change along each generator rank's byte runs; positions there
+// are 2-byte units of the generator's slot, whatever the element type, so one payload per
+// (trainer rank, generator rank) scatters with scatter(..., es = 2).
+
+// Compares the n elements (es bytes) at fresh with those at snap, records the byte offset
+// (offset + index * es) and the old value of each changed one while fewer than cap are
+// recorded, and copies fresh into snap. Returns how many changed (cap or not).
+uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64_t offset, uint64_t* positions,
+                       void* old, uint64_t cap, int isa);
+
+// LEB128 gaps of count strictly increasing positions (as in a kVarint payload) at out; returns
+// the bytes written, or UINT64_MAX when they do not fit cap or the positions do not increase.
+uint64_t encode_positions(const uint64_t* positions, uint64_t count, void* out, uint64_t cap);
+
+// The sum of mix() over count values (es bytes each, packed) at the given positions.
+uint64_t terms(const void* values, const uint64_t* positions, uint64_t count, int es);
+
+// The checksum (es = 2 units) of the bytes of count runs (int64 rows of (a, b, nbytes)) at
+// base + row[addr_col], each unit indexed from row[pos_col] / 2. Throws std::invalid_argument
+// for a column outside {0, 1}, or an odd offset or length.
+uint64_t checksum_runs(const void* base, const int64_t* runs, uint64_t count, int addr_col, int pos_col, int isa);
+
 // The ISA that kAuto picks on this CPU: "avx512", "avx2" or "scalar".
 std::string best_isa();
 

@@ -337,6 +337,42 @@ void bind_delta(nb::module_& m) {
       nb::arg("count"), nb::arg("pos_bytes"), nb::arg("write"), nb::call_guard<nb::gil_scoped_release>(),
       "Checks an encoded delta against a live tensor of n elements (and, with write, stores it); returns "
       "(refusal, sum_old, sum_new).");
+  m.def(
+      "delta_diff_in_place",
+      [](uint64_t fresh, uint64_t snap, uint64_t n, int es, uint64_t offset, uint64_t positions, uint64_t old,
+         uint64_t cap, int isa) {
+        return delta::diff_in_place(reinterpret_cast<const void*>(fresh), reinterpret_cast<void*>(snap), n, es,
+                                    offset, reinterpret_cast<uint64_t*>(positions), reinterpret_cast<void*>(old), cap,
+                                    isa);
+      },
+      nb::arg("fresh"), nb::arg("snap"), nb::arg("n"), nb::arg("es"), nb::arg("offset"), nb::arg("positions"),
+      nb::arg("old"), nb::arg("cap"), nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
+      "Diffs fresh against snap, records up to cap changed byte offsets and old values, copies fresh into snap; "
+      "returns how many changed.");
+  m.def(
+      "delta_encode_positions",
+      [](uint64_t positions, uint64_t count, uint64_t out, uint64_t cap) {
+        return delta::encode_positions(reinterpret_cast<const uint64_t*>(positions), count,
+                                       reinterpret_cast<void*>(out), cap);
+      },
+      nb::arg("positions"), nb::arg("count"), nb::arg("out"), nb::arg("cap"),
+      nb::call_guard<nb::gil_scoped_release>(), "LEB128 gaps of increasing positions; bytes written or 2**64-1.");
+  m.def(
+      "delta_terms",
+      [](uint64_t values, uint64_t positions, uint64_t count, int es) {
+        return delta::terms(reinterpret_cast<const void*>(values), reinterpret_cast<const uint64_t*>(positions),
+                            count, es);
+      },
+      nb::arg("values"), nb::arg("positions"), nb::arg("count"), nb::arg("es"),
+      nb::call_guard<nb::gil_scoped_release>(), "The checksum terms of values at positions.");
+  m.def(
+      "delta_checksum_runs",
+      [](uint64_t base, uint64_t runs, uint64_t count, int addr_col, int pos_col, int isa) {
+        return delta::checksum_runs(reinterpret_cast<const void*>(base), reinterpret_cast<const int64_t*>(runs),
+                                    count, addr_col, pos_col, isa);
+      },
+      nb::arg("base"), nb::arg("runs"), nb::arg("count"), nb::arg("addr_col"), nb::arg("pos_col"),
+      nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(), "The checksum of the bytes of byte runs.");
   m.def("delta_best_isa", &delta::best_isa);
   m.def("delta_supports", &delta::supports, nb::arg("isa"));
 }

@@ -18,6 +18,7 @@
     ├── PeerNotFoundError        no peer of that name appeared within the timeout
     ├── AuthenticationError      a peer or connection did not present the shared token
     ├── CommitError              (transport.weights) a mesh replica cannot commit: not its leader, a rank missing
+    ├── DeltaRefusedError        (transport.weights) a delta that does not apply to the weights held; nothing written
     ├── StoreError               (transport._rendezvous) the rendezvous store failed or is untrusted
     │   └── RecordTooLargeError  a record in the store is larger than any record is read
     └── TransportInternalError   a bug, an unexpected native failure, or bytes that do not decode

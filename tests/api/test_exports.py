@@ -41,7 +41,7 @@ TRANSPORT_METHODS = {
     "prepare_put_runs", "prepare_get_runs",
 }
 WEIGHTS = {"Publisher", "Subscriber", "SyncStatus", "SyncResult", "PublishReport", "LayoutMismatchError",
-           "MeshPublisher", "MeshPublishReport", "MeshSubscriber", "CommitError"}
+           "MeshPublisher", "MeshPublishReport", "MeshSubscriber", "CommitError", "DeltaRefusedError"}
 PLAN = {"TrainerLayout", "TensorSpec", "MeshSharding", "ExplicitSharding", "Shard", "Replicate", "Replica",
         "GeneratorRank", "LocalTensor", "Piece", "Planner", "Plan", "ReplicaPlan", "RankPlan", "Move", "Topology",
         "MeshLayoutError", "trainer_layout", "generator_rank", "generator_replica", "model_config", "builtin_model",
@@ -185,6 +185,7 @@ def test_readme_draws_every_public_error_with_its_real_parent() -> None:
               if isinstance(getattr(transport, n), type) and issubclass(getattr(transport, n), Exception)}
     errors["LayoutMismatchError"] = transport.weights.LayoutMismatchError
     errors["CommitError"] = transport.weights.CommitError
+    errors["DeltaRefusedError"] = transport.weights.DeltaRefusedError
     errors["MeshLayoutError"] = transport.plan.MeshLayoutError
     assert set(tree) == set(errors), set(tree) ^ set(errors)
     for name, parent in tree.items():

@@ -32,10 +32,12 @@ from transport.plan import (
     fp8_generator_rank,
     fp8_trainer_layout,
 )
-from transport.weights import CommitError, MeshPublisher, MeshSubscriber
+from transport.weights import CommitError, DeltaRefusedError, MeshPublisher, MeshSubscriber
+from transport.weights._mesh_control import MAT0
 
 SHAPES = {"a": (64, 48), "b": (5,), "c": (30, 14), "w8": (300, 260)}
 TRAINERS = 2
+SPARSE: float | None = None  # spec["sparse"]: each version changes this fraction of every tensor
 
 
 def layout(fp8: bool = False) -> TrainerLayout:
@@ -63,11 +65,17 @@ def quantize_whole(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def full(version: int) -> dict[str, torch.Tensor]:
-    """The global tensors of ``version``."""
+    """The global tensors of ``version``: fresh random ones, or with ``SPARSE`` those of version
+    0 with that fraction of elements set anew by each later version (as a small update does)."""
     out = {}
     for i, (name, shape) in enumerate(sorted(SHAPES.items())):
-        g = torch.Generator().manual_seed(1000 * version + i)
+        g = torch.Generator().manual_seed(1000 * (0 if SPARSE else version) + i)
         out[name] = torch.randn(shape, generator=g)
+        for k in range(1, version + 1 if SPARSE else 0):
+            g = torch.Generator().manual_seed(7919 * k + i)
+            flat = out[name].view(-1)
+            where = torch.rand(flat.numel(), generator=g) < SPARSE
+            flat[where] = torch.randn(int(where.sum()), generator=g)
     return out
 
 
@@ -118,8 +126,9 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
         return {n: f[n][tuple(slice(lo, hi) for lo, hi in boxes[n])].contiguous() for n in boxes}
 
     live = shards(0)
-    reports, incomplete = [], []
-    pub = MeshPublisher(t, "m", live, lay, rank=rank, deadline=spec.get("deadline", 10.0))
+    reports, incomplete, changed = [], [], []
+    pub = MeshPublisher(t, "m", live, lay, rank=rank, deadline=spec.get("deadline", 10.0),
+                        delta=spec.get("delta", "auto"))
     pub.start()
     if spec.get("die_at") is not None:
         real_prepare = pub._prepare
@@ -143,15 +152,17 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
         for n, x in shards(v).items():
             live[n].copy_(x)
         rep = await pub.publish(v)
-        reports.append({k: [r.status.name, r.error] for k, r in rep.results.items()})
+        reports.append({k: [r.status.name, r.error, r.delta, r.nbytes] for k, r in rep.results.items()})
         incomplete.append(list(rep.incomplete))
+        changed.append(rep.changed)
         await t.signal("ctl", f"{spec['name']}.done", v + 1)
-    return {"reports": reports, "incomplete": incomplete}
+    return {"reports": reports, "incomplete": incomplete, "changed": changed}
 
 
 async def generator(spec: dict, t: transport.Transport) -> dict:
     g = generator_layout(spec["size"], spec["rank"], spec.get("fp8", False))
-    sub = MeshSubscriber(t, "m", replica=spec["replica"], rank=spec["rank"], size=spec["size"], layout=g, timeout=30)
+    sub = MeshSubscriber(t, "m", replica=spec["replica"], rank=spec["rank"], size=spec["size"], layout=g, timeout=30,
+                         delta=spec.get("take_delta", True))
     sub.start()
     rounds = []
     first = spec.get("first", 0)
@@ -180,7 +191,21 @@ async def generator(spec: dict, t: transport.Transport) -> dict:
                 committed = sub.committed()
         if spec.get("slow_s"):
             await anyio.sleep(spec["slow_s"])
-        applied = sub.apply()
+        extra: dict = {}
+        if v == spec.get("skip_apply_at"):
+            # This rank does not read the version, then a scribbled MAT word claims it did: the
+            # next delta into that slot is made against a base the slot does not hold.
+            sub._c[MAT0 + v % 2] = v + 1
+            rounds.append({"version": v, "committed": committed, "applied": sub.applied(), "ok": None})
+            await t.signal("ctl", f"{spec['name']}.done", v + 1)
+            continue
+        try:
+            applied = sub.apply()
+        except DeltaRefusedError as exc:
+            extra = {"refused": str(exc), "kept": sub.applied()}
+            applied = await sub.pull(version=committed if isinstance(committed, int) else v, timeout=30)
+            applied = sub.apply()
+        extra["delta"] = list(sub.last_delta)
         ok = None
         if applied is not None:
             ref = reference(g, applied)
@@ -192,12 +217,14 @@ async def generator(spec: dict, t: transport.Transport) -> dict:
                 src = full(applied)["w8"][:, lo : lo + w.shape[1]]
                 bound = torch.maximum(src.abs() * 2.0**-4, scale.max() * 2.0**-9)
                 ok = ok and bool(((deq - src).abs() <= bound).all())
-        rounds.append({"version": v, "committed": committed, "applied": applied, "ok": ok})
+        rounds.append({"version": v, "committed": committed, "applied": applied, "ok": ok, **extra})
         await t.signal("ctl", f"{spec['name']}.done", v + 1)
     return {"rounds": rounds}
 
 
 async def main(spec: dict) -> None:
+    global SPARSE
+    SPARSE = spec.get("sparse")
     async with transport.Transport(spec["name"], store=spec["store"], backends=tuple(spec["backends"]),
                                    timeout=30) as t:
         out = await (trainer(spec, t) if spec["role"] == "trainer" else generator(spec, t))

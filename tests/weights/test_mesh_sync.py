@@ -73,7 +73,7 @@ async def test_every_rank_of_every_replica_gets_its_exact_slices_each_version(pr
     results = await _lockstep(procs, file_store, 3, backends=[backend])
     for r in ("t0", "t1"):
         for v, rep in enumerate(results[r]["reports"]):
-            assert {k: s for k, (s, _) in rep.items()} == {"A/0": "DONE", "A/1": "DONE", "B/0": "DONE"}, (r, v, rep)
+            assert {k: x[0] for k, x in rep.items()} == {"A/0": "DONE", "A/1": "DONE", "B/0": "DONE"}, (r, v, rep)
     for g, *_ in GENERATORS:
         for v, rnd in enumerate(results[g]["rounds"]):
             assert rnd["applied"] == v and rnd["ok"] is True, (g, rnd)
@@ -116,11 +116,15 @@ async def test_a_slow_rank_holds_back_only_its_replica_and_its_ranks_agree(procs
         assert reports[2]["A/0"][0] == "DONE" and reports[2]["B/0"][0] == "DONE"
 
 
-async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rejoins(procs, file_store):
-    n = 4
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rejoins(procs, file_store, delta):
+    # With deltas: the restarted A1 holds what it pulled (version 1) and what came dense, and
+    # takes deltas on them like any rank (versions 4 and 5).
+    n = 6 if delta else 4
+    kw = {"delta": True, "sparse": 0.02} if delta else {}
     async with transport.Transport("ctl", store=file_store, backends=("ipc",)) as ctl:
-        trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r, deadline=5.0)) for r in range(2)]
-        gens = {g: procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size, commit_wait=2.0))
+        trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r, deadline=5.0, **kw)) for r in range(2)]
+        gens = {g: procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size, commit_wait=2.0, **kw))
                 for g, rep, k, size in GENERATORS}
         await _start(ctl, [p.name for p in [*trainers, *gens.values()]])
         await _round(ctl, ["t0", "t1"], 0)
@@ -131,9 +135,9 @@ async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rej
         await _round(ctl, ["A0", "B0"], 1)
         # A1 restarts under its name, pulls version 1 from the trainer ranks' snapshots and rejoins.
         gens["A1"] = procs(_spec(file_store, "A1", "gen", n, replica="A", rank=1, size=2, first=2, pull=True,
-                                 ready_value=2))
+                                 ready_value=2, **kw))
         await ctl.wait_signal("A1.ready", at_least=2, timeout=90)
-        for v in (2, 3):
+        for v in range(2, n):
             await _round(ctl, ["t0", "t1"], v)
             await _round(ctl, list(gens), v)
         for p in [*trainers, *gens.values()]:
@@ -145,10 +149,14 @@ async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rej
     a0 = results["A0"]["rounds"]
     assert a0[1]["applied"] == 0  # version 1 never complete at A1: A stays on 0
     assert results["A1"]["rounds"][0] == {"pulled": 1}
-    assert [r["applied"] for r in results["B0"]["rounds"]] == [0, 1, 2, 3]
+    assert [r["applied"] for r in results["B0"]["rounds"]] == list(range(n))
     for g in gens:
-        last = [r for r in results[g]["rounds"] if "version" in r][-1]
-        assert last["applied"] == 3 and last["ok"] is True, (g, last)
+        rounds = [r for r in results[g]["rounds"] if "version" in r]
+        assert rounds[-1]["applied"] == n - 1 and all(r["ok"] is True for r in rounds if r["applied"] is not None), \
+            (g, rounds)
+    if delta:
+        a1 = [r for r in results["A1"]["rounds"] if "version" in r]
+        assert [r["delta"][0] for r in a1 if r["version"] >= 4] == [2, 2], a1
 
 
 async def test_a_trainer_rank_killed_mid_push_fails_that_version_everywhere(procs, file_store):
@@ -184,3 +192,64 @@ async def test_fp8_block_scales_made_at_the_source_across_shards_dequantize_with
     results = await _lockstep(procs, file_store, 2, fp8=True)
     for g, *_ in GENERATORS:
         assert [(r["applied"], r["ok"]) for r in results[g]["rounds"]] == [(0, True), (1, True)], results[g]
+
+
+def _dense_bytes(results: dict, trainer: str, label: str) -> int:
+    """Bytes ``trainer`` writes into ``label`` for a dense version (its first)."""
+    return results[trainer]["reports"][0][label][3]
+
+
+@pytest.mark.parametrize(("backend", "delta"), [("ipc", True), ("tcp", "auto"), ("ipc", "auto")])
+async def test_small_updates_go_as_deltas_and_every_rank_stays_bit_exact(procs, file_store, backend, delta):
+    # Each version sets 2% of every tensor anew. Versions 0-2 go dense (no base in that slot
+    # yet, or no delta area at the ranks yet); from version 3 every rank holds the base in the
+    # slot, so each trainer rank sends only the changed units of its runs. By default ("auto")
+    # only over a network: over ipc every version goes dense.
+    _have(backend)
+    n = 6
+    results = await _lockstep(procs, file_store, n, backends=[backend], delta=delta, sparse=0.02)
+    deltas = delta is True or backend != "ipc"
+    for g, *_ in GENERATORS:
+        rounds = results[g]["rounds"]
+        assert [(r["applied"], r["ok"]) for r in rounds] == [(v, True) for v in range(n)], (g, rounds)
+        assert all(r["delta"][0] == (2 if deltas else 0) for r in rounds[3:]), (g, rounds)
+    if not deltas:
+        assert all(not x[2] for t in ("t0", "t1") for rep in results[t]["reports"] for x in rep.values())
+        return
+    for t in ("t0", "t1"):
+        reports, changed = results[t]["reports"], results[t]["changed"]
+        for v in range(3, n):
+            f = changed[v]
+            assert f is not None and 0 < f < 0.1, (t, v, changed)
+            for label, (status, _, delta, nbytes) in reports[v].items():
+                assert status == "DONE" and delta is True, (t, v, label, reports[v][label])
+                # at most 2 f of the dense bytes, plus the 64-byte header and the alignment
+                assert nbytes <= 2 * f * _dense_bytes(results, t, label) + 64 + 8, (t, v, label, nbytes, f)
+
+
+async def test_a_delta_against_a_base_the_slot_does_not_hold_is_refused_whole(procs, file_store):
+    # A1 does not read version 3 (a delta it never applies into slot 1), then a scribbled MAT
+    # word says it did. Version 5 comes into slot 1 as a delta against 3: the checksum of the
+    # slot's bytes is not version 3's, so A1 refuses it and keeps version 4, then pulls 5.
+    n = 6
+    async with transport.Transport("ctl", store=file_store, backends=("ipc",)) as ctl:
+        kw = {"delta": True, "sparse": 0.02}
+        trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r, **kw)) for r in range(2)]
+        gens = [procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size,
+                            skip_apply_at=3 if g == "A1" else None, **kw))
+                for g, rep, k, size in GENERATORS]
+        await _start(ctl, [p.name for p in trainers + gens])
+        for v in range(n):
+            await _round(ctl, ["t0", "t1"], v)
+            await _round(ctl, [g[0] for g in GENERATORS], v)
+        for p in trainers + gens:
+            await ctl.signal(p.name, "exit", 1)
+        results = {p.name: await p.result() for p in trainers + gens}
+    a1 = results["A1"]["rounds"]
+    assert results["t0"]["reports"][5]["A/1"][2] is True  # sent as a delta (the words said so)
+    assert "does not hold version 3" in a1[5]["refused"], a1[5]
+    assert a1[5]["kept"] == 4  # refused whole: still on version 4
+    assert a1[5]["applied"] == 5 and a1[5]["ok"] is True  # then pulled, bit for bit
+    for g in ("A0", "B0"):
+        rounds = results[g]["rounds"]
+        assert all(r["ok"] is True and "refused" not in r for r in rounds), rounds

@@ -110,6 +110,47 @@ def scatter(live: int, n: int, es: int, payload: int, payload_len: int, kind: in
     return Refusal(refusal), old, new
 
 
+def diff_in_place(fresh: int, snap: int, n: int, es: int, offset: int, positions: int, old: int, cap: int,
+                  isa: Isa = Isa.AUTO) -> int:
+    """Compares ``n`` elements of ``es`` bytes at ``fresh`` with those at ``snap``, records the
+    byte offset (``offset + index * es``, into the uint64 array at ``positions``) and the old
+    value (at ``old``) of each changed one while fewer than ``cap`` are recorded, and copies
+    ``fresh`` into ``snap``.
+
+    Returns:
+        How many elements changed (past ``cap`` too: then the record is incomplete).
+    """
+    return int(_call("delta diff", "delta_diff_in_place", fresh, snap, n, es, offset, positions, old, cap, int(isa)))
+
+
+NO_FIT = (1 << 64) - 1
+
+
+def encode_positions(positions: int, count: int, out: int, cap: int) -> int | None:
+    """Writes the LEB128 gaps of ``count`` strictly increasing uint64 positions at ``out`` (the
+    positions of a VARINT payload). Returns the bytes written, or None when they take more
+    than ``cap`` or do not increase."""
+    got = int(_call("delta positions", "delta_encode_positions", positions, count, out, cap))
+    return None if got == NO_FIT else got
+
+
+def terms(values: int, positions: int, count: int, es: int) -> int:
+    """The sum of the checksum terms of ``count`` values of ``es`` bytes (packed at
+    ``values``) at the uint64 ``positions``, mod 2**64."""
+    return int(_call("delta terms", "delta_terms", values, positions, count, es))
+
+
+def checksum_runs(base: int, runs: int, count: int, addr_col: int, pos_col: int, isa: Isa = Isa.AUTO) -> int:
+    """The checksum, in 2-byte units, of the bytes of ``count`` byte runs (an int64 ``(count,
+    3)`` array at ``runs``): each at ``base + row[addr_col]``, its units indexed from
+    ``row[pos_col] / 2``.
+
+    Raises:
+        TransportInternalError: a column outside {0, 1}, or a run with an odd offset or length.
+    """
+    return int(_call("delta checksum runs", "delta_checksum_runs", base, runs, count, addr_col, pos_col, int(isa)))
+
+
 def best_isa() -> str:
     """The vector path :data:`Isa.AUTO` picks here: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
     return str(load().delta_best_isa())

@@ -51,6 +51,7 @@ Packing and device unpacking use the batched gather/scatter of ``transport._kern
 """
 
 from .._public import rehome
+from ._delta import DeltaRefusedError as DeltaRefusedError
 from ._delta import delta_isa as delta_isa
 from ._layout import LayoutMismatchError as LayoutMismatchError
 from ._mesh_peers import read_trainer_layout as read_trainer_layout
@@ -67,6 +68,7 @@ from ._subscriber import Subscriber as Subscriber
 
 __all__ = [
     "CommitError",
+    "DeltaRefusedError",
     "DeltaStats",
     "LayoutMismatchError",
     "MeshPublishReport",

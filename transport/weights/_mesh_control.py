@@ -7,14 +7,18 @@ Regions of a stream called N (``mesh.N.*``):
   wire dtype, read-only: what restarted generator ranks pull from), and with FP8 tensors
   ``amax0``/``amax1`` (its partial block maxima, float32, read by the other trainer ranks);
 * every generator rank: ``rank`` (its replica, place and needs, JSON, read-only), ``ctl``
-  (``int64[CTL_WORDS]``, written by trainer ranks and its replica's leader), ``slot0``/``slot1``.
+  (``int64[CTL_WORDS]``, written by trainer ranks and its replica's leader), ``slot0``/``slot1``,
+  and with delta sync ``delta0``/``delta1`` (the payloads waiting for each slot, written by
+  trainer ranks) with their table ``dtab`` (read-only; see :mod:`._mesh_delta`).
 
 Version ``v`` always travels in slot ``v % 2`` (snapshots likewise), so that trainer ranks that
 never talk to each other still agree on where it goes.
 
 Generator ``ctl`` words: ``COMMIT`` (the version the replica committed, front-encoded with its
 slot), ``READING`` (the slot ``apply()`` is copying, or -1), ``APPLIED`` (``v + 1``),
-``PROPOSED`` (the version the leader is about to commit), and from ``DONE0`` one word per
+``PROPOSED`` (the version the leader is about to commit), ``MAT0 + s`` (``v + 1`` once slot
+``s`` holds all of version ``v``, as this rank read it: what a delta into it may build on, see
+:mod:`._mesh_delta`; 0 while the rank writes the slot itself), and from ``DONE0`` one word per
 (trainer rank, slot), the two slots of a trainer rank side by side (so the words of ranks
 ``0..T-1`` are the first ``2T``, read without the rest): ``v + 1`` once that trainer rank's
 bytes of version ``v`` are all in the slot, ``-(v + 1)`` while it is writing them.
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 # Generator ctl.
-COMMIT, READING, APPLIED, PROPOSED = 0, 1, 2, 3
+COMMIT, READING, APPLIED, PROPOSED, MAT0 = 0, 1, 2, 3, 4
 HEADER_WORDS = 8
 MAX_TRAINER_RANKS = 4096
 DONE0 = HEADER_WORDS
@@ -91,9 +95,11 @@ class MeshKeys:
     ctl: str
     slots: tuple[str, str]
     amax: tuple[str, str]
+    deltas: tuple[str, str]
+    dtab: str
 
     @classmethod
     def of(cls, name: str) -> MeshKeys:
         p = f"mesh.{name}."
         return cls(p + "trainer", p + "tctl", (p + "snap0", p + "snap1"), p + "rank", p + "ctl",
-                   (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"))
+                   (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"), (p + "delta0", p + "delta1"), p + "dtab")

@@ -31,6 +31,7 @@ from ._mesh_control import (
     FRONT,
     GEN0,
     HEADER_WORDS,
+    MAT0,
     MAX_TRAINER_RANKS,
     PROPOSED,
     READING,
@@ -41,12 +42,13 @@ from ._mesh_control import (
     done_word,
     slot_of,
 )
+from ._mesh_delta import CROSSOVER, HEAD_BYTES, Change, Cut, MeshDeltaPacker, Runs, cut, read_table
 from ._mesh_fp8 import BlockQuantizer
 from ._mesh_peers import MeshMembers, MeshPeers
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
-    from .. import PreparedTransfer, Transport
+    from .. import Peer, PreparedTransfer, Transport
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class MeshPublishReport:
         refused: replica -> why its layout cannot be served (e.g. a dtype mismatch).
         pack_s, plan_s, push_s, total_s: time packing the snapshot, discovering and planning,
             pushing, and in all.
+        changed: with delta sync, the fraction of this rank's 2-byte units that changed since
+            the version its snapshot held (None: not diffed: no base yet, delta sync off, or
+            more than the crossover changed).
     """
 
     version: int
@@ -73,6 +78,7 @@ class MeshPublishReport:
     plan_s: float = 0.0
     push_s: float = 0.0
     total_s: float = 0.0
+    changed: float | None = None
 
 
 def slot_busy(header: torch.Tensor, slot: int) -> str | None:
@@ -111,13 +117,28 @@ class MeshPublisher:
         rank: this trainer rank (as in ``layout``).
         topology: the trainer ranks' NICs, for balancing duplicate holders.
         deadline: seconds a publish waits for any one generator rank.
+        delta: delta sync: each version is diffed bit for bit, while it is packed, against the
+            version its snapshot held, and a generator rank whose slot holds exactly that
+            version from this rank (and that takes deltas) gets only the changed 2-byte units
+            of its slices, checked and applied by that rank when it reads the version (see
+            :mod:`transport.weights._mesh_delta`); every other rank gets the version dense.
+            ``"auto"`` (the default): only to generator ranks reached over a network backend,
+            not over ``ipc`` (as fast as the memory pass that finds the change). ``True``: to
+            every rank that takes them. ``False``: every version dense, not diffed.
+        delta_crossover: the changed fraction of this rank's units above which a version goes
+            dense to everyone.
 
     Raises:
         MeshLayoutError: a shard is missing or has the wrong shape, or the rank is out of range.
     """
 
     def __init__(self, transport: Transport, name: str, shards: Mapping[str, torch.Tensor], layout: TrainerLayout,
-                 *, rank: int, topology: Topology | None = None, deadline: float = 30.0) -> None:
+                 *, rank: int, topology: Topology | None = None, deadline: float = 30.0,
+                 delta: bool | str = "auto", delta_crossover: float = CROSSOVER) -> None:
+        if delta not in (True, False, "auto"):
+            raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
+        if not 0 < delta_crossover <= 0.5:
+            raise ValueError(f"delta_crossover must be in (0, 0.5], not {delta_crossover!r}")
         if not 0 <= rank < MAX_TRAINER_RANKS:
             raise MeshLayoutError(f"trainer rank {rank} is outside [0, {MAX_TRAINER_RANKS})")
         self.t, self.name, self.rank, self.layout, self.deadline = transport, name, rank, layout, deadline
@@ -138,6 +159,17 @@ class MeshPublisher:
         self._version: int | None = None
         self._lock = anyio.Lock()
         self._open = False  # between start() and close()
+        self._packer = MeshDeltaPacker(self._packed, self._offsets, self._total, delta_crossover) if delta else None
+        if self._packer is not None and self._packer.why_not is not None:
+            log.info("mesh publisher %s rank %d: no delta sync: %s", name, rank, self._packer.why_not)
+            self._packer = None
+        self._delta_everywhere = delta is True
+        self._change: Change | None = None  # the change of the version being published
+        self._runs: dict[tuple[str, str], Runs] = {}  # (generator rank, incarnation) -> its runs from here
+        self._tables: dict[tuple[str, str], tuple[int, int] | None] = {}  # -> this rank's (offset, cap) there
+        self._sums: dict[tuple[bytes, int], tuple[int, int]] = {}  # (runs, slot) -> (version, checksum there)
+        self._cuts: dict[bytes, Cut | None] = {}  # runs -> the change cut along them (this version)
+        self._memory_link: dict[str, bool] = {}  # generator rank -> its last push went over ipc
 
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """name -> this rank's local shard, for every tensor of the state it holds a box of
@@ -239,51 +271,58 @@ class MeshPublisher:
             if self._quant.active:
                 trainers = {r: p.name for r, p in members.trainers.items()}
                 converted = await self._quant.quantize(version, self._live, self._tctl, trainers, self.deadline)
-            self._pack(version, converted)
+            await self._pack(version, converted)
             self._version = version
             t1 = time.perf_counter()
             work, incomplete, refused = self._discover(members)
             t2 = time.perf_counter()
             results: dict[str, SyncResult] = {}
             async with anyio.create_task_group() as tg:
-                for label, peer, incarnation, plan_moves in work:
-                    tg.start_soon(self._push_one, label, peer, incarnation, plan_moves, version, t0, results)
+                for label, peer, plan_moves in work:
+                    tg.start_soon(self._push_one, label, peer, plan_moves, version, t0, results)
             t3 = time.perf_counter()
+        changed = self._change.density if self._change is not None else None
         return MeshPublishReport(version, results, incomplete, refused, t1 - t_scan, (t_scan - t0) + (t2 - t1),
-                                 t3 - t2, t3 - t0)
+                                 t3 - t2, t3 - t0, changed)
 
-    def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
+    async def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
         """Copies the shards (``converted`` ones as given) into snapshot ``version % 2`` under
-        its seqlock."""
+        its seqlock; with delta sync, diffing them against the version it held."""
         assert self._tctl is not None
         s = slot_of(version)
         ctl, snap = self._tctl, self._snaps[s]
+        held = int(ctl[SNAPVER0 + s]) - 1  # the version the snapshot holds (-1: none)
         ctl[GEN0 + s] += 1  # odd: being written
         memory_barrier()
-        for name, shape, dtype in self._packed:
-            off, nbytes = self._offsets[name]
-            src = converted[name] if name in converted else self._live[name]
-            snap[off : off + nbytes].view(dtype).view(shape).copy_(src.detach())
+        sources = {name: converted[name] if name in converted else self._live[name] for name, _, _ in self._packed}
+        self._change, self._cuts = None, {}
+        if self._packer is not None:
+            self._change = await anyio.to_thread.run_sync(self._packer.pack, snap, sources, version,
+                                                          held if held >= 0 else None)
+        else:
+            for name, shape, dtype in self._packed:
+                off, nbytes = self._offsets[name]
+                snap[off : off + nbytes].view(dtype).view(shape).copy_(sources[name].detach())
         memory_barrier()
         ctl[SNAPVER0 + s] = version + 1
         ctl[GEN0 + s] += 1
         memory_barrier()
         ctl[FRONT] = encode_front(version, s)
 
-    def _discover(self, members: MeshMembers) -> tuple[list[tuple[str, str, str, ReplicaPlanMoves]], tuple[str, ...],
+    def _discover(self, members: MeshMembers) -> tuple[list[tuple[str, Peer, ReplicaPlanMoves]], tuple[str, ...],
                                                        dict[str, str]]:
         """The generator ranks this rank feeds now, with their moves; replicas seen incomplete;
         replicas refused (and why)."""
-        by_replica: dict[str, dict[int, tuple[str, str, RankLayout]]] = {}
-        for n, (peer, rl) in members.generators.items():
-            by_replica.setdefault(rl.replica, {})[rl.rank] = (n, peer.incarnation, rl)
+        by_replica: dict[str, dict[int, tuple[Peer, RankLayout]]] = {}
+        for peer, rl in members.generators.values():
+            by_replica.setdefault(rl.replica, {})[rl.rank] = (peer, rl)
         work, incomplete, refused = [], [], {}
         for rid, ranks in sorted(by_replica.items()):
-            size = next(iter(ranks.values()))[2].size
-            if sorted(ranks) != list(range(size)) or any(r[2].size != size for r in ranks.values()):
+            size = next(iter(ranks.values()))[1].size
+            if sorted(ranks) != list(range(size)) or any(r[1].size != size for r in ranks.values()):
                 incomplete.append(rid)
                 continue
-            replica = Replica(rid, tuple(ranks[k][2].layout for k in range(size)))
+            replica = Replica(rid, tuple(ranks[k][1].layout for k in range(size)))
             try:
                 plan = self._plan(replica)
             except MeshLayoutError as exc:
@@ -292,12 +331,16 @@ class MeshPublisher:
             for k, rp in enumerate(plan.ranks):
                 moves = tuple(m for m in rp.moves if m.src == self.rank)
                 if moves:
-                    name, incarnation, rl = ranks[k]
-                    work.append((f"{rid}/{k}", name, incarnation, ReplicaPlanMoves(moves, rl)))
+                    peer, rl = ranks[k]
+                    work.append((f"{rid}/{k}", peer, ReplicaPlanMoves(moves, rl)))
         # What served replicas and ranks no longer here held goes with them.
         self._plans = {rid: p for rid, p in self._plans.items() if rid in by_replica}
-        served = {(name, incarnation) for _, name, incarnation, _ in work}
+        served = {(p.name, p.incarnation) for _, p, _ in work}
         self._prepared = {k: v for k, v in self._prepared.items() if k[:2] in served}
+        self._runs = {k: v for k, v in self._runs.items() if k in served}
+        self._tables = {k: v for k, v in self._tables.items() if k in served}
+        fingerprints = {r.fingerprint for r in self._runs.values()}
+        self._sums = {k: v for k, v in self._sums.items() if k[0] in fingerprints}
         return work, tuple(incomplete), refused
 
     def _plan(self, replica: Replica) -> ReplicaPlan:
@@ -328,45 +371,129 @@ class MeshPublisher:
             runs = byte_runs(self._planner, work.moves, {lt.name: lt for lt in layout.tensors}, self._offsets,
                              slot_layout(layout)[0])
             got = self._prepared[key] = self.t.prepare_put_runs(peer, snap, target, runs)
+            if self._packer is not None and (peer, incarnation) not in self._runs:
+                self._runs[(peer, incarnation)] = Runs.of(runs)
         return got
 
-    async def _push_one(self, label: str, peer: str, incarnation: str, work: ReplicaPlanMoves, version: int,
+    async def _area(self, peer: Peer) -> tuple[int, int] | None:
+        """This rank's (offset, cap) in ``peer``'s delta areas (None: it takes no deltas from
+        here), read once per incarnation from its table."""
+        key = (peer.name, peer.incarnation)
+        if key in self._tables:
+            return self._tables[key]
+        tab, area = peer.regions.get(self.keys.dtab), peer.regions.get(self.keys.deltas[0])
+        if tab is None or area is None:
+            return None  # not made yet (it makes them once it knows its plan): look again next time
+        got = None
+        if 0 < tab.nbytes <= 1 << 20:  # sized from a record: bounded before anything is allocated
+            raw = torch.empty(tab.nbytes, dtype=torch.uint8)
+            await self.t.get(raw, peer.name, key=self.keys.dtab)
+            got = read_table(raw, min(area.nbytes, peer.regions[self.keys.deltas[1]].nbytes)
+                             if self.keys.deltas[1] in peer.regions else 0).get(self.rank)
+        self._tables[key] = got
+        return got
+
+    def _cut_for(self, runs: Runs, cap: int, base_sum: int) -> Cut | None:
+        """The version's change cut along ``runs`` (once per version and runs)."""
+        if runs.fingerprint not in self._cuts:
+            assert self._change is not None
+            self._cuts[runs.fingerprint] = cut(self._change, runs, base_sum, cap)
+        got = self._cuts[runs.fingerprint]
+        return got if got is not None and got.payload.numel() <= HEAD_BYTES + cap else None
+
+    def _delta_to(self, peer: Peer, slot: int, header: torch.Tensor, prev: int, area: tuple[int, int] | None
+                  ) -> tuple[Runs, int] | None:
+        """(its runs, this rank's checksum of the base there) when ``peer`` may get this
+        version as a delta: it takes them, its slot holds the base from this rank (its DONE
+        word) and as it read it (its MAT word), and the checksum of those bytes is known."""
+        change, runs = self._change, self._runs.get((peer.name, peer.incarnation))
+        if change is None or runs is None or area is None or runs.why_not is not None:
+            return None
+        if not self._delta_everywhere and self._memory_link.get(peer.name, True):
+            return None  # "auto": not over ipc (nor before the first push showed the route)
+        if prev != change.base + 1 or int(header[MAT0 + slot]) != change.base + 1:
+            return None
+        held = self._sums.get((runs.fingerprint, slot))
+        return (runs, held[1]) if held is not None and held[0] == change.base else None
+
+    async def _push_one(self, label: str, peer: Peer, work: ReplicaPlanMoves, version: int,
                         t0: float, results: dict[str, SyncResult]) -> None:
         slot = slot_of(version)
+        name = peer.name
         nbytes = sum(m.nbytes for m in work.moves)
         word = done_word(slot, self.rank) * 8
-        status, error = SyncStatus.DONE, None
+        status, error, as_delta = SyncStatus.DONE, None, False
         header = torch.empty(HEADER_WORDS, dtype=torch.int64)
         mark = torch.empty(1, dtype=torch.int64)
         prev = torch.empty(1, dtype=torch.int64)
         with anyio.move_on_after(self.deadline) as scope:
             try:
-                prepared = self._prepare(peer, incarnation, slot, work)
-                await self.t.get(header, peer, key=self.keys.ctl)
+                prepared = self._prepare(name, peer.incarnation, slot, work)
+                area = await self._area(peer) if self._packer is not None else None
+                await self.t.get(header, name, key=self.keys.ctl)
                 why = slot_busy(header, slot)
                 if why is None:
-                    await self.t.get(prev, peer, key=self.keys.ctl, offset=word)
+                    await self.t.get(prev, name, key=self.keys.ctl, offset=word)
                     mark[0] = -(version + 1)  # writing: the leader will not commit this slot
-                    await self.t.put(mark, peer, key=self.keys.ctl, offset=word)
-                    await self.t.get(header, peer, key=self.keys.ctl)  # then look again (two-flag handshake)
+                    await self.t.put(mark, name, key=self.keys.ctl, offset=word)
+                    await self.t.get(header, name, key=self.keys.ctl)  # then look again (two-flag handshake)
                     why = slot_busy(header, slot)
                     if why is not None:
-                        await self.t.put(prev, peer, key=self.keys.ctl, offset=word)
+                        await self.t.put(prev, name, key=self.keys.ctl, offset=word)
                 if why is not None:
                     status, error = SyncStatus.STRAGGLER, f"slot {slot} is {why}"
                 else:
-                    await prepared.start(timeout=self.deadline)
+                    nbytes, as_delta = await self._write(peer, slot, prepared, header, int(prev[0]), area, nbytes)
                     mark[0] = version + 1
-                    await self.t.put(mark, peer, key=self.keys.ctl, offset=word)
+                    await self.t.put(mark, name, key=self.keys.ctl, offset=word)
             except (TransportError, MeshLayoutError) as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             status, error = SyncStatus.STRAGGLER, f"not complete within {self.deadline:g}s"
         if status is not SyncStatus.DONE:
             log.info("mesh publisher %s rank %d: version %d to %s (%s): %s", self.name, self.rank, version, label,
-                     peer, error)
-        results[label] = SyncResult(peer, version, status, nbytes if status is SyncStatus.DONE else 0,
-                                    time.perf_counter() - t0, error)
+                     name, error)
+        results[label] = SyncResult(name, version, status, nbytes if status is SyncStatus.DONE else 0,
+                                    time.perf_counter() - t0, error, delta=as_delta)
+
+    async def _write(self, peer: Peer, slot: int, prepared: PreparedTransfer, header: torch.Tensor, prev: int,
+                     area: tuple[int, int] | None, dense_bytes: int) -> tuple[int, bool]:
+        """Writes this rank's bytes of the version into ``peer``'s slot: as a delta into its
+        delta area when it may take one, else dense (clearing a payload that may wait there).
+
+        Returns:
+            (bytes written, whether as a delta).
+        """
+        name, delta_key = peer.name, self.keys.deltas[slot]
+        chosen = self._delta_to(peer, slot, header, prev, area)
+        if chosen is not None and area is not None:
+            runs, base_sum = chosen
+            made = await anyio.to_thread.run_sync(self._cut_for, runs, area[1], base_sum)
+            if made is not None:
+                await self.t.put(made.payload, name, key=delta_key, offset=area[0], timeout=self.deadline)
+                self._sums[(runs.fingerprint, slot)] = (self._version_now(), made.new_sum)
+                return made.payload.numel(), True
+        if area is not None:
+            # A payload of an earlier life of this version number (a restarted trainer counts
+            # again) must never be applied over the dense bytes.
+            await self.t.put(torch.zeros(8, dtype=torch.uint8), name, key=delta_key, offset=area[0],
+                             timeout=self.deadline)
+        h = prepared.start(timeout=self.deadline)
+        await h
+        self._memory_link[name] = h.backend is not None and "ipc" in h.backend.split(",")
+        known = self._runs.get((name, peer.incarnation))
+        takes = self._delta_everywhere or not self._memory_link[name]
+        if area is not None and known is not None and known.why_not is None and takes:
+            held = self._sums.get((known.fingerprint, slot))
+            version = self._version_now()
+            if held is None or held[0] != version:  # the checksum a later delta into that slot builds on
+                snap = self._snaps[slot]
+                self._sums[(known.fingerprint, slot)] = (version, await anyio.to_thread.run_sync(known.checksum, snap))
+        return dense_bytes, False
+
+    def _version_now(self) -> int:
+        assert self._version is not None
+        return self._version
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from ._mesh_control import (
     CTL_WORDS,
     FRONT,
     GEN0,
+    MAT0,
     PROPOSED,
     READING,
     SNAPVER0,
@@ -43,6 +44,7 @@ from ._mesh_control import (
     slot_of,
     slot_version,
 )
+from ._mesh_delta import Materializer, area_table
 from ._mesh_peers import MeshPeers
 from ._polling import PENDING, Pending, even, poll, seqlock_read
 
@@ -87,6 +89,12 @@ class MeshSubscriber:
         allocate: False: no ``self.tensors`` are allocated (``tensors`` must then be None);
             read committed versions straight from the slots with :meth:`reading` (``apply``
             then raises).
+        delta: take deltas (see :mod:`transport.weights._mesh_delta`): trainer ranks whose
+            publisher sends them write only the changed units of a version, into a delta area
+            beside each slot, and this rank applies them into the slot, checked, when it
+            reads the committed version. Costs two areas of up to half a slot each, made once
+            this rank has seen its replica's plan (at its first commit, wait, pull or
+            catch-up). False: every version arrives dense.
 
     Raises:
         MeshLayoutError: a tensor is missing or differs from the layout in shape or dtype.
@@ -94,7 +102,7 @@ class MeshSubscriber:
 
     def __init__(self, transport: Transport, name: str, *, replica: str, rank: int, size: int, layout: GeneratorRank,
                  tensors: Mapping[str, torch.Tensor] | None = None, timeout: float = 60.0,
-                 allocate: bool = True) -> None:
+                 allocate: bool = True, delta: bool = True) -> None:
         if not 0 <= rank < size:
             raise MeshLayoutError(f"rank {rank} of a replica of {size}")
         if not allocate and tensors is not None:
@@ -119,6 +127,10 @@ class MeshSubscriber:
         self._plan: ReplicaPlan | None = None
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
         self._behind_since: float | None = None
+        self._delta = delta
+        self._materializer: Materializer | None = None  # the delta areas, once the plan is known
+        self._materialized: tuple[int, int] | None = None  # (version, slot) last made whole here
+        self.last_delta: tuple[int, int] = (0, 0)  # of the last version read: (trainer ranks' deltas, units)
 
     async def __aenter__(self) -> MeshSubscriber:
         self.start()
@@ -154,7 +166,7 @@ class MeshSubscriber:
 
     def close(self) -> None:
         """:meth:`aclose` for synchronous callers (the same, as nothing in it waits)."""
-        withdraw(self.t, [*self.keys.slots, self.keys.ctl, self.keys.rank])
+        withdraw(self.t, [*self.keys.slots, self.keys.ctl, self.keys.rank, self.keys.dtab, *self.keys.deltas])
 
     @property
     def _c(self) -> torch.Tensor:
@@ -222,6 +234,9 @@ class MeshSubscriber:
 
         Raises:
             CommitError: ``version`` is given and is not the committed version.
+            DeltaRefusedError: the version arrived as deltas that do not apply to what the
+                slot holds (a wrong base, or a payload failing its checks): nothing was
+                written and nothing is applied; ``await pull(version=v)`` fetches it whole.
         """
         ctl = self._c
         while True:
@@ -243,6 +258,7 @@ class MeshSubscriber:
                 break
             ctl[READING] = -1
         try:
+            self._materialize(v, s)
             slot = self._slots[s]
             views = {}
             for lt in self.layout.tensors:
@@ -254,6 +270,40 @@ class MeshSubscriber:
         finally:
             memory_barrier()
             ctl[READING] = -1
+
+    def _materialize(self, v: int, s: int) -> None:
+        """Applies the deltas of version ``v`` waiting for slot ``s`` (held for reading) into
+        it, once: the slot then holds all of ``v``."""
+        m = self._materializer
+        if m is None or self._materialized == (v, s):
+            return
+        ctl = self._c
+        ctl[MAT0 + s] = 0  # written here now: no delta may build on it
+        memory_barrier()
+        m.materialize(v, s)
+        self.last_delta = (m.sources_delta, m.applied_units)
+        self._materialized = (v, s)
+        ctl[MAT0 + s] = v + 1
+        memory_barrier()
+
+    def _make_areas(self, planner: Planner, mine: RankPlan) -> None:
+        """Registers the delta areas and their table, sized by what each trainer rank sends
+        here under the plan (once)."""
+        if not self._delta or self._materializer is not None or not self._slots:
+            return
+        local = {lt.name: lt for lt in self.layout.tensors}
+        runs = {}
+        for t in mine.sources():
+            snapshot = snapshot_layout(planner.trainer, t)[1]
+            runs[t] = byte_runs(planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
+        if not runs or any(bool((r & 1).any()) for r in runs.values()):
+            self._delta = False  # nothing fed here, or odd-sized runs (one-byte elements): dense only
+            return
+        table, nbytes = area_table({t: int(r[:, 2].sum()) for t, r in runs.items()})
+        areas = [self.t.empty(k, nbytes, torch.uint8) for k in self.keys.deltas]
+        tab = self.t.empty(self.keys.dtab, max(1, table.size) * 8, torch.uint8, writable=False)
+        tab.view(torch.int64)[: table.size].copy_(torch.from_numpy(table.reshape(-1)))
+        self._materializer = Materializer(self._slots, areas, {int(t): (int(o), int(c)) for t, o, c in table}, runs)
 
     # -- the replica ----------------------------------------------------------------------
 
@@ -285,6 +335,7 @@ class MeshSubscriber:
         layouts = tuple(self.layout if r == self.rank else members.generators[ranks[r]][1].layout
                         for r in range(self.size))
         self._plan = planner.plan_replica(Replica(self.replica, layouts), self._plan)
+        self._make_areas(planner, self._plan.ranks[self.rank])
         return _Replica(ranks, list(self._plan.ranks), {r: p.name for r, p in members.trainers.items()}, planner)
 
     async def _ctl_of(self, peer: str, words: int) -> torch.Tensor:
@@ -400,6 +451,9 @@ class MeshSubscriber:
         Cancellation: nothing changes (it only reads).
         """
         limit = self.timeout if timeout is None else timeout
+        if self._delta and self._materializer is None:
+            with contextlib.suppress(CommitError):  # the delta areas need the plan: one look now
+                await self._replica_now()
 
         async def look() -> int | Pending:
             v = self.committed()
@@ -456,11 +510,16 @@ class MeshSubscriber:
 
     # -- pull -------------------------------------------------------------------------------
 
-    async def pull(self, *, timeout: float | None = None) -> int:
+    async def pull(self, *, version: int | None = None, timeout: float | None = None) -> int:
         """Fetches this rank's slices of the newest version every source trainer rank holds in
         a snapshot, one-sidedly, into a slot, and marks it complete there (for a rank that
         joins or restarts while the trainer runs). The leader's next :meth:`commit` then sees
         it; :meth:`apply` applies it.
+
+        Args:
+            version: fetch exactly this version (e.g. the committed one, after its deltas were
+                refused); it must still be in the snapshots.
+            timeout: seconds (default: the subscriber's ``timeout``).
 
         Returns:
             The version pulled.
@@ -478,7 +537,7 @@ class MeshSubscriber:
         async def attempt() -> int | Pending:
             nonlocal why
             try:
-                got = await self._pull_once()
+                got = await self._pull_once(version)
             except CommitError as exc:  # a trainer rank or a rank of the replica is not up (yet)
                 why = str(exc)
                 await anyio.sleep(_WAIT_S)  # each attempt scans the store: not more often than this
@@ -487,7 +546,7 @@ class MeshSubscriber:
 
         return await poll(attempt, timeout=limit, what=f"{self.replica}/{self.rank}: pull not done", why=lambda: why)
 
-    async def _pull_once(self) -> int | None:
+    async def _pull_once(self, version: int | None = None) -> int | None:
         now = await self._replica_now()
         mine, trainer_ranks = now.plans[self.rank], now.trainers
         sources = mine.sources()
@@ -499,12 +558,15 @@ class MeshSubscriber:
             tctls[t] = torch.empty(TCTL_WORDS, dtype=torch.int64)
             await self.t.get(tctls[t], trainer_ranks[t], key=self.keys.tctl)
         common = set.intersection(*({int(c[SNAPVER0 + s]) - 1 for s in (0, 1)} for c in tctls.values())) - {-1}
-        if not common:
+        if not common or (version is not None and version not in common):
             return None
-        v = max(common)
+        v = max(common) if version is None else version
         s = slot_of(v)
         ctl = self._c
+        if int(ctl[READING]) == s:
+            return None  # being read here (another task): try again
         ctl[READING] = s  # trainer ranks stay out of this slot while it is filled here
+        ctl[MAT0 + s] = 0
         memory_barrier()
         try:
             if any(int(ctl[done_word(s, t)]) < 0 for t in sources):
@@ -515,8 +577,12 @@ class MeshSubscriber:
                 runs = byte_runs(now.planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
                 if not await self._read_snapshot(trainer_ranks[t], tctls[t], v, runs):
                     return None  # being written, or overwritten while read: try again
+            if self._materializer is not None:
+                self._materializer.clear(s)  # its bytes are all of v now: no delta waits for it
             for t in sources:
                 ctl[done_word(s, t)] = v + 1
+            self._materialized = (v, s)
+            ctl[MAT0 + s] = v + 1
             memory_barrier()
             return v
         finally:

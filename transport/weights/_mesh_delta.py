@@ -1,0 +1,311 @@
+"""Delta sync of a mesh stream: a trainer rank sends a generator rank only the 2-byte units of
+its slices that changed since the version that slot already holds.
+
+Version ``v`` travels in slot ``v % 2`` and is packed into snapshot ``v % 2`` (see
+:mod:`._mesh_control`), so both hold the same earlier version, the *base* ``b``, before ``v``
+arrives. The trainer rank diffs its live shards against that snapshot in the pass that packs
+them (:class:`MeshDeltaPacker`: the snapshot is overwritten in place, and the changed units are
+recorded with their old values), then cuts the change along each generator rank's byte runs
+(:func:`cut`): positions become 2-byte units of the generator's slot, whatever the element type,
+so one varint payload per (trainer rank, generator rank) goes into that generator's *delta area*
+for the slot, at the place its table gives the trainer rank. The slot's own bytes are not
+written; the generator rank applies the payload into the slot when it reads the committed
+version (:class:`Materializer`), so the slot then holds ``v`` in full as if it had been sent
+dense, and everything downstream (``apply``, ``reading``, the vLLM load) is unchanged.
+
+A trainer rank sends a delta only when the generator rank's DONE word for the slot says it
+holds ``b`` from that trainer rank, its ``MAT`` word says it materialised ``b`` there, and the
+trainer knows the checksum of its bytes of ``b`` there. Those words are anyone's to write, so
+the generator checks before it writes: the checksum (units indexed by slot position, see
+``csrc/delta.h``) over the trainer rank's runs in the slot must be the header's base checksum
+(the slot holds exactly ``b`` from it), and the payload, read alone, must turn it into the
+header's new checksum. A payload that fails any check is refused whole; :meth:`MeshSubscriber.pull`
+then fetches the version from the snapshots.
+
+Area of one slot: a table entry per trainer rank ``(rank, offset, cap)`` (in the read-only
+``dtab`` region), each sub-area a 64-byte header ``(magic, version, base, base checksum, new
+checksum, units, position bytes, payload bytes)`` then the payload ``[values][pad to
+8][positions]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .._native import delta as native
+from ._delta import MASK64, SPARSE_MAX, DeltaRefusedError, _signed, _unsigned
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x31_4D_44_4C_57  # "WLDM1"
+HEAD_BYTES = 64
+HEAD_WORDS = HEAD_BYTES // 8
+# The changed fraction of a version's units above which it goes dense. Higher than the stream's:
+# the base is the version two back (twice the change), and by default deltas go over networks.
+CROSSOVER = 0.2
+TABLE_WORDS = 3  # per trainer rank: rank, offset, cap
+
+
+def area_table(sent: Mapping[int, int]) -> tuple[np.ndarray, int]:
+    """The delta area of a slot fed ``sent[t]`` bytes by each trainer rank ``t``.
+
+    Returns:
+        The table (int64 rows ``(rank, offset, cap)``, by rank) and the area's size in bytes.
+    """
+    rows, at = [], 0
+    for t in sorted(sent):
+        cap = int(sent[t] * SPARSE_MAX) // 64 * 64
+        rows.append((t, at, cap))
+        at += HEAD_BYTES + cap
+    return np.array(rows, dtype=np.int64).reshape(-1, TABLE_WORDS), max(at, HEAD_BYTES)
+
+
+def read_table(raw: torch.Tensor, area_bytes: int) -> dict[int, tuple[int, int]]:
+    """Trainer rank -> (offset, cap) from a generator rank's table (a peer's bytes: entries
+    that do not fit its area, or overlap another, are dropped)."""
+    words = raw.view(torch.int64).numpy().reshape(-1, TABLE_WORDS) if raw.numel() % (8 * TABLE_WORDS) == 0 else None
+    out: dict[int, tuple[int, int]] = {}
+    if words is None:
+        return out
+    end = 0
+    for t, off, cap in sorted((int(a), int(b), int(c)) for a, b, c in words):
+        if off < end or off % 64 or cap < 0 or cap % 64 or off + HEAD_BYTES + cap > area_bytes:
+            continue
+        out[t] = (off, cap)
+        end = off + HEAD_BYTES + cap
+    return out
+
+
+# -- the trainer's side -----------------------------------------------------------------------
+
+
+@dataclass
+class Change:
+    """What changed in a snapshot since its base: sorted unit positions (bytes / 2) and the
+    old and new 2-byte values there."""
+
+    version: int
+    base: int
+    units: np.ndarray  # int64
+    old: np.ndarray  # uint16
+    new: np.ndarray  # uint16
+    total_units: int
+
+    @property
+    def density(self) -> float:
+        return len(self.units) / max(1, self.total_units)
+
+
+class MeshDeltaPacker:
+    """Packs a trainer rank's shards into a snapshot in place, recording what changed.
+
+    Args:
+        packed: ``(name, shape, dtype)`` in packing order; offsets: name -> (offset, nbytes).
+        crossover: the changed fraction above which a version goes dense (recording stops).
+    """
+
+    def __init__(self, packed: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+                 offsets: Mapping[str, tuple[int, int]], total: int, crossover: float = CROSSOVER) -> None:
+        self._packed, self._offsets, self.crossover = list(packed), dict(offsets), crossover
+        self.total_units = sum(nbytes // 2 for _, nbytes in self._offsets.values())
+        odd = [n for n, (_, nbytes) in self._offsets.items() if nbytes % 2]
+        self.why_not = f"tensors of an odd byte size ({odd[:3]})" if odd else None
+        self._cap = int(crossover * self.total_units) + 1024
+        self._positions: torch.Tensor | None = None
+        self._old: torch.Tensor | None = None
+
+    def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
+             ) -> Change | None:
+        """Copies every shard into ``snap`` (cast to its wire dtype); with a ``base`` (the
+        version ``snap`` holds), records the change against it. Runs in a worker thread.
+
+        Returns:
+            The change, or None: no base, or more than ``crossover`` changed (``snap`` is
+            complete either way).
+        """
+        if base is None or self.why_not is not None:
+            self._copy(snap, sources)
+            return None
+        if self._positions is None:
+            self._positions = torch.empty(self._cap, dtype=torch.int64)
+            self._old = torch.empty(self._cap, dtype=torch.int16)
+        assert self._old is not None
+        count, sptr = 0, snap.data_ptr()
+        pptr, optr = self._positions.data_ptr(), self._old.data_ptr()
+        for name, _, dtype in self._packed:
+            off, nbytes = self._offsets[name]
+            src = sources[name].detach()
+            if src.dtype != dtype or not src.is_contiguous():
+                src = src.to(dtype).contiguous()
+            at = min(count, self._cap)  # past the cap only the count goes on
+            count += native.diff_in_place(src.data_ptr(), sptr + off, nbytes // 2, 2, off, pptr + 8 * at, optr + 2 * at,
+                                          self._cap - at)
+        if count > self._cap or count > self.crossover * self.total_units:
+            return None
+        units = self._positions[:count].numpy() // 2
+        old = self._old[:count].numpy().view(np.uint16).copy()
+        new = snap.view(torch.int16).numpy().view(np.uint16)[units]
+        return Change(version, base, units.copy(), old, new, self.total_units)
+
+    def _copy(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
+        for name, shape, dtype in self._packed:
+            off, nbytes = self._offsets[name]
+            snap[off : off + nbytes].view(dtype).view(shape).copy_(sources[name].detach())
+
+
+@dataclass
+class Runs:
+    """One generator rank's byte runs from this trainer rank, ready to cut a change along:
+    ``(snapshot offset, slot offset, nbytes)`` sorted by snapshot offset, and a fingerprint
+    (generator ranks of the same layout share it, and so the cut and the checksum)."""
+
+    rows: np.ndarray
+    fingerprint: bytes
+    why_not: str | None  # why deltas cannot be cut along these runs
+
+    @classmethod
+    def of(cls, runs: np.ndarray) -> Runs:
+        rows = runs[np.argsort(runs[:, 0], kind="stable")] if len(runs) else runs.reshape(-1, 3)
+        why = None
+        if len(rows) and bool((rows & 1).any()):
+            why = "a run of an odd byte offset or size"
+        elif len(rows) > 1 and bool((rows[1:, 0] < rows[:-1, 0] + rows[:-1, 2]).any()):
+            why = "snapshot bytes sent twice to one rank"
+        return cls(np.ascontiguousarray(rows, dtype=np.int64), hashlib.blake2b(rows.tobytes(), digest_size=16).digest(),
+                   why)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows[:, 2].sum()) if len(self.rows) else 0
+
+    def checksum(self, snap: torch.Tensor) -> int:
+        """The checksum of these runs' bytes in ``snap``, units indexed by slot position (what
+        the generator rank computes over the same bytes in its slot)."""
+        return native.checksum_runs(snap.data_ptr(), self.rows.ctypes.data, len(self.rows), 0, 1) & MASK64
+
+
+@dataclass
+class Cut:
+    """A change cut along one generator rank's runs: its payload (header first) and checksum."""
+
+    payload: torch.Tensor  # uint8: header + values + positions
+    units: int
+    new_sum: int
+
+
+def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
+    """The part of ``change`` that lands in ``runs``, as the payload of a delta area (None: it
+    does not fit ``cap`` bytes)."""
+    a, b, n = runs.rows[:, 0] // 2, runs.rows[:, 1] // 2, runs.rows[:, 2] // 2
+    u = change.units
+    k = np.searchsorted(a, u, side="right") - 1
+    inside = k >= 0
+    k0 = np.where(inside, k, 0)
+    inside &= u < a[k0] + n[k0]
+    k0 = k0[inside]
+    slot_units = (b[k0] + (u[inside] - a[k0])).astype(np.uint64)
+    old, new = change.old[inside], change.new[inside]
+    if len(slot_units) > 1 and not bool((slot_units[1:] > slot_units[:-1]).all()):
+        order = np.argsort(slot_units, kind="stable")
+        slot_units, old, new = slot_units[order], old[order], new[order]
+    count = len(slot_units)
+    vbytes = -(-2 * count // 8) * 8
+    if vbytes > cap:
+        return None
+    out = torch.zeros(HEAD_BYTES + cap, dtype=torch.uint8)
+    buf = out.numpy()
+    buf[HEAD_BYTES : HEAD_BYTES + 2 * count] = new.view(np.uint8)
+    pos = np.ascontiguousarray(slot_units)
+    pos_bytes = native.encode_positions(pos.ctypes.data, count, out.data_ptr() + HEAD_BYTES + vbytes, cap - vbytes)
+    if pos_bytes is None:
+        return None
+    old = np.ascontiguousarray(old)
+    new_c = np.ascontiguousarray(new)
+    new_sum = (base_sum - native.terms(old.ctypes.data, pos.ctypes.data, count, 2)
+               + native.terms(new_c.ctypes.data, pos.ctypes.data, count, 2)) & MASK64
+    payload_bytes = vbytes + pos_bytes
+    head = out[:HEAD_BYTES].view(torch.int64)
+    head[:] = torch.tensor([MAGIC, change.version, change.base, _signed(base_sum), _signed(new_sum), count, pos_bytes,
+                            payload_bytes])
+    return Cut(out[: HEAD_BYTES + payload_bytes], count, new_sum)
+
+
+# -- the generator's side ---------------------------------------------------------------------
+
+
+class Materializer:
+    """A generator rank's delta areas (one per slot) and the checked apply of the payloads
+    waiting there into the slot.
+
+    Args:
+        slots: the rank's two slots; areas: its two delta areas.
+        table: trainer rank -> (offset, cap) in each area.
+        runs: trainer rank -> its byte runs into this rank (``(snapshot, slot, nbytes)``).
+    """
+
+    def __init__(self, slots: Sequence[torch.Tensor], areas: Sequence[torch.Tensor],
+                 table: Mapping[int, tuple[int, int]], runs: Mapping[int, np.ndarray]) -> None:
+        self.slots, self.areas, self.table = slots, areas, dict(table)
+        self.runs = {t: np.ascontiguousarray(r, dtype=np.int64) for t, r in runs.items()}
+        self.applied_units = 0  # units written by the last materialize
+        self.sources_delta = 0  # trainer ranks whose delta it applied
+
+    def clear(self, slot: int) -> None:
+        """Forgets every payload waiting for ``slot`` (its bytes were just written whole)."""
+        area = self.areas[slot]
+        for off, _ in self.table.values():
+            area[off : off + 8].zero_()
+
+    def materialize(self, version: int, slot: int) -> int:
+        """Applies every trainer rank's payload for ``version`` waiting for ``slot``, all of
+        them or none (trainer ranks that sent their bytes dense have none).
+
+        Returns:
+            How many trainer ranks' deltas were applied.
+
+        Raises:
+            DeltaRefusedError: a payload does not apply (the slot does not hold its base, or it
+                fails a bounds or integrity check); nothing was written.
+        """
+        buf, area = self.slots[slot], self.areas[slot]
+        units = buf.numel() // 2
+        checked: list[tuple[int, torch.Tensor, int, int, int]] = []
+        for t, (off, cap) in sorted(self.table.items()):
+            head = area[off : off + HEAD_BYTES].view(torch.int64).clone()  # a peer's words: one private copy
+            if int(head[0]) != MAGIC or int(head[1]) != version:
+                continue
+            base, base_sum, new_sum = int(head[2]), _unsigned(int(head[3])), _unsigned(int(head[4]))
+            count, pos_bytes, payload_bytes = int(head[5]), int(head[6]), int(head[7])
+            if not (0 < payload_bytes <= cap and 0 <= pos_bytes <= payload_bytes and 0 < count <= units):
+                raise DeltaRefusedError(f"trainer rank {t}: a payload of {payload_bytes} bytes / {count} units does "
+                                        f"not fit its {cap}-byte area")
+            runs = self.runs.get(t)
+            if runs is None:
+                raise DeltaRefusedError(f"trainer rank {t} sent a delta, yet it feeds this rank nothing")
+            held = native.checksum_runs(buf.data_ptr(), runs.ctypes.data, len(runs), 1, 1) & MASK64
+            if held != base_sum:
+                raise DeltaRefusedError(f"trainer rank {t}: slot {slot} does not hold version {base}, the base of "
+                                        f"version {version} (checksum {held:#x}, the delta expects {base_sum:#x})")
+            payload = area[off + HEAD_BYTES : off + HEAD_BYTES + payload_bytes].clone()
+            refusal, old, new = native.scatter(buf.data_ptr(), units, 2, payload.data_ptr(), payload_bytes,
+                                               int(native.Kind.VARINT), count, pos_bytes, False)
+            if refusal != native.Refusal.OK:
+                raise DeltaRefusedError(f"trainer rank {t}: payload refused ({refusal.name})")
+            if (held - old + new) & MASK64 != new_sum:
+                raise DeltaRefusedError(f"trainer rank {t}: the patched slot would not have version {version}'s "
+                                        f"checksum")
+            checked.append((t, payload, count, pos_bytes, payload_bytes))
+        # Every check passed: write (only the stores; the positions were checked in bounds).
+        for _, payload, count, pos_bytes, payload_bytes in checked:
+            native.scatter(buf.data_ptr(), units, 2, payload.data_ptr(), payload_bytes, int(native.Kind.VARINT),
+                           count, pos_bytes, True)
+        self.applied_units = sum(c[2] for c in checked)
+        self.sources_delta = len(checked)
+        self.clear(slot)
+        return len(checked)
