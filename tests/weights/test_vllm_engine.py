@@ -142,3 +142,40 @@ def test_auto_load_picks_up_a_published_version_between_forward_passes(setup):
         engine.client.init_weight_transfer_engine(trainer.worker_init_info("engine-0", pull_on_join=False).to_dict())
     assert trainer.send_weights().loaded == ["engine-0"]
     assert serves(engine, ref)
+
+
+def test_a_small_update_arrives_as_deltas_and_reloads_only_the_layer_it_changed(setup):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from transport.vllm import TransportTrainerEngine, TransportTrainerInitInfo
+
+    engine, ref, trainer, _, work = setup
+    info = TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store3'}", stream="sparse", engines=["engine-0"],
+                                    timeout=20, delta=True)  # True: on one host "auto" would send dense (ipc)
+    sparse = TransportTrainerEngine.trainer_init(info, client=engine.client, source=ModuleSource(ref))
+    try:
+        g = torch.Generator().manual_seed(5)
+        layer0 = [p for n, p in ref.named_parameters() if ".layers.0." in n]
+        sent, stats = [], []
+        for _ in range(5):
+            with torch.no_grad():  # 2% of layer 0's elements move; layer 1 and the rest do not
+                for p in layer0:
+                    where = torch.rand(p.shape, generator=g) < 0.02
+                    p[where] += 0.05 * p.abs().mean()
+            report = sparse.send_weights()
+            assert report.loaded == ["engine-0"], report.engines
+            assert serves(engine, ref)
+            (result,) = report.publish.results.values()
+            sent.append((result.delta, result.nbytes))
+            stats.append(sparse.load_stats("engine-0"))
+        assert sent[0][0] is False and [d for d, _ in sent[3:]] == [True, True], sent  # dense until a base
+        assert all(n < 0.1 * sent[0][1] for _, n in sent[3:]), sent
+        assert [st["version"] for st in stats] == list(range(sparse.version - 4, sparse.version + 1)), stats
+        assert stats[0]["groups"] == 3  # the first load of the stream: both layers and the rest
+        assert [st["groups"] for st in stats[1:]] == [1, 1, 1, 1], stats  # then only layers.0
+        assert all(st["delta_sources"] == 1 and st["delta_units"] > 0 for st in stats[3:]), stats
+    finally:
+        sparse.shutdown()
+        engine.client.init_weight_transfer_engine(trainer.worker_init_info("engine-0", pull_on_join=False).to_dict())
+    assert trainer.send_weights().loaded == ["engine-0"]
+    assert serves(engine, ref)

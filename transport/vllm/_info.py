@@ -39,6 +39,11 @@ class TransportInitInfo(WeightTransferInitInfo):
             each forward pass the ranks agree on the committed version with one all-reduce of
             two words over vLLM's TP group: that is the cost). Eager mode only: a captured CUDA
             graph runs no Python hooks.
+        delta: take versions as deltas (trainer ranks whose publisher sends them write only
+            the changed 2-byte units, checked and applied into the slot at load; see
+            ``MeshSubscriber(delta=...)``). Either way a load goes through ``load_weights``
+            only for the decoder layers (and the rest of the model, as one group) in which a
+            tensor changed since the version loaded before.
     """
 
     store: str = ""
@@ -50,6 +55,7 @@ class TransportInitInfo(WeightTransferInitInfo):
     pull_on_join: bool = True
     auto_load: bool = False
     receive: str = "whole"
+    delta: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:

@@ -36,10 +36,11 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..plan import full_box, trainer_layout_from_state_dict
 from ..weights import MeshPublisher, MeshPublishReport
+from ..weights._polling import PENDING, even, seqlock_read
 from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
 from ._info import BACKEND, TransportInitInfo
 from ._loop import LoopThread
-from ._worker import EngineSyncError
+from ._worker import LOAD_FIELDS, LOAD_KEY, LOAD_WORDS, EngineSyncError, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class TransportTrainerInitInfo(TrainerInitInfo):
             :class:`TransportInitInfo`.
         auto_load: engines load every version as soon as it is complete, between forward
             passes (see :class:`TransportInitInfo`); pair with ``send_weights(load=False)``.
+        delta: delta sync of the publisher (see ``MeshPublisher(delta=...)``): ``"auto"``
+            sends the changed units only to engine ranks reached over a network backend,
+            ``True`` to every rank that takes them, ``False`` never.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -104,8 +108,11 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     first_version: int = 1
     auto_load: bool = False
     receive: str = "whole"
+    delta: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if self.delta not in (True, False, "auto"):
+            raise ValueError(f"TransportTrainerInitInfo: delta must be True, False or 'auto', not {self.delta!r}")
         if not self.store:
             raise ValueError("TransportTrainerInitInfo: store= (the rendezvous URL) is required")
         if not (0 < self.timeout < float("inf")) or not (0 < self.deadline < float("inf")):
@@ -173,7 +180,8 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         self.loop = LoopThread(f"trainer-{info.rank}", store=info.store, backends=info.backends,
                                timeout=info.timeout, token=info.token)
         try:
-            self.publisher = MeshPublisher(self.loop.t, info.stream, state, layout, rank=rank, deadline=info.deadline)
+            self.publisher = MeshPublisher(self.loop.t, info.stream, state, layout, rank=rank, deadline=info.deadline,
+                                           delta=info.delta)
             self.loop.call(self.publisher.start)
         except BaseException:
             self.loop.close()
@@ -226,6 +234,40 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         if join:
             self._joiner(name, client)()
         self.clients[name] = client
+
+    def load_stats(self, engine: str, *, rank: int = 0, dp_rank: int | None = None) -> dict[str, int] | None:
+        """What TP rank ``rank`` of ``engine`` did at its last load, read one-sidedly from its
+        worker: ``version``, ``groups`` (decoder layers, plus the rest as one, that went
+        through ``load_weights``), ``delta_sources`` and ``delta_units`` (trainer ranks whose
+        deltas it applied, and the 2-byte units they wrote), ``wait_us``, ``load_us`` and
+        ``loads`` (so far). None: it has loaded nothing yet.
+
+        Raises:
+            RuntimeError: this rank has no endpoint (not rank 0, nor sharded).
+            TransportError: the worker cannot be reached or read in time.
+        """
+        if self.loop is None:
+            raise RuntimeError("this trainer rank has no endpoint")
+        t, peer = self.loop.t, worker_name(engine, rank, dp_rank)
+        out = torch.empty(LOAD_WORDS, dtype=torch.int64)
+
+        async def read() -> torch.Tensor:
+            async def stamp() -> int:
+                await t.get(out, peer, key=LOAD_KEY)
+                return int(out[0])
+
+            async def copy() -> torch.Tensor:
+                return out.clone()
+
+            got = await seqlock_read(stamp, copy, stable=even)
+            return got if got is not PENDING else await read()
+
+        words = self.loop.call(read)
+        stats = dict(zip(LOAD_FIELDS, (int(x) for x in words[1:]), strict=True))
+        if stats["loads"] == 0:
+            return None
+        stats["version"] -= 1
+        return stats
 
     def busy(self, name: str) -> bool:
         """Whether engine ``name``'s last round is still running (a straggler): leave that engine

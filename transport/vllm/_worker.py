@@ -12,7 +12,11 @@ forward passes:
   engine keeps serving its previous version (and vLLM ends the update cleanly).
 * ``finish_weight_update``: every rank loads exactly the agreed version from its slot through
   the model's own loading path (``load_weights`` under vLLM's layerwise reload, so prepacked and
-  quantized layers are rebuilt correctly).
+  quantized layers are rebuilt correctly), for the decoder layers in which a tensor changed
+  since the version it loaded before (and the rest of the model, as one group), found by a
+  checksum of each tensor in the slot: a layer is reloaded whole or not at all, as the
+  layerwise reload needs. A version that came as deltas is applied into the slot first
+  (checked; refused deltas are fetched whole from the trainer's snapshots).
 * joining (``init_weight_transfer_engine``, or at start-up when ``TRANSPORT_VLLM_INIT`` is
   set): the same, after every rank pulled the trainer's current version from its snapshots.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -30,8 +35,10 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from .._errors import TransportError
-from ..plan import MeshLayoutError, TrainerLayout
-from ..weights import LayoutMismatchError, MeshSubscriber, read_trainer_layout
+from .._native import delta as native_delta
+from ..plan import GeneratorRank, MeshLayoutError, TrainerLayout
+from ..weights import DeltaRefusedError, LayoutMismatchError, MeshSubscriber, read_trainer_layout
+from ..weights._control import memory_barrier
 from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
 from ._layouts import checkpoint_names, full_shaped, tp_slices, whole_tensors
 from ._loop import LoopThread
@@ -44,6 +51,40 @@ log = logging.getLogger(__name__)
 
 
 _NOT_YET = object()  # no update_weights in this update yet
+# Every worker rank's last load, in a read-only region of its Transport (what
+# TransportTrainerEngine.load_stats reads): a seqlock generation (odd while written), then
+# the version + 1, groups reloaded, trainer ranks whose deltas it applied, 2-byte units they
+# wrote, microseconds agreeing and loading, and loads so far.
+LOAD_KEY = "vllm.load"
+LOAD_FIELDS = ("version", "groups", "delta_sources", "delta_units", "wait_us", "load_us", "loads")
+LOAD_WORDS = 1 + len(LOAD_FIELDS)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def load_group(name: str) -> str:
+    """The group a checkpoint tensor is reloaded with: its decoder layer (``layers.N``), or
+    ``"rest"`` (embeddings, final norm, head: tied tensors stay together). Every vLLM layer
+    module reads tensors of one group only, so loading a whole group never leaves a module
+    half loaded."""
+    m = _LAYER.search(name)
+    return f"layers.{m.group(1)}" if m else "rest"
+
+
+def tensor_sums(views: dict[str, torch.Tensor]) -> dict[str, int | None]:
+    """A checksum of each view's bytes (None: an odd byte size, taken as changed always)."""
+    out: dict[str, int | None] = {}
+    for name, v in views.items():
+        nbytes = v.numel() * v.element_size()
+        out[name] = None if nbytes % 2 else native_delta.checksum(v.data_ptr(), nbytes // 2, 2)
+    return out
+
+
+class _QuietUnloaded(logging.Filter):
+    """Drops vLLM's warning for a layer left out of a reload on purpose (its tensors are put
+    back as they were, which is what an unchanged layer needs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
 
 
 class EngineSyncError(TransportError):
@@ -81,12 +122,15 @@ class _Session:
                 except MeshLayoutError as exc:
                     log.warning("%s: receiving whole tensors: %s", self.name, exc)
             self.sub = MeshSubscriber(self.loop.t, info.stream, replica=self.replica, rank=rank, size=size,
-                                      layout=self.layout, timeout=info.timeout, allocate=False)
+                                      layout=self.layout, timeout=info.timeout, allocate=False, delta=info.delta)
             self.loop.call(self.sub.start)
+            make = functools.partial(self.loop.t.empty, LOAD_KEY, LOAD_WORDS, torch.int64, writable=False)
+            self.stats: torch.Tensor = self.loop.call(make)
         except BaseException:
             self.loop.close()
             raise
         self.nbytes = sum(t.nbytes for t in self.layout.tensors)
+        self.loaded_sums: dict[str, int | None] = {}  # tensor -> checksum of what the model loaded last
         self._stopping = threading.Event()
         self._tasks: list[Any] = []
 
@@ -355,16 +399,43 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
 
     def _load_version(self, s: _Session, v: int) -> None:
         t1 = time.perf_counter()
+        try:
+            groups = self._load_from_slot(s, v)
+        except DeltaRefusedError as exc:  # nothing was written: fetch the version whole, then load it
+            log.warning("%s: %s; pulling version %d whole", s.name, exc, v)
+            s.loop.call(functools.partial(s.sub.pull, version=v), timeout=s.info.timeout + 1)
+            groups = self._load_from_slot(s, v)
+        t2 = time.perf_counter()
+        self.loaded = v
+        sources, units = s.sub.last_delta
+        self.history.append({"version": v, "wait_s": self._wait_s, "load_s": t2 - t1, "at": time.time(),
+                             "pid": os.getpid(), "groups": groups, "delta_sources": sources, "delta_units": units})
+        st = s.stats
+        st[0] += 1  # odd: being written
+        memory_barrier()
+        st[1:] = torch.tensor([v + 1, groups, sources, units, int(self._wait_s * 1e6), int((t2 - t1) * 1e6),
+                               int(st[LOAD_WORDS - 1]) + 1])
+        memory_barrier()
+        st[0] += 1
+        s.loop.t._flight.event("vllm.load", s.replica, f"version {v} loaded in {t2 - t1:.3f}s ({groups} groups)")
+        log.info("%s: loaded version %d (agreed in %.3fs, loaded in %.3fs; %d groups)", s.name, v, self._wait_s,
+                 t2 - t1, groups)
+
+    def _load_from_slot(self, s: _Session, v: int) -> int:
+        """Loads the groups of version ``v`` that changed since the last load; returns how many."""
         with s.sub.reading(v, again=True) as got:
             if got is None or got[1] is None:  # cannot happen: v is committed here
                 raise EngineSyncError(f"{s.name}: version {v} is not readable from its slot")
-            self._load(full_shaped(s.trainer, s.layout, got[1]))
-        t2 = time.perf_counter()
-        self.loaded = v
-        self.history.append({"version": v, "wait_s": self._wait_s, "load_s": t2 - t1, "at": time.time(),
-                             "pid": os.getpid()})
-        s.loop.t._flight.event("vllm.load", s.replica, f"version {v} loaded in {t2 - t1:.3f}s")
-        log.info("%s: loaded version %d (agreed in %.3fs, loaded in %.3fs)", s.name, v, self._wait_s, t2 - t1)
+            views = got[1]
+            sums = tensor_sums(views)
+            changed = {load_group(n) for n, c in sums.items() if c is None or s.loaded_sums.get(n) != c}
+            if changed:
+                keep = GeneratorRank.of([lt for lt in s.layout.tensors if load_group(lt.name) in changed])
+                self._load(full_shaped(s.trainer, keep, views))
+        s.loaded_sums = sums  # only once the load went through
+        return len(changed)
+
+
 
     def _load(self, tensors: Any) -> None:
         """Loads Hugging Face tensors through the model's own path (vLLM's layerwise reload:
@@ -375,4 +446,10 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         initialize_layerwise_reload(self.model)
         with torch.no_grad(), disable_mtp_completeness_check():
             self.model.load_weights(tensors)  # type: ignore[operator]
-        finalize_layerwise_reload(self.model, self.model_config)
+        quiet = _QuietUnloaded()
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        reload_log.addFilter(quiet)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            reload_log.removeFilter(quiet)
