@@ -252,6 +252,45 @@ __attribute__((target(TRANSPORT_AVX512))) inline __m512i add16_avx512(__m512i ac
   return _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(y, 1)));
 }
 
+// The changed elements of a run of blocks, packed: fresh and base values and checksum keys
+// (index * kIndexMul), with a vector's slack past kCap for the full-width stores.
+struct Batch {
+  static constexpr uint64_t kCap = 4096;
+  alignas(64) uint8_t fresh[(kCap + 32) * 4];
+  alignas(64) uint8_t base[(kCap + 32) * 4];
+  alignas(64) uint32_t keys[kCap + 32];
+  uint64_t fill = 0;
+};
+
+// Hashes the batch into the running sums (fresh terms into acc, base terms into old) and
+// moves its fresh values into the payload while they fit, then empties it.
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) void flush_avx512(Batch& batch, Emitter* em, __m512i* acc, __m512i* old) {
+  const uint64_t k = batch.fill;
+  if (k == 0) return;
+  for (uint64_t j = 0; j < k; j += 16) {
+    const __mmask16 live = j + 16 <= k ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - j)) - 1);
+    const __m512i key = _mm512_maskz_loadu_epi32(live, batch.keys + j);
+    __m512i x, y;
+    if constexpr (ES == 2) {
+      x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, batch.fresh + j * 2));
+      y = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, batch.base + j * 2));
+    } else {
+      x = _mm512_maskz_loadu_epi32(live, batch.fresh + j * 4);
+      y = _mm512_maskz_loadu_epi32(live, batch.base + j * 4);
+    }
+    *acc = add16_avx512(*acc, _mm512_maskz_mov_epi32(live, mix16_avx512(x, key)));
+    *old = add16_avx512(*old, _mm512_maskz_mov_epi32(live, mix16_avx512(y, key)));
+  }
+  if (!em->vover && em->count + k <= em->vmax) {
+    std::memcpy(em->vals + em->count * ES, batch.fresh, k * ES);
+  } else {
+    em->vover = true;
+  }
+  em->count += k;
+  batch.fill = 0;
+}
+
 // 64 bytes a step: 32 bf16/fp16 or 16 fp32 elements.
 template <int ES>
 __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, const uint8_t* b, uint8_t* s,
@@ -266,6 +305,11 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
                                   _mm512_set1_epi32(static_cast<int>(kIndexMul)));
   __m512i acc = _mm512_setzero_si512();
   __m512i old = _mm512_setzero_si512();  // checksum terms of the base values at the changes
+  Batch batch;  // on the stack (40 KB): a thread_local costs a call per access in a shared library
+  uint8_t* const bfresh = batch.fresh;  // locals: stores through byte pointers alias everything
+  uint8_t* const bbase = batch.base;
+  uint32_t* const bkeys = batch.keys;
+  uint64_t fill = 0;
   if (em != nullptr) em->from_mask = true;
   // The snapshot is far larger than the cache and written whole: streaming stores skip reading
   // each line before writing it (an aligned destination only).
@@ -303,42 +347,38 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
       ne = m;
     }
     if (!ne) continue;
-    // Only a block with changes is hashed: the checksum terms of its changed lanes, base and
-    // fresh (masked), and one compress-store packs its changed values; no loop over elements.
     const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
     if (i >= em->next_check && !em->vover) {
       em->next_check = i + kCheckEvery;
-      if (i >= n / 16 && static_cast<double>(em->count) >
+      if (i >= n / 16 && static_cast<double>(em->count + fill) >
                              1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
         em->vover = true;  // far past the crossover: dense; only count and hash from here
     }
+    // The changed lanes' fresh and base values and checksum keys are packed into the batch
+    // (register compresses, full-width stores into slack); they are hashed 16 at a time when
+    // it fills, so the hashing costs per changed element, not per block with a change.
     if constexpr (ES == 2) {
       const __m512i h1 = _mm512_add_epi32(hb, step16);
       const __mmask16 m0 = static_cast<__mmask16>(ne), m1 = static_cast<__mmask16>(ne >> 16);
-      old = add16_avx512(old, _mm512_maskz_mov_epi32(m0, mix16_avx512(
-                                  _mm512_cvtepu16_epi32(_mm512_castsi512_si256(c)), hb)));
-      old = add16_avx512(old, _mm512_maskz_mov_epi32(m1, mix16_avx512(
-                                  _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(c, 1)), h1)));
-      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(m0, mix16_avx512(
-                                  _mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), hb)));
-      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(m1, mix16_avx512(
-                                  _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)), h1)));
+      _mm512_storeu_si512(bfresh + fill * 2, _mm512_maskz_compress_epi16(static_cast<__mmask32>(ne), a));
+      _mm512_storeu_si512(bbase + fill * 2, _mm512_maskz_compress_epi16(static_cast<__mmask32>(ne), c));
+      _mm512_storeu_si512(bkeys + fill, _mm512_maskz_compress_epi32(m0, hb));
+      _mm512_storeu_si512(bkeys + fill + __builtin_popcount(m0), _mm512_maskz_compress_epi32(m1, h1));
     } else {
       const __mmask16 m0 = static_cast<__mmask16>(ne);
-      old = add16_avx512(old, _mm512_maskz_mov_epi32(m0, mix16_avx512(c, hb)));
-      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(m0, mix16_avx512(a, hb)));
+      _mm512_storeu_si512(bfresh + fill * 4, _mm512_maskz_compress_epi32(m0, a));
+      _mm512_storeu_si512(bbase + fill * 4, _mm512_maskz_compress_epi32(m0, c));
+      _mm512_storeu_si512(bkeys + fill, _mm512_maskz_compress_epi32(m0, hb));
     }
-    if (!em->vover && em->count + k <= em->vmax) {
-      if constexpr (ES == 2) {
-        _mm512_mask_compressstoreu_epi16(em->vals + em->count * 2, static_cast<__mmask32>(ne), a);
-      } else {
-        _mm512_mask_compressstoreu_epi32(em->vals + em->count * 4, static_cast<__mmask16>(ne), a);
-      }
-    } else {
-      em->vover = true;
+    fill += k;
+    if (fill + kLanes > Batch::kCap) {
+      batch.fill = fill;
+      flush_avx512<ES>(batch, em, &acc, &old);
+      fill = 0;
     }
-    em->count += k;
   }
+  batch.fill = fill;
+  flush_avx512<ES>(batch, em, &acc, &old);
   if (stream) _mm_sfence();
   uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
   if (em != nullptr) {  // with a base: acc holds the fresh terms of the changed lanes
@@ -508,16 +548,42 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   if (em.from_mask) {
     // Varints at most one byte a change can only beat the bitmask below a byte per 8 elements.
     if (em.count < mask_bytes) {
+      // Locals, not the emitter's fields: its stores go through byte pointers, which alias
+      // everything, so its fields would be reloaded after every byte.
       const uint8_t* m = em.mask;
-      for (uint64_t w = 0; w < mask_bytes && !em.varover; w += 8) {
+      uint8_t* var = em.var;
+      const uint64_t limit = std::min(em.varcap, mask_bytes);  // past the bitmask's size varints lose
+      uint64_t len = 0, last = 0;
+      bool over = false;
+      for (uint64_t w = 0; w < mask_bytes && !over; w += 8) {
         uint64_t bits = 0;
         std::memcpy(&bits, m + w, std::min<uint64_t>(8, mask_bytes - w));
-        while (bits && !em.varover) {
-          em.gap(w * 8 + static_cast<uint64_t>(__builtin_ctzll(bits)));
+        while (bits) {
+          const uint64_t pos = w * 8 + static_cast<uint64_t>(__builtin_ctzll(bits));
           bits &= bits - 1;
+          uint64_t gap = pos - last;
+          last = pos + 1;
+          if (len + 10 > limit) {
+            over = true;
+            break;
+          }
+          if (gap < (uint64_t{1} << 21)) {
+            uint64_t word = (gap & 0x7f) | ((gap >> 7 & 0x7f) << 8) | ((gap >> 14 & 0x7f) << 16);
+            const unsigned n = 1 + (gap >= 0x80) + (gap >= 0x4000);
+            word |= (n > 1 ? 0x80u : 0u) | (n > 2 ? 0x8000u : 0u);
+            std::memcpy(var + len, &word, 4);
+            len += n;
+          } else {
+            do {
+              const uint8_t b = gap & 0x7f;
+              gap >>= 7;
+              var[len++] = b | (gap ? 0x80 : 0);
+            } while (gap);
+          }
         }
-        if (em.varlen >= mask_bytes) em.varover = true;
       }
+      em.varlen = len;
+      em.varover = over || len >= mask_bytes;
     } else {
       em.varover = true;
     }
