@@ -741,6 +741,24 @@ uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64
                  : diff_scalar<4>(f, s, 0, n, offset, positions, o, cap, 0);
 }
 
+uint64_t cut_runs(const uint64_t* units, const uint16_t* old_vals, const uint16_t* new_vals, uint64_t count,
+                  const int64_t* runs, uint64_t nruns, uint64_t* out_units, uint16_t* out_old, uint16_t* out_new) {
+  uint64_t m = 0, r = 0;
+  for (uint64_t k = 0; k < count && r < nruns; ++k) {
+    const uint64_t u = units[k];
+    // Runs ending at or before u are behind us (both lists are sorted by snapshot position).
+    while (r < nruns && static_cast<uint64_t>(runs[3 * r] + runs[3 * r + 2]) / 2 <= u) ++r;
+    if (r == nruns) break;
+    const uint64_t a = static_cast<uint64_t>(runs[3 * r]) / 2;
+    if (u < a) continue;
+    out_units[m] = static_cast<uint64_t>(runs[3 * r + 1]) / 2 + (u - a);
+    out_old[m] = old_vals[k];
+    out_new[m] = new_vals[k];
+    ++m;
+  }
+  return m;
+}
+
 uint64_t encode_positions(const uint64_t* positions, uint64_t count, void* out, uint64_t cap) {
   auto* o = static_cast<uint8_t*>(out);
   uint64_t len = 0, next = 0;

@@ -89,6 +89,13 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
 uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64_t offset, uint64_t* positions,
                        void* old, uint64_t cap, int isa);
 
+// The changes (count sorted unit positions of a snapshot, with their old and new 2-byte values)
+// that fall in runs (nruns int64 rows of (snapshot offset, slot offset, nbytes), sorted by
+// snapshot offset and not overlapping there), as slot unit positions with their values, in the
+// order of the changes. Returns how many were written (at most count).
+uint64_t cut_runs(const uint64_t* units, const uint16_t* old_vals, const uint16_t* new_vals, uint64_t count,
+                  const int64_t* runs, uint64_t nruns, uint64_t* out_units, uint16_t* out_old, uint16_t* out_new);
+
 // LEB128 gaps of count strictly increasing positions (as in a kVarint payload) at out; returns
 // the bytes written, or UINT64_MAX when they do not fit cap or the positions do not increase.
 uint64_t encode_positions(const uint64_t* positions, uint64_t count, void* out, uint64_t cap);

@@ -350,6 +350,18 @@ void bind_delta(nb::module_& m) {
       "Diffs fresh against snap, records up to cap changed byte offsets and old values, copies fresh into snap; "
       "returns how many changed.");
   m.def(
+      "delta_cut_runs",
+      [](uint64_t units, uint64_t old_vals, uint64_t new_vals, uint64_t count, uint64_t runs, uint64_t nruns,
+         uint64_t out_units, uint64_t out_old, uint64_t out_new) {
+        return delta::cut_runs(reinterpret_cast<const uint64_t*>(units), reinterpret_cast<const uint16_t*>(old_vals),
+                               reinterpret_cast<const uint16_t*>(new_vals), count,
+                               reinterpret_cast<const int64_t*>(runs), nruns, reinterpret_cast<uint64_t*>(out_units),
+                               reinterpret_cast<uint16_t*>(out_old), reinterpret_cast<uint16_t*>(out_new));
+      },
+      nb::arg("units"), nb::arg("old_vals"), nb::arg("new_vals"), nb::arg("count"), nb::arg("runs"),
+      nb::arg("nruns"), nb::arg("out_units"), nb::arg("out_old"), nb::arg("out_new"),
+      nb::call_guard<nb::gil_scoped_release>(), "The changes that fall in runs, at slot positions.");
+  m.def(
       "delta_encode_positions",
       [](uint64_t positions, uint64_t count, uint64_t out, uint64_t cap) {
         return delta::encode_positions(reinterpret_cast<const uint64_t*>(positions), count,

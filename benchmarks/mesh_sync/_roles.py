@@ -55,7 +55,7 @@ import torch
 
 from ..common.procs import leave_process_group
 
-MESH, BASELINE = "mesh", "baseline"
+MESH, BASELINE, DELTA = "mesh", "baseline", "delta"
 STREAM = "policy"
 
 Emit = Callable[[dict[str, Any]], None]
@@ -78,8 +78,14 @@ class MeshBenchSpec:
         timeout: bound of every wait (seconds).
         deadline: seconds a mesh publish waits for any one generator rank.
         poll_s: how often a replica's rank 0 tries ``commit()`` while it waits for a version.
-        delta: what every parameter changes by between versions.
+        delta: what every parameter changes by between versions (``update="constant"``).
         seed: the model's initialisation seed.
+        update: ``"constant"`` (every parameter moves by ``delta``: every element changes) or
+            ``"adamw"`` (one real AdamW step of the FSDP2 model per version, fp32 master
+            weights, on ``examples.mesh_sync.model.batch``'s next-token loss, at ``lr``).
+        lr: the AdamW learning rate.
+        delta_sync: also run the ``delta`` method: a second stream whose publishers diff each
+            version (``MeshPublisher(delta=True)``) and send generator ranks only what changed.
     """
 
     trainers: int
@@ -96,6 +102,13 @@ class MeshBenchSpec:
     poll_s: float
     delta: float = 1e-2
     seed: int = 0
+    update: str = "constant"
+    lr: float = 1e-6
+    delta_sync: bool = False
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return (MESH, BASELINE, DELTA) if self.delta_sync else (MESH, BASELINE)
 
     @property
     def world(self) -> int:
@@ -117,9 +130,10 @@ def generator_name(replica: str, rank: int) -> str:
     return f"{replica}-rank{rank}"
 
 
-def order(version: int) -> tuple[str, str]:
-    """The methods in the order they run for ``version`` (alternating)."""
-    return (MESH, BASELINE) if version % 2 == 0 else (BASELINE, MESH)
+def order(version: int, methods: tuple[str, ...] = (MESH, BASELINE)) -> tuple[str, ...]:
+    """The methods in the order they run for ``version`` (rotating by version)."""
+    k = version % len(methods)
+    return methods[k:] + methods[:k]
 
 
 def _box(box: Any) -> tuple[slice, ...]:
@@ -195,27 +209,37 @@ async def _trainer_loop(spec: MeshBenchSpec, rank: int, model: Any, layout: Any,
 
     async with transport.Transport(f"trainer-{rank}", store=spec.store, backends=spec.backends,
                                    timeout=spec.timeout) as t:
-        pub = MeshPublisher(t, STREAM, model.state_dict(), layout, rank=rank, deadline=spec.deadline)
-        pub.start()
+        pubs = {MESH: MeshPublisher(t, STREAM, model.state_dict(), layout, rank=rank, deadline=spec.deadline,
+                                    delta=False)}
+        if spec.delta_sync:
+            pubs[DELTA] = MeshPublisher(t, STREAM + "-delta", model.state_dict(), layout, rank=rank,
+                                        deadline=spec.deadline, delta=True)
+        for pub in pubs.values():
+            pub.start()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr) if spec.update == "adamw" else None
         try:
             await _barrier()  # every publisher and subscriber is registered in the store
             emit({"kind": "ready"})
             for v in range(spec.versions):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(spec.delta)
+                if optimizer is not None:
+                    await anyio.to_thread.run_sync(_adamw_step, spec, model, optimizer, v)
+                else:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(spec.delta)
                 await anyio.to_thread.run_sync(_reference, spec, rank, model, v, emit)
-                for method in order(v):
+                for method in order(v, spec.methods):
                     await _barrier()
-                    if method == MESH:
+                    if method in pubs:
                         state = model.state_dict()
                         started = time.time()
-                        report = await pub.publish(v, state)
+                        report = await pubs[method].publish(v, state)
                         ended = time.time()
                         emit({
-                            "kind": "start", "method": MESH, "version": v, "rank": rank, "t_start": started,
+                            "kind": "start", "method": method, "version": v, "rank": rank, "t_start": started,
                             "t_end": ended, "pack_s": report.pack_s, "push_s": report.push_s,
                             "nbytes": sum(r.nbytes for r in report.results.values()),
+                            "deltas": sum(r.delta for r in report.results.values()), "changed": report.changed,
                             "status": {k: r.status.value for k, r in sorted(report.results.items())},
                             "errors": {k: r.error for k, r in sorted(report.results.items()) if r.error},
                             "incomplete": list(report.incomplete), "refused": dict(report.refused),
@@ -227,7 +251,20 @@ async def _trainer_loop(spec: MeshBenchSpec, rank: int, model: Any, layout: Any,
                               "t_end": ended})
             await _barrier()  # every generator rank applied the last version: the regions may go
         finally:
-            pub.close()
+            for pub in pubs.values():
+                pub.close()
+
+
+def _adamw_step(spec: MeshBenchSpec, model: Any, optimizer: Any, version: int) -> None:
+    """One real training step: the next-token loss on the toy batch of ``version``."""
+    from examples.mesh_sync.model import batch
+
+    x, y = batch(version, spec.model["vocab_size"])
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _reference(spec: MeshBenchSpec, rank: int, model: Any, version: int, emit: Emit) -> None:
@@ -293,16 +330,21 @@ async def _generator_loop(spec: MeshBenchSpec, replica: str, rank: int, layout: 
     name = generator_name(replica, rank)
     _, local, _ = baseline
     async with transport.Transport(name, store=spec.store, backends=spec.backends, timeout=spec.timeout) as t:
-        sub = MeshSubscriber(t, STREAM, replica=replica, rank=rank, size=spec.tp, layout=layout,
-                             timeout=spec.timeout)
-        sub.start()
+        subs = {MESH: MeshSubscriber(t, STREAM, replica=replica, rank=rank, size=spec.tp, layout=layout,
+                                     timeout=spec.timeout, delta=False)}
+        if spec.delta_sync:
+            subs[DELTA] = MeshSubscriber(t, STREAM + "-delta", replica=replica, rank=rank, size=spec.tp,
+                                         layout=layout, timeout=spec.timeout)
+        for sub in subs.values():
+            sub.start()
         try:
             await _barrier()
             emit({"kind": "ready"})
             for v in range(spec.versions):
-                for method in order(v):
+                for method in order(v, spec.methods):
                     await _barrier()
-                    if method == MESH:
+                    if method in subs:
+                        sub = subs[method]
                         with anyio.fail_after(spec.timeout):
                             if rank == 0:
                                 while (c := await sub.commit(timeout=spec.timeout)) is None or c < v:
@@ -319,7 +361,8 @@ async def _generator_loop(spec: MeshBenchSpec, replica: str, rank: int, layout: 
                           "t_live": live, "sha": digests(tensors)})
             await _barrier()
         finally:
-            sub.close()
+            for sub in subs.values():
+                sub.close()
 
 
 def _receive_and_slice(baseline: tuple[Any, Any, Any], group: Any) -> float:

@@ -63,12 +63,13 @@ from ..common.errors import BenchError
 from ..common.machine import CpuSample, command_line, library, library_line, machine, other_load
 from ..common.procs import supervise
 from ..common.stats import median
-from ._roles import BASELINE, MESH, MeshBenchSpec, order, run_rank
+from ._roles import BASELINE, DELTA, MESH, MeshBenchSpec, order, run_rank
 
 _JOIN_S = 30.0
 LABELS = {
     MESH: "mesh (transport.weights MeshPublisher -> MeshSubscriber)",
     BASELINE: "baseline (full_tensor() gather + gloo broadcast from trainer rank 0)",
+    DELTA: "mesh, delta sync (MeshPublisher(delta=True): only the changed units)",
 }
 
 
@@ -103,6 +104,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="write a Markdown report (date, machine, command, table)")
     p.add_argument("--note", action="append", default=[], help="a line for the record (repeatable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--update", choices=("constant", "adamw"), default="constant",
+                   help="how versions differ: every parameter + 0.01 (default), or one real AdamW step each")
+    p.add_argument("--lr", type=float, default=1e-6, help="the AdamW learning rate (--update adamw; default 1e-6)")
+    p.add_argument("--delta-sync", action="store_true",
+                   help="also run the mesh with delta sync on a second stream, in the same processes")
     a = p.parse_args(argv)
     if min(a.trainers, a.replicas, a.tp) < 1:
         p.error("--trainers, --replicas and --tp must be >= 1")
@@ -198,7 +204,7 @@ def assemble(messages: Sequence[dict[str, Any]], spec: MeshBenchSpec, size: dict
         elif v - 1 in refs and any(refs[v][k] == refs[v - 1][k] for k in refs[v]):
             problems.append(f"version {v}: the reference equals version {v - 1}'s (the weights did not change)")
     methods: dict[str, Any] = {}
-    for method in (MESH, BASELINE):
+    for method in spec.methods:
         verified = True
         versions = []
         for v in range(spec.versions):
@@ -221,7 +227,7 @@ def assemble(messages: Sequence[dict[str, Any]], spec: MeshBenchSpec, size: dict
                                 + "; ".join(mismatched))
             start = min(st[n]["t_start"] for n in trainers)
             rec: dict[str, Any] = {
-                "version": v, "warmup": v < spec.warmup, "first": order(v)[0] == method,
+                "version": v, "warmup": v < spec.warmup, "first": order(v, spec.methods)[0] == method,
                 "t_start": start,
                 "all_live_s": max(lv[g]["t_live"] for g in gens) - start,
                 "first_live_s": min(lv[g]["t_live"] for g in gens) - start,
@@ -230,8 +236,10 @@ def assemble(messages: Sequence[dict[str, Any]], spec: MeshBenchSpec, size: dict
                 "rank_live_s": {g: lv[g]["t_live"] - start for g in gens},
                 "trainer_blocked_s": {n: st[n]["t_end"] - st[n]["t_start"] for n in trainers},
             }
-            if method == MESH:
+            if method in (MESH, DELTA):
                 rec["bytes"] = sum(st[n]["nbytes"] for n in trainers)
+                rec["deltas"] = sum(st[n]["deltas"] for n in trainers)
+                rec["changed"] = [st[n]["changed"] for n in trainers]
                 rec["pack_s"] = {n: st[n]["pack_s"] for n in trainers}
                 rec["push_s"] = {n: st[n]["push_s"] for n in trainers}
                 rec["status"] = {n: st[n]["status"] for n in trainers}
@@ -240,11 +248,12 @@ def assemble(messages: Sequence[dict[str, Any]], spec: MeshBenchSpec, size: dict
                 bad_status = {f"{n}->{k}": s for n in trainers for k, s in st[n]["status"].items() if s != "done"}
                 if bad_status or fed != want or any(st[n]["incomplete"] or st[n]["refused"] for n in trainers):
                     verified = False
-                    problems.append(f"mesh version {v}: not every generator rank was served: statuses {bad_status}, "
+                    problems.append(f"{method} version {v}: not every generator rank was served: statuses "
+                                    f"{bad_status}, "
                                     f"fed {sorted(fed)}, errors {[st[n]['errors'] for n in trainers]}, "
                                     f"incomplete {[st[n]['incomplete'] for n in trainers]}, "
                                     f"refused {[st[n]['refused'] for n in trainers]}")
-                if rec["bytes"] != size["mesh_bytes_per_version"]:
+                if method == MESH and rec["bytes"] != size["mesh_bytes_per_version"]:
                     verified = False
                     problems.append(f"mesh version {v}: moved {rec['bytes']} bytes, the generator ranks need "
                                     f"{size['mesh_bytes_per_version']}")
@@ -253,13 +262,15 @@ def assemble(messages: Sequence[dict[str, Any]], spec: MeshBenchSpec, size: dict
             versions.append(rec)
         methods[method] = {"label": LABELS[method], "verified": verified, "versions": versions,
                            "summary": summarize(versions)}
-    ratio = {}
+    ratio, delta_ratio = {}, {}
     for stat in ("median_s", "max_s"):
         m, b = methods[MESH]["summary"].get(stat), methods[BASELINE]["summary"].get(stat)
         ratio[stat.removesuffix("_s")] = b / m if m and b else None
+        d = methods[DELTA]["summary"].get(stat) if DELTA in methods else None
+        delta_ratio[stat.removesuffix("_s")] = d / m if m and d else None
     peak = {m["who"]: m["peak_rss"] for m in messages if m["kind"] == "exit"}
     return {"verified": not problems, "problems": problems, "methods": methods,
-            "ratio_baseline_over_mesh": ratio, "peak_rss_bytes": peak}
+            "ratio_baseline_over_mesh": ratio, "ratio_delta_over_mesh": delta_ratio, "peak_rss_bytes": peak}
 
 
 def summarize(versions: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -268,7 +279,8 @@ def summarize(versions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "timed_versions": len(timed),
         "warmup_s": [r["all_live_s"] for r in versions if r["warmup"]],
-        "bytes_per_version": versions[-1]["bytes"] if versions else None,
+        "bytes_per_version": (median([r["bytes"] for r in timed]) if timed else versions[-1]["bytes"])
+        if versions else None,
     }
     if timed:
         out["median_s"] = median([r["all_live_s"] for r in timed])
@@ -295,7 +307,7 @@ def table(result: dict[str, Any], size: dict[str, Any]) -> str:
         "max, all live (s) | median, first replica live (s) | trainer blocked, median (s) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for method in (MESH, BASELINE):
+    for method in result["methods"]:
         m = result["methods"][method]
         s = m["summary"]
         b = s["bytes_per_version"]
@@ -312,6 +324,16 @@ def table(result: dict[str, Any], size: dict[str, Any]) -> str:
     base, mesh = size["baseline_bytes_per_version"], size["mesh_bytes_per_version"]
     rows += ["", f"baseline ÷ mesh, time until all replicas live: median {x(r['median'])}, max {x(r['max'])}; "
                  f"bytes moved: {base / mesh:.2f}× ({base / 1e6:.1f} MB vs {mesh / 1e6:.1f} MB)."]
+    d = result.get("ratio_delta_over_mesh", {})
+    if DELTA in result["methods"]:
+        timed = [r for r in result["methods"][DELTA]["versions"] if not r["warmup"]]
+        changed = [max(c for c in r["changed"] if c is not None) for r in timed if any(c is not None
+                                                                                       for c in r["changed"])]
+        rows += ["", f"delta ÷ dense mesh, time until all replicas live: median {x(d.get('median'))}, max "
+                     f"{x(d.get('max'))}; timed versions sent as deltas to {sum(r['deltas'] for r in timed)} of "
+                     f"{len(timed) * spec_pushes(result)} (trainer rank, generator rank) pushes; changed units per "
+                     f"trainer rank since the version two back: "
+                     f"{', '.join(f'{100 * c:.2f}%' for c in changed) or '—'}."]
     ms = result["methods"][MESH]["summary"]
     if "push_median_s" in ms:
         rows += ["", f"mesh, medians of the slowest trainer rank: snapshot packing {ms['pack_median_s']:.3f} s, "
@@ -320,14 +342,21 @@ def table(result: dict[str, Any], size: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def spec_pushes(result: dict[str, Any]) -> int:
+    """(trainer rank, generator rank) pushes per version of the dense mesh."""
+    versions = result["methods"][MESH]["versions"]
+    return sum(len(s) for s in versions[0]["status"].values()) if versions else 0
+
+
 def per_version_table(result: dict[str, Any]) -> str:
-    rows = ["| version | method | ran | all live (s) | " + "per replica live (s) |", "| --- | --- | --- | --- | --- |"]
-    for method in (MESH, BASELINE):
+    rows = ["| version | method | ran first | all live (s) | bytes (MB) | per replica live (s) |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for method in result["methods"]:
         for r in result["methods"][method]["versions"]:
             reps = ", ".join(f"{k} {v:.3f}" for k, v in r["replica_live_s"].items())
             what = "warm-up" if r["warmup"] else "timed"
-            rows.append(f"| {r['version']} ({what}) | {method} | {'first' if r['first'] else 'second'} | "
-                        f"{r['all_live_s']:.3f} | {reps} |")
+            rows.append(f"| {r['version']} ({what}) | {method} | {'yes' if r['first'] else 'no'} | "
+                        f"{r['all_live_s']:.3f} | {r['bytes'] / 1e6:.2f} | {reps} |")
     return "\n".join(rows)
 
 
@@ -405,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mesh-sync-bench-") as tmp:
         spec = MeshBenchSpec(trainers=args.trainers, replicas=args.replicas, tp=args.tp, versions=args.versions,
                              warmup=args.warmup, model=model_of(args), dtype=args.dtype, backends=args.backend_list,
-                             tmp=tmp, timeout=args.timeout, deadline=args.deadline, poll_s=args.poll, seed=args.seed)
+                             tmp=tmp, timeout=args.timeout, deadline=args.deadline, poll_s=args.poll, seed=args.seed,
+                             update=args.update, lr=args.lr, delta_sync=args.delta_sync)
         try:
             size = sizes(spec)
         except ValueError as exc:  # MeshLayoutError: e.g. a dimension not divisible by --tp
@@ -435,15 +465,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "generator_ranks": size["generator_ranks"], "versions": spec.versions, "warmup": spec.warmup,
                    "dtype": spec.dtype, "backends": list(spec.backends or ()), "timeout_s": spec.timeout,
                    "deadline_s": spec.deadline, "poll_s": spec.poll_s, "delta": spec.delta, "seed": spec.seed,
+                   "update": spec.update, "lr": spec.lr, "delta_sync": spec.delta_sync,
                    "broadcast_group": "trainer rank 0 + every generator rank: a torch.distributed.new_group of the "
                                       "one gloo world of trainers and generators",
-                   "order": "mesh first on even versions, baseline first on odd ones"},
+                   "order": "the methods rotate by version: " + ", ".join(spec.methods) + " first on versions "
+                            "0, 1, ... modulo their number"},
         "model": {"config": spec.model, "params": size["params"], "tensors": size["tensors"],
                   "nbytes": size["nbytes"]},
         "bytes": {"mesh_per_version": size["mesh_bytes_per_version"],
                   "mesh_needed_per_tp_rank": size["mesh_needed_per_tp_rank"],
                   "baseline_per_version": size["baseline_bytes_per_version"]},
-        "verified": {m: result["methods"][m]["verified"] for m in (MESH, BASELINE)},
+        "verified": {m: result["methods"][m]["verified"] for m in spec.methods},
         "notes": notes,
         "result": result,
     }
@@ -458,5 +490,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result["problems"]:
         print("mesh_sync: VERIFICATION FAILED:\n  " + "\n  ".join(result["problems"]), file=sys.stderr)
         return 1
-    print("mesh_sync: both methods verified bit for bit against the trainer's full weights, every version")
+    print("mesh_sync: every method verified bit for bit against the trainer's full weights, every version")
     return 0

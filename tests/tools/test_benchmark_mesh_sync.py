@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common.capabilities import available_backends
-from benchmarks.mesh_sync._roles import BASELINE, MESH, MeshBenchSpec, local_tensors, order
+from benchmarks.mesh_sync._roles import BASELINE, DELTA, MESH, MeshBenchSpec, local_tensors, order
 from benchmarks.mesh_sync._run import assemble, model_of, parse_args, sizes
 from tests._support import PYTHON, ROOT, python_env
 from transport.plan import ITEMSIZE, checkpoint_tensors, generator_rank, model_config, volume
@@ -29,6 +29,7 @@ def test_methods_alternate_and_local_tensors_are_cut_from_the_full_weights() -> 
     import torch
 
     assert order(0) == (MESH, BASELINE) and order(1) == (BASELINE, MESH)
+    assert order(1, (MESH, BASELINE, DELTA)) == (BASELINE, DELTA, MESH)
     cfg = model_config({"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 100})
     full = {n: torch.arange(volume(tuple((0, d) for d in s)), dtype=torch.float32).reshape(s).to(torch.bfloat16)
@@ -58,6 +59,7 @@ def _messages(spec: MeshBenchSpec, size: dict) -> list[dict]:
                      "t_start": 100.0 * v + i, "t_end": 100.0 * v + 2}
                 if method == MESH:
                     m |= {"pack_s": 0.0, "push_s": 0.0, "nbytes": size["mesh_bytes_per_version"] // spec.trainers,
+                          "deltas": 0, "changed": None,
                           "status": {f"{r}/{k}": "done" for r, k in gens}, "errors": {}, "incomplete": [],
                           "refused": {}}
                 msgs.append(m)
@@ -112,14 +114,15 @@ def test_assemble_times_and_fails_on_any_difference() -> None:
 
 
 @pytest.mark.skipif(available_backends().get("ipc") is not None, reason="the ipc backend cannot run here")
-def test_tiny_run_verifies_both_methods_and_reports_consistent_bytes(tmp_path: Path) -> None:
+def test_tiny_run_verifies_every_method_and_reports_consistent_bytes(tmp_path: Path) -> None:
     out, md = tmp_path / "mesh.json", tmp_path / "mesh.md"
     cmd = [PYTHON, "-m", "benchmarks.mesh_sync", *TINY, "--timeout", "120", "--run-timeout", "280",
-           "--json", str(out), "--markdown", str(md)]
+           "--json", str(out), "--markdown", str(md), "--delta-sync", "--update", "adamw"]
     proc = subprocess.run(cmd, cwd=ROOT, env=python_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| method | verified | bytes moved / version |" in proc.stdout
-    assert "both methods verified bit for bit" in proc.stdout
+    assert "every method verified bit for bit" in proc.stdout
+    assert "| mesh, delta sync (MeshPublisher(delta=True)" in proc.stdout
 
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "mesh_sync" and doc["command"].startswith("python -m benchmarks.mesh_sync")
@@ -128,7 +131,7 @@ def test_tiny_run_verifies_both_methods_and_reports_consistent_bytes(tmp_path: P
     assert doc["config"] | {"trainers": 2, "replicas": 2, "tp": 2, "generator_ranks": 4, "versions": 2,
                             "warmup": 1, "dtype": "bfloat16", "backends": ["ipc"]} == doc["config"]
     result = doc["result"]
-    assert doc["verified"] == {MESH: True, BASELINE: True}
+    assert doc["verified"] == {MESH: True, BASELINE: True, DELTA: True}
     assert result["verified"] is True and result["problems"] == []
 
     # The bytes, from the model's shapes alone.

@@ -123,6 +123,15 @@ def diff_in_place(fresh: int, snap: int, n: int, es: int, offset: int, positions
     return int(_call("delta diff", "delta_diff_in_place", fresh, snap, n, es, offset, positions, old, cap, int(isa)))
 
 
+def cut_runs(units: int, old: int, new: int, count: int, runs: int, nruns: int, out_units: int, out_old: int,
+             out_new: int) -> int:
+    """The ``count`` changes (sorted uint64 unit positions of a snapshot, uint16 old and new
+    values) that fall in ``nruns`` byte runs (int64 ``(snapshot offset, slot offset, nbytes)``
+    rows sorted by snapshot offset, not overlapping there), written as slot unit positions with
+    their values in the order of the changes. Returns how many were written."""
+    return int(_call("delta cut", "delta_cut_runs", units, old, new, count, runs, nruns, out_units, out_old, out_new))
+
+
 NO_FIT = (1 << 64) - 1
 
 

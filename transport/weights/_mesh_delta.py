@@ -202,33 +202,31 @@ class Cut:
 def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
     """The part of ``change`` that lands in ``runs``, as the payload of a delta area (None: it
     does not fit ``cap`` bytes)."""
-    a, b, n = runs.rows[:, 0] // 2, runs.rows[:, 1] // 2, runs.rows[:, 2] // 2
-    u = change.units
-    k = np.searchsorted(a, u, side="right") - 1
-    inside = k >= 0
-    k0 = np.where(inside, k, 0)
-    inside &= u < a[k0] + n[k0]
-    k0 = k0[inside]
-    slot_units = (b[k0] + (u[inside] - a[k0])).astype(np.uint64)
-    old, new = change.old[inside], change.new[inside]
-    if len(slot_units) > 1 and not bool((slot_units[1:] > slot_units[:-1]).all()):
-        order = np.argsort(slot_units, kind="stable")
-        slot_units, old, new = slot_units[order], old[order], new[order]
-    count = len(slot_units)
+    total = len(change.units)
+    units = np.empty(total, dtype=np.uint64)
+    old = np.empty(total, dtype=np.uint16)
+    new = np.empty(total, dtype=np.uint16)
+    src_units = np.ascontiguousarray(change.units, dtype=np.uint64)
+    count = native.cut_runs(src_units.ctypes.data, change.old.ctypes.data, change.new.ctypes.data, total,
+                            runs.rows.ctypes.data, len(runs.rows), units.ctypes.data, old.ctypes.data, new.ctypes.data)
+    units, old, new = units[:count], old[:count], new[:count]
+    if count > 1 and not bool((units[1:] > units[:-1]).all()):  # runs land in another order in the slot
+        order = np.argsort(units, kind="stable")
+        units, old, new = units[order], old[order], new[order]
     vbytes = -(-2 * count // 8) * 8
     if vbytes > cap:
         return None
-    out = torch.zeros(HEAD_BYTES + cap, dtype=torch.uint8)
+    out = torch.empty(HEAD_BYTES + cap, dtype=torch.uint8)
     buf = out.numpy()
     buf[HEAD_BYTES : HEAD_BYTES + 2 * count] = new.view(np.uint8)
-    pos = np.ascontiguousarray(slot_units)
+    buf[HEAD_BYTES + 2 * count : HEAD_BYTES + vbytes] = 0
+    pos = np.ascontiguousarray(units)
     pos_bytes = native.encode_positions(pos.ctypes.data, count, out.data_ptr() + HEAD_BYTES + vbytes, cap - vbytes)
     if pos_bytes is None:
         return None
-    old = np.ascontiguousarray(old)
-    new_c = np.ascontiguousarray(new)
+    old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
     new_sum = (base_sum - native.terms(old.ctypes.data, pos.ctypes.data, count, 2)
-               + native.terms(new_c.ctypes.data, pos.ctypes.data, count, 2)) & MASK64
+               + native.terms(new.ctypes.data, pos.ctypes.data, count, 2)) & MASK64
     payload_bytes = vbytes + pos_bytes
     head = out[:HEAD_BYTES].view(torch.int64)
     head[:] = torch.tensor([MAGIC, change.version, change.base, _signed(base_sum), _signed(new_sum), count, pos_bytes,
