@@ -431,7 +431,11 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
             changed = {load_group(n) for n, c in sums.items() if c is None or s.loaded_sums.get(n) != c}
             if changed:
                 keep = GeneratorRank.of([lt for lt in s.layout.tensors if load_group(lt.name) in changed])
-                self._load(full_shaped(s.trainer, keep, views))
+                try:
+                    self._load(full_shaped(s.trainer, keep, views))
+                except BaseException:
+                    s.loaded_sums = {}  # the model is in no known state: the next load reloads every group
+                    raise
         s.loaded_sums = sums  # only once the load went through
         return len(changed)
 
