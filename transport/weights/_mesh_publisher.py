@@ -429,7 +429,7 @@ class MeshPublisher:
         with anyio.move_on_after(self.deadline) as scope:
             try:
                 prepared = self._prepare(name, peer.incarnation, slot, work)
-                area = await self._area(peer) if self._packer is not None else None
+                area = await self._area(peer)  # (without delta sync too: a stale payload there is cleared)
                 await self.t.get(header, name, key=self.keys.ctl)
                 why = slot_busy(header, slot)
                 if why is None:
