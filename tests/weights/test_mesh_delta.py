@@ -126,3 +126,34 @@ def test_a_table_from_a_peer_keeps_only_entries_inside_the_area():
     rows = np.array([(0, 0, 64), (1, 64, 64), (2, 100, 64), (3, 10_000, 64), (4, 128, -64)], np.int64)
     got = read_table(torch.from_numpy(rows.reshape(-1).copy()).view(torch.uint8), 512)
     assert got == {0: (0, 64)}  # 1 overlaps 0, 2 is misaligned, 3 lies past the area, 4 is negative
+
+
+def test_the_next_delta_builds_on_the_checked_checksum_and_any_other_base_is_read_again():
+    packer, snap, live, _ = _packer_and_snapshot(2)
+    packer.pack(snap, live, 0, None)
+    runs = np.array([(0, 0, 64 * 32 * 2), (4096, 4096, 400)], np.int64)
+    slot = _generator_slot(snap, runs, snap.numel())
+    r = Runs.of(runs)
+    table, nbytes = area_table({0: int(runs[:, 2].sum()) // 2})
+    area = torch.zeros(nbytes, dtype=torch.uint8)
+    m = Materializer([slot, slot], [area, area], {0: (0, int(table[0, 2]))}, {0: runs})
+    sums = [r.checksum(snap)]  # per version
+    for version in (1, 2, 3):  # each a delta on the last, all into the same slot here
+        live["w"].view(-1)[version::13] += 1
+        made = cut(packer.pack(snap, live, version, version - 1), r, sums[-1], cap=int(table[0, 2]))
+        area[: made.payload.numel()] = made.payload
+        assert m.materialize(version, 0) == 1
+        sums.append(made.new_sum)
+    assert torch.equal(slot, _generator_slot(snap, runs, slot.numel()))
+    assert m.full_checks == 1  # only the first base was read from the slot
+    # A delta made on another base than the one this rank made (version 2's, as a trainer whose
+    # words said so would) is checked against the bytes in the slot, which are version 3's.
+    live["w"].view(-1)[::7] += 1
+    change = packer.pack(snap, live, 4, 3)
+    change.base = 2
+    made = cut(change, r, sums[2], cap=int(table[0, 2]))
+    area[: made.payload.numel()] = made.payload
+    before = slot.clone()
+    with pytest.raises(DeltaRefusedError, match="does not hold version 2"):
+        m.materialize(4, 0)
+    assert m.full_checks == 2 and torch.equal(slot, before)
