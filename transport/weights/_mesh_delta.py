@@ -119,6 +119,8 @@ class MeshDeltaPacker:
         self._cap = int(crossover * self.total_units) + 1024
         self._positions: torch.Tensor | None = None
         self._old: torch.Tensor | None = None
+        self._cast: torch.Tensor | None = None  # the shards cast to their wire dtype, one at a time
+        self._largest = max((nbytes for _, nbytes in self._offsets.values()), default=0)
 
     def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
              ) -> Change | None:
@@ -141,8 +143,10 @@ class MeshDeltaPacker:
         for name, _, dtype in self._packed:
             off, nbytes = self._offsets[name]
             src = sources[name].detach()
-            if src.dtype != dtype or not src.is_contiguous():
-                src = src.to(dtype).contiguous()
+            if src.dtype != dtype or not src.is_contiguous():  # cast into a kept buffer (no page faults)
+                if self._cast is None or self._cast.numel() < nbytes:
+                    self._cast = torch.empty(max(nbytes, self._largest), dtype=torch.uint8)
+                src = self._cast[:nbytes].view(dtype).view(src.shape).copy_(src)
             at = min(count, self._cap)  # past the cap only the count goes on
             count += native.diff_in_place(src.data_ptr(), sptr + off, nbytes // 2, 2, off, pptr + 8 * at, optr + 2 * at,
                                           self._cap - at)
@@ -279,7 +283,7 @@ class Materializer:
         """
         buf, area = self.slots[slot], self.areas[slot]
         units = buf.numel() // 2
-        checked: list[tuple[int, torch.Tensor, int, int, int]] = []
+        checked: list[tuple[int, torch.Tensor, int, int, int, int]] = []
         for t, (off, cap) in sorted(self.table.items()):
             head = area[off : off + HEAD_BYTES].view(torch.int64).clone()  # a peer's words: one private copy
             if int(head[0]) != MAGIC or int(head[1]) != version:
