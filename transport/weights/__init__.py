@@ -45,7 +45,9 @@ control words goes through).
 Mesh sync: ``_mesh_publisher`` (``MeshPublisher``), ``_mesh_subscriber`` (``MeshSubscriber``),
 ``_mesh_control`` (its regions and control words), ``_binding`` (the plan's moves bound to
 byte offsets of the snapshots and slots), ``_mesh_peers`` (who takes part), ``_mesh_fp8`` (FP8
-block scales made at the source). Every class here is an async context manager and has
+block scales made at the source), ``_mesh_delta`` (delta sync of a mesh stream: the in-place diff,
+the cut along each generator rank's runs, the checked apply into its slot). Every class here is
+an async context manager and has
 ``aclose()``.
 Packing and device unpacking use the batched gather/scatter of ``transport._kernels``.
 """
