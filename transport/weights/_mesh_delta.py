@@ -31,7 +31,6 @@ checksum, units, position bytes, payload bytes)`` then the payload ``[values][pa
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,11 +40,8 @@ import torch
 from .._native import delta as native
 from ._delta import MASK64, SPARSE_MAX, DeltaRefusedError, _signed, _unsigned
 
-log = logging.getLogger(__name__)
-
 MAGIC = 0x31_4D_44_4C_57  # "WLDM1"
 HEAD_BYTES = 64
-HEAD_WORDS = HEAD_BYTES // 8
 # The changed fraction of a version's units above which it goes dense. Higher than the stream's:
 # the base is the version two back (twice the change), and by default deltas go over networks.
 CROSSOVER = 0.2
@@ -92,7 +88,7 @@ class Change:
 
     version: int
     base: int
-    units: np.ndarray  # int64
+    units: np.ndarray  # uint64
     old: np.ndarray  # uint16
     new: np.ndarray  # uint16
     total_units: int
@@ -152,10 +148,10 @@ class MeshDeltaPacker:
                                           self._cap - at)
         if count > self._cap or count > self.crossover * self.total_units:
             return None
-        units = self._positions[:count].numpy() // 2
+        units = (self._positions[:count].numpy() // 2).view(np.uint64)  # a new array (the buffer is reused)
         old = self._old[:count].numpy().view(np.uint16).copy()
         new = snap.view(torch.int16).numpy().view(np.uint16)[units]
-        return Change(version, base, units.copy(), old, new, self.total_units)
+        return Change(version, base, units, old, new, self.total_units)
 
     def _copy(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
         for name, shape, dtype in self._packed:
@@ -184,10 +180,6 @@ class Runs:
         return cls(np.ascontiguousarray(rows, dtype=np.int64), hashlib.blake2b(rows.tobytes(), digest_size=16).digest(),
                    why)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.rows[:, 2].sum()) if len(self.rows) else 0
-
     def checksum(self, snap: torch.Tensor) -> int:
         """The checksum of these runs' bytes in ``snap``, units indexed by slot position (what
         the generator rank computes over the same bytes in its slot)."""
@@ -199,7 +191,6 @@ class Cut:
     """A change cut along one generator rank's runs: its payload (header first) and checksum."""
 
     payload: torch.Tensor  # uint8: header + values + positions
-    units: int
     new_sum: int
 
 
@@ -210,8 +201,7 @@ def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
     units = np.empty(total, dtype=np.uint64)
     old = np.empty(total, dtype=np.uint16)
     new = np.empty(total, dtype=np.uint16)
-    src_units = np.ascontiguousarray(change.units, dtype=np.uint64)
-    count = native.cut_runs(src_units.ctypes.data, change.old.ctypes.data, change.new.ctypes.data, total,
+    count = native.cut_runs(change.units.ctypes.data, change.old.ctypes.data, change.new.ctypes.data, total,
                             runs.rows.ctypes.data, len(runs.rows), units.ctypes.data, old.ctypes.data, new.ctypes.data)
     units, old, new = units[:count], old[:count], new[:count]
     if count > 1 and not bool((units[1:] > units[:-1]).all()):  # runs land in another order in the slot
@@ -235,7 +225,7 @@ def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
     head = out[:HEAD_BYTES].view(torch.int64)
     head[:] = torch.tensor([MAGIC, change.version, change.base, _signed(base_sum), _signed(new_sum), count, pos_bytes,
                             payload_bytes])
-    return Cut(out[: HEAD_BYTES + payload_bytes], count, new_sum)
+    return Cut(out[: HEAD_BYTES + payload_bytes], new_sum)
 
 
 # -- the generator's side ---------------------------------------------------------------------

@@ -291,11 +291,7 @@ class MeshSubscriber:
         here under the plan (once)."""
         if not self._delta or self._materializer is not None or not self._slots:
             return
-        local = {lt.name: lt for lt in self.layout.tensors}
-        runs = {}
-        for t in mine.sources():
-            snapshot = snapshot_layout(planner.trainer, t)[1]
-            runs[t] = byte_runs(planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
+        runs = self._runs_from(planner, mine)
         if not runs or any(bool((r & 1).any()) for r in runs.values()):
             self._delta = False  # nothing fed here, or odd-sized runs (one-byte elements): dense only
             return
@@ -304,6 +300,13 @@ class MeshSubscriber:
         tab = self.t.empty(self.keys.dtab, max(1, table.size) * 8, torch.uint8, writable=False)
         tab.view(torch.int64)[: table.size].copy_(torch.from_numpy(table.reshape(-1)))
         self._materializer = Materializer(self._slots, areas, {int(t): (int(o), int(c)) for t, o, c in table}, runs)
+
+    def _runs_from(self, planner: Planner, mine: RankPlan) -> dict[int, np.ndarray]:
+        """Trainer rank -> its byte runs into this rank under the plan (``(snapshot offset,
+        slot offset, nbytes)`` rows)."""
+        local = {lt.name: lt for lt in self.layout.tensors}
+        return {t: byte_runs(planner, (m for m in mine.moves if m.src == t), local,
+                             snapshot_layout(planner.trainer, t)[1], self._offsets) for t in mine.sources()}
 
     # -- the replica ----------------------------------------------------------------------
 
@@ -571,10 +574,7 @@ class MeshSubscriber:
         try:
             if any(int(ctl[done_word(s, t)]) < 0 for t in sources):
                 return None  # a trainer rank is writing it right now: try again
-            local = {lt.name: lt for lt in self.layout.tensors}
-            for t in sources:
-                snapshot = snapshot_layout(now.planner.trainer, t)[1]
-                runs = byte_runs(now.planner, (m for m in mine.moves if m.src == t), local, snapshot, self._offsets)
+            for t, runs in self._runs_from(now.planner, mine).items():
                 if not await self._read_snapshot(trainer_ranks[t], tctls[t], v, runs):
                     return None  # being written, or overwritten while read: try again
             if self._materializer is not None:
