@@ -52,6 +52,26 @@ uint8_t* scratch(int which, uint64_t nbytes) {
   return bufs[which].get();
 }
 
+// Writes gap as a LEB128 varint at out and returns its length. Up to three bytes without a
+// branch on the length (gaps are short and unpredictable); it may store one byte past them, so
+// the caller leaves room for 10.
+inline uint64_t put_varint(uint8_t* out, uint64_t gap) {
+  if (gap < (uint64_t{1} << 21)) {
+    uint64_t word = (gap & 0x7f) | ((gap >> 7 & 0x7f) << 8) | ((gap >> 14 & 0x7f) << 16);
+    const unsigned len = 1 + (gap >= 0x80) + (gap >= 0x4000);
+    word |= (len > 1 ? 0x80u : 0u) | (len > 2 ? 0x8000u : 0u);
+    std::memcpy(out, &word, 4);
+    return len;
+  }
+  uint64_t len = 0;
+  do {
+    const uint8_t b = gap & 0x7f;
+    gap >>= 7;
+    out[len++] = b | (gap ? 0x80 : 0);
+  } while (gap);
+  return len;
+}
+
 // Collects the changed elements: values straight into the output (up to its capacity), the
 // varint positions and the bitmask into scratch. Past the capacity only the count goes on.
 struct Emitter {
@@ -92,22 +112,8 @@ struct Emitter {
       varover = true;
       return;
     }
-    uint64_t gap = pos - last;
+    varlen += put_varint(var + varlen, pos - last);
     last = pos + 1;
-    if (gap < (uint64_t{1} << 21)) {
-      // Up to three bytes without a branch on the length (gaps are short and unpredictable).
-      uint64_t word = (gap & 0x7f) | ((gap >> 7 & 0x7f) << 8) | ((gap >> 14 & 0x7f) << 16);
-      unsigned len = 1 + (gap >= 0x80) + (gap >= 0x4000);
-      word |= (len > 1 ? 0x80u : 0u) | (len > 2 ? 0x8000u : 0u);
-      std::memcpy(var + varlen, &word, 4);  // varcap leaves room for the extra byte
-      varlen += len;
-      return;
-    }
-    do {
-      uint8_t b = gap & 0x7f;
-      gap >>= 7;
-      var[varlen++] = b | (gap ? 0x80 : 0);
-    } while (gap);
   }
 
   // ``bits`` flags the changed elements among the ``lanes`` at index ``i`` (elements at fresh).
@@ -561,25 +567,12 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
         while (bits) {
           const uint64_t pos = w * 8 + static_cast<uint64_t>(__builtin_ctzll(bits));
           bits &= bits - 1;
-          uint64_t gap = pos - last;
-          last = pos + 1;
           if (len + 10 > limit) {
             over = true;
             break;
           }
-          if (gap < (uint64_t{1} << 21)) {
-            uint64_t word = (gap & 0x7f) | ((gap >> 7 & 0x7f) << 8) | ((gap >> 14 & 0x7f) << 16);
-            const unsigned n = 1 + (gap >= 0x80) + (gap >= 0x4000);
-            word |= (n > 1 ? 0x80u : 0u) | (n > 2 ? 0x8000u : 0u);
-            std::memcpy(var + len, &word, 4);
-            len += n;
-          } else {
-            do {
-              const uint8_t b = gap & 0x7f;
-              gap >>= 7;
-              var[len++] = b | (gap ? 0x80 : 0);
-            } while (gap);
-          }
+          len += put_varint(var + len, pos - last);
+          last = pos + 1;
         }
       }
       em.varlen = len;
@@ -765,14 +758,12 @@ uint64_t encode_positions(const uint64_t* positions, uint64_t count, void* out, 
   for (uint64_t k = 0; k < count; ++k) {
     const uint64_t p = positions[k];
     if (p < next) return UINT64_MAX;
-    uint64_t gap = p - next;
+    uint8_t one[16];  // put_varint may store past the varint: out has no room to spare
+    const uint64_t n = put_varint(one, p - next);
     next = p + 1;
-    do {
-      if (len >= cap) return UINT64_MAX;
-      const uint8_t b = gap & 0x7f;
-      gap >>= 7;
-      o[len++] = b | (gap ? 0x80 : 0);
-    } while (gap);
+    if (n > cap - len) return UINT64_MAX;
+    std::memcpy(o + len, one, n);
+    len += n;
   }
   return len;
 }
