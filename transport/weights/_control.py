@@ -29,7 +29,7 @@ from .._errors import TransportError
 from .._native import memory_fence
 
 if TYPE_CHECKING:
-    from .. import Transport
+    from .. import Transfer, Transport
 
 # Word indices. Subscriber control block (DELTA: 1 when it takes delta versions):
 FRONT, READING, APPLIED, LAYOUT_ID, TRYING, DELTA = 0, 1, 2, 3, 4, 5
@@ -119,6 +119,12 @@ class StreamKeys:
             deltas=(p + "delta0", p + "delta1"),
             doorbell=p + "version",
         )
+
+
+def over_memory(transfer: Transfer) -> bool:
+    """Whether ``transfer`` went (in part) over ``ipc``: a link as fast as the memory pass that
+    finds a delta, where delta sync does not pay (``delta="auto"`` sends such peers dense)."""
+    return "ipc" in (transfer.backend or "").split(",")
 
 
 def withdraw(transport: Transport, keys: Iterable[str]) -> None:

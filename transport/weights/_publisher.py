@@ -31,6 +31,7 @@ from ._control import (
     encode_front,
     free_slot,
     memory_barrier,
+    over_memory,
     withdraw,
 )
 from ._copy import available_threads
@@ -514,7 +515,7 @@ class Publisher:
             nbytes = self.layout.total
         handles.append(h)
         await h
-        self._memory_link[sub] = "ipc" in (h.backend or "").split(",")
+        self._memory_link[sub] = over_memory(h)
         self._takes_delta[sub] = self._takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
         moved[0] = nbytes
         # Reached one-sidedly (every backend that carried it): its slot can be read back for the
