@@ -19,6 +19,7 @@ through its client, every engine in a thread of its own and bounded by ``timeout
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -36,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..plan import full_box, trainer_layout_from_state_dict
 from ..weights import MeshPublisher, MeshPublishReport
-from ..weights._polling import PENDING, even, seqlock_read
+from ..weights._polling import Pending, even, poll, seqlock_read
 from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
 from ._info import BACKEND, TransportInitInfo
 from ._loop import LoopThread
@@ -251,18 +252,18 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         t, peer = self.loop.t, worker_name(engine, rank, dp_rank)
         out = torch.empty(LOAD_WORDS, dtype=torch.int64)
 
-        async def read() -> torch.Tensor:
-            async def stamp() -> int:
-                await t.get(out, peer, key=LOAD_KEY)
-                return int(out[0])
+        async def stamp() -> int:
+            await t.get(out, peer, key=LOAD_KEY)
+            return int(out[0])
 
-            async def copy() -> torch.Tensor:
-                return out.clone()
+        async def copy() -> torch.Tensor:
+            return out.clone()
 
-            got = await seqlock_read(stamp, copy, stable=even)
-            return got if got is not PENDING else await read()
+        async def read() -> torch.Tensor | Pending:  # PENDING: caught mid-write, look again
+            return await seqlock_read(stamp, copy, stable=even)
 
-        words = self.loop.call(read)
+        words = self.loop.call(functools.partial(poll, read, timeout=self.info.timeout,
+                                                 what=f"{peer}: a whole load record"))
         stats = dict(zip(LOAD_FIELDS, (int(x) for x in words[1:]), strict=True))
         if stats["loads"] == 0:
             return None
