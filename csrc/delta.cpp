@@ -92,7 +92,6 @@ struct Emitter {
   uint64_t last = 0;  // the previous position + 1
   bool vover = false;
   bool varover = false;
-  bool from_mask = false;  // the varints are made from the finished bitmask (vector path)
 
   inline void one(uint64_t pos, const uint8_t* elem) {
     sum_old += mix(load_elem(base + pos * es, es), pos);
@@ -103,7 +102,7 @@ struct Emitter {
       vover = true;
     }
     ++count;
-    if (varover || from_mask) return;
+    if (varover) return;
     gap(pos);
   }
 
@@ -241,7 +240,7 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
   return sum;
 }
 
-#define TRANSPORT_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2"
+#define TRANSPORT_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,bmi2"
 // GCC 12 flags the self-initialised placeholder inside its own _mm512_undefined_*() (used by the
 // unmasked AVX-512 intrinsics) as maybe uninitialised: a false positive in its headers.
 #pragma GCC diagnostic push
@@ -258,25 +257,66 @@ __attribute__((target(TRANSPORT_AVX512))) inline __m512i add16_avx512(__m512i ac
   return _mm512_add_epi64(acc, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(y, 1)));
 }
 
-// The changed elements of a run of blocks, packed: fresh and base values and checksum keys
-// (index * kIndexMul), with a vector's slack past kCap for the full-width stores.
+// The changed elements of a run of blocks, packed: fresh and base values and their indices
+// (from the batch's first block, at ``start``), with a vector's slack past kCap for the
+// full-width stores.
 struct Batch {
   static constexpr uint64_t kCap = 4096;
   alignas(64) uint8_t fresh[(kCap + 32) * 4];
   alignas(64) uint8_t base[(kCap + 32) * 4];
-  alignas(64) uint32_t keys[kCap + 32];
+  alignas(64) uint32_t index[kCap + 32];
   uint64_t fill = 0;
+  uint64_t start = 0;
 };
 
-// Hashes the batch into the running sums (fresh terms into acc, base terms into old) and
-// moves its fresh values into the payload while they fit, then empties it.
+// Appends the LEB128 gaps of 16 changed positions (``live`` lanes of ``pos``, relative to
+// ``start``) to the emitter's varints. Gaps under 2**14 (one or two bytes) are built in the
+// lanes and packed by one byte compress; a group with a longer gap goes one by one.
+__attribute__((target(TRANSPORT_AVX512))) inline void varints16(Emitter* em, __m512i pos, __mmask16 live,
+                                                               uint64_t start) {
+  if (em->varover) return;
+  const uint64_t first = start + static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(pos)));
+  const unsigned lanes = static_cast<unsigned>(__builtin_popcount(live));
+  if (em->varlen + 2 * 16 + 10 > em->varcap || em->varlen > em->n / 8) {  // or past the bitmask's size
+    em->varover = true;
+    return;
+  }
+  // Lane j's predecessor is lane j - 1; lane 0's is the last position emitted (as an index
+  // from start: mod 2**32, exact whenever the gap itself is below 2**32, checked below).
+  const __m512i prev = _mm512_alignr_epi32(pos, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(
+                                                     em->last - 1 - start))), 15);
+  const __m512i gap = _mm512_maskz_sub_epi32(live, _mm512_sub_epi32(pos, prev), _mm512_set1_epi32(1));
+  if (first - em->last >= (uint64_t{1} << 14) || _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(1 << 14))) {
+    alignas(64) uint32_t p[16];
+    _mm512_store_si512(p, pos);
+    for (unsigned j = 0; j < lanes; ++j) em->gap(start + p[j]);
+    return;
+  }
+  const __mmask16 two = _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(0x80));
+  const __m512i lo = _mm512_or_si512(_mm512_and_si512(gap, _mm512_set1_epi32(0x7f)),
+                                     _mm512_maskz_mov_epi32(two, _mm512_set1_epi32(0x80)));
+  const __m256i words = _mm512_cvtepi32_epi16(_mm512_or_si512(lo, _mm512_slli_epi32(_mm512_srli_epi32(gap, 7), 8)));
+  // Byte 2j (the low one) of every live lane, byte 2j + 1 where the gap takes two.
+  const uint32_t keep = static_cast<uint32_t>(_pdep_u32(live, 0x55555555u) | _pdep_u32(two, 0xAAAAAAAAu));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(em->var + em->varlen), _mm256_maskz_compress_epi8(keep, words));
+  em->varlen += static_cast<uint64_t>(__builtin_popcount(keep));
+  alignas(64) uint32_t p[16];
+  _mm512_store_si512(p, pos);
+  em->last = start + p[lanes - 1] + 1;
+}
+
+// Hashes the batch into the running sums (fresh terms into acc, base terms into old), moves
+// its fresh values into the payload while they fit and its positions into the varints, then
+// empties it.
 template <int ES>
 __attribute__((target(TRANSPORT_AVX512))) void flush_avx512(Batch& batch, Emitter* em, __m512i* acc, __m512i* old) {
   const uint64_t k = batch.fill;
   if (k == 0) return;
+  const __m512i at = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(batch.start)));
   for (uint64_t j = 0; j < k; j += 16) {
     const __mmask16 live = j + 16 <= k ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - j)) - 1);
-    const __m512i key = _mm512_maskz_loadu_epi32(live, batch.keys + j);
+    const __m512i pos = _mm512_maskz_loadu_epi32(live, batch.index + j);
+    const __m512i key = _mm512_mullo_epi32(_mm512_add_epi32(pos, at), _mm512_set1_epi32(static_cast<int>(kIndexMul)));
     __m512i x, y;
     if constexpr (ES == 2) {
       x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, batch.fresh + j * 2));
@@ -287,6 +327,7 @@ __attribute__((target(TRANSPORT_AVX512))) void flush_avx512(Batch& batch, Emitte
     }
     *acc = add16_avx512(*acc, _mm512_maskz_mov_epi32(live, mix16_avx512(x, key)));
     *old = add16_avx512(*old, _mm512_maskz_mov_epi32(live, mix16_avx512(y, key)));
+    varints16(em, pos, live, batch.start);
   }
   if (!em->vover && em->count + k <= em->vmax) {
     std::memcpy(em->vals + em->count * ES, batch.fresh, k * ES);
@@ -314,9 +355,10 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
   Batch batch;  // on the stack (40 KB): a thread_local costs a call per access in a shared library
   uint8_t* const bfresh = batch.fresh;  // locals: stores through byte pointers alias everything
   uint8_t* const bbase = batch.base;
-  uint32_t* const bkeys = batch.keys;
-  uint64_t fill = 0;
-  if (em != nullptr) em->from_mask = true;
+  uint32_t* const bindex = batch.index;
+  uint64_t fill = 0, start = 0;  // start: the index of the batch's first block
+  uint8_t* const mask = em != nullptr ? em->mask : nullptr;
+  uint64_t next_check = em != nullptr ? em->next_check : 0;
   // The snapshot is far larger than the cache and written whole: streaming stores skip reading
   // each line before writing it (an aligned destination only).
   const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 64 == 0 && n * ES >= kStreamMin;
@@ -329,9 +371,9 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
         _mm512_storeu_si512(s + i * ES, a);
       }
     }
-    const __m512i hb = h0;  // the checksum keys of this block's elements
-    h0 = _mm512_add_epi32(h0, stepk);
     if (em == nullptr) {
+      const __m512i hb = h0;  // the checksum keys of this block's elements
+      h0 = _mm512_add_epi32(h0, stepk);
       if constexpr (ES == 2) {
         acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), hb));
         acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)),
@@ -345,46 +387,53 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
     uint64_t ne;
     if constexpr (ES == 2) {
       uint32_t m = _mm512_cmpneq_epi16_mask(a, c);
-      std::memcpy(em->mask + i / 8, &m, 4);
+      std::memcpy(mask + i / 8, &m, 4);
       ne = m;
     } else {
       uint16_t m = _mm512_cmpneq_epi32_mask(a, c);
-      std::memcpy(em->mask + i / 8, &m, 2);
+      std::memcpy(mask + i / 8, &m, 2);
       ne = m;
     }
-    if (!ne) continue;
+    // No branch on whether the block changed: at the densities deltas pay (a few percent)
+    // about half the blocks hold a change, at random, so a branch would mispredict every other
+    // block; the compresses below pack nothing for an unchanged one.
     const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
-    if (i >= em->next_check && !em->vover) {
-      em->next_check = i + kCheckEvery;
+    if (i >= next_check && !em->vover) {
+      next_check = i + kCheckEvery;
       if (i >= n / 16 && static_cast<double>(em->count + fill) >
                              1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
         em->vover = true;  // far past the crossover: dense; only count and hash from here
     }
-    // The changed lanes' fresh and base values and checksum keys are packed into the batch
-    // (register compresses, full-width stores into slack); they are hashed 16 at a time when
-    // it fills, so the hashing costs per changed element, not per block with a change.
+    // The changed lanes' fresh and base values and indices are packed into the batch
+    // (register compresses, full-width stores into slack); they are hashed and their varints
+    // made 16 at a time when it fills, so that work costs per changed element, not per block.
+    const __m512i ib = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i - start))), lane);
     if constexpr (ES == 2) {
-      const __m512i h1 = _mm512_add_epi32(hb, step16);
       const __mmask16 m0 = static_cast<__mmask16>(ne), m1 = static_cast<__mmask16>(ne >> 16);
       _mm512_storeu_si512(bfresh + fill * 2, _mm512_maskz_compress_epi16(static_cast<__mmask32>(ne), a));
       _mm512_storeu_si512(bbase + fill * 2, _mm512_maskz_compress_epi16(static_cast<__mmask32>(ne), c));
-      _mm512_storeu_si512(bkeys + fill, _mm512_maskz_compress_epi32(m0, hb));
-      _mm512_storeu_si512(bkeys + fill + __builtin_popcount(m0), _mm512_maskz_compress_epi32(m1, h1));
+      _mm512_storeu_si512(bindex + fill, _mm512_maskz_compress_epi32(m0, ib));
+      _mm512_storeu_si512(bindex + fill + __builtin_popcount(m0),
+                          _mm512_maskz_compress_epi32(m1, _mm512_add_epi32(ib, _mm512_set1_epi32(16))));
     } else {
       const __mmask16 m0 = static_cast<__mmask16>(ne);
       _mm512_storeu_si512(bfresh + fill * 4, _mm512_maskz_compress_epi32(m0, a));
       _mm512_storeu_si512(bbase + fill * 4, _mm512_maskz_compress_epi32(m0, c));
-      _mm512_storeu_si512(bkeys + fill, _mm512_maskz_compress_epi32(m0, hb));
+      _mm512_storeu_si512(bindex + fill, _mm512_maskz_compress_epi32(m0, ib));
     }
     fill += k;
-    if (fill + kLanes > Batch::kCap) {
+    // Full, or its indices (from start, 32 bits) about to run out: a tensor past 2**31 elements.
+    if (fill + kLanes > Batch::kCap || i + kLanes - start >= (uint64_t{1} << 31)) {
       batch.fill = fill;
+      batch.start = start;
       flush_avx512<ES>(batch, em, &acc, &old);
       fill = 0;
+      start = i + kLanes;
     }
   }
   batch.fill = fill;
-  flush_avx512<ES>(batch, em, &acc, &old);
+  batch.start = start;
+  if (em != nullptr) flush_avx512<ES>(batch, em, &acc, &old);
   if (stream) _mm_sfence();
   uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
   if (em != nullptr) {  // with a base: acc holds the fresh terms of the changed lanes
@@ -503,10 +552,10 @@ bool supports(int isa) {
 #ifdef TRANSPORT_DELTA_X86
     case kAvx2:
       return __builtin_cpu_supports("avx2");
-    case kAvx512:  // with VBMI2: the 16-bit compress and expand
+    case kAvx512:  // with VBMI2 (the 16-bit compress and expand) and BMI2 (pdep)
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
-             __builtin_cpu_supports("avx2");
+             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
 #endif
     default:
       return false;
@@ -551,36 +600,6 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
     return r;
   }
   if (em.vover) return r;  // dense
-  if (em.from_mask) {
-    // Varints at most one byte a change can only beat the bitmask below a byte per 8 elements.
-    if (em.count < mask_bytes) {
-      // Locals, not the emitter's fields: its stores go through byte pointers, which alias
-      // everything, so its fields would be reloaded after every byte.
-      const uint8_t* m = em.mask;
-      uint8_t* var = em.var;
-      const uint64_t limit = std::min(em.varcap, mask_bytes);  // past the bitmask's size varints lose
-      uint64_t len = 0, last = 0;
-      bool over = false;
-      for (uint64_t w = 0; w < mask_bytes && !over; w += 8) {
-        uint64_t bits = 0;
-        std::memcpy(&bits, m + w, std::min<uint64_t>(8, mask_bytes - w));
-        while (bits) {
-          const uint64_t pos = w * 8 + static_cast<uint64_t>(__builtin_ctzll(bits));
-          bits &= bits - 1;
-          if (len + 10 > limit) {
-            over = true;
-            break;
-          }
-          len += put_varint(var + len, pos - last);
-          last = pos + 1;
-        }
-      }
-      em.varlen = len;
-      em.varover = over || len >= mask_bytes;
-    } else {
-      em.varover = true;
-    }
-  }
   const uint64_t vbytes = align8(em.count * es);
   bool use_mask = em.varover || mask_bytes < em.varlen;
   uint64_t pos = use_mask ? mask_bytes : em.varlen;

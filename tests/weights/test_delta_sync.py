@@ -89,6 +89,49 @@ def test_diff_encode_and_scatter_are_bit_exact(isa, dtype):
         assert (reference_checksum(raw(base)) - old + new) % 2**64 == fresh_sum and new == r.sum_new
 
 
+
+def leb128_gaps(positions: list[int]) -> bytes:
+    """The varint positions of a kVarint payload as delta.h defines them, in Python."""
+    out, last = bytearray(), 0
+    for p in positions:
+        gap = p - last
+        while True:
+            byte, gap = gap & 0x7F, gap >> 7
+            out.append(byte | (0x80 if gap else 0))
+            if not gap:
+                break
+        last = p + 1
+    return bytes(out)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_varint_positions_are_leb128_at_every_gap_length(isa, dtype):
+    # Gaps of every varint length and at each length's edges (1, 2 and 3 bytes and more; the
+    # vector encoder builds 1- and 2-byte gaps in lanes and takes longer ones one by one), runs
+    # of adjacent changes, and changes in the tail past the last full vector.
+    gaps = [0, 127, 128, 16_383, 5, 200, 1, 129] * 6  # whole groups of 16 one- and two-byte gaps
+    gaps += [0, 0, 1, 126, 127, 128, 129, 16_382, 16_383, 16_384, 16_385, 2**21 - 1, 2**21, 2**21 + 7, 5, 0, 0,
+             300, 40_000, 3]
+    positions, p = [], 3
+    for g in gaps:
+        positions.append(p)
+        p += g + 1
+    n = p + 29  # not a multiple of any vector width
+    positions += [n - 2, n - 1]
+    base = torch.zeros(n, dtype=dtype)
+    fresh = base.clone()
+    fresh[torch.tensor(positions)] = 1.0
+    r, out = encode(fresh, base, isa, cap=n * fresh.element_size() // 2)
+    assert (r.kind, r.changed) == (native.Kind.VARINT, len(positions))
+    vbytes = (len(positions) * fresh.element_size() + 7) // 8 * 8
+    got = bytes(out[vbytes:vbytes + r.pos_bytes].tolist())
+    assert got == leb128_gaps(positions) and r.payload_bytes == vbytes + r.pos_bytes
+    live = base.clone()
+    args = (n, fresh.element_size(), out.data_ptr(), r.payload_bytes, int(r.kind), r.changed, r.pos_bytes)
+    assert native.scatter(live.data_ptr(), *args, True)[0] == native.Refusal.OK
+    assert torch.equal(live, fresh)
+
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
 def test_checksum_of_pieces_sums_to_the_whole(isa):
     t = torch.randn(70_001).to(torch.bfloat16)
