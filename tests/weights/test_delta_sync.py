@@ -21,7 +21,7 @@ from tests._support import PYTHON, python_env
 from tests._support.delta_model import model_at, same_bits, step, zeros
 from transport._native import delta as native
 from transport.weights import Publisher, Subscriber
-from transport.weights._control import APPLIED
+from transport.weights._control import APPLIED, FRONT, decode_front
 
 ROOT = Path(__file__).resolve().parents[2]
 ISAS = [isa for isa in (native.Isa.SCALAR, native.Isa.AVX2, native.Isa.AVX512) if native.supports(isa)]
@@ -498,3 +498,59 @@ async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
             r = await pub.publish(3)
             assert not r.results["gen"].delta and int(stale[0]) == 0  # cleared before the push
             assert await sub.wait_version(3) == 3 and same_bits(dst, src) and sub.refused_deltas == 0
+
+
+def front_snapshot_holds(pub: Publisher, src: dict[str, torch.Tensor]) -> int:
+    """The version of the publisher's front snapshot, checked to hold ``src``'s bytes exactly."""
+    snaps = pub._snapshots
+    version, slot = decode_front(int(snaps.ctl[FRONT]))
+    for e in pub.layout.entries:
+        got = snaps.snaps[slot][e.offset:e.offset + e.nbytes]
+        assert torch.equal(got, src[e.name].contiguous().view(-1).view(torch.uint8)), (version, e.name)
+    return version
+
+
+async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
+    """After the pushes the new snapshot is brought to the version: scattered with the base's
+    and the version's encodings where both were sparse, copied where a tensor went dense or the
+    kept encodings do not start from what the snapshot holds (after a dense version). ``pull``
+    reads it, and the next version is diffed against it: both must be bit-exact."""
+    store = f"memory://{uuid.uuid4().hex}"
+    g = torch.Generator().manual_seed(11)
+    src = {"big": torch.randn(1 << 17, generator=g).to(torch.bfloat16), "wide": torch.randn(1 << 15, generator=g),
+           "mid": torch.randn(1 << 13, generator=g).to(torch.bfloat16),
+           "small": torch.randn(100, generator=g).to(torch.bfloat16)}
+
+    def change(fraction: float) -> None:
+        for x in src.values():
+            flat = x.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+            flat[idx] = torch.randn(idx.numel(), generator=g).to(x.dtype)
+
+    fills = []
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        # Small buckets: the big tensors go straight from the live tensors when dense, the small
+        # one from the snapshot (packed).
+        async with Publisher(tt, src, delta=True, bucket_bytes=1 << 13) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
+            for v, fraction in enumerate([0, 0.005, 0.005, 0.01, 0.004, 0.9, 0.002, 0.004, 0.003], start=1):
+                if v == 4:
+                    mid = src["mid"].view(-1)  # one direct tensor goes dense inside a delta
+                    mid[torch.randperm(mid.numel(), generator=g)[: mid.numel() // 5]] += 1
+                if v > 1:
+                    change(fraction)
+                r = await pub.publish(v)
+                assert await sub.wait_version(v) == v and same_bits(dst, src), v
+                assert r.delta is not None
+                fills.append((v, r.results["gen"].delta, pub._delta.filled if r.delta.base is not None else None))
+                with anyio.fail_after(10):  # completed in the background (a delta's patches, a dense fill)
+                    while (decode_front(int(pub._snapshots.ctl[FRONT])) or (0,))[0] != v:
+                        await anyio.sleep(0.005)
+                assert front_snapshot_holds(pub, src) == v  # what pull reads, the next version's base
+    # v2: the other snapshot never held a version: copied. v3: patched (both sparse). v4: mid
+    # goes dense (written before the pushes), the others patched. v5: mid was dense in v4, whose
+    # encodings v5 patches with: copied, the others patched. v6: 90% everywhere, dense by the
+    # sample. v7: the kept encodings (v4 -> v5) do not start from what the snapshot holds (v5):
+    # copied. v8, v9: patched.
+    assert [f[1] for f in fills] == [False, True, True, True, True, False, True, True, True]
+    assert [f[2] for f in fills] == [None, (0, 4), (4, 0), (3, 0), (3, 1), None, (0, 4), (4, 0), (4, 0)]

@@ -1,11 +1,14 @@
 """Delta sync of a stream: a version sent as the new values of the changed elements only.
 
 The publisher diffs each tensor of the new version against its previous snapshot (the *base*) in
-the same native pass that copies it into the new snapshot (:class:`DeltaEncoder`), and chooses
+one native pass that reads both and writes only the encoding (:class:`DeltaEncoder`), and chooses
 per tensor by measured density: unchanged (nothing sent), sparse (new values plus positions, as
 LEB128 gaps or a bitmask, whichever is smaller, at most ``SPARSE_MAX`` of the dense bytes) or
 dense. A subscriber receives a delta only when its control block says it applied exactly the
-base and has nothing newer pending; everyone else gets the dense version.
+base and has nothing newer pending; everyone else gets the dense version. The new snapshot is
+brought to the version after the pushes, off the subscribers' path: it holds the version before
+the base, so the base's encodings and this version's are scattered into it (O(changed), what the
+diff touches anyway), or, for a tensor that changed too much for that to pay, it is copied.
 
 A delta lands in the subscriber's slot like a dense version: a sparse tensor's encoding lies in
 the tensor's own byte range of the slot (it is smaller), dense tensors at their place; beside
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _kernels
-from .._errors import TransportError
+from .._errors import TransportError, TransportInternalError
 from .._native import delta as native
 from .._tensors import dtype_from_name
 from ._copy import PIECE_BYTES, HostCopies
@@ -53,8 +56,13 @@ PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of de
 # about 0.4 still pays there (Publisher(delta_crossover=...)).
 CROSSOVER = 0.05
 SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elements spread over it
+# A snapshot tensor is patched with two versions' encodings (rather than copied whole) while
+# they change at most this fraction of it together: past it the scatters' read-modify-write of
+# nearly every cache line costs more than a streaming copy.
+PATCH_MAX = 0.03
 MASK64 = (1 << 64) - 1
 Kind = native.Kind
+Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
 
 
 class DeltaRefusedError(TransportError):
@@ -92,7 +100,14 @@ class DeltaVersion:
     header: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     items: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (source bytes, slot offset)
     wire_bytes: int = 0  # bytes a delta push moves (header included)
-    encode_s: float = 0.0  # the fused copy + diff + encode pass
+    encode_s: float = 0.0  # the diff + encode pass (and the copies the pushes need from the snapshot)
+    # entry -> (offset in the staging buffer, payload bytes, changed, position bytes, kind): the sparse ones
+    sparse: dict[int, Sparse] = field(default_factory=dict)
+    unfilled: list[int] = field(default_factory=list)  # deltable entries not yet in the new snapshot
+    held: int | None = None  # the version the new snapshot held before (None: unknown or torn)
+    plan: tuple[list[int], list[tuple[int, list[tuple[int, Sparse]]]]] | None = None  # (copies, patches)
+    copied: bool = False  # the copies of the fill are done
+    patched: bool = False  # and its patches
 
     @property
     def is_delta(self) -> bool:
@@ -105,14 +120,28 @@ class DeltaVersion:
         return self.changed / self.elements if self.elements and self.base is not None else 1.0
 
 
+@dataclass
+class _Payloads:
+    """One published delta's sparse encodings, kept (compacted) to patch the other snapshot
+    with at the next version: ``base`` -> ``version``."""
+
+    base: int
+    version: int
+    buf: torch.Tensor
+    sparse: dict[int, Sparse]  # entry -> (offset in buf, payload bytes, changed, pos bytes, kind)
+    unchanged: frozenset[int]
+
+
 class DeltaEncoder:
-    """The publisher's side: builds each snapshot with the fused copy + diff + encode pass and
-    keeps the per-tensor checksums of both snapshots (the next version's base checksums).
+    """The publisher's side: diffs and encodes each version against the front snapshot, brings
+    the other snapshot to the version after the pushes, and keeps the per-tensor checksums of
+    both snapshots (the next version's base checksums).
 
     Args:
         layout: the stream's packed layout.
         wire: the live tensors by wire name (host tensors).
         threads: copy threads the pass may use.
+        crossover: the changed fraction above which a tensor goes dense.
     """
 
     def __init__(self, layout: Layout, wire: Mapping[str, torch.Tensor], threads: int,
@@ -121,6 +150,9 @@ class DeltaEncoder:
         self.crossover = crossover
         self._wire = wire
         self._threads = threads
+        self._prev: _Payloads | None = None  # the last delta's encodings, to patch with
+        self._prev_buf = torch.empty(0, dtype=torch.uint8)
+        self.filled = (0, 0)  # the last fill's (tensors patched, tensors copied)
         self._offsets: list[int] = []  # entry -> its payload's offset in the staging buffer
         pos = 0
         for e in layout.entries:
@@ -136,23 +168,28 @@ class DeltaEncoder:
         held = self._sums.get(slot)
         return version if held is not None and version is not None and held[0] == version else None
 
-    def encode(self, snap: torch.Tensor, base: torch.Tensor | None, base_version: int | None,
+    def encode(self, snap: torch.Tensor, slot: int, base: torch.Tensor | None, base_version: int | None,
                base_slot: int | None, version: int) -> tuple[DeltaVersion, list[int]]:
-        """Copies every deltable tensor into ``snap`` (the new snapshot), diffing it against
-        ``base`` (the previous snapshot, holding ``base_version``) on the way, and writes the
-        sparse encodings into the staging buffer. Runs in a worker thread.
+        """Diffs every deltable tensor against ``base`` (the previous snapshot, holding
+        ``base_version``), reading both and writing only the sparse encodings (into the staging
+        buffer); writes into ``snap`` (snapshot ``slot``, the new one) only what a delta push
+        sends from it: the tensors that go dense and those that always travel dense.
+        :meth:`fill` writes the rest, after the pushes or before the first dense one (which
+        sends packed buckets from the snapshot). Runs in a worker thread.
 
         Returns:
             The version as a :class:`DeltaVersion`, and the new snapshot's checksums (keep
-            them with :meth:`commit` once the snapshot is published).
+            them with :meth:`commit` once the snapshot is filled).
         """
         t0 = time.perf_counter()
+        held = self._sums.pop(slot, None)  # being rewritten: torn until fill() ends
         entries = self.layout.entries
         if base is not None and self._staging is None:
             self._staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
         staging = self._staging
         results: list[native.Encoded | None] = [None] * len(entries)
         keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
+        fresh_of: dict[int, int] = {}
         batch = HostCopies()
         sptr, bptr = snap.data_ptr(), 0 if base is None else base.data_ptr()
         for i, e in enumerate(entries):
@@ -164,21 +201,22 @@ class DeltaEncoder:
             if not src.is_contiguous():
                 src = src.contiguous()
                 keep.append(src)
-            fresh = src.data_ptr()
+            fresh = fresh_of[i] = src.data_ptr()
             es = src.element_size()
 
             def work(i: int = i, e: Entry = e, fresh: int = fresh, es: int = es) -> None:
                 out = 0 if staging is None else staging.data_ptr() + self._offsets[i]
-                results[i] = native.encode(fresh, bptr + e.offset if bptr else 0, sptr + e.offset, e.numel, es,
-                                           out, self._budget(e) if bptr else 0)
+                # Without a base there is nothing to diff: the copy and the checksum in one pass.
+                results[i] = native.encode(fresh, bptr + e.offset if bptr else 0, 0 if bptr else sptr + e.offset,
+                                           e.numel, es, out, self._budget(e) if bptr else 0)
 
             batch.add(e.nbytes, work)
         batch.run(self._threads)
-        del keep
         base_sums = self._sums[base_slot][1] if base_slot is not None and base is not None else None
         kinds: list[Kind] = []
         sums: list[int] = []
-        dv = DeltaVersion(version, base_version if base is not None else None, kinds)
+        dv = DeltaVersion(version, base_version if base is not None else None, kinds,
+                          held=held[0] if held is not None else None)
         header = torch.zeros(HEADER_WORDS + ENTRY_WORDS * len(entries), dtype=torch.int64)
         header[:HEADER_WORDS] = torch.tensor([MAGIC, version, -1 if dv.base is None else dv.base, len(entries)])
         runs: list[tuple[int, int]] = []  # dense byte ranges of the snapshot
@@ -215,6 +253,18 @@ class DeltaEncoder:
                 o = self._offsets[i]
                 if r.payload_bytes:
                     dv.items.append((staging[o:o + r.payload_bytes], e.offset))
+                    dv.sparse[i] = (o, r.payload_bytes, r.changed, r.pos_bytes, kind)
+        if base is not None:  # what a delta push sends from the snapshot, now; the rest later
+            early = HostCopies()
+            for i, e in enumerate(entries):
+                if i not in fresh_of:
+                    continue
+                if kinds[i] == Kind.DENSE:
+                    early.add_raw(sptr + e.offset, fresh_of[i], e.nbytes)
+                else:
+                    dv.unfilled.append(i)
+            early.run(self._threads)
+        del keep
         dv.items += [(snap[a:b], a) for a, b in runs]
         dv.header = header
         dv.wire_bytes = sum(t.numel() for t, _ in dv.items) + header.numel() * 8
@@ -266,6 +316,107 @@ class DeltaEncoder:
         if sampled_total and changed_total > self.crossover * sampled_total:
             return True, changed_total, sampled_total
         return estimate > PREDICT_DENSE * self.layout.total, changed_total, sampled_total
+
+    def fill(self, snap: torch.Tensor, dv: DeltaVersion) -> None:
+        """Brings the new snapshot ``snap`` to ``dv``'s version (:meth:`fill_copies`, then
+        :meth:`fill_patches`). Runs in a worker thread, while the live tensors hold the version."""
+        self.fill_copies(snap, dv)
+        self.fill_patches(snap, dv)
+
+    def _plan(self, dv: DeltaVersion) -> tuple[list[int], list[tuple[int, list[tuple[int, Sparse]]]]]:
+        """Splits the tensors :meth:`encode` left out of the new snapshot into those copied from
+        the live tensors and those patched: where the snapshot held the version before ``dv``'s
+        base, both steps were sparse (or unchanged) there and they changed little, the two
+        encodings are scattered into it (O(changed))."""
+        if dv.plan is not None:
+            return dv.plan
+        prev = self._prev
+        if prev is not None and not (dv.held is not None and prev.base == dv.held and prev.version == dv.base):
+            prev = None  # the snapshot does not hold the base of the encodings we kept
+        staging = self._staging
+        copies: list[int] = []
+        patches: list[tuple[int, list[tuple[int, Sparse]]]] = []
+        for i in dv.unfilled:
+            steps: list[tuple[int, Sparse]] = []
+            if prev is not None and staging is not None and dv.kinds[i] != Kind.DENSE and \
+                    (i in prev.sparse or i in prev.unchanged):
+                if i in prev.sparse:
+                    steps.append((prev.buf.data_ptr(), prev.sparse[i]))
+                if i in dv.sparse:
+                    steps.append((staging.data_ptr(), dv.sparse[i]))
+                if sum(step[1][2] for step in steps) <= PATCH_MAX * self.layout.entries[i].numel:
+                    patches.append((i, steps))
+                    continue
+            copies.append(i)
+        dv.plan = (copies, patches)
+        self.filled = (len(patches), len(copies))
+        return dv.plan
+
+    def fill_copies(self, snap: torch.Tensor, dv: DeltaVersion) -> None:
+        """Copies into ``snap`` the tensors of ``dv`` that are not patched; they are read from
+        the live tensors, so this runs before the publish returns. Runs in a worker thread."""
+        if dv.copied:
+            return
+        copies, _ = self._plan(dv)
+        batch = HostCopies()
+        keep: list[torch.Tensor] = []
+        for i in copies:
+            e = self.layout.entries[i]
+            src = self._wire[e.name]
+            if not src.is_contiguous():
+                src = src.contiguous()
+                keep.append(src)
+            batch.add_raw(snap.data_ptr() + e.offset, src.data_ptr(), e.nbytes)
+        batch.run(self._threads)
+        del keep
+        dv.copied = True
+
+    def fill_patches(self, snap: torch.Tensor, dv: DeltaVersion) -> None:
+        """Scatters the kept and ``dv``'s encodings into ``snap`` where :meth:`_plan` patches,
+        then keeps ``dv``'s encodings (compacted) for the next version. Reads no live tensor
+        (it may run after the publish returns), but must end before the next :meth:`encode`.
+        Runs in a worker thread.
+
+        Raises:
+            TransportInternalError: one of our own encodings failed to apply (a bug).
+        """
+        if dv.patched:
+            return
+        _, patches = self._plan(dv)
+        batch = HostCopies()
+        for i, steps in patches:
+            e = self.layout.entries[i]
+            batch.add(sum(step[1][2] for step in steps) * 64,
+                      functools.partial(self._patch, snap.data_ptr() + e.offset, e, steps))
+        batch.run(self._threads)
+        self._keep(dv)
+        dv.patched = True
+
+    @staticmethod
+    def _patch(dst: int, e: Entry, steps: Sequence[tuple[int, Sparse]]) -> None:
+        es = dtype_from_name(e.wire_dtype).itemsize
+        for buf, (offset, nbytes, changed, pos_bytes, kind) in steps:
+            refusal, _, _ = native.scatter(dst, e.numel, es, buf + offset, nbytes, int(kind), changed, pos_bytes, True)
+            if refusal != native.Refusal.OK:
+                raise TransportInternalError(f"our own delta of {e.name!r} does not apply to the snapshot: "
+                                             f"{refusal.name}")
+
+    def _keep(self, dv: DeltaVersion) -> None:
+        """Keeps ``dv``'s sparse encodings, compacted, for the next :meth:`fill`."""
+        assert dv.base is not None and self._staging is not None
+        total = sum(step[1] for step in dv.sparse.values())
+        if self._prev_buf.numel() < total:
+            self._prev_buf = torch.empty(total + total // 4, dtype=torch.uint8)
+        sparse: dict[int, Sparse] = {}
+        at = 0
+        batch = HostCopies()
+        for i, (offset, nbytes, changed, pos_bytes, kind) in dv.sparse.items():
+            batch.add_raw(self._prev_buf.data_ptr() + at, self._staging.data_ptr() + offset, nbytes)
+            sparse[i] = (at, nbytes, changed, pos_bytes, kind)
+            at += nbytes
+        batch.run(self._threads)
+        unchanged = frozenset(i for i, k in enumerate(dv.kinds) if k == Kind.UNCHANGED)
+        self._prev = _Payloads(dv.base, dv.version, self._prev_buf, sparse, unchanged)
 
     def learn(self, slot: int, version: int, snap: torch.Tensor) -> None:
         """Computes the checksums of snapshot ``slot`` (holding ``version``, filled by a dense
@@ -442,10 +593,19 @@ class DeltaApplier:
                                         f"fit a {e.nbytes}-byte tensor")
             checks.append(_Check(e, i, kind, changed, pos_bytes, payload_bytes, new_sum, old_terms))
         base_ptr = slot.data_ptr()
-        for c in checks:  # O(changed), the payload alone: positions in bounds, the new checksum
-            es = dtype_from_name(c.entry.wire_dtype).itemsize
-            refusal, _, new = native.scatter(0, c.entry.numel, es, base_ptr + c.entry.offset, c.payload_bytes,
+        # O(changed), the payload alone, across the copy threads: positions in bounds, the new checksum.
+        verdicts: list[tuple[native.Refusal, int, int]] = [(native.Refusal.OK, 0, 0)] * len(checks)
+        batch = HostCopies()
+        for j, c in enumerate(checks):
+
+            def check(j: int = j, c: _Check = c) -> None:
+                es = dtype_from_name(c.entry.wire_dtype).itemsize
+                verdicts[j] = native.scatter(0, c.entry.numel, es, base_ptr + c.entry.offset, c.payload_bytes,
                                              int(c.kind), c.changed, c.pos_bytes, False)
+
+            batch.add(_scatter_cost(c), check)
+        batch.run(self._threads)
+        for c, (refusal, _, new) in zip(checks, verdicts, strict=True):
             if refusal != native.Refusal.OK:
                 raise DeltaRefusedError(f"{c.entry.name!r}: payload refused ({refusal.name})")
             held = self.sums[c.index]
@@ -478,11 +638,17 @@ class DeltaApplier:
                     log.error("delta of %r changed under its apply (%s): that tensor is partly written",
                               c.entry.name, refusal.name)
 
-            batch.add(c.changed * c.entry.nbytes // max(1, c.entry.numel), scatter)
+            batch.add(_scatter_cost(c), scatter)
         batch.run(self._threads)
         for i, e in enumerate(entries):
             if deltable(e) and self._local[i] is not None:
                 self.sums[i] = _unsigned(int(words[HEADER_WORDS + ENTRY_WORDS * i + 5]))
+
+
+def _scatter_cost(c: _Check) -> int:
+    """What a scatter of ``c`` weighs for the copy threads, in bytes of memory traffic: a cache
+    line a change, up to the tensor."""
+    return min(c.changed * 64, c.entry.nbytes)
 
 
 def _cast(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:

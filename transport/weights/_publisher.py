@@ -9,6 +9,7 @@ the background. It also reports the subscribers served before that have left or 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -23,6 +24,7 @@ from ._control import (
     APPLIED,
     CTL_WORDS,
     DELTA,
+    FILLING,
     FRONT,
     LATEST,
     LAYOUT_ID,
@@ -332,55 +334,81 @@ class Publisher:
             t0 = time.perf_counter()
             front = decode_front(int(snapshots.ctl[FRONT]))
             slot = snapshots.begin()
-            dv: DeltaVersion | None = None
-            sums: list[int] = []
-            sample: tuple[bool, int, int] | None = None
-            if self._delta is not None and front is not None and self._takers:
-                # A sample of the change decides whether the full diff can pay: a version that
-                # changed too much goes dense at once, exactly as with delta=False. (No diff at
-                # all while no subscriber takes deltas: zero-copy or device-slot ones, say.)
-                base = snapshots.snaps[front[1]]
-                sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
-                if not sample[0]:
-                    if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
-                        await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base)
-                    # The whole snapshot is packed before the pushes, diffed against the previous
-                    # one in the same pass: the delta costs no extra read of the live tensors.
-                    dv, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], base,
-                                                              front[0], front[1], version)
-            if dv is None:
-                if self._delta is not None:
-                    self._delta.forget(slot)
-                # Only what cannot go straight from the live tensors is packed before the pushes;
-                # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
-                # would compete with the pushes for the same memory bandwidth and cores.
-                await anyio.to_thread.run_sync(snapshots.pack, slot)
-            t_packed = time.perf_counter()
-            results: dict[str, SyncResult] = {}
-            subs, listed = await self._discover()
-            left, dead = self._departed(subs, listed, version, t0, results)
-            t_found = time.perf_counter()
-            snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
-            memory_barrier()
-            async with anyio.create_task_group() as tg:
-                for peer in subs.values():
-                    tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results, dv)
-            t_pushed = time.perf_counter()
-            # A subscriber reached one-sidedly (its application takes no part in the copy back).
-            source = next((subs[n] for n, r in results.items()
-                           if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
-            if dv is not None and self._delta is not None:  # the snapshot was packed whole before the pushes
-                snapshots.finish(slot, version, True)
-                self._delta.commit(slot, version, sums)
-            elif source is not None and snapshots.direct and self._rings is not None:
-                # The rest of the snapshot comes from a subscriber's slot that holds this version
-                # (no one writes it before our next publish), in the background: the live
-                # tensors are free now.
-                snapshots.fill_in_background(self._rings, source, self._landed[source.name][0], slot, version,
-                                             lambda: bool(self._ringing))
-            else:
-                await anyio.to_thread.run_sync(snapshots.fill_direct, slot)
-                snapshots.finish(slot, version, True)
+            ended = False  # whether the snapshot's write was ended (or handed to a background task)
+            try:
+                dv: DeltaVersion | None = None
+                sums: list[int] = []
+                sample: tuple[bool, int, int] | None = None
+                if self._delta is not None and front is not None and self._takers:
+                    # A sample of the change decides whether the full diff can pay: a version that
+                    # changed too much goes dense at once, exactly as with delta=False. (No diff at
+                    # all while no subscriber takes deltas: zero-copy or device-slot ones, say.)
+                    base = snapshots.snaps[front[1]]
+                    sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
+                    if not sample[0]:
+                        if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
+                            await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base)
+                        # Diffed against the front snapshot, writing only the encodings (and what a
+                        # delta push sends from the new snapshot); the rest of it is brought to the
+                        # version later (fill), by the two versions' encodings where that pays.
+                        dv, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], slot, base,
+                                                                  front[0], front[1], version)
+                if dv is None:
+                    if self._delta is not None:
+                        self._delta.forget(slot)
+                    # Only what cannot go straight from the live tensors is packed before the pushes;
+                    # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
+                    # would compete with the pushes for the same memory bandwidth and cores.
+                    await anyio.to_thread.run_sync(snapshots.pack, slot)
+                t_packed = time.perf_counter()
+                results: dict[str, SyncResult] = {}
+                subs, listed = await self._discover()
+                left, dead = self._departed(subs, listed, version, t0, results)
+                t_found = time.perf_counter()
+                snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
+                if dv is not None:  # its snapshot is completed below: pull() waits for it, not the one before
+                    snapshots.ctl[FILLING] = version
+                memory_barrier()
+                fill = None if dv is None or self._delta is None else \
+                    _Once(functools.partial(self._delta.fill, snapshots.snaps[slot], dv))
+                async with anyio.create_task_group() as tg:
+                    for peer in subs.values():
+                        tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results, dv, fill)
+                t_pushed = time.perf_counter()
+                # A subscriber reached one-sidedly (its application takes no part in the copy back).
+                source = next((subs[n] for n, r in results.items()
+                               if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
+                if fill is not None and dv is not None and self._delta is not None:
+                    delta = self._delta
+                    if fill.done or self._rings is None:
+                        await fill()
+                        snapshots.finish(slot, version, True)
+                        ended = True
+                        delta.commit(slot, version, sums)
+                    else:
+                        # What needs the live tensors now (they are free once we return); the
+                        # patches, which read only our encodings, after the doorbells, like a fill.
+                        snap = snapshots.snaps[slot]
+                        await anyio.to_thread.run_sync(delta.fill_copies, snap, dv)
+                        snapshots.complete_in_background(self._rings, slot, version,
+                                                         functools.partial(delta.fill_patches, snap, dv),
+                                                         lambda: bool(self._ringing),
+                                                         functools.partial(delta.commit, slot, version, sums))
+                        ended = True
+                elif source is not None and snapshots.direct and self._rings is not None:
+                    # The rest of the snapshot comes from a subscriber's slot that holds this version
+                    # (no one writes it before our next publish), in the background: the live
+                    # tensors are free now.
+                    snapshots.fill_in_background(self._rings, source, self._landed[source.name][0], slot, version,
+                                                 lambda: bool(self._ringing))
+                    ended = True
+                else:
+                    await anyio.to_thread.run_sync(snapshots.fill_direct, slot)
+                    snapshots.finish(slot, version, True)
+                    ended = True
+            finally:
+                if not ended:  # failed or cancelled: unpublished, and pullers read the front as before
+                    snapshots.finish(slot, version, False)
             self.version = version
             self._takers = any(self._takes_delta.get(n, False) for n in subs)
             self._remember(subs, listed, dead)
@@ -401,14 +429,14 @@ class Publisher:
                                  total_s=end - entry, delta=stats)
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
-                    results: dict[str, SyncResult], dv: DeltaVersion | None = None) -> None:
+                    results: dict[str, SyncResult], dv: DeltaVersion | None = None, fill: _Once | None = None) -> None:
         sub, moved = peer.name, [0, 0]  # bytes written, whether as a delta
         handles: list[Transfer] = []
         status = SyncStatus.STRAGGLER
         error: str | None = f"not complete within the {self.deadline:g}s deadline"
         with anyio.move_on_after(self.deadline):
             try:
-                await self._push_inner(peer, version, snap, handles, moved, dv)
+                await self._push_inner(peer, version, snap, handles, moved, dv, fill)
                 status, error = SyncStatus.DONE, None
             except TransportError as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -472,7 +500,7 @@ class Publisher:
             self._ringing.pop(key, None)
 
     async def _push_inner(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer],
-                          moved: list[int], dv: DeltaVersion | None = None) -> None:
+                          moved: list[int], dv: DeltaVersion | None = None, fill: _Once | None = None) -> None:
         t, k, sub = self.t, self._keys, peer.name
         slot_bytes = peer.regions[k.slots[0]].nbytes
         if slot_bytes != self.layout.total:
@@ -503,6 +531,8 @@ class Publisher:
             h = t.put_many(sub, items, timeout=self.deadline)
             nbytes, moved[1] = dv.wire_bytes, 1
         else:
+            if fill is not None:  # a delta version: the packed buckets this sends are filled first
+                await fill()
             if int(ctl[DELTA]) == 1 and k.deltas[back] in peer.regions:
                 # That slot's delta header may name this version (a restarted publisher counts
                 # again): cleared first, so the dense bytes are never read as a delta.
@@ -524,3 +554,24 @@ class Publisher:
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
         await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
+
+
+class _Once:
+    """Runs ``work`` in a worker thread the first time it is awaited; later awaits wait for that
+    run. Shared by the pushes of one version and the publish that made them."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._lock = anyio.Lock()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """Whether the work has run."""
+        return self._done
+
+    async def __call__(self) -> None:
+        async with self._lock:
+            if not self._done:
+                await anyio.to_thread.run_sync(self._work)
+                self._done = True

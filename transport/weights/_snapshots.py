@@ -107,6 +107,35 @@ class Snapshots:
         self._fill_scope = anyio.CancelScope()  # made here: the next publish may cancel it before it starts
         tg.start_soon(self._fill_from, peer, sub_slot, slot, version, self._filled, self._fill_scope, rings_pending)
 
+    def complete_in_background(self, tg: TaskGroup, slot: int, version: int, work: Callable[[], None],
+                               rings_pending: Callable[[], bool], done: Callable[[], None]) -> None:
+        """Runs ``work`` (in a worker thread; it completes snapshot ``slot`` without the live
+        tensors) in a task of ``tg``, once ``rings_pending()`` is False (at most
+        ``FILL_AFTER_RINGS_S``), then makes the snapshot the front and calls ``done``. Unlike a
+        fill it is never abandoned: the next publish waits for it (see :meth:`abandon_fill`)."""
+        self.ctl[FILLING] = version
+        self._filled = anyio.Event()
+        self._fill_scope = None  # not to be abandoned
+        tg.start_soon(self._complete, slot, version, work, rings_pending, done, self._filled)
+
+    async def _complete(self, slot: int, version: int, work: Callable[[], None], rings_pending: Callable[[], bool],
+                        done: Callable[[], None], filled: anyio.Event) -> None:
+        complete = False
+        try:
+            with anyio.move_on_after(FILL_AFTER_RINGS_S):  # as in _fill_from
+                while rings_pending():
+                    await anyio.sleep(0.001)
+            await anyio.to_thread.run_sync(work)
+            complete = True
+        except TransportError as exc:
+            log.error("publisher %s: the snapshot of version %d could not be completed (%s); pull() serves "
+                      "the previous version", self.t.name, version, exc)
+        finally:
+            self.finish(slot, version, complete)
+            if complete:
+                done()
+            filled.set()
+
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops the prepared fills from subscribers (name, incarnation) no longer served."""
         for c in [c for c in self._pulls if (c[0], c[1]) not in serving]:
