@@ -520,6 +520,59 @@ __attribute__((target(TRANSPORT_AVX512))) int scatter_mask_avx512(uint8_t* l, ui
 #pragma GCC diagnostic pop
 #endif  // TRANSPORT_DELTA_X86
 
+// Reads the LEB128 gap at pos + *at (pos_bytes in all, a peer's bytes) and moves *at past it.
+// One- and two-byte gaps (nearly all of them) take a short path while ten bytes are left.
+inline int next_gap(const uint8_t* pos, uint64_t pos_bytes, uint64_t* at, uint64_t* gap) {
+  uint64_t a = *at;
+  if (a + 10 <= pos_bytes) {
+    const uint8_t b0 = pos[a];
+    if (b0 < 0x80) {
+      *gap = b0;
+      *at = a + 1;
+      return kOk;
+    }
+    const uint8_t b1 = pos[a + 1];
+    if (b1 < 0x80) {
+      *gap = (b0 & 0x7fu) | static_cast<uint64_t>(b1) << 7;
+      *at = a + 2;
+      return kOk;
+    }
+  }
+  uint64_t g = 0;
+  int shift = 0;
+  while (true) {
+    if (a >= pos_bytes) return kCountMismatch;
+    const uint8_t byte = pos[a++];
+    if (shift == 63 && (byte & 0x7e) != 0) return kBadVarint;
+    g |= static_cast<uint64_t>(byte & 0x7f) << shift;
+    if (!(byte & 0x80)) break;
+    shift += 7;
+    if (shift > 63) return kBadVarint;
+  }
+  *gap = g;
+  *at = a;
+  return kOk;
+}
+
+// The stores of a varint payload into live (n elements), every position checked before its store.
+template <int ES>
+int store_varints(uint8_t* l, uint64_t n, const uint8_t* vals, uint64_t count, const uint8_t* pos,
+                  uint64_t pos_bytes) {
+  uint64_t at = 0, next = 0;
+  for (uint64_t k = 0; k < count; ++k) {
+    uint64_t gap = 0;
+    const int refusal = next_gap(pos, pos_bytes, &at, &gap);
+    if (refusal != kOk) return refusal;
+    if (gap >= n || next > n - 1 - gap) return kOutOfRange;
+    const uint64_t p = next + gap;
+    // The positions ascend: the line a little ahead in the tensor is about to be stored to.
+    __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
+    std::memcpy(l + p * ES, vals + k * ES, ES);
+    next = p + 1;
+  }
+  return at == pos_bytes ? kOk : kCountMismatch;
+}
+
 int resolve(int isa) {
   if (isa == kAuto) {
 #ifdef TRANSPORT_DELTA_X86
@@ -642,19 +695,16 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
     if (l != nullptr) r.sum_old += mix(load_elem(l + p * es, es), p);
   };
   if (kind == kVarint) {
+    if (write) {  // the walk specialised by element size, without the sums
+      const int refusal = es == 2 ? store_varints<2>(l, n, vals, count, pos, pos_bytes)
+                                  : store_varints<4>(l, n, vals, count, pos, pos_bytes);
+      return {refusal, 0, 0};
+    }
     uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
     for (uint64_t k = 0; k < count; ++k) {
       uint64_t gap = 0;
-      int shift = 0;
-      while (true) {
-        if (at >= pos_bytes) return {kCountMismatch, 0, 0};
-        uint8_t byte = pos[at++];
-        if (shift == 63 && (byte & 0x7e) != 0) return {kBadVarint, 0, 0};
-        gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
-        if (!(byte & 0x80)) break;
-        shift += 7;
-        if (shift > 63) return {kBadVarint, 0, 0};
-      }
+      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
+      if (refusal != kOk) return {refusal, 0, 0};
       if (gap >= n || next > n - 1 - gap) return {kOutOfRange, 0, 0};  // next + gap would be >= n
       uint64_t p = next + gap;
       visit(k, p);
