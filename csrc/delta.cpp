@@ -674,6 +674,21 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   return r;
 }
 
+uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
+                        int isa) {
+  check_es(es);
+  run = std::min(run, n);
+  if (runs == 0 || run == 0) return 0;
+  const auto* f = static_cast<const uint8_t*>(fresh);
+  const auto* b = static_cast<const uint8_t*>(base);
+  uint64_t changed = 0;
+  for (uint64_t j = 0; j < runs; ++j) {
+    const uint64_t at = runs == 1 ? 0 : (n - run) / (runs - 1) * j + (n - run) % (runs - 1) * j / (runs - 1);
+    changed += encode(f + at * es, b + at * es, nullptr, run, es, nullptr, 0, isa).changed;
+  }
+  return changed;
+}
+
 ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                       uint64_t count, uint64_t pos_bytes, bool write) {
   ScatterResult r{kOk, 0, 0};

@@ -63,6 +63,12 @@ struct ScatterResult {
 EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
                     int isa);
 
+// Elements that differ between fresh and base (n elements of es bytes) in runs ranges of run
+// elements spread evenly over them: range j starts at (n - run) * j / (runs - 1) (one range at 0
+// when runs is 1). run is clamped to n. The publisher's sample of a tensor's change.
+uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
+                        int isa);
+
 // The checksum of n elements of es bytes at p, their indices starting at first (so a tensor's
 // checksum is the sum of its pieces'). When dst is not null the elements are also copied there.
 uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, int isa);

@@ -319,6 +319,15 @@ void bind_delta(nb::module_& m) {
       "Copies fresh to snap, diffs it against base and encodes the changes at out (at most cap bytes); "
       "returns (kind, changed, payload_bytes, pos_bytes, checksum, sum_old, sum_new).");
   m.def(
+      "delta_sample_changed",
+      [](uint64_t fresh, uint64_t base, uint64_t n, int es, uint64_t runs, uint64_t run, int isa) {
+        return delta::sample_changed(reinterpret_cast<const void*>(fresh), reinterpret_cast<const void*>(base), n,
+                                     es, runs, run, isa);
+      },
+      nb::arg("fresh"), nb::arg("base"), nb::arg("n"), nb::arg("es"), nb::arg("runs"), nb::arg("run"),
+      nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
+      "Elements that differ in runs ranges of run elements spread evenly over n.");
+  m.def(
       "delta_checksum",
       [](uint64_t p, uint64_t n, int es, uint64_t first, uint64_t dst, int isa) {
         return delta::checksum(reinterpret_cast<const void*>(p), n, es, first, reinterpret_cast<void*>(dst), isa);

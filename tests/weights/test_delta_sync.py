@@ -90,6 +90,21 @@ def test_diff_encode_and_scatter_are_bit_exact(isa, dtype):
 
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_the_sample_counts_the_changes_in_its_runs(isa):
+    g = torch.Generator().manual_seed(5)
+    n = 1_000_003
+    base = torch.randn(n, generator=g).to(torch.bfloat16)
+    fresh = base.clone()
+    fresh[torch.randperm(n, generator=g)[:20_000]] += 1
+    ne = raw(fresh) != raw(base)
+    for runs, run in [(1, n), (1, 10), (16, 1024), (7, 333), (3, 2 * n)]:
+        run_ = min(run, n)
+        starts = [0] if runs == 1 else [(n - run_) * j // (runs - 1) for j in range(runs)]
+        want = sum(int(ne[a:a + run_].sum()) for a in starts)
+        assert native.sample_changed(fresh.data_ptr(), base.data_ptr(), n, 2, runs, run, isa) == want, (runs, run)
+
+
 def leb128_gaps(positions: list[int]) -> bytes:
     """The varint positions of a kVarint payload as delta.h defines them, in Python."""
     out, last = bytearray(), 0

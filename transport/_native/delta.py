@@ -82,6 +82,17 @@ def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int
     return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old, sum_new)
 
 
+def sample_changed(fresh: int, base: int, n: int, es: int, runs: int, run: int, isa: Isa = Isa.AUTO) -> int:
+    """Elements that differ between ``fresh`` and ``base`` (``n`` elements of ``es`` bytes) in
+    ``runs`` ranges of ``run`` elements spread evenly over them: range ``j`` starts at
+    ``(n - run) * j // (runs - 1)`` (one range at 0 when ``runs`` is 1); ``run`` is clamped to ``n``.
+
+    Raises:
+        TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
+    """
+    return int(_call("delta sample", "delta_sample_changed", fresh, base, n, es, runs, run, int(isa)))
+
+
 def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa = Isa.AUTO) -> int:
     """The checksum of ``n`` elements of ``es`` bytes at ``ptr`` whose indices start at
     ``first`` (a tensor's checksum is the sum of its pieces', mod 2**64); copies them to

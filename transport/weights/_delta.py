@@ -302,11 +302,10 @@ class DeltaEncoder:
                 continue
             es, n = src.element_size(), e.numel
             fresh, old = src.data_ptr(), bptr + e.offset
-            # Counting only (no output): the native diff over each run.
-            runs = [(0, n)] if n <= SAMPLE_BLOCKS * SAMPLE_RUN * 4 else \
-                [((n - SAMPLE_RUN) * j // (SAMPLE_BLOCKS - 1), SAMPLE_RUN) for j in range(SAMPLE_BLOCKS)]
-            changed = sum(native.encode(fresh + a * es, old + a * es, 0, m, es, 0, 0).changed for a, m in runs)
-            sampled = sum(m for _, m in runs)
+            # Counting only (no output): the native diff over each run, in one call.
+            runs, run = (1, n) if n <= SAMPLE_BLOCKS * SAMPLE_RUN * 4 else (SAMPLE_BLOCKS, SAMPLE_RUN)
+            changed = native.sample_changed(fresh, old, n, es, runs, run)
+            sampled = runs * run
             changed_total += changed
             sampled_total += sampled
             f = changed / sampled
