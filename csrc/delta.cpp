@@ -810,6 +810,59 @@ __attribute__((target("avx2"))) uint64_t diff_avx2(const uint8_t* f, uint8_t* s,
 }
 #endif
 
+// fp32 -> bf16 as c10::BFloat16 rounds: to nearest, ties to even; every NaN becomes 0x7FC0 (torch's
+// vector casts give 0xFFFF, its scalar ones 0x7FC0: one canonical NaN here, wherever it lies).
+inline uint16_t to_bf16(uint32_t bits) {
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+uint64_t diff_bf16_scalar(const uint8_t* f, uint8_t* s, uint64_t from, uint64_t n, uint64_t offset,
+                          uint64_t* positions, uint8_t* old, uint64_t cap, uint64_t count) {
+  for (uint64_t i = from; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, f + i * 4, 4);
+    const uint16_t v = to_bf16(bits);
+    uint16_t was;
+    std::memcpy(&was, s + i * 2, 2);
+    if (v != was) {
+      count = record<2>(s, i, offset, positions, old, cap, count);
+      std::memcpy(s + i * 2, &v, 2);
+    }
+  }
+  return count;
+}
+
+#ifdef TRANSPORT_DELTA_X86
+// 8 fp32 a step, cast in the lanes, compared with 8 bf16 of the snapshot; only changed blocks stored.
+__attribute__((target("avx2"))) uint64_t diff_bf16_avx2(const uint8_t* f, uint8_t* s, uint64_t n, uint64_t offset,
+                                                        uint64_t* positions, uint8_t* old, uint64_t cap) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i qnan = _mm256_set1_epi32(0x7FC0);
+  uint64_t count = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * 4));
+    _mm_prefetch(reinterpret_cast<const char*>(f + i * 4 + 2 * kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(s + i * 2 + kPrefetch), _MM_HINT_T0);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(x, bias), _mm256_and_si256(_mm256_srli_epi32(x, 16), one)), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_cmpgt_epi32(_mm256_and_si256(x, abs_mask), inf));
+    const __m128i v = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    const __m128i was = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * 2));
+    uint32_t diff = ~static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(v, was))) & 0xFFFFu;
+    if (diff == 0) continue;
+    diff &= 0x5555u;  // one bit per lane
+    while (diff) {
+      count = record<2>(s, i + static_cast<uint64_t>(__builtin_ctz(diff)) / 2, offset, positions, old, cap, count);
+      diff &= diff - 1;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s + i * 2), v);
+  }
+  return diff_bf16_scalar(f, s, i, n, offset, positions, old, cap, count);
+}
+#endif
+
 }  // namespace
 
 uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64_t offset, uint64_t* positions,
@@ -826,6 +879,19 @@ uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64
 #endif
   return es == 2 ? diff_scalar<2>(f, s, 0, n, offset, positions, o, cap, 0)
                  : diff_scalar<4>(f, s, 0, n, offset, positions, o, cap, 0);
+}
+
+uint64_t diff_bf16_in_place(const void* fresh, void* snap, uint64_t n, uint64_t offset, uint64_t* positions,
+                            void* old, uint64_t cap, int isa) {
+  const auto* f = static_cast<const uint8_t*>(fresh);
+  auto* s = static_cast<uint8_t*>(snap);
+  auto* o = static_cast<uint8_t*>(old);
+#ifdef TRANSPORT_DELTA_X86
+  if (resolve(isa) != kScalar) return diff_bf16_avx2(f, s, n, offset, positions, o, cap);
+#else
+  resolve(isa);
+#endif
+  return diff_bf16_scalar(f, s, 0, n, offset, positions, o, cap, 0);
 }
 
 uint64_t cut_runs(const uint64_t* units, const uint16_t* old_vals, const uint16_t* new_vals, uint64_t count,

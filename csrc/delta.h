@@ -95,6 +95,13 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
 uint64_t diff_in_place(const void* fresh, void* snap, uint64_t n, int es, uint64_t offset, uint64_t* positions,
                        void* old, uint64_t cap, int isa);
 
+// diff_in_place of n fp32 elements at fresh against their bf16 cast at snap (2-byte elements):
+// each is cast as c10::BFloat16 rounds (to nearest even; every NaN to 0x7FC0, where torch's
+// vector loops give 0xFFFF) on the way, so a trainer's
+// fp32 weights are packed and diffed in one pass, without a cast copy.
+uint64_t diff_bf16_in_place(const void* fresh, void* snap, uint64_t n, uint64_t offset, uint64_t* positions,
+                            void* old, uint64_t cap, int isa);
+
 // The changes (count sorted unit positions of a snapshot, with their old and new 2-byte values)
 // that fall in runs (nruns int64 rows of (snapshot offset, slot offset, nbytes), sorted by
 // snapshot offset and not overlapping there), as slot unit positions with their values, in the

@@ -359,6 +359,17 @@ void bind_delta(nb::module_& m) {
       "Diffs fresh against snap, records up to cap changed byte offsets and old values, copies fresh into snap; "
       "returns how many changed.");
   m.def(
+      "delta_diff_bf16_in_place",
+      [](uint64_t fresh, uint64_t snap, uint64_t n, uint64_t offset, uint64_t positions, uint64_t old, uint64_t cap,
+         int isa) {
+        return delta::diff_bf16_in_place(reinterpret_cast<const void*>(fresh), reinterpret_cast<void*>(snap), n,
+                                         offset, reinterpret_cast<uint64_t*>(positions), reinterpret_cast<void*>(old),
+                                         cap, isa);
+      },
+      nb::arg("fresh"), nb::arg("snap"), nb::arg("n"), nb::arg("offset"), nb::arg("positions"), nb::arg("old"),
+      nb::arg("cap"), nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
+      "diff_in_place of fp32 fresh against its bf16 cast at snap; returns how many changed.");
+  m.def(
       "delta_cut_runs",
       [](uint64_t units, uint64_t old_vals, uint64_t new_vals, uint64_t count, uint64_t runs, uint64_t nruns,
          uint64_t out_units, uint64_t out_old, uint64_t out_new) {

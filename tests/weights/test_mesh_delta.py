@@ -45,6 +45,40 @@ def test_the_in_place_diff_records_exactly_the_changed_elements_and_their_old_bi
     assert bool((positions[10:] == -7).all())
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_the_fp32_diff_casts_as_torch_does_and_records_the_changes(isa):
+    g = torch.Generator().manual_seed(2)
+    n = 20_011
+    base32 = torch.randn(n, generator=g) * 3
+    bits = base32.view(torch.int32)
+    # Rounding ties both ways, infinities, NaNs of every sign and payload, subnormals, -0.0.
+    specials = [0x3F808000, 0x3F818000, 0x7F800000, -0x800000, 0x7F800001, 0x7FC00000, -0x3FFFFF,
+                0x7FFFFFFF, 0x00000001, 0x00400000, -0x80000000, 0x7F7FFFFF]
+    bits[: len(specials)] = torch.tensor(specials, dtype=torch.int32)
+    snap = base32.to(torch.bfloat16)
+    fresh = base32.clone()
+    where = torch.rand(n, generator=g) < 0.03
+    where[-1] = True  # the scalar tail too
+    fresh[where] += torch.randn(int(where.sum()), generator=g)
+    fresh.view(torch.int32)[len(specials)] ^= 1 << 20  # a change the cast keeps
+    fresh.view(torch.int32)[len(specials) + 1] ^= 1  # and one it rounds away
+    fresh.view(torch.int32)[3] = -0x7FFFFF  # a NaN for the infinity at 3; its cast is 0x7FC0
+    # torch's cast, except NaN: its vector loops give 0xFFFF and its scalar tail 0x7FC0; ours is
+    # always 0x7FC0 (c10::BFloat16's rounding), wherever the element lies.
+    want = fresh.to(torch.bfloat16)
+    want.view(torch.int16)[fresh.isnan()] = 0x7FC0
+    snap.view(torch.int16)[snap.isnan()] = 0x7FC0
+    before = snap.clone()
+    changed = torch.nonzero(want.view(torch.int16).ne(before.view(torch.int16))).view(-1)
+    positions = torch.zeros(n, dtype=torch.int64)
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    count = native.diff_bf16_in_place(fresh.data_ptr(), snap.data_ptr(), n, 64, positions.data_ptr(),
+                                      old.data_ptr(), n, isa)
+    assert torch.equal(snap.view(torch.int16), want.view(torch.int16))  # the cast, bit for bit
+    assert count == len(changed) and torch.equal(positions[:count], 64 + changed * 2)
+    assert torch.equal(old[:count].view(torch.int16), before[changed].view(torch.int16))
+
+
 def _packer_and_snapshot(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     packed = [("w", (64, 32), torch.bfloat16), ("v", (100,), torch.float32)]

@@ -134,6 +134,19 @@ def diff_in_place(fresh: int, snap: int, n: int, es: int, offset: int, positions
     return int(_call("delta diff", "delta_diff_in_place", fresh, snap, n, es, offset, positions, old, cap, int(isa)))
 
 
+def diff_bf16_in_place(fresh: int, snap: int, n: int, offset: int, positions: int, old: int, cap: int,
+                       isa: Isa = Isa.AUTO) -> int:
+    """:func:`diff_in_place` of ``n`` fp32 elements at ``fresh`` against their bf16 cast at
+    ``snap``: each is cast as c10::BFloat16 rounds (to nearest even, every NaN to ``0x7FC0``) on the
+    way, so fp32 weights are packed and diffed in one pass. Positions are byte offsets of the
+    2-byte elements (``offset + index * 2``).
+
+    Returns:
+        How many elements changed (past ``cap`` too: then the record is incomplete).
+    """
+    return int(_call("delta diff", "delta_diff_bf16_in_place", fresh, snap, n, offset, positions, old, cap, int(isa)))
+
+
 def cut_runs(units: int, old: int, new: int, count: int, runs: int, nruns: int, out_units: int, out_old: int,
              out_new: int) -> int:
     """The ``count`` changes (sorted uint64 unit positions of a snapshot, uint16 old and new

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .._native import delta as native
+from ._copy import HostCopies, available_threads
 from ._delta import MASK64, SPARSE_MAX, DeltaRefusedError, _signed, _unsigned
 
 MAGIC = 0x31_4D_44_4C_57  # "WLDM1"
@@ -112,11 +113,10 @@ class MeshDeltaPacker:
         self.total_units = sum(nbytes // 2 for _, nbytes in self._offsets.values())
         odd = [n for n, (_, nbytes) in self._offsets.items() if nbytes % 2]
         self.why_not = f"tensors of an odd byte size ({odd[:3]})" if odd else None
-        self._cap = int(crossover * self.total_units) + 1024
         self._positions: torch.Tensor | None = None
         self._old: torch.Tensor | None = None
-        self._cast: torch.Tensor | None = None  # the shards cast to their wire dtype, one at a time
-        self._largest = max((nbytes for _, nbytes in self._offsets.values()), default=0)
+        self._threads = available_threads()
+        self._split: list[tuple[list[tuple[str, torch.dtype]], int, int]] | None = None
 
     def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
              ) -> Change | None:
@@ -130,28 +130,76 @@ class MeshDeltaPacker:
         if base is None or self.why_not is not None:
             self._copy(snap, sources)
             return None
+        # Contiguous groups of the shards (so their changes stay in snapshot order), one per copy
+        # thread, each recording into its own part of the buffers, sized by its units at the
+        # crossover (a group past it sends the version dense, even when the whole is not).
+        groups = self._groups()
         if self._positions is None:
-            self._positions = torch.empty(self._cap, dtype=torch.int64)
-            self._old = torch.empty(self._cap, dtype=torch.int16)
+            records = sum(cap for _, _, cap in groups)
+            self._positions = torch.empty(records, dtype=torch.int64)
+            self._old = torch.empty(records, dtype=torch.int16)
         assert self._old is not None
-        count, sptr = 0, snap.data_ptr()
-        pptr, optr = self._positions.data_ptr(), self._old.data_ptr()
-        for name, _, dtype in self._packed:
-            off, nbytes = self._offsets[name]
-            src = sources[name].detach()
-            if src.dtype != dtype or not src.is_contiguous():  # cast into a kept buffer (no page faults)
-                if self._cast is None or self._cast.numel() < nbytes:
-                    self._cast = torch.empty(max(nbytes, self._largest), dtype=torch.uint8)
-                src = self._cast[:nbytes].view(dtype).view(src.shape).copy_(src)
-            at = min(count, self._cap)  # past the cap only the count goes on
-            count += native.diff_in_place(src.data_ptr(), sptr + off, nbytes // 2, 2, off, pptr + 8 * at, optr + 2 * at,
-                                          self._cap - at)
-        if count > self._cap or count > self.crossover * self.total_units:
+        counts = [0] * len(groups)
+        sptr, pptr, optr = snap.data_ptr(), self._positions.data_ptr(), self._old.data_ptr()
+        batch = HostCopies()
+        for g, (members, start, cap) in enumerate(groups):
+
+            def work(g: int = g, members: list[tuple[str, torch.dtype]] = members, start: int = start,
+                     cap: int = cap) -> None:
+                counts[g] = self._diff(snap, sptr, sources, members, pptr + 8 * start, optr + 2 * start, cap)
+
+            batch.add(sum(self._offsets[name][1] for name, _ in members), work)
+        batch.run(self._threads)
+        if any(c > cap for c, (_, _, cap) in zip(counts, groups, strict=True)) or \
+                sum(counts) > self.crossover * self.total_units:
             return None
-        units = (self._positions[:count].numpy() // 2).view(np.uint64)  # a new array (the buffer is reused)
-        old = self._old[:count].numpy().view(np.uint16).copy()
+        units = np.concatenate([self._positions[start:start + c].numpy() for c, (_, start, _) in
+                                zip(counts, groups, strict=True)]) // 2
+        units = units.view(np.uint64)  # a new array (the buffer is reused)
+        old = np.concatenate([self._old[start:start + c].numpy().view(np.uint16) for c, (_, start, _) in
+                              zip(counts, groups, strict=True)])
         new = snap.view(torch.int16).numpy().view(np.uint16)[units]
         return Change(version, base, units, old, new, self.total_units)
+
+    def _groups(self) -> list[tuple[list[tuple[str, torch.dtype]], int, int]]:
+        """The shards cut into contiguous groups of about equal bytes, one per copy thread, each
+        with (its first entry in the record buffers, its share of them)."""
+        if self._split is None:
+            total = sum(nbytes for _, nbytes in self._offsets.values())
+            k = max(1, min(self._threads, len(self._packed)))
+            groups: list[list[tuple[str, torch.dtype]]] = [[] for _ in range(k)]
+            done = 0
+            for name, _, dtype in self._packed:
+                g = min(k - 1, done * k // max(1, total))
+                groups[g].append((name, dtype))
+                done += self._offsets[name][1]
+            groups = [g for g in groups if g]
+            split, start = [], 0
+            for members in groups:
+                cap = int(self.crossover * sum(self._offsets[name][1] // 2 for name, _ in members)) + 1024
+                split.append((members, start, cap))
+                start += cap
+            self._split = split
+        return self._split
+
+    def _diff(self, snap: torch.Tensor, sptr: int, sources: Mapping[str, torch.Tensor],
+              members: Sequence[tuple[str, torch.dtype]], pptr: int, optr: int, cap: int) -> int:
+        """Packs and diffs one group of shards in place; records up to ``cap`` changes."""
+        count = 0
+        for name, dtype in members:
+            off, nbytes = self._offsets[name]
+            src = sources[name].detach()
+            at = min(count, cap)  # past the cap only the count goes on
+            if src.dtype == torch.float32 and dtype == torch.bfloat16 and src.is_contiguous() and not src.is_cuda:
+                # fp32 master weights published as bf16: cast in the diff's own pass
+                count += native.diff_bf16_in_place(src.data_ptr(), sptr + off, nbytes // 2, off, pptr + 8 * at,
+                                                   optr + 2 * at, cap - at)
+                continue
+            if src.dtype != dtype or not src.is_contiguous():  # cast (torch: every rounding and layout)
+                src = src.to(dtype).contiguous()
+            count += native.diff_in_place(src.data_ptr(), sptr + off, nbytes // 2, 2, off, pptr + 8 * at,
+                                          optr + 2 * at, cap - at)
+        return count
 
     def _copy(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> None:
         for name, shape, dtype in self._packed:
