@@ -323,8 +323,9 @@ def markdown(result: dict[str, Any]) -> str:
            "which goes first alternating by version. Load average at the start: "
            f"{result.get('load_before', 'not recorded')}; commit {result.get('commit', 'not recorded')}.",
            "", "live = from the start of the publish until both subscribers report the version applied; apply = "
-           "the subscriber's own copy or checked scatter (the slower of the two); diff = the fused copy + "
-           "diff + encode pass (GB/s of the dense version); changed = the full diff's measured fraction (for "
+           "the subscriber's own copy or checked scatter (the slower of the two); diff = the diff + encode "
+           "pass, which reads both versions and writes only the encodings (and the tensors that went dense "
+           "into the new snapshot), in GB/s of the dense version; changed = the full diff's measured fraction (for "
            "versions that went dense by their sample, the sample's).",
            "", "Same-run memcpy: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in result["memcpy_gbps"].items())
            + f". Command: `python -m benchmarks.delta_sync {' '.join(result.get('argv', []))}`", ""]

@@ -39,7 +39,7 @@ class DeltaStats:
         dense_bytes: bytes of the dense version.
         delta_bytes: bytes a subscriber holding the base received (``dense_bytes`` when no
             tensor was worth a delta).
-        encode_s: the fused copy + diff + encode pass (part of ``pack_s``).
+        encode_s: the diff + encode pass (part of ``pack_s``).
         kinds: how many tensors went ``unchanged``, ``varint``, ``bitmask`` or ``dense``.
         sampled: the version went dense without a full diff because a sample of the change said
             a delta would not pay (``changed``/``elements`` are then the sample's).
