@@ -23,13 +23,12 @@ base the delta was made against (its cached checksums; O(tensors)), and that eve
 tensor becomes exactly the new version: base checksum - base terms + the terms of the new values
 at the positions read from the payload must be the new checksum, which reads the payload alone
 (O(changed elements)) and catches a corrupted value or position. A delta that fails any check is
-refused whole: the live weights stay on their version (see :class:`DeltaApplier`).
+refused whole: the live weights stay on their version (see :class:`._delta_apply.DeltaApplier`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +41,6 @@ from .._native import delta as native
 from .._tensors import dtype_from_name
 from ._copy import PIECE_BYTES, HostCopies
 from ._layout import ALIGN, Entry, Layout
-
-log = logging.getLogger("transport.weights")
 
 MAGIC = 0x31_54_4C_44_57  # "WDLT1"
 HEADER_WORDS = 4  # magic, version, base version, entries
@@ -470,196 +467,6 @@ def checksums_of(buf: torch.Tensor, entries: Sequence[Entry], threads: int) -> l
     for i, p in enumerate(parts):
         sums[i] = sum(p) & MASK64
     return sums
-
-
-@dataclass
-class _Check:
-    entry: Entry
-    index: int
-    kind: Kind
-    changed: int
-    pos_bytes: int
-    payload_bytes: int
-    new_sum: int
-    old_terms: int
-
-
-class DeltaApplier:
-    """The subscriber's side: the checksums of the live tensors, and the checked apply of a
-    delta from a slot.
-
-    Args:
-        layout: the publisher's layout.
-        local: per layout entry, the local tensor that receives it (None: not received here).
-        threads: copy threads.
-    """
-
-    def __init__(self, layout: Layout, local: Sequence[torch.Tensor | None], threads: int) -> None:
-        self.layout = layout
-        self._local = local
-        self._threads = threads
-        self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
-        self._stale = True  # the sums are to be taken from the live tensors before the next delta
-
-    def dense_applied(self) -> None:
-        """The live tensors were just copied from a dense version: their checksums are taken
-        from them when the next delta needs them (a dense apply then costs what it costs
-        without delta sync; the first delta after it reads the live tensors once)."""
-        self.sums = [None] * len(self.layout.entries)
-        self._stale = True
-
-    def _learn_live(self) -> None:
-        """The checksum of every live tensor that can take deltas, across the copy threads."""
-        entries = self.layout.entries
-        parts: list[list[int]] = [[] for _ in entries]
-        batch = HostCopies()
-        for i, e in enumerate(entries):
-            dst = self._local[i]
-            if dst is None or not deltable(e):
-                continue
-            es = dst.element_size()
-            per = max(1, PIECE_BYTES // es)
-            for first in range(0, e.numel, per):
-                n = min(per, e.numel - first)
-
-                def work(i: int = i, first: int = first, n: int = n, ptr: int = dst.data_ptr() + first * es,
-                         es: int = es) -> None:
-                    parts[i].append(native.checksum(ptr, n, es, first))
-
-                batch.add(n * es, work)
-        batch.run(self._threads)
-        self.sums = [sum(p) & MASK64 if deltable(e) and self._local[i] is not None else None
-                     for i, (e, p) in enumerate(zip(entries, parts, strict=True))]
-        self._stale = False
-
-    @staticmethod
-    def header_of(index: torch.Tensor) -> tuple[int, int, int] | None:
-        """(version, base, entries) of an index region's header, or None when it holds none."""
-        if int(index[0]) != MAGIC:
-            return None
-        return int(index[1]), int(index[2]), int(index[3])
-
-    def apply(self, slot: torch.Tensor, index: torch.Tensor, version: int) -> None:
-        """Applies the delta for ``version`` in ``slot`` (its header in ``index``) to the live
-        tensors, all of it or nothing.
-
-        Raises:
-            DeltaRefusedError: the live tensors are not the delta's base, or the payload fails
-                a check; nothing was written.
-        """
-        words = index.clone()  # the index is a peer's to write: check and use one private copy
-        head = self.header_of(words)
-        if self._stale:
-            self._learn_live()
-        entries = self.layout.entries
-        if head is None or head[0] != version or head[2] != len(entries):
-            raise DeltaRefusedError(f"delta header for version {version} malformed or stale: {head}")
-        checks: list[_Check] = []
-        dense: list[int] = []
-        for i, e in enumerate(entries):
-            w = HEADER_WORDS + ENTRY_WORDS * i
-            kind_word, changed, pos_bytes, payload_bytes = (int(x) for x in words[w:w + 4])
-            base_sum, new_sum, old_terms = (_unsigned(int(x)) for x in words[w + 4:w + 7])
-            if kind_word not in (0, 1, 2, 3):
-                raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
-            kind = Kind(kind_word)
-            live = self._local[i]
-            if not deltable(e):
-                if kind != Kind.DENSE:
-                    raise DeltaRefusedError(f"{e.name!r} can only travel dense, the header says {kind.name}")
-                if live is not None:
-                    dense.append(i)
-                continue
-            if live is None:
-                continue  # not received here: whatever it holds is not ours to check
-            held = self.sums[i]
-            if held is None or held != base_sum:
-                raise DeltaRefusedError(
-                    f"{e.name!r}: the live tensor is not the base of version {version} (base {head[1]}): its checksum "
-                    f"{'is unknown' if held is None else f'{held:#x}'} where the delta expects {base_sum:#x}")
-            if kind == Kind.UNCHANGED:
-                if new_sum != base_sum:
-                    raise DeltaRefusedError(f"{e.name!r}: unchanged, yet its checksum changes")
-                continue
-            if kind == Kind.DENSE:
-                got = checksums_of(slot, [e], self._threads)[0]
-                if got != new_sum:
-                    raise DeltaRefusedError(f"{e.name!r}: the dense bytes in the slot do not match their checksum")
-                dense.append(i)
-                continue
-            if not (0 < payload_bytes <= e.nbytes and 0 <= pos_bytes <= payload_bytes and 0 < changed <= e.numel):
-                raise DeltaRefusedError(f"{e.name!r}: payload of {payload_bytes} bytes / {changed} elements does not "
-                                        f"fit a {e.nbytes}-byte tensor")
-            checks.append(_Check(e, i, kind, changed, pos_bytes, payload_bytes, new_sum, old_terms))
-        base_ptr = slot.data_ptr()
-        # O(changed), the payload alone, across the copy threads: positions in bounds, the new checksum.
-        verdicts: list[tuple[native.Refusal, int, int]] = [(native.Refusal.OK, 0, 0)] * len(checks)
-        batch = HostCopies()
-        for j, c in enumerate(checks):
-
-            def check(j: int = j, c: _Check = c) -> None:
-                es = dtype_from_name(c.entry.wire_dtype).itemsize
-                verdicts[j] = native.scatter(0, c.entry.numel, es, base_ptr + c.entry.offset, c.payload_bytes,
-                                             int(c.kind), c.changed, c.pos_bytes, False)
-
-            batch.add(_scatter_cost(c), check)
-        batch.run(self._threads)
-        for c, (refusal, _, new) in zip(checks, verdicts, strict=True):
-            if refusal != native.Refusal.OK:
-                raise DeltaRefusedError(f"{c.entry.name!r}: payload refused ({refusal.name})")
-            held = self.sums[c.index]
-            assert held is not None
-            # held == the base checksum (checked above), so the live values at the positions are
-            # the base values whose terms the header carries.
-            if (held - c.old_terms + new) & MASK64 != c.new_sum:
-                raise DeltaRefusedError(f"{c.entry.name!r}: the patched tensor would not have the new checksum")
-        # Every check passed: write. Only a peer scribbling over the slot we claimed could make a
-        # store fail now, and the native scatter keeps even that inside the tensor.
-        batch = HostCopies()
-        for i in dense:
-            e, dst = entries[i], self._local[i]
-            assert dst is not None
-            if e.scale_offset >= 0:
-                batch.add(e.nbytes, functools.partial(_dequantize, slot, e, dst))
-            elif dst.is_contiguous() and dst.dtype == dtype_from_name(e.wire_dtype):
-                batch.add_raw(dst.data_ptr(), base_ptr + e.offset, e.nbytes)
-            else:  # an entry that always travels dense, into a tensor of another dtype or layout
-                batch.add(e.nbytes, functools.partial(_cast, slot, e, dst))
-        for c in checks:
-            live = self._local[c.index]
-            assert live is not None
-
-            def scatter(c: _Check = c, live: torch.Tensor = live) -> None:
-                refusal, _, _ = native.scatter(live.data_ptr(), c.entry.numel, live.element_size(),
-                                               base_ptr + c.entry.offset, c.payload_bytes, int(c.kind), c.changed,
-                                               c.pos_bytes, True)
-                if refusal != native.Refusal.OK:
-                    log.error("delta of %r changed under its apply (%s): that tensor is partly written",
-                              c.entry.name, refusal.name)
-
-            batch.add(_scatter_cost(c), scatter)
-        batch.run(self._threads)
-        for i, e in enumerate(entries):
-            if deltable(e) and self._local[i] is not None:
-                self.sums[i] = _unsigned(int(words[HEADER_WORDS + ENTRY_WORDS * i + 5]))
-
-
-def _scatter_cost(c: _Check) -> int:
-    """What a scatter of ``c`` weighs for the copy threads, in bytes of memory traffic: a cache
-    line a change, up to the tensor."""
-    return min(c.changed * 64, c.entry.nbytes)
-
-
-def _cast(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
-    with torch.no_grad():
-        dst.copy_(_kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape))
-
-
-def _dequantize(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
-    q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
-    scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
-    with torch.no_grad():
-        dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
 
 
 def delta_isa() -> str:

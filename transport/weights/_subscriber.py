@@ -43,7 +43,8 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads
-from ._delta import DeltaApplier, DeltaRefusedError, deltable, index_bytes
+from ._delta import DeltaRefusedError, deltable, index_bytes
+from ._delta_apply import DeltaApplier
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
 from ._polling import PENDING, Pending, even, poll, seqlock_read
 
