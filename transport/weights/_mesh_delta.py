@@ -116,7 +116,9 @@ class MeshDeltaPacker:
         self._positions: torch.Tensor | None = None
         self._old: torch.Tensor | None = None
         self._threads = available_threads()
-        self._split: list[tuple[list[tuple[str, torch.dtype]], int, int]] | None = None
+        self._groups = self._split()
+        # Per group, a kept buffer for the shards cast before their diff (no page faults a version).
+        self._cast: list[torch.Tensor | None] = [None] * len(self._groups)
 
     def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
              ) -> Change | None:
@@ -133,7 +135,7 @@ class MeshDeltaPacker:
         # Contiguous groups of the shards (so their changes stay in snapshot order), one per copy
         # thread, each recording into its own part of the buffers, sized by its units at the
         # crossover (a group past it sends the version dense, even when the whole is not).
-        groups = self._groups()
+        groups = self._groups
         if self._positions is None:
             records = sum(cap for _, _, cap in groups)
             self._positions = torch.empty(records, dtype=torch.int64)
@@ -146,7 +148,7 @@ class MeshDeltaPacker:
 
             def work(g: int = g, members: list[tuple[str, torch.dtype]] = members, start: int = start,
                      cap: int = cap) -> None:
-                counts[g] = self._diff(snap, sptr, sources, members, pptr + 8 * start, optr + 2 * start, cap)
+                counts[g] = self._diff(g, sptr, sources, members, pptr + 8 * start, optr + 2 * start, cap)
 
             batch.add(sum(self._offsets[name][1] for name, _ in members), work)
         batch.run(self._threads)
@@ -161,30 +163,26 @@ class MeshDeltaPacker:
         new = snap.view(torch.int16).numpy().view(np.uint16)[units]
         return Change(version, base, units, old, new, self.total_units)
 
-    def _groups(self) -> list[tuple[list[tuple[str, torch.dtype]], int, int]]:
+    def _split(self) -> list[tuple[list[tuple[str, torch.dtype]], int, int]]:
         """The shards cut into contiguous groups of about equal bytes, one per copy thread, each
         with (its first entry in the record buffers, its share of them)."""
-        if self._split is None:
-            total = sum(nbytes for _, nbytes in self._offsets.values())
-            k = max(1, min(self._threads, len(self._packed)))
-            groups: list[list[tuple[str, torch.dtype]]] = [[] for _ in range(k)]
-            done = 0
-            for name, _, dtype in self._packed:
-                g = min(k - 1, done * k // max(1, total))
-                groups[g].append((name, dtype))
-                done += self._offsets[name][1]
-            groups = [g for g in groups if g]
-            split, start = [], 0
-            for members in groups:
-                cap = int(self.crossover * sum(self._offsets[name][1] // 2 for name, _ in members)) + 1024
-                split.append((members, start, cap))
-                start += cap
-            self._split = split
-        return self._split
+        total = sum(nbytes for _, nbytes in self._offsets.values())
+        k = max(1, min(self._threads, len(self._packed)))
+        groups: list[list[tuple[str, torch.dtype]]] = [[] for _ in range(k)]
+        done = 0
+        for name, _, dtype in self._packed:
+            groups[min(k - 1, done * k // max(1, total))].append((name, dtype))
+            done += self._offsets[name][1]
+        split, start = [], 0
+        for members in (g for g in groups if g):
+            cap = int(self.crossover * sum(self._offsets[name][1] // 2 for name, _ in members)) + 1024
+            split.append((members, start, cap))
+            start += cap
+        return split
 
-    def _diff(self, snap: torch.Tensor, sptr: int, sources: Mapping[str, torch.Tensor],
+    def _diff(self, g: int, sptr: int, sources: Mapping[str, torch.Tensor],
               members: Sequence[tuple[str, torch.dtype]], pptr: int, optr: int, cap: int) -> int:
-        """Packs and diffs one group of shards in place; records up to ``cap`` changes."""
+        """Packs and diffs group ``g`` of the shards in place; records up to ``cap`` changes."""
         count = 0
         for name, dtype in members:
             off, nbytes = self._offsets[name]
@@ -195,8 +193,11 @@ class MeshDeltaPacker:
                 count += native.diff_bf16_in_place(src.data_ptr(), sptr + off, nbytes // 2, off, pptr + 8 * at,
                                                    optr + 2 * at, cap - at)
                 continue
-            if src.dtype != dtype or not src.is_contiguous():  # cast (torch: every rounding and layout)
-                src = src.to(dtype).contiguous()
+            if src.dtype != dtype or not src.is_contiguous():  # cast into the group's kept buffer
+                buf = self._cast[g]
+                if buf is None or buf.numel() < nbytes:
+                    buf = self._cast[g] = torch.empty(max(self._offsets[m][1] for m, _ in members), dtype=torch.uint8)
+                src = buf[:nbytes].view(dtype).view(src.shape).copy_(src)
             count += native.diff_in_place(src.data_ptr(), sptr + off, nbytes // 2, 2, off, pptr + 8 * at,
                                           optr + 2 * at, cap - at)
         return count
