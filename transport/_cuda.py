@@ -29,6 +29,7 @@ from ._errors import BackendUnavailableError, TransportError, TransportInternalE
 from ._native import cuda as driver
 from ._native import kernels as abi
 from ._native import pack_segments
+from ._native.copy import Segment
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -178,8 +179,8 @@ def kernels(device: int) -> Kernels:
         return k
 
 
-def launch_batched_copy_on(kernels: Kernels, stream: int, copies: Sequence[abi.Segment]) -> torch.Tensor | None:
-    """Enqueues one batched-copy launch of every (src, dst, nbytes) on ``stream`` (a CUstream
+def launch_batched_copy_on(kernels: Kernels, stream: int, copies: Sequence[Segment]) -> torch.Tensor | None:
+    """Enqueues one batched-copy launch of every (dst, src, nbytes) on ``stream`` (a CUstream
     handle of the kernels' device, e.g. a transport-owned one), with its segment table in pinned
     host memory, which the kernel reads through unified addressing: nothing runs on torch's
     streams. Returns the table (None: nothing to copy); keep it alive until ``stream`` has run
@@ -257,7 +258,7 @@ class PinnedBuffer:
         _call("cuMemHostUnregister", driver.host_unregister, self.address, self._device)
 
 
-def _disjoint(copies: Sequence[tuple[int, int, int]]) -> bool:
+def _disjoint(copies: Sequence[Segment]) -> bool:
     """Whether no two (dst, src, nbytes) copies write the same byte."""
     ranges = sorted((d, d + n) for d, _s, n in copies if n)
     return all(prev[1] <= cur[0] for prev, cur in itertools.pairwise(ranges))
@@ -321,7 +322,7 @@ class CudaCopier:
             what = f"CUDA copy of {nbytes} bytes 0x{src:x} -> 0x{dst:x} on device {device}"
             raise TransportInternalError(f"{what}: {exc}") from exc
 
-    async def copy_many(self, copies: Sequence[tuple[int, int, int]], device: int, *, kernel: bool = False,
+    async def copy_many(self, copies: Sequence[Segment], device: int, *, kernel: bool = False,
                         ready: Sequence[Any] = ()) -> None:
         """Copies every (dst, src, nbytes) on this copier's stream for ``device`` and returns once
         all are done: one hand-off to a worker thread and one wait for the whole list, where
@@ -360,8 +361,8 @@ class CudaCopier:
             try:
                 for wait in waits:  # the stream waits for it (and this thread with it: nothing moves before)
                     driver.copy_list_and_wait(b"", stream, wait, done, device)
-                if launcher is not None:  # the kernel's segments are (src, dst, nbytes)
-                    table = launch_batched_copy_on(launcher, stream, [(s, d, n) for d, s, n in copies])
+                if launcher is not None:
+                    table = launch_batched_copy_on(launcher, stream, copies)
                 driver.copy_list_and_wait(packed, stream, 0, done, device)  # empty: waits for the launch
             finally:
                 del table  # the kernel has read it (or never ran)

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import _cuda, _kernels
+from . import _cuda, _tensor_kernels
 from ._tensors import LocalBuffer, MemoryKind
 
 # A transfer moved through a bounce buffer goes in pieces of at most this size.
@@ -99,7 +99,7 @@ class DeviceBounce(Bounce):
 
     def __init__(self, local: LocalBuffer, nbytes: int, gpu: torch.Tensor) -> None:
         super().__init__(local, nbytes)
-        self._host = _kernels.as_bytes(local.tensor)
+        self._host = _tensor_kernels.as_bytes(local.tensor)
         self._gpu = gpu
         self._ready: Any = None  # the event of the last load (a put's piece is read after it)
 

@@ -1,9 +1,10 @@
 // The transfer kernels: batched byte copy (bucket gather/scatter) and bf16 <-> fp8 e4m3.
 //
 // nvcc compiles this file into a fatbin (CMakeLists.txt, "transfer kernels" block) that is
-// embedded in transport._C; transport/_kernels.py loads it through the CUDA driver and launches
-// the kernels by name. The CPU references with the same semantics are in transport/_kernels.py
-// and tests/gpu/test_kernels.py holds the two against each other.
+// embedded in transport._C; transport/_cuda.py loads it through the CUDA driver and
+// transport/_tensor_kernels.py launches the kernels by name. The CPU references with the same
+// semantics are in transport/_tensor_kernels.py and tests/gpu/test_kernels.py holds the two
+// against each other.
 //
 // Conventions every kernel here keeps, because the host side relies on them:
 // * extern "C": the host looks kernels up by their plain name.
@@ -140,15 +141,16 @@ __device__ __forceinline__ bool aligned(const void* p, uintptr_t n) { return (re
 
 }  // namespace
 
-// One (src -> dst, nbytes) byte range; the host sends an array of them (24 bytes each, as three
-// little-endian uint64). Ranges must not overlap each other's destinations, nor a destination a
-// source: blocks run in any order.
+// One byte range, nbytes from src to dst; the host sends an array of them (24 bytes each, as
+// three little-endian uint64). Fields in the copy engine's order (csrc/copy_engine.h Segment),
+// so that the host has one segment type, transport._native.copy.Segment. Ranges must not overlap
+// each other's destinations, nor a destination a source: blocks run in any order.
 struct Segment {
-  unsigned long long src;
   unsigned long long dst;
+  unsigned long long src;
   unsigned long long nbytes;
 };
-static_assert(sizeof(Segment) == 24, "transport/_kernels.py packs 24-byte segments");
+static_assert(sizeof(Segment) == 24, "transport/_native/kernels.py packs 24-byte segments");
 
 extern "C" {
 

@@ -1,9 +1,10 @@
 """The transfer kernels (csrc/kernels/transport_kernels.cu) and their CPU references
-(transport/_kernels.py).
+(transport/_tensor_kernels.py).
 
 * The references against independent computations on random inputs with fixed seeds: pack and
   unpack against raw memory (ctypes), the batched copy against slicing, fp8 quantisation against
   an e4m3 encoder written out here (round to nearest even from the format's definition).
+* The segment field order: the copy engine's and the kernel's structs against the host's.
 * The kernel image the build embeds: a fatbin holding every kernel for every listed arch.
 * On a CUDA GPU (``pytest -m gpu``): each kernel against its CPU reference.
 """
@@ -14,6 +15,7 @@ import ctypes
 import math
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transport import _kernels as K
+from transport import _tensor_kernels as K
 from transport._native import load
 
 FP8 = torch.float8_e4m3fn
@@ -149,8 +151,8 @@ def test_pack_and_unpack_refuse_bad_ranges_before_copying():
 
 
 def random_copies(rng: random.Random, src_len: int, dst_len: int, big: bool = False) -> list[tuple[int, int, int]]:
-    """Random (src offset, dst offset, nbytes) with disjoint destinations in [0, dst_len), sizes
-    of every alignment class and unaligned starts."""
+    """Random (dst offset, src offset, nbytes), the field order of a segment, with disjoint
+    destinations in [0, dst_len), sizes of every alignment class and unaligned starts."""
     sizes = (0, 1, 2, 3, 7, 15, 16, 17, 31, 33, 100, 255, 1000, 4097) + ((70_001, 300_007) if big else ())
     copies: list[tuple[int, int, int]] = []
     pos = rng.randrange(0, 16)
@@ -159,7 +161,7 @@ def random_copies(rng: random.Random, src_len: int, dst_len: int, big: bool = Fa
         if pos + n > dst_len:
             return copies
         s = rng.randrange(0, src_len - n + 1)
-        copies.append((s, pos, n))
+        copies.append((pos, s, n))
         pos += n + rng.choice((0, 0, 1, 5, 16, 33))
 
 
@@ -171,10 +173,10 @@ def test_batched_copy_reference_matches_slicing(seed):
     dst = torch.randint(0, 256, (500_009,), dtype=torch.uint8, generator=g)
     copies = random_copies(rng, src.numel(), dst.numel(), big=True)
     expected = dst.clone()
-    for s, d, n in copies:
+    for d, s, n in copies:
         expected[d : d + n] = src[s : s + n]
     piece = rng.choice((16, 48, 4096, K.MIN_PIECE, K.MAX_PIECE))
-    table = K.segment_table([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in copies], piece)
+    table = K.segment_table([(dst.data_ptr() + d, src.data_ptr() + s, n) for d, s, n in copies], piece)
     K.batched_copy_reference(table)
     assert torch.equal(dst, expected)
 
@@ -194,6 +196,23 @@ def test_segment_table_splits_into_aligned_pieces():
     for total in (0, 1, 5 << 20, 100 << 20, 10 << 30):
         piece = K.piece_bytes(total)
         assert piece % 16 == 0 and K.MIN_PIECE <= piece <= K.MAX_PIECE
+
+
+def struct_fields(source: Path, name: str) -> list[str]:
+    """The field names of ``struct name { ... };`` in a C/C++ source, in declaration order."""
+    body = re.search(rf"struct {name} \{{(.*?)\}};", source.read_text(), re.S)
+    assert body is not None, f"no struct {name} in {source}"
+    return re.findall(r"(\w+);", body.group(1))
+
+
+def test_both_native_segment_structs_have_the_python_field_order():
+    # One Segment type on the host side, (dst, src, nbytes), goes to the copy engine and to the
+    # batched-copy kernel as it is. A struct reordered on one side only would copy backwards,
+    # over the sources, and nothing without a GPU would notice.
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    assert struct_fields(csrc / "copy_engine.h", "Segment") == ["dst", "src", "len"]
+    assert struct_fields(csrc / "kernels" / "transport_kernels.cu", "Segment") == ["dst", "src", "nbytes"]
+    assert K.SEGMENT_BYTES == 24
 
 
 # -- fp8 ------------------------------------------------------------------------------------------
@@ -459,10 +478,10 @@ def test_gpu_batched_copy_matches_reference(seed):
     src = torch.randint(0, 256, (3_000_017,), dtype=torch.uint8, generator=g)
     dst = torch.randint(0, 256, (4_000_037 + 2_500_000,), dtype=torch.uint8, generator=g)
     copies = random_copies(rng, src.numel(), 4_000_037, big=True)
-    copies.append((5, 4_000_037, 2_500_000))  # several pieces, src and dst misaligned alike
+    copies.append((4_000_037, 5, 2_500_000))  # several pieces, src and dst misaligned alike
     src_d, dst_d = src.cuda(), dst.cuda()
-    K.batched_copy([(src_d.data_ptr() + s, dst_d.data_ptr() + d, n) for s, d, n in copies], src_d.device)
-    K.batched_copy_reference([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in copies])
+    K.batched_copy([(dst_d.data_ptr() + d, src_d.data_ptr() + s, n) for d, s, n in copies], src_d.device)
+    K.batched_copy_reference([(dst.data_ptr() + d, src.data_ptr() + s, n) for d, s, n in copies])
     torch.cuda.synchronize()
     assert torch.equal(dst_d.cpu(), dst)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import transport
-from transport._kernels import as_bytes
+from transport._tensor_kernels import as_bytes
 from transport.weights import Publisher, Subscriber
 
 pytestmark = [

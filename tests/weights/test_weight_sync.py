@@ -13,7 +13,7 @@ import torch
 
 import transport
 from tests.weights._support import publish_cycles, versioned
-from transport import _kernels
+from transport import _tensor_kernels
 from transport.weights import LayoutMismatchError, Publisher, Subscriber, SyncStatus
 
 
@@ -35,7 +35,8 @@ def zeros_like(m: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].shape == b[k].shape and torch.equal(_kernels.as_bytes(a[k]), _kernels.as_bytes(b[k])) for k in a
+        a[k].shape == b[k].shape and torch.equal(_tensor_kernels.as_bytes(a[k]), _tensor_kernels.as_bytes(b[k]))
+        for k in a
     )
 
 
@@ -141,8 +142,8 @@ async def test_fp8_rename_and_subset(store):
             assert {e.name: e.wire_dtype for e in pub.layout.entries} == {"a": "float8_e4m3fn", "b": "float32"}
             await pub.publish(1)
             assert sub.apply() == 1
-            q, scale = _kernels.quantize_fp8(src["model.a"])
-            assert torch.equal(dst["a"], _kernels.dequantize_fp8(q, scale, torch.bfloat16))
+            q, scale = _tensor_kernels.quantize_fp8(src["model.a"])
+            assert torch.equal(dst["a"], _tensor_kernels.dequantize_fp8(q, scale, torch.bfloat16))
             rel = (dst["a"].float() - src["model.a"].float()).abs().max() / src["model.a"].float().abs().max()
             assert rel < 0.07
             assert torch.equal(dst["b"], src["model.b"])

@@ -27,7 +27,10 @@ _ABORT_GRACE_S = 10.0
 # Copies up to this size run inline on the event loop thread (a few microseconds at most).
 INLINE_MAX_BYTES = 64 << 10
 
-Segment = tuple[int, int, int]  # (dst address, src address, nbytes)
+# One byte range to copy: (dst address, src address, nbytes). The one segment type of the host
+# side: the copy engine's packed triples (csrc/copy_engine.h Segment) and the CUDA batched-copy
+# kernel's table (csrc/kernels/transport_kernels.cu Segment) both lay its fields out in this order.
+Segment = tuple[int, int, int]
 
 
 class CopyKind(enum.IntEnum):

@@ -12,9 +12,12 @@ import ctypes
 import struct
 from collections.abc import Iterable, Sequence
 
+from .copy import Segment
+
 # kBlockThreads in transport_kernels.cu: every kernel's __launch_bounds__, so every launch's block.
 BLOCK_THREADS = 256
-# struct Segment { uint64 src, dst, nbytes; }: one entry of batched_copy's device table.
+# struct Segment { uint64 dst, src, nbytes; }: one entry of batched_copy's device table, a
+# :data:`Segment` as three u64.
 SEGMENT_BYTES = 24
 
 BATCHED_COPY = "transport_batched_copy"
@@ -70,8 +73,6 @@ MIN_PIECE = 64 << 10
 MAX_PIECE = 1 << 20
 TARGET_PIECES = 1024
 
-Segment = tuple[int, int, int]  # (src address, dst address, nbytes)
-
 
 def grid_for(n: int, per_block: int) -> tuple[int, int, int]:
     """The grid of a launch over ``n`` items, ``per_block`` per block (at most MAX_GRID blocks)."""
@@ -85,7 +86,7 @@ def piece_bytes(total: int) -> int:
 
 
 def segment_table(copies: Iterable[Segment], piece: int) -> list[Segment]:
-    """The kernel's segment list for (src, dst, nbytes) copies: empty copies dropped, longer ones
+    """The kernel's segment list for (dst, src, nbytes) copies: empty copies dropped, longer ones
     split into pieces of ``piece`` bytes (the last one shorter).
 
     Raises:
@@ -94,10 +95,10 @@ def segment_table(copies: Iterable[Segment], piece: int) -> list[Segment]:
     if piece <= 0 or piece % 16:
         raise ValueError(f"piece must be a positive multiple of 16 bytes, not {piece}")
     table: list[Segment] = []
-    for src, dst, n in copies:
+    for dst, src, n in copies:
         if n < 0:
             raise ValueError(f"negative byte count {n}")
-        table.extend((src + start, dst + start, min(piece, n - start)) for start in range(0, n, piece))
+        table.extend((dst + start, src + start, min(piece, n - start)) for start in range(0, n, piece))
     return table
 
 

@@ -49,7 +49,7 @@ block scales made at the source), ``_mesh_delta`` (delta sync of a mesh stream: 
 the cut along each generator rank's runs, the checked apply into its slot). Every class here is
 an async context manager and has
 ``aclose()``.
-Packing and device unpacking use the batched gather/scatter of ``transport._kernels``.
+Packing and device unpacking use the batched gather/scatter of ``transport._tensor_kernels``.
 """
 
 from .._public import rehome

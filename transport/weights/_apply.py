@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _kernels
+from .. import _tensor_kernels
 from .._tensors import dtype_from_name, dtype_name
 from ._copy import HostCopies
 from ._layout import Entry
@@ -16,7 +16,7 @@ from ._layout import Entry
 
 @dataclass
 class Copies:
-    """Destinations filled by one ``_kernels.unpack`` from a slot: (tensor, byte offset, stored dtype)."""
+    """Destinations filled by one ``_tensor_kernels.unpack`` from a slot: (tensor, byte offset, stored dtype)."""
 
     dsts: list[torch.Tensor] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
@@ -63,20 +63,20 @@ def dequantize_into(buf: torch.Tensor, converted: list[tuple[Entry, torch.Tensor
 
 
 def _dequantize_one(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
-    q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
-    scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
+    q = _tensor_kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
+    scale = _tensor_kernels.view_in(buf, e.scale_offset, torch.float32, ())
     with torch.no_grad():  # grad mode is per thread: this may run on a copy thread
-        dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
+        dst.copy_(_tensor_kernels.dequantize_fp8(q, scale, dst.dtype))
 
 
 def _cast_into(buf: torch.Tensor, offset: int, dtype: torch.dtype, dst: torch.Tensor) -> None:
     with torch.no_grad():
-        dst.copy_(_kernels.view_in(buf, offset, dtype, dst.shape))
+        dst.copy_(_tensor_kernels.view_in(buf, offset, dtype, dst.shape))
 
 
 def host_unpack(buf: torch.Tensor, copies: Copies, converted: list[tuple[Entry, torch.Tensor]],
                  threads: int) -> None:
-    """``_kernels.unpack`` + ``_dequantize_into`` for a host ``buf`` and host destinations,
+    """``_tensor_kernels.unpack`` + ``_dequantize_into`` for a host ``buf`` and host destinations,
     split across ``threads`` (same-dtype contiguous destinations are plain memcpys)."""
     batch = HostCopies()
     base = buf.data_ptr()

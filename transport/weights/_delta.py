@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _kernels
+from .. import _tensor_kernels
 from .._errors import TransportError, TransportInternalError
 from .._native import delta as native
 from .._tensors import dtype_from_name
@@ -273,10 +273,10 @@ class DeltaEncoder:
         src = self._wire[e.name]
         with torch.no_grad():
             if e.scale_offset >= 0:
-                q, scale = _kernels.quantize_fp8(src)
-                _kernels.pack(snap, [q, scale], [e.offset, e.scale_offset])
+                q, scale = _tensor_kernels.quantize_fp8(src)
+                _tensor_kernels.pack(snap, [q, scale], [e.offset, e.scale_offset])
             else:
-                _kernels.pack(snap, [_kernels.as_bytes(src.contiguous())], [e.offset])
+                _tensor_kernels.pack(snap, [_tensor_kernels.as_bytes(src.contiguous())], [e.offset])
 
     def predicts_dense(self, base: torch.Tensor) -> tuple[bool, int, int]:
         """Whether a delta against snapshot ``base`` would not pay, judged from a sample of

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _kernels
+from .. import _tensor_kernels
 from .._native import delta as native
 from .._tensors import dtype_from_name
 from ._copy import PIECE_BYTES, HostCopies
@@ -210,11 +210,11 @@ def _scatter_cost(c: _Check) -> int:
 
 def _cast(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
     with torch.no_grad():
-        dst.copy_(_kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape))
+        dst.copy_(_tensor_kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape))
 
 
 def _dequantize(buf: torch.Tensor, e: Entry, dst: torch.Tensor) -> None:
-    q = _kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
-    scale = _kernels.view_in(buf, e.scale_offset, torch.float32, ())
+    q = _tensor_kernels.view_in(buf, e.offset, dtype_from_name(e.wire_dtype), e.shape)
+    scale = _tensor_kernels.view_in(buf, e.scale_offset, torch.float32, ())
     with torch.no_grad():
-        dst.copy_(_kernels.dequantize_fp8(q, scale, dst.dtype))
+        dst.copy_(_tensor_kernels.dequantize_fp8(q, scale, dst.dtype))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .. import _kernels
+from .. import _tensor_kernels
 from .._errors import TransportError
 from ._control import CTL_WORDS, FILLING, FRONT, GEN0, LAYOUT_ID, StreamKeys, decode_front, encode_front, memory_barrier
 from ._copy import HostCopies, available_threads
@@ -150,7 +150,7 @@ class Snapshots:
             for e in self.layout.entries:
                 src = self._wire[e.name]
                 if e.offset <= start and end <= e.offset + e.nbytes and e.scale_offset < 0 and src.is_contiguous():
-                    self._direct[(start, end)] = (_kernels.as_bytes(src), e.offset)
+                    self._direct[(start, end)] = (_tensor_kernels.as_bytes(src), e.offset)
                     break
         self._packed_ranges = [b for b in self.layout.buckets if b not in self._direct]
         # Bucket -> the entries with bytes in it (an fp8 entry's bytes run to the end of its scale).
@@ -185,7 +185,7 @@ class Snapshots:
 
     def _pack_ranges(self, slot: int, ranges: list[Bucket]) -> None:
         """Packs the bytes of ``ranges`` of the version into snapshot ``slot`` with one
-        ``_kernels.pack`` per bucket. fp8 tensors that touch them are quantised whole, once.
+        ``_tensor_kernels.pack`` per bucket. fp8 tensors that touch them are quantised whole, once.
 
         Runs in a worker thread; CUDA sources are read on that thread's current stream (the
         default stream), and every copy into the host snapshot has completed when this returns.
@@ -202,16 +202,16 @@ class Snapshots:
                     if e.scale_offset >= 0:
                         if e.name not in quantized:
                             quantized.add(e.name)
-                            q, scale = _kernels.quantize_fp8(src)
+                            q, scale = _tensor_kernels.quantize_fp8(src)
                             tensors += [q, scale]
                             offsets += [e.offset, e.scale_offset]
                         continue
                     if plain is None or plain[0] != e.name:
-                        plain = (e.name, _kernels.as_bytes(src.contiguous()))
+                        plain = (e.name, _tensor_kernels.as_bytes(src.contiguous()))
                     lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
                     tensors.append(plain[1][lo - e.offset : hi - e.offset])
                     offsets.append(lo)
-                _kernels.pack(snap, tensors, offsets)
+                _tensor_kernels.pack(snap, tensors, offsets)
 
     def source(self, snap: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Where bucket ``[start, end)`` is sent from: the live tensor's bytes, or snapshot ``snap``."""

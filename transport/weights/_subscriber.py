@@ -3,7 +3,7 @@
 A subscriber registers two staging slots (three with ``zero_copy``) and a control block; the
 publisher writes complete versions into them. ``apply()`` claims the newest complete slot with
 the two-flag handshake (see :mod:`transport.weights._control`) and copies it into the model (host
-tensors: a memcpy split across the available cores, :mod:`._copy`; CUDA: one ``_kernels.unpack``;
+tensors: a memcpy split across the available cores, :mod:`._copy`; CUDA: one ``_tensor_kernels.unpack``;
 plus a dequantisation per fp8 tensor), or re-points the model's tensors at it. ``apply_async()``
 runs the same in a worker thread. ``pull()`` reads the publisher's snapshot one-sidedly under its
 seqlock.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .. import _cuda, _kernels
+from .. import _cuda, _tensor_kernels
 from .._errors import BackendUnavailableError, TransferTimeoutError, TransportError
 from .._tensors import dtype_name
 from ._apply import ApplyPlan, dequantize_into, host_unpack
@@ -222,7 +222,7 @@ class Subscriber:
         self.layout = Layout.decode(raw.numpy().tobytes())
         self._plan = self._match(self.layout)
         self._apply_plan = ApplyPlan.of(self._plan)
-        # Host slots into host tensors: copies split across the cores (else _kernels.unpack).
+        # Host slots into host tensors: copies split across the cores (else _tensor_kernels.unpack).
         self._host = self.device.type == "cpu" and all(not dst.is_cuda for _, dst in self._plan)
         # CUDA devices an apply queues work on (apply_async queues it on the caller's streams).
         self._devices = sorted({dst.device.index for _, dst in self._plan if dst.is_cuda}
@@ -353,7 +353,7 @@ class Subscriber:
                 if self._delta is not None:
                     self._delta.dense_applied()
                 return
-            _kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
+            _tensor_kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
             dequantize_into(buf, plan.converted)
 
     def _repoint(self, slot: torch.Tensor) -> None:
@@ -366,7 +366,7 @@ class Subscriber:
             if self._host:
                 host_unpack(slot, plan.zc_copies, plan.converted, self._threads)
                 return
-            _kernels.unpack(slot, plan.zc_copies.dsts, plan.zc_copies.offsets, plan.zc_copies.dtypes)
+            _tensor_kernels.unpack(slot, plan.zc_copies.dsts, plan.zc_copies.offsets, plan.zc_copies.dtypes)
             dequantize_into(slot, plan.converted)
 
     def apply(self) -> int | None:

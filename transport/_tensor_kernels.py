@@ -1,4 +1,5 @@
-"""Bucket and conversion kernels: CPU references and their CUDA launches.
+"""Kernels on tensors -- bucket pack/unpack, fp8 quantisation, the batched copy: their CPU
+references and their CUDA launches.
 
 The operations, with the semantics the CUDA kernels (csrc/kernels/transport_kernels.cu) match:
 
@@ -6,14 +7,16 @@ The operations, with the semantics the CUDA kernels (csrc/kernels/transport_kern
 * ``unpack``: scatter a bucket back into many tensors (casting to each destination's dtype);
 * ``quantize_fp8`` / ``dequantize_fp8``: bf16/fp16/fp32 -> float8 e4m3 with one float32 scale
   per tensor (scale = amax / 448, so the largest magnitude maps to e4m3's largest finite value);
-* ``batched_copy``: many (src, dst, nbytes) device byte ranges in one launch, which is what
-  ``pack`` and ``unpack`` run on CUDA tensors; ``batched_copy_reference`` is its CPU twin.
+* ``batched_copy``: many (dst, src, nbytes) device byte ranges (:data:`Segment`) in one launch,
+  which is what ``pack`` and ``unpack`` run on CUDA tensors; ``batched_copy_reference`` is its
+  CPU twin.
 
 Dispatch: CPU tensors run the torch code here (the references). CUDA tensors run the kernels,
 one launch per call on the device's current stream, when this build embeds them and a CUDA
-driver is usable (``transport._cuda``); otherwise the same torch code runs on the device. Either
-way a call on CUDA tensors returns once the work is enqueued, like ``Tensor.copy_``: the caller
-orders later use of the outputs through that stream.
+driver is usable (``transport._cuda`` loads the kernel module; it does not import this one);
+otherwise the same torch code runs on the device. Either way a call on CUDA tensors returns once
+the work is enqueued, like ``Tensor.copy_``: the caller orders later use of the outputs through
+that stream.
 """
 
 from __future__ import annotations
@@ -21,22 +24,20 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from . import _cuda
+from ._cuda import Kernels
 from ._errors import BackendUnavailableError
 from ._native import kernels as abi
+from ._native.copy import Segment
 from ._native.kernels import (  # noqa: F401 - part of this module's API
     MAX_PIECE,
     MIN_PIECE,
-    Segment,
     piece_bytes,
     segment_table,
 )
-
-if TYPE_CHECKING:
-    from ._cuda import Kernels
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 _BLOCK = abi.BLOCK
-SEGMENT_BYTES = abi.SEGMENT_BYTES  # struct Segment { uint64 src, dst, nbytes; }
+SEGMENT_BYTES = abi.SEGMENT_BYTES  # struct Segment { uint64 dst, src, nbytes; }: one Segment
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ def pack(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[i
         kernels = _kernels_for(out.device)
         if kernels is not None:
             base = out.data_ptr()
-            copies = [(s.data_ptr(), base + off, _nbytes(s)) for s, off in zip(srcs, offsets, strict=True)]
+            copies = [(base + off, s.data_ptr(), _nbytes(s)) for s, off in zip(srcs, offsets, strict=True)]
             _launch_batched_copy(kernels, out.device, copies)
             return
     for s, off in zip(srcs, offsets, strict=True):
@@ -147,7 +148,7 @@ def unpack(
     kernels = _kernels_for(buf.device) if buf.is_cuda and buf.is_contiguous() and raw else None
     if kernels is not None:
         base = buf.data_ptr()
-        _launch_batched_copy(kernels, buf.device, [(base + off, dst.data_ptr(), _nbytes(dst)) for dst, off in raw])
+        _launch_batched_copy(kernels, buf.device, [(dst.data_ptr(), base + off, _nbytes(dst)) for dst, off in raw])
     else:
         for dst, off in raw:
             n = _nbytes(dst)
@@ -200,24 +201,22 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def batched_copy_reference(segments: Iterable[Segment]) -> None:
-    """CPU reference of the batched copy: for each (src, dst, nbytes) of host addresses, copies
+    """CPU reference of the batched copy: for each (dst, src, nbytes) of host addresses, copies
     nbytes bytes from src to dst. Segments must not overlap another's destination (the kernel's
     blocks run in no particular order)."""
-    for src, dst, n in segments:
+    for dst, src, n in segments:
         if n:
             abi.host_memmove(dst, src, n)
 
 
 def batched_copy(copies: Sequence[Segment], device: torch.device | int) -> None:
-    """Copies every (src, dst, nbytes) range of memory that ``device`` can address (its own,
+    """Copies every (dst, src, nbytes) range of memory that ``device`` can address (its own,
     or pinned host memory) with one kernel launch on its current stream. Returns once enqueued.
 
     Raises:
         BackendUnavailableError: no CUDA driver, or this build has no kernels (says why).
     """
     device = torch.device("cuda", device) if isinstance(device, int) else device
-    from . import _cuda
-
     _launch_batched_copy(_cuda.kernels(_device_index(device)), device, list(copies))
 
 
@@ -232,8 +231,6 @@ def _device_index(device: torch.device) -> int:
 
 def _kernels_for(device: torch.device) -> Kernels | None:
     """The kernels loaded on a CUDA device, or None when this build or machine cannot run them."""
-    from . import _cuda
-
     try:
         return _cuda.kernels(_device_index(device))
     except BackendUnavailableError as exc:
