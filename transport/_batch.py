@@ -6,9 +6,10 @@ from one local tensor, one remote region and an ``(N, 3)`` int64 array of runs (
 offset, remote byte offset, nbytes), which stays an array down to the backends' native lists.
 Local checks (tensor type, layout, memory kind, offsets, overlaps) run once, at prepare time;
 the remote checks (key, dtype, bounds, writability) run once against the peer's record, and
-again only when the peer's incarnation or its record's revision changed. Adjacent segments
-(the same local storage and the same remote region, both contiguous) are coalesced once.
-Every ``start()`` then moves the whole list and returns one :class:`~transport.Transfer`.
+again only when the peer's incarnation or its record's revision changed. Items become the
+same arrays of runs (:class:`~transport._tensors.Runs`, one per local storage, dtype and
+remote key), and adjacent runs (contiguous both here and there) are coalesced once. Every
+``start()`` then moves every run and returns one :class:`~transport.Transfer`.
 
 The prepared transfer only holds what was prepared and its checks against a record; the
 transfer engine that made it starts it, and owns the plans it builds for it (one per record
@@ -18,7 +19,6 @@ of the peer).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,44 +27,12 @@ import torch
 from ._errors import BoundsError, LayoutError
 from ._ordering import spans_of
 from ._regions import check
-from ._tensors import MemoryKind, byte_offset, check_tensor, dtype_name, memory_kind, nbytes_of
+from ._tensors import LocalBuffer, MemoryKind, Runs, byte_offset, check_tensor, dtype_name, memory_kind, nbytes_of
 from ._transfer import Transfer
 from ._wire import PeerRecord, RegionRecord, TransferOp
 
 if TYPE_CHECKING:
     from ._transfers import TransferEngine
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One coalesced piece of a prepared transfer: ``tensor`` <-> ``nbytes`` bytes at byte
-    ``offset`` of the remote region ``key``."""
-
-    tensor: torch.Tensor
-    kind: MemoryKind
-    key: str
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Bound:
-    """A segment checked against one record of the peer: the region it goes to."""
-
-    segment: Segment
-    region: RegionRecord
-
-
-@dataclass(frozen=True)
-class Runs:
-    """The runs of a prepared transfer made from an array: ``tensor`` <-> region ``key``, one
-    row per run of ``array`` (int64 ``(N, 3)``: local byte offset, remote byte offset, nbytes),
-    coalesced and in remote order. Backends turn the array into their native lists as it is."""
-
-    tensor: torch.Tensor
-    kind: MemoryKind
-    key: str
-    array: np.ndarray
 
 
 def check_runs(op: TransferOp, tensor: torch.Tensor, runs: object, what: str) -> np.ndarray:
@@ -88,7 +56,7 @@ def check_runs(op: TransferOp, tensor: torch.Tensor, runs: object, what: str) ->
     if runs.dtype.kind == "u" and len(runs) and int(runs.max()) >= 1 << 62:
         raise BoundsError(f"{what}: a run offset or size is out of range")
     a = runs.astype(np.int64, copy=False)
-    local, remote, n = a[:, 0], a[:, 1], a[:, 2]
+    local, n = a[:, 0], a[:, 2]
     item = tensor.element_size()
     if (a < 0).any():
         raise BoundsError(f"{what}: run {int(np.argmax((a < 0).any(axis=1)))} has a negative offset or size")
@@ -100,17 +68,22 @@ def check_runs(op: TransferOp, tensor: torch.Tensor, runs: object, what: str) ->
         i = int(np.argmax(local + n > limit))
         raise BoundsError(f"{what}: run {i} reads bytes {int(local[i])}..{int(local[i] + n[i])} of a "
                           f"{limit}-byte local tensor")
-    a = a[n > 0]
+    return _ordered(op, a[n > 0], what, "runs")
+
+
+def _ordered(op: TransferOp, a: np.ndarray, what: str, noun: str) -> np.ndarray:
+    """Rows ``(local, remote, nbytes)`` of one region, none empty, in remote order and
+    coalesced: a row that starts where the previous one ended, here and there, joins it.
+
+    Raises:
+        BoundsError: a put writing the same remote bytes twice.
+    """
     if len(a) == 0:
         return a.reshape(0, 3)
     a = a[np.argsort(a[:, 1], kind="stable")]
     local, remote, n = a[:, 0], a[:, 1], a[:, 2]
-    if op == TransferOp.PUT and len(a) > 1 and (remote[1:] < remote[:-1] + n[:-1]).any():
-        i = int(np.argmax(remote[1:] < remote[:-1] + n[:-1]))
-        raise BoundsError(f"{what}: two runs write remote bytes {int(remote[i + 1])}.."
-                          f"{int(min(remote[i] + n[i], remote[i + 1] + n[i + 1]))} (the order inside one "
-                          "transfer is undefined; split it into two)")
-    # Coalesce: a run that starts where the previous one ended, here and there, joins it.
+    if op == TransferOp.PUT:
+        _no_overlap(remote, n, what, noun)
     joins = np.zeros(len(a), dtype=bool)
     joins[1:] = (remote[1:] == remote[:-1] + n[:-1]) & (local[1:] == local[:-1] + n[:-1])
     if joins.any():
@@ -119,23 +92,20 @@ def check_runs(op: TransferOp, tensor: torch.Tensor, runs: object, what: str) ->
     return np.ascontiguousarray(a)
 
 
-def _coalesce(segments: list[Segment]) -> list[Segment]:
-    """Merges runs of segments that are adjacent both here (one storage, one dtype) and there
-    (one region), in remote order."""
-    out: list[Segment] = []
-    for seg in sorted(segments, key=lambda s: (s.key, s.offset)):
-        if out:
-            last = out[-1]
-            a, b = last.tensor, seg.tensor
-            if (last.key == seg.key and last.offset + last.nbytes == seg.offset and a.dtype == b.dtype
-                    and a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-                    and a.storage_offset() + a.numel() == b.storage_offset()):
-                merged = torch.empty(0, dtype=a.dtype, device=a.device)
-                merged.set_(a.untyped_storage(), a.storage_offset(), (a.numel() + b.numel(),), (1,))
-                out[-1] = Segment(merged, last.kind, last.key, last.offset, last.nbytes + seg.nbytes)
-                continue
-        out.append(seg)
-    return out
+def _no_overlap(remote: np.ndarray, n: np.ndarray, what: str, noun: str) -> None:
+    """Raises BoundsError when two of the sorted remote ranges ``remote`` / ``n`` share bytes."""
+    if len(remote) > 1 and (remote[1:] < remote[:-1] + n[:-1]).any():
+        i = int(np.argmax(remote[1:] < remote[:-1] + n[:-1]))
+        raise BoundsError(f"{what}: two {noun} write bytes {int(remote[i + 1])}.."
+                          f"{int(min(remote[i] + n[i], remote[i + 1] + n[i + 1]))} (the order inside one "
+                          "transfer is undefined; split it into two)")
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """A one-dimensional tensor of ``t``'s dtype over the whole of its storage, from its first
+    byte: the local base of the runs it takes part in."""
+    storage, item = t.untyped_storage(), t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // item,), (1,))
 
 
 class PreparedTransfer:
@@ -145,19 +115,24 @@ class PreparedTransfer:
     ``prepare_get_runs`` (an array of runs); the local tensors stay referenced (and are read,
     or written, at every :meth:`start`): fill them, start, await, repeat.
 
+    Either way it holds :class:`~transport._tensors.Runs`: items become one array of runs per
+    (local storage, dtype, memory kind, remote key), over a base tensor spanning the storage.
+
     Attributes:
         op: PUT or GET.
         peer: the peer's name.
         nbytes: bytes moved by one start.
-        segments: segments (or runs) after coalescing (what the backend moves).
-        items: segments (or runs) as given.
+        segments: runs after coalescing (what the backends move).
+        items: items (or runs) as given.
+        runs: the runs, a list per remote key and local base, in key order.
     """
 
     def __init__(self, op: TransferOp, peer: str, items: Sequence[tuple[torch.Tensor, str, int]],
                  engine: TransferEngine, known: PeerRecord | None) -> None:
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
             raise TypeError("items must be a sequence of (tensor, key, offset) tuples")
-        segments = []
+        given: list[tuple[str, str, int, int]] = []  # (key, dtype, offset, nbytes): checked as given
+        groups: dict[tuple[int, torch.dtype, torch.device, str], tuple[LocalBuffer, list[tuple[int, int, int]]]] = {}
         for i, item in enumerate(items):
             if not isinstance(item, tuple) or len(item) != 3:
                 raise TypeError(f"item {i} must be a (tensor, key, offset) tuple, got {item!r:.80}")
@@ -169,20 +144,24 @@ class PreparedTransfer:
                                   "or written in place at every start)")
             if not isinstance(key, str) or not key:
                 raise TypeError(f"{what}: key must be a non-empty str")
-            segments.append(Segment(tensor, memory_kind(tensor, what), key, byte_offset(offset), nbytes_of(tensor)))
-        if not segments:
+            kind, offset, n = memory_kind(tensor, what), byte_offset(offset), nbytes_of(tensor)
+            if not -(1 << 62) < offset < 1 << 62:
+                raise BoundsError(f"{what}: offset {offset} is out of range")
+            given.append((key, dtype_name(tensor.dtype), offset, n))
+            if n == 0:
+                continue
+            storage = tensor.untyped_storage().data_ptr()
+            group = groups.get((storage, tensor.dtype, tensor.device, key))
+            if group is None:
+                group = groups[(storage, tensor.dtype, tensor.device, key)] = (LocalBuffer(_base(tensor), kind), [])
+            group[1].append((int(tensor.storage_offset()) * tensor.element_size(), offset, n))
+        if not given:
             raise ValueError("a prepared transfer needs at least one item")
-        self.op = op
-        self.peer = peer
-        self.items = len(segments)
-        self.first_key = segments[0].key
-        self.runs: Runs | None = None
-        self._given = segments
-        self._segments = _coalesce([s for s in segments if s.nbytes])
-        self._check_overlap()
-        self.nbytes = sum(s.nbytes for s in self._segments)
-        self._spans = spans_of((s.key, s.offset, s.nbytes) for s in self._segments)
-        self._init_common(engine, known)
+        what = f"prepared {op.value} to {peer}"
+        runs = [Runs(local, key, _ordered(op, np.array(rows, dtype=np.int64), f"{what}:{key!r}", "items"))
+                for (_, _, _, key), (local, rows) in groups.items()]
+        self._given: list[tuple[str, str, int, int]] | None = given
+        self._init_common(op, peer, len(given), runs, engine, known)
 
     @classmethod
     def of_runs(cls, op: TransferOp, peer: str, tensor: torch.Tensor, key: str, runs: object,
@@ -201,39 +180,52 @@ class PreparedTransfer:
         if not isinstance(key, str) or not key:
             raise TypeError("key must be a non-empty str")
         array = check_runs(op, tensor, runs, f"prepared {op.value} to {peer}:{key!r}")
+        flat = tensor.reshape(-1) if tensor.numel() else tensor.new_empty(0)
         self = cls.__new__(cls)
-        self.op, self.peer, self.first_key = op, peer, key
-        self.items = len(runs)  # type: ignore[arg-type]
-        self.runs = Runs(tensor, memory_kind(tensor, "tensor"), key, array)
-        self._given, self._segments = [], []
-        self.nbytes = int(array[:, 2].sum()) if len(array) else 0
-        self._spans = {key: (int(array[0, 1]), int(array[-1, 1] + array[-1, 2]))} if len(array) else {}
-        self._init_common(engine, known)
+        kind = memory_kind(tensor, "tensor")
+        # No bytes to move (every run empty): the region is still checked, as an empty item.
+        self._given = None if len(array) else [(key, dtype_name(tensor.dtype), 0, 0)]
+        lists = [Runs(LocalBuffer(flat, kind), key, array)] if len(array) else []
+        self._init_common(op, peer, len(runs), lists, engine, known)  # type: ignore[arg-type]
         return self
 
-    def _init_common(self, engine: TransferEngine, known: PeerRecord | None) -> None:
+    def _init_common(self, op: TransferOp, peer: str, items: int, runs: list[Runs], engine: TransferEngine,
+                     known: PeerRecord | None) -> None:
+        runs.sort(key=lambda r: (r.key, r.span))
+        if op == TransferOp.PUT:  # the same remote bytes from two local bases
+            for k in {r.key for r in runs}:
+                mine = [r for r in runs if r.key == k]
+                if len(mine) > 1:
+                    rows = np.concatenate([r.array for r in mine])
+                    rows = rows[np.argsort(rows[:, 1], kind="stable")]
+                    _no_overlap(rows[:, 1], rows[:, 2], f"prepared put to {peer}:{k!r}", "items")
+        self.op, self.peer, self.items, self.runs = op, peer, items, runs
+        self.first_key = runs[0].key if runs else (self._given or [('', '', 0, 0)])[0][0]
+        self.segments = sum(len(r.array) for r in runs)
+        self.nbytes = sum(r.nbytes for r in runs)
+        self._spans = spans_of((r.key, *_lo_n(r)) for r in runs)
         self._engine = engine
-        self._bound: tuple[str, int, list[Bound]] | None = None  # (incarnation, seq, segments)
+        self._bound: tuple[str, int, list[tuple[Runs, RegionRecord]]] | None = None  # (incarnation, seq, runs)
         # One tensor per distinct local storage: a storage given new memory (resize_, set_)
         # since the plan was built makes the plan stale (its native list has the old addresses).
-        tensors = [s.tensor for s in self._segments] + ([self.runs.tensor] if self.runs is not None else [])
         reps: dict[int, torch.Tensor] = {}
-        for t in tensors:
-            reps.setdefault(t.untyped_storage().data_ptr(), t)
+        for r in runs:
+            reps.setdefault(r.local.tensor.untyped_storage().data_ptr(), r.local.tensor)
         self._storages = list(reps.values())
         # One CUDA tensor per local device: where each start records the event its CUDA
         # segments wait for (the work queued on that device's current stream by then).
-        self.cuda_anchors = {t.device.index: t for t in tensors if t.is_cuda}
+        self.cuda_anchors = {t.device.index: t for t in self._storages if t.is_cuda}
+        self._single: tuple[torch.Tensor, MemoryKind, str, int] | None = None
+        if len(runs) == 1 and len(runs[0].array) == 1:
+            (view, offset), = runs[0].pieces()
+            self._single = (view, runs[0].local.kind, runs[0].key, offset)
         if known is not None:
             self.bind(known)  # all remote checks now, when the peer's record is at hand
 
-    @property
-    def segments(self) -> int:
-        return len(self.runs.array) if self.runs is not None else len(self._segments)
-
-    def single(self) -> Segment | None:
-        """The one segment of an item-built transfer that has exactly one, else None."""
-        return self._segments[0] if self.runs is None and len(self._segments) == 1 else None
+    def single(self) -> tuple[torch.Tensor, MemoryKind, str, int] | None:
+        """(local view, memory kind, remote key, remote offset) of the one run of a transfer
+        that has exactly one, else None."""
+        return self._single
 
     def memory(self) -> tuple[int, ...]:
         """Where the local storages are now: a plan built for other addresses is stale."""
@@ -244,38 +236,26 @@ class PreparedTransfer:
         transfers); empty when every item is empty. Fixed at prepare time."""
         return self._spans
 
-    def _check_overlap(self) -> None:
-        if self.op != TransferOp.PUT:
-            return
-        for a, b in zip(self._segments, self._segments[1:], strict=False):
-            if a.key == b.key and b.offset < a.offset + a.nbytes:
-                raise BoundsError(f"prepared put to {self.peer}: two items write bytes {b.offset}.."
-                                  f"{min(a.offset + a.nbytes, b.offset + b.nbytes)} of {a.key!r} (the order "
-                                  "inside one transfer is undefined; split it into two)")
-
-    def bind(self, record: PeerRecord) -> list[Bound]:
-        """The segments checked against ``record`` (cached per incarnation and revision).
+    def bind(self, record: PeerRecord) -> list[tuple[Runs, RegionRecord]]:
+        """The runs, each with the region of ``record`` it goes to, checked against it (cached
+        per incarnation and revision).
 
         Raises:
             RegistrationError, ReadOnlyRegionError, DTypeMismatchError, BoundsError: as a
-                single put/get would, for the first segment that fails (given order).
+                single put/get would, for the first item that fails (given order); for an array
+                of runs, for the span they cover.
         """
         cached = self._bound
         if cached is not None and cached[0] == record.incarnation and cached[1] == record.seq:
             return cached[2]
-        if self.runs is not None:  # one region: the span's check covers every run
-            r = self.runs
-            lo, hi = self._spans.get(r.key, (0, 0))
-            check(self.op, record.name, r.key, record.regions.get(r.key), dtype_name(r.tensor.dtype), lo, hi - lo,
-                  known=record.regions.keys())
-            seg = Segment(r.tensor, r.kind, r.key, lo, hi - lo)
-            bound = [Bound(seg, record.regions[r.key])]
-            self._bound = (record.incarnation, record.seq, bound)
-            return bound
-        for s in self._given:  # the items as given, so that errors name them
-            check(self.op, record.name, s.key, record.regions.get(s.key), dtype_name(s.tensor.dtype), s.offset,
-                  s.nbytes, known=record.regions.keys())
-        bound = [Bound(s, record.regions[s.key]) for s in self._segments]
+        if self._given is None:  # one region: the span's check covers every run
+            for r in self.runs:
+                lo, hi = r.span
+                check(self.op, record.name, r.key, record.regions.get(r.key), dtype_name(r.local.tensor.dtype), lo,
+                      hi - lo, known=record.regions.keys())
+        for key, dtype, offset, n in self._given or ():  # the items as given, so that errors name them
+            check(self.op, record.name, key, record.regions.get(key), dtype, offset, n, known=record.regions.keys())
+        bound = [(r, record.regions[r.key]) for r in self.runs]
         self._bound = (record.incarnation, record.seq, bound)
         return bound
 
@@ -299,5 +279,10 @@ class PreparedTransfer:
         return self._engine.start_prepared(self, timeout)
 
     def __repr__(self) -> str:
-        return (f"<PreparedTransfer {self.op.value} {self.peer} {self.items} items -> {self.segments} segments, "
+        return (f"<PreparedTransfer {self.op.value} {self.peer} {self.items} items -> {self.segments} runs, "
                 f"{self.nbytes} B>")
+
+
+def _lo_n(r: Runs) -> tuple[int, int]:
+    lo, hi = r.span
+    return lo, hi - lo

@@ -205,27 +205,6 @@ class RegionTable:
             raise RegistrationError(f"{op.value} into {self.owner}:{key!r} refused: {why}")
         return region
 
-    def check_many(self, op: TransferOp, ranges: Sequence[tuple[object, object, object, object]]) -> list[Region]:
-        """:meth:`check` of every ``(key, dtype, offset, nbytes)`` range (a vectored request off
-        the wire), in order: the same refusals, raised for the first range that fails. A key's
-        region is looked up, and its storage checked for a move, once per call: later ranges
-        of the same key and dtype only need their bounds checked."""
-        out: list[Region] = []
-        checked: dict[tuple[str, str], tuple[Region, int]] = {}
-        for key, dtype, offset, nbytes in ranges:
-            hit = checked.get((key, dtype)) if type(key) is str and type(dtype) is str else None
-            if hit is not None:
-                region, itemsize = hit
-                if (type(offset) is int and type(nbytes) is int and 0 <= offset and 0 <= nbytes
-                        and offset + nbytes <= region.nbytes and offset % itemsize == 0):
-                    out.append(region)
-                    continue
-            region = self.check(op, key, dtype, offset, nbytes)  # the full rule; raises precisely
-            if type(key) is str and type(dtype) is str:
-                checked[(key, dtype)] = (region, dtype_from_name(dtype).itemsize)
-            out.append(region)
-        return out
-
     def moved(self) -> dict[str, str]:
         """Every region whose tensor's storage moved since registration: key -> why."""
         return {r.key: why for r in self._regions.values() if (why := r.moved()) is not None}

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import _cuda
-from ._batch import Bound, PreparedTransfer, Runs, Segment
+from ._batch import PreparedTransfer
 from ._errors import BackendUnavailableError
 from ._staging import staging_kind
-from ._tensors import MemoryKind, dtype_from_name
+from ._tensors import MemoryKind, Runs, dtype_from_name
 from ._wire import PeerRecord, RegionRecord, TransferOp
-from .backends import Backend, LocalBuffer, RemoteTarget
+from .backends import Backend, Runner
 from .backends._base import Mover
 from .backends._control import WITHDRAWN_SEQ
 
@@ -38,9 +38,10 @@ class BatchPlan:
     """How one prepared transfer moves to one record of its peer (see :meth:`Router.plan_for`)."""
 
     backends: str  # the backends' names, "a,b" for two
-    # each backend's reusable runner, and whether it takes the start's CUDA ready events
-    runs: list[tuple[Callable[..., Awaitable[None]], bool]]
-    per_start: list[tuple[Backend, Segment, RegionRecord]]  # moved one by one at every start
+    runners: list[Runner]  # each backend's reusable runner (Backend.prepare_runs)
+    # Runs of memory their backend does not serve (staged through a bounce buffer): moved run by
+    # run at every start.
+    staged: list[tuple[Backend, Runs, RegionRecord]]
     one_sided: bool  # every backend of it moves bytes without the peer's process
 
 
@@ -158,60 +159,33 @@ class Router:
 
     def plan_for(self, prepared: PreparedTransfer, record: PeerRecord) -> BatchPlan:
         """``prepared``'s plan for ``record``, kept while the peer's incarnation and record and
-        the local memory stay the same (built at the first start on them).
+        the local memory stay the same (built at the first start on them): a backend per
+        (region, memory kind), and each backend's reusable runner over the runs it serves
+        (``Backend.prepare_runs``, one call with all of them); runs of memory it does not serve
+        go run by run through staging at every start.
 
         Raises:
-            As ``PreparedTransfer.bind``; BackendUnavailableError.
+            As ``PreparedTransfer.bind``; BackendUnavailableError: no backend reaches a region.
         """
         bound = prepared.bind(record)
         ident = (record.incarnation, record.seq, *prepared.memory())
         cached = self._plans.get(prepared)
         if cached is not None and cached[0] == ident:
             return cached[1]
-        if prepared.runs is not None:
-            plan = self._plan_runs(prepared.op, record, bound[0].region, prepared.runs)
-        else:
-            plan = self._plan(prepared.op, record, bound)
+        served: dict[str, tuple[Backend, list[tuple[Runs, RegionRecord]]]] = {}
+        chosen: dict[tuple[str, MemoryKind], Backend] = {}
+        staged: list[tuple[Backend, Runs, RegionRecord]] = []
+        for runs, region in bound:
+            kind = runs.local.kind
+            backend = chosen.get((runs.key, kind))
+            if backend is None:
+                backend = chosen[(runs.key, kind)] = self.choose(record, region, kind)
+            mine = served.setdefault(backend.name, (backend, []))
+            if kind in backend.memory_kinds:
+                mine[1].append((runs, region))
+            else:
+                staged.append((backend, runs, region))
+        runners = [backend.prepare_runs(prepared.op, record, lists) for backend, lists in served.values() if lists]
+        plan = BatchPlan(",".join(served), runners, staged, all(b.one_sided for b, _ in served.values()))
         self._plans[prepared] = (ident, plan)
         return plan
-
-    def _plan_runs(self, op: TransferOp, record: PeerRecord, region: RegionRecord, runs: Runs) -> BatchPlan:
-        """A prepared array of runs: one backend's runner over the array as it is
-        (``Backend.prepare_runs``); memory the backend cannot serve directly goes run by run
-        through staging at every start."""
-        backend = self.choose(record, region, runs.kind)
-        if runs.kind in backend.memory_kinds and (runs.kind == MemoryKind.CPU or backend.prepares_device):
-            runner = backend.prepare_runs(op, LocalBuffer(runs.tensor, runs.kind),
-                                          RemoteTarget(record, region, 0, region.nbytes), runs.array)
-            return BatchPlan(backend.name, [(runner, backend.prepares_device)], [], backend.one_sided)
-        flat = runs.tensor.view(-1).view(torch.uint8)
-        per_start = [(backend, Segment(flat[a : a + n], runs.kind, runs.key, b, n), region)
-                     for a, b, n in runs.array.tolist()]
-        return BatchPlan(backend.name, [], per_start, backend.one_sided)
-
-    def _plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[Bound]) -> BatchPlan:
-        """How a prepared transfer's checked segments move: a backend per (region, memory
-        kind), and each backend's reusable runner (``Backend.prepare_many``) for the segments
-        it serves directly (CUDA ones only where it ``prepares_device``); other CUDA segments
-        (their ready event is taken at each start) and staged ones go one by one.
-
-        Raises:
-            BackendUnavailableError: no backend reaches one of the regions.
-        """
-        groups: dict[str, tuple[Backend, list[tuple[LocalBuffer, RemoteTarget]]]] = {}
-        chosen: dict[tuple[str, MemoryKind], Backend] = {}
-        per_start: list[tuple[Backend, Segment, RegionRecord]] = []
-        for b in bound:
-            seg = b.segment
-            backend = chosen.get((seg.key, seg.kind))
-            if backend is None:
-                backend = chosen[(seg.key, seg.kind)] = self.choose(record, b.region, seg.kind)
-            group = groups.setdefault(backend.name, (backend, []))
-            if seg.kind in backend.memory_kinds and (seg.kind == MemoryKind.CPU or backend.prepares_device):
-                group[1].append((LocalBuffer(seg.tensor, seg.kind), RemoteTarget(record, b.region, seg.offset,
-                                                                                  seg.nbytes)))
-            else:
-                per_start.append((backend, seg, b.region))
-        runs = [(backend.prepare_many(op, pairs), backend.prepares_device)
-                for backend, pairs in groups.values() if pairs]
-        return BatchPlan(",".join(groups), runs, per_start, all(b.one_sided for b, _ in groups.values()))

@@ -1,5 +1,6 @@
-"""Tensors as the library sees them: dtype names, byte views, memory kinds, and the two sides
-of one transfer as backends get them (:class:`LocalBuffer`, :class:`RemoteTarget`)."""
+"""Tensors as the library sees them: dtype names, byte views, memory kinds, the two sides of
+one transfer as backends get them (:class:`LocalBuffer`, :class:`RemoteTarget`), and the one
+shape a prepared transfer's bytes have on their way down (:class:`Runs`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._errors import BackendUnavailableError, LayoutError
@@ -103,3 +105,39 @@ class RemoteTarget:
     region: RegionRecord
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Byte runs between one local tensor and one remote region: what a prepared transfer is
+    made of, from ``prepare_put`` / ``prepare_put_runs`` down to a backend's native list, where
+    (and only where) rows become ``(dst address, src address, nbytes)``.
+
+    Attributes:
+        local: the runs' local base (contiguous, one dimension; ``ready`` unset): local offsets
+            count from its first byte.
+        key: the remote region.
+        array: int64 ``(N, 3)``, N >= 1, rows ``(local byte offset, remote byte offset,
+            nbytes)``: checked against ``local`` (inside it, aligned to its items), no row
+            empty, coalesced, in remote order.
+    """
+
+    local: LocalBuffer
+    key: str
+    array: np.ndarray
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The remote bytes ``[lo, hi)`` the runs lie in."""
+        a = self.array
+        return int(a[0, 1]), int(a[-1, 1] + a[-1, 2])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array[:, 2].sum())
+
+    def pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """Each run as (a view of the local base with its dtype, remote byte offset): for the
+        paths that move run by run."""
+        base, item = self.local.tensor, self.local.tensor.element_size()
+        return [(base[a // item : (a + n) // item], b) for a, b, n in self.array.tolist()]

@@ -138,9 +138,10 @@ class TransferEngine:
         if self.state != "open":
             raise ClosedError(f"transport {self.name!r} is {self.state}")
         limit = self.timeout if timeout is None else seconds(timeout, "timeout")
-        segs = prepared.single()
-        if segs is not None and segs.kind is MemoryKind.CPU:
-            return self.start(prepared.op, segs.tensor, segs.kind, prepared.peer, segs.key, segs.offset, limit)
+        one = prepared.single()
+        if one is not None and one[1] is MemoryKind.CPU:
+            view, kind, key, offset = one
+            return self.start(prepared.op, view, kind, prepared.peer, key, offset, limit)
         return self.start_batch(prepared, limit)
 
     def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
@@ -313,12 +314,13 @@ class TransferEngine:
         record, plan = await self._checked(xfer, after, lambda r: self._router.plan_for(prepared, r))
         xfer._routed(plan.backends, plan.one_sided)
         self._begin(xfer, record, plan.backends)
-        for run, takes_ready in plan.runs:
-            await (run(ready) if takes_ready else run())
-        for backend, seg, region in plan.per_start:
-            event = ready[seg.tensor.device.index] if seg.kind == MemoryKind.CUDA else None
-            await self._move(backend, xfer.op, LocalBuffer(seg.tensor, seg.kind, ready=event),
-                             RemoteTarget(record, region, seg.offset, seg.nbytes))
+        for run in plan.runners:
+            await run(ready)
+        for backend, runs, region in plan.staged:
+            for view, offset in runs.pieces():
+                event = ready[view.device.index] if runs.local.kind == MemoryKind.CUDA else None
+                await self._move(backend, xfer.op, LocalBuffer(view, runs.local.kind, ready=event),
+                                 RemoteTarget(record, region, offset, nbytes_of(view)))
 
     async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Moves one range with ``backend``, through a bounce buffer when it does not serve the

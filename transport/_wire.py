@@ -271,9 +271,8 @@ class FrameKind(enum.IntEnum):
     GET = 3
     SIGNAL = 4
     BACKEND = 5  # a backend's own control request (meta["backend"] names it), e.g. nccl's recv
-    PUTV = 6  # many ranges in one frame (a prepared transfer's segments): meta["segs"], payloads in order
-    GETV = 7
-    PUTR = 8  # many runs of one region (a prepared array of runs): a binary run table leads the payload
+    # 6 and 7 were PUTV / GETV (ranges listed in the metadata); retired for PUTR / GETR, never reused
+    PUTR = 8  # many runs of one or more regions (a prepared transfer): a binary run table leads the payload
     GETR = 9
     BACKEND_DATA = 10  # a backend's own request with a payload (meta["backend"] names it): Backend.serve_frame
     OK = 16
@@ -389,11 +388,6 @@ class RangeRequest:
     offset: int
     nbytes: int
 
-    @property
-    def segments(self) -> tuple[tuple[str, str, int, int]]:
-        """This one range in the form of :attr:`RangesRequest.segments`."""
-        return ((self.key, self.dtype, self.offset, self.nbytes),)
-
     def to_meta(self) -> dict[str, Any]:
         return {"key": self.key, "dtype": self.dtype, "offset": self.offset, "nbytes": self.nbytes}
 
@@ -403,70 +397,63 @@ class RangeRequest:
         return cls(_str(meta, "key"), _str(meta, "dtype"), _int(meta, "offset"), _int(meta, "nbytes"))
 
 
-MAX_SEGMENTS = 65536  # ranges in one PUTV / GETV frame
-
-
-@dataclass(frozen=True)
-class RangesRequest:
-    """A PUTV or GETV: many ranges ``(key, dtype, offset, nbytes)``, their bytes back to back."""
-
-    segments: tuple[tuple[str, str, int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s[3] for s in self.segments)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"segs": [list(s) for s in self.segments]}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> RangesRequest:
-        """Raises WireError for a missing, mistyped or oversized segment table."""
-        segs = meta.get("segs")
-        if not isinstance(segs, list) or not 0 < len(segs) <= MAX_SEGMENTS:
-            raise WireError(f"request field 'segs' must be a list of 1 to {MAX_SEGMENTS} ranges")
-        out = []
-        for s in segs:
-            if not (isinstance(s, list) and len(s) == 4):
-                raise WireError("a range must be [key, dtype, offset, nbytes]")
-            out.append(RangeRequest.from_meta(dict(zip(("key", "dtype", "offset", "nbytes"), s, strict=True))))
-        return cls(tuple((r.key, r.dtype, r.offset, r.nbytes) for r in out))
+MAX_SEGMENTS = 65536  # runs in one PUTR / GETR frame
 
 
 RUN_ROW = 16  # one run in a PUTR / GETR table: remote byte offset, nbytes (little-endian int64)
 
 
+MAX_RUN_GROUPS = 4096  # regions in one PUTR / GETR frame
+
+
 @dataclass(frozen=True)
 class RunsRequest:
-    """A PUTR or GETR: ``count`` runs of region ``key``. The payload starts with the run table
-    (``count`` rows of :data:`RUN_ROW` bytes), then, for PUTR, the runs' bytes back to back;
-    the target reads and checks the whole table before it takes a data byte."""
+    """A PUTR or GETR: runs of one or more regions, ``groups`` of ``(key, dtype, count)`` in
+    table order. The payload starts with the run table (one row of :data:`RUN_ROW` bytes per
+    run, the groups' runs one after another), then, for PUTR, the runs' bytes back to back;
+    the target reads and checks the whole table, every group, before it takes a data byte, so
+    a frame lands whole or not at all."""
 
-    key: str
-    dtype: str
-    count: int
+    groups: tuple[tuple[str, str, int], ...]
     # The runs' bytes are packed back to back and copied to (from) their places natively, in
     # one job, at most MAX_STAGED_BYTES of them: small runs, where a system-call buffer per run
     # would cost more than the copy.
     staged: bool = False
 
     @property
+    def count(self) -> int:
+        return sum(g[2] for g in self.groups)
+
+    @property
     def table_bytes(self) -> int:
         return self.count * RUN_ROW
 
     def to_meta(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "count": self.count, "staged": self.staged}
+        return {"groups": [list(g) for g in self.groups], "staged": self.staged}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RunsRequest:
-        """Raises WireError for a missing or mistyped field, or more than MAX_SEGMENTS runs."""
-        count = _int(meta, "count")
-        if not 0 < count <= MAX_SEGMENTS:
-            raise WireError(f"request field 'count' must be 1 to {MAX_SEGMENTS}, got {count}")
+        """Raises WireError for a missing or mistyped field, no group or more than
+        MAX_RUN_GROUPS, a group without runs, or more than MAX_SEGMENTS runs in all."""
+        groups = meta.get("groups")
+        if not isinstance(groups, list) or not 0 < len(groups) <= MAX_RUN_GROUPS:
+            raise WireError(f"request field 'groups' must be a list of 1 to {MAX_RUN_GROUPS} groups")
+        out = []
+        for g in groups:
+            if not (isinstance(g, list) and len(g) == 3):
+                raise WireError("a run group must be [key, dtype, count]")
+            fields = dict(zip(("key", "dtype", "count"), g, strict=True))
+            key, dtype, count = _str(fields, "key"), _str(fields, "dtype"), _int(fields, "count")
+            if count <= 0:
+                raise WireError(f"a run group of {key!r} must have at least one run, got {count}")
+            out.append((key, dtype, count))
         staged = meta.get("staged", False)
         if not isinstance(staged, bool):
             raise WireError("request field 'staged' must be a bool")
-        return cls(_str(meta, "key"), _str(meta, "dtype"), count, staged)
+        request = cls(tuple(out), staged)
+        if request.count > MAX_SEGMENTS:
+            raise WireError(f"a frame of {request.count} runs (at most {MAX_SEGMENTS})")
+        return request
 
 
 MAX_STAGED_BYTES = 4 << 20  # data bytes of one staged PUTR / GETR frame

@@ -28,7 +28,7 @@ import inspect
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,6 +44,8 @@ from .backends import (
     BackendContext,
     LocalBuffer,
     RemoteTarget,
+    Runner,
+    Runs,
     register_backend,
     registered_backends,
     unregister_backend,
@@ -139,7 +141,7 @@ class FaultyBackend(Backend):
     first in the method resolution order and delegates with ``super()``; its own helpers have
     mangled names so that they cannot shadow the base backend's). Its shortcuts are turned off
     so that every byte passes a fault: no synchronous path (``mover`` is None), and a prepared
-    transfer's segments go one ``move`` each (the default ``prepare_many`` / ``move_many``).
+    transfer's runs go one ``move`` each (the default ``prepare_runs``).
 
     Attributes:
         faults: the faults this class injects (set by :func:`faulty`).
@@ -158,18 +160,9 @@ class FaultyBackend(Backend):
         """None: every transfer takes ``put``/``get``, where the faults are."""
         return None
 
-    # Its runner is the default one (below), which takes no CUDA segments: they go one by one,
-    # each with its ready event, whatever the base backend declares.
-    prepares_device: ClassVar[bool] = False
-
-    def prepare_many(self, op: TransferOp,
-                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
-        """The default runner (each segment one ``move``, where the faults are)."""
-        return Backend.prepare_many(self, op, pairs)
-
-    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        """The default (each segment one ``move``, where the faults are)."""
-        await Backend.move_many(self, op, pairs)
+    def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
+        """The default runner (each run one ``move``, where the faults are)."""
+        return Backend.prepare_runs(self, op, peer, lists)
 
     # A base backend may implement put/get on top of move or the other way round, so the
     # entry points that its own code calls while this class delegates to it pass straight

@@ -1,13 +1,13 @@
-"""The tcp backend's vectored frames (PUTV / GETV: a prepared transfer's segments).
+"""The tcp backend's vectored frames (PUTR / GETR: a prepared transfer's runs).
 
 * The socket helpers that move a frame's payload of many views with a few ``sendmsg`` /
   ``recvmsg_into`` calls, over a real socket pair whose small buffers force partial calls:
   zero-length views, more views than one call takes (IOV_MAX), views larger than one call's
   byte budget, and a peer that closes mid-payload.
-* The target checks a vectored request's ranges in bulk (a key's region once, then bounds per
-  range): an authenticated peer sends crafted segment tables through the tcp backend's own
-  channel, and a bad range anywhere after good ones of the same key refuses the whole frame
-  with the same typed error a single range gets, nothing written.
+* The target checks a frame's runs in bulk (each group's region once for its span, then bounds
+  and alignment per run): an authenticated peer sends crafted run tables through the tcp
+  backend's own channel, and a bad run anywhere after good ones refuses the whole frame with a
+  typed error, nothing written.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import random
 import socket
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -84,29 +85,44 @@ async def tcp_pair(memory_store: str):
             yield a, b
 
 
-async def putv(a: transport.Transport, segs: list[list[object]], payload: bytes) -> None:
-    """Sends one PUTV frame with this segment table, as any authenticated peer could."""
+async def putr(a: transport.Transport, segs: list[list[object]], payload: bytes,
+               groups: list[list[object]] | None = None) -> None:
+    """Sends one PUTR frame of these ``[key, dtype, offset, nbytes]`` ranges (one group per run
+    of ranges of the same key and dtype, unless ``groups`` is given), as any authenticated peer
+    could."""
     record = a._directory.known("b")  # the peer's record (looked up by the test before)
     assert record is not None
+    if groups is None:
+        groups = []
+        for key, dtype, _, _ in segs:
+            if groups and groups[-1][:2] == [key, dtype]:
+                groups[-1][2] += 1
+            else:
+                groups.append([key, dtype, 1])
+    table = np.array([s[2:] for s in segs], dtype="<i8").tobytes()
     backend = next(x for x in a._backends if x.name == "tcp")
     chan = await backend._pool.get(record.name, record.incarnation, record.agent)
-    await chan.request(FrameKind.PUTV, {"segs": segs}, payload=[memoryview(payload)])
+    await chan.request(FrameKind.PUTR, {"groups": groups, "staged": False},
+                       payload=[memoryview(table), memoryview(payload)])
 
 
 BAD_AFTER_GOOD = [
-    ("out of bounds", [["w", "uint8", 0, 16], ["w", "uint8", 4090, 16]], transport.BoundsError, "exceeds"),
-    ("negative offset", [["w", "uint8", 0, 16], ["w", "uint8", -16, 16]], transport.BoundsError, "exceeds"),
-    ("misaligned", [["f", "float32", 0, 8], ["f", "float32", 6, 8]], transport.BoundsError, "multiple"),
-    # (refused as it is decoded, before any range is checked)
-    ("bool offset", [["w", "uint8", 0, 16], ["w", "uint8", True, 16]], transport.TransportError, "integer"),
-    ("other dtype", [["w", "uint8", 0, 16], ["w", "float32", 16, 16]], transport.DTypeMismatchError, "float32"),
-    ("read-only", [["w", "uint8", 0, 16], ["ro", "uint8", 0, 16]], transport.ReadOnlyRegionError, "read-only"),
-    ("unknown key", [["w", "uint8", 0, 16], ["nope", "uint8", 0, 16]], transport.RegistrationError, "nope"),
+    ("out of bounds", [["w", "uint8", 0, 16], ["w", "uint8", 4090, 16]], None, transport.BoundsError, "exceeds"),
+    ("negative offset", [["w", "uint8", 0, 16], ["w", "uint8", -16, 16]], None, transport.BoundsError, "negative"),
+    ("misaligned", [["f", "float32", 0, 8], ["f", "float32", 6, 8]], None, transport.BoundsError, "aligned"),
+    ("misaligned alone", [["w", "uint8", 0, 16], ["f", "float32", 6, 8]], None, transport.BoundsError, "multiple"),
+    # (refused as it is decoded, before any run is checked)
+    ("bool count", [["w", "uint8", 0, 16], ["w", "uint8", 16, 16]], [["w", "uint8", 1], ["w", "uint8", True]],
+     transport.TransportError, "integer"),
+    ("other dtype", [["w", "uint8", 0, 16], ["w", "float32", 16, 16]], None, transport.DTypeMismatchError, "float32"),
+    ("read-only", [["w", "uint8", 0, 16], ["ro", "uint8", 0, 16]], None, transport.ReadOnlyRegionError, "read-only"),
+    ("unknown key", [["w", "uint8", 0, 16], ["nope", "uint8", 0, 16]], None, transport.RegistrationError, "nope"),
 ]
 
 
-@pytest.mark.parametrize(("case", "segs", "error", "match"), BAD_AFTER_GOOD, ids=[c[0] for c in BAD_AFTER_GOOD])
-async def test_a_bad_range_after_good_ones_refuses_the_frame(tcp_pair, case, segs, error, match):
+@pytest.mark.parametrize(("case", "segs", "groups", "error", "match"), BAD_AFTER_GOOD,
+                         ids=[c[0] for c in BAD_AFTER_GOOD])
+async def test_a_bad_range_after_good_ones_refuses_the_frame(tcp_pair, case, segs, groups, error, match):
     a, b = tcp_pair
     w = b.empty("w", 4096, torch.uint8)
     f = b.empty("f", 1024, torch.float32)
@@ -114,10 +130,10 @@ async def test_a_bad_range_after_good_ones_refuses_the_frame(tcp_pair, case, seg
     await a.peer("b", regions=["w", "f", "ro"])
     payload = bytes(range(256)) * (sum(s[3] for s in segs) // 256 + 1)
     with anyio.fail_after(10), pytest.raises(error, match=match):
-        await putv(a, segs, payload[: sum(s[3] for s in segs)])
+        await putr(a, segs, payload[: sum(s[3] for s in segs)], groups)
     assert not w.any() and not f.any() and not ro.any(), f"{case}: a refused frame wrote bytes"
     # The connection stays in step: a good frame right after lands.
-    await putv(a, [["w", "uint8", 8, 4], ["w", "uint8", 100, 2]], b"abcdef")
+    await putr(a, [["w", "uint8", 8, 4], ["w", "uint8", 100, 2]], b"abcdef")
     assert bytes(w[8:12].tolist()) == b"abcd" and bytes(w[100:102].tolist()) == b"ef"
 
 
@@ -137,5 +153,5 @@ async def test_many_ranges_of_two_regions_land_in_one_frame(tcp_pair):
         region[off : off + n] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else region[off:off]
         payload += data
     with anyio.fail_after(20):
-        await putv(a, segs, bytes(payload))
+        await putr(a, segs, bytes(payload))
     assert torch.equal(w, expect_w) and torch.equal(f.view(torch.uint8), expect_f)

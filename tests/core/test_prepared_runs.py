@@ -81,6 +81,38 @@ async def test_runs_land_exactly_and_come_back(backend, targets, file_store):
         await target.result()
 
 
+@pytest.mark.parametrize("backend", backend_params())
+async def test_one_prepared_transfer_over_several_regions_lands_whole(backend, targets, file_store):
+    """Items into three regions of two dtypes, small and large, interleaved: tcp carries several
+    regions' runs in one frame (its groups), the others one batch; every byte lands, and comes
+    back by the same items as a prepared get."""
+    regions = [{"key": "a", "numel": 1 << 16, "dtype": "float32"}, {"key": "b", "numel": 1 << 16, "dtype": "int64"},
+               {"key": "c", "numel": 1 << 18, "dtype": "float32"}]
+    async with transport.Transport("init", store=file_store, backends=(backend,), timeout=30) as t:
+        target = await serving_target(t, targets, file_store, backend, regions)
+        fa, ib, fc = torch.randn(1 << 16), torch.randint(0, 1 << 40, (1 << 16,)), torch.randn(1 << 18)
+        items = []
+        for i in range(0, 512, 2):  # small runs, alternating between regions a and b, with gaps
+            items += [(fa[i * 64 : i * 64 + 16], "a", i * 256), (ib[i * 64 : i * 64 + 8], "b", i * 512)]
+        items += [(fc[: 1 << 17], "c", 0), (fa[-8:], "a", ((1 << 16) - 8) * 4), (fc[1 << 17 :], "c", 1 << 19)]
+        await t.prepare_put(target.name, items).start()
+        back = {"a": torch.zeros(1 << 16), "b": torch.zeros(1 << 16, dtype=torch.int64), "c": torch.zeros(1 << 18)}
+        for key, dst in back.items():
+            await t.get(dst, target.name, key=key)
+        for src, key, offset in items:
+            got = back[key].view(torch.uint8)[offset : offset + src.nbytes]
+            assert torch.equal(got, src.view(torch.uint8)), (key, offset)
+        landed = sum(int(src.nbytes) for src, _, _ in items)
+        assert sum(int(d.count_nonzero()) * d.element_size() for d in back.values()) <= landed
+
+        copies = [(torch.zeros_like(src), key, offset) for src, key, offset in items]
+        await t.prepare_get(target.name, copies).start()
+        for (src, _, _), (dst, _, _) in zip(items, copies, strict=True):
+            assert torch.equal(src, dst)
+        await t.signal(target.name, "done", 1)
+        await target.result()
+
+
 async def test_adjacent_runs_coalesce_and_bad_runs_are_typed_errors_before_any_byte(memory_store):
     async with transport.Transport("a", store=memory_store, backends=("ipc",), timeout=10) as a, \
             transport.Transport("b", store=memory_store, backends=("ipc",), timeout=10) as b:
@@ -150,14 +182,19 @@ def _frame(addr: tuple[str, int], to: str, incarnation: str, frames: list[bytes]
 async def test_hostile_run_tables_are_refused_before_a_byte_lands(memory_store):
     async with transport.Transport("b", store=memory_store, backends=("tcp",), timeout=10) as b:
         region = b.empty("w", 256, torch.int32)
+        other = b.empty("x", 16, torch.int32)
         addr, inc = b._agent.address, b.incarnation
 
-        def putr(rows: list[tuple[int, int]], data: bytes, rid: int, staged: bool = False) -> bytes:
-            table = np.array(rows, dtype="<i8").tobytes()
-            meta = {"key": "w", "dtype": "int32", "count": len(rows), "staged": staged}
+        def frame(meta: dict, rows: list[tuple[int, int]], data: bytes, rid: int) -> bytes:
+            table = np.array(rows, dtype="<i8").reshape(-1, 2).tobytes()
             return encode_frame(FrameKind.PUTR, rid, meta, len(table) + len(data)) + table + data
 
-        good = [putr([(0, 4), (64, 4)], bytes([1] * 8), 10, staged=True), putr([(4, 4)], bytes([1] * 4), 11)]
+        def putr(rows: list[tuple[int, int]], data: bytes, rid: int, staged: bool = False) -> bytes:
+            return frame({"groups": [["w", "int32", len(rows)]], "staged": staged}, rows, data, rid)
+
+        both = {"groups": [["w", "int32", 1], ["x", "int32", 1]], "staged": True}
+        good = [putr([(0, 4), (64, 4)], bytes([1] * 8), 10, staged=True), putr([(4, 4)], bytes([1] * 4), 11),
+                frame(both, [(128, 4), (60, 4)], bytes([2] * 8), 12)]  # two regions' runs in one frame
         replies = await anyio.to_thread.run_sync(_frame, addr, "b", inc, [
             putr([(-4, 4)], bytes(4), 2),                # negative offset
             putr([(1020, 8)], bytes(8), 3),              # past the end of the region
@@ -165,11 +202,22 @@ async def test_hostile_run_tables_are_refused_before_a_byte_lands(memory_store):
             putr([(0, 4), (8, 4)], bytes(4), 5),         # the table wants 8 data bytes, 4 follow
             putr([(0, (1 << 63) - 1)], b"", 6),          # an offset + size that overflows
             putr([(0, 4), (8, 4)], bytes(4), 7, staged=True),  # staged, and short of data
+            frame(both, [(200, 4), (64, 4)], bytes(8), 8),  # the second region's run is out of bounds
+            frame({"groups": [["w", "int32", 0]]}, [], b"", 20),         # a group without runs
+            frame({"groups": []}, [], b"", 21),                          # no group
+            frame({"groups": [["w", 5, 1]]}, [(0, 4)], bytes(4), 22),    # a dtype that is not a string
+            frame({"groups": "w"}, [(0, 4)], bytes(4), 23),              # groups that are not a list
+            frame({"groups": [["w", "int32"]]}, [(0, 4)], bytes(4), 24),  # a group short of a field
+            frame({"groups": [["w", "int32", 1]] * 4097}, [(0, 4)], bytes(4), 25),  # too many groups
+            frame({"groups": [["w", "int32", 2]]}, [(0, 4)], b"", 26),  # the table is longer than the payload
             *good,
         ])
         kinds = [k for k, _ in replies]
-        assert kinds == [FrameKind.ERR] * 6 + [FrameKind.OK] * 2, replies
-        codes = [json.loads(meta)["code"] for _, meta in replies[:6]]
-        assert codes == [ErrCode.BOUNDS] * 3 + [ErrCode.INTERNAL, ErrCode.BOUNDS, ErrCode.INTERNAL], replies
+        assert kinds == [FrameKind.ERR] * 14 + [FrameKind.OK] * 3, replies
+        codes = [json.loads(meta)["code"] for _, meta in replies[:14]]
+        assert codes == ([ErrCode.BOUNDS] * 3 + [ErrCode.INTERNAL, ErrCode.BOUNDS, ErrCode.INTERNAL, ErrCode.BOUNDS]
+                         + [ErrCode.INTERNAL] * 7), replies
         assert region[:2].tolist() == [0x01010101, 0x01010101] and region[16].item() == 0x01010101
-        assert int(region[2:16].count_nonzero()) == 0 and int(region[17:].count_nonzero()) == 0
+        assert region[32].item() == 0x02020202 and other[15].item() == 0x02020202
+        assert int(region[2:16].count_nonzero()) == 0 and int(region[17:32].count_nonzero()) == 0
+        assert int(region[33:].count_nonzero()) == 0 and int(other[:15].count_nonzero()) == 0

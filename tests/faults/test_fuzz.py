@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import transport
 from transport._auth import Authenticator
-from transport._wire import FRAME_HEADER, PeerRecord, RangesRequest, WireError, decode_header, decode_meta
+from transport._wire import FRAME_HEADER, PeerRecord, RunsRequest, WireError, decode_header, decode_meta
 from transport.weights._layout import Layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
@@ -131,17 +131,20 @@ def test_decoders_reject_random_bytes(data):
 
 
 @FUZZ
-@given(segs=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-                         lambda c: st.lists(c, max_size=5), max_leaves=30))
-def test_segment_tables_decode_or_are_refused(segs):
-    """A PUTV / GETV segment table from the network: a valid table or a WireError, nothing else."""
+@given(groups=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                           lambda c: st.lists(c, max_size=5), max_leaves=30),
+       staged=st.none() | st.booleans() | st.integers())
+def test_run_group_tables_decode_or_are_refused(groups, staged):
+    """A PUTR / GETR group table from the network: a valid one or a WireError, nothing else."""
     try:
-        request = RangesRequest.from_meta({"segs": segs})
+        request = RunsRequest.from_meta({"groups": groups, "staged": staged})
     except WireError:
         return
-    for key, dtype, offset, nbytes in request.segments:
+    assert 0 < len(request.groups) and isinstance(request.staged, bool)
+    for key, dtype, count in request.groups:
         assert isinstance(key, str) and isinstance(dtype, str)
-        assert type(offset) is int and type(nbytes) is int
+        assert type(count) is int and count > 0
+    assert request.table_bytes == 16 * request.count
 
 
 @FUZZ

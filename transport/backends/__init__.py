@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from .._errors import BackendUnavailableError
 from .._tensors import MemoryKind
-from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner, Runs
 from .ipc import IpcBackend
 from .nccl import NcclBackend
 from .tcp import TcpBackend
@@ -271,6 +271,8 @@ __all__ = [
     "BackendContext",
     "LocalBuffer",
     "RemoteTarget",
+    "Runner",
+    "Runs",
     "availability",
     "backend_class",
     "default_backends",

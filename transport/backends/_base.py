@@ -10,28 +10,27 @@ backend is called; a backend only moves bytes and maps its own failures to the e
 from __future__ import annotations
 
 import abc
-import functools
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
-import torch
 from anyio.abc import TaskGroup
 
+from .. import _cuda
 from .._auth import Authenticator
 from .._errors import TransportError, TransportInternalError
 from .._native import Copier
 from .._regions import Region, RegionTable
 from .._rendezvous import Store
-from .._tensors import LocalBuffer, MemoryKind, RemoteTarget
+from .._tensors import LocalBuffer, MemoryKind, RemoteTarget, Runs, nbytes_of
 from .._wire import FrameKind, HostId, PeerRecord, RegionRecord, TransferOp
 
 if TYPE_CHECKING:
     from .._agent import Conn
 
-MANY_INFLIGHT = 32  # ranges of one move_many in flight at once (default implementation)
+MANY_INFLIGHT = 32  # runs in flight at once (the default prepare_runs)
 
 # check_region(op, meta, nbytes): the live region a request may touch (transport._regions.check).
 RegionCheck = Callable[[TransferOp, Mapping[str, Any], int], Region]
@@ -41,6 +40,8 @@ RegionCheck = Callable[[TransferOp, Mapping[str, Any], int], Region]
 Pending = Callable[[], Awaitable[bool]]
 # move(local_address, offset, nbytes): True (done), False (declined, nothing moved) or a Pending.
 Mover = Callable[[int, int, int], "bool | Pending"]
+# A prepared transfer's reusable runner (see Backend.prepare_runs): run(ready=None).
+Runner = Callable[..., Awaitable[None]]
 
 
 @dataclass
@@ -64,7 +65,7 @@ class BackendContext:
     # then declared lost, and forget_peer called, the moment it dies). For one-sided backends.
     watch: Callable[[PeerRecord], None] | None = None
     # This endpoint's registered regions, for a backend that serves frames on the target side
-    # (serve_frame): check requests against it with RegionTable.check / check_many.
+    # (serve_frame): check requests against it with RegionTable.check.
     regions: RegionTable | None = None
 
 
@@ -117,8 +118,6 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     one_sided: ClassVar[bool]  # True when the target's Python takes no part in a transfer
     memory_kinds: ClassVar[frozenset[MemoryKind]]
-    # True when prepare_many also takes CUDA segments (see there); else they move one by one.
-    prepares_device: ClassVar[bool] = False
     frames: ClassVar[frozenset[FrameKind]] = frozenset()  # frame kinds served on the target side
     lanes: ClassVar[frozenset[str]] = frozenset()  # HELLO lanes it takes over (adopt_lane)
 
@@ -193,69 +192,53 @@ class Backend(abc.ABC):
         else:
             await self.get(local, remote)
 
-    def prepare_many(self, op: TransferOp,
-                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
-        """A reusable runner that moves these ranges of one peer (a prepared transfer's
-        segments, all of memory kinds this backend serves; CUDA ones only when
-        ``prepares_device``: the runner then takes one argument, ``ready``, the
-        ``torch.cuda.Event`` recorded on each CUDA device's current stream when the transfer
-        was started (by device index; None when it runs outside a start, e.g. from
-        :meth:`move_many`: then it records them itself), which its CUDA copies wait for).
+    def prepare_runs(self, op: TransferOp, peer: PeerRecord,
+                     lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
+        """A reusable runner that moves these runs of one peer's regions (a prepared transfer's,
+        each list with the region of ``peer``'s record it goes to, checked; every list's memory
+        of a kind in ``memory_kinds``).
 
-        Built once per prepared transfer and record of its peer; every ``await run()`` moves
-        every range again (reading or writing the same memory) and returns when all are done.
-        Backends with a native list operation override it to build their descriptor list here,
-        once. The default runs :meth:`move_many` each time.
+        Built once per prepared transfer and record of its peer; every ``await run(ready)``
+        moves every run again (reading or writing the same memory) and returns when all are
+        done. ``ready``: the ``torch.cuda.Event`` recorded on each CUDA device's current stream
+        when the transfer was started, by device index, which CUDA copies must wait for (None,
+        or a device missing: record one then). Backends with a native list operation override
+        this to build their descriptor lists here, once, from the arrays as they are; the
+        default moves each run with :meth:`move`, up to ``MANY_INFLIGHT`` at once.
 
-        Raises (from ``run``): as :meth:`move_many`.
+        Raises (from ``run``): TransportError, the first failure; the runs not started by then
+        are not started.
         """
-        return functools.partial(self.move_many, op, list(pairs))
+        pieces = [(r.local.kind, view, RemoteTarget(peer, region, offset, nbytes_of(view)))
+                  for r, region in lists for view, offset in r.pieces()]
 
-    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
-                     runs: Any) -> Callable[..., Awaitable[None]]:
-        """A reusable runner over an array of runs between ``local`` and ``remote.region``
-        (``runs``: int64 ``(N, 3)``, rows ``(local byte offset, remote byte offset, nbytes)``,
-        checked, coalesced and in remote order; ``remote.offset`` is 0). It takes ``ready`` as
-        :meth:`prepare_many`'s runner does. Backends with a native list turn the array into it
-        as it is; the default makes one range per run and calls :meth:`prepare_many`.
-        """
-        flat = local.tensor.view(-1).view(torch.uint8)
-        pairs = [(LocalBuffer(flat[a : a + n], local.kind), RemoteTarget(remote.peer, remote.region, b, n))
-                 for a, b, n in runs.tolist()]
-        return self.prepare_many(op, pairs)
+        async def run(ready: Mapping[int, Any] | None = None) -> None:
+            errors: list[TransportError] = []
+            todo = iter(pieces)
 
-    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        """Moves many ranges of one peer (a prepared transfer's segments, all of memory kinds
-        this backend serves); returns when all are done.
+            async def worker() -> None:
+                for kind, view, remote in todo:
+                    if errors:
+                        return
+                    event = None
+                    if kind == MemoryKind.CUDA:
+                        event = (ready or {}).get(view.device.index) or _cuda.ready_event(view)
+                    try:
+                        await self.move(op, LocalBuffer(view, kind, ready=event), remote)
+                    except TransportError as exc:
+                        errors.append(exc)
+                        return
 
-        The default runs :meth:`move` with up to ``MANY_INFLIGHT`` ranges in flight (pipelined
-        on backends whose requests pipeline). Backends with a native list operation override it
-        (or :meth:`prepare_many`).
+            if len(pieces) == 1:
+                await worker()
+            else:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(min(MANY_INFLIGHT, len(pieces))):
+                        tg.start_soon(worker)
+            if errors:
+                raise errors[0]
 
-        Raises:
-            TransportError: the first failure; the ranges not yet started then are not started.
-        """
-        if len(pairs) == 1:
-            await self.move(op, *pairs[0])
-            return
-        errors: list[TransportError] = []
-        todo = iter(pairs)
-
-        async def worker() -> None:
-            for local, remote in todo:
-                if errors:
-                    return
-                try:
-                    await self.move(op, local, remote)
-                except TransportError as exc:
-                    errors.append(exc)
-                    return
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(MANY_INFLIGHT, len(pairs))):
-                tg.start_soon(worker)
-        if errors:
-            raise errors[0]
+        return run
 
     async def serve_request(self, meta: Mapping[str, Any], check_region: RegionCheck) -> Mapping[str, Any]:
         """Serves a control request a peer's instance of this backend sent to our agent

@@ -22,10 +22,12 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
 from .._regions import Region
-from .._tensors import MemoryKind
+from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp
 from ._base import LocalBuffer, RemoteTarget
 
@@ -134,29 +136,31 @@ class CudaIpc:
             if held is not None:
                 eng.release_ipc(held)
 
-    async def copy_device_many(self, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]], op: TransferOp,
+    async def copy_device_many(self, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]], op: TransferOp,
                                ready: Mapping[int, Any] | None) -> None:
-        """Moves every pair, each between a local CUDA tensor and a peer's device region (a
-        prepared transfer's device segments): per copying device, after ``ready`` (the events
+        """Moves every run, each between a local CUDA tensor and a device region of ``peer`` (a
+        prepared transfer's device runs): per copying device, after ``ready`` (the events
         recorded at start() on the local tensors' devices, by index; recorded now where absent),
-        all ranges are enqueued on the copier's stream and waited for once; many ranges whose
-        both sides are that device's memory go by one batched-copy kernel launch
-        (:meth:`_cuda.CudaCopier.copy_many`). The peers' IPC imports are held until then."""
+        all runs are enqueued on the copier's stream and waited for once; many runs whose both
+        sides are that device's memory go by one batched-copy kernel launch
+        (:meth:`_cuda.CudaCopier.copy_many`). The peer's IPC imports are held until then."""
         eng = self.copier
         held: list[_cuda.IpcImportKey] = []
         groups: dict[int, tuple[list[tuple[int, int, int]], list[bool]]] = {}  # device -> (copies, on it)
-        anchors = {lo.tensor.device.index: lo.tensor for lo, _ in pairs}
+        anchors = {r.local.tensor.device.index: r.local.tensor for r, _ in lists}
         events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
         try:
-            for local, remote in pairs:
-                there, device, key = self._device_copy_target(remote.peer, remote, local)
+            for runs, region in lists:
+                local, a = runs.local, runs.array
+                there, device, key = self._device_copy_target(peer, RemoteTarget(peer, region, 0, region.nbytes),
+                                                              local)
                 if key is not None:
                     held.append(key)
+                here, remote = a[:, 0] + local.address, a[:, 1] + there
+                rows = np.stack([remote, here, a[:, 2]] if op == TransferOp.PUT else [here, remote, a[:, 2]], axis=1)
                 copies, on_device = groups.setdefault(device, ([], []))
-                copies.append((there, local.address, remote.nbytes) if op == TransferOp.PUT
-                              else (local.address, there, remote.nbytes))
-                on_device.append(local.tensor.device.index == device
-                                 and _cuda.local_index(remote.region.device) == device)
+                copies.extend(map(tuple, rows.tolist()))
+                on_device.append(local.tensor.device.index == device and _cuda.local_index(region.device) == device)
             for device, (copies, on_device) in groups.items():
                 await eng.copy_many(copies, device, kernel=all(on_device), ready=events)
         finally:

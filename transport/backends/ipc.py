@@ -37,22 +37,21 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
-from .. import _cuda, _native
+from .. import _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
-from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now, pack_segments
+from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now
 from .._regions import Region
 from .._staging import bounce
-from .._tensors import MemoryKind
+from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp
-from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner
 from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
 from ._cuda_ipc import CudaIpc, is_device
 
@@ -110,7 +109,6 @@ class IpcBackend(Backend):
     name = "ipc"
     one_sided = True
     memory_kinds = frozenset({MemoryKind.CPU, MemoryKind.CUDA})
-    prepares_device = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -309,76 +307,47 @@ class IpcBackend(Backend):
         self._raise_for(result, remote.peer, remote.region, remote,
                         op == TransferOp.PUT and host.kind == CopyKind.CMA_WRITE, host.there)
 
-    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        await self.prepare_many(op, pairs)()
-
-    def prepare_many(self, op: TransferOp,
-                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
-        """Host segments become one packed native job per kind (mapped memfd: memcpy;
-        elsewhere: cross-memory attach, IOV_MAX segments per system call), built once; each
-        run submits them as they are, split across the copy engine's threads. Device-to-device
-        segments (CUDA IPC) are enqueued together on the CUDA copier's stream and waited for
-        once (:meth:`CudaIpc.copy_device_many`); other CUDA segments go one by one. A failed job
-        is retried segment by segment, which raises the precise error."""
-        jobs: dict[tuple[CopyKind, int], list[tuple[tuple[int, int, int], LocalBuffer, RemoteTarget]]] = {}
-        slow, devices = [], []
-        paths: dict[int, tuple[CopyKind, int, int, PeerMapping | None]] = {}  # id(region record) -> its path
-        for local, remote in pairs:
-            if is_device(remote.region) and local.kind == MemoryKind.CUDA:
-                devices.append((local, remote))
+    def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
+        """Host memory on both sides: the arrays become one packed native job per copy kind
+        (mapped memfd: memcpy; elsewhere: cross-memory attach, IOV_MAX runs per system call)
+        as they are (the region's address added to one column, the tensor's to the other),
+        built once; each run submits them, split across the copy engine's threads. A failed
+        job is retried run by run, which raises the precise error. Device-to-device runs (CUDA
+        IPC) are enqueued together on the CUDA copier's stream and waited for once
+        (:meth:`CudaIpc.copy_device_many`); other runs with CUDA memory go run by run."""
+        jobs: dict[tuple[CopyKind, int], tuple[list[np.ndarray], list[tuple[Runs, RegionRecord]]]] = {}
+        devices: list[tuple[Runs, RegionRecord]] = []
+        slow: list[tuple[Runs, RegionRecord]] = []
+        held: list[PeerMapping] = []
+        for runs, region in lists:
+            cuda_here = runs.local.kind == MemoryKind.CUDA
+            if is_device(region) or cuda_here:
+                (devices if is_device(region) and cuda_here else slow).append((runs, region))
                 continue
-            if is_device(remote.region) or local.kind == MemoryKind.CUDA:
-                slow.append((local, remote))
-                continue
-            path = paths.get(id(remote.region))
-            if path is None:  # once per region: segments of a list mostly share a few
-                path = paths[id(remote.region)] = self._host_path(op, remote.peer, remote.region)
-            kind, pid, base, _ = path
-            there = base + remote.offset
-            seg = (there, local.address, remote.nbytes) if op == TransferOp.PUT else (local.address, there,
-                                                                                     remote.nbytes)
-            jobs.setdefault((kind, pid), []).append((seg, local, remote))
-        packed = [(kind, pid, pack_segments([seg for seg, _, _ in job]), sum(r.nbytes for _, _, r in job), job)
-                  for (kind, pid), job in jobs.items()]
-        held = [m for _, _, _, m in paths.values() if m is not None]
+            kind, pid, base, mapping = self._host_path(op, peer, region)
+            if mapping is not None:
+                held.append(mapping)
+            a = runs.array
+            here, there = a[:, 0] + runs.local.address, a[:, 1] + base
+            arrays, members = jobs.setdefault((kind, pid), ([], []))
+            arrays.append(np.stack([there, here, a[:, 2]] if op == TransferOp.PUT else [here, there, a[:, 2]],
+                                   axis=1))
+            members.append((runs, region))
+        packed = [(kind, pid, np.concatenate(arrays).astype(np.uint64).tobytes(),
+                   sum(r.nbytes for r, _ in members), members)
+                  for (kind, pid), (arrays, members) in jobs.items()]
+        one_by_one = Backend.prepare_runs(self, op, peer, slow) if slow else None
 
         async def run(ready: Mapping[int, Any] | None = None, _held: list[PeerMapping] = held) -> None:
-            # `ready`: see Backend.prepare_many. `_held` keeps the mappings referenced (mapped)
-            # while this runner lives.
-            for kind, pid, data, nbytes, job in packed:
+            # `_held` keeps the mappings referenced (mapped) while this runner lives.
+            for kind, pid, data, nbytes, members in packed:
                 result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
                 if result.status != CopyStatus.OK:
-                    for _, local, remote in job:
-                        await self.move(op, local, remote)
+                    await Backend.prepare_runs(self, op, peer, members)()
             if devices:
-                await self._cuda.copy_device_many(devices, op, ready)
-            for local, remote in slow:
-                if local.kind == MemoryKind.CUDA:
-                    event = ready.get(local.tensor.device.index) if ready else None
-                    local = LocalBuffer(local.tensor, local.kind, ready=event or _cuda.ready_event(local.tensor))
-                await self.move(op, local, remote)
-
-        return run
-
-    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
-                     runs: Any) -> Callable[..., Awaitable[None]]:
-        """Host memory on both sides: the array becomes one packed native job as it is (the
-        region's address added to one column, the tensor's to the other), split across the copy
-        engine's threads at every run; a failed job is retried run by run for the precise error.
-        Device memory takes the default path."""
-        if is_device(remote.region) or local.kind == MemoryKind.CUDA:
-            return Backend.prepare_runs(self, op, local, remote, runs)
-        kind, pid, base, mapping = self._host_path(op, remote.peer, remote.region)
-        here, there = runs[:, 0] + local.address, runs[:, 1] + base
-        dst, src = (there, here) if op == TransferOp.PUT else (here, there)
-        data = np.stack([dst, src, runs[:, 2]], axis=1).astype(np.uint64).tobytes()
-        nbytes = int(runs[:, 2].sum())
-
-        async def run(ready: Mapping[int, Any] | None = None, _held: PeerMapping | None = mapping,
-                      _keep: torch.Tensor = local.tensor) -> None:
-            result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
-            if result.status != CopyStatus.OK:
-                await Backend.prepare_runs(self, op, local, remote, runs)()
+                await self._cuda.copy_device_many(peer, devices, op, ready)
+            if one_by_one is not None:
+                await one_by_one(ready)
 
         return run
 

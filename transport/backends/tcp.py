@@ -18,7 +18,7 @@ connection) takes the checked path above, which reports the precise error.
 
 Both sides live here, behind the backend interface's target-side hook: :class:`TcpBackend` is
 the initiator, and on the target its :meth:`~TcpBackend.serve_frame` serves the PUT / GET /
-PUTV / GETV / PUTR / GETR frames the agent hands it, its :meth:`~TcpBackend.adopt_lane` takes
+PUTR / GETR frames the agent hands it, its :meth:`~TcpBackend.adopt_lane` takes
 the direct lane's connections, and it keeps the native mirror of the region table the direct
 lane's threads check against (``region_added`` / ``region_removed`` / ``region_moved``).
 """
@@ -34,7 +34,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -48,27 +48,27 @@ from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServ
 from .._ordering import spans_of
 from .._regions import Region, RegionTable
 from .._sockets import close_socket, connect
-from .._tensors import MemoryKind, dtype_name
+from .._tensors import MemoryKind, Runs, dtype_name
 from .._wire import (
+    MAX_RUN_GROUPS,
     MAX_STAGED_BYTES,
     RUN_ROW,
     FrameKind,
     PeerRecord,
     RangeRequest,
-    RangesRequest,
     RegionRecord,
     RunsRequest,
     TransferOp,
     WireError,
 )
-from ._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget
+from ._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
 
 log = logging.getLogger(__name__)
 
 DIRECT_LANE = "direct"  # the HELLO lane of a direct-lane connection (Backend.lanes: the agent hands it to us)
 
-_FRAME_SEGMENTS = 2048  # ranges per PUTV / GETV frame (its segment table stays well under MAX_META)
 _FRAME_RUNS = 16384  # runs per PUTR / GETR frame (a 256 KiB binary table)
+_FRAME_META = 256 << 10  # bytes of a PUTR / GETR frame's group table (well under MAX_META)
 _STAGE_RUN_MAX = 64 << 10  # runs up to this size travel staged (packed by one native copy job)
 _STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES per Transport (staged frames in flight)
 # Single-range transfers up to this size take the direct lane: native on both ends, about 3-4x
@@ -87,7 +87,7 @@ class TcpBackend(Backend):
     name = "tcp"
     one_sided = False
     memory_kinds = frozenset({MemoryKind.CPU})
-    frames = frozenset({FrameKind.PUT, FrameKind.GET, FrameKind.PUTV, FrameKind.GETV, FrameKind.PUTR, FrameKind.GETR})
+    frames = frozenset({FrameKind.PUT, FrameKind.GET, FrameKind.PUTR, FrameKind.GETR})
     lanes = frozenset({DIRECT_LANE})
 
     @classmethod
@@ -154,75 +154,42 @@ class TcpBackend(Backend):
         self._broke_unused(remote.peer.name, lane)
         return result is LaneResult.DONE
 
-    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        if len(pairs) == 1:
-            await self.move(op, *pairs[0])
-            return
-        await self.prepare_many(op, pairs)()
-
-    def prepare_many(self, op: TransferOp,
-                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
-        """The ranges go as PUTV / GETV frames of up to ``_FRAME_SEGMENTS`` ranges each (the
-        target checks every range of a frame before it takes a byte), pipelined on the peer's
-        connection; each frame's segment table and views are built once, here, and each run
-        sends them as they are (the payload of a frame by a few ``sendmsg`` calls)."""
-        if not pairs:
-            return Backend.prepare_many(self, op, pairs)
-        peer = pairs[0][1].peer
-        kind = FrameKind.PUTV if op == TransferOp.PUT else FrameKind.GETV
-        frames = [(RangesRequest(tuple(self._request(loc, r).segments[0] for loc, r in chunk)).to_meta(),
-                   [loc.view for loc, _ in chunk])
-                  for chunk in (pairs[i : i + _FRAME_SEGMENTS] for i in range(0, len(pairs), _FRAME_SEGMENTS))]
-
-        spans = spans_of((r.region.key, r.offset, r.nbytes) for _, r in pairs)
-
-        async def run() -> None:
-            for key, (lo, hi) in spans.items():
-                await self._after_unsettled(peer.name, key, lo, hi - lo)
-            chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
-            errors: list[TransportError] = []
-
-            async def frame(meta: dict[str, Any], views: list[memoryview]) -> None:
-                try:
-                    if op == TransferOp.PUT:
-                        await chan.request(kind, meta, payload=views)
-                    else:
-                        await chan.request(kind, meta, into=views)
-                except TransportError as exc:
-                    errors.append(exc)
-
-            async with anyio.create_task_group() as tg:
-                for meta, views in frames:
-                    tg.start_soon(frame, meta, views)
-            if errors:
-                raise errors[0]
-
-        return run
-
-    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
-                     runs: Any) -> Callable[..., Awaitable[None]]:
-        """The array goes as PUTR / GETR frames, each led by its binary run table (made once,
-        here, from the array's columns), pipelined on the peer's connection.
+    def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
+        """The arrays go as PUTR / GETR frames, each led by its binary run table (made once,
+        here, from the array's columns), pipelined on the peer's connection. A frame carries
+        runs of several regions (its groups), and the agent checks every group before it takes
+        a byte: a start whose runs fit one frame lands whole or not at all.
 
         Runs up to ``_STAGE_RUN_MAX`` travel *staged*: a frame's runs (up to MAX_STAGED_BYTES)
         are packed back to back by one native copy job and sent as one buffer, and the agent
         places them by one job too, so a small run costs no Python and no system-call buffer
         on either side. Larger runs go as they are, one view each, received in place."""
-        peer, key, dtype = remote.peer, remote.region.key, dtype_name(local.tensor.dtype)
         kind = FrameKind.PUTR if op == TransferOp.PUT else FrameKind.GETR
-        small = runs[:, 2] <= _STAGE_RUN_MAX
+        names = [(region.key, dtype_name(r.local.tensor.dtype)) for r, region in lists]
+        cost = np.array([len(k.encode()) + len(d.encode()) + 32 for k, d in names], dtype=np.int64)
+        addresses = np.array([r.local.address for r, _ in lists], dtype=np.int64)
         frames: list[_RunsFrame] = []
-        for part, staged in ((runs[small], True), (runs[~small], False)):
-            for chunk in _frames(part, staged):
+        for staged in (True, False):
+            parts = [(i, r.array[(r.array[:, 2] <= _STAGE_RUN_MAX) == staged]) for i, (r, _) in enumerate(lists)]
+            parts = [(i, rows) for i, rows in parts if len(rows)]
+            if not parts:
+                continue
+            rows = np.concatenate([rows for _, rows in parts])
+            owner = np.concatenate([np.full(len(rows), i, dtype=np.int64) for i, rows in parts])
+            for chunk, whose in _frames(rows, owner, cost, staged):
+                starts = np.flatnonzero(np.diff(whose, prepend=-1))
+                counts = np.diff(starts, append=len(whose)).tolist()
+                groups = tuple((*names[i], n) for i, n in zip(whose[starts].tolist(), counts, strict=True))
                 table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
-                meta = RunsRequest(key, dtype, len(chunk), staged).to_meta()
+                meta = RunsRequest(groups, staged).to_meta()
                 if staged:  # (staging offset, local address, nbytes): the copy job, less the buffer's address
                     at = np.cumsum(chunk[:, 2]) - chunk[:, 2]
-                    frames.append(_RunsFrame(meta, table, np.stack([at, chunk[:, 0] + local.address, chunk[:, 2]],
+                    frames.append(_RunsFrame(meta, table, np.stack([at, chunk[:, 0] + addresses[whose], chunk[:, 2]],
                                                                    axis=1), int(chunk[:, 2].sum()), []))
                 else:
-                    view = local.view
-                    frames.append(_RunsFrame(meta, table, None, 0, [view[a : a + n] for a, _, n in chunk.tolist()]))
+                    views = {i: lists[i][0].local.view for i in set(whose.tolist())}
+                    cuts = [views[i][a : a + n] for (a, _, n), i in zip(chunk.tolist(), whose.tolist(), strict=True)]
+                    frames.append(_RunsFrame(meta, table, None, 0, cuts))
         stages = self._stages
         put = op == TransferOp.PUT
 
@@ -245,10 +212,11 @@ class TcpBackend(Backend):
             except TransportError as exc:
                 errors.append(exc)
 
-        lo, hi = (int(runs[:, 1].min()), int((runs[:, 1] + runs[:, 2]).max())) if len(runs) else (0, 0)
+        spans = spans_of((r.key, r.span[0], r.span[1] - r.span[0]) for r, _ in lists)
 
-        async def run() -> None:
-            await self._after_unsettled(peer.name, key, lo, hi - lo)
+        async def run(ready: Mapping[int, Any] | None = None) -> None:
+            for key, (lo, hi) in spans.items():
+                await self._after_unsettled(peer.name, key, lo, hi - lo)
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             errors: list[TransportError] = []
             async with anyio.create_task_group() as tg:
@@ -441,7 +409,7 @@ class TcpBackend(Backend):
 
     async def serve_frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any],
                           payload_len: int) -> None:
-        """PUT / GET / PUTV / GETV / PUTR / GETR from a peer: the request is parsed and every
+        """PUT / GET / PUTR / GETR from a peer: the request is parsed and every
         range checked against the live registration before a payload byte is taken; a refusal
         drains the payload (nothing is written; the stream stays in step)."""
         regions = self.ctx.regions
@@ -452,10 +420,9 @@ class TcpBackend(Backend):
                 if payload_len < runs.table_bytes or (kind == FrameKind.GETR and payload_len != runs.table_bytes):
                     raise WireError(f"a {kind.name} of {runs.count} runs with {payload_len} payload bytes")
             else:
-                vectored = kind in (FrameKind.PUTV, FrameKind.GETV)
-                request = RangesRequest.from_meta(meta) if vectored else RangeRequest.from_meta(meta)
-                if kind in (FrameKind.PUT, FrameKind.PUTV) and request.nbytes != payload_len:
-                    raise WireError("request byte count does not match its payload")
+                request = RangeRequest.from_meta(meta)
+                if payload_len != (request.nbytes if kind == FrameKind.PUT else 0):
+                    raise WireError(f"a {kind.name} of {request.nbytes} bytes with {payload_len} payload bytes")
         except TransportError as exc:
             await conn.discard(payload_len)
             await conn.refuse(rid, exc)
@@ -463,7 +430,7 @@ class TcpBackend(Backend):
         if kind in (FrameKind.PUTR, FrameKind.GETR):
             await serve_runs(regions, conn, kind, rid, runs, payload_len, self.ctx.copier)
         else:
-            await serve_ranges(regions, conn, kind, rid, request.segments, payload_len)
+            await serve_range(regions, conn, kind, rid, request, payload_len)
 
     def adopt_lane(self, lane: str, sock: socket.socket) -> bool:
         """A direct-lane connection: served on a native thread (``transport._native.tcp``),
@@ -525,18 +492,23 @@ class _RunsFrame:
     views: list[memoryview]
 
 
-def _frames(runs: np.ndarray, staged: bool) -> list[np.ndarray]:
-    """``runs`` cut into frames of at most ``_FRAME_RUNS`` runs and, staged, at most
-    MAX_STAGED_BYTES of data (every staged run is at most ``_STAGE_RUN_MAX``)."""
-    if not len(runs):
-        return []
-    if not staged:
-        return [runs[i : i + _FRAME_RUNS] for i in range(0, len(runs), _FRAME_RUNS)]
+def _frames(runs: np.ndarray, owner: np.ndarray, cost: np.ndarray,
+            staged: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``runs`` (``owner[i]``: the index of the list run ``i`` came from) cut into frames of at
+    most ``_FRAME_RUNS`` runs, at most MAX_RUN_GROUPS groups, a group table of at most
+    ``_FRAME_META`` bytes (``cost``: a list's bytes in it) and, staged, at most MAX_STAGED_BYTES
+    of data (every staged run is at most ``_STAGE_RUN_MAX``). A list cut by a frame boundary
+    starts a group again in the next frame, hence the one group (and one cost) of slack."""
     count = np.arange(len(runs)) // _FRAME_RUNS
-    before = np.cumsum(runs[:, 2]) - runs[:, 2]
-    size = before // (MAX_STAGED_BYTES - _STAGE_RUN_MAX)
-    cuts = np.flatnonzero((np.diff(count) != 0) | (np.diff(size) != 0)) + 1
-    return np.split(runs, cuts)
+    new = np.diff(owner, prepend=-1) != 0
+    groups = (np.cumsum(new) - 1) // (MAX_RUN_GROUPS - 1)
+    meta = np.cumsum(np.where(new, cost[owner], 0)) // (_FRAME_META - int(cost.max()))
+    edges = (np.diff(count) != 0) | (np.diff(groups) != 0) | (np.diff(meta) != 0)
+    if staged:
+        before = np.cumsum(runs[:, 2]) - runs[:, 2]
+        edges |= np.diff(before // (MAX_STAGED_BYTES - _STAGE_RUN_MAX)) != 0
+    cuts = np.flatnonzero(edges) + 1
+    return list(zip(np.split(runs, cuts), np.split(owner, cuts), strict=True))
 
 
 class _Stages:
@@ -579,42 +551,48 @@ class _Stages:
 async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
                      payload_len: int, copier: Copier) -> None:
     """The target side of a PUTR / GETR: reads the run table (its size was bounded from the
-    frame's header), checks every run (non-negative, aligned to the region's items, inside
-    it) and the region once for the runs' span, before any data byte is taken; a refusal
-    drains the rest of the payload, so nothing is written and the stream stays in step. Then
-    the data goes straight into the region (or back from it), run by run; a staged frame's
-    data (at most MAX_STAGED_BYTES) is received whole first and placed by one native copy job
-    (or gathered by one, then sent)."""
+    frame's header), checks every run (non-negative, aligned to its region's items, inside
+    it) and each group's region once for its runs' span, before any data byte is taken; a
+    refusal drains the rest of the payload, so nothing is written and the stream stays in
+    step. Then the data goes straight into the regions (or back from them), run by run; a
+    staged frame's data (at most MAX_STAGED_BYTES) is received whole first and placed by one
+    native copy job (or gathered by one, then sent)."""
     op = TransferOp.PUT if kind == FrameKind.PUTR else TransferOp.GET
     table = bytearray(request.table_bytes)
     await conn.recv_into([memoryview(table)])
     rows = np.frombuffer(table, dtype="<i8").reshape(request.count, RUN_ROW // 8)
     offsets, sizes = rows[:, 0], rows[:, 1]
     data = payload_len - request.table_bytes
+    placed: list[tuple[Region, np.ndarray]] = []  # each group's region and its rows
     try:
         if (rows < 0).any() or (offsets > (1 << 62) - sizes).any():
-            raise BoundsError(f"{regions.owner}:{request.key!r}: a run with a negative or huge offset or size")
-        lo, hi = int(offsets.min()), int((offsets + sizes).max())
-        region = regions.check(op, request.key, request.dtype, lo, hi - lo)
-        item = region.tensor.element_size()
-        if item > 1 and ((offsets % item != 0).any() or (sizes % item != 0).any()):
-            raise BoundsError(f"{regions.owner}:{request.key!r}: a run is not aligned to {item}-byte items")
+            raise BoundsError(f"{regions.owner}: a run with a negative or huge offset or size")
+        first = 0
+        for key, dtype, count in request.groups:
+            mine = rows[first : first + count]
+            first += count
+            lo, hi = int(mine[:, 0].min()), int((mine[:, 0] + mine[:, 1]).max())
+            region = regions.check(op, key, dtype, lo, hi - lo)
+            item = region.tensor.element_size()
+            if item > 1 and (mine % item != 0).any():
+                raise BoundsError(f"{regions.owner}:{key!r}: a run is not aligned to {item}-byte items")
+            if region.view is None:
+                raise BackendUnavailableError(f"{regions.owner}:{key!r} is device memory; the agent's byte "
+                                              "stream cannot reach it")
+            placed.append((region, mine))
         if op == TransferOp.PUT and int(sizes.sum()) != data:
             raise WireError(f"{request.count} runs of {int(sizes.sum())} bytes with {data} data bytes")
         if request.staged and int(sizes.sum()) > MAX_STAGED_BYTES:
             raise WireError(f"a staged frame of {int(sizes.sum())} bytes (at most {MAX_STAGED_BYTES})")
-        if region.view is None:
-            raise BackendUnavailableError(f"{regions.owner}:{request.key!r} is device memory; the agent's byte "
-                                          "stream cannot reach it")
     except TransportError as exc:
         await conn.discard(data)
         await conn.refuse(rid, exc)
         return
     if request.staged:
-        await _serve_staged(conn, op, rid, region.tensor, offsets, sizes, data, copier)
+        there = np.concatenate([mine[:, 0] + region.tensor.data_ptr() for region, mine in placed])
+        await _serve_staged(conn, op, rid, there, sizes, data, copier)  # (placed holds the regions' tensors)
         return
-    view = region.view
-    views = [view[o : o + n] for o, n in rows.tolist()]
+    views = [region.view[o : o + n] for region, mine in placed for o, n in mine.tolist()]  # type: ignore[index]
     if op == TransferOp.PUT:
         await conn.recv_into(views)
         await conn.reply(FrameKind.OK, rid, {})
@@ -622,13 +600,13 @@ async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int
         await conn.reply(FrameKind.DATA, rid, {}, views)
 
 
-async def _serve_staged(conn: Conn, op: TransferOp, rid: int, tensor: Any, offsets: np.ndarray, sizes: np.ndarray,
-                        data: int, copier: Copier) -> None:
-    """A checked staged frame: its runs' bytes packed back to back, placed (or gathered) by one
-    native copy job. ``tensor`` (the region's) stays referenced until the job is done."""
+async def _serve_staged(conn: Conn, op: TransferOp, rid: int, there: np.ndarray, sizes: np.ndarray, data: int,
+                        copier: Copier) -> None:
+    """A checked staged frame: its runs' bytes packed back to back, placed at (or gathered
+    from) the addresses ``there`` by one native copy job (the caller keeps the regions'
+    tensors referenced until it returns)."""
     total = int(sizes.sum())
     at = np.cumsum(sizes) - sizes
-    there = offsets + tensor.data_ptr()
     if op == TransferOp.PUT:
         buf = await conn.recv_bytes(data)
         stage = np.frombuffer(buf, dtype=np.uint8)
@@ -646,27 +624,26 @@ async def _serve_staged(conn: Conn, op: TransferOp, rid: int, tensor: Any, offse
         await conn.reply(FrameKind.DATA, rid, {}, [memoryview(stage)])  # type: ignore[arg-type]
 
 
-async def serve_ranges(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int,
-                       ranges: Sequence[tuple[str, str, int, int]], payload_len: int) -> None:
-    """The target side of a tcp PUT / GET (one range) or PUTV / GETV (many): every range is
-    checked against the live registration before any byte is taken (one refused range refuses
-    the frame; its payload is read and dropped, so nothing is written and the stream stays in
-    step); then the payload is received straight into the regions, range by range (or the
-    ranges are sent back)."""
-    op = TransferOp.PUT if kind in (FrameKind.PUT, FrameKind.PUTV) else TransferOp.GET
-    views = []
+async def serve_range(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
+                      payload_len: int) -> None:
+    """The target side of a tcp PUT / GET of one range: it is checked against the live
+    registration before any byte is taken (a refusal reads and drops the payload, so nothing
+    is written and the stream stays in step); then the payload is received straight into the
+    region (or the range is sent back)."""
+    op = TransferOp.PUT if kind == FrameKind.PUT else TransferOp.GET
+    key, offset, nbytes = request.key, request.offset, request.nbytes
     try:
-        for region, (key, _dtype, offset, nbytes) in zip(regions.check_many(op, ranges), ranges, strict=True):
-            if region.view is None:
-                raise BackendUnavailableError(f"{regions.owner}:{key!r} is device memory; the agent's byte "
-                                              "stream cannot reach it")
-            views.append(region.view[offset : offset + nbytes])
+        region = regions.check(op, key, request.dtype, offset, nbytes)
+        if region.view is None:
+            raise BackendUnavailableError(f"{regions.owner}:{key!r} is device memory; the agent's byte "
+                                          "stream cannot reach it")
     except TransportError as exc:
         await conn.discard(payload_len)
         await conn.refuse(rid, exc)
         return
+    view = region.view[offset : offset + nbytes]
     if op == TransferOp.PUT:
-        await conn.recv_into(views)
+        await conn.recv_into([view])
         await conn.reply(FrameKind.OK, rid, {})
     else:
-        await conn.reply(FrameKind.DATA, rid, {}, views)
+        await conn.reply(FrameKind.DATA, rid, {}, [view])

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,13 +59,13 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyStatus, RemoteWord, SharedBuffer, pack_segments
+from .._native import CopyStatus, RemoteWord, SharedBuffer
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._native.ucx_format import check_rkey, check_worker_address
 from .._regions import Region
-from .._tensors import MemoryKind
+from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
-from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget
+from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner
 from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
 
 log = logging.getLogger(__name__)
@@ -471,68 +471,42 @@ class UcxBackend(Backend):
             return
         self._raise_for(result, what, link)
 
-    def prepare_many(self, op: TransferOp,
-                     pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> Callable[[], Awaitable[None]]:
-        """Per region, the segments become one native list per lane (split by bytes, in order),
-        packed once; each run submits the lists as they are (every segment one ``ucp_put_nbx``
-        / ``ucp_get_nbx``, one flush per list) and awaits one result."""
-        if not pairs:
-            return Backend.prepare_many(self, op, pairs)
-        peer = pairs[0][1].peer
-        what = f"ucx {op.name.lower()} of {len(pairs)} segments to {peer.name}"
+    def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
+        """Per region, the arrays become one native list per lane as they are (addresses added
+        to two columns, split by bytes in order), packed once; each run submits the lists
+        (every run one ``ucp_put_nbx`` / ``ucp_get_nbx``, one flush per list) and awaits one
+        result."""
+        what = f"ucx {op.name.lower()} of {sum(len(r.array) for r, _ in lists)} runs to {peer.name}"
+        by_region: dict[str, tuple[RegionRecord, list[np.ndarray]]] = {}
+        for r, region in lists:
+            a = r.array
+            by_region.setdefault(region.key, (region, []))[1].append(
+                np.stack([a[:, 0] + r.local.address, a[:, 1], a[:, 2]], axis=1))
+        native: list[UcxList] = []
         try:
             link = self._link(peer)
-            by_region: dict[str, list[tuple[LocalBuffer, RemoteTarget]]] = {}
-            for local, remote in pairs:
-                by_region.setdefault(remote.region.key, []).append((local, remote))
-            lists = []
-            for group in by_region.values():
-                rkeys, address = self._rkey(link, group[0][1].region)
-                lanes = len(link.eps)
-                share = -(-sum(r.nbytes for _, r in group) // lanes)
-                lane, filled, segs = 0, 0, []
-                for local, remote in group:
-                    segs.append((local.address, address + remote.offset, remote.nbytes))
-                    filled += remote.nbytes
-                    if filled >= share and lane < lanes - 1:
-                        lists.append(UcxList(lane, link.eps[lane], rkeys[lane], pack_segments(segs)))
-                        lane, filled, segs = lane + 1, 0, []
-                if segs:
-                    lists.append(UcxList(lane, link.eps[lane], rkeys[lane], pack_segments(segs)))
-        except (TransportInternalError, WireError) as exc:
-            raise TransportInternalError(f"{what}: {exc}") from exc
-        return self._runner(op, link, lists, [local for local, _ in pairs], what)
-
-    def prepare_runs(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget,
-                     runs: Any) -> Callable[..., Awaitable[None]]:
-        """The array becomes one native list per lane as it is (addresses added to two
-        columns, split by bytes in order), as :meth:`prepare_many` builds from ranges."""
-        if local.kind != MemoryKind.CPU:
-            return Backend.prepare_runs(self, op, local, remote, runs)
-        peer = remote.peer
-        what = f"ucx {op.name.lower()} of {len(runs)} runs to {peer.name}"
-        try:
-            link = self._link(peer)
-            rkeys, address = self._rkey(link, remote.region)
-            n = runs[:, 2]
-            segs = np.stack([runs[:, 0] + local.address, runs[:, 1] + address, n], axis=1).astype(np.uint64)
             lanes = len(link.eps)
-            parts = [segs]
-            if lanes > 1 and len(segs) > 1:
-                ends = np.cumsum(n)
-                share = -(-int(ends[-1]) // lanes)
-                parts = np.split(segs, np.searchsorted(ends, [share * (k + 1) for k in range(lanes - 1)]) + 1)
-            lists = [UcxList(lane, link.eps[lane], rkeys[lane], part.tobytes())
-                     for lane, part in enumerate(parts) if len(part)]
+            for region, parts in by_region.values():
+                rkeys, address = self._rkey(link, region)
+                segs = np.concatenate(parts)
+                segs[:, 1] += address
+                segs = segs.astype(np.uint64)
+                split = [segs]
+                if lanes > 1 and len(segs) > 1:
+                    ends = np.cumsum(segs[:, 2])
+                    share = -(-int(ends[-1]) // lanes)
+                    split = np.split(segs, np.searchsorted(ends, [share * (k + 1) for k in range(lanes - 1)]) + 1)
+                native += [UcxList(lane, link.eps[lane], rkeys[lane], part.tobytes())
+                           for lane, part in enumerate(split) if len(part)]
         except (TransportInternalError, WireError) as exc:
             raise TransportInternalError(f"{what}: {exc}") from exc
-        return self._runner(op, link, lists, [local], what)
+        return self._runner(op, link, native, [r.local for r, _ in lists], what)
 
     def _runner(self, op: TransferOp, link: _Link, lists: list[UcxList], keep: list[LocalBuffer],
-                what: str) -> Callable[[], Awaitable[None]]:
+                what: str) -> Runner:
         """Submits ``lists`` at every call and awaits their one result (``keep``: the local
         buffers, referenced until UCX lets go of them)."""
-        async def run() -> None:
+        async def run(ready: Mapping[int, Any] | None = None) -> None:
             if link.lost is not None:
                 raise self._lost_error(what, link)
             result = await self._engine.transfer_many(op, lists, keep=keep)
@@ -540,9 +514,6 @@ class UcxBackend(Backend):
                 self._raise_for(result, what, link)
 
         return run
-
-    async def move_many(self, op: TransferOp, pairs: Sequence[tuple[LocalBuffer, RemoteTarget]]) -> None:
-        await self.prepare_many(op, pairs)()
 
     def _split(self, link: _Link, rkeys: list[int], local: int, remote: int, nbytes: int) -> list[UcxPart]:
         lanes = len(link.eps)
