@@ -18,6 +18,7 @@ of the peer).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -193,8 +194,8 @@ class PreparedTransfer:
                      known: PeerRecord | None) -> None:
         runs.sort(key=lambda r: (r.key, r.span))
         if op == TransferOp.PUT:  # the same remote bytes from two local bases
-            for k in {r.key for r in runs}:
-                mine = [r for r in runs if r.key == k]
+            for k, same_key in itertools.groupby(runs, key=lambda r: r.key):
+                mine = list(same_key)
                 if len(mine) > 1:
                     rows = np.concatenate([r.array for r in mine])
                     rows = rows[np.argsort(rows[:, 1], kind="stable")]

@@ -136,6 +136,13 @@ class Runs:
     def nbytes(self) -> int:
         return int(self.array[:, 2].sum())
 
+    def copies(self, put: bool, there: int) -> np.ndarray:
+        """The runs as native copy rows ``(dst address, src address, nbytes)``, int64 ``(N, 3)``,
+        with the remote region's bytes at address ``there``: the one place rows change order."""
+        a = self.array
+        here, remote = a[:, 0] + self.local.address, a[:, 1] + there
+        return np.stack([remote, here, a[:, 2]] if put else [here, remote, a[:, 2]], axis=1)
+
     def pieces(self) -> list[tuple[torch.Tensor, int]]:
         """Each run as (a view of the local base with its dtype, remote byte offset): for the
         paths that move run by run."""

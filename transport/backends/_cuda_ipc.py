@@ -22,8 +22,6 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
 from .._regions import Region
@@ -151,15 +149,13 @@ class CudaIpc:
         events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
         try:
             for runs, region in lists:
-                local, a = runs.local, runs.array
+                local = runs.local
                 there, device, key = self._device_copy_target(peer, RemoteTarget(peer, region, 0, region.nbytes),
                                                               local)
                 if key is not None:
                     held.append(key)
-                here, remote = a[:, 0] + local.address, a[:, 1] + there
-                rows = np.stack([remote, here, a[:, 2]] if op == TransferOp.PUT else [here, remote, a[:, 2]], axis=1)
                 copies, on_device = groups.setdefault(device, ([], []))
-                copies.extend(map(tuple, rows.tolist()))
+                copies.extend(map(tuple, runs.copies(op == TransferOp.PUT, there).tolist()))
                 on_device.append(local.tensor.device.index == device and _cuda.local_index(region.device) == device)
             for device, (copies, on_device) in groups.items():
                 await eng.copy_many(copies, device, kernel=all(on_device), ready=events)

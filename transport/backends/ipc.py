@@ -327,11 +327,8 @@ class IpcBackend(Backend):
             kind, pid, base, mapping = self._host_path(op, peer, region)
             if mapping is not None:
                 held.append(mapping)
-            a = runs.array
-            here, there = a[:, 0] + runs.local.address, a[:, 1] + base
             arrays, members = jobs.setdefault((kind, pid), ([], []))
-            arrays.append(np.stack([there, here, a[:, 2]] if op == TransferOp.PUT else [here, there, a[:, 2]],
-                                   axis=1))
+            arrays.append(runs.copies(op == TransferOp.PUT, base))
             members.append((runs, region))
         packed = [(kind, pid, np.concatenate(arrays).astype(np.uint64).tobytes(),
                    sum(r.nbytes for r, _ in members), members)
