@@ -405,3 +405,13 @@ async def test_bad_lanes_is_a_clear_error(memory_store):
     with pytest.raises(transport.TransportError, match="lanes"):
         async with transport.Transport("a", store=memory_store, backends=("ucx",), lanes=0):
             pass
+
+
+@pytest.mark.parametrize("tls, cma", [
+    (None, True), ("", True), ("all", True), ("sm,self", True), ("tcp,cma", True), ("shm", True),
+    ("tcp", False), ("tcp,self", False), ("^cma", False), ("^sm", False), ("^tcp,posix", True), (" ^ cma ", False),
+])
+def test_ucx_tls_decides_whether_same_host_runs_use_cma(tls, cma):
+    from transport.backends.ucx import _ucx_allows_cma
+
+    assert _ucx_allows_cma(tls) is cma

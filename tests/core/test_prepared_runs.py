@@ -38,8 +38,19 @@ def expected(base: np.ndarray, src: np.ndarray, runs: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("backend", backend_params())
-async def test_runs_land_exactly_and_come_back(backend, targets, file_store):
+def with_ucx_through_its_lists() -> list:
+    """Every backend, plus ucx with cross-memory attach left out of ``$UCX_TLS``: its prepared
+    runs to a same-host peer then go through UCX's own lists (one put per run), not the
+    vectored cma calls."""
+    ucx = [p for p in backend_params() if p.values[0] == "ucx"]
+    return backend_params() + [pytest.param("ucx:^cma", id="ucx-tls-no-cma", marks=p.marks) for p in ucx]
+
+
+@pytest.mark.parametrize("backend", with_ucx_through_its_lists())
+async def test_runs_land_exactly_and_come_back(backend, targets, file_store, monkeypatch):
+    backend, _, tls = backend.partition(":")
+    if tls:
+        monkeypatch.setenv("UCX_TLS", tls)  # read by this process's UCX context, created below
     rng = np.random.default_rng(7)
     async with transport.Transport("init", store=file_store, backends=(backend,), timeout=30) as t:
         target = await serving_target(t, targets, file_store, backend, [{"key": "w", "numel": REGION // 4,

@@ -17,6 +17,10 @@ How it works:
   ``ucp_put_nbx``, one CPU's worth: about half of memcpy into 4 KiB pages), so a transfer of at
   least ``_SPLIT_MIN_BYTES`` is split across the lanes and small ones take turns.
   ``$TRANSPORT_UCX_LANES`` sets the number (default 2; 1 gives exactly one endpoint per peer).
+* Prepared runs to a same-host peer that UCX would reach by ``cma`` (``$UCX_TLS`` allows it)
+  are the same ``process_vm_writev`` / ``readv`` calls UCX makes, IOV_MAX runs per call instead
+  of one, on the Transport's copy threads: one run per system call is below a million runs a
+  second on a VM. A failure (ptrace permission) sends that prepared transfer through UCX.
 * One-sided: the target's Python takes no part. With the shared-memory transports (``cma``)
   the target makes no call at all; with transports that need target progress (``tcp``) the
   target's native progress thread serves them, so a target blocked in ``time.sleep`` still
@@ -59,7 +63,7 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyStatus, RemoteWord, SharedBuffer
+from .._native import CopyKind, CopyStatus, RemoteWord, SharedBuffer
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._native.ucx_format import check_rkey, check_worker_address
 from .._regions import Region
@@ -115,6 +119,17 @@ def _lanes_from_env() -> int:
     if not 1 <= lanes <= _MAX_LANES:
         raise ValueError(f"${LANES_ENV} must be an integer from 1 to {_MAX_LANES}, got {raw!r}")
     return lanes
+
+
+def _ucx_allows_cma(tls: str | None) -> bool:
+    """Whether ``$UCX_TLS`` (as UCX reads it: a list of transports and aliases, ``^`` to
+    exclude them; unset means all) lets UCX reach same-host peers by cross-memory attach."""
+    if not tls or not tls.strip():
+        return True
+    negate = tls.strip().startswith("^")
+    names = {t.strip().lower() for t in tls.strip().lstrip("^").split(",") if t.strip()}
+    listed = bool(names & {"cma", "sm", "shm", "all"})
+    return not listed if negate else listed
 
 
 @dataclass(frozen=True)
@@ -226,6 +241,7 @@ class UcxBackend(Backend):
         self._seq_word = RemoteWord()  # reads a same-host peer's control word that cannot be mapped
         self._peer_ctl = PeerControlPages(ctx.name, self._ctl_page_of)  # same-host peers' control pages
         self._next_lane = 0
+        self._cma = _ucx_allows_cma(os.environ.get("UCX_TLS"))
         self._mapped: dict[int, tuple[Region, int | None, bytes | None]] = {}  # id(region) -> (region, mem, descriptor)
         self._described: set[int] = set()
         self._links: dict[str, _Link] = {}
@@ -475,32 +491,75 @@ class UcxBackend(Backend):
         """Per region, the arrays become one native list per lane as they are (addresses added
         to two columns, split by bytes in order), packed once; each run submits the lists
         (every run one ``ucp_put_nbx`` / ``ucp_get_nbx``, one flush per list) and awaits one
-        result."""
+        result.
+
+        A same-host peer that UCX reaches by cross-memory attach (``cma``: one
+        ``process_vm_writev`` per run) gets the same system calls with up to IOV_MAX runs each,
+        on the Transport's copy threads: the arrays are packed as copy rows once. Where that
+        fails (e.g. ptrace permission), the runner moves through UCX from then on, which
+        raises the precise error if UCX fails too."""
         what = f"ucx {op.name.lower()} of {sum(len(r.array) for r, _ in lists)} runs to {peer.name}"
+        keep = [r.local for r, _ in lists]
+        try:
+            link = self._link(peer)
+            if self._cma and peer.host == self.ctx.host and peer.pid != self.ctx.pid:
+                rows = [r.copies(op == TransferOp.PUT, self._rkey(link, region)[1]) for r, region in lists]
+                packed = np.concatenate(rows).astype(np.uint64).tobytes()
+                return self._cma_runner(op, peer, link, lists, packed, keep, what)
+            native = self._ucx_lists(link, lists)
+        except (TransportInternalError, WireError) as exc:
+            raise TransportInternalError(f"{what}: {exc}") from exc
+        return self._runner(op, link, native, keep, what)
+
+    def _ucx_lists(self, link: _Link, lists: Sequence[tuple[Runs, RegionRecord]]) -> list[UcxList]:
+        """The runs as native lists: per region, one per lane (split by bytes, in order)."""
         by_region: dict[str, tuple[RegionRecord, list[np.ndarray]]] = {}
         for r, region in lists:
             a = r.array
             by_region.setdefault(region.key, (region, []))[1].append(
                 np.stack([a[:, 0] + r.local.address, a[:, 1], a[:, 2]], axis=1))
         native: list[UcxList] = []
-        try:
-            link = self._link(peer)
-            lanes = len(link.eps)
-            for region, parts in by_region.values():
-                rkeys, address = self._rkey(link, region)
-                segs = np.concatenate(parts)
-                segs[:, 1] += address
-                segs = segs.astype(np.uint64)
-                split = [segs]
-                if lanes > 1 and len(segs) > 1:
-                    ends = np.cumsum(segs[:, 2])
-                    share = -(-int(ends[-1]) // lanes)
-                    split = np.split(segs, np.searchsorted(ends, [share * (k + 1) for k in range(lanes - 1)]) + 1)
-                native += [UcxList(lane, link.eps[lane], rkeys[lane], part.tobytes())
-                           for lane, part in enumerate(split) if len(part)]
-        except (TransportInternalError, WireError) as exc:
-            raise TransportInternalError(f"{what}: {exc}") from exc
-        return self._runner(op, link, native, [r.local for r, _ in lists], what)
+        lanes = len(link.eps)
+        for region, parts in by_region.values():
+            rkeys, address = self._rkey(link, region)
+            segs = np.concatenate(parts)
+            segs[:, 1] += address
+            segs = segs.astype(np.uint64)
+            split = [segs]
+            if lanes > 1 and len(segs) > 1:
+                ends = np.cumsum(segs[:, 2])
+                share = -(-int(ends[-1]) // lanes)
+                split = np.split(segs, np.searchsorted(ends, [share * (k + 1) for k in range(lanes - 1)]) + 1)
+            native += [UcxList(lane, link.eps[lane], rkeys[lane], part.tobytes())
+                       for lane, part in enumerate(split) if len(part)]
+        return native
+
+    def _cma_runner(self, op: TransferOp, peer: PeerRecord, link: _Link, lists: Sequence[tuple[Runs, RegionRecord]],
+                    packed: bytes, keep: list[LocalBuffer], what: str) -> Runner:
+        """Runs ``packed`` (copy rows into / out of ``peer``) by cross-memory attach; after a
+        failure, through UCX (:meth:`_runner` over lists built then)."""
+        kind = CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ
+        nbytes = sum(r.nbytes for r, _ in lists)
+        through_ucx: list[Runner] = []
+
+        async def run(ready: Mapping[int, Any] | None = None) -> None:
+            if link.lost is not None:
+                raise self._lost_error(what, link)
+            if not through_ucx:
+                result = await self.ctx.copier.copy_packed(kind, peer.pid, packed, nbytes)
+                if result.status == CopyStatus.OK:
+                    return
+                if result.status == CopyStatus.ABORTED:
+                    raise ClosedError(f"{what} was aborted after {result.nbytes} bytes: the transport is closing")
+                log.info("transport %s: %s by cross-memory attach failed (%s); moving through UCX",
+                         self.ctx.name, what, os.strerror(result.err) if result.err else "aborted")
+                try:
+                    through_ucx.append(self._runner(op, link, self._ucx_lists(link, lists), keep, what))
+                except (TransportInternalError, WireError) as exc:
+                    raise TransportInternalError(f"{what}: {exc}") from exc
+            await through_ucx[0](ready)
+
+        return run
 
     def _runner(self, op: TransferOp, link: _Link, lists: list[UcxList], keep: list[LocalBuffer],
                 what: str) -> Runner:
