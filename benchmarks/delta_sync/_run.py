@@ -329,6 +329,8 @@ def markdown(result: dict[str, Any]) -> str:
            "versions that went dense by their sample, the sample's).",
            "", "Same-run memcpy: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in result["memcpy_gbps"].items())
            + f". Command: `python -m benchmarks.delta_sync {' '.join(result.get('argv', []))}`", ""]
+    out += [f"Note: {n}" for n in result.get("args", {}).get("note", [])]
+    out += [""] if result.get("args", {}).get("note") else []
     for run in result["runs"]:
         b = run["backend"]
         out += [f"## {b}", "", "| lr | step | loss | changed | wire delta / dense (MB) | diff ms (GB/s) | "
@@ -372,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--crossover", type=float, help="Publisher(delta_crossover=...) (default: the library's)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the results as markdown here")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line for the record, e.g. how the link was shaped (repeatable)")
     p.add_argument("--render", help="only render this results JSON (with --markdown)")
     p.add_argument("--tmp", default=f"/tmp/delta_sync-{os.getpid()}")
     args = p.parse_args(argv)
