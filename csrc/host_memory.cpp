@@ -1,5 +1,7 @@
 #include "host_memory.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -36,8 +38,10 @@ constexpr int kSealFutureWrite = 0x0010;
 #endif
 #ifdef MADV_POPULATE_WRITE
 constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+constexpr int kMadvPopulateRead = MADV_POPULATE_READ;
 #else
 constexpr int kMadvPopulateWrite = 23;
+constexpr int kMadvPopulateRead = 22;
 #endif
 
 }  // namespace
@@ -112,6 +116,36 @@ uint64_t SharedBuffer::read_only_address() {
     ro_addr_ = p;
   }
   return reinterpret_cast<uint64_t>(ro_addr_);
+}
+
+int PeerMapping::populate(const uint64_t* ranges, size_t count, bool write) const {
+  const uint64_t lo = address(), hi = lo + mapped_;
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t a = ranges[2 * i], n = ranges[2 * i + 1];
+    if (a < lo || n > hi - lo || a - lo > hi - lo - n) return ERANGE;
+  }
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t start = 0, end = 0;  // the pending page span: overlapping or adjacent ranges become one call
+  auto flush = [&]() -> int {
+    if (end > start && madvise(reinterpret_cast<void*>(start), end - start,
+                               write ? kMadvPopulateWrite : kMadvPopulateRead) != 0)
+      return errno;
+    return 0;
+  };
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t n = ranges[2 * i + 1];
+    if (n == 0) continue;
+    const uint64_t a = ranges[2 * i] & ~(page - 1), b = (ranges[2 * i] + n + page - 1) & ~(page - 1);
+    if (end > start && a <= end && b >= start) {
+      start = std::min(start, a);
+      end = std::max(end, b);
+      continue;
+    }
+    if (int err = flush()) return err;
+    start = a;
+    end = b;
+  }
+  return flush();
 }
 
 PeerMapping::PeerMapping(int pid, int fd, size_t nbytes, bool writable, uint64_t inode) : nbytes_(nbytes) {

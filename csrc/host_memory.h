@@ -66,6 +66,12 @@ class PeerMapping {
 
   uint64_t address() const { return reinterpret_cast<uint64_t>(addr_); }
   size_t nbytes() const { return nbytes_; }
+  // Fills this mapping's page tables for the pages of `count` byte ranges (`ranges`: address,
+  // length pairs, each inside the mapping), for writing or for reading
+  // (MADV_POPULATE_WRITE / _READ): the owner's pages, already there or allocated as a write
+  // into them would. Returns 0, or the errno of the first refusal (EINVAL before Linux 5.14;
+  // ERANGE for a range outside the mapping, before any page is touched).
+  int populate(const uint64_t* ranges, size_t count, bool write) const;
 
  private:
   void* addr_ = nullptr;

@@ -473,7 +473,24 @@ NB_MODULE(_C, m) {
       .def(nb::init<int, int, size_t, bool, uint64_t>(), nb::arg("pid"), nb::arg("fd"), nb::arg("nbytes"),
            nb::arg("writable"), nb::arg("inode") = 0)
       .def_prop_ro("address", &PeerMapping::address)
-      .def_prop_ro("nbytes", &PeerMapping::nbytes);
+      .def_prop_ro("nbytes", &PeerMapping::nbytes)
+      .def(
+          "populate",
+          [](const PeerMapping& self, nb::bytes packed, int column, bool write) {
+            // Rows (dst, src, nbytes); `column` 0 or 1 names the side in this mapping.
+            if (column != 0 && column != 1) throw std::invalid_argument("column must be 0 or 1");
+            std::vector<Segment> v = unpack_triples<Segment>(packed);
+            std::vector<uint64_t> ranges(2 * v.size());
+            for (size_t i = 0; i < v.size(); ++i) {
+              ranges[2 * i] = column == 0 ? v[i].dst : v[i].src;
+              ranges[2 * i + 1] = v[i].len;
+            }
+            nb::gil_scoped_release unlocked;
+            return self.populate(ranges.data(), v.size(), write);
+          },
+          nb::arg("packed"), nb::arg("column"), nb::arg("write"),
+          "Fills this mapping's page tables for the pages of packed (dst, src, nbytes) rows' `column` side; "
+          "returns 0 or errno (ERANGE: a row outside the mapping, nothing touched).");
 
   m.def(
       "copy_now",

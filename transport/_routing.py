@@ -43,6 +43,8 @@ class BatchPlan:
     # run at every start.
     staged: list[tuple[Backend, Runs, RegionRecord]]
     one_sided: bool  # every backend of it moves bytes without the peer's process
+    # each backend with the runs it serves (what its runner was built from; Backend.warm)
+    served: list[tuple[Backend, list[tuple[Runs, RegionRecord]]]]
 
 
 class SyncRoute:
@@ -185,7 +187,8 @@ class Router:
                 mine[1].append((runs, region))
             else:
                 staged.append((backend, runs, region))
-        runners = [backend.prepare_runs(prepared.op, record, lists) for backend, lists in served.values() if lists]
-        plan = BatchPlan(",".join(served), runners, staged, all(b.one_sided for b, _ in served.values()))
+        busy = [(backend, lists) for backend, lists in served.values() if lists]
+        runners = [backend.prepare_runs(prepared.op, record, lists) for backend, lists in busy]
+        plan = BatchPlan(",".join(served), runners, staged, all(b.one_sided for b, _ in served.values()), busy)
         self._plans[prepared] = (ident, plan)
         return plan

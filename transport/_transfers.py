@@ -144,6 +144,28 @@ class TransferEngine:
             return self.start(prepared.op, view, kind, prepared.peer, key, offset, limit)
         return self.start_batch(prepared, limit)
 
+    async def warm_prepared(self, prepared: PreparedTransfer, timeout: float | None) -> None:
+        """See ``PreparedTransfer.warm``: builds its plan for the peer's current record and lets
+        each backend ready its runs (``Backend.warm``).
+
+        Raises:
+            ClosedError: the Transport is draining or closed. ValueError: a bad timeout.
+            TransferTimeoutError: not done within the timeout. As ``PreparedTransfer.start``.
+        """
+        if self.state != "open":
+            raise ClosedError(f"transport {self.name!r} is {self.state}")
+        limit = self.timeout if timeout is None else seconds(timeout, "timeout")
+        one = prepared.single()
+        if one is not None and one[1] is MemoryKind.CPU:
+            return  # it takes a put's path, whose route the first start makes (and reuses)
+        with anyio.move_on_after(limit) as scope:
+            record, plan = await self._resolved(prepared.peer, lambda r: self._router.plan_for(prepared, r))
+            for backend, lists in plan.served:
+                await backend.warm(prepared.op, record, lists)
+        if scope.cancelled_caught:
+            raise TransferTimeoutError(f"{self.name}: warming a prepared {prepared.op.value} of {prepared.segments} "
+                                       f"runs to {prepared.peer} took longer than {limit:g}s")
+
     def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
         """Starts every segment of ``prepared`` as one transfer (see ``PreparedTransfer.start``).
         For ordering it counts as one transfer over the span it covers in each region."""
@@ -268,13 +290,17 @@ class TransferEngine:
         """
         for earlier in after:
             await earlier._ended()
-        record = await self._directory.resolve(xfer.peer)
+        return await self._resolved(xfer.peer, check)
+
+    async def _resolved(self, peer: str, check: Callable[[PeerRecord], _Checked]) -> tuple[PeerRecord, _Checked]:
+        """``peer``'s record and what ``check(record)`` made of it (see :meth:`_checked`)."""
+        record = await self._directory.resolve(peer)
         if self._router.republished(record):
-            record = await self._directory.resolve(xfer.peer, refresh=True)
+            record = await self._directory.resolve(peer, refresh=True)
         try:
             return record, check(record)
         except (RegistrationError, DTypeMismatchError, BoundsError):
-            record = await self._directory.resolve(xfer.peer, refresh=True)
+            record = await self._directory.resolve(peer, refresh=True)
             return record, check(record)
 
     def _begin(self, xfer: Transfer, record: PeerRecord, backend: str) -> None:

@@ -86,6 +86,9 @@ class MeshBenchSpec:
         lr: the AdamW learning rate.
         delta_sync: also run the ``delta`` method: a second stream whose publishers diff each
             version (``MeshPublisher(delta=True)``) and send generator ranks only what changed.
+        warm: every trainer rank calls ``MeshPublisher.warm()`` once the generator ranks are
+            there, before the first version (outside the timed region, as a trainer would
+            beside its training step).
     """
 
     trainers: int
@@ -105,6 +108,7 @@ class MeshBenchSpec:
     update: str = "constant"
     lr: float = 1e-6
     delta_sync: bool = False
+    warm: bool = False
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -220,6 +224,12 @@ async def _trainer_loop(spec: MeshBenchSpec, rank: int, model: Any, layout: Any,
         try:
             await _barrier()  # every publisher and subscriber is registered in the store
             emit({"kind": "ready"})
+            if spec.warm:
+                for method, pub in pubs.items():
+                    t0 = time.perf_counter()
+                    warmed = await pub.warm()
+                    emit({"kind": "warm", "method": method, "rank": rank, "warm_s": time.perf_counter() - t0,
+                          "warmed": warmed})
             for v in range(spec.versions):
                 if optimizer is not None:
                     await anyio.to_thread.run_sync(_adamw_step, spec, model, optimizer, v)

@@ -109,6 +109,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6, help="the AdamW learning rate (--update adamw; default 1e-6)")
     p.add_argument("--delta-sync", action="store_true",
                    help="also run the mesh with delta sync on a second stream, in the same processes")
+    p.add_argument("--warm", action="store_true",
+                   help="every trainer rank calls MeshPublisher.warm() before the first version (untimed)")
     a = p.parse_args(argv)
     if min(a.trainers, a.replicas, a.tp) < 1:
         p.error("--trainers, --replicas and --tp must be >= 1")
@@ -435,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = MeshBenchSpec(trainers=args.trainers, replicas=args.replicas, tp=args.tp, versions=args.versions,
                              warmup=args.warmup, model=model_of(args), dtype=args.dtype, backends=args.backend_list,
                              tmp=tmp, timeout=args.timeout, deadline=args.deadline, poll_s=args.poll, seed=args.seed,
-                             update=args.update, lr=args.lr, delta_sync=args.delta_sync)
+                             update=args.update, lr=args.lr, delta_sync=args.delta_sync,
+                             warm=args.warm)
         try:
             size = sizes(spec)
         except ValueError as exc:  # MeshLayoutError: e.g. a dimension not divisible by --tp
@@ -457,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"(on average {load['other_cores_avg']:g} of {info['nproc']} cores, {100 * load['other_share']:.0f}%)"
                  + ("; the timings are disturbed: rerun on a quiet machine" if load["other_share"] > 0.05 else ""))
     result = assemble(messages, spec, size)
+    for m in sorted((m for m in messages if m["kind"] == "warm"), key=lambda m: (m["method"], m["rank"])):
+        notes.append(f"warm() before version 0 (untimed): trainer rank {m['rank']} ({m['method']}) warmed "
+                     f"{m['warmed']} prepared transfers in {m['warm_s']:.3f} s")
     text = table(result, size)
     doc = {
         "benchmark": "mesh_sync", "date": started, "command": cmd, "machine": info, "wall_s": round(wall_s, 1),
@@ -465,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "generator_ranks": size["generator_ranks"], "versions": spec.versions, "warmup": spec.warmup,
                    "dtype": spec.dtype, "backends": list(spec.backends or ()), "timeout_s": spec.timeout,
                    "deadline_s": spec.deadline, "poll_s": spec.poll_s, "delta": spec.delta, "seed": spec.seed,
-                   "update": spec.update, "lr": spec.lr, "delta_sync": spec.delta_sync,
+                   "update": spec.update, "lr": spec.lr, "delta_sync": spec.delta_sync, "warm": spec.warm,
                    "broadcast_group": "trainer rank 0 + every generator rank: a torch.distributed.new_group of the "
                                       "one gloo world of trainers and generators",
                    "order": "the methods rotate by version: " + ", ".join(spec.methods) + " first on versions "

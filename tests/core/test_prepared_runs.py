@@ -232,3 +232,54 @@ async def test_hostile_run_tables_are_refused_before_a_byte_lands(memory_store):
         assert region[32].item() == 0x02020202 and other[15].item() == 0x02020202
         assert int(region[2:16].count_nonzero()) == 0 and int(region[17:32].count_nonzero()) == 0
         assert int(region[33:].count_nonzero()) == 0 and int(other[:15].count_nonzero()) == 0
+
+
+def memfd_rss() -> dict[str, int]:
+    """This process's mappings of memfds: address range -> bytes of it in its page tables."""
+    out: dict[str, int] = {}
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                current = head[0] if len(head) >= 6 and head[5].startswith("/memfd:") else None
+            elif current is not None and head[0] == "Rss:":
+                out[current] = int(head[1]) * 1024
+    return out
+
+
+async def test_warm_fills_the_page_tables_of_exactly_the_runs_ahead_of_the_first_start(targets, file_store):
+    """``PreparedTransfer.warm`` over ipc into a library buffer maps the peer's memfd and
+    fills this process's page tables for the pages the runs touch (every other page here) and
+    no others; no byte moves until the start, which then lands exactly. Bad input still gets
+    its typed error from warm, before anything."""
+    nbytes = 8 << 20
+    async with transport.Transport("init", store=file_store, backends=("ipc",), timeout=30) as t:
+        target = await serving_target(t, targets, file_store, "ipc", [{"key": "w", "numel": nbytes, "dtype": "uint8",
+                                                                      "shared": True}])
+        idx = np.arange(1024, dtype=np.int64)
+        runs = np.stack([idx * 4096, idx * 8192, np.full(1024, 4096)], axis=1)  # 4 MiB in every other page
+        src = torch.full((4 << 20,), 7, dtype=torch.uint8)
+        prepared = t.prepare_put_runs(target.name, src, "w", runs)
+        before = memfd_rss()
+        await prepared.warm()
+        fresh = {k: v for k, v in memfd_rss().items() if k not in before}
+        [(span, rss)] = [(k, v) for k, v in fresh.items()
+                         if int(k.split("-")[1], 16) - int(k.split("-")[0], 16) >= nbytes]
+        assert 4 << 20 <= rss < 5 << 20, (span, rss)  # the runs' pages, not the gaps between them
+        back = torch.empty(nbytes, dtype=torch.uint8)
+        await t.get(back, target.name, key="w")
+        assert int(back.count_nonzero()) == 0  # warming moved nothing
+        await prepared.warm()  # again: nothing changes
+        await prepared.start()
+        await t.get(back, target.name, key="w")
+        got = back.view(-1, 4096)
+        assert bool((got[0::2] == 7).all()) and bool((got[1::2] == 0).all())
+
+        with pytest.raises(transport.RegistrationError):
+            await t.prepare_put_runs(target.name, src, "nope", runs).warm()
+        with pytest.raises(transport.BoundsError):
+            await t.prepare_put_runs(target.name, src, "w", runs + np.array([0, nbytes, 0])).warm()
+        await t.signal(target.name, "done", 1)
+    with pytest.raises(transport.ClosedError):
+        await prepared.warm()

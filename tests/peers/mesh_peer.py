@@ -126,7 +126,7 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
         return {n: f[n][tuple(slice(lo, hi) for lo, hi in boxes[n])].contiguous() for n in boxes}
 
     live = shards(0)
-    reports, incomplete, changed = [], [], []
+    reports, incomplete, changed, warmed = [], [], [], []
     pub = MeshPublisher(t, "m", live, lay, rank=rank, deadline=spec.get("deadline", 10.0),
                         delta=spec.get("delta", "auto"))
     pub.start()
@@ -151,12 +151,14 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
         await t.wait_signal("go", at_least=v + 1, timeout=120)
         for n, x in shards(v).items():
             live[n].copy_(x)
+        if spec.get("warm"):
+            warmed.append(await pub.warm())
         rep = await pub.publish(v)
         reports.append({k: [r.status.name, r.error, r.delta, r.nbytes] for k, r in rep.results.items()})
         incomplete.append(list(rep.incomplete))
         changed.append(rep.changed)
         await t.signal("ctl", f"{spec['name']}.done", v + 1)
-    return {"reports": reports, "incomplete": incomplete, "changed": changed}
+    return {"reports": reports, "incomplete": incomplete, "changed": changed, "warmed": warmed}
 
 
 async def generator(spec: dict, t: transport.Transport) -> dict:

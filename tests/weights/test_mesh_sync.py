@@ -120,9 +120,10 @@ async def test_a_slow_rank_holds_back_only_its_replica_and_its_ranks_agree(procs
 @pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
 async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rejoins(procs, file_store, delta):
     # With deltas: the restarted A1 holds what it pulled (version 1) and what came dense, and
-    # takes deltas on them like any rank (versions 4 and 5).
+    # takes deltas on them like any rank (versions 4 and 5). The trainer ranks warm() before
+    # every publish: the pushes into ranks (re)joining since, two slots each.
     n = 6 if delta else 4
-    kw = {"delta": True, "sparse": 0.02} if delta else {}
+    kw = {"delta": True, "sparse": 0.02, "warm": True} if delta else {"warm": True}
     async with transport.Transport("ctl", store=file_store, backends=("ipc",)) as ctl:
         trainers = [procs(_spec(file_store, f"t{r}", "trainer", n, rank=r, deadline=5.0, **kw)) for r in range(2)]
         gens = {g: procs(_spec(file_store, g, "gen", n, replica=rep, rank=k, size=size, commit_wait=2.0, **kw))
@@ -146,6 +147,10 @@ async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rej
         results = {p.name: await p.result(timeout=120) for p in [*trainers, *gens.values()]}
     # While A1 is dead, replica A is incomplete and not served; B is.
     assert results["t0"]["incomplete"][1] == ["A"] and set(results["t0"]["reports"][1]) == {"B/0"}
+    # Warmed: every rank's two slots; nothing new; A0 and the restarted A1 again (replica A
+    # was not served while A1 was dead); then nothing new.
+    for r in ("t0", "t1"):
+        assert results[r]["warmed"] == [6, 0, 4] + [0] * (n - 3), (r, results[r]["warmed"])
     assert results["t0"]["reports"][1]["B/0"][0] == "DONE"
     a0 = results["A0"]["rounds"]
     assert a0[1]["applied"] == 0  # version 1 never complete at A1: A stays on 0

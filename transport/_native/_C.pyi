@@ -57,6 +57,8 @@ class PeerMapping:
     def address(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
+    def populate(self, packed: bytes, column: int, write: bool) -> int:
+        """Fills the page tables for the pages of packed (dst, src, nbytes) rows' `column` side; 0 or errno."""
 
 def copy_packed_now(kind: int, pid: int, packed: bytes) -> tuple[int, int]:
     """Copies packed (dst, src, nbytes) segments on the calling thread; returns (errno or 0, bytes copied)."""

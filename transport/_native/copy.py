@@ -263,6 +263,19 @@ class PeerMapping(_Mapped):
             self._words = (ctypes.c_uint64 * (self.nbytes // 8)).from_address(self.address)
         return self._words[offset // 8]
 
+    def populate(self, packed: bytes, column: int, write: bool) -> int:
+        """Fills this mapping's page tables for the pages that packed ``(dst, src, nbytes)``
+        rows (:func:`pack_segments`) touch on side ``column`` (0: dst, 1: src), for writing or
+        reading, so that copies through them take no page faults. Only the pages of the rows:
+        populating a hole of the owner's memfd allocates it, as a write into it would. Blocks
+        (the GIL released): call it from a worker thread.
+
+        Returns:
+            0, or the errno of the first refusal: ``ERANGE`` for a row outside the mapping
+            (before any page is touched), ``EINVAL`` on a kernel before Linux 5.14.
+        """
+        return int(self._native.populate(packed, column, write))
+
 
 class _Pending:
     __slots__ = ("event", "result")

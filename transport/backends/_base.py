@@ -240,6 +240,18 @@ class Backend(abc.ABC):
 
         return run
 
+    async def warm(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> None:
+        """Readies, ahead of a prepared transfer's first start, what that start would set up
+        on its way (``lists`` as for :meth:`prepare_runs`), so that it costs what later starts
+        do: e.g. this process's page tables for a same-host peer's memory. Moves no byte and
+        changes nothing the peer can see. Called by ``PreparedTransfer.warm``; the default
+        readies nothing.
+
+        Raises:
+            TransportError: a failure (the transfer itself will meet it again).
+        """
+        return None
+
     async def serve_request(self, meta: Mapping[str, Any], check_region: RegionCheck) -> Mapping[str, Any]:
         """Serves a control request a peer's instance of this backend sent to our agent
         (``FrameKind.BACKEND``), e.g. "post the receive for my send". ``check_region(op, meta,

@@ -41,6 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import numpy as np
 
 from .. import _native
@@ -347,6 +349,29 @@ class IpcBackend(Backend):
                 await one_by_one(ready)
 
         return run
+
+    async def warm(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> None:
+        """Maps the peer's memfds the host runs go through and fills this process's page
+        tables for the pages they touch (``MADV_POPULATE_WRITE`` for a put, ``_READ`` for a
+        get), on a worker thread: a first copy through a fresh mapping otherwise takes a page
+        fault per page, several times the copy itself (benchmarks/results/
+        first-push-2026-12-03.md). Only those pages: populating a hole of the owner's memfd
+        allocates it, as the copy would. Runs by cross-memory attach or with CUDA memory have
+        nothing to ready."""
+        put = op == TransferOp.PUT
+        fills: dict[int, tuple[PeerMapping, list[np.ndarray]]] = {}
+        for runs, region in lists:
+            if is_device(region) or runs.local.kind == MemoryKind.CUDA:
+                continue
+            _kind, _pid, base, mapping = self._host_path(op, peer, region)
+            if mapping is not None:
+                fills.setdefault(id(mapping), (mapping, []))[1].append(runs.copies(put, base))
+        for mapping, rows in fills.values():
+            packed = np.concatenate(rows).astype(np.uint64).tobytes()
+            err = await anyio.to_thread.run_sync(mapping.populate, packed, 0 if put else 1, put)
+            if err:  # e.g. a kernel before 5.14: the first copy faults the pages in, as without this
+                log.info("ipc: cannot fill the page tables for %s's memory ahead of a transfer: %s",
+                         peer.name, os.strerror(err))
 
     async def _copy_cuda(self, local: LocalBuffer, remote: RemoteTarget, op: TransferOp) -> None:
         peer, region = remote.peer, remote.region

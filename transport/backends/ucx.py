@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,28 +62,20 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyKind, CopyStatus, RemoteWord, SharedBuffer
+from .._native import CopyKind, CopyStatus, RemoteWord
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
-from .._native.ucx_format import check_rkey, check_worker_address
 from .._regions import Region
 from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner
 from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
+from ._ucx_descriptors import EndpointInfo, decode_endpoint, decode_region, encode_endpoint, encode_region
 
 log = logging.getLogger(__name__)
 
 LANES_ENV = "TRANSPORT_UCX_LANES"
 DEFAULT_LANES = 2
 _MAX_LANES = 16
-
-# magic, version, lanes, address of the control word, its memfd's number and inode (same-host
-# peers map it), length of its rkey; then the rkey; then per lane: <I length, worker address
-_ENDPOINT = struct.Struct("<4sHHQiQI")
-_ENDPOINT_MAGIC, _ENDPOINT_VERSION = b"UCXE", 2
-_LEN = struct.Struct("<I")
-_REGION = struct.Struct("<4sQQ")  # magic, address, nbytes; then the packed rkey
-_REGION_MAGIC = b"UCXR"
 
 # UCX statuses that say the link failed rather than the request: the peer is gone or cut off.
 _UCS_LINK_ERRORS = frozenset({-3, -6, -16, -20, -23, -24, -25, *range(-89, -39)})
@@ -105,7 +96,7 @@ class UcxStatusError(Exception):
     """A UCX failure status, as the ``__cause__`` of the TransportError that reports it."""
 
 
-# -- descriptors -------------------------------------------------------------------------------
+# -- configuration -----------------------------------------------------------------------------
 
 
 def _lanes_from_env() -> int:
@@ -132,58 +123,6 @@ def _ucx_allows_cma(tls: str | None) -> bool:
     return not listed if negate else listed
 
 
-@dataclass(frozen=True)
-class _EndpointInfo:
-    addresses: list[bytes]  # worker address per lane
-    ctl_address: int  # the word holding the seq of the peer's latest record
-    ctl_fd: int  # the memfd holding it (at offset 0), as numbered in the peer's process
-    ctl_inode: int
-    ctl_rkey: bytes
-
-
-def _encode_endpoint(addresses: list[bytes], ctl: SharedBuffer, ctl_rkey: bytes) -> bytes:
-    out = [_ENDPOINT.pack(_ENDPOINT_MAGIC, _ENDPOINT_VERSION, len(addresses), ctl.address + SEQ_OFFSET, ctl.fd,
-                          ctl.inode, len(ctl_rkey)), ctl_rkey]
-    for a in addresses:
-        out += [_LEN.pack(len(a)), a]
-    return b"".join(out)
-
-
-def _decode_endpoint(data: bytes, peer: str) -> _EndpointInfo:
-    if len(data) < _ENDPOINT.size:
-        raise WireError(f"{peer}: ucx endpoint descriptor of {len(data)} bytes is too short")
-    magic, version, lanes, ctl_address, ctl_fd, ctl_inode, ctl_len = _ENDPOINT.unpack_from(data)
-    if magic != _ENDPOINT_MAGIC or version != _ENDPOINT_VERSION or lanes < 1:
-        raise WireError(f"{peer}: not a ucx endpoint descriptor (magic {magic!r}, version {version}, {lanes} lanes)")
-    pos = _ENDPOINT.size + ctl_len
-    if pos > len(data):
-        raise WireError(f"{peer}: truncated ucx endpoint descriptor")
-    ctl_rkey, out = data[_ENDPOINT.size : pos], list[bytes]()
-    for _ in range(lanes):
-        if pos + _LEN.size > len(data):
-            raise WireError(f"{peer}: truncated ucx endpoint descriptor")
-        (n,) = _LEN.unpack_from(data, pos)
-        pos += _LEN.size
-        if n == 0 or pos + n > len(data):
-            raise WireError(f"{peer}: truncated ucx endpoint descriptor")
-        check_worker_address(data[pos : pos + n], f"{peer}: ucx worker address of lane {len(out)}")
-        out.append(data[pos : pos + n])
-        pos += n
-    check_rkey(ctl_rkey, f"{peer}: ucx rkey of the control word")  # before libucp ever sees them
-    return _EndpointInfo(out, ctl_address, ctl_fd, ctl_inode, ctl_rkey)
-
-
-def _decode_region(data: bytes, where: str) -> tuple[int, int, bytes]:
-    if len(data) < _REGION.size:
-        raise WireError(f"{where}: ucx region descriptor of {len(data)} bytes is too short")
-    magic, address, nbytes = _REGION.unpack_from(data)
-    if magic != _REGION_MAGIC:
-        raise WireError(f"{where}: not a ucx region descriptor (magic {magic!r})")
-    if nbytes:
-        check_rkey(data[_REGION.size :], f"{where}: ucx rkey")
-    return address, nbytes, data[_REGION.size :]
-
-
 # -- the backend -------------------------------------------------------------------------------
 
 
@@ -194,7 +133,7 @@ class _Link:
     peer: str
     incarnation: str
     eps: list[int]  # lane -> endpoint
-    info: _EndpointInfo
+    info: EndpointInfo
     ctl_rkey: int | None = None  # the peer's control word, unpacked on lane 0
     seq_backoff_until: float = 0.0  # monotonic time before which its word is not read again
     # region key -> (descriptor, rkey per lane, remote address)
@@ -233,7 +172,7 @@ class UcxBackend(Backend):
             self._ctl = control_page(ctx.name, "ucx-ctl")
             self._ctl_mem, ctl_rkey = self._engine.mem_map(self._ctl.address + SEQ_OFFSET, 8, remote_write=False)
             addresses = [self._engine.worker_address(i) for i in range(lanes)]
-            self._endpoint = _encode_endpoint(addresses, self._ctl, ctl_rkey)
+            self._endpoint = encode_endpoint(addresses, self._ctl, ctl_rkey)
         except BaseException:
             self._engine.close()
             raise
@@ -246,7 +185,7 @@ class UcxBackend(Backend):
         self._described: set[int] = set()
         self._links: dict[str, _Link] = {}
         self._refusals: dict[tuple[str, str, str, bytes], str] = {}
-        self._infos: dict[tuple[str, str], _EndpointInfo | None] = {}  # (peer, incarnation) -> decoded descriptor
+        self._infos: dict[tuple[str, str], EndpointInfo | None] = {}  # (peer, incarnation) -> decoded descriptor
         self._closed = False
 
     # -- registration ----------------------------------------------------------------------
@@ -285,17 +224,17 @@ class UcxBackend(Backend):
         """
         address = region.address
         if region.nbytes == 0:
-            return None, _REGION.pack(_REGION_MAGIC, address, 0)
+            return None, encode_region(address, 0, b"")
         if not region.writable and region.shared is not None:
             try:
                 alias = region.shared.read_only_address + (region.address - region.shared.address)
                 mem, rkey = self._engine.mem_map(alias, region.nbytes, remote_write=False, local_write=False)
-                return mem, _REGION.pack(_REGION_MAGIC, alias, region.nbytes) + rkey
+                return mem, encode_region(alias, region.nbytes, rkey)
             except (RuntimeError, TransportInternalError) as exc:
                 log.info("transport %s: %r is mapped for ucx without its read-only alias (%s): only RDMA "
                          "transports will refuse puts into it", self.ctx.name, region.key, exc)
         mem, rkey = self._engine.mem_map(address, region.nbytes, remote_write=region.writable)
-        return mem, _REGION.pack(_REGION_MAGIC, address, region.nbytes) + rkey
+        return mem, encode_region(address, region.nbytes, rkey)
 
     def published(self, seq: int) -> None:
         self._ctl.write_u64(SEQ_OFFSET, seq)  # one aligned 8-byte store: readers see the old or the new seq
@@ -314,7 +253,7 @@ class UcxBackend(Backend):
             self.forget_peer(peer.name)  # restarted; the Transport may not have told us yet
             link = None
         if link is None:
-            info = _decode_endpoint(peer.backends["ucx"], peer.name)  # raises WireError: no silent None here
+            info = decode_endpoint(peer.backends["ucx"], peer.name)  # raises WireError: no silent None here
             addresses = info.addresses
             eps: list[int] = []
             try:
@@ -336,7 +275,7 @@ class UcxBackend(Backend):
         cached = link.rkeys.get(region.key)
         if cached is not None and cached[0] == desc:
             return cached[1], cached[2]
-        address, _nbytes, packed = _decode_region(desc, f"{link.peer}:{region.key!r}")
+        address, _nbytes, packed = decode_region(desc, f"{link.peer}:{region.key!r}")
         rkeys: list[int] = []
         try:
             for lane, ep in enumerate(link.eps):
@@ -375,12 +314,12 @@ class UcxBackend(Backend):
         info = self._info(peer) if peer.host == self.ctx.host else None
         return (info.ctl_fd, info.ctl_inode) if info is not None else None
 
-    def _info(self, peer: PeerRecord) -> _EndpointInfo | None:
+    def _info(self, peer: PeerRecord) -> EndpointInfo | None:
         cache_key = (peer.name, peer.incarnation)
         if cache_key not in self._infos:
             try:
                 data = peer.backends.get("ucx")
-                self._infos[cache_key] = _decode_endpoint(data, peer.name) if data is not None else None
+                self._infos[cache_key] = decode_endpoint(data, peer.name) if data is not None else None
             except WireError as exc:
                 log.warning("transport %s: %s", self.ctx.name, exc)
                 self._infos[cache_key] = None

@@ -156,6 +156,7 @@ class MeshPublisher:
         self._layout_bytes: torch.Tensor | None = None
         self._plans: dict[str, ReplicaPlan] = {}
         self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
+        self._warmed: set[tuple[str, str, int]] = set()  # prepared transfers (same keys) warm()ed
         self._version: int | None = None
         self._lock = anyio.Lock()
         self._open = False  # between start() and close()
@@ -284,6 +285,51 @@ class MeshPublisher:
         changed = self._change.density if self._change is not None else None
         return MeshPublishReport(version, results, incomplete, refused, t1 - t_scan, (t_scan - t0) + (t2 - t1),
                                  t3 - t2, t3 - t0, changed)
+
+    async def warm(self) -> int:
+        """Readies the pushes to generator ranks this rank has not pushed to or warmed yet, so
+        that the first version they get costs what later ones do: finds the replicas, plans,
+        prepares the transfers into both of each rank's slots and warms them
+        (:meth:`PreparedTransfer.warm`: over ``ipc``, this process's page tables for exactly
+        the slot bytes it writes), and makes the first control-word reads. Moves no weights;
+        generator ranks see nothing.
+
+        Optional, and cheap when nothing is new (one scan of the rendezvous): call it where time
+        is free, e.g. in a task beside the training step, so that a rank that joins or restarts
+        does not make the next :meth:`publish` slow. A publish waits for a warm in progress.
+
+        Returns:
+            The transfers warmed now (two per generator rank newly fed).
+
+        Raises:
+            ClosedError: the publisher is not started or is closed, or the Transport is closed.
+
+        A generator rank that cannot be warmed (gone, or its record refused) is skipped: the
+        next :meth:`publish` reports it. Cancellation: safe; what was warmed stays warm.
+        """
+        if self._tctl is None or not self._open:
+            raise ClosedError(f"mesh publisher {self.name!r}: not started or closed")
+        warmed = 0
+        async with self._lock:
+            work, _incomplete, _refused = self._discover(await self._members.scan())
+            self._warmed &= set(self._prepared)
+            header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+            for label, peer, moves in work:
+                todo = [s for s in (0, 1) if (peer.name, peer.incarnation, s) not in self._warmed]
+                if not todo:
+                    continue
+                try:
+                    with anyio.fail_after(self.deadline):
+                        await self._area(peer)
+                        await self.t.get(header, peer.name, key=self.keys.ctl)
+                        for slot in todo:
+                            await self._prepare(peer.name, peer.incarnation, slot, moves).warm(timeout=self.deadline)
+                            self._warmed.add((peer.name, peer.incarnation, slot))
+                            warmed += 1
+                except (TransportError, MeshLayoutError, TimeoutError) as exc:
+                    log.info("mesh publisher %s rank %d: cannot warm the pushes to %s (%s): %s", self.name,
+                             self.rank, label, peer.name, exc)
+        return warmed
 
     async def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
         """Copies the shards (``converted`` ones as given) into snapshot ``version % 2`` under
