@@ -50,6 +50,8 @@ def test_a_push_is_loaded_and_its_version_reported(setup):
     assert serves(engine, ref)  # the checkpoint both started from
     perturb(ref)
     assert not serves(engine, ref)  # a skipped push would fail the check below
+    assert trainer.warm() == 2  # the engine's one worker: the pushes into its two slots
+    assert trainer.warm() == 0  # nothing new
     report = trainer.send_weights()
     assert report.loaded == ["engine-0"], report.engines
     assert serves(engine, ref)

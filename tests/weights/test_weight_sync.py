@@ -190,6 +190,26 @@ async def test_unsubscribe_and_resubscribe(store):
                 assert sub2.apply() == 2 and torch.equal(dst["w"], torch.ones(4))
 
 
+async def test_warm_readies_each_new_subscribers_slots_once(store):
+    src = make_model()
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg, \
+            transport.Transport("gen2", store=store) as tg2:
+        pub = Publisher(tt, src, bucket_bytes=10_000)
+        with pytest.raises(transport.TransportError, match="not started"):
+            await pub.warm()
+        async with pub, Subscriber(tg, dst := zeros_like(src), publisher="trainer") as sub:
+            assert await pub.warm() == 2  # its two slots
+            assert await pub.warm() == 0  # nothing new
+            assert (await pub.publish(1)).done == ["gen"]
+            assert sub.apply() == 1 and bitwise_equal(dst, src)
+            async with Subscriber(tg2, dst2 := zeros_like(src), publisher="trainer") as sub2:
+                assert await pub.warm() == 2  # only the newcomer's
+                for x in src.values():
+                    x.add_(1)
+                assert sorted((await pub.publish(2)).done) == ["gen", "gen2"]
+                assert sub.apply() == 2 and sub2.apply() == 2 and bitwise_equal(dst, src) and bitwise_equal(dst2, src)
+
+
 async def test_large_non_contiguous_tensor_is_packed_not_sent_raw(store):
     src = {"wt": torch.randn(600, 1024).t(), "b": torch.randn(8)}  # 2.4 MB, transposed: its storage order differs
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:

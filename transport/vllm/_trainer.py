@@ -280,6 +280,23 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         self.clients.pop(name, None)
         self._driver.forget(name)
 
+    def warm(self) -> int:
+        """Readies this rank's pushes into engine workers it has not fed or warmed yet
+        (:meth:`transport.weights.MeshPublisher.warm`), so that their first
+        :meth:`send_weights` costs what later ones do; moves no weights. Call it where the time
+        is free, e.g. after :meth:`add_engine` while the trainer computes. A rank that does not
+        publish (not the sender of an unsharded source) has nothing to warm.
+
+        Returns:
+            The transfers warmed (two per engine worker newly fed from this rank).
+
+        Raises:
+            ClosedError: shut down.
+        """
+        if self.publisher is None or self.loop is None:
+            return 0
+        return int(self.loop.call(self.publisher.warm))
+
     def send_weights(self, *, load: bool = True) -> SyncReport:  # type: ignore[override]  # vLLM's: None
         """Publishes the next version and (rank 0) has every engine load it.
 
