@@ -156,7 +156,6 @@ class MeshPublisher:
         self._layout_bytes: torch.Tensor | None = None
         self._plans: dict[str, ReplicaPlan] = {}
         self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
-        self._warmed: set[tuple[str, str, int]] = set()  # prepared transfers (same keys) warm()ed
         self._version: int | None = None
         self._lock = anyio.Lock()
         self._open = False  # between start() and close()
@@ -312,21 +311,23 @@ class MeshPublisher:
         warmed = 0
         async with self._lock:
             work, _incomplete, _refused = self._discover(await self._members.scan())
-            self._warmed &= set(self._prepared)
             header = torch.empty(HEADER_WORDS, dtype=torch.int64)
             for label, peer, moves in work:
-                todo = [s for s in (0, 1) if (peer.name, peer.incarnation, s) not in self._warmed]
+                # A slot's prepared transfer exists once it was pushed to or warmed (_discover
+                # drops those of ranks no longer fed); one whose warm failed is dropped below.
+                todo = [s for s in (0, 1) if (peer.name, peer.incarnation, s) not in self._prepared]
                 if not todo:
                     continue
+                slot = todo[0]
                 try:
                     with anyio.fail_after(self.deadline):
                         await self._area(peer)
                         await self.t.get(header, peer.name, key=self.keys.ctl)
                         for slot in todo:
                             await self._prepare(peer.name, peer.incarnation, slot, moves).warm(timeout=self.deadline)
-                            self._warmed.add((peer.name, peer.incarnation, slot))
                             warmed += 1
                 except (TransportError, MeshLayoutError, TimeoutError) as exc:
+                    self._prepared.pop((peer.name, peer.incarnation, slot), None)
                     log.info("mesh publisher %s rank %d: cannot warm the pushes to %s (%s): %s", self.name,
                              self.rank, label, peer.name, exc)
         return warmed

@@ -154,7 +154,6 @@ class Publisher:
         self._gone: set[tuple[str, str]] = set()
         # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
-        self._warmed: set[tuple[str, str, int]] = set()  # (subscriber, incarnation, its slot) warm()ed
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self._landed: dict[str, tuple[int, bool]] = {}
         self._takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
@@ -227,9 +226,9 @@ class Publisher:
         await self.aclose()
 
     async def warm(self) -> int:
-        """Readies the pushes into subscribers this publisher has not served or warmed yet, so
-        that the first version they get costs what later ones do: prepares the push into each
-        of their slots and warms it (:meth:`PreparedTransfer.warm`: over ``ipc``, this
+        """Readies the pushes into subscribers' slots this publisher has not pushed to or warmed
+        yet, so that the first version they get costs what later ones do: prepares the push
+        into each such slot and warms it (:meth:`PreparedTransfer.warm`: over ``ipc``, this
         process's page tables for the slot's memory, which a first copy would otherwise fault
         in page by page). Moves no weights; subscribers see nothing.
 
@@ -253,18 +252,22 @@ class Publisher:
         async with self._lock:
             subs, _listed = await self._discover()
             snap = self._snapshots.snaps[0]
+            # A slot has a prepared push once it was pushed to or warmed (those of subscribers no
+            # longer served are dropped by _remember; one whose warm failed is dropped below).
+            have = {c[:3] for c in self._batches}
             for peer in subs.values():
                 slots = [s for s, key in enumerate(self._keys.slots) if key in peer.regions]
-                todo = [s for s in slots if (peer.name, peer.incarnation, s) not in self._warmed]
+                todo = [s for s in slots if (peer.name, peer.incarnation, s) not in have]
                 if not todo or any(peer.regions[self._keys.slots[s]].nbytes != self.layout.total for s in slots):
                     continue
+                slot = todo[0]
                 try:
                     with anyio.fail_after(self.deadline):
                         for slot in todo:
                             await self._prepared(peer, slot, snap).warm(timeout=self.deadline)
-                            self._warmed.add((peer.name, peer.incarnation, slot))
                             warmed += 1
                 except (TransportError, TimeoutError) as exc:
+                    self._batches.pop((peer.name, peer.incarnation, slot, snap.data_ptr()), None)
                     log.info("publisher %s/%s: cannot warm the pushes to %s: %s", self.t.name, self.name, peer.name,
                              exc)
         return warmed
@@ -329,7 +332,6 @@ class Publisher:
         serving = {(n, p.incarnation) for n, p in subs.items() if (n, p.incarnation) not in self._gone}
         for c in [c for c in self._batches if (c[0], c[1]) not in serving]:
             del self._batches[c]
-        self._warmed = {w for w in self._warmed if w[:2] in serving}
         self._snapshots.forget(serving)
         for name in [n for n in self._landed if n not in subs]:
             del self._landed[name]
