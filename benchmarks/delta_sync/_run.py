@@ -135,7 +135,8 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
         live_s = time.perf_counter() - t0
         res = [report.results[n] for n in SUBSCRIBERS]
         row[stream] = {"live_s": live_s, "publish_s": report.total_s, "pack_s": report.pack_s,
-                       "push_s": report.push_s, "wire_bytes": max(r.nbytes for r in res),
+                       "discover_s": report.discover_s, "push_s": report.push_s, "snapshot_s": report.snapshot_s,
+                       "wire_bytes": max(r.nbytes for r in res),
                        "as_delta": [r.delta for r in res]}
         if report.delta is not None:
             d = report.delta

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -26,6 +27,8 @@ PIECE_BYTES = 8 << 20  # a raw copy is split into pieces of at most this many by
 MIN_SHARE = 4 << 20  # a batch gets one thread per this many bytes (up to the thread count)
 MAX_THREADS = 8  # more threads than this add nothing to one memcpy
 STREAM_MIN_BYTES = 16 << 20  # a batch this large copies its raw pieces with streaming stores
+
+log = logging.getLogger(__name__)
 
 
 def available_threads() -> int:
@@ -113,3 +116,25 @@ def _memcpy(dst: int, src: int, nbytes: int) -> None:
     err = copy_now(CopyKind.LOCAL, 0, dst, src, nbytes)
     if err:
         raise TransportInternalError(f"host copy of {nbytes} bytes failed: {os.strerror(err)}")
+
+
+def start_background(work: Callable[[], None]) -> threading.Thread:
+    """Starts ``work`` on a new daemon thread, what it raises logged: background work nobody
+    waits for (a checksum pass another thread may finish, see ``SumPass``). It keeps the
+    normal CPU priority: a thread of idle priority that holds the GIL when the OS stops
+    running it stalls every other thread of the process, the event loop included, until a core
+    is free (a publish's peer lookup took 214 ms so on this 2-core VM).
+
+    Returns:
+        The thread, started.
+    """
+
+    def run() -> None:
+        try:
+            work()
+        except Exception:  # nobody waits for it: logged
+            log.exception("background work %r failed", work)
+
+    t = threading.Thread(target=run, name="transport-background", daemon=True)
+    t.start()
+    return t

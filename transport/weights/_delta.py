@@ -29,6 +29,7 @@ refused whole: the live weights stay on their version (see :class:`._delta_apply
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,10 +54,13 @@ PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of de
 # about 0.4 still pays there (Publisher(delta_crossover=...)).
 CROSSOVER = 0.05
 SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elements spread over it
-# A snapshot tensor is patched with two versions' encodings (rather than copied whole) while
-# they change at most this fraction of it together: past it the scatters' read-modify-write of
-# nearly every cache line costs more than a streaming copy.
-PATCH_MAX = 0.03
+# A snapshot tensor is patched with two versions' encodings (rather than copied from the live
+# tensors) while they change at most this fraction of it together. The patches run after the
+# publish returns, the copies before (they read the live tensors), so this lies past where a
+# scatter stops being cheaper than a streaming copy (on this VM one scatter costs 0.8-1.0x a
+# copy at 1-5% of bf16, 1.3x at 10%): at lr 1e-6 a publish returns 13-25 ms sooner
+# (benchmarks/results/delta_sync-2026-12-03-b-tcp-10gbit.md).
+PATCH_MAX = 0.10
 MASK64 = (1 << 64) - 1
 Kind = native.Kind
 Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
@@ -414,10 +418,12 @@ class DeltaEncoder:
         unchanged = frozenset(i for i, k in enumerate(dv.kinds) if k == Kind.UNCHANGED)
         self._prev = _Payloads(dv.base, dv.version, self._prev_buf, sparse, unchanged)
 
-    def learn(self, slot: int, version: int, snap: torch.Tensor) -> None:
+    def learn(self, slot: int, version: int, snap: torch.Tensor, started: SumPass | None = None) -> None:
         """Computes the checksums of snapshot ``slot`` (holding ``version``, filled by a dense
-        publish) so the next version can be diffed against it. Runs in a worker thread."""
-        self._sums[slot] = (version, checksums_of(snap, self.layout.entries, self._threads))
+        publish) so the next version can be diffed against it, finishing ``started`` (a pass
+        over ``snap`` begun in the background) when given. Runs in a worker thread."""
+        sums = (started or SumPass.of_buffer(snap, self.layout.entries)).finish(self._threads)
+        self._sums[slot] = (version, [0 if x is None else x for x in sums])
 
     def forget(self, slot: int) -> None:
         """Snapshot ``slot`` is being rewritten by a dense publish: its checksums are stale."""
@@ -446,27 +452,81 @@ def _unsigned(x: int) -> int:
 def checksums_of(buf: torch.Tensor, entries: Sequence[Entry], threads: int) -> list[int]:
     """The checksum of each entry's bytes in ``buf`` (a host slot or snapshot), split across
     ``threads`` in pieces (0 for entries that are not deltable)."""
-    sums = [0] * len(entries)
-    parts: list[list[int]] = [[] for _ in entries]
-    batch = HostCopies()
-    base = buf.data_ptr()
-    for i, e in enumerate(entries):
-        if not deltable(e):
-            continue
-        es = dtype_from_name(e.wire_dtype).itemsize
-        per = max(1, PIECE_BYTES // es)
-        for first in range(0, e.numel, per):
-            n = min(per, e.numel - first)
+    sums = SumPass.of_buffer(buf, entries).finish(threads)
+    return [0 if x is None else x for x in sums]
 
-            def work(i: int = i, first: int = first, n: int = n, ptr: int = base + e.offset + first * es,
-                     es: int = es) -> None:
-                parts[i].append(native.checksum(ptr, n, es, first))
 
-            batch.add(n * es, work)
-    batch.run(threads)
-    for i, p in enumerate(parts):
-        sums[i] = sum(p) & MASK64
-    return sums
+class SumPass:
+    """One checksum pass over tensors, in pieces any thread may take: started in the background
+    (:meth:`drain` on a thread of its own) and finished, when its sums are needed, by the
+    caller's copy threads (:meth:`finish`), which take the pieces nobody took and compute again
+    the few still in flight on a background thread rather than wait for it (a piece's checksum
+    is the same whoever computes it). It holds the tensors it reads.
+
+    Args:
+        tensors: per entry, the tensor whose bytes are summed (None: no sum).
+        entries: the layout entries (their element sizes and counts).
+        offsets: per entry, the byte offset in its tensor where its elements start.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None], entries: Sequence[Entry],
+                 offsets: Sequence[int]) -> None:
+        self._tensors = list(tensors)
+        self._pieces: list[tuple[int, int, int, int, int]] = []  # (entry, address, elements, size, first)
+        for i, (e, t, offset) in enumerate(zip(entries, tensors, offsets, strict=True)):
+            if t is None or not deltable(e):
+                continue
+            es = dtype_from_name(e.wire_dtype).itemsize
+            per = max(1, PIECE_BYTES // es)
+            for first in range(0, e.numel, per):
+                self._pieces.append((i, t.data_ptr() + offset + first * es, min(per, e.numel - first), es, first))
+        self._parts: list[int | None] = [None] * len(self._pieces)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @classmethod
+    def of_buffer(cls, buf: torch.Tensor, entries: Sequence[Entry]) -> SumPass:
+        """The pass over each entry's bytes in the packed buffer ``buf``."""
+        return cls([buf] * len(entries), entries, [e.offset for e in entries])
+
+    def _take(self) -> int | None:
+        with self._lock:
+            if self._stopped or self._next >= len(self._pieces):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _compute(self, j: int) -> None:
+        _, ptr, n, es, first = self._pieces[j]
+        self._parts[j] = native.checksum(ptr, n, es, first)
+
+    def drain(self) -> None:
+        """Computes pieces until none is left to take (or the pass is stopped)."""
+        while (j := self._take()) is not None:
+            self._compute(j)
+
+    def stop(self) -> None:
+        """No piece is taken any more (one in flight ends on its own; its sum is never used)."""
+        with self._lock:
+            self._stopped = True
+
+    def finish(self, threads: int) -> list[int | None]:
+        """Computes what is left on up to ``threads`` threads (this one included) and returns
+        the sum per entry (None where there is none)."""
+        batch = HostCopies()
+        left = len(self._pieces) - self._next
+        for _ in range(max(1, min(threads, left))):
+            batch.add(max(1, left // max(1, threads)) * PIECE_BYTES, self.drain)
+        batch.run(threads)
+        for j, part in enumerate(self._parts):
+            if part is None:  # still in flight on a background thread: computed again here
+                self._compute(j)
+        sums: list[int | None] = [None] * len(self._tensors)
+        for (i, *_), part in zip(self._pieces, self._parts, strict=True):
+            assert part is not None
+            sums[i] = ((sums[i] or 0) + part) & MASK64
+        return sums
 
 
 def delta_isa() -> str:

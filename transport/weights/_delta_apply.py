@@ -13,7 +13,7 @@ import torch
 from .. import _tensor_kernels
 from .._native import delta as native
 from .._tensors import dtype_from_name
-from ._copy import PIECE_BYTES, HostCopies
+from ._copy import HostCopies, start_background
 from ._delta import (
     ENTRY_WORDS,
     HEADER_WORDS,
@@ -21,6 +21,7 @@ from ._delta import (
     MASK64,
     DeltaRefusedError,
     Kind,
+    SumPass,
     _unsigned,
     checksums_of,
     deltable,
@@ -58,36 +59,35 @@ class DeltaApplier:
         self._threads = threads
         self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
         self._stale = True  # the sums are to be taken from the live tensors before the next delta
+        self._pass: SumPass | None = None  # the checksum pass begun after the last dense apply
 
     def dense_applied(self) -> None:
-        """The live tensors were just copied from a dense version: their checksums are taken
-        from them when the next delta needs them (a dense apply then costs what it costs
-        without delta sync; the first delta after it reads the live tensors once)."""
+        """The live tensors were just copied from a dense version: their checksum pass begins
+        now on a background thread, while the subscriber waits for the next
+        version (a dense apply costs what it costs without delta sync); the first delta after
+        it finishes the pass on its copy threads (nothing, if the background took it all)."""
+        self.before_dense()
+        self._pass = SumPass(self._local, self.layout.entries, [0] * len(self.layout.entries))
+        start_background(self._pass.drain)
+
+    def before_dense(self) -> None:
+        """The live tensors are about to be rewritten (a dense apply): the checksum pass in the
+        background, if any, takes no more pieces, and its sums are never used."""
+        if self._pass is not None:
+            self._pass.stop()
+            self._pass = None
         self.sums = [None] * len(self.layout.entries)
         self._stale = True
 
+    def close(self) -> None:
+        """Stops the background checksum pass, if it runs (its piece in flight ends on its own)."""
+        self.before_dense()
+
     def _learn_live(self) -> None:
-        """The checksum of every live tensor that can take deltas, across the copy threads."""
-        entries = self.layout.entries
-        parts: list[list[int]] = [[] for _ in entries]
-        batch = HostCopies()
-        for i, e in enumerate(entries):
-            dst = self._local[i]
-            if dst is None or not deltable(e):
-                continue
-            es = dst.element_size()
-            per = max(1, PIECE_BYTES // es)
-            for first in range(0, e.numel, per):
-                n = min(per, e.numel - first)
-
-                def work(i: int = i, first: int = first, n: int = n, ptr: int = dst.data_ptr() + first * es,
-                         es: int = es) -> None:
-                    parts[i].append(native.checksum(ptr, n, es, first))
-
-                batch.add(n * es, work)
-        batch.run(self._threads)
-        self.sums = [sum(p) & MASK64 if deltable(e) and self._local[i] is not None else None
-                     for i, (e, p) in enumerate(zip(entries, parts, strict=True))]
+        """The checksum of every live tensor that can take deltas: what the background pass
+        has not done yet, across the copy threads (or the whole pass, without one)."""
+        done, self._pass = self._pass or SumPass(self._local, self.layout.entries, [0] * len(self.layout.entries)), None
+        self.sums = done.finish(self._threads)
         self._stale = False
 
     @staticmethod

@@ -36,8 +36,8 @@ from ._control import (
     over_memory,
     withdraw,
 )
-from ._copy import available_threads
-from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
+from ._copy import available_threads, start_background
+from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, SumPass, index_bytes
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
@@ -160,6 +160,8 @@ class Publisher:
         self._delta_everywhere = delta is True  # "auto": not to subscribers reached over ipc
         self._memory_link: dict[str, bool] = {}  # subscriber -> its last push went over ipc
         self._takers = False  # whether a subscriber served by the last publish takes deltas
+        # The checksum pass over the last dense snapshot, begun in the background: (slot, version, pass)
+        self._learning: tuple[int, int, SumPass] | None = None
 
     @property
     def staging_bytes(self) -> int:
@@ -378,6 +380,7 @@ class Publisher:
         async with self._lock:
             snapshots = self._snapshots
             await snapshots.abandon_fill()
+            learning, self._learning = self._learning, None
             t0 = time.perf_counter()
             front = decode_front(int(snapshots.ctl[FRONT]))
             slot = snapshots.begin()
@@ -394,7 +397,8 @@ class Publisher:
                     sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
                     if not sample[0]:
                         if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
-                            await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base)
+                            started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
+                            await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started)
                         # Diffed against the front snapshot, writing only the encodings (and what a
                         # delta push sends from the new snapshot); the rest of it is brought to the
                         # version later (fill), by the two versions' encodings where that pays.
@@ -416,8 +420,7 @@ class Publisher:
                 if dv is not None:  # its snapshot is completed below: pull() waits for it, not the one before
                     snapshots.ctl[FILLING] = version
                 memory_barrier()
-                fill = None if dv is None or self._delta is None else \
-                    _Once(functools.partial(self._delta.fill, snapshots.snaps[slot], dv))
+                fill = None if dv is None or self._delta is None else _Fill(self._delta, snapshots.snaps[slot], dv)
                 async with anyio.create_task_group() as tg:
                     for peer in subs.values():
                         tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results, dv, fill)
@@ -436,7 +439,7 @@ class Publisher:
                         # What needs the live tensors now (they are free once we return); the
                         # patches, which read only our encodings, after the doorbells, like a fill.
                         snap = snapshots.snaps[slot]
-                        await anyio.to_thread.run_sync(delta.fill_copies, snap, dv)
+                        await fill.copies()
                         snapshots.complete_in_background(self._rings, slot, version,
                                                          functools.partial(delta.fill_patches, snap, dv),
                                                          lambda: bool(self._ringing),
@@ -458,6 +461,15 @@ class Publisher:
                     snapshots.finish(slot, version, False)
             self.version = version
             self._takers = any(self._takes_delta.get(n, False) for n in subs)
+            if learning is not None:
+                learning[2].stop()  # used above, or not needed: it takes no more pieces
+            if dv is None and self._delta is not None and self._takers and self._rings is not None and \
+                    not (sample is not None and sample[0]):
+                # The next version is diffed against this snapshot: its checksum pass begins
+                # once it is complete, in the background (the next publish finishes it). Not
+                # after a version that changed too much (the next one likely does too).
+                self._learning = (slot, version, SumPass.of_buffer(snapshots.snaps[slot], self.layout.entries))
+                self._rings.start_soon(self._learn_when_filled, *self._learning)
             self._remember(subs, listed, dead)
             end = time.perf_counter()
             stats = None
@@ -475,8 +487,16 @@ class Publisher:
                                  discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
                                  total_s=end - entry, delta=stats)
 
+    async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
+        """Begins the checksum pass ``sums`` over dense snapshot ``slot`` on a background thread
+        once the snapshot holds all of ``version`` (its fill may still run),
+        unless the next publish has begun (it stops the pass)."""
+        await self._snapshots.settled()
+        if decode_front(int(self._snapshots.ctl[FRONT])) == (version, slot):
+            start_background(sums.drain)
+
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
-                    results: dict[str, SyncResult], dv: DeltaVersion | None = None, fill: _Once | None = None) -> None:
+                    results: dict[str, SyncResult], dv: DeltaVersion | None = None, fill: _Fill | None = None) -> None:
         sub, moved = peer.name, [0, 0]  # bytes written, whether as a delta
         handles: list[Transfer] = []
         status = SyncStatus.STRAGGLER
@@ -547,7 +567,7 @@ class Publisher:
             self._ringing.pop(key, None)
 
     async def _push_inner(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer],
-                          moved: list[int], dv: DeltaVersion | None = None, fill: _Once | None = None) -> None:
+                          moved: list[int], dv: DeltaVersion | None = None, fill: _Fill | None = None) -> None:
         t, k, sub = self.t, self._keys, peer.name
         slot_bytes = peer.regions[k.slots[0]].nbytes
         if slot_bytes != self.layout.total:
@@ -601,6 +621,25 @@ class Publisher:
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
         await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
+
+
+class _Fill:
+    """Brings a delta version's new snapshot to the version: its copies, which read the live
+    tensors, then its patches, which read only our encodings (:meth:`DeltaEncoder.fill`). Each
+    runs once, shared by the publish and the pushes that send the snapshot dense."""
+
+    def __init__(self, delta: DeltaEncoder, snap: torch.Tensor, dv: DeltaVersion) -> None:
+        self.copies = _Once(functools.partial(delta.fill_copies, snap, dv))
+        self._patches = _Once(functools.partial(delta.fill_patches, snap, dv))
+
+    @property
+    def done(self) -> bool:
+        """Whether the snapshot is filled."""
+        return self._patches.done
+
+    async def __call__(self) -> None:
+        await self.copies()
+        await self._patches()
 
 
 class _Once:

@@ -136,6 +136,11 @@ class Snapshots:
                 done()
             filled.set()
 
+    async def settled(self) -> None:
+        """Returns once no background fill or completion of a snapshot runs."""
+        if self._filled is not None:
+            await self._filled.wait()
+
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops the prepared fills from subscribers (name, incarnation) no longer served."""
         for c in [c for c in self._pulls if (c[0], c[1]) not in serving]:

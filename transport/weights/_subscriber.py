@@ -328,6 +328,8 @@ class Subscriber:
         """
         if self._started:
             self._started = False
+            if self._delta is not None:
+                self._delta.close()
             k = self._keys
             withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], *k.deltas, k.ctl)
                               if key in self.t.regions])
@@ -349,6 +351,8 @@ class Subscriber:
         plan = self._apply_plan
         with torch.no_grad():
             if self._host:
+                if self._delta is not None:
+                    self._delta.before_dense()
                 host_unpack(buf, plan.copies, plan.converted, self._threads)
                 if self._delta is not None:
                     self._delta.dense_applied()

@@ -1,0 +1,104 @@
+"""The checksum passes of delta sync that run in the background after a dense version (on the
+publisher, over its new snapshot; on the subscriber, over its live tensors): shared by a
+background thread and the copy threads that finish them, exact whoever computes a piece,
+and never used once the tensors they read are rewritten."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from transport.weights._copy import PIECE_BYTES, start_background
+from transport.weights._delta import DeltaEncoder, DeltaRefusedError, SumPass
+from transport.weights._delta_apply import DeltaApplier
+from transport.weights._layout import build_layout
+
+
+def reference_checksum(t: torch.Tensor) -> int:
+    """The checksum as delta.h defines it, in numpy (bf16 bits, indices from 0)."""
+    bits = t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    i = np.arange(len(bits), dtype=np.uint64).astype(np.uint32)
+    y = (bits.astype(np.uint32) ^ (i * np.uint32(0x9E3779B9))) * np.uint32(0x85EBCA6B)
+    y = y ^ (y >> np.uint32(15))
+    return int(y.astype(np.uint64).sum(dtype=np.uint64))
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # one tensor of several pieces, so a pass is shared piece by piece
+    big = PIECE_BYTES // 2 * 3 + 5
+    return {"big": torch.randn(big, generator=g).to(torch.bfloat16),
+            "small": torch.randn(7, 9, generator=g).to(torch.bfloat16),
+            "ids": torch.arange(11, dtype=torch.int64)}  # 8-byte elements: never a delta, no sum
+
+
+def test_a_pass_shared_with_a_background_thread_sums_exactly():
+    s = state(0)
+    layout = build_layout("m", s, bucket_bytes=1 << 20)
+    expect = [reference_checksum(s["big"]), reference_checksum(s["small"]), None]
+    tensors = [s[e.name] for e in layout.entries]
+    # finished while the background thread may still hold pieces: those are computed again
+    shared = SumPass(tensors, layout.entries, [0] * 3)
+    start_background(shared.drain)
+    assert shared.finish(2) == expect
+    # drained wholly in the background first: finishing computes nothing new, same sums
+    alone = SumPass(tensors, layout.entries, [0] * 3)
+    start_background(alone.drain).join()
+    assert alone.finish(2) == expect
+    # and without any background thread
+    assert SumPass(tensors, layout.entries, [0] * 3).finish(1) == expect
+
+
+def delta_between(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int):
+    """A real delta ``version`` of ``new`` against ``old`` (base version 0), as a subscriber's
+    slot and index would hold it."""
+    layout = build_layout("m", new, bucket_bytes=1 << 20)
+    snaps = [torch.zeros(layout.total, dtype=torch.uint8) for _ in range(2)]
+    enc = DeltaEncoder(layout, old, 2)
+    _, sums0 = enc.encode(snaps[0], 0, None, None, None, 0)
+    enc.commit(0, 0, sums0)
+    enc = DeltaEncoder(layout, new, 2)
+    enc.commit(0, 0, sums0)
+    dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, version)
+    assert dv.is_delta
+    slot = torch.zeros(layout.total, dtype=torch.uint8)
+    for src, offset in dv.items:
+        slot[offset:offset + src.numel()].copy_(src.reshape(-1).view(torch.uint8))
+    return layout, slot, dv.header.clone()
+
+
+def changed(s: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in s.items()}
+    for k in ("big", "small"):
+        flat = out[k].view(-1).view(torch.int16)
+        idx = torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 200)]
+        flat[idx] ^= 1
+    return out
+
+
+def test_a_dense_rewrite_discards_the_pass_over_what_it_replaced():
+    first, second = state(1), state(2)
+    live = {k: v.clone() for k, v in first.items()}
+    layout = build_layout("m", live, bucket_bytes=1 << 20)
+    applier = DeltaApplier(layout, [live[e.name] for e in layout.entries], 2)
+    applier.dense_applied()  # its pass over `first` begins in the background
+    time.sleep(0.2)
+    applier.before_dense()  # a dense version rewrites the live tensors
+    for k in live:
+        live[k].copy_(second[k])
+    applier.dense_applied()
+    # A delta against what was replaced is refused, with nothing written...
+    _, slot, index = delta_between(first, changed(first, 3), 5)
+    with pytest.raises(DeltaRefusedError, match="not the base"):
+        applier.apply(slot, index, 5)
+    assert all(torch.equal(live[k], second[k]) for k in live)
+    # ...and one against the live tensors applies bit for bit.
+    target = changed(second, 4)
+    _, slot, index = delta_between(second, target, 6)
+    applier.apply(slot, index, 6)
+    assert all(torch.equal(live[k].view(-1).view(torch.uint8), target[k].view(-1).view(torch.uint8)) for k in live)
+    applier.close()
