@@ -62,6 +62,7 @@ def delta_between(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ve
     enc.commit(0, 0, sums0)
     enc = DeltaEncoder(layout, new, 2)
     enc.commit(0, 0, sums0)
+    enc.reserve()  # the staging buffer readied ahead, as a publisher does after a dense version
     dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, version)
     assert dv.is_delta
     slot = torch.zeros(layout.total, dtype=torch.uint8)

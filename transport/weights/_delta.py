@@ -160,7 +160,8 @@ class DeltaEncoder:
             self._offsets.append(pos)
             pos += _cap(e) if deltable(e) else 0
         self.staging_bytes = pos
-        self._staging: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None  # set once, never replaced (encodings point into it)
+        self._staging_lock = threading.Lock()
         self.sample_s = 0.0  # the last predicts_dense
         self._sums: dict[int, tuple[int, list[int]]] = {}  # snapshot slot -> (version, checksums)
 
@@ -186,7 +187,9 @@ class DeltaEncoder:
         held = self._sums.pop(slot, None)  # being rewritten: torn until fill() ends
         entries = self.layout.entries
         if base is not None and self._staging is None:
-            self._staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
+            with self._staging_lock:
+                if self._staging is None:
+                    self._staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
         staging = self._staging
         results: list[native.Encoded | None] = [None] * len(entries)
         keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
@@ -418,6 +421,19 @@ class DeltaEncoder:
         unchanged = frozenset(i for i, k in enumerate(dv.kinds) if k == Kind.UNCHANGED)
         self._prev = _Payloads(dv.base, dv.version, self._prev_buf, sparse, unchanged)
 
+    def reserve(self) -> None:
+        """Allocates the staging buffer of the encodings and writes every page of it once, ahead
+        of the first delta (whose diff would otherwise fault the pages in as it writes: 15 ms
+        of a 42 ms first encode at 15% changed on the 100M model). Safe beside :meth:`encode`:
+        the buffer is set once, whole. Runs in a background thread."""
+        if self._staging is not None:
+            return
+        staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
+        staging.fill_(0)
+        with self._staging_lock:
+            if self._staging is None:
+                self._staging = staging
+
     def learn(self, slot: int, version: int, snap: torch.Tensor, started: SumPass | None = None) -> None:
         """Computes the checksums of snapshot ``slot`` (holding ``version``, filled by a dense
         publish) so the next version can be diffed against it, finishing ``started`` (a pass
@@ -512,8 +528,9 @@ class SumPass:
             self._stopped = True
 
     def finish(self, threads: int) -> list[int | None]:
-        """Computes what is left on up to ``threads`` threads (this one included) and returns
-        the sum per entry (None where there is none)."""
+        """Computes what is left on up to ``threads`` threads (this one included; on this one
+        alone once the pass is stopped) and returns the sum per entry (None where there is
+        none)."""
         batch = HostCopies()
         left = len(self._pieces) - self._next
         for _ in range(max(1, min(threads, left))):

@@ -80,8 +80,10 @@ class DeltaApplier:
         self._stale = True
 
     def close(self) -> None:
-        """Stops the background checksum pass, if it runs (its piece in flight ends on its own)."""
-        self.before_dense()
+        """Stops the background checksum pass, if it runs (its piece in flight ends on its own;
+        an apply running meanwhile finishes the pass itself)."""
+        if self._pass is not None:
+            self._pass.stop()
 
     def _learn_live(self) -> None:
         """The checksum of every live tensor that can take deltas: what the background pass

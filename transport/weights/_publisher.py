@@ -166,7 +166,8 @@ class Publisher:
     @property
     def staging_bytes(self) -> int:
         """Bytes this publisher holds for staging: two packed snapshots, plus the buffer of
-        delta encodings when delta sync is on (allocated at the first delta)."""
+        delta encodings when delta sync is on (allocated once a subscriber that takes deltas
+        has received a version)."""
         return 2 * self.layout.total + (self._delta.staging_bytes if self._delta is not None else 0)
 
     @property
@@ -489,11 +490,18 @@ class Publisher:
 
     async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
         """Begins the checksum pass ``sums`` over dense snapshot ``slot`` on a background thread
-        once the snapshot holds all of ``version`` (its fill may still run),
-        unless the next publish has begun (it stops the pass)."""
+        once the snapshot holds all of ``version`` (its fill may still run), unless the next
+        publish has begun (it stops the pass); the same thread then readies the staging buffer
+        of the encodings for the first delta."""
         await self._snapshots.settled()
-        if decode_front(int(self._snapshots.ctl[FRONT])) == (version, slot):
-            start_background(sums.drain)
+        delta = self._delta
+        if delta is not None and decode_front(int(self._snapshots.ctl[FRONT])) == (version, slot):
+
+            def ahead() -> None:
+                sums.drain()
+                delta.reserve()
+
+            start_background(ahead)
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
                     results: dict[str, SyncResult], dv: DeltaVersion | None = None, fill: _Fill | None = None) -> None:
