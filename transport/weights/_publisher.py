@@ -37,7 +37,8 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads, start_background
-from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, SumPass, index_bytes
+from ._crossover import Crossover
+from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, SumPass, deltable, index_bytes
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
@@ -88,13 +89,16 @@ class Publisher:
             anything and applies the delta inside the usual commit, or refuses it whole.
             Costs a third host buffer of up to half the packed size (the encodings). Applies to
             host (CPU) state only; CUDA state and ``delta=False`` send every version dense.
-        delta_crossover: the changed fraction of a tensor above which it goes dense. The
-            default suits links about as fast as memory (one host); over a network bytes
-            dominate and up to about 0.4 still pays.
+        delta_crossover: the changed fraction of a tensor above which it goes dense. None
+            (the default) chooses it per version from what this publisher measured: its last
+            dense push to each subscriber that takes deltas, its last diff, and a copy and a
+            scatter timed once on this host: 0.05 over links about as fast as memory, up to
+            0.4 over slow networks, where bytes dominate (0.05 until those are measured).
 
     Raises:
         ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive,
-            ``delta_crossover`` outside (0, 0.5], or two tensors map to one wire name.
+            ``delta_crossover`` neither None nor in (0, 0.5], or two tensors map to one wire
+            name.
         TypeError: a state value is not a tensor.
         TransportError: a tensor is on neither the CPU nor a CUDA device.
     """
@@ -112,7 +116,7 @@ class Publisher:
         include: Callable[[str], bool] | None = None,
         fp8: Callable[[str, torch.Tensor], bool] | None = None,
         delta: bool | str = "auto",
-        delta_crossover: float = CROSSOVER,
+        delta_crossover: float | None = None,
     ) -> None:
         if max_inflight is not None:
             warnings.warn("Publisher(max_inflight=...) is ignored: each subscriber gets a version as one prepared "
@@ -121,7 +125,7 @@ class Publisher:
             raise ValueError("deadline must be > 0")
         if delta not in (True, False, "auto"):
             raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
-        if not 0 < delta_crossover <= SPARSE_MAX:
+        if delta_crossover is not None and not 0 < delta_crossover <= SPARSE_MAX:
             raise ValueError(f"delta_crossover must be in (0, {SPARSE_MAX}], not {delta_crossover!r}")
         self.t = transport
         self.name = name
@@ -140,8 +144,12 @@ class Publisher:
         self.layout = build_layout(name, wire, bucket_bytes=bucket_bytes, fp8=fp8)
         self._snapshots = Snapshots(transport, self._keys, self.layout, wire, self.deadline)
         on_host = all(not v.is_cuda for v in wire.values())
-        self._delta = DeltaEncoder(self.layout, wire, available_threads(), delta_crossover) \
+        self._delta = DeltaEncoder(self.layout, wire, available_threads(), delta_crossover or CROSSOVER) \
             if delta and on_host else None
+        deltable_entries = [e for e in self.layout.entries if deltable(e)]
+        elements = sum(e.numel for e in deltable_entries)
+        self._crossover = Crossover(delta_crossover, self.layout.total, elements,
+                                    round(sum(e.nbytes for e in deltable_entries) / elements) if elements else 2)
         self._index_bytes = index_bytes(self.layout)
         self.version: int | None = None
         self._ringing: dict[tuple[str, str], int] = {}  # (subscriber, incarnation) -> newest version to ring
@@ -341,6 +349,7 @@ class Publisher:
         for name in [n for n in self._takes_delta if n not in subs]:
             del self._takes_delta[name]
             self._memory_link.pop(name, None)
+            self._crossover.forget(name)
         for name, peer in subs.items():
             if (name, peer.incarnation) in self._gone:
                 self._served.pop(name, None)
@@ -395,6 +404,7 @@ class Publisher:
                     # changed too much goes dense at once, exactly as with delta=False. (No diff at
                     # all while no subscriber takes deltas: zero-copy or device-slot ones, say.)
                     base = snapshots.snaps[front[1]]
+                    self._delta.crossover = self._crossover.value([n for n, v in self._takes_delta.items() if v])
                     sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
                     if not sample[0]:
                         if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
@@ -403,8 +413,10 @@ class Publisher:
                         # Diffed against the front snapshot, writing only the encodings (and what a
                         # delta push sends from the new snapshot); the rest of it is brought to the
                         # version later (fill), by the two versions' encodings where that pays.
-                        dv, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], slot, base,
-                                                                  front[0], front[1], version)
+                        made, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], slot,
+                                                                    base, front[0], front[1], version)
+                        self._crossover.diffed(made.encode_s)
+                        dv = made
                 if dv is None:
                     if self._delta is not None:
                         self._delta.forget(slot)
@@ -500,6 +512,8 @@ class Publisher:
             def ahead() -> None:
                 sums.drain()
                 delta.reserve()
+                if self._crossover.fixed is None and not self._crossover.calibrated:
+                    self._crossover.calibrate()
 
             start_background(ahead)
 
@@ -619,7 +633,10 @@ class Publisher:
             h = self._prepared(peer, back, snap).start(timeout=self.deadline)
             nbytes = self.layout.total
         handles.append(h)
+        pushed = time.perf_counter()
         await h
+        if not moved[1]:
+            self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
         self._memory_link[sub] = over_memory(h)
         self._takes_delta[sub] = self._takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
         moved[0] = nbytes

@@ -1,0 +1,54 @@
+"""The crossover a stream publisher chooses per version from what it measured: the link's dense
+push time, the diff, and a copy and a scatter timed on this host (real native calls)."""
+
+from __future__ import annotations
+
+import pytest
+
+from transport.weights._crossover import CROSSOVER, NETWORK_MAX, Crossover, wire_share
+
+MODEL_BYTES = 200 << 20
+ELEMENTS = MODEL_BYTES // 2
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> Crossover:
+    c = Crossover(None, MODEL_BYTES, ELEMENTS, 2)
+    c.calibrate()
+    return c
+
+
+def test_wire_share_is_the_smaller_of_gaps_and_bitmask():
+    assert wire_share(0.01, 2) == pytest.approx(0.015)  # values + a byte a gap
+    assert wire_share(0.4, 2) == pytest.approx(0.4 + 1 / 16)  # values + a bitmask
+    assert wire_share(0.1, 4) == pytest.approx(0.125)
+
+
+def test_given_or_unmeasured_crossovers(calibrated: Crossover):
+    assert Crossover(0.3, MODEL_BYTES, ELEMENTS, 2).value(["gen"]) == 0.3
+    fresh = Crossover(None, MODEL_BYTES, ELEMENTS, 2)
+    fresh.pushed_dense("gen", 1.0)
+    assert fresh.value(["gen"]) == CROSSOVER  # not calibrated yet
+    assert calibrated.value(["gen"]) == CROSSOVER  # no push measured
+
+
+def test_the_crossover_follows_the_link(calibrated: Crossover):
+    assert calibrated.copy_gbps is not None and calibrated.scatter_ns is not None
+    assert calibrated.copy_gbps > 0 and calibrated.scatter_ns > 0
+    copy_s = MODEL_BYTES / (calibrated.copy_gbps * 1e9)
+    chosen = {}
+    for name, push in (("memory", copy_s), ("fast", 4 * copy_s), ("slow", 40 * copy_s)):
+        calibrated.pushed_dense(name, push)
+        chosen[name] = calibrated.value([name])
+    # As fast as a copy: the diff alone costs more than the bytes saved. A slow link: bytes
+    # dominate, and a dense change still pays up to the cap.
+    assert chosen["memory"] == CROSSOVER
+    assert CROSSOVER <= chosen["fast"] <= chosen["slow"] <= NETWORK_MAX
+    assert chosen["slow"] > 0.2
+    # One encoding serves every taker: the fastest link decides.
+    assert calibrated.value(["slow", "memory"]) == CROSSOVER
+    calibrated.forget("memory")
+    assert calibrated.value(["slow", "memory"]) == chosen["slow"]
+    # A measured diff slower than a copy lowers it.
+    calibrated.diffed(20 * copy_s)
+    assert calibrated.value(["slow"]) < chosen["slow"]
