@@ -145,6 +145,7 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
             row["diff_gbps"] = d.dense_bytes / d.encode_s / 1e9 if d.encode_s else None
             row["kinds"] = d.kinds
             row["sampled"] = d.sampled  # dense without a full diff: the sample was above the crossover
+            row["crossover"] = d.crossover
             row["dense_bytes"] = d.dense_bytes
     return row
 

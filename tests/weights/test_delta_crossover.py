@@ -3,8 +3,13 @@ push time, the diff, and a copy and a scatter timed on this host (real native ca
 
 from __future__ import annotations
 
-import pytest
+import uuid
 
+import pytest
+import torch
+
+import transport
+from transport.weights import Publisher, Subscriber
 from transport.weights._crossover import CROSSOVER, NETWORK_MAX, Crossover, wire_share
 
 MODEL_BYTES = 200 << 20
@@ -52,3 +57,23 @@ def test_the_crossover_follows_the_link(calibrated: Crossover):
     # A measured diff slower than a copy lowers it.
     calibrated.diffed(20 * copy_s)
     assert calibrated.value(["slow"]) < chosen["slow"]
+
+
+async def test_the_report_names_the_crossover_each_version_was_judged_by():
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(1 << 16)}
+    async with transport.Transport("trainer", store=store, backends=("tcp",)) as tt, \
+            transport.Transport("far", store=store, backends=("tcp",)) as tf:
+        async with Publisher(tt, src, name="fixed", delta_crossover=0.3) as fixed, \
+                Publisher(tt, src, name="chosen") as chosen, \
+                Subscriber(tf, {"a": torch.zeros(1 << 16)}, publisher="trainer", name="fixed") as s1, \
+                Subscriber(tf, far := {"a": torch.zeros(1 << 16)}, publisher="trainer", name="chosen") as s2:
+            for v in range(1, 4):
+                src["a"][v : v + 3] += 1
+                r1, r2 = await fixed.publish(v), await chosen.publish(v)
+                assert await s1.wait_version(v) == v and await s2.wait_version(v) == v
+                if v > 1:  # diffed against the version before
+                    assert r1.delta is not None and r1.delta.crossover == 0.3 and r1.results["far"].delta
+                    assert r2.delta is not None and r2.delta.crossover is not None
+                    assert CROSSOVER <= r2.delta.crossover <= NETWORK_MAX and r2.results["far"].delta
+            assert torch.equal(far["a"], src["a"])

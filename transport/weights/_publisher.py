@@ -486,16 +486,18 @@ class Publisher:
             self._remember(subs, listed, dead)
             end = time.perf_counter()
             stats = None
-            if dv is not None:
+            if dv is not None and self._delta is not None:
                 stats = DeltaStats(base=dv.base, changed=dv.changed, elements=dv.elements,
                                    dense_bytes=self.layout.total,
                                    delta_bytes=dv.wire_bytes if dv.is_delta else self.layout.total,
                                    encode_s=dv.encode_s,
-                                   kinds={k.name.lower(): dv.kinds.count(k) for k in set(dv.kinds)})
+                                   kinds={k.name.lower(): dv.kinds.count(k) for k in set(dv.kinds)},
+                                   crossover=self._delta.crossover)
             elif self._delta is not None:  # dense without a full diff: no base, or the sample said so
                 stats = DeltaStats(base=None, changed=sample[1] if sample else 0, elements=sample[2] if sample else 0,
                                    dense_bytes=self.layout.total, delta_bytes=self.layout.total, encode_s=0.0,
-                                   kinds={"dense": len(self.layout.entries)}, sampled=sample is not None)
+                                   kinds={"dense": len(self.layout.entries)}, sampled=sample is not None,
+                                   crossover=self._delta.crossover if sample is not None else None)
             return PublishReport(version, results, left, queued_s=t0 - entry, pack_s=t_packed - t0,
                                  discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
                                  total_s=end - entry, delta=stats)

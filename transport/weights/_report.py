@@ -43,6 +43,8 @@ class DeltaStats:
         kinds: how many tensors went ``unchanged``, ``varint``, ``bitmask`` or ``dense``.
         sampled: the version went dense without a full diff because a sample of the change said
             a delta would not pay (``changed``/``elements`` are then the sample's).
+        crossover: the changed fraction above which a tensor went dense for this version (the
+            publisher's ``delta_crossover``, or the one it chose from its measurements).
     """
 
     base: int | None
@@ -53,6 +55,7 @@ class DeltaStats:
     encode_s: float
     kinds: dict[str, int] = field(default_factory=dict)
     sampled: bool = False
+    crossover: float | None = None
 
     @property
     def density(self) -> float:
