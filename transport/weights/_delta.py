@@ -321,12 +321,6 @@ class DeltaEncoder:
             return True, changed_total, sampled_total
         return estimate > PREDICT_DENSE * self.layout.total, changed_total, sampled_total
 
-    def fill(self, snap: torch.Tensor, dv: DeltaVersion) -> None:
-        """Brings the new snapshot ``snap`` to ``dv``'s version (:meth:`fill_copies`, then
-        :meth:`fill_patches`). Runs in a worker thread, while the live tensors hold the version."""
-        self.fill_copies(snap, dv)
-        self.fill_patches(snap, dv)
-
     def _plan(self, dv: DeltaVersion) -> tuple[list[int], list[tuple[int, list[tuple[int, Sparse]]]]]:
         """Splits the tensors :meth:`encode` left out of the new snapshot into those copied from
         the live tensors and those patched: where the snapshot held the version before ``dv``'s

@@ -67,7 +67,7 @@ class DeltaApplier:
         version (a dense apply costs what it costs without delta sync); the first delta after
         it finishes the pass on its copy threads (nothing, if the background took it all)."""
         self.before_dense()
-        self._pass = SumPass(self._local, self.layout.entries, [0] * len(self.layout.entries))
+        self._pass = self._new_pass()
         start_background(self._pass.drain)
 
     def before_dense(self) -> None:
@@ -88,9 +88,13 @@ class DeltaApplier:
     def _learn_live(self) -> None:
         """The checksum of every live tensor that can take deltas: what the background pass
         has not done yet, across the copy threads (or the whole pass, without one)."""
-        done, self._pass = self._pass or SumPass(self._local, self.layout.entries, [0] * len(self.layout.entries)), None
+        done, self._pass = self._pass or self._new_pass(), None
         self.sums = done.finish(self._threads)
         self._stale = False
+
+    def _new_pass(self) -> SumPass:
+        """A checksum pass over the live tensors (each from its first byte)."""
+        return SumPass(self._local, self.layout.entries, [0] * len(self.layout.entries))
 
     @staticmethod
     def header_of(index: torch.Tensor) -> tuple[int, int, int] | None:

@@ -652,8 +652,9 @@ class Publisher:
 
 class _Fill:
     """Brings a delta version's new snapshot to the version: its copies, which read the live
-    tensors, then its patches, which read only our encodings (:meth:`DeltaEncoder.fill`). Each
-    runs once, shared by the publish and the pushes that send the snapshot dense."""
+    tensors (:meth:`DeltaEncoder.fill_copies`), then its patches, which read only our encodings
+    (:meth:`DeltaEncoder.fill_patches`). Each runs once, shared by the publish and the pushes
+    that send the snapshot dense."""
 
     def __init__(self, delta: DeltaEncoder, snap: torch.Tensor, dv: DeltaVersion) -> None:
         self.copies = _Once(functools.partial(delta.fill_copies, snap, dv))
