@@ -52,6 +52,39 @@ def test_a_pass_shared_with_a_background_thread_sums_exactly():
     assert SumPass(tensors, layout.entries, [0] * 3).finish(1) == expect
 
 
+def test_a_copying_pass_paused_midway_stores_nothing_more_and_finishes_the_copy():
+    """The publisher's pass after a dense version also copies its snapshot into the other one,
+    which the next publish then writes: once paused, no store of the background lands (the
+    piece in flight ended), and finishing copies and sums every piece exactly once."""
+    g = torch.Generator().manual_seed(3)
+    s = {"big": torch.randn(PIECE_BYTES * 3, generator=g).to(torch.bfloat16),  # 6 pieces
+         "small": torch.randn(7, 9, generator=g).to(torch.bfloat16),
+         "ids": torch.arange(11, dtype=torch.int64)}
+    layout = build_layout("m", s, bucket_bytes=1 << 20)
+    src = torch.zeros(layout.total, dtype=torch.uint8)
+    for e in layout.entries:
+        src[e.offset:e.offset + e.nbytes].copy_(s[e.name].reshape(-1).view(torch.uint8))
+    dst = torch.full((layout.total,), 0xAB, dtype=torch.uint8)
+    p = SumPass.of_buffer(src, layout.entries, copy_to=dst)
+    assert p.copies
+    background = start_background(p.drain)
+    deadline = time.monotonic() + 10
+    while p._next < 2 and time.monotonic() < deadline:  # a piece done, the next one in flight
+        pass
+    p.pause(10.0)
+    taken, done = p._next, sum(x is not None for x in p._parts)
+    assert done == taken >= 2  # every piece taken has ended: none in flight
+    frozen = dst.clone()
+    background.join(10)
+    assert not background.is_alive()
+    assert torch.equal(dst, frozen)  # nothing landed after pause returned
+    assert p.finish(2) == [reference_checksum(s["big"]), reference_checksum(s["small"]), None]
+    for e in layout.entries[:2]:
+        assert torch.equal(dst[e.offset:e.offset + e.nbytes], src[e.offset:e.offset + e.nbytes]), e.name
+    ids = next(e for e in layout.entries if e.name == "ids")
+    assert bool((dst[ids.offset:ids.offset + ids.nbytes] == 0xAB).all())  # not deltable: not copied
+
+
 def delta_between(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int):
     """A real delta ``version`` of ``new`` against ``old`` (base version 0), as a subscriber's
     slot and index would hold it."""

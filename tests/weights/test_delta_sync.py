@@ -562,10 +562,12 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
                     while (decode_front(int(pub._snapshots.ctl[FRONT])) or (0,))[0] != v:
                         await anyio.sleep(0.005)
                 assert front_snapshot_holds(pub, src) == v  # what pull reads, the next version's base
-    # v2: the other snapshot never held a version: copied. v3: patched (both sparse). v4: mid
-    # goes dense (written before the pushes), the others patched. v5: mid was dense in v4, whose
-    # encodings v5 patches with: copied, the others patched. v6: 90% everywhere, dense by the
-    # sample. v7: the kept encodings (v4 -> v5) do not start from what the snapshot holds (v5):
-    # copied. v8, v9: patched.
+    # v2: the other snapshot was copied from v1's in the background after that dense version
+    # (with its checksum pass): patched with v2's encodings alone. v3: patched (both sparse).
+    # v4: mid goes dense (written before the pushes), the others patched. v5: mid was dense in
+    # v4, whose encodings v5 patches with: copied, the others patched. v6: 90% everywhere, dense
+    # by the sample, and no pass after it (the next version likely changes as much). v7: the
+    # kept encodings (v4 -> v5) do not start from what the snapshot holds (v5): copied. v8, v9:
+    # patched.
     assert [f[1] for f in fills] == [False, True, True, True, True, False, True, True, True]
-    assert [f[2] for f in fills] == [None, (0, 4), (4, 0), (3, 0), (3, 1), None, (0, 4), (4, 0), (4, 0)]
+    assert [f[2] for f in fills] == [None, (4, 0), (4, 0), (3, 0), (3, 1), None, (0, 4), (4, 0), (4, 0)]

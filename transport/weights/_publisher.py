@@ -38,7 +38,7 @@ from ._control import (
 )
 from ._copy import available_threads, start_background
 from ._crossover import Crossover
-from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, SumPass, deltable, index_bytes
+from ._delta import CROSSOVER, PAUSE_S, SPARSE_MAX, DeltaEncoder, DeltaVersion, SumPass, deltable, index_bytes
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
@@ -219,6 +219,8 @@ class Publisher:
             return
         self._started = False
         rings, self._rings = self._rings, None
+        if self._learning is not None:
+            self._learning[2].stop()
         try:
             withdraw(self.t, [self._keys.pubctl, *self._keys.snapshots, self._keys.layout])
         finally:
@@ -391,6 +393,10 @@ class Publisher:
             snapshots = self._snapshots
             await snapshots.abandon_fill()
             learning, self._learning = self._learning, None
+            if learning is not None:
+                # Its copy into the snapshot this publish writes stops first (one piece in flight).
+                await anyio.to_thread.run_sync(learning[2].pause, PAUSE_S)
+            snapshots.end_copy()
             t0 = time.perf_counter()
             front = decode_front(int(snapshots.ctl[FRONT]))
             slot = snapshots.begin()
@@ -409,7 +415,7 @@ class Publisher:
                     if not sample[0]:
                         if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
                             started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
-                            await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started)
+                            await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started, slot)
                         # Diffed against the front snapshot, writing only the encodings (and what a
                         # delta push sends from the new snapshot); the rest of it is brought to the
                         # version later (fill), by the two versions' encodings where that pays.
@@ -479,9 +485,12 @@ class Publisher:
             if dv is None and self._delta is not None and self._takers and self._rings is not None and \
                     not (sample is not None and sample[0]):
                 # The next version is diffed against this snapshot: its checksum pass begins
-                # once it is complete, in the background (the next publish finishes it). Not
-                # after a version that changed too much (the next one likely does too).
-                self._learning = (slot, version, SumPass.of_buffer(snapshots.snaps[slot], self.layout.entries))
+                # once it is complete, in the background (the next publish finishes it), and
+                # copies it into the other snapshot on the way, which the next version then
+                # only patches. Not after a version that changed too much (the next one likely
+                # does too).
+                self._learning = (slot, version, SumPass.of_buffer(snapshots.snaps[slot], self.layout.entries,
+                                                                   copy_to=snapshots.snaps[1 - slot]))
                 self._rings.start_soon(self._learn_when_filled, *self._learning)
             self._remember(subs, listed, dead)
             end = time.perf_counter()
@@ -503,13 +512,17 @@ class Publisher:
                                  total_s=end - entry, delta=stats)
 
     async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
-        """Begins the checksum pass ``sums`` over dense snapshot ``slot`` on a background thread
-        once the snapshot holds all of ``version`` (its fill may still run), unless the next
-        publish has begun (it stops the pass); the same thread then readies the staging buffer
-        of the encodings for the first delta."""
+        """Begins the checksum pass ``sums`` over dense snapshot ``slot`` (which copies it into
+        the other snapshot) on a background thread once the snapshot holds all of ``version``
+        (its fill may still run), unless the next publish has begun (it pauses the pass); the
+        same thread then readies the staging buffer of the encodings for the first delta."""
         await self._snapshots.settled()
         delta = self._delta
-        if delta is not None and decode_front(int(self._snapshots.ctl[FRONT])) == (version, slot):
+        if delta is not None and self._learning is not None and self._learning[2] is sums and \
+                decode_front(int(self._snapshots.ctl[FRONT])) == (version, slot):
+            # No publish has begun since (it takes the pass first): the other snapshot is ours
+            # to write until the next one pauses the pass.
+            delta.forget(self._snapshots.begin_copy())
 
             def ahead() -> None:
                 sums.drain()

@@ -66,6 +66,7 @@ class Snapshots:
         self._filled: anyio.Event | None = None  # set when the last background fill ended
         self._fill_scope: anyio.CancelScope | None = None  # the last background fill's
         self._abandoned = 0  # background fills abandoned in a row
+        self._copying: int | None = None  # the snapshot a background copy may be writing (see begin_copy)
         # (subscriber, incarnation, its slot, our snapshot) -> the prepared get of a fill
         self._pulls: dict[tuple[str, str, int, int], PreparedTransfer] = {}
         self._plan_sources()
@@ -91,6 +92,22 @@ class Snapshots:
         self.ctl[GEN0 + slot] += 1  # odd: the snapshot is being written (pullers skip it)
         memory_barrier()
         return slot
+
+    def begin_copy(self) -> int:
+        """Marks the snapshot that is not the front as being written by a background copy (its
+        generation odd: a pull still reading it from when it was the front retries, and reads
+        the front); returns its slot. Ended by :meth:`end_copy` before the next publish
+        writes it."""
+        slot = self.begin()
+        self._copying = slot
+        return slot
+
+    def end_copy(self) -> None:
+        """The background copy into the snapshot :meth:`begin_copy` marked has stopped writing
+        (the caller waited for it): its generation even again. Does nothing without one."""
+        if self._copying is not None:
+            self.finish(self._copying, 0, False)
+            self._copying = None
 
     def pack(self, slot: int) -> None:
         """Packs the buckets that cannot go straight from the live tensors into snapshot
