@@ -121,13 +121,14 @@ def memcpy_gbps(nbytes: int) -> dict[str, float]:
     return out
 
 
-async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], version: int) -> dict[str, Any]:
-    """Publishes ``version`` on both streams, one after the other, and waits on each until both
-    subscribers hold it."""
+async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], version: int,
+                       streams: tuple[str, ...] = STREAMS) -> dict[str, Any]:
+    """Publishes ``version`` on both streams (or on ``streams``), one after the other, and waits
+    on each until both subscribers hold it."""
     row: dict[str, Any] = {"version": version}
     # Alternate which stream goes first: the first publish after a training step reads live
     # tensors the optimizer just wrote.
-    for stream in STREAMS if version % 2 else STREAMS[::-1]:
+    for stream in [s for s in (STREAMS if version % 2 else STREAMS[::-1]) if s in streams]:
         t0 = time.perf_counter()
         report = await pubs[stream].publish(version)
         for name in SUBSCRIBERS:
@@ -232,16 +233,20 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
         await t.wait_signal(f"ready.{name}", at_least=1, timeout=300)
     version = 1
     steps.append({"lr": None, "loss": None, **await publish_both(t, pubs, version)})  # the base
-    # Warm-up, not reported: two dense versions (90% of the bits flipped, then the true weights
-    # again) so that every (snapshot, subscriber slot) pair has had a dense push on both streams:
-    # a first push to a slot maps and faults in the subscriber's memory on this side.
+    # Warm-up, not reported, on the dense stream: two more dense versions (90% of the bits
+    # flipped, then the true weights again), so that each subscriber slot has had a dense push
+    # (a first push to a slot maps and faults in the subscriber's memory). The delta stream
+    # readies its pushes with Publisher.warm(), as an application would, and its first delta
+    # (step 0) follows its first, dense, version, as after a generator joins; the subscriber
+    # memory that delta lands in is touched for the first time then (it pays for that).
     warm = {k: v.clone() for k, v in published.items()}
     flip(published, 0.9, torch.Generator().manual_seed(9))
     for _ in range(2):
         version += 1
-        await publish_both(t, pubs, version)
+        await publish_both(t, pubs, version, streams=("dense",))
         for k, v in published.items():
             v.copy_(warm[k])
+    await pubs["delta"].warm()
     _, fp8_prev = fp8_change(published, None)
     for lr in args.lr:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from transport.weights._checksum import SumPass
 from transport.weights._copy import PIECE_BYTES, start_background
-from transport.weights._delta import DeltaEncoder, DeltaRefusedError, SumPass
+from transport.weights._delta import DeltaEncoder, DeltaRefusedError
 from transport.weights._delta_apply import DeltaApplier
 from transport.weights._layout import build_layout
 

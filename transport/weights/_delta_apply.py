@@ -13,19 +13,9 @@ import torch
 from .. import _tensor_kernels
 from .._native import delta as native
 from .._tensors import dtype_from_name
+from ._checksum import MASK64, SumPass, checksums_of, deltable
 from ._copy import HostCopies, start_background
-from ._delta import (
-    ENTRY_WORDS,
-    HEADER_WORDS,
-    MAGIC,
-    MASK64,
-    DeltaRefusedError,
-    Kind,
-    SumPass,
-    _unsigned,
-    checksums_of,
-    deltable,
-)
+from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, DeltaRefusedError, Kind, _unsigned
 from ._layout import Entry, Layout
 
 log = logging.getLogger(__name__)

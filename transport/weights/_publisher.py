@@ -20,6 +20,7 @@ import anyio
 import torch
 
 from .._errors import PeerLostError, TransportError
+from ._checksum import PAUSE_S, SumPass, deltable
 from ._control import (
     APPLIED,
     CTL_WORDS,
@@ -38,7 +39,7 @@ from ._control import (
 )
 from ._copy import available_threads, start_background
 from ._crossover import Crossover
-from ._delta import CROSSOVER, PAUSE_S, SPARSE_MAX, DeltaEncoder, DeltaVersion, SumPass, deltable, index_bytes
+from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus

@@ -25,6 +25,7 @@ from .. import _cuda, _tensor_kernels
 from .._errors import BackendUnavailableError, TransferTimeoutError, TransportError
 from .._tensors import dtype_name
 from ._apply import ApplyPlan, dequantize_into, host_unpack
+from ._checksum import deltable
 from ._control import (
     APPLIED,
     CTL_WORDS,
@@ -43,7 +44,7 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads
-from ._delta import DeltaRefusedError, deltable, index_bytes
+from ._delta import DeltaRefusedError, index_bytes
 from ._delta_apply import DeltaApplier
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
 from ._polling import PENDING, Pending, even, poll, seqlock_read
