@@ -757,6 +757,123 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
   return r;
 }
 
+namespace {
+
+// Walks the positions of a sparse payload (pos: its position bytes, in memory nobody else
+// writes), each checked against n before visit(k, p) is called for the k-th. Returns the
+// refusal; the positions visited before a refusal are the first ones, in order, whoever walks
+// the same bytes again (undo relies on that).
+template <typename Visit>
+int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit) {
+  if (kind == kVarint) {
+    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
+    for (uint64_t k = 0; k < count; ++k) {
+      uint64_t gap = 0;
+      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
+      if (refusal != kOk) return refusal;
+      if (gap >= n || next > n - 1 - gap) return kOutOfRange;  // next + gap would be >= n
+      const uint64_t p = next + gap;
+      visit(k, p);
+      next = p + 1;
+    }
+    return at == pos_bytes ? kOk : kCountMismatch;
+  }
+  if (pos_bytes != (n + 7) / 8) return kBadBitmask;
+  uint64_t k = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) {
+    unsigned bits = pos[i];
+    while (bits) {
+      const uint64_t p = i * 8 + static_cast<uint64_t>(__builtin_ctz(bits));
+      if (p >= n) return kBadBitmask;
+      if (k >= count) return kCountMismatch;
+      visit(k, p);
+      ++k;
+      bits &= bits - 1;
+    }
+  }
+  return k == count ? kOk : kCountMismatch;
+}
+
+template <int ES>
+inline uint32_t load_es(const uint8_t* p) {
+  if constexpr (ES == 2) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  } else {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+}
+
+template <int ES>
+inline void store_es(uint8_t* p, uint32_t v) {
+  if constexpr (ES == 2) {
+    const uint16_t h = static_cast<uint16_t>(v);
+    std::memcpy(p, &h, 2);
+  } else {
+    std::memcpy(p, &v, 4);
+  }
+}
+
+template <int ES>
+ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
+                     uint64_t pos_bytes, uint8_t* undo) {
+  ApplyResult r{kOk, 0, 0, 0};
+  r.refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
+    uint8_t* dst = l + p * ES;
+    __builtin_prefetch(dst + kPrefetch / 2, 1);  // the positions ascend
+    // Each new value is read once: what is stored is what is summed, whatever the peer does.
+    const uint32_t now = load_es<ES>(vals + k * ES);
+    const uint32_t old = load_es<ES>(dst);
+    store_es<ES>(undo + k * ES, old);
+    store_es<ES>(dst, now);
+    r.sum_old += mix(old, p);
+    r.sum_new += mix(now, p);
+    r.stored = k + 1;
+  });
+  return r;
+}
+
+template <int ES>
+void undo_es(uint8_t* l, uint64_t n, uint32_t kind, const uint8_t* pos, uint64_t pos_bytes, uint64_t stored,
+             const uint8_t* undo) {
+  walk_positions(pos, pos_bytes, kind, n, stored, [&](uint64_t k, uint64_t p) {
+    std::memcpy(l + p * ES, undo + k * ES, ES);
+  });
+}
+
+}  // namespace
+
+ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
+                  uint64_t count, uint64_t pos_bytes, const void* pos, void* undo) {
+  if (es != 2 && es != 4) return {kBadElemSize, 0, 0, 0};
+  if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0, 0};
+  if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0, 0};
+  if (pos_bytes > payload_len || payload_len - pos_bytes != align8(count * es)) return {kBadSize, 0, 0, 0};
+  if (live == nullptr || pos == nullptr || undo == nullptr) return {kBadSize, 0, 0, 0};
+  auto* l = static_cast<uint8_t*>(live);
+  const auto* vals = static_cast<const uint8_t*>(payload);
+  const auto* p = static_cast<const uint8_t*>(pos);
+  auto* u = static_cast<uint8_t*>(undo);
+  return es == 2 ? apply_es<2>(l, n, vals, kind, count, p, pos_bytes, u)
+                 : apply_es<4>(l, n, vals, kind, count, p, pos_bytes, u);
+}
+
+void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,
+          const void* saved) {
+  if ((es != 2 && es != 4) || (kind != kVarint && kind != kBitmask) || stored == 0) return;
+  auto* l = static_cast<uint8_t*>(live);
+  const auto* p = static_cast<const uint8_t*>(pos);
+  const auto* u = static_cast<const uint8_t*>(saved);
+  if (es == 2) {
+    undo_es<2>(l, n, kind, p, pos_bytes, stored, u);
+  } else {
+    undo_es<4>(l, n, kind, p, pos_bytes, stored, u);
+  }
+}
+
 // -- Deltas cut along byte runs (mesh sync) -----------------------------------------------
 
 namespace {

@@ -83,6 +83,28 @@ uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, 
 ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                       uint64_t count, uint64_t pos_bytes, bool write);
 
+struct ApplyResult {
+  int refusal;       // Refusal
+  uint64_t sum_old;  // sum of mix() over the live values the stores replaced
+  uint64_t sum_new;  // sum of mix() over the values stored
+  uint64_t stored;   // positions stored to (all count of them when refusal is kOk)
+};
+
+// The checked apply of a sparse payload in one pass (the subscriber's; scatter() checks first
+// and stores second): for each position, checked against n before its store, saves the live
+// value at undo (count * es bytes), stores the payload's new value and adds both to the sums.
+// pos holds the payload's pos_bytes position bytes in memory nobody else writes (a copy), so
+// that undo() walks the same positions; the values are read from payload once each (a peer's
+// memory: the sums are over what was stored). On a refusal the first `stored` positions were
+// written: undo() them. The caller compares the sums with the checksums it expects, and
+// undoes on a mismatch too.
+ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
+                  uint64_t count, uint64_t pos_bytes, const void* pos, void* undo);
+
+// Restores the live values apply() saved at the first `stored` positions of pos.
+void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,
+          const void* saved);
+
 // -- Deltas cut along byte runs (mesh sync) -----------------------------------------------
 // A mesh trainer rank diffs its snapshot in place (the snapshot holds the version it last wrote
 // there, the base) and cuts the change along each generator rank's byte runs; positions there

@@ -347,6 +347,29 @@ void bind_delta(nb::module_& m) {
       "Checks an encoded delta against a live tensor of n elements (and, with write, stores it); returns "
       "(refusal, sum_old, sum_new).");
   m.def(
+      "delta_apply",
+      [](uint64_t live, uint64_t n, int es, uint64_t payload, uint64_t payload_len, uint32_t kind, uint64_t count,
+         uint64_t pos_bytes, uint64_t pos, uint64_t undo) {
+        auto r = delta::apply(reinterpret_cast<void*>(live), n, es, reinterpret_cast<const void*>(payload),
+                              payload_len, kind, count, pos_bytes, reinterpret_cast<const void*>(pos),
+                              reinterpret_cast<void*>(undo));
+        return std::make_tuple(r.refusal, r.sum_old, r.sum_new, r.stored);
+      },
+      nb::arg("live"), nb::arg("n"), nb::arg("es"), nb::arg("payload"), nb::arg("payload_len"), nb::arg("kind"),
+      nb::arg("count"), nb::arg("pos_bytes"), nb::arg("pos"), nb::arg("undo"),
+      nb::call_guard<nb::gil_scoped_release>(),
+      "The one-pass checked apply of an encoded delta; returns (refusal, sum_old, sum_new, stored).");
+  m.def(
+      "delta_undo",
+      [](uint64_t live, uint64_t n, int es, uint32_t kind, uint64_t pos, uint64_t pos_bytes, uint64_t stored,
+         uint64_t saved) {
+        delta::undo(reinterpret_cast<void*>(live), n, es, kind, reinterpret_cast<const void*>(pos), pos_bytes,
+                    stored, reinterpret_cast<const void*>(saved));
+      },
+      nb::arg("live"), nb::arg("n"), nb::arg("es"), nb::arg("kind"), nb::arg("pos"), nb::arg("pos_bytes"),
+      nb::arg("stored"), nb::arg("saved"), nb::call_guard<nb::gil_scoped_release>(),
+      "Restores the live values delta_apply saved.");
+  m.def(
       "delta_diff_in_place",
       [](uint64_t fresh, uint64_t snap, uint64_t n, int es, uint64_t offset, uint64_t positions, uint64_t old,
          uint64_t cap, int isa) {

@@ -121,6 +121,29 @@ def scatter(live: int, n: int, es: int, payload: int, payload_len: int, kind: in
     return Refusal(refusal), old, new
 
 
+def apply(live: int, n: int, es: int, payload: int, payload_len: int, kind: int, count: int, pos_bytes: int,
+          pos: int, undo: int) -> tuple[Refusal, int, int, int]:
+    """The checked apply of ``payload`` (the encoding of ``count`` changed elements of a tensor
+    of ``n`` elements at ``live``) in one pass: each position is checked against ``n`` before
+    its store, the live value there saved at ``undo`` (``count * es`` bytes), the new value
+    read once, stored and summed. ``pos`` is a private copy of the payload's ``pos_bytes``
+    position bytes (:func:`undo` walks it again); the values are read from ``payload``.
+
+    Returns:
+        (refusal, sum of the old terms, sum of the new terms, positions stored to). On a
+        refusal, or sums other than expected, :func:`undo` the stores made.
+    """
+    refusal, old, new, stored = _call("delta apply", "delta_apply", live, n, es, payload, payload_len, kind, count,
+                                      pos_bytes, pos, undo)
+    return Refusal(refusal), old, new, stored
+
+
+def undo(live: int, n: int, es: int, kind: int, pos: int, pos_bytes: int, stored: int, saved: int) -> None:
+    """Restores the live values :func:`apply` saved at ``saved`` for its first ``stored``
+    positions (read from the same private ``pos``)."""
+    _call("delta undo", "delta_undo", live, n, es, kind, pos, pos_bytes, stored, saved)
+
+
 def diff_in_place(fresh: int, snap: int, n: int, es: int, offset: int, positions: int, old: int, cap: int,
                   isa: Isa = Isa.AUTO) -> int:
     """Compares ``n`` elements of ``es`` bytes at ``fresh`` with those at ``snap``, records the

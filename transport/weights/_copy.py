@@ -75,7 +75,7 @@ class HostCopies:
             Exception: the first error a piece raised, once every thread has finished (the
                 destinations are then partly written).
         """
-        copy = _stream if self.nbytes >= STREAM_MIN_BYTES else _memcpy
+        copy = _stream if self.nbytes >= STREAM_MIN_BYTES else copy_bytes
         pieces = self._pieces + [(n, functools.partial(copy, dst, src, n)) for dst, src, n in self._raw]
         k = max(1, min(threads, len(pieces), self.nbytes // MIN_SHARE))
         if k == 1:
@@ -112,7 +112,13 @@ def _stream(dst: int, src: int, nbytes: int) -> None:
     stream_copy(dst, src, nbytes)
 
 
-def _memcpy(dst: int, src: int, nbytes: int) -> None:
+def copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """Copies ``nbytes`` from address ``src`` to address ``dst`` on this thread (no overlap),
+    with the GIL released.
+
+    Raises:
+        TransportInternalError: the copy failed.
+    """
     err = copy_now(CopyKind.LOCAL, 0, dst, src, nbytes)
     if err:
         raise TransportInternalError(f"host copy of {nbytes} bytes failed: {os.strerror(err)}")

@@ -20,10 +20,12 @@ New values, not arithmetic deltas: applying is idempotent and bit-exact. The che
 (:func:`transport._native.delta.checksum`: a position-mixed sum, mod 2**64, of each tensor's raw
 bits) lets the subscriber check, before it writes anything, that every tensor it holds is the
 base the delta was made against (its cached checksums; O(tensors)), and that every touched
-tensor becomes exactly the new version: base checksum - base terms + the terms of the new values
-at the positions read from the payload must be the new checksum, which reads the payload alone
-(O(changed elements)) and catches a corrupted value or position. A delta that fails any check is
-refused whole: the live weights stay on their version (see :class:`._delta_apply.DeltaApplier`).
+tensor becomes exactly the new version: its checksum less the terms of the values replaced plus
+those of the values stored must be the new checksum (O(changed elements)), which catches a
+corrupted value or position. The subscriber checks and stores a tensor in one pass whose stores
+it undoes when a check fails (or, past its scratch, checks the payload alone before storing). A
+delta that fails any check is refused whole: the live weights stay on their version (see
+:class:`._delta_apply.DeltaApplier`).
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, pos
 class DeltaRefusedError(TransportError):
     """A delta that does not apply to the live weights: their checksum is not the base's (a
     wrong base, e.g. a control word that claimed a version the subscriber does not hold), or
-    the payload fails a bounds or integrity check. Nothing was written; the live weights stay
-    on their version, and ``pull()`` (or the next dense version) catches up."""
+    the payload fails a bounds or integrity check. The live weights stay on their version
+    (whatever the apply stored was undone first), and ``pull()`` (or the next dense version)
+    catches up."""
 
 
 def index_bytes(layout: Layout) -> int:

@@ -14,9 +14,13 @@ from .. import _tensor_kernels
 from .._native import delta as native
 from .._tensors import dtype_from_name
 from ._checksum import MASK64, SumPass, checksums_of, deltable
-from ._copy import HostCopies, start_background
+from ._copy import HostCopies, copy_bytes, start_background
 from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, DeltaRefusedError, Kind, _unsigned
 from ._layout import Entry, Layout
+
+# The least scratch a subscriber keeps for its one-pass applies; at most an eighth of the
+# version otherwise (a delta is a few percent of it where deltas pay).
+SCRATCH_MIN = 16 << 20
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,10 @@ class DeltaApplier:
         self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
         self._stale = True  # the sums are to be taken from the live tensors before the next delta
         self._pass: SumPass | None = None  # the checksum pass begun after the last dense apply
+        # Private bytes of the one-pass applies: per tensor, a copy of its positions and the
+        # live values its stores replace (kept between versions, up to ``_scratch_max``).
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch_max = max(SCRATCH_MIN, layout.total // 8)
 
     def dense_applied(self) -> None:
         """The live tensors were just copied from a dense version: their checksum pass begins
@@ -95,11 +103,14 @@ class DeltaApplier:
 
     def apply(self, slot: torch.Tensor, index: torch.Tensor, version: int) -> None:
         """Applies the delta for ``version`` in ``slot`` (its header in ``index``) to the live
-        tensors, all of it or nothing.
+        tensors, all of it or nothing: the tensors that fit the scratch are checked and
+        stored in one pass that is undone if any check fails (each value read once from the
+        slot: what is stored is what the checksum verifies); the rest are checked before
+        anything is stored.
 
         Raises:
             DeltaRefusedError: the live tensors are not the delta's base, or the payload fails
-                a check; nothing was written.
+                a check; the live tensors hold what they held before.
         """
         words = index.clone()  # the index is a peer's to write: check and use one private copy
         head = self.header_of(words)
@@ -146,7 +157,58 @@ class DeltaApplier:
                                         f"fit a {e.nbytes}-byte tensor")
             checks.append(_Check(e, i, kind, changed, pos_bytes, payload_bytes, new_sum, old_terms))
         base_ptr = slot.data_ptr()
-        # O(changed), the payload alone, across the copy threads: positions in bounds, the new checksum.
+        # Most sparse tensors are checked and stored in one pass, which can be undone (its
+        # scratch holds a copy of their positions and the values it replaced); the others, past
+        # the scratch, are checked first (the payload alone) and stored after every check passed.
+        one_pass: list[tuple[_Check, int]] = []
+        checks_first: list[_Check] = []
+        need = 0
+        for c in checks:
+            size = _scratch_bytes(c)
+            if need + size <= self._scratch_max:
+                one_pass.append((c, need))
+                need += size
+            else:
+                checks_first.append(c)
+        self._check_payloads(checks_first, base_ptr)
+        self._apply_one_pass(one_pass, need, base_ptr)
+        # Every check passed: write. Only a peer scribbling over the slot we claimed could make a
+        # store fail now, and the native scatter keeps even that inside the tensor.
+        batch = HostCopies()
+        for i in dense:
+            e, dst = entries[i], self._local[i]
+            assert dst is not None
+            if e.scale_offset >= 0:
+                batch.add(e.nbytes, functools.partial(_dequantize, slot, e, dst))
+            elif dst.is_contiguous() and dst.dtype == dtype_from_name(e.wire_dtype):
+                batch.add_raw(dst.data_ptr(), base_ptr + e.offset, e.nbytes)
+            else:  # an entry that always travels dense, into a tensor of another dtype or layout
+                batch.add(e.nbytes, functools.partial(_cast, slot, e, dst))
+        for c in checks_first:
+            live = self._local[c.index]
+            assert live is not None
+
+            def scatter(c: _Check = c, live: torch.Tensor = live) -> None:
+                refusal, _, _ = native.scatter(live.data_ptr(), c.entry.numel, live.element_size(),
+                                               base_ptr + c.entry.offset, c.payload_bytes, int(c.kind), c.changed,
+                                               c.pos_bytes, True)
+                if refusal != native.Refusal.OK:
+                    log.error("delta of %r changed under its apply (%s): that tensor is partly written",
+                              c.entry.name, refusal.name)
+
+            batch.add(_scatter_cost(c), scatter)
+        batch.run(self._threads)
+        for i, e in enumerate(entries):
+            if deltable(e) and self._local[i] is not None:
+                self.sums[i] = _unsigned(int(words[HEADER_WORDS + ENTRY_WORDS * i + 5]))
+
+    def _check_payloads(self, checks: list[_Check], base_ptr: int) -> None:
+        """Checks the payloads of ``checks`` in the slot at ``base_ptr`` without writing: O(changed),
+        the payload alone, across the copy threads (positions in bounds, the new checksum).
+
+        Raises:
+            DeltaRefusedError: one fails.
+        """
         verdicts: list[tuple[native.Refusal, int, int]] = [(native.Refusal.OK, 0, 0)] * len(checks)
         batch = HostCopies()
         for j, c in enumerate(checks):
@@ -167,35 +229,68 @@ class DeltaApplier:
             # the base values whose terms the header carries.
             if (held - c.old_terms + new) & MASK64 != c.new_sum:
                 raise DeltaRefusedError(f"{c.entry.name!r}: the patched tensor would not have the new checksum")
-        # Every check passed: write. Only a peer scribbling over the slot we claimed could make a
-        # store fail now, and the native scatter keeps even that inside the tensor.
+
+    def _apply_one_pass(self, work: list[tuple[_Check, int]], need: int, base_ptr: int) -> None:
+        """Checks and stores each of ``work`` (a check and its scratch offset) in one pass across
+        the copy threads, then verifies each patched tensor's checksum; undoes every store made
+        if one fails.
+
+        Raises:
+            DeltaRefusedError: a payload fails a check; the live tensors are as before.
+        """
+        if not work:
+            return
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        scratch = self._scratch.data_ptr()
+        done: list[tuple[native.Refusal, int, int, int]] = [(native.Refusal.OK, 0, 0, 0)] * len(work)
         batch = HostCopies()
-        for i in dense:
-            e, dst = entries[i], self._local[i]
-            assert dst is not None
-            if e.scale_offset >= 0:
-                batch.add(e.nbytes, functools.partial(_dequantize, slot, e, dst))
-            elif dst.is_contiguous() and dst.dtype == dtype_from_name(e.wire_dtype):
-                batch.add_raw(dst.data_ptr(), base_ptr + e.offset, e.nbytes)
-            else:  # an entry that always travels dense, into a tensor of another dtype or layout
-                batch.add(e.nbytes, functools.partial(_cast, slot, e, dst))
-        for c in checks:
+        for j, (c, at) in enumerate(work):
             live = self._local[c.index]
             assert live is not None
 
-            def scatter(c: _Check = c, live: torch.Tensor = live) -> None:
-                refusal, _, _ = native.scatter(live.data_ptr(), c.entry.numel, live.element_size(),
-                                               base_ptr + c.entry.offset, c.payload_bytes, int(c.kind), c.changed,
-                                               c.pos_bytes, True)
-                if refusal != native.Refusal.OK:
-                    log.error("delta of %r changed under its apply (%s): that tensor is partly written",
-                              c.entry.name, refusal.name)
+            def one(j: int = j, c: _Check = c, at: int = at, live: torch.Tensor = live) -> None:
+                payload = base_ptr + c.entry.offset
+                values = c.payload_bytes - c.pos_bytes
+                copy_bytes(scratch + at, payload + values, c.pos_bytes)  # the peer may rewrite its own
+                done[j] = native.apply(live.data_ptr(), c.entry.numel, _es(c), payload, c.payload_bytes,
+                                       int(c.kind), c.changed, c.pos_bytes, scratch + at,
+                                       scratch + at + _align8(c.pos_bytes))
 
-            batch.add(_scatter_cost(c), scatter)
+            batch.add(_scatter_cost(c), one)
         batch.run(self._threads)
-        for i, e in enumerate(entries):
-            if deltable(e) and self._local[i] is not None:
-                self.sums[i] = _unsigned(int(words[HEADER_WORDS + ENTRY_WORDS * i + 5]))
+        why = None
+        for (c, _), (refusal, old, new, _stored) in zip(work, done, strict=True):
+            held = self.sums[c.index]
+            assert held is not None
+            if refusal != native.Refusal.OK:
+                why = f"{c.entry.name!r}: payload refused ({refusal.name})"
+            elif (held - old + new) & MASK64 != c.new_sum:  # the live tensor's checksum now
+                why = f"{c.entry.name!r}: the patched tensor does not have the new checksum"
+            if why is not None:
+                break
+        if why is None:
+            return
+        for (c, at), (_, _, _, stored) in zip(work, done, strict=True):
+            live = self._local[c.index]
+            if stored and live is not None:
+                native.undo(live.data_ptr(), c.entry.numel, _es(c), int(c.kind), scratch + at,
+                            c.pos_bytes, stored, scratch + at + _align8(c.pos_bytes))
+        raise DeltaRefusedError(why)
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _es(c: _Check) -> int:
+    """The element size of ``c``'s tensor (its live tensor has the wire dtype)."""
+    return dtype_from_name(c.entry.wire_dtype).itemsize
+
+
+def _scratch_bytes(c: _Check) -> int:
+    """The scratch of a one-pass apply of ``c``: its positions, then the values it replaces."""
+    return _align8(c.pos_bytes) + _align8(c.changed * _es(c))
 
 
 def _scatter_cost(c: _Check) -> int:

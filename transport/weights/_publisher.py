@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import PeerLostError, TransportError
+from .._errors import PeerLostError, TransferTimeoutError, TransportError
 from ._checksum import PAUSE_S, SumPass, deltable
 from ._control import (
     APPLIED,
@@ -285,6 +285,34 @@ class Publisher:
                     log.info("publisher %s/%s: cannot warm the pushes to %s: %s", self.t.name, self.name, peer.name,
                              exc)
         return warmed
+
+    async def wait_snapshot(self, timeout: float | None = None) -> int | None:
+        """Waits until the snapshot of the last :meth:`publish` is complete: what ``pull()``
+        serves (the publish completes it in the background after it returns, from a
+        subscriber's slot or by a delta's patches). A ``pull()`` meanwhile gets it anyway (it
+        waits for the fill); this is for the trainer, e.g. to keep the background work of one
+        version apart from what it does next.
+
+        Args:
+            timeout: seconds to wait (default: the publisher's ``deadline``).
+
+        Returns:
+            The version ``pull()`` serves now: the last published one, or the one before when
+            its fill failed (logged); None while no version is complete.
+
+        Raises:
+            TransferTimeoutError: the background work did not end within ``timeout``.
+
+        Cancellation: safe; the background work goes on.
+        """
+        limit = self.deadline if timeout is None else timeout
+        with anyio.move_on_after(limit) as scope:
+            await self._snapshots.settled()
+        if scope.cancelled_caught:
+            raise TransferTimeoutError(f"{self.t.name}: the snapshot of {self.name!r} version {self.version} was not "
+                                       f"complete within {limit:g}s")
+        front = decode_front(int(self._snapshots.ctl[FRONT]))
+        return None if front is None else front[0]
 
     async def subscribers(self) -> list[str]:
         """Names of the peers currently subscribed to this stream (less those reported dead).

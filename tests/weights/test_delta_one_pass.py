@@ -1,0 +1,117 @@
+"""The subscriber's one-pass delta apply: each sparse tensor is checked and stored in one pass
+that saves the values it replaces, and every store is undone when any check fails, so a
+refused delta leaves the live tensors exactly as they were. Native kernel first (hostile
+payloads, random bytes), then whole versions through real Transports."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import transport
+from tests.weights.test_delta_sync import HOSTILE, guarded, payload, same_bits
+from transport._native import delta as native
+from transport.weights import Publisher, Subscriber
+
+
+def one_pass(live: torch.Tensor, n: int, p: torch.Tensor, kind: int, count: int, pos_bytes: int,
+             es: int = 2) -> tuple[native.Refusal, int, int, int, torch.Tensor, torch.Tensor]:
+    """native.apply of payload ``p`` with a private copy of its positions and an undo buffer."""
+    values = p.numel() - pos_bytes
+    pos = p[values:].clone() if 0 <= values <= p.numel() else torch.zeros(1, dtype=torch.uint8)
+    undo = torch.zeros(max(8, count * es), dtype=torch.uint8)
+    refusal, old, new, stored = native.apply(live.data_ptr(), n, es, p.data_ptr(), p.numel(), kind, count, pos_bytes,
+                                             pos.data_ptr(), undo.data_ptr())
+    return refusal, old, new, stored, pos, undo
+
+
+@pytest.mark.parametrize("what,n,kind,count,pos,declared,refusal", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_payloads_are_refused_and_their_stores_undone(what, n, kind, count, pos, declared, refusal):
+    mem, live = guarded(n)
+    live.copy_(torch.from_numpy(np.random.default_rng(1).integers(0, 256, live.numel(), dtype=np.uint8)))
+    before = mem.clone()
+    p = payload(count, pos)
+    pos_bytes = len(pos) if declared is None else declared
+    got, _, _, stored, private, undo = one_pass(live, n, p, int(kind), count, pos_bytes)
+    assert got == refusal, what
+    assert torch.equal(mem[:4096], before[:4096]) and torch.equal(mem[-4096:], before[-4096:])  # never outside
+    native.undo(live.data_ptr(), n, 2, int(kind), private.data_ptr(), pos_bytes, stored, undo.data_ptr())
+    assert torch.equal(mem, before), what
+
+
+def test_random_payloads_never_store_outside_and_undo_restores_every_byte():
+    g = np.random.default_rng(7)
+    n = 1000
+    mem, live = guarded(n)
+    live.copy_(torch.from_numpy(g.integers(0, 256, live.numel(), dtype=np.uint8)))
+    before = mem.clone()
+    stores = 0
+    for _ in range(3000):
+        count = int(g.integers(1, 300))
+        kind = int(g.choice([2, 3]))
+        vbytes = (count * 2 + 7) // 8 * 8
+        pos_bytes = int(g.integers(0, 300)) if kind == 2 else (n + 7) // 8
+        p = torch.from_numpy(g.integers(0, 256, vbytes + pos_bytes, dtype=np.uint8))
+        if kind == 2 and g.random() < 0.5:  # mostly small gaps: many walks get far before they fail
+            p[vbytes:] &= 0x07
+        _, _, _, stored, private, undo = one_pass(live, n, p, kind, count, pos_bytes)
+        stores += stored
+        native.undo(live.data_ptr(), n, 2, kind, private.data_ptr(), pos_bytes, stored, undo.data_ptr())
+        assert torch.equal(mem, before)
+    assert stores > 1000  # the walks did store before they were refused (or passed): undo was exercised
+
+
+@pytest.mark.parametrize("es", [2, 4])
+def test_one_pass_sums_are_the_encoders_and_its_stores_exact(es):
+    dtype = torch.bfloat16 if es == 2 else torch.float32
+    g = torch.Generator().manual_seed(es)
+    n = 300_001
+    base = torch.randn(n, generator=g).to(dtype)
+    for fraction in (0.002, 0.05, 0.3):  # varint, and bitmask where it is the smaller
+        fresh = base.clone()
+        bits = fresh.view(torch.int16 if es == 2 else torch.int32)
+        bits[torch.randperm(n, generator=g)[: int(n * fraction)]] ^= 1
+        out = torch.zeros(n * es, dtype=torch.uint8)
+        enc = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, es, out.data_ptr(), out.numel())
+        live = base.clone()
+        got, old, new, stored, private, undo = one_pass(live, n, out[:enc.payload_bytes], int(enc.kind), enc.changed,
+                                                        enc.pos_bytes, es)
+        assert (got, old, new, stored) == (native.Refusal.OK, enc.sum_old, enc.sum_new, enc.changed), fraction
+        assert torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
+        native.undo(live.data_ptr(), n, es, int(enc.kind), private.data_ptr(), enc.pos_bytes, stored, undo.data_ptr())
+        assert torch.equal(live.view(torch.uint8), base.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scratch", ["one pass", "checked first"])
+async def test_a_delta_refused_by_its_last_tensor_leaves_every_tensor_as_it_was(scratch):
+    """Both tensors change; a peer scribbles over one value of the second tensor's payload. The
+    first was already stored by then (one pass) or not yet (past the scratch: checked first);
+    either way the refused delta leaves both exactly on the previous version."""
+    store = f"memory://{uuid.uuid4().hex}"
+    g = torch.Generator().manual_seed(4)
+    src = {"a": torch.randn(512, 64, generator=g).to(torch.bfloat16),
+           "b": torch.randn(256, 64, generator=g).to(torch.bfloat16)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, delta=True) as pub, \
+                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            held = {k: v.clone() for k, v in dst.items()}
+            if scratch == "checked first":
+                sub._delta._scratch_max = 0
+            for k in src:
+                src[k].view(-1)[::40] += 1
+            r = await pub.publish(2)
+            assert r.results["gen"].delta and r.delta.kinds.get("varint", 0) + r.delta.kinds.get("bitmask", 0) == 2
+            e = next(x for x in pub.layout.entries if x.name == "b")
+            slot = sub._slots[sub._front()[1]]
+            slot[e.offset + 5] ^= 0x40  # a value of b's payload
+            assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
+            assert same_bits(dst, held)
+            assert await sub.pull() == 2 and same_bits(dst, src)
+            src["a"].view(-1)[::30] -= 1  # and the next delta applies on what pull() brought
+            await pub.publish(3)
+            assert await sub.wait_version(3) == 3 and same_bits(dst, src)
