@@ -15,6 +15,7 @@ across the copy threads as the diff is), and forced-dense publishing.
 
     python -m benchmarks.delta_sync                      # the recorded run (tcp and ipc)
     python -m benchmarks.delta_sync --short --json out   # the smoke test's tiny run
+    python -m benchmarks.delta_sync --join               # step 0 follows the first, dense, version
 """
 
 from __future__ import annotations
@@ -237,20 +238,22 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
         await t.wait_signal(f"ready.{name}", at_least=1, timeout=300)
     version = 1
     steps.append({"lr": None, "loss": None, **await publish_both(t, pubs, version)})  # the base
-    # Warm-up, not reported, on the dense stream: two more dense versions (90% of the bits
-    # flipped, then the true weights again), so that each subscriber slot has had a dense push
-    # (a first push to a slot maps and faults in the subscriber's memory). The delta stream
-    # readies its pushes with Publisher.warm(), as an application would, and its first delta
-    # (step 0) follows its first, dense, version, as after a generator joins; the subscriber
-    # memory that delta lands in is touched for the first time then (it pays for that).
+    # Warm-up, not reported: two more dense versions (90% of the bits flipped, then the true
+    # weights again), so that each subscriber slot has had a dense push (a first push to a slot
+    # maps and faults in the subscriber's memory); step 0 is then the first delta after a
+    # version that went dense by its sample. With --join they run on the dense stream only: the
+    # delta stream readies its pushes with Publisher.warm(), as an application would, and its
+    # first delta follows its first, dense, version, as after a generator joins (the subscriber
+    # memory that delta lands in is touched for the first time then; it pays for that).
     warm = {k: v.clone() for k, v in published.items()}
     flip(published, 0.9, torch.Generator().manual_seed(9))
     for _ in range(2):
         version += 1
-        await publish_both(t, pubs, version, streams=("dense",))
+        await publish_both(t, pubs, version, streams=("dense",) if args.join else STREAMS)
         for k, v in published.items():
             v.copy_(warm[k])
-    await pubs["delta"].warm()
+    if args.join:
+        await pubs["delta"].warm()
     _, fp8_prev = fp8_change(published, None)
     for lr in args.lr:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -382,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--sweep", type=float, nargs="*", default=list(SWEEP))
     p.add_argument("--short", action="store_true", help="a tiny model (the test suite's smoke run)")
+    p.add_argument("--join", action="store_true",
+                   help="the delta stream's first delta follows its first, dense, version (no dense warm-up there)")
     p.add_argument("--crossover", type=float, help="Publisher(delta_crossover=...) (default: the library's)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the results as markdown here")
