@@ -365,6 +365,18 @@ def markdown(result: dict[str, Any]) -> str:
                        f"{d['wire_bytes'] / n['wire_bytes']:.3f} | {max(d['apply_s']) * 1e3:.0f} / "
                        f"{max(n['apply_s']) * 1e3:.0f} | {d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | "
                        f"{d['live_s'] / n['live_s']:.2f} |")
+        out += ["", f"Where the time goes ({b}, delta stream; ms): publish = pack (sample + diff) + discover + "
+                "push + snapshot (what the publish does after the pushes: the fill's copies; its patches run "
+                "after it returns); after = live - publish (the doorbell, the subscribers' checked apply, their "
+                "signal back).", "",
+                "| lr | step | live | publish | pack | diff | push | snapshot | after | apply (both subscribers) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in run["steps"][1:]:
+            d = r["delta"]
+            ms = [x * 1e3 for x in (d["live_s"], d["publish_s"], d["pack_s"], r["diff_encode_s"], d["push_s"],
+                                    d["snapshot_s"], d["live_s"] - d["publish_s"])]
+            out.append(f"| {r['lr']:g} | {r['step']} | " + " | ".join(f"{x:.0f}" for x in ms) + " | "
+                       + " / ".join(f"{a * 1e3:.0f}" for a in d["apply_s"] if a is not None) + " |")
         s = result["summary"][b]
         out += ["", f"Summary ({b}):", ""]
         for key, v in s.items():

@@ -5,16 +5,12 @@ payloads, random bytes), then whole versions through real Transports."""
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 import torch
 
-import transport
-from tests.weights.test_delta_sync import HOSTILE, guarded, payload, same_bits
+from tests.weights.test_delta_sync import HOSTILE, guarded, holding_version_1, payload, same_bits
 from transport._native import delta as native
-from transport.weights import Publisher, Subscriber
 
 
 def one_pass(live: torch.Tensor, n: int, p: torch.Tensor, kind: int, count: int, pos_bytes: int,
@@ -90,28 +86,23 @@ async def test_a_delta_refused_by_its_last_tensor_leaves_every_tensor_as_it_was(
     """Both tensors change; a peer scribbles over one value of the second tensor's payload. The
     first was already stored by then (one pass) or not yet (past the scratch: checked first);
     either way the refused delta leaves both exactly on the previous version."""
-    store = f"memory://{uuid.uuid4().hex}"
     g = torch.Generator().manual_seed(4)
     src = {"a": torch.randn(512, 64, generator=g).to(torch.bfloat16),
            "b": torch.randn(256, 64, generator=g).to(torch.bfloat16)}
-    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
-        async with Publisher(tt, src, delta=True) as pub, \
-                Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
-            await pub.publish(1)
-            assert await sub.wait_version(1) == 1
-            held = {k: v.clone() for k, v in dst.items()}
-            if scratch == "checked first":
-                sub._delta._scratch_max = 0
-            for k in src:
-                src[k].view(-1)[::40] += 1
-            r = await pub.publish(2)
-            assert r.results["gen"].delta and r.delta.kinds.get("varint", 0) + r.delta.kinds.get("bitmask", 0) == 2
-            e = next(x for x in pub.layout.entries if x.name == "b")
-            slot = sub._slots[sub._front()[1]]
-            slot[e.offset + 5] ^= 0x40  # a value of b's payload
-            assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
-            assert same_bits(dst, held)
-            assert await sub.pull() == 2 and same_bits(dst, src)
-            src["a"].view(-1)[::30] -= 1  # and the next delta applies on what pull() brought
-            await pub.publish(3)
-            assert await sub.wait_version(3) == 3 and same_bits(dst, src)
+    async with holding_version_1(src) as (pub, sub, dst):
+        held = {k: v.clone() for k, v in dst.items()}
+        if scratch == "checked first":
+            sub._delta._scratch_max = 0
+        for k in src:
+            src[k].view(-1)[::40] += 1
+        r = await pub.publish(2)
+        assert r.results["gen"].delta and r.delta.kinds.get("varint", 0) + r.delta.kinds.get("bitmask", 0) == 2
+        e = next(x for x in pub.layout.entries if x.name == "b")
+        slot = sub._slots[sub._front()[1]]
+        slot[e.offset + 5] ^= 0x40  # a value of b's payload
+        assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
+        assert same_bits(dst, held)
+        assert await sub.pull() == 2 and same_bits(dst, src)
+        src["a"].view(-1)[::30] -= 1  # and the next delta applies on what pull() brought
+        await pub.publish(3)
+        assert await sub.wait_version(3) == 3 and same_bits(dst, src)

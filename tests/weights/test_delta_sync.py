@@ -5,10 +5,12 @@ poisoned so that it received a delta against a base it does not hold."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -467,27 +469,36 @@ def test_cuda_diff_matches_the_cpu_encoder(dtype):
     assert np.array_equal(raw(values.cpu()), raw(fresh)[cpu_bits])
 
 
-async def test_a_corrupted_delta_is_refused_whole():
-    # A peer scribbles over one position byte of a delta waiting in the subscriber's slot: the
-    # patched checksum no longer adds up, so nothing is written and pull() catches up.
+@contextlib.asynccontextmanager
+async def holding_version_1(src: dict[str, torch.Tensor]) -> AsyncIterator[tuple[Publisher, Subscriber,
+                                                                                 dict[str, torch.Tensor]]]:
+    """A delta publisher of ``src`` and one subscriber (in process, memory store) into zeroed
+    tensors, once the subscriber holds version 1: (publisher, subscriber, its tensors)."""
     store = f"memory://{uuid.uuid4().hex}"
-    src = {"a": torch.randn(512, 64).to(torch.bfloat16), "b": torch.randn(4096)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         async with Publisher(tt, src, delta=True) as pub, \
                 Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
             await pub.publish(1)
             assert await sub.wait_version(1) == 1
-            held = {k: v.clone() for k, v in dst.items()}
-            src["a"].view(-1)[::50] += 1
-            r = await pub.publish(2)
-            assert r.results["gen"].delta and sub.latest == 2
-            e = next(x for x in pub.layout.entries if x.name == "a")
-            slot = sub._slots[sub._front()[1]]
-            values = (r.delta.changed * 2 + 7) // 8 * 8
-            slot[e.offset + values + 3] ^= 1  # a gap of the varint positions
-            assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
-            assert same_bits(dst, held)
-            assert await sub.pull() == 2 and same_bits(dst, src)
+            yield pub, sub, dst
+
+
+async def test_a_corrupted_delta_is_refused_whole():
+    # A peer scribbles over one position byte of a delta waiting in the subscriber's slot: the
+    # patched checksum no longer adds up, so nothing is written and pull() catches up.
+    src = {"a": torch.randn(512, 64).to(torch.bfloat16), "b": torch.randn(4096)}
+    async with holding_version_1(src) as (pub, sub, dst):
+        held = {k: v.clone() for k, v in dst.items()}
+        src["a"].view(-1)[::50] += 1
+        r = await pub.publish(2)
+        assert r.results["gen"].delta and sub.latest == 2
+        e = next(x for x in pub.layout.entries if x.name == "a")
+        slot = sub._slots[sub._front()[1]]
+        values = (r.delta.changed * 2 + 7) // 8 * 8
+        slot[e.offset + values + 3] ^= 1  # a gap of the varint positions
+        assert sub.apply() is None and sub.version == 1 and sub.refused_deltas == 1
+        assert same_bits(dst, held)
+        assert await sub.pull() == 2 and same_bits(dst, src)
 
 
 async def test_a_stale_delta_header_is_never_read_with_a_dense_version():

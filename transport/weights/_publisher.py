@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import PeerLostError, TransferTimeoutError, TransportError
+from .._errors import PeerLostError, TransferTimeoutError, TransportError, TransportInternalError
 from ._checksum import PAUSE_S, SumPass, deltable
 from ._control import (
     APPLIED,
@@ -410,6 +410,9 @@ class Publisher:
             ValueError: ``version`` does not grow.
             TransportError: the publisher is not started.
             ClosedError: the Transport is closed.
+            TransportInternalError: the background copy after a dense version into the
+                snapshot this publish writes did not stop within 10 s (nothing was written;
+                a later publish waits for it again).
 
         Cancellation: aborts the pushes in flight; subscribers keep their last complete version.
         """
@@ -424,7 +427,11 @@ class Publisher:
             learning, self._learning = self._learning, None
             if learning is not None:
                 # Its copy into the snapshot this publish writes stops first (one piece in flight).
-                await anyio.to_thread.run_sync(learning[2].pause, PAUSE_S)
+                try:
+                    await anyio.to_thread.run_sync(learning[2].pause, PAUSE_S)
+                except TransportInternalError:
+                    self._learning = learning  # still writing there: the next publish waits again
+                    raise
             snapshots.end_copy()
             t0 = time.perf_counter()
             front = decode_front(int(snapshots.ctl[FRONT]))
