@@ -5,12 +5,14 @@ and never used once the tensors they read are rewritten."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from tests._support import PYTHON, ROOT, python_env
 from transport.weights._checksum import SumPass
 from transport.weights._copy import PIECE_BYTES, start_background
 from transport.weights._delta import DeltaEncoder, DeltaRefusedError
@@ -137,3 +139,43 @@ def test_a_dense_rewrite_discards_the_pass_over_what_it_replaced():
     applier.apply(slot, index, 6)
     assert all(torch.equal(live[k].view(-1).view(torch.uint8), target[k].view(-1).view(torch.uint8)) for k in live)
     applier.close()
+
+
+EXITS = {
+    # torch work still running on a background thread when the script ends: waited for at exit
+    "background torch work": """
+import torch
+from transport.weights._copy import start_background
+def work():
+    for _ in range(20):
+        torch.empty(1 << 27, dtype=torch.uint8).fill_(1)
+start_background(work)
+""",
+    # a delta publish, then a normal exit: the background pass after the dense version (and the
+    # staging buffer and calibration it goes on to) ends with the publisher
+    "after a delta publish": """
+import uuid, anyio, torch, transport
+from transport.weights import Publisher, Subscriber
+async def main():
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(512, 64).to(torch.bfloat16)}
+    async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
+        async with Publisher(tt, src, delta=True) as pub, \\
+                Subscriber(tg, {"a": torch.zeros(512, 64, dtype=torch.bfloat16)}, publisher="trainer") as sub:
+            await pub.publish(1)
+            await sub.wait_version(1)
+            src["a"].view(-1)[::50] += 1
+            await pub.publish(2)
+anyio.run(main)
+""",
+}
+
+
+@pytest.mark.parametrize("what", list(EXITS))
+def test_the_process_exits_cleanly_with_background_work_running(what):
+    """A daemon thread still in native code when the interpreter finalizes aborts the process
+    ("terminate called without an active exception", status 134): background work is stopped
+    and waited for at close and at exit."""
+    r = subprocess.run([PYTHON, "-c", EXITS[what]], cwd=ROOT, env=python_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "terminate called" not in r.stderr, (r.returncode, r.stderr[-2000:])

@@ -122,6 +122,11 @@ class SumPass:
         with self._lock:
             self._stopped = True
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stopped
+
     def pause(self, timeout: float) -> None:
         """Background threads take no more pieces (for good); returns once the piece in flight
         on one, if any, has ended (one piece: milliseconds).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import torch
 from .. import _tensor_kernels
 from .._native import delta as native
 from .._tensors import dtype_from_name
-from ._checksum import MASK64, SumPass, checksums_of, deltable
+from ._checksum import MASK64, PAUSE_S, SumPass, checksums_of, deltable
 from ._copy import HostCopies, copy_bytes, start_background
 from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, DeltaRefusedError, Kind, _unsigned
 from ._layout import Entry, Layout
@@ -54,6 +55,7 @@ class DeltaApplier:
         self.sums: list[int | None] = [None] * len(layout.entries)  # None: not known
         self._stale = True  # the sums are to be taken from the live tensors before the next delta
         self._pass: SumPass | None = None  # the checksum pass begun after the last dense apply
+        self._thread: threading.Thread | None = None  # the background thread of the last such pass
         # Private bytes of the one-pass applies: per tensor, a copy of its positions and the
         # live values its stores replace (kept between versions, up to ``_scratch_max``).
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -66,7 +68,7 @@ class DeltaApplier:
         it finishes the pass on its copy threads (nothing, if the background took it all)."""
         self.before_dense()
         self._pass = self._new_pass()
-        start_background(self._pass.drain)
+        self._thread = start_background(self._pass.drain, self._pass.stop)
 
     def before_dense(self) -> None:
         """The live tensors are about to be rewritten (a dense apply): the checksum pass in the
@@ -78,10 +80,14 @@ class DeltaApplier:
         self._stale = True
 
     def close(self) -> None:
-        """Stops the background checksum pass, if it runs (its piece in flight ends on its own;
-        an apply running meanwhile finishes the pass itself)."""
+        """Stops the background checksum pass, if it runs, and waits for its piece in flight
+        (milliseconds; at most ``PAUSE_S``): a thread left in native code when the interpreter
+        exits would abort the process."""
         if self._pass is not None:
             self._pass.stop()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(PAUSE_S)
 
     def _learn_live(self) -> None:
         """The checksum of every live tensor that can take deltas: what the background pass

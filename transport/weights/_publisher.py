@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -171,6 +172,7 @@ class Publisher:
         self._takers = False  # whether a subscriber served by the last publish takes deltas
         # The checksum pass over the last dense snapshot, begun in the background: (slot, version, pass)
         self._learning: tuple[int, int, SumPass] | None = None
+        self._ahead: threading.Thread | None = None  # the thread that runs it (and readies what follows)
 
     @property
     def staging_bytes(self) -> int:
@@ -224,6 +226,15 @@ class Publisher:
             self._learning[2].stop()
         try:
             withdraw(self.t, [self._keys.pubctl, *self._keys.snapshots, self._keys.layout])
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                # Its piece in flight ends in milliseconds; a thread left in native code when the
+                # interpreter exits would abort the process.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(ahead.join, PAUSE_S)
+                if ahead.is_alive():
+                    log.warning("publisher %s: its background checksum pass did not end within %gs", self.t.name,
+                                PAUSE_S)
         finally:
             if rings is not None:
                 # Whatever leaves the ``async with`` body passes through unchanged (it is not
@@ -562,11 +573,12 @@ class Publisher:
 
             def ahead() -> None:
                 sums.drain()
-                delta.reserve()
-                if self._crossover.fixed is None and not self._crossover.calibrated:
+                if not sums.stopped:  # (stopped: closing)
+                    delta.reserve()
+                if not sums.stopped and self._crossover.fixed is None and not self._crossover.calibrated:
                     self._crossover.calibrate()
 
-            start_background(ahead)
+            self._ahead = start_background(ahead, sums.stop)
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
                     results: dict[str, SyncResult], dv: DeltaVersion | None = None, fill: _Fill | None = None) -> None:
