@@ -554,23 +554,83 @@ inline int next_gap(const uint8_t* pos, uint64_t pos_bytes, uint64_t* at, uint64
   return kOk;
 }
 
-// The stores of a varint payload into live (n elements), every position checked before its store.
+// Walks the positions of a sparse payload (pos: its position bytes, in memory nobody else
+// writes), each checked against n before visit(k, p) is called for the k-th. Returns the
+// refusal; the positions visited before a refusal are the first ones, in order, whoever walks
+// the same bytes again (undo relies on that).
+template <typename Visit>
+int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit) {
+  if (kind == kVarint) {
+    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
+    for (uint64_t k = 0; k < count; ++k) {
+      uint64_t gap = 0;
+      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
+      if (refusal != kOk) return refusal;
+      if (gap >= n || next > n - 1 - gap) return kOutOfRange;  // next + gap would be >= n
+      const uint64_t p = next + gap;
+      visit(k, p);
+      next = p + 1;
+    }
+    return at == pos_bytes ? kOk : kCountMismatch;
+  }
+  if (pos_bytes != (n + 7) / 8) return kBadBitmask;
+  uint64_t k = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) {
+    unsigned bits = pos[i];
+    while (bits) {
+      const uint64_t p = i * 8 + static_cast<uint64_t>(__builtin_ctz(bits));
+      if (p >= n) return kOutOfRange;  // callers check the bitmask first: only a peer rewriting it
+      if (k >= count) return kCountMismatch;
+      visit(k, p);
+      ++k;
+      bits &= bits - 1;
+    }
+  }
+  return k == count ? kOk : kCountMismatch;
+}
+
 template <int ES>
-int store_varints(uint8_t* l, uint64_t n, const uint8_t* vals, uint64_t count, const uint8_t* pos,
-                  uint64_t pos_bytes) {
-  uint64_t at = 0, next = 0;
-  for (uint64_t k = 0; k < count; ++k) {
-    uint64_t gap = 0;
-    const int refusal = next_gap(pos, pos_bytes, &at, &gap);
-    if (refusal != kOk) return refusal;
-    if (gap >= n || next > n - 1 - gap) return kOutOfRange;
-    const uint64_t p = next + gap;
+inline uint32_t load_es(const uint8_t* p) {
+  if constexpr (ES == 2) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  } else {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+}
+
+template <int ES>
+inline void store_es(uint8_t* p, uint32_t v) {
+  if constexpr (ES == 2) {
+    const uint16_t h = static_cast<uint16_t>(v);
+    std::memcpy(p, &h, 2);
+  } else {
+    std::memcpy(p, &v, 4);
+  }
+}
+
+// The bitmask's own checks, before any position is visited: its size, no bit past n, exactly
+// count bits set.
+int check_bitmask(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t count) {
+  if (pos_bytes != (n + 7) / 8) return kBadBitmask;
+  if (n % 8 != 0 && (pos[pos_bytes - 1] >> (n % 8)) != 0) return kBadBitmask;
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) total += static_cast<uint64_t>(__builtin_popcount(pos[i]));
+  return total == count ? kOk : kCountMismatch;
+}
+
+// The stores of a payload into live (n elements), every position checked before its store.
+template <int ES>
+int store_all(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
+              uint64_t pos_bytes) {
+  return walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
     // The positions ascend: the line a little ahead in the tensor is about to be stored to.
     __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
     std::memcpy(l + p * ES, vals + k * ES, ES);
-    next = p + 1;
-  }
-  return at == pos_bytes ? kOk : kCountMismatch;
+  });
 }
 
 int resolve(int isa) {
@@ -701,121 +761,32 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
   const auto* vals = static_cast<const uint8_t*>(payload);
   const auto* pos = vals + vbytes;
   if (write && l == nullptr) return {kBadSize, 0, 0};
-  auto visit = [&](uint64_t k, uint64_t p) {
-    if (write) {  // checked before: only the stores (the sums were taken by the check)
-      std::memcpy(l + p * es, vals + k * es, es == 2 ? 2 : 4);
-      return;
+  if (kind == kBitmask) {
+    const int refusal = check_bitmask(pos, pos_bytes, n, count);
+    if (refusal != kOk) return {refusal, 0, 0};
+#ifdef TRANSPORT_DELTA_X86
+    if ((write || l == nullptr) && supports(kAvx512)) {
+      const int vector = es == 2 ? scatter_mask_avx512<2>(l, n, vals, count, pos, write, &r.sum_new)
+                                 : scatter_mask_avx512<4>(l, n, vals, count, pos, write, &r.sum_new);
+      if (vector != kOk) return {vector, 0, 0};
+      return r;
     }
+#endif
+  }
+  if (write) {  // checked before: only the stores (the sums were taken by the check)
+    const int refusal = es == 2 ? store_all<2>(l, n, vals, kind, count, pos, pos_bytes)
+                                : store_all<4>(l, n, vals, kind, count, pos, pos_bytes);
+    return {refusal, 0, 0};
+  }
+  const int refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
     r.sum_new += mix(load_elem(vals + k * es, es), p);
     if (l != nullptr) r.sum_old += mix(load_elem(l + p * es, es), p);
-  };
-  if (kind == kVarint) {
-    if (write) {  // the walk specialised by element size, without the sums
-      const int refusal = es == 2 ? store_varints<2>(l, n, vals, count, pos, pos_bytes)
-                                  : store_varints<4>(l, n, vals, count, pos, pos_bytes);
-      return {refusal, 0, 0};
-    }
-    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
-    for (uint64_t k = 0; k < count; ++k) {
-      uint64_t gap = 0;
-      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
-      if (refusal != kOk) return {refusal, 0, 0};
-      if (gap >= n || next > n - 1 - gap) return {kOutOfRange, 0, 0};  // next + gap would be >= n
-      uint64_t p = next + gap;
-      visit(k, p);
-      next = p + 1;
-    }
-    if (at != pos_bytes) return {kCountMismatch, 0, 0};
-    return r;
-  }
-  if (pos_bytes != (n + 7) / 8) return {kBadBitmask, 0, 0};
-  if (n % 8 != 0 && (pos[pos_bytes - 1] >> (n % 8)) != 0) return {kBadBitmask, 0, 0};
-  uint64_t total = 0;
-  for (uint64_t i = 0; i < pos_bytes; ++i) total += static_cast<uint64_t>(__builtin_popcount(pos[i]));
-  if (total != count) return {kCountMismatch, 0, 0};
-#ifdef TRANSPORT_DELTA_X86
-  if ((write || l == nullptr) && supports(kAvx512)) {
-    int refusal = es == 2 ? scatter_mask_avx512<2>(l, n, vals, count, pos, write, &r.sum_new)
-                          : scatter_mask_avx512<4>(l, n, vals, count, pos, write, &r.sum_new);
-    if (refusal != kOk) return {refusal, 0, 0};
-    return r;
-  }
-#endif
-  uint64_t k = 0;
-  for (uint64_t i = 0; i < pos_bytes; ++i) {
-    unsigned bits = pos[i];
-    while (bits) {
-      int t = __builtin_ctz(bits);
-      uint64_t p = i * 8 + static_cast<uint64_t>(t);
-      // Both re-checked here: the payload is a peer's memory and may change under us.
-      if (p >= n) return {kOutOfRange, 0, 0};
-      if (k >= count) return {kCountMismatch, 0, 0};
-      visit(k++, p);
-      bits &= bits - 1;
-    }
-  }
+  });
+  if (refusal != kOk) return {refusal, 0, 0};
   return r;
 }
 
 namespace {
-
-// Walks the positions of a sparse payload (pos: its position bytes, in memory nobody else
-// writes), each checked against n before visit(k, p) is called for the k-th. Returns the
-// refusal; the positions visited before a refusal are the first ones, in order, whoever walks
-// the same bytes again (undo relies on that).
-template <typename Visit>
-int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit) {
-  if (kind == kVarint) {
-    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
-    for (uint64_t k = 0; k < count; ++k) {
-      uint64_t gap = 0;
-      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
-      if (refusal != kOk) return refusal;
-      if (gap >= n || next > n - 1 - gap) return kOutOfRange;  // next + gap would be >= n
-      const uint64_t p = next + gap;
-      visit(k, p);
-      next = p + 1;
-    }
-    return at == pos_bytes ? kOk : kCountMismatch;
-  }
-  if (pos_bytes != (n + 7) / 8) return kBadBitmask;
-  uint64_t k = 0;
-  for (uint64_t i = 0; i < pos_bytes; ++i) {
-    unsigned bits = pos[i];
-    while (bits) {
-      const uint64_t p = i * 8 + static_cast<uint64_t>(__builtin_ctz(bits));
-      if (p >= n) return kBadBitmask;
-      if (k >= count) return kCountMismatch;
-      visit(k, p);
-      ++k;
-      bits &= bits - 1;
-    }
-  }
-  return k == count ? kOk : kCountMismatch;
-}
-
-template <int ES>
-inline uint32_t load_es(const uint8_t* p) {
-  if constexpr (ES == 2) {
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    return v;
-  } else {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
-}
-
-template <int ES>
-inline void store_es(uint8_t* p, uint32_t v) {
-  if constexpr (ES == 2) {
-    const uint16_t h = static_cast<uint16_t>(v);
-    std::memcpy(p, &h, 2);
-  } else {
-    std::memcpy(p, &v, 4);
-  }
-}
 
 template <int ES>
 ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
@@ -853,6 +824,10 @@ ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t 
   if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0, 0};
   if (pos_bytes > payload_len || payload_len - pos_bytes != align8(count * es)) return {kBadSize, 0, 0, 0};
   if (live == nullptr || pos == nullptr || undo == nullptr) return {kBadSize, 0, 0, 0};
+  if (kind == kBitmask) {
+    const int refusal = check_bitmask(static_cast<const uint8_t*>(pos), pos_bytes, n, count);
+    if (refusal != kOk) return {refusal, 0, 0, 0};
+  }
   auto* l = static_cast<uint8_t*>(live);
   const auto* vals = static_cast<const uint8_t*>(payload);
   const auto* p = static_cast<const uint8_t*>(pos);
