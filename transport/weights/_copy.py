@@ -33,13 +33,17 @@ STREAM_MIN_BYTES = 16 << 20  # a batch this large copies its raw pieces with str
 log = logging.getLogger(__name__)
 
 
-def available_threads() -> int:
-    """The cores this process may run on (its CPU affinity), at most ``MAX_THREADS``."""
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
     try:
-        n = len(os.sched_getaffinity(0))
+        return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
-        n = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, n))
+        return os.cpu_count() or 1
+
+
+def available_threads() -> int:
+    """The cores this process may run on, at most ``MAX_THREADS``: the threads of one copy."""
+    return max(1, min(MAX_THREADS, cores()))
 
 
 class HostCopies:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,9 +41,10 @@ import torch
 from .. import _tensor_kernels
 from .._errors import TransportError, TransportInternalError
 from .._native import delta as native
+from .._native import stream_copy
 from .._tensors import dtype_from_name
 from ._checksum import MASK64, SumPass, deltable
-from ._copy import HostCopies
+from ._copy import STREAM_MIN_BYTES, HostCopies, copy_bytes
 from ._layout import ALIGN, Entry, Layout
 
 MAGIC = 0x31_54_4C_44_57  # "WDLT1"
@@ -65,8 +66,15 @@ SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elemen
 # copy at 1-5% of bf16, 1.3x at 10%): at lr 1e-6 a publish returns 13-25 ms sooner
 # (benchmarks/results/delta_sync-2026-12-03-b-tcp-10gbit.md).
 PATCH_MAX = 0.10
+# A publisher whose diff leaves cores free has it hand out the encodings in about this many parts
+# (see DeltaEncoder.encode), so that the pushes send them while it diffs the rest. Where the diff
+# takes every core, the pushes' own work (socket copies, and on one host the receivers') takes
+# cores from it: on a 2-core VM over tcp shaped to 10 Gbit/s, 8 parts made the diff of the 100M
+# model 1.6-2x slower (31-41 ms against 16-21) and the version no sooner live.
+PARTS = 8
 Kind = native.Kind
 Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
+Items = list[tuple[torch.Tensor, int]]  # (source bytes, offset in the slot) of what a delta push sends
 
 
 class DeltaRefusedError(TransportError):
@@ -131,6 +139,48 @@ class _Payloads:
     unchanged: frozenset[int]
 
 
+class _Parts:
+    """Collects the items of the tensors whose diff is done (from any copy thread) and hands
+    them to ``ready`` a part at a time: once about ``every`` bytes of the version were diffed
+    since the last part, and at :meth:`flush`. Keeps them all (:attr:`items`)."""
+
+    def __init__(self, ready: Callable[[Items], None] | None, every: int) -> None:
+        self._ready = ready
+        self._every = every
+        self._lock = threading.Lock()
+        self._pending: Items = []
+        self._diffed = 0  # bytes of the version diffed since the last part
+        self.items: Items = []
+
+    def done(self, nbytes: int, items: Items) -> None:
+        """A tensor of ``nbytes`` is done; ``items`` carry it (none when unchanged)."""
+        with self._lock:  # held while ``ready`` runs: parts go out one at a time, in order
+            self.items += items
+            self._pending += items
+            self._diffed += nbytes
+            if self._diffed >= self._every:
+                self._hand_out()
+
+    def flush(self) -> None:
+        """Hands out what is left (every tensor is done)."""
+        with self._lock:
+            self._hand_out()
+
+    def _hand_out(self) -> None:
+        part, self._pending, self._diffed = self._pending, [], 0
+        if part and self._ready is not None:
+            self._ready(part)
+
+
+def _copy(dst: int, src: int, nbytes: int) -> None:
+    """Copies a tensor into the new snapshot on this thread (streaming stores when large: it is
+    read back by the push, not from the cache)."""
+    if nbytes >= STREAM_MIN_BYTES:
+        stream_copy(dst, src, nbytes)
+    else:
+        copy_bytes(dst, src, nbytes)
+
+
 class DeltaEncoder:
     """The publisher's side: diffs and encodes each version against the front snapshot, brings
     the other snapshot to the version after the pushes, and keeps the per-tensor checksums of
@@ -169,13 +219,24 @@ class DeltaEncoder:
         return version if held is not None and version is not None and held[0] == version else None
 
     def encode(self, snap: torch.Tensor, slot: int, base: torch.Tensor | None, base_version: int | None,
-               base_slot: int | None, version: int) -> tuple[DeltaVersion, list[int]]:
+               base_slot: int | None, version: int, ready: Callable[[Items], None] | None = None,
+               parts: int = 1) -> tuple[DeltaVersion, list[int]]:
         """Diffs every deltable tensor against ``base`` (the previous snapshot, holding
         ``base_version``), reading both and writing only the sparse encodings (into the staging
         buffer); writes into ``snap`` (snapshot ``slot``, the new one) only what a delta push
         sends from it: the tensors that go dense and those that always travel dense.
-        :meth:`fill` writes the rest, after the pushes or before the first dense one (which
-        sends packed buckets from the snapshot). Runs in a worker thread.
+        :meth:`fill_copies` and :meth:`fill_patches` write the rest, after the pushes or before
+        the first dense one (which sends packed buckets from the snapshot). Runs in a worker
+        thread.
+
+        Args:
+            ready: with a base, called (from the copy threads, one call at a time) with the
+                items (source bytes, slot offset) of tensors whose diff is done, once about
+                1/``parts`` of the version was diffed since the last call, and last with what
+                remains: a push can send them while the rest is diffed. The same items end up in
+                the returned version's ``items``. What it raises ends the pass and is raised
+                here.
+            parts: see ``ready`` (1: one call, once every tensor is done).
 
         Returns:
             The version as a :class:`DeltaVersion`, and the new snapshot's checksums (keep
@@ -190,43 +251,49 @@ class DeltaEncoder:
                     self._staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
         staging = self._staging
         results: list[native.Encoded | None] = [None] * len(entries)
+        kinds: list[Kind] = [Kind.DENSE] * len(entries)
         keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
-        fresh_of: dict[int, int] = {}
         batch = HostCopies()
         sptr, bptr = snap.data_ptr(), 0 if base is None else base.data_ptr()
+        out = _Parts(ready if base is not None else None, max(1, -(-self.layout.total // max(1, parts))))
         for i, e in enumerate(entries):
             if not deltable(e):
                 if e.nbytes:
-                    batch.add(e.nbytes, functools.partial(self._pack_other, snap, e))
+                    batch.add(e.nbytes, functools.partial(self._pack_other, snap, e, out))
                 continue
             src = self._wire[e.name]
             if not src.is_contiguous():
                 src = src.contiguous()
                 keep.append(src)
-            fresh = fresh_of[i] = src.data_ptr()
+            fresh = src.data_ptr()
             es = src.element_size()
 
             def work(i: int = i, e: Entry = e, fresh: int = fresh, es: int = es) -> None:
-                out = 0 if staging is None else staging.data_ptr() + self._offsets[i]
-                # Without a base there is nothing to diff: the copy and the checksum in one pass.
-                results[i] = native.encode(fresh, bptr + e.offset if bptr else 0, 0 if bptr else sptr + e.offset,
-                                           e.numel, es, out, self._budget(e) if bptr else 0)
+                if not bptr:  # nothing to diff against: the copy and the checksum in one pass
+                    results[i] = native.encode(fresh, 0, sptr + e.offset, e.numel, es, 0, 0)
+                    return
+                o = self._offsets[i]
+                assert staging is not None
+                r = results[i] = native.encode(fresh, bptr + e.offset, 0, e.numel, es, staging.data_ptr() + o,
+                                               self._budget(e))
+                kind = kinds[i] = self._kind(r, e)
+                if kind == Kind.DENSE:  # what a delta push sends from the new snapshot, now
+                    _copy(sptr + e.offset, fresh, e.nbytes)
+                    out.done(e.nbytes, [(snap[e.offset:e.offset + e.nbytes], e.offset)])
+                else:
+                    out.done(e.nbytes, [(staging[o:o + r.payload_bytes], e.offset)] if r.payload_bytes else [])
 
             batch.add(e.nbytes, work)
         batch.run(self._threads)
+        out.flush()
+        del keep
         base_sums = self._sums[base_slot][1] if base_slot is not None and base is not None else None
-        kinds: list[Kind] = []
         sums: list[int] = []
         dv = DeltaVersion(version, base_version if base is not None else None, kinds,
                           held=held[0] if held is not None else None)
-        header = torch.zeros(HEADER_WORDS + ENTRY_WORDS * len(entries), dtype=torch.int64)
-        header[:HEADER_WORDS] = torch.tensor([MAGIC, version, -1 if dv.base is None else dv.base, len(entries)])
-        runs: list[tuple[int, int]] = []  # dense byte ranges of the snapshot
+        words = [MAGIC, version, -1 if dv.base is None else dv.base, len(entries)]  # the header, built in Python
         for i, (e, r) in enumerate(zip(entries, results, strict=True)):
-            kind = Kind.DENSE if r is None else r.kind
-            if r is not None and kind in (Kind.VARINT, Kind.BITMASK) and r.changed > self.crossover * e.numel:
-                kind = Kind.DENSE  # above the crossover: the dense copy applies faster
-            kinds.append(kind)
+            kind = kinds[i]
             if r is None:
                 sums.append(0)
             elif base_sums is None:
@@ -237,43 +304,32 @@ class DeltaEncoder:
                 dv.changed += r.changed
                 dv.elements += e.numel
             old = 0 if base_sums is None or r is None else base_sums[i]
-            w = HEADER_WORDS + ENTRY_WORDS * i
             if r is not None and kind in (Kind.VARINT, Kind.BITMASK):
-                header[w:w + 4] = torch.tensor([int(kind), r.changed, r.pos_bytes, r.payload_bytes])
+                words += [int(kind), r.changed, r.pos_bytes, r.payload_bytes]
             else:
-                header[w] = int(kind)
-            header[w + 4] = _signed(old)
-            header[w + 5] = _signed(sums[-1])
-            header[w + 6] = _signed(r.sum_old if r is not None else 0)
+                words += [int(kind), 0, 0, 0]
+            words += [_signed(old), _signed(sums[-1]), _signed(r.sum_old if r is not None else 0)]
+            if base is None or r is None:
+                continue
             if kind == Kind.DENSE:
-                end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
-                if runs and e.offset - runs[-1][1] < ALIGN:  # only alignment padding between: one range
-                    runs[-1] = (runs[-1][0], end)
-                elif end > e.offset:
-                    runs.append((e.offset, end))
-            elif r is not None and staging is not None:
-                o = self._offsets[i]
-                if r.payload_bytes:
-                    dv.items.append((staging[o:o + r.payload_bytes], e.offset))
-                    dv.sparse[i] = (o, r.payload_bytes, r.changed, r.pos_bytes, kind)
-        if base is not None:  # what a delta push sends from the snapshot, now; the rest later
-            early = HostCopies()
-            for i, e in enumerate(entries):
-                if i not in fresh_of:
-                    continue
-                if kinds[i] == Kind.DENSE:
-                    early.add_raw(sptr + e.offset, fresh_of[i], e.nbytes)
-                else:
-                    dv.unfilled.append(i)
-            early.run(self._threads)
-        del keep
-        dv.items += [(snap[a:b], a) for a, b in runs]
-        dv.header = header
-        dv.wire_bytes = sum(t.numel() for t, _ in dv.items) + header.numel() * 8
+                continue  # written into the new snapshot above
+            dv.unfilled.append(i)
+            if kind != Kind.UNCHANGED and r.payload_bytes:
+                dv.sparse[i] = (self._offsets[i], r.payload_bytes, r.changed, r.pos_bytes, kind)
+        dv.items = out.items
+        dv.header = torch.tensor(words, dtype=torch.int64)
+        dv.wire_bytes = sum(t.numel() for t, _ in dv.items) + len(words) * 8
         dv.encode_s = time.perf_counter() - t0
         return dv, sums
 
-    def _pack_other(self, snap: torch.Tensor, e: Entry) -> None:
+    def _kind(self, r: native.Encoded, e: Entry) -> Kind:
+        """How a diffed tensor travels: as the native pass encoded it, but dense above the
+        crossover (the dense copy applies faster)."""
+        if r.kind in (Kind.VARINT, Kind.BITMASK) and r.changed > self.crossover * e.numel:
+            return Kind.DENSE
+        return r.kind
+
+    def _pack_other(self, snap: torch.Tensor, e: Entry, parts: _Parts) -> None:
         """Packs an entry that always travels dense (fp8: quantised, with its scale)."""
         src = self._wire[e.name]
         with torch.no_grad():
@@ -282,6 +338,8 @@ class DeltaEncoder:
                 _tensor_kernels.pack(snap, [q, scale], [e.offset, e.scale_offset])
             else:
                 _tensor_kernels.pack(snap, [_tensor_kernels.as_bytes(src.contiguous())], [e.offset])
+        end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
+        parts.done(e.nbytes, [(snap[e.offset:end], e.offset)])
 
     def predicts_dense(self, base: torch.Tensor) -> tuple[bool, int, int]:
         """Whether a delta against snapshot ``base`` would not pay, judged from a sample of

@@ -118,8 +118,9 @@ class DeltaApplier:
             DeltaRefusedError: the live tensors are not the delta's base, or the payload fails
                 a check; the live tensors hold what they held before.
         """
-        words = index.clone()  # the index is a peer's to write: check and use one private copy
-        head = self.header_of(words)
+        private = index.clone()  # the index is a peer's to write: check and use one private copy
+        head = self.header_of(private)
+        words: list[int] = private.tolist()
         if self._stale:
             self._learn_live()
         entries = self.layout.entries
@@ -129,8 +130,8 @@ class DeltaApplier:
         dense: list[int] = []
         for i, e in enumerate(entries):
             w = HEADER_WORDS + ENTRY_WORDS * i
-            kind_word, changed, pos_bytes, payload_bytes = (int(x) for x in words[w:w + 4])
-            base_sum, new_sum, old_terms = (_unsigned(int(x)) for x in words[w + 4:w + 7])
+            kind_word, changed, pos_bytes, payload_bytes = words[w:w + 4]
+            base_sum, new_sum, old_terms = (_unsigned(x) for x in words[w + 4:w + 7])
             if kind_word not in (0, 1, 2, 3):
                 raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
             kind = Kind(kind_word)
@@ -206,7 +207,7 @@ class DeltaApplier:
         batch.run(self._threads)
         for i, e in enumerate(entries):
             if deltable(e) and self._local[i] is not None:
-                self.sums[i] = _unsigned(int(words[HEADER_WORDS + ENTRY_WORDS * i + 5]))
+                self.sums[i] = _unsigned(words[HEADER_WORDS + ENTRY_WORDS * i + 5])
 
     def _check_payloads(self, checks: list[_Check], base_ptr: int) -> None:
         """Checks the payloads of ``checks`` in the slot at ``base_ptr`` without writing: O(changed),

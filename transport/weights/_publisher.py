@@ -14,8 +14,8 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import torch
@@ -38,9 +38,10 @@ from ._control import (
     over_memory,
     withdraw,
 )
-from ._copy import available_threads, start_background
+from ._copy import available_threads, cores, start_background
 from ._crossover import Crossover
-from ._delta import CROSSOVER, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
+from ._delta import CROSSOVER, PARTS, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
+from ._delta_feed import DeltaFeed, Fill
 from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
@@ -52,6 +53,36 @@ if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transfer, Transport
 
 log = logging.getLogger("transport.weights")
+T = TypeVar("T")
+
+
+async def _both(first: Callable[[], Awaitable[T]], second: Callable[[], Awaitable[object]]) -> tuple[T, float]:
+    """Runs ``first`` and ``second`` concurrently; returns what ``first`` returned and when
+    ``second`` ended (``time.perf_counter()``). What either raises is raised as it is (not as a
+    group), once both have ended."""
+    out: list[T] = []
+    errors: list[Exception] = []
+    ended = [0.0]
+
+    async def run_first() -> None:
+        try:
+            out.append(await first())
+        except Exception as exc:  # noqa: BLE001 -- raised below
+            errors.append(exc)
+
+    async def run_second() -> None:
+        try:
+            await second()
+        except Exception as exc:  # noqa: BLE001 -- raised below
+            errors.append(exc)
+        ended[0] = time.perf_counter()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_first)
+        tg.start_soon(run_second)
+    if errors:
+        raise errors[0]
+    return out[0], ended[0]
 
 
 class Publisher:
@@ -153,6 +184,9 @@ class Publisher:
         self._crossover = Crossover(delta_crossover, self.layout.total, elements,
                                     round(sum(e.nbytes for e in deltable_entries) / elements) if elements else 2)
         self._index_bytes = index_bytes(self.layout)
+        # The diff hands its encodings to the pushes in parts while it runs where it leaves cores
+        # free for them (else in one part, once done: see PARTS).
+        self._parts = PARTS if cores() > available_threads() else 1
         self.version: int | None = None
         self._ringing: dict[tuple[str, str], int] = {}  # (subscriber, incarnation) -> newest version to ring
         self._rings: TaskGroup | None = None  # runs the doorbell loops; open between start and aclose
@@ -452,48 +486,67 @@ class Publisher:
                 dv: DeltaVersion | None = None
                 sums: list[int] = []
                 sample: tuple[bool, int, int] | None = None
-                if self._delta is not None and front is not None and self._takers:
-                    # A sample of the change decides whether the full diff can pay: a version that
-                    # changed too much goes dense at once, exactly as with delta=False. (No diff at
-                    # all while no subscriber takes deltas: zero-copy or device-slot ones, say.)
-                    base = snapshots.snaps[front[1]]
-                    self._delta.crossover = self._crossover.value([n for n, v in self._takes_delta.items() if v])
-                    sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
-                    if not sample[0]:
-                        if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
-                            started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
-                            await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started, slot)
-                        # Diffed against the front snapshot, writing only the encodings (and what a
-                        # delta push sends from the new snapshot); the rest of it is brought to the
-                        # version later (fill), by the two versions' encodings where that pays.
-                        made, sums = await anyio.to_thread.run_sync(self._delta.encode, snapshots.snaps[slot], slot,
-                                                                    base, front[0], front[1], version)
-                        self._crossover.diffed(made.encode_s)
-                        dv = made
-                if dv is None:
-                    if self._delta is not None:
-                        self._delta.forget(slot)
-                    # Only what cannot go straight from the live tensors is packed before the pushes;
-                    # the rest of the snapshot (for pull) is filled after them: copying it meanwhile
-                    # would compete with the pushes for the same memory bandwidth and cores.
-                    await anyio.to_thread.run_sync(snapshots.pack, slot)
-                t_packed = time.perf_counter()
+                feed: DeltaFeed | None = None
+                base = snapshots.snaps[0]
+                async def prepare() -> None:
+                    nonlocal base, sample, feed
+                    if self._delta is not None and front is not None and self._takers:
+                        # A sample of the change decides whether the full diff can pay: a version
+                        # that changed too much goes dense at once, exactly as with delta=False.
+                        # (No diff at all while no subscriber takes deltas: zero-copy or
+                        # device-slot ones, say.)
+                        base = snapshots.snaps[front[1]]
+                        self._delta.crossover = self._crossover.value([n for n, v in self._takes_delta.items() if v])
+                        sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
+                        if not sample[0]:
+                            if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
+                                started = learning[2] if learning is not None and learning[:2] == front[::-1] \
+                                    else None
+                                await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started,
+                                                               slot)
+                            feed = DeltaFeed(front[0])
+                    if feed is None:
+                        if self._delta is not None:
+                            self._delta.forget(slot)
+                        # Only what cannot go straight from the live tensors is packed before the
+                        # pushes; the rest of the snapshot (for pull) is filled after them: copying
+                        # it meanwhile would compete with the pushes for memory bandwidth and cores.
+                        await anyio.to_thread.run_sync(snapshots.pack, slot)
+
+                # The subscribers are looked up while the sample, or the pack, runs.
+                (subs, listed), t_packed = await _both(self._discover, prepare)
                 results: dict[str, SyncResult] = {}
-                subs, listed = await self._discover()
                 left, dead = self._departed(subs, listed, version, t0, results)
-                t_found = time.perf_counter()
+                t_found = t_diffed = time.perf_counter()
                 snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
-                if dv is not None:  # its snapshot is completed below: pull() waits for it, not the one before
+                if feed is not None:  # its snapshot is completed below: pull() waits for it, not the one before
                     snapshots.ctl[FILLING] = version
                 memory_barrier()
-                fill = None if dv is None or self._delta is None else _Fill(self._delta, snapshots.snaps[slot], dv)
                 async with anyio.create_task_group() as tg:
                     for peer in subs.values():
-                        tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results, dv, fill)
+                        tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results, feed)
+                    if feed is not None and self._delta is not None and front is not None:
+                        # Diffed against the front snapshot, writing only the encodings (and what a
+                        # delta push sends from the new snapshot); the pushes to subscribers that
+                        # hold the base send each part of them while the rest is diffed. The rest
+                        # of the new snapshot is brought to the version later (fill), by the two
+                        # versions' encodings where that pays.
+                        try:
+                            made, sums = await anyio.to_thread.run_sync(
+                                functools.partial(self._delta.encode, snapshots.snaps[slot], slot, base, front[0],
+                                                  front[1], version, feed.ready(), self._parts))
+                        except BaseException:
+                            feed.fail()
+                            raise
+                        feed.close(made, Fill(self._delta, snapshots.snaps[slot], made))
+                        self._crossover.diffed(made.encode_s)
+                        dv = made
+                        t_diffed = time.perf_counter()
                 t_pushed = time.perf_counter()
                 # A subscriber reached one-sidedly (its application takes no part in the copy back).
                 source = next((subs[n] for n, r in results.items()
                                if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
+                fill = None if feed is None else feed.fill
                 if fill is not None and dv is not None and self._delta is not None:
                     delta = self._delta
                     if fill.done or self._rings is None:
@@ -554,8 +607,11 @@ class Publisher:
                                    dense_bytes=self.layout.total, delta_bytes=self.layout.total, encode_s=0.0,
                                    kinds={"dense": len(self.layout.entries)}, sampled=sample is not None,
                                    crossover=self._delta.crossover if sample is not None else None)
-            return PublishReport(version, results, left, queued_s=t0 - entry, pack_s=t_packed - t0,
-                                 discover_s=t_found - t_packed, push_s=t_pushed - t_found, snapshot_s=end - t_pushed,
+            # A delta version's diff ran after the lookup, its pushes beside it: pack_s counts it,
+            # push_s what the pushes took after it.
+            return PublishReport(version, results, left, queued_s=t0 - entry,
+                                 pack_s=t_packed - t0 + t_diffed - t_found, discover_s=t_found - t_packed,
+                                 push_s=t_pushed - t_diffed, snapshot_s=end - t_pushed,
                                  total_s=end - entry, delta=stats)
 
     async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
@@ -581,14 +637,20 @@ class Publisher:
             self._ahead = start_background(ahead, sums.stop)
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
-                    results: dict[str, SyncResult], dv: DeltaVersion | None = None, fill: _Fill | None = None) -> None:
+                    results: dict[str, SyncResult], feed: DeltaFeed | None = None) -> None:
         sub, moved = peer.name, [0, 0]  # bytes written, whether as a delta
         handles: list[Transfer] = []
         status = SyncStatus.STRAGGLER
         error: str | None = f"not complete within the {self.deadline:g}s deadline"
-        with anyio.move_on_after(self.deadline):
+        with anyio.CancelScope() as scope:
+
+            def clock() -> None:
+                """(Re)starts the deadline: it runs from the end of the diff, our own work."""
+                scope.deadline = anyio.current_time() + self.deadline
+
+            clock()
             try:
-                await self._push_inner(peer, version, snap, handles, moved, dv, fill)
+                await self._push_inner(peer, version, snap, handles, moved, feed, clock)
                 status, error = SyncStatus.DONE, None
             except TransportError as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -615,14 +677,14 @@ class Publisher:
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
         return prepared
 
-    def _holds_base(self, peer: Peer, ctl: torch.Tensor, nslots: int, back: int, dv: DeltaVersion) -> bool:
+    def _holds_base(self, peer: Peer, ctl: torch.Tensor, nslots: int, back: int, base: int) -> bool:
         """Whether ``peer`` (its control block read into ``ctl``) takes deltas, has applied
-        exactly ``dv``'s base and has nothing newer waiting in a slot. Its words are anyone's to
+        exactly version ``base`` and has nothing newer waiting in a slot. Its words are anyone's to
         write: a wrong claim costs nothing but a refused delta (its checksums catch it)."""
         index = peer.regions.get(self._keys.deltas[back])
         front = decode_front(int(ctl[FRONT]), nslots)
         return (nslots == 2 and int(ctl[DELTA]) == 1 and index is not None and index.nbytes == self._index_bytes
-                and int(ctl[APPLIED]) == dv.base and front is not None and front[0] == dv.base)
+                and int(ctl[APPLIED]) == base and front is not None and front[0] == base)
 
     def _ring(self, sub: str, incarnation: str, version: int) -> None:
         """Rings the doorbell in the background: a subscriber busy generating acknowledges it
@@ -652,7 +714,7 @@ class Publisher:
             self._ringing.pop(key, None)
 
     async def _push_inner(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer],
-                          moved: list[int], dv: DeltaVersion | None = None, fill: _Fill | None = None) -> None:
+                          moved: list[int], feed: DeltaFeed | None, clock: Callable[[], None]) -> None:
         t, k, sub = self.t, self._keys, peer.name
         slot_bytes = peer.regions[k.slots[0]].nbytes
         if slot_bytes != self.layout.total:
@@ -675,16 +737,29 @@ class Publisher:
                 return PENDING if slot is None else slot
 
             back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
-        if (dv is not None and dv.is_delta and self._takes_delta[sub]
-                and self._holds_base(peer, ctl, nslots, back, dv)):
-            # Only what changed since the base it holds, with the header beside the slot.
-            items = [(src, k.slots[back], offset) for src, offset in dv.items]
-            items.append((dv.header, k.deltas[back], 0))
-            h = t.put_many(sub, items, timeout=self.deadline)
-            nbytes, moved[1] = dv.wire_bytes, 1
-        else:
-            if fill is not None:  # a delta version: the packed buckets this sends are filled first
-                await fill()
+        if feed is not None and self._takes_delta[sub] and self._holds_base(peer, ctl, nslots, back, feed.base):
+            # Only what changed since the base it holds: each part of the encodings as the diff
+            # hands it out (the rest is diffed meanwhile), then the header beside the slot.
+            index = 0
+            while (part := await feed.part(index)) is not None:
+                handles.append(t.put_many(sub, [(src, k.slots[back], offset) for src, offset in part],
+                                          timeout=self.deadline))
+                index += 1
+            clock()
+            dv = await feed.done()
+            if dv.is_delta:
+                handles.append(t.put_many(sub, [(dv.header, k.deltas[back], 0)], timeout=self.deadline))
+                moved[0], moved[1] = dv.wire_bytes, 1
+            else:  # every tensor went dense after all: the version goes as usual, after the parts
+                for h in handles:
+                    await h
+                handles.clear()
+        if not moved[1]:
+            if feed is not None:  # a delta version: the packed buckets this sends are filled first
+                await feed.done()
+                clock()
+                assert feed.fill is not None
+                await feed.fill()
             if int(ctl[DELTA]) == 1 and k.deltas[back] in peer.regions:
                 # That slot's delta header may name this version (a restarted publisher counts
                 # again): cleared first, so the dense bytes are never read as a delta.
@@ -693,60 +768,18 @@ class Publisher:
             # The whole version as one prepared transfer into that slot: its segment list
             # (coalesced, checked, and packed into each backend's native list) is built the
             # first time and reused every later version with this subscriber, slot and snapshot.
-            h = self._prepared(peer, back, snap).start(timeout=self.deadline)
-            nbytes = self.layout.total
-        handles.append(h)
+            handles.append(self._prepared(peer, back, snap).start(timeout=self.deadline))
+            moved[0] = self.layout.total
         pushed = time.perf_counter()
-        await h
+        for h in handles:
+            await h
         if not moved[1]:
             self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
-        self._memory_link[sub] = over_memory(h)
+        self._memory_link[sub] = all(over_memory(h) for h in handles)
         self._takes_delta[sub] = self._takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
-        moved[0] = nbytes
         # Reached one-sidedly (every backend that carried it): its slot can be read back for the
         # snapshot fill without its application taking part.
-        self._landed[sub] = (back, h.one_sided is True)
+        self._landed[sub] = (back, all(h.one_sided is True for h in handles))
         # Every byte is in its memory (puts complete only then): now make the slot the front.
         front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
         await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
-
-
-class _Fill:
-    """Brings a delta version's new snapshot to the version: its copies, which read the live
-    tensors (:meth:`DeltaEncoder.fill_copies`), then its patches, which read only our encodings
-    (:meth:`DeltaEncoder.fill_patches`). Each runs once, shared by the publish and the pushes
-    that send the snapshot dense."""
-
-    def __init__(self, delta: DeltaEncoder, snap: torch.Tensor, dv: DeltaVersion) -> None:
-        self.copies = _Once(functools.partial(delta.fill_copies, snap, dv))
-        self._patches = _Once(functools.partial(delta.fill_patches, snap, dv))
-
-    @property
-    def done(self) -> bool:
-        """Whether the snapshot is filled."""
-        return self._patches.done
-
-    async def __call__(self) -> None:
-        await self.copies()
-        await self._patches()
-
-
-class _Once:
-    """Runs ``work`` in a worker thread the first time it is awaited; later awaits wait for that
-    run. Shared by the pushes of one version and the publish that made them."""
-
-    def __init__(self, work: Callable[[], None]) -> None:
-        self._work = work
-        self._lock = anyio.Lock()
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        """Whether the work has run."""
-        return self._done
-
-    async def __call__(self) -> None:
-        async with self._lock:
-            if not self._done:
-                await anyio.to_thread.run_sync(self._work)
-                self._done = True

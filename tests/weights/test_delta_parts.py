@@ -1,0 +1,136 @@
+"""The diff of a delta version hands its encodings out in parts while it runs (DeltaEncoder.encode's
+``ready``), and a publisher whose diff leaves cores free pushes each part to the subscribers that
+hold the base before the rest is diffed: the parts are exactly the version's items, each final
+when handed out, and the subscribers hold every version bit for bit."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import transport
+from tests._support.delta_model import same_bits
+from transport.weights import Publisher, Subscriber
+from transport.weights import _publisher as publisher_module
+from transport.weights._delta import DeltaEncoder, Kind
+from transport.weights._delta_apply import DeltaApplier
+from transport.weights._layout import build_layout
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    m = {f"layer.{i}": torch.randn(64, 1024, generator=g).to(torch.bfloat16) for i in range(12)}
+    m["norm"] = torch.randn(4096, generator=g)
+    m["step"] = torch.zeros((), dtype=torch.int64)  # not deltable: always dense
+    return m
+
+
+def changed(m: dict[str, torch.Tensor], seed: int, dense: str | None = None) -> dict[str, torch.Tensor]:
+    """1% of each float tensor's elements changed (``dense``: 60% of that one)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in m.items()}
+    for k, v in out.items():
+        if not v.is_floating_point():
+            v.fill_(seed)
+            continue
+        flat = v.view(-1)
+        n = flat.numel() * (6 if k == dense else 1) // (10 if k == dense else 100)
+        flat[torch.randperm(flat.numel(), generator=g)[:n]] += 1
+    return out
+
+
+def encoder_at(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]):
+    """An encoder of ``new`` whose snapshot 0 holds ``base`` (version 0, checksums known)."""
+    layout = build_layout("m", new, bucket_bytes=1 << 20)
+    snaps = [torch.zeros(layout.total, dtype=torch.uint8) for _ in range(2)]
+    first = DeltaEncoder(layout, base, 2)
+    _, sums = first.encode(snaps[0], 0, None, None, None, 0)
+    enc = DeltaEncoder(layout, new, 2)
+    enc.commit(0, 0, sums)
+    return layout, snaps, enc
+
+
+def test_parts_are_the_items_each_final_when_handed_out():
+    base = model(1)
+    new = changed(base, 2, dense="layer.3")
+    layout, snaps, enc = encoder_at(base, new)
+    parts: list[list[tuple[torch.Tensor, int, torch.Tensor]]] = []
+
+    def ready(part: list[tuple[torch.Tensor, int]]) -> None:
+        # What the push would send now, copied as it is now.
+        parts.append([(src, offset, src.clone()) for src, offset in part])
+
+    dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, ready, parts=8)
+    assert dv.is_delta and dv.kinds[[e.name for e in layout.entries].index("layer.3")] == Kind.DENSE
+    assert 3 <= len(parts) <= 9, len(parts)  # about an eighth of the version each, the rest last
+    flat = [(src, offset) for part in parts for src, offset, _ in part]
+    assert [(s.data_ptr(), s.numel(), o) for s, o in flat] == [(s.data_ptr(), s.numel(), o) for s, o in dv.items]
+    for part in parts:  # nothing handed out changed afterwards
+        for src, _, then in part:
+            assert torch.equal(src, then)
+    assert dv.wire_bytes == sum(s.numel() for s, _ in flat) + dv.header.numel() * 8
+    # The parts, landed in a slot with the header, apply to the base bit for bit.
+    slot = torch.zeros(layout.total, dtype=torch.uint8)
+    for src, offset in flat:
+        slot[offset:offset + src.numel()].copy_(src.reshape(-1).view(torch.uint8))
+    live = {k: v.clone() for k, v in base.items()}
+    applier = DeltaApplier(layout, [live[e.name] for e in layout.entries], 2)
+    applier.apply(slot, dv.header.clone(), 1)
+    assert same_bits(live, new)
+
+
+def test_one_part_comes_once_every_tensor_is_done():
+    base = model(3)
+    _, snaps, enc = encoder_at(base, changed(base, 4))
+    parts: list[list[tuple[torch.Tensor, int]]] = []
+    dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, parts.append)
+    assert len(parts) == 1 and len(parts[0]) == len(dv.items) > 10
+
+
+def test_what_ready_raises_ends_the_diff():
+    base = model(5)
+    _, snaps, enc = encoder_at(base, changed(base, 6))
+
+    def ready(part: list[tuple[torch.Tensor, int]]) -> None:
+        raise RuntimeError("the push side is gone")
+
+    with pytest.raises(RuntimeError, match="the push side is gone"):
+        enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, ready, parts=8)
+
+
+@pytest.mark.parametrize("free_cores", [False, True], ids=["one-part", "parts"])
+async def test_pushed_in_parts_every_subscriber_holds_every_version(monkeypatch, free_cores):
+    """Over tcp, a publisher whose diff leaves cores free (the host's core count seen as above
+    the diff's threads) sends each version's encodings in several puts, one that does not in
+    one; two subscribers hold every version bit for bit, as deltas from the second on."""
+    if free_cores:
+        monkeypatch.setattr(publisher_module, "cores", lambda: 64)
+    store = f"memory://{uuid.uuid4().hex}"
+    live = model(7)
+    subs_state = {n: {k: torch.zeros_like(v) for k, v in live.items()} for n in ("gen-0", "gen-1")}
+    async with transport.Transport("trainer", store=store, backends=("tcp",)) as tt, \
+            transport.Transport("gen-0", store=store, backends=("tcp",)) as t0, \
+            transport.Transport("gen-1", store=store, backends=("tcp",)) as t1:
+        async with Publisher(tt, live, delta=True) as pub, \
+                Subscriber(t0, subs_state["gen-0"], publisher="trainer") as s0, \
+                Subscriber(t1, subs_state["gen-1"], publisher="trainer") as s1:
+            assert pub._parts == (8 if free_cores else 1)
+            for v in range(1, 6):
+                if v > 1:
+                    for k, x in changed(live, 10 + v, dense="norm" if v == 3 else None).items():
+                        live[k].copy_(x)
+                r = await pub.publish(v)
+                assert all(r.results[n].delta == (v > 1) for n in ("gen-0", "gen-1")), (v, r.results)
+                for s in (s0, s1):
+                    assert await s.wait_version(v, timeout=30) == v
+                assert all(same_bits(st, live) for st in subs_state.values()), v
+            slot_puts = [rec for rec in tt.flight_record()["records"]
+                         if rec["op"] == "put" and rec["peer"] == "gen-0" and ".slot" in rec["key"]]
+            # Version 1 is dense (one prepared put); each delta is one put per part (the
+            # header goes beside the slot, to its own region).
+            if free_cores:
+                assert len(slot_puts) >= 1 + 4 * 3, len(slot_puts)
+            else:
+                assert len(slot_puts) == 5, len(slot_puts)

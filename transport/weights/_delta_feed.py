@@ -1,0 +1,135 @@
+"""A delta version of a stream while the publisher makes it: the parts of its encodings as the
+diff hands them out (:class:`DeltaFeed`), which the pushes to subscribers holding the base send
+while the rest is diffed, and the work that brings the new snapshot to the version
+(:class:`Fill`), shared by the publish and the pushes that send the snapshot dense."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import torch
+
+from .._errors import TransportInternalError
+from ._delta import DeltaEncoder, DeltaVersion, Items
+
+
+class DeltaFeed:
+    """The encodings of one delta version, part by part as its diff finishes them (in order),
+    then the whole version (:attr:`dv`) and its :class:`Fill` once the diff is done. Lives on
+    the event loop's thread; :meth:`ready` is what the diff calls from its threads.
+
+    Args:
+        base: the version the delta is made against (a subscriber that holds it can follow the
+            parts before the diff is done).
+    """
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.dv: DeltaVersion | None = None
+        self.fill: Fill | None = None
+        self._parts: list[Items] = []
+        self._closed = False
+        self._more = anyio.Event()
+
+    def ready(self) -> Callable[[Items], None]:
+        """What the diff calls, from any thread, with each part: it hands the part to this
+        feed on the event loop's thread (and waits until it has). Call on that thread."""
+        token = anyio.lowlevel.current_token()
+
+        def hand(part: Items) -> None:
+            anyio.from_thread.run_sync(self._add, part, token=token)
+
+        return hand
+
+    def _add(self, part: Items) -> None:
+        self._parts.append(part)
+        self._wake()
+
+    def close(self, dv: DeltaVersion, fill: Fill) -> None:
+        """The diff is done: ``dv`` is the version, its parts all handed out."""
+        self.dv, self.fill = dv, fill
+        self._closed = True
+        self._wake()
+
+    def fail(self) -> None:
+        """The diff failed: no more parts, and no version."""
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        more, self._more = self._more, anyio.Event()
+        more.set()
+
+    async def part(self, index: int) -> Items | None:
+        """Part ``index`` (from 0), once handed out; None once the diff is done and there is
+        no such part.
+
+        Raises:
+            TransportInternalError: the diff failed (the publish raises what it raised).
+        """
+        while index >= len(self._parts):
+            if self._closed:
+                self._version_or_raise()
+                return None
+            await self._more.wait()
+        return self._parts[index]
+
+    async def done(self) -> DeltaVersion:
+        """The version, once the diff is done.
+
+        Raises:
+            TransportInternalError: the diff failed.
+        """
+        while not self._closed:
+            await self._more.wait()
+        return self._version_or_raise()
+
+    def _version_or_raise(self) -> DeltaVersion:
+        if self.dv is None:
+            raise TransportInternalError("the diff of this version failed")
+        return self.dv
+
+
+class Fill:
+    """Brings a delta version's new snapshot to the version: its copies, which read the live
+    tensors (:meth:`DeltaEncoder.fill_copies`), then its patches, which read only our encodings
+    (:meth:`DeltaEncoder.fill_patches`). Each runs once, shared by the publish and the pushes
+    that send the snapshot dense."""
+
+    def __init__(self, delta: DeltaEncoder, snap: torch.Tensor, dv: DeltaVersion) -> None:
+        self.copies = Once(functools.partial(delta.fill_copies, snap, dv))
+        self._patches = Once(functools.partial(delta.fill_patches, snap, dv))
+
+    @property
+    def done(self) -> bool:
+        """Whether the snapshot is filled."""
+        return self._patches.done
+
+    async def __call__(self) -> None:
+        await self.copies()
+        await self._patches()
+
+
+class Once:
+    """Runs ``work`` in a worker thread the first time it is awaited; later awaits wait for that
+    run. Shared by the pushes of one version and the publish that made them."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._lock = anyio.Lock()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """Whether the work has run."""
+        return self._done
+
+    async def __call__(self) -> None:
+        async with self._lock:
+            if not self._done:
+                await anyio.to_thread.run_sync(self._work)
+                self._done = True
