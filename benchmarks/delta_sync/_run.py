@@ -37,6 +37,8 @@ import trio
 import transport
 from transport.weights import Publisher, Subscriber, delta_isa
 
+from ._references import floor_s, references
+
 ROOT = Path(__file__).resolve().parent.parent
 STREAMS = ("delta", "dense")
 SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
@@ -319,6 +321,29 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def floor_cell(refs: dict[str, Any] | None, r: dict[str, Any]) -> str:
+    """The step's floor (read both versions + a bare scatter at its density) and its ratio to the
+    dense version's live time (records made before the references: none)."""
+    if refs is None or f"{r['changed_fraction']:.6f}" not in refs["scatter_s"]:
+        return "-"
+    floor = floor_s(refs, r["changed_fraction"])
+    return f"{floor * 1e3:.0f} ({floor / r['dense']['live_s']:.2f})"
+
+
+def references_md(refs: dict[str, Any] | None) -> list[str]:
+    """The physical references section (see benchmarks/delta_sync/_references.py)."""
+    if refs is None:
+        return []
+    cells = ", ".join(f"{float(f):.2%} {t * 1e3:.1f} ms ({t / refs['copy_s']:.2f}x the copy)"
+                      for f, t in refs["scatter_s"].items())
+    return ["Physical references (same run, this machine, one process alone on all cores, plain torch on "
+            "buffers of the version's size; see `benchmarks/delta_sync/_references.py`): read both versions "
+            f"once {refs['read_both_s'] * 1e3:.1f} ms, copy the version {refs['copy_s'] * 1e3:.1f} ms, bare "
+            f"scatter of new values at a density: {cells}. floor = read both + scatter at the step's density: the "
+            "least a diff and one subscriber's apply take here over a link of no cost; it leaves out the "
+            "network, the second subscriber and every fixed cost.", ""]
+
+
 def diff_cell(r: dict[str, Any]) -> str:
     if not r.get("diff_gbps"):
         return "none (sample above the crossover: dense)"
@@ -345,16 +370,20 @@ def markdown(result: dict[str, Any]) -> str:
            + f". Command: `python -m benchmarks.delta_sync {' '.join(result.get('argv', []))}`", ""]
     out += [f"Note: {n}" for n in result.get("args", {}).get("note", [])]
     out += [""] if result.get("args", {}).get("note") else []
+    out += references_md(result.get("references"))
     for run in result["runs"]:
         b = run["backend"]
+        refs = result.get("references")
         out += [f"## {b}", "", "| lr | step | loss | changed | wire delta / dense (MB) | diff ms (GB/s) | "
-                "apply ms delta / dense | live ms delta / dense | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                "apply ms delta / dense | live ms delta / dense | ratio | floor ms (/ dense live) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["steps"][1:]:
             d, n = r["delta"], r["dense"]
             out.append(f"| {r['lr']:g} | {r['step']} | {r['loss']:.3f} | {r['changed_fraction']:.3%} | "
                        f"{d['wire_bytes'] / 1e6:.2f} / {n['wire_bytes'] / 1e6:.2f} | {diff_cell(r)} | "
                        f"{max(d['apply_s']) * 1e3:.0f} / {max(n['apply_s']) * 1e3:.0f} | "
-                       f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} |")
+                       f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} | "
+                       f"{floor_cell(refs, r)} |")
         out += ["", f"Forced densities ({b}): bit flips of that fraction of every tensor.", "",
                 "| forced | measured | kinds | wire ratio | apply ms delta / dense | live ms delta / dense | ratio |",
                 "|---|---|---|---|---|---|---|"]
@@ -423,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {nbytes / 1e6:.1f} MB of bf16; memcpy {', '.join(f'{k}: {v:.2f} GB/s' for k, v in memcpy.items())}",
           flush=True)
     runs = [trio.run(trainer, args, b) for b in args.backends]
+    densities = [r["changed_fraction"] for run in runs for r in run["steps"][1:] + run["sweep"]]
+    refs = references(nbytes, densities)
     result: dict[str, Any] = {
         "benchmark": "delta_sync", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": os.cpu_count() or 1,
@@ -430,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "bf16_bytes": nbytes,
         "memcpy_gbps": memcpy, "args": {k: v for k, v in vars(args).items() if k not in ("spec", "role")},
         "runs": runs, "summary": {r["backend"]: summarize(r) for r in runs},
-        "load_before": load_before, "commit": commit,
+        "load_before": load_before, "commit": commit, "references": refs,
     }
     summary: dict[str, dict[str, Any]] = result["summary"]
     for b, s in summary.items():

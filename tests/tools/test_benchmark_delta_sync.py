@@ -5,7 +5,8 @@ per learning rate, two subscriber processes, over ipc and tcp, a 1% and a 90% fo
 checks that the entry point works end to end, that every version reached both subscribers on
 both streams, and the byte accounting the README quotes: the dense stream always moves the
 whole version, a delta moves at most 2·f of it plus its header, and a version above the
-crossover (the 90% one) goes dense on its own. No timing is asserted.
+crossover (the 90% one) goes dense on its own; and the physical references are there for every
+density. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "delta_sync" and set(doc["summary"]) == {"ipc", "tcp"}
     assert all(v > 0 for v in doc["memcpy_gbps"].values())
+    # The physical references: a read of both versions, a copy, and a bare scatter at every
+    # density a version had (the markdown's floor column).
+    refs = doc["references"]
+    assert refs["read_both_s"] > 0 and refs["copy_s"] > 0
+    densities = {f"{row['changed_fraction']:.6f}" for run in doc["runs"] for row in run["steps"][1:] + run["sweep"]}
+    assert set(refs["scatter_s"]) == densities and all(t > 0 for t in refs["scatter_s"].values())
     for run in doc["runs"]:
         dense = run["dense_bytes"]
         tensors = sum(run["steps"][1]["kinds"].values())
