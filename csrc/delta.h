@@ -99,7 +99,7 @@ struct ApplyResult {
 // written: undo() them. The caller compares the sums with the checksums it expects, and
 // undoes on a mismatch too.
 ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
-                  uint64_t count, uint64_t pos_bytes, const void* pos, void* undo);
+                  uint64_t count, uint64_t pos_bytes, const void* pos, void* undo, int isa = 0);
 
 // Restores the live values apply() saved at the first `stored` positions of pos.
 void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,

@@ -349,14 +349,14 @@ void bind_delta(nb::module_& m) {
   m.def(
       "delta_apply",
       [](uint64_t live, uint64_t n, int es, uint64_t payload, uint64_t payload_len, uint32_t kind, uint64_t count,
-         uint64_t pos_bytes, uint64_t pos, uint64_t undo) {
+         uint64_t pos_bytes, uint64_t pos, uint64_t undo, int isa) {
         auto r = delta::apply(reinterpret_cast<void*>(live), n, es, reinterpret_cast<const void*>(payload),
                               payload_len, kind, count, pos_bytes, reinterpret_cast<const void*>(pos),
-                              reinterpret_cast<void*>(undo));
+                              reinterpret_cast<void*>(undo), isa);
         return std::make_tuple(r.refusal, r.sum_old, r.sum_new, r.stored);
       },
       nb::arg("live"), nb::arg("n"), nb::arg("es"), nb::arg("payload"), nb::arg("payload_len"), nb::arg("kind"),
-      nb::arg("count"), nb::arg("pos_bytes"), nb::arg("pos"), nb::arg("undo"),
+      nb::arg("count"), nb::arg("pos_bytes"), nb::arg("pos"), nb::arg("undo"), nb::arg("isa") = 0,
       nb::call_guard<nb::gil_scoped_release>(),
       "The one-pass checked apply of an encoded delta; returns (refusal, sum_old, sum_new, stored).");
   m.def(

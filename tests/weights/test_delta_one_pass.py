@@ -9,36 +9,40 @@ import numpy as np
 import pytest
 import torch
 
-from tests.weights.test_delta_sync import HOSTILE, guarded, holding_version_1, payload, same_bits
+from tests.weights.test_delta_sync import HOSTILE, ISAS, guarded, holding_version_1, payload, same_bits
 from transport._native import delta as native
 
 
 def one_pass(live: torch.Tensor, n: int, p: torch.Tensor, kind: int, count: int, pos_bytes: int,
-             es: int = 2) -> tuple[native.Refusal, int, int, int, torch.Tensor, torch.Tensor]:
-    """native.apply of payload ``p`` with a private copy of its positions and an undo buffer."""
+             es: int = 2, isa: native.Isa = native.Isa.AUTO
+             ) -> tuple[native.Refusal, int, int, int, torch.Tensor, torch.Tensor]:
+    """native.apply of payload ``p`` with a private copy of its positions and an undo buffer
+    (bitmask payloads go a vector at a time on AVX512, one position at a time on SCALAR)."""
     values = p.numel() - pos_bytes
     pos = p[values:].clone() if 0 <= values <= p.numel() else torch.zeros(1, dtype=torch.uint8)
     undo = torch.zeros(max(8, count * es), dtype=torch.uint8)
     refusal, old, new, stored = native.apply(live.data_ptr(), n, es, p.data_ptr(), p.numel(), kind, count, pos_bytes,
-                                             pos.data_ptr(), undo.data_ptr())
+                                             pos.data_ptr(), undo.data_ptr(), isa)
     return refusal, old, new, stored, pos, undo
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
 @pytest.mark.parametrize("what,n,kind,count,pos,declared,refusal", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_payloads_are_refused_and_their_stores_undone(what, n, kind, count, pos, declared, refusal):
+def test_hostile_payloads_are_refused_and_their_stores_undone(what, n, kind, count, pos, declared, refusal, isa):
     mem, live = guarded(n)
     live.copy_(torch.from_numpy(np.random.default_rng(1).integers(0, 256, live.numel(), dtype=np.uint8)))
     before = mem.clone()
     p = payload(count, pos)
     pos_bytes = len(pos) if declared is None else declared
-    got, _, _, stored, private, undo = one_pass(live, n, p, int(kind), count, pos_bytes)
+    got, _, _, stored, private, undo = one_pass(live, n, p, int(kind), count, pos_bytes, isa=isa)
     assert got == refusal, what
     assert torch.equal(mem[:4096], before[:4096]) and torch.equal(mem[-4096:], before[-4096:])  # never outside
     native.undo(live.data_ptr(), n, 2, int(kind), private.data_ptr(), pos_bytes, stored, undo.data_ptr())
     assert torch.equal(mem, before), what
 
 
-def test_random_payloads_never_store_outside_and_undo_restores_every_byte():
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_random_payloads_never_store_outside_and_undo_restores_every_byte(isa):
     g = np.random.default_rng(7)
     n = 1000
     mem, live = guarded(n)
@@ -53,20 +57,21 @@ def test_random_payloads_never_store_outside_and_undo_restores_every_byte():
         p = torch.from_numpy(g.integers(0, 256, vbytes + pos_bytes, dtype=np.uint8))
         if kind == 2 and g.random() < 0.5:  # mostly small gaps: many walks get far before they fail
             p[vbytes:] &= 0x07
-        _, _, _, stored, private, undo = one_pass(live, n, p, kind, count, pos_bytes)
+        _, _, _, stored, private, undo = one_pass(live, n, p, kind, count, pos_bytes, isa=isa)
         stores += stored
         native.undo(live.data_ptr(), n, 2, kind, private.data_ptr(), pos_bytes, stored, undo.data_ptr())
         assert torch.equal(mem, before)
     assert stores > 1000  # the walks did store before they were refused (or passed): undo was exercised
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
 @pytest.mark.parametrize("es", [2, 4])
-def test_one_pass_sums_are_the_encoders_and_its_stores_exact(es):
+def test_one_pass_sums_are_the_encoders_and_its_stores_exact(es, isa):
     dtype = torch.bfloat16 if es == 2 else torch.float32
     g = torch.Generator().manual_seed(es)
     n = 300_001
     base = torch.randn(n, generator=g).to(dtype)
-    for fraction in (0.002, 0.05, 0.3):  # varint, and bitmask where it is the smaller
+    for fraction in (0.002, 0.05, 0.3, 0.9):  # varint, and bitmask where it is the smaller
         fresh = base.clone()
         bits = fresh.view(torch.int16 if es == 2 else torch.int32)
         bits[torch.randperm(n, generator=g)[: int(n * fraction)]] ^= 1
@@ -74,7 +79,7 @@ def test_one_pass_sums_are_the_encoders_and_its_stores_exact(es):
         enc = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, es, out.data_ptr(), out.numel())
         live = base.clone()
         got, old, new, stored, private, undo = one_pass(live, n, out[:enc.payload_bytes], int(enc.kind), enc.changed,
-                                                        enc.pos_bytes, es)
+                                                        enc.pos_bytes, es, isa)
         assert (got, old, new, stored) == (native.Refusal.OK, enc.sum_old, enc.sum_new, enc.changed), fraction
         assert torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
         native.undo(live.data_ptr(), n, es, int(enc.kind), private.data_ptr(), enc.pos_bytes, stored, undo.data_ptr())

@@ -122,19 +122,21 @@ def scatter(live: int, n: int, es: int, payload: int, payload_len: int, kind: in
 
 
 def apply(live: int, n: int, es: int, payload: int, payload_len: int, kind: int, count: int, pos_bytes: int,
-          pos: int, undo: int) -> tuple[Refusal, int, int, int]:
+          pos: int, undo: int, isa: Isa = Isa.AUTO) -> tuple[Refusal, int, int, int]:
     """The checked apply of ``payload`` (the encoding of ``count`` changed elements of a tensor
     of ``n`` elements at ``live``) in one pass: each position is checked against ``n`` before
     its store, the live value there saved at ``undo`` (``count * es`` bytes), the new value
     read once, stored and summed. ``pos`` is a private copy of the payload's ``pos_bytes``
-    position bytes (:func:`undo` walks it again); the values are read from ``payload``.
+    position bytes (:func:`undo` walks it again); the values are read from ``payload``. A
+    bitmask payload goes a vector of elements at a time on ``isa`` AVX512 (the default where the
+    CPU has it); varints, and bitmasks on the other ISAs, one position at a time.
 
     Returns:
         (refusal, sum of the old terms, sum of the new terms, positions stored to). On a
         refusal, or sums other than expected, :func:`undo` the stores made.
     """
     refusal, old, new, stored = _call("delta apply", "delta_apply", live, n, es, payload, payload_len, kind, count,
-                                      pos_bytes, pos, undo)
+                                      pos_bytes, pos, undo, int(isa))
     return Refusal(refusal), old, new, stored
 
 
