@@ -103,7 +103,8 @@ class Publisher:
             buckets inside one large tensor go straight from its memory).
         max_inflight: deprecated and ignored: a version now goes to each subscriber as one
             prepared transfer of all its buckets (see :meth:`publish`). Passing it warns.
-        deadline: seconds a publish waits for any one subscriber; slower ones are stragglers.
+        deadline: seconds a publish waits for any one subscriber (for a delta version, from the
+            end of its diff); slower ones are stragglers.
         rename: trainer name -> wire name, or None to leave the tensor out.
         include: keep only tensors for which this returns True (applied before ``rename``).
         fp8: send tensors for which ``fp8(wire_name, tensor)`` is True as float8 e4m3 with a

@@ -78,9 +78,11 @@ class PublishReport:
     served by an earlier publish that have left on their own since (they unsubscribed or closed
     their Transport), also once.
 
-    The phases follow one another, so ``queued_s + pack_s + discover_s + push_s + snapshot_s ==
+    The phases are counted so that ``queued_s + pack_s + discover_s + push_s + snapshot_s ==
     total_s``, which runs from the call's entry to its return. Doorbells ring in the background
-    after ``push_s`` and take none of it.
+    after ``push_s`` and take none of it. Two phases overlap others: the lookup of the
+    subscribers runs beside the pack (``discover_s`` is what it took past it), and the pushes of
+    a delta version begin while its diff runs (``push_s`` is what they took past it).
 
     Attributes:
         version: the version published.
@@ -89,10 +91,10 @@ class PublishReport:
         queued_s: waiting for an earlier ``publish`` of this publisher still running, and for
             its background snapshot copy.
         pack_s: packing what cannot go straight from the live tensors (buckets of several small
-            tensors, fp8) into the snapshot.
-        discover_s: finding the current subscribers in the rendezvous store.
+            tensors, fp8) into the snapshot; with delta sync, the sample and the diff too.
+        discover_s: finding the current subscribers in the rendezvous store, past the pack.
         push_s: pushing the version to every subscriber, until the last one was complete,
-            failed or hit the deadline.
+            failed or hit the deadline (past the diff, for a delta version).
         snapshot_s: completing the snapshot that ``pull()`` reads. When a subscriber got the
             version, the rest of the snapshot is copied from its slot in the background (the
             live tensors may change once ``publish`` returns; that slot does not change before
