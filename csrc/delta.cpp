@@ -461,29 +461,55 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
 // and one masked store; the new values' checksum terms by masked lanes. The bitmask's size, tail
 // and popcount are checked by the caller; the running count is checked again here before every
 // load (the payload is a peer's memory), and stores never leave [0, n).
+// The bits of a bitmask for the vector of 64 / ES elements from element i (a multiple of it).
+template <int ES>
+inline uint64_t mask_bits(const uint8_t* mask, uint64_t i) {
+  if constexpr (ES == 2) {
+    uint32_t x;
+    std::memcpy(&x, mask + i / 8, 4);
+    return x;
+  } else {
+    uint16_t x;
+    std::memcpy(&x, mask + i / 8, 2);
+    return x;
+  }
+}
+
+// The checksum keys (index * kIndexMul, as mix() takes them) of elements 0..15.
+__attribute__((target(TRANSPORT_AVX512))) inline __m512i first_keys_avx512() {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+}
+
+// acc plus the checksum terms of the elements of v at the set bits of m: ES-byte elements, one
+// vector of 64 / ES of them whose first 16 have the keys h (the next 16 of 2-byte ones h + step16).
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) inline __m512i add_terms_avx512(__m512i acc, __m512i v, uint64_t m,
+                                                                          __m512i h, __m512i step16) {
+  if constexpr (ES == 2) {
+    const __m512i lo = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), h);
+    const __m512i hi =
+        mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), _mm512_add_epi32(h, step16));
+    acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), lo));
+    return add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m >> 16), hi));
+  } else {
+    return add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), mix16_avx512(v, h)));
+  }
+}
+
 template <int ES>
 __attribute__((target(TRANSPORT_AVX512))) int scatter_mask_avx512(uint8_t* l, uint64_t n, const uint8_t* vals,
                                                                   uint64_t count, const uint8_t* mask, bool write,
                                                                   uint64_t* sum_new) {
   constexpr uint64_t kLanes = 64 / ES;
   const uint64_t body = n / kLanes * kLanes;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
   const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
-  __m512i h0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+  __m512i h0 = first_keys_avx512();
   __m512i acc = _mm512_setzero_si512();
   uint64_t k = 0;
   for (uint64_t i = 0; i < body; i += kLanes) {
-    uint64_t m;
-    if constexpr (ES == 2) {
-      uint32_t x;
-      std::memcpy(&x, mask + i / 8, 4);
-      m = x;
-    } else {
-      uint16_t x;
-      std::memcpy(&x, mask + i / 8, 2);
-      m = x;
-    }
+    const uint64_t m = mask_bits<ES>(mask, i);
     const __m512i hb = h0;
     h0 = _mm512_add_epi32(h0, stepk);
     if (!m) continue;
@@ -492,15 +518,11 @@ __attribute__((target(TRANSPORT_AVX512))) int scatter_mask_avx512(uint8_t* l, ui
     if constexpr (ES == 2) {
       const __m512i v = _mm512_maskz_expandloadu_epi16(static_cast<__mmask32>(m), vals + k * 2);
       if (write) _mm512_mask_storeu_epi16(l + i * 2, static_cast<__mmask32>(m), v);
-      const __m512i lo = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), hb);
-      const __m512i hi = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)),
-                                      _mm512_add_epi32(hb, step16));
-      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), lo));
-      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m >> 16), hi));
+      acc = add_terms_avx512<2>(acc, v, m, hb, step16);
     } else {
       const __m512i v = _mm512_maskz_expandloadu_epi32(static_cast<__mmask16>(m), vals + k * 4);
       if (write) _mm512_mask_storeu_epi32(l + i * 4, static_cast<__mmask16>(m), v);
-      acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), mix16_avx512(v, hb)));
+      acc = add_terms_avx512<4>(acc, v, m, hb, step16);
     }
     k += pc;
   }
@@ -527,26 +549,16 @@ __attribute__((target(TRANSPORT_AVX512))) ApplyResult apply_mask_avx512(uint8_t*
                                                                         uint8_t* undo) {
   constexpr uint64_t kLanes = 64 / ES;
   const uint64_t body = n / kLanes * kLanes;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
   const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
-  __m512i h0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+  __m512i h0 = first_keys_avx512();
   __m512i acc_new = _mm512_setzero_si512();
   __m512i acc_old = _mm512_setzero_si512();
   ApplyResult r{kOk, 0, 0, 0};
   uint64_t k = 0;
   uint64_t i = 0;
   for (; i < body; i += kLanes) {
-    uint64_t m;
-    if constexpr (ES == 2) {
-      uint32_t x;
-      std::memcpy(&x, mask + i / 8, 4);
-      m = x;
-    } else {
-      uint16_t x;
-      std::memcpy(&x, mask + i / 8, 2);
-      m = x;
-    }
+    const uint64_t m = mask_bits<ES>(mask, i);
     const __m512i hb = h0;
     h0 = _mm512_add_epi32(h0, stepk);
     if (!m) continue;
@@ -558,33 +570,24 @@ __attribute__((target(TRANSPORT_AVX512))) ApplyResult apply_mask_avx512(uint8_t*
     uint8_t* dst = l + i * ES;
     __builtin_prefetch(dst + kPrefetch, 1);
     const __m512i old = _mm512_loadu_si512(dst);  // the vector lies inside the tensor (i < body)
+    __m512i v;
     if constexpr (ES == 2) {
       const auto mm = static_cast<__mmask32>(m);
       // Compressed in a register, then stored under a mask of the first pc lanes: a compress
       // straight to memory is microcoded on some CPUs (6x slower on this VM's AMD EPYC).
       _mm512_mask_storeu_epi16(undo + k * 2, static_cast<__mmask32>((uint64_t{1} << pc) - 1),
                                _mm512_maskz_compress_epi16(mm, old));
-      const __m512i v = _mm512_maskz_expandloadu_epi16(mm, vals + k * 2);
+      v = _mm512_maskz_expandloadu_epi16(mm, vals + k * 2);
       _mm512_mask_storeu_epi16(dst, mm, v);
-      const __m512i h1 = _mm512_add_epi32(hb, step16);
-      const auto lo = static_cast<__mmask16>(m), hi = static_cast<__mmask16>(m >> 16);
-      acc_new = add16_avx512(acc_new, _mm512_maskz_mov_epi32(lo, mix16_avx512(
-                                          _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), hb)));
-      acc_new = add16_avx512(acc_new, _mm512_maskz_mov_epi32(hi, mix16_avx512(
-                                          _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), h1)));
-      acc_old = add16_avx512(acc_old, _mm512_maskz_mov_epi32(lo, mix16_avx512(
-                                          _mm512_cvtepu16_epi32(_mm512_castsi512_si256(old)), hb)));
-      acc_old = add16_avx512(acc_old, _mm512_maskz_mov_epi32(hi, mix16_avx512(
-                                          _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(old, 1)), h1)));
     } else {
       const auto mm = static_cast<__mmask16>(m);
       _mm512_mask_storeu_epi32(undo + k * 4, static_cast<__mmask16>((uint64_t{1} << pc) - 1),
                                _mm512_maskz_compress_epi32(mm, old));
-      const __m512i v = _mm512_maskz_expandloadu_epi32(mm, vals + k * 4);
+      v = _mm512_maskz_expandloadu_epi32(mm, vals + k * 4);
       _mm512_mask_storeu_epi32(dst, mm, v);
-      acc_new = add16_avx512(acc_new, _mm512_maskz_mov_epi32(mm, mix16_avx512(v, hb)));
-      acc_old = add16_avx512(acc_old, _mm512_maskz_mov_epi32(mm, mix16_avx512(old, hb)));
     }
+    acc_new = add_terms_avx512<ES>(acc_new, v, m, hb, step16);
+    acc_old = add_terms_avx512<ES>(acc_old, old, m, hb, step16);
     k += pc;
   }
   r.sum_new = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc_new));
