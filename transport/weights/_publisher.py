@@ -750,7 +750,7 @@ class Publisher:
             dv = await feed.done()
             if dv.is_delta:
                 handles.append(t.put_many(sub, [(dv.header, k.deltas[back], 0)], timeout=self.deadline))
-                moved[0], moved[1] = dv.wire_bytes, 1
+                nbytes, moved[1] = dv.wire_bytes, 1
             else:  # every tensor went dense after all: the version goes as usual, after the parts
                 for h in handles:
                     await h
@@ -770,10 +770,11 @@ class Publisher:
             # (coalesced, checked, and packed into each backend's native list) is built the
             # first time and reused every later version with this subscriber, slot and snapshot.
             handles.append(self._prepared(peer, back, snap).start(timeout=self.deadline))
-            moved[0] = self.layout.total
+            nbytes = self.layout.total
         pushed = time.perf_counter()
         for h in handles:
             await h
+        moved[0] = nbytes
         if not moved[1]:
             self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
         self._memory_link[sub] = all(over_memory(h) for h in handles)
