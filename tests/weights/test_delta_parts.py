@@ -89,6 +89,19 @@ def test_one_part_comes_once_every_tensor_is_done():
     assert len(parts) == 1 and len(parts[0]) == len(dv.items) > 10
 
 
+def test_a_version_that_went_dense_whole_is_not_handed_out():
+    """Every tensor above the crossover: no delta, so the pushes send the version whole, and
+    the diff hands out nothing in one part (none of it twice over the wire)."""
+    base = model(8)
+    new = changed(base, 9)
+    _, snaps, enc = encoder_at(base, new)
+    enc.crossover = 0.001  # below the 1% every float tensor changed
+    parts: list[list[tuple[torch.Tensor, int]]] = []
+    dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, parts.append)
+    assert not dv.is_delta and all(k == Kind.DENSE for k in dv.kinds)
+    assert parts == [] and len(dv.items) == len(dv.kinds)  # recorded, not handed out
+
+
 def test_what_ready_raises_ends_the_diff():
     base = model(5)
     _, snaps, enc = encoder_at(base, changed(base, 6))

@@ -142,9 +142,10 @@ class _Payloads:
 class _Parts:
     """Collects the items of the tensors whose diff is done (from any copy thread) and hands
     them to ``ready`` a part at a time: once about ``every`` bytes of the version were diffed
-    since the last part, and at :meth:`flush`. Keeps them all (:attr:`items`)."""
+    since the last part (None: not before :meth:`flush`), and at :meth:`flush`. Keeps them all
+    (:attr:`items`)."""
 
-    def __init__(self, ready: Callable[[Items], None] | None, every: int) -> None:
+    def __init__(self, ready: Callable[[Items], None] | None, every: int | None) -> None:
         self._ready = ready
         self._every = every
         self._lock = threading.Lock()
@@ -158,17 +159,17 @@ class _Parts:
             self.items += items
             self._pending += items
             self._diffed += nbytes
-            if self._diffed >= self._every:
-                self._hand_out()
+            if self._every is not None and self._diffed >= self._every:
+                self._hand_out(True)
 
-    def flush(self) -> None:
-        """Hands out what is left (every tensor is done)."""
+    def flush(self, send: bool) -> None:
+        """Every tensor is done: hands out what is left when ``send`` (else keeps it back)."""
         with self._lock:
-            self._hand_out()
+            self._hand_out(send)
 
-    def _hand_out(self) -> None:
+    def _hand_out(self, send: bool) -> None:
         part, self._pending, self._diffed = self._pending, [], 0
-        if part and self._ready is not None:
+        if part and send and self._ready is not None:
             self._ready(part)
 
 
@@ -233,9 +234,10 @@ class DeltaEncoder:
             ready: with a base, called (from the copy threads, one call at a time) with the
                 items (source bytes, slot offset) of tensors whose diff is done, once about
                 1/``parts`` of the version was diffed since the last call, and last with what
-                remains: a push can send them while the rest is diffed. The same items end up in
-                the returned version's ``items``. What it raises ends the pass and is raised
-                here.
+                remains: a push can send them while the rest is diffed. When every tensor went
+                dense (the version is no delta: pushes send it whole), what remains is kept
+                back, and with ``parts`` 1 nothing is handed out. The same items end up in the
+                returned version's ``items``. What it raises ends the pass and is raised here.
             parts: see ``ready`` (1: one call, once every tensor is done).
 
         Returns:
@@ -255,7 +257,7 @@ class DeltaEncoder:
         keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
         batch = HostCopies()
         sptr, bptr = snap.data_ptr(), 0 if base is None else base.data_ptr()
-        out = _Parts(ready if base is not None else None, max(1, -(-self.layout.total // max(1, parts))))
+        out = _Parts(ready if base is not None else None, -(-self.layout.total // parts) if parts > 1 else None)
         for i, e in enumerate(entries):
             if not deltable(e):
                 if e.nbytes:
@@ -285,7 +287,7 @@ class DeltaEncoder:
 
             batch.add(e.nbytes, work)
         batch.run(self._threads)
-        out.flush()
+        out.flush(any(k != Kind.DENSE for k in kinds))
         del keep
         base_sums = self._sums[base_slot][1] if base_slot is not None and base is not None else None
         sums: list[int] = []
