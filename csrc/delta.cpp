@@ -45,6 +45,43 @@ inline uint32_t load_elem(const uint8_t* p, int es) {
 
 inline uint64_t align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
 
+template <int ES>
+inline uint32_t load_es(const uint8_t* p) {
+  if constexpr (ES == 2) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  } else {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+}
+
+template <int ES>
+inline void store_es(uint8_t* p, uint32_t v) {
+  if constexpr (ES == 2) {
+    const uint16_t h = static_cast<uint16_t>(v);
+    std::memcpy(p, &h, 2);
+  } else {
+    std::memcpy(p, &v, 4);
+  }
+}
+
+// The one-pass apply (see apply()) of the k-th changed element, at position p: the live value
+// saved to undo, the new value read once from vals (what is stored is what is summed, whatever
+// the peer does), stored, and both added to the sums.
+template <int ES>
+inline void apply_at(uint8_t* l, uint64_t p, const uint8_t* vals, uint64_t k, uint8_t* undo, ApplyResult* r) {
+  uint8_t* dst = l + p * ES;
+  const uint32_t now = load_es<ES>(vals + k * ES);
+  const uint32_t old = load_es<ES>(dst);
+  store_es<ES>(undo + k * ES, old);
+  store_es<ES>(dst, now);
+  r->sum_old += mix(old, p);
+  r->sum_new += mix(now, p);
+}
+
 // Scratch that grows and is kept per thread: the encoders run on the publisher's copy threads.
 uint8_t* scratch(int which, uint64_t nbytes) {
   thread_local std::unique_ptr<uint8_t[]> bufs[2];
@@ -598,17 +635,7 @@ __attribute__((target(TRANSPORT_AVX512))) ApplyResult apply_mask_avx512(uint8_t*
       r.refusal = kCountMismatch;
       break;
     }
-    uint8_t* dst = l + i * ES;
-    const uint32_t now = load_elem(vals + k * ES, ES);  // read once: what is stored is what is summed
-    std::memcpy(undo + k * ES, dst, ES);
-    r.sum_old += mix(load_elem(dst, ES), i);
-    if constexpr (ES == 2) {
-      const auto h = static_cast<uint16_t>(now);
-      std::memcpy(dst, &h, 2);
-    } else {
-      std::memcpy(dst, &now, 4);
-    }
-    r.sum_new += mix(now, i);
+    apply_at<ES>(l, i, vals, k, undo, &r);
     ++k;
   }
   if (r.refusal == kOk && k != count) r.refusal = kCountMismatch;
@@ -686,29 +713,6 @@ int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64
     }
   }
   return k == count ? kOk : kCountMismatch;
-}
-
-template <int ES>
-inline uint32_t load_es(const uint8_t* p) {
-  if constexpr (ES == 2) {
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    return v;
-  } else {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
-}
-
-template <int ES>
-inline void store_es(uint8_t* p, uint32_t v) {
-  if constexpr (ES == 2) {
-    const uint16_t h = static_cast<uint16_t>(v);
-    std::memcpy(p, &h, 2);
-  } else {
-    std::memcpy(p, &v, 4);
-  }
 }
 
 // The bitmask's own checks, before any position is visited: its size, no bit past n, exactly
@@ -892,15 +896,8 @@ ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind,
                      uint64_t pos_bytes, uint8_t* undo) {
   ApplyResult r{kOk, 0, 0, 0};
   r.refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
-    uint8_t* dst = l + p * ES;
-    __builtin_prefetch(dst + kPrefetch / 2, 1);  // the positions ascend
-    // Each new value is read once: what is stored is what is summed, whatever the peer does.
-    const uint32_t now = load_es<ES>(vals + k * ES);
-    const uint32_t old = load_es<ES>(dst);
-    store_es<ES>(undo + k * ES, old);
-    store_es<ES>(dst, now);
-    r.sum_old += mix(old, p);
-    r.sum_new += mix(now, p);
+    __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);  // the positions ascend
+    apply_at<ES>(l, p, vals, k, undo, &r);
     r.stored = k + 1;
   });
   return r;
