@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 
 namespace transport::cuda {

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "cuda_driver.h"
 

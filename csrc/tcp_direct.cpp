@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <ratio>
+#include <stdexcept>
 
 namespace transport::tcp {
 

@@ -8,7 +8,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <ratio>
 #include <stdexcept>
+#include <type_traits>
 
 namespace transport::ucx {
 

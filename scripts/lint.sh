@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Lint and type checks with the settings in pyproject.toml ([tool.ruff], [tool.mypy]): ruff over
-# transport, benchmarks, examples and tests, then mypy (strict on the public modules). Both run
-# even when the first finds something. scripts/test.sh (the test command) runs it first.
+# transport, benchmarks, examples and tests, then mypy (strict on the public modules), then the
+# standard-header check of csrc/ (scripts/check_includes.sh, include-what-you-use). All run even
+# when one finds something. scripts/test.sh (the test command) runs it first.
+# Without include-what-you-use the header check is skipped with a note, unless
+# TRANSPORT_CHECK_INCLUDES=1 (CI sets it, after installing Debian's iwyu): then it fails.
 #
 #     bash scripts/lint.sh      # needs the dev extra: bash scripts/install.sh dev
 #
@@ -20,6 +23,12 @@ echo "== ruff check transport benchmarks examples tests"
 "$PY" -m ruff check transport benchmarks examples tests || rc=1
 echo "== mypy (files and settings: pyproject.toml)"
 "$PY" -m mypy || rc=1
+echo "== standard headers of csrc/ (scripts/check_includes.sh)"
+if command -v "${IWYU:-include-what-you-use}" >/dev/null 2>&1 || [ "${TRANSPORT_CHECK_INCLUDES:-0}" = 1 ]; then
+    bash scripts/check_includes.sh || rc=1
+else
+    echo "skipped: include-what-you-use is not installed (apt-get install iwyu); CI runs this check"
+fi
 echo "== module sizes (warnings only)"
 "$PY" scripts/module_sizes.py
 exit "$rc"
