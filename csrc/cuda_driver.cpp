@@ -2,9 +2,12 @@
 
 #include <dlfcn.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include <map>
 #include <mutex>
+#include <utility>
 
 namespace transport::cuda {
 
@@ -25,14 +28,6 @@ bool resolve(void* lib, F*& slot, std::initializer_list<const char*> names, std:
   }
   missing = *names.begin();
   return false;
-}
-
-std::string describe(CUresult r) {
-  const char* name = nullptr;
-  const char* text = nullptr;
-  if (g_api.cuGetErrorName) g_api.cuGetErrorName(r, &name);
-  if (g_api.cuGetErrorString) g_api.cuGetErrorString(r, &text);
-  return std::string(name ? name : "CUDA_ERROR_?") + " (" + std::to_string(r) + "): " + (text ? text : "unknown error");
 }
 
 std::string do_load(const std::string& path) {
@@ -68,6 +63,7 @@ std::string do_load(const std::string& path) {
             resolve(lib, a.cuStreamCreate, {"cuStreamCreate"}, missing) &&
             resolve(lib, a.cuStreamDestroy, {"cuStreamDestroy_v2"}, missing) &&
             resolve(lib, a.cuStreamWaitEvent, {"cuStreamWaitEvent"}, missing) &&
+            resolve(lib, a.cuStreamSynchronize, {"cuStreamSynchronize"}, missing) &&
             resolve(lib, a.cuEventCreate, {"cuEventCreate"}, missing) &&
             resolve(lib, a.cuEventDestroy, {"cuEventDestroy_v2"}, missing) &&
             resolve(lib, a.cuEventRecord, {"cuEventRecord"}, missing) &&
@@ -102,6 +98,20 @@ std::string do_load(const std::string& path) {
 
 }  // namespace
 
+std::string describe(CUresult r) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (g_api.cuGetErrorName) g_api.cuGetErrorName(r, &name);
+  if (g_api.cuGetErrorString) g_api.cuGetErrorString(r, &text);
+  return std::string(name ? name : "CUDA_ERROR_?") + " (" + std::to_string(r) + "): " + (text ? text : "unknown error");
+}
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
 const std::string& load(const std::string& path) {
   std::call_once(g_once, [&] { g_reason = do_load(path); });
   return g_reason;
@@ -114,6 +124,39 @@ const Api& api() {
 
 void check(CUresult r, const std::string& what) {
   if (r != CUDA_SUCCESS) throw Error(what + " failed: " + describe(r), r);
+}
+
+namespace {
+
+std::mutex g_ctx_mu;
+std::map<int, CUcontext> g_ctx;  // device -> retained primary context (kept for the process)
+
+}  // namespace
+
+CUcontext primary_context(int device) {
+  const Api& a = api();
+  std::lock_guard<std::mutex> lock(g_ctx_mu);
+  auto it = g_ctx.find(device);
+  if (it != g_ctx.end()) return it->second;
+  CUdevice dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
+  CUcontext ctx = nullptr;
+  check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(device) + ")");
+  g_ctx[device] = ctx;
+  return ctx;
+}
+
+OnDevice::OnDevice(int device) : a(api()) {
+  CUcontext ctx = primary_context(device);
+  check(a.cuCtxGetCurrent(&prev_), "cuCtxGetCurrent");
+  if (prev_ != ctx) {
+    check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(device) + ")");
+    restore_ = true;
+  }
+}
+
+OnDevice::~OnDevice() {
+  if (restore_) a.cuCtxSetCurrent(prev_);
 }
 
 }  // namespace transport::cuda

@@ -30,6 +30,7 @@ struct CUuuid {
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr CUresult CUDA_ERROR_UNKNOWN = 999;
 constexpr int CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
 constexpr int CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9;
 constexpr int CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10;  // (18 is MAPPING_SIZE, a size_t)
@@ -61,6 +62,7 @@ struct Api {
   CUresult (*cuStreamCreate)(CUstream*, unsigned);
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
+  CUresult (*cuStreamSynchronize)(CUstream);
   CUresult (*cuEventCreate)(CUevent*, unsigned);
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventRecord)(CUevent, CUstream);
@@ -98,5 +100,43 @@ const Api& api();
 
 // Throws Error unless `r` is CUDA_SUCCESS; `what` names the call and its arguments.
 void check(CUresult r, const std::string& what);
+
+// Driver handles (streams, events, modules, functions) cross the Python boundary as integers.
+template <typename T>
+T* as(uint64_t handle) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(handle));
+}
+
+template <typename T>
+uint64_t handle(T* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+// "0x1f00" (for messages).
+std::string hex(uint64_t v);
+
+// The driver's name and text for `r`: "CUDA_ERROR_X (n): text".
+std::string describe(CUresult r);
+
+// `device`'s primary context (the one PyTorch uses), retained on first use and kept for the
+// process. Throws as api() does, and Error when the driver refuses.
+CUcontext primary_context(int device);
+
+// Makes `device`'s primary context (the one PyTorch uses, retained once for the process) current
+// on the calling thread for the guard's lifetime, then restores the caller's: the application's
+// current device (torch.cuda.current_device) never changes under it. Throws Unavailable without
+// a driver, Error when the driver refuses.
+class OnDevice {
+ public:
+  explicit OnDevice(int device);
+  ~OnDevice();
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+  const Api& a;
+
+ private:
+  CUcontext prev_ = nullptr;
+  bool restore_ = false;
+};
 
 }  // namespace transport::cuda

@@ -2,8 +2,6 @@
 
 #include <cstdio>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <utility>
 
@@ -11,65 +9,6 @@
 
 namespace transport::cuda {
 
-namespace {
-
-std::mutex g_ctx_mu;
-std::map<int, CUcontext> g_ctx;  // device -> retained primary context (kept for the process)
-
-CUcontext primary_context(const Api& a, int device) {
-  std::lock_guard<std::mutex> lock(g_ctx_mu);
-  auto it = g_ctx.find(device);
-  if (it != g_ctx.end()) return it->second;
-  CUdevice dev = 0;
-  check(a.cuDeviceGet(&dev, device), "cuDeviceGet(" + std::to_string(device) + ")");
-  CUcontext ctx = nullptr;
-  check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(device) + ")");
-  g_ctx[device] = ctx;
-  return ctx;
-}
-
-// Makes `device`'s primary context (PyTorch's) current on this thread for the guard's lifetime,
-// then restores the caller's: the current device of the application (torch.cuda.current_device)
-// never changes under it.
-class OnDevice {
- public:
-  explicit OnDevice(int device) : a(api()) {
-    CUcontext ctx = primary_context(a, device);
-    check(a.cuCtxGetCurrent(&prev_), "cuCtxGetCurrent");
-    if (prev_ != ctx) {
-      check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(device) + ")");
-      restore_ = true;
-    }
-  }
-  ~OnDevice() {
-    if (restore_) a.cuCtxSetCurrent(prev_);
-  }
-  OnDevice(const OnDevice&) = delete;
-  OnDevice& operator=(const OnDevice&) = delete;
-  const Api& a;
-
- private:
-  CUcontext prev_ = nullptr;
-  bool restore_ = false;
-};
-
-template <typename T>
-T* as(uint64_t handle) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(handle));
-}
-
-template <typename T>
-uint64_t handle(T* p) {
-  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
-}
-
-std::string hex(uint64_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-}  // namespace
 
 int driver_version() {
   int v = 0;
@@ -173,45 +112,9 @@ void stream_destroy(uint64_t stream, int device) {
   check(on.a.cuStreamDestroy(as<CUstream_st>(stream)), "cuStreamDestroy");
 }
 
-uint64_t event_create(int device) {
-  CUevent e = nullptr;
+void stream_synchronize(uint64_t stream, int device) {
   OnDevice on(device);
-  check(on.a.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-  return handle(e);
-}
-
-void event_destroy(uint64_t event, int device) {
-  OnDevice on(device);
-  check(on.a.cuEventDestroy(as<CUevent_st>(event)), "cuEventDestroy");
-}
-
-void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream, uint64_t wait_event, uint64_t done_event,
-                   int device) {
-  const uint64_t one[3] = {dst, src, nbytes};
-  copy_list_and_wait(one, 1, stream, wait_event, done_event, device);
-}
-
-void copy_list_and_wait(const uint64_t* triples, size_t count, uint64_t stream, uint64_t wait_event,
-                        uint64_t done_event, int device) {
-  OnDevice on(device);
-  const Api& a = on.a;
-  CUstream s = as<CUstream_st>(stream);
-  if (wait_event) check(a.cuStreamWaitEvent(s, as<CUevent_st>(wait_event), 0), "cuStreamWaitEvent");
-  CUevent done = as<CUevent_st>(done_event);
-  for (size_t i = 0; i < count; ++i) {
-    const uint64_t dst = triples[3 * i], src = triples[3 * i + 1], nbytes = triples[3 * i + 2];
-    if (nbytes == 0) continue;
-    CUresult r = a.cuMemcpyAsync(dst, src, nbytes, s);
-    if (r != CUDA_SUCCESS) {
-      // The copies queued before this one still run: they end before the error is raised, so
-      // that the caller may free or reuse their memory (and close IPC imports) afterwards.
-      if (a.cuEventRecord(done, s) == CUDA_SUCCESS) (void)a.cuEventSynchronize(done);
-      check(r, "cuMemcpyAsync(dst " + hex(dst) + ", src " + hex(src) + ", " + std::to_string(nbytes) +
-                   " bytes; copy " + std::to_string(i) + " of " + std::to_string(count) + ")");
-    }
-  }
-  check(a.cuEventRecord(done, s), "cuEventRecord");
-  check(a.cuEventSynchronize(done), "cuEventSynchronize (the copy)");
+  check(on.a.cuStreamSynchronize(as<CUstream_st>(stream)), "cuStreamSynchronize");
 }
 
 void host_register(uint64_t ptr, uint64_t nbytes, bool read_only, int device) {

@@ -29,20 +29,8 @@ void ipc_close(uint64_t ptr, int device);
 
 uint64_t stream_create(int device);  // non-blocking w.r.t. the legacy default stream
 void stream_destroy(uint64_t stream, int device);
-uint64_t event_create(int device);   // timing disabled
-void event_destroy(uint64_t event, int device);
-
-// Copies `nbytes` from `src` to `dst` (device or host addresses, unified addressing) on
-// `stream`, after `wait_event` (0: none) and then waits for the copy to finish. Blocks: call it
-// with the GIL released, from a worker thread.
-void copy_and_wait(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream, uint64_t wait_event, uint64_t done_event,
-                   int device);
-// As copy_and_wait for `count` copies, (dst, src, nbytes) triples, all enqueued on `stream`
-// before one event is recorded and waited for. With count 0: waits for the work already
-// enqueued on `stream` (e.g. a kernel launched there).
-void copy_list_and_wait(const uint64_t* triples, size_t count, uint64_t stream, uint64_t wait_event,
-                        uint64_t done_event, int device);
-
+// Blocks until the work queued on `stream` so far has run.
+void stream_synchronize(uint64_t stream, int device);
 // Page-locks host memory for DMA (portable to every context) and undoes it. `read_only` for
 // memory mapped without write permission (the device then only reads it).
 void host_register(uint64_t ptr, uint64_t nbytes, bool read_only, int device);

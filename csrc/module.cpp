@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -24,6 +25,7 @@
 #include "copy_engine.h"
 #include "stream_copy.h"
 #include "cuda_driver.h"
+#include "cuda_engine.h"
 #include "cuda_ops.h"
 #include "delta.h"
 #include "host_memory.h"
@@ -82,23 +84,8 @@ void bind_cuda(nb::module_& m) {
   m.def("cuda_ipc_close", &cuda::ipc_close, nb::arg("ptr"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_stream_create", &cuda::stream_create, nb::arg("device"));
   m.def("cuda_stream_destroy", &cuda::stream_destroy, nb::arg("stream"), nb::arg("device"));
-  m.def("cuda_event_create", &cuda::event_create, nb::arg("device"));
-  m.def("cuda_event_destroy", &cuda::event_destroy, nb::arg("event"), nb::arg("device"));
-  m.def("cuda_copy_and_wait", &cuda::copy_and_wait, nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"), nb::arg("stream"),
-        nb::arg("wait_event"), nb::arg("done_event"), nb::arg("device"), nb::call_guard<nb::gil_scoped_release>(),
-        "Copies on `stream` after `wait_event` (0: none) and blocks until done. Call from a worker thread.");
-  m.def(
-      "cuda_copy_list_and_wait",
-      [](nb::bytes packed, uint64_t stream, uint64_t wait_event, uint64_t done_event, int device) {
-        std::vector<Segment> v = unpack_triples<Segment>(packed);  // (dst, src, nbytes)
-        static_assert(sizeof(Segment) == 3 * sizeof(uint64_t), "a Segment is a u64 triple");
-        nb::gil_scoped_release unlocked;
-        cuda::copy_list_and_wait(reinterpret_cast<const uint64_t*>(v.data()), v.size(), stream, wait_event,
-                                 done_event, device);
-      },
-      nb::arg("packed"), nb::arg("stream"), nb::arg("wait_event"), nb::arg("done_event"), nb::arg("device"),
-      "Enqueues every packed (dst, src, nbytes) copy on `stream` after `wait_event` (0: none), then blocks until "
-      "all are done. Call from a worker thread.");
+  m.def("cuda_stream_synchronize", &cuda::stream_synchronize, nb::arg("stream"), nb::arg("device"),
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_host_register", &cuda::host_register, nb::arg("ptr"), nb::arg("nbytes"), nb::arg("read_only"), nb::arg("device"),
         nb::call_guard<nb::gil_scoped_release>());
   m.def("cuda_host_unregister", &cuda::host_unregister, nb::arg("ptr"), nb::arg("device"),
@@ -114,6 +101,63 @@ void bind_cuda(nb::module_& m) {
       },
       nb::arg("function"), nb::arg("grid"), nb::arg("block"), nb::arg("shared_bytes"), nb::arg("stream"), nb::arg("params"),
       nb::arg("device"));
+  // The CUDA copy engine (cuda_engine.h): copies enqueued on the calling thread, their ends
+  // polled inline for a short budget or reaped by the engine's thread and announced on its
+  // eventfd. `after`: (device, stream) pairs whose queued work the copies wait for.
+  using Refs = std::vector<std::pair<int, uint64_t>>;
+  auto refs = [](const Refs& after) {
+    std::vector<cuda::StreamRef> out;
+    out.reserve(after.size());
+    for (const auto& [device, stream] : after) out.push_back({device, stream});
+    return out;
+  };
+  auto result = [](const cuda::JobResult& r) {
+    return nb::make_tuple(r.id, static_cast<int>(r.status), r.code, r.message);
+  };
+  nb::class_<cuda::Engine>(m, "CudaEngine")
+      .def(nb::init<>())
+      .def_prop_ro("event_fd", &cuda::Engine::event_fd)
+      .def(
+          "order",
+          [refs](cuda::Engine& e, int device, uint64_t stream, const Refs& after, const std::vector<uint64_t>& events) {
+            std::vector<cuda::StreamRef> a = refs(after);
+            nb::gil_scoped_release unlocked;
+            e.order(device, stream, a, events);
+          },
+          nb::arg("device"), nb::arg("stream"), nb::arg("after"), nb::arg("events"),
+          "`stream` waits for the work queued so far on the `after` streams and for `events`.")
+      .def(
+          "submit",
+          [refs, result](cuda::Engine& e, uint64_t id, int device, uint64_t stream, const Refs& after,
+                         const std::vector<uint64_t>& events, nb::bytes packed, uint64_t spin_ns) -> nb::object {
+            std::vector<Segment> v = unpack_triples<Segment>(packed);  // (dst, src, nbytes)
+            static_assert(sizeof(Segment) == 3 * sizeof(uint64_t), "a Segment is a u64 triple");
+            std::vector<cuda::StreamRef> a = refs(after);
+            cuda::JobResult r;
+            bool done;
+            {
+              nb::gil_scoped_release unlocked;
+              done = e.submit(id, device, stream, a, events, reinterpret_cast<const uint64_t*>(v.data()), v.size(),
+                              spin_ns, &r);
+            }
+            if (!done) return nb::none();
+            return result(r);
+          },
+          nb::arg("id"), nb::arg("device"), nb::arg("stream"), nb::arg("after"), nb::arg("events"), nb::arg("packed"),
+          nb::arg("spin_ns"),
+          "Enqueues job `id` (the waits, every packed (dst, src, nbytes) copy, its event) and polls it for spin_ns: "
+          "(id, status, code, message) when it ended by then (claimed), else None (drain reports it).")
+      .def(
+          "drain",
+          [result](cuda::Engine& e) {
+            std::vector<cuda::JobResult> done = e.drain();
+            nb::list out;
+            for (const auto& r : done) out.append(result(r));
+            return out;
+          },
+          "(id, status, code, message) of every ended, unclaimed job since the last call.")
+      .def("inflight", &cuda::Engine::inflight)
+      .def("shutdown", &cuda::Engine::shutdown, nb::call_guard<nb::gil_scoped_release>());
   m.def("kernels_image", []() -> nb::object {
 #ifdef TRANSPORT_HAVE_KERNELS
     return nb::bytes(reinterpret_cast<const char*>(kTransportKernelsImage), kTransportKernelsImageSize);

@@ -2,8 +2,9 @@
 
 :class:`Router` owns, for one Transport: the choice of backend for a peer's region from a kind
 of local memory (first in preference order that can, with every refusal's reason when none
-can); the synchronous routes of small host transfers (:class:`SyncRoute`, one per peer, key and
-direction, valid for one record of the peer); and each prepared transfer's plan for one record
+can); the synchronous routes (:class:`SyncRoute`, one per peer, key, direction and kind of
+local memory, valid for one record of the peer) of small host transfers and of device copies
+enqueued inside ``put()``; and each prepared transfer's plan for one record
 (:class:`BatchPlan`: its backends' reusable runners over their native descriptor lists), kept
 weakly, so a plan lives as long as its prepared transfer. The transfer engine asks; nothing here
 starts, waits for or settles a transfer.
@@ -25,7 +26,7 @@ from ._staging import staging_kind
 from ._tensors import MemoryKind, Runs, dtype_from_name
 from ._wire import PeerRecord, RegionRecord, TransferOp
 from .backends import Backend, Runner
-from .backends._base import Mover
+from .backends._base import DeviceMover, Mover
 from .backends._control import WITHDRAWN_SEQ
 
 log = logging.getLogger(__name__)
@@ -50,15 +51,19 @@ class BatchPlan:
 class SyncRoute:
     """What a synchronous transfer to one region needs, valid for one record of its peer: the
     region's facts for the per-transfer check (the rest of :func:`transport._regions.check`,
-    existence, writability and whether it moved, was settled when the route was made)."""
+    existence, writability and whether it moved, was settled when the route was made), and the
+    backend's synchronous path: a host copy (``move(address, offset, nbytes)``, ``Backend.mover``)
+    or, with ``device``, a device copy enqueued now (``move(tensor, offset, nbytes)``,
+    ``Backend.device_mover``; no size limit)."""
 
-    __slots__ = ("backend", "dtype", "itemsize", "limit", "move", "record")
+    __slots__ = ("backend", "device", "dtype", "itemsize", "limit", "move", "record")
 
     def __init__(self, record: PeerRecord, region: RegionRecord | None, backend: Backend | None,
-                 move: Mover | None) -> None:
+                 move: Mover | DeviceMover | None, device: bool) -> None:
         self.record = record
         self.backend = backend
         self.move = move
+        self.device = device
         self.dtype: torch.dtype | None = None
         self.itemsize = self.limit = 0
         if region is not None and move is not None:
@@ -79,7 +84,7 @@ class Router:
         self.name = name
         self._backends = tuple(backends)
         self._fallbacks_logged: set[tuple[str, str]] = set()
-        self._sync: dict[tuple[str, str, TransferOp], SyncRoute] = {}
+        self._sync: dict[tuple[str, str, TransferOp, MemoryKind], SyncRoute] = {}
         # Each prepared transfer's plan for one record of its peer (its backends' native lists):
         # made at its first start on that record, dropped with the transfer.
         self._plans: weakref.WeakKeyDictionary[PreparedTransfer, tuple[tuple[object, ...], BatchPlan]] = (
@@ -118,26 +123,29 @@ class Router:
             f"(we speak {ours}; it speaks {theirs}): " + "; ".join(reasons)
         )
 
-    def sync_route(self, op: TransferOp, record: PeerRecord, key: str) -> SyncRoute:
-        """The synchronous route of ``op`` to ``record``'s region ``key`` (made once per record)."""
-        route = self._sync.get((record.name, key, op))
+    def sync_route(self, op: TransferOp, record: PeerRecord, key: str, kind: MemoryKind) -> SyncRoute:
+        """The synchronous route of ``op`` between ``kind`` memory here and ``record``'s region
+        ``key`` (made once per record)."""
+        route = self._sync.get((record.name, key, op, kind))
         if route is None or route.record is not record:
-            route = self._new_route(op, record, key)
+            route = self._new_route(op, record, key, kind)
         return route
 
-    def _new_route(self, op: TransferOp, record: PeerRecord, key: str) -> SyncRoute:
+    def _new_route(self, op: TransferOp, record: PeerRecord, key: str, kind: MemoryKind) -> SyncRoute:
         region = record.regions.get(key)
-        backend = move = None
+        backend: Backend | None = None
+        move: Mover | DeviceMover | None = None
+        device = kind == MemoryKind.CUDA or (region is not None and region.device != "cpu")
         if region is not None and not region.moved and (op == TransferOp.GET or region.writable):
             try:
-                backend = self.choose(record, region, MemoryKind.CPU)
+                backend = self.choose(record, region, kind)
             except BackendUnavailableError:
-                pass
-            else:
-                move = backend.mover(op, record, region)
+                backend = None
+            if backend is not None and kind in backend.memory_kinds:  # a bounced transfer has none
+                move = backend.device_mover(op, record, region, kind) if device else backend.mover(op, record, region)
         if len(self._sync) >= SYNC_ROUTES_MAX:
             self._sync.clear()
-        route = self._sync[(record.name, key, op)] = SyncRoute(record, region, backend, move)
+        route = self._sync[(record.name, key, op, kind)] = SyncRoute(record, region, backend, move, device)
         return route
 
     def current(self, record: PeerRecord) -> bool:

@@ -99,13 +99,13 @@ class TransferEngine:
         (where either writes) starts moving only once that one has ended: from one Transport,
         the later put wins. Non-overlapping transfers run concurrently.
 
-        A small host transfer on a known route with nothing in flight to the bytes it covers
-        completes here, synchronously (see :meth:`_now`); the handle returned is then already
-        done.
+        A transfer on a known route with nothing in flight to the bytes it covers starts moving
+        here, synchronously (see :meth:`_now`): a small host copy, or a device copy enqueued
+        on the CUDA stream; one that ends within the call returns an already done handle.
         """
         ranges = self._ranges.get((peer, key))
-        if kind is MemoryKind.CPU and (ranges is None or ranges.clear_of(op, offset, offset + nbytes_of(tensor))):
-            done = self._now(op, tensor, peer, key, offset, timeout)
+        if ranges is None or ranges.clear_of(op, offset, offset + nbytes_of(tensor)):
+            done = self._now(op, tensor, kind, peer, key, offset, timeout)
             if done is not None:
                 return done
         # CUDA: the transfer must see the work the caller queued so far, and only that.
@@ -128,7 +128,7 @@ class TransferEngine:
         return xfer
 
     def start_prepared(self, prepared: PreparedTransfer, timeout: float | None) -> Transfer:
-        """See ``PreparedTransfer.start``. One host segment takes the path a put of it would
+        """See ``PreparedTransfer.start``. One segment takes the path a put of it would
         (completed here when it can be, see :meth:`start`): a prepared transfer is never slower
         than the plain transfer of the same bytes.
 
@@ -139,7 +139,7 @@ class TransferEngine:
             raise ClosedError(f"transport {self.name!r} is {self.state}")
         limit = self.timeout if timeout is None else seconds(timeout, "timeout")
         one = prepared.single()
-        if one is not None and one[1] is MemoryKind.CPU:
+        if one is not None:
             view, kind, key, offset = one
             return self.start(prepared.op, view, kind, prepared.peer, key, offset, limit)
         return self.start_batch(prepared, limit)
@@ -155,8 +155,7 @@ class TransferEngine:
         if self.state != "open":
             raise ClosedError(f"transport {self.name!r} is {self.state}")
         limit = self.timeout if timeout is None else seconds(timeout, "timeout")
-        one = prepared.single()
-        if one is not None and one[1] is MemoryKind.CPU:
+        if prepared.single() is not None:
             return  # it takes a put's path, whose route the first start makes (and reuses)
         with anyio.move_on_after(limit) as scope:
             record, plan = await self._resolved(prepared.peer, lambda r: self._router.plan_for(prepared, r))
@@ -182,26 +181,26 @@ class TransferEngine:
         # CUDA segments see the work queued on their device's current stream now, at start().
         ready = {d: _cuda.ready_event(t) for d, t in prepared.cuda_anchors.items()}
         self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after, ready),
-                            timeout, tuple(spans))
+                            timeout, tuple((key, lo) for key, (lo, _hi) in spans.items()))
         return xfer
 
-    def _now(self, op: TransferOp, tensor: torch.Tensor, peer: str, key: str, offset: int,
+    def _now(self, op: TransferOp, tensor: torch.Tensor, kind: MemoryKind, peer: str, key: str, offset: int,
              timeout: float) -> Transfer | None:
-        """Moves a small host transfer right here, when everything it needs is at hand: the
-        peer's record (adopted, current by the backend's cheap view of it, not lost, its process
-        alive), the checks pass, and the backend's synchronous path (``Backend.mover``) takes it.
-        Returns the completed handle; a running one when the backend's request went out but its
-        completion is still to come; or None: then the transfer takes the asynchronous path,
-        which also reports any error precisely. Nothing is moved before every check passed."""
+        """Moves a transfer right here, when everything it needs is at hand: the peer's record
+        (adopted, current by the backend's cheap view of it, not lost, its process alive), the
+        checks pass, and the backend's synchronous path takes it: ``Backend.mover`` for a host
+        copy of at most ``SYNC_MAX_BYTES``, ``Backend.device_mover`` for a device copy of any
+        size (enqueued on the CUDA stream after the caller's queued work). Returns the
+        completed handle; a running one when the copy went out but its completion is still to
+        come; or None: then the transfer takes the asynchronous path, which also reports any
+        error precisely. Nothing is moved before every check passed."""
         nbytes = nbytes_of(tensor)
-        if nbytes > SYNC_MAX_BYTES:
-            return None
         record = self._directory.known(peer)
         if record is None:
             return None
-        route = self._router.sync_route(op, record, key)
+        route = self._router.sync_route(op, record, key, kind)
         move, backend = route.move, route.backend
-        if move is None or backend is None:
+        if move is None or backend is None or (nbytes > SYNC_MAX_BYTES and not route.device):
             return None
         # As check() would (type(offset) is int: put/get made it one); a refusal is reported
         # by the asynchronous path.
@@ -211,11 +210,19 @@ class TransferEngine:
         if (seq is not None and seq != record.seq) or self._directory.is_lost(record) or self._directory.stale(record):
             return None
         started, t0 = time.time(), time.monotonic()
-        moved = move(tensor.data_ptr(), offset, nbytes) if nbytes else True
+        if not nbytes:
+            moved: bool | Pending = True
+        elif route.device:
+            moved = move(tensor, offset, nbytes)  # type: ignore[arg-type]
+        else:
+            moved = move(tensor.data_ptr(), offset, nbytes)  # type: ignore[arg-type]
         if moved is False:
             return None
         if moved is not True:  # went out; its completion comes later
-            return self._launch(op, LocalBuffer(tensor, MemoryKind.CPU), peer, key, offset, timeout,
+            # (a CUDA tensor's ready event: only for moving it again by the checked path, if the
+            # device copy failed; recorded now, still in put(), so it sees what the copy saw)
+            ready = _cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None
+            return self._launch(op, LocalBuffer(tensor, kind, ready=ready), peer, key, offset, timeout,
                                 (record, backend, moved))
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
         return Transfer._completed(op, peer, key, nbytes, offset, backend.name, backend.one_sided, t0)
@@ -365,7 +372,9 @@ class TransferEngine:
                     await b.store(pos, size)
 
     async def _run(self, xfer: Transfer, work: Callable[[], Awaitable[None]], timeout: float,
-                   keys: Sequence[str] = ()) -> None:
+                   spans: Sequence[tuple[str, int]] = ()) -> None:
+        """Runs ``work`` for ``xfer`` under its deadline and settles it; ``spans``: the (key,
+        first byte) it was added to the ordering index under (default: its own key and offset)."""
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
                 xfer._running_in(scope)
@@ -405,9 +414,9 @@ class TransferEngine:
                 inflight.discard(xfer)
                 if not inflight:
                     del self._inflight[xfer.peer]
-            for key in keys or (xfer.key,):
+            for key, start in spans or ((xfer.key, xfer.offset),):
                 ranges = self._ranges.get((xfer.peer, key))
-                if ranges is not None and ranges.remove(xfer):
+                if ranges is not None and ranges.remove(xfer, start):
                     del self._ranges[(xfer.peer, key)]
             self._settle(xfer)
 

@@ -156,6 +156,10 @@ class Transport:
         outer = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(outer.cancel_scope.cancel)
         await outer.start(self._copier.run)
+        self._outer = outer  # the CUDA copier's completion task runs there too (made on first use)
+        # Closed once the transfers' task group has ended (every device copy has), while the
+        # outer group still delivers completions to the transfers cancelled at close.
+        stack.callback(self._close_cuda)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)
         self._directory = PeerDirectory(me, self._store, self._auth, self._flight, self._heartbeat_s, self._lease_s)
@@ -227,13 +231,17 @@ class Transport:
     def _close_backends(self) -> None:
         for b in self._backends:
             b.close()
+
+    def _close_cuda(self) -> None:
         if self._cuda is not None:
             self._cuda.close()
             self._cuda = None
 
     def _cuda_copier(self) -> _cuda.CudaCopier:
         if self._cuda is None:
-            self._cuda = _cuda.CudaCopier()
+            copier = _cuda.CudaCopier()
+            self._outer.start_soon(copier.run)
+            self._cuda = copier
         return self._cuda
 
     def _check_open(self, *, notice: bool = True) -> None:

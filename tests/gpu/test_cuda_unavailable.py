@@ -39,10 +39,7 @@ _NATIVE_ARGS = {
     "cuda_ipc_close": (1 << 20, 0),
     "cuda_stream_create": (0,),
     "cuda_stream_destroy": (1, 0),
-    "cuda_event_create": (0,),
-    "cuda_event_destroy": (1, 0),
-    "cuda_copy_and_wait": (1, 2, 3, 4, 0, 5, 0),
-    "cuda_copy_list_and_wait": (b"", 4, 0, 5, 0),
+    "cuda_stream_synchronize": (1, 0),
     "cuda_host_register": (1 << 20, 4096, False, 0),
     "cuda_host_unregister": (1 << 20, 0),
     "cuda_module_load": (b"\0" * 16, 0),
@@ -91,11 +88,12 @@ def test_every_typed_driver_call_raises_backend_unavailable():
         lambda: _cuda.kernels(0),
         lambda: _cuda.stream_create(0),
         lambda: _cuda.stream_destroy(1, 0),
+        lambda: _cuda.stream_synchronize(1, 0),
         lambda: _cuda.CudaCopier(),
         lambda: _cuda.PinnedBuffer(4096, 0),
     ],
     ids=["driver_version", "device_count", "device_uuid", "device_name", "device_label", "local_index", "allocation",
-         "ipc_export", "kernels", "stream_create", "stream_destroy", "CudaCopier", "PinnedBuffer"],
+         "ipc_export", "kernels", "stream_create", "stream_destroy", "stream_synchronize", "CudaCopier", "PinnedBuffer"],
 )
 def test_every_python_cuda_entry_point_raises_backend_unavailable(call):
     with pytest.raises(transport.BackendUnavailableError, match=r"libcuda\.so\.1"):
@@ -106,11 +104,11 @@ def test_public_functions_of_the_cuda_module_are_all_covered():
     public = {n for n, v in vars(_cuda).items()
               if callable(v) and not inspect.isclass(v) and not n.startswith("_")
               and getattr(v, "__module__", "") == _cuda.__name__}
-    # unavailable_reason answers instead of raising; ready_event needs a CUDA tensor to exist;
-    # launch_batched_copy_on takes a Kernels, which only kernels() makes (it raises, above).
-    assert public == {"unavailable_reason", "ready_event", "driver_version", "device_count", "device_uuid",
-                      "device_name", "device_label", "local_index", "allocation", "ipc_export", "kernels",
-                      "stream_create", "stream_destroy", "launch_batched_copy_on"}
+    # unavailable_reason answers instead of raising; ready_event and current_stream need a CUDA
+    # tensor or torch's CUDA to exist; spin_for is arithmetic (tested below).
+    assert public == {"unavailable_reason", "ready_event", "current_stream", "spin_for", "driver_version",
+                      "device_count", "device_uuid", "device_name", "device_label", "local_index", "allocation",
+                      "ipc_export", "kernels", "stream_create", "stream_destroy", "stream_synchronize"}
 
 
 @pytest.mark.parametrize(
@@ -180,3 +178,14 @@ def test_overlapping_destinations_never_go_to_the_batched_copy_kernel():
     assert not _disjoint([(0, 100, 5), (4, 200, 4)])
     assert not _disjoint([(8, 100, 4), (0, 200, 10)])  # found whatever the order of the list
     assert _disjoint([(6, 100, 0), (0, 200, 10)])  # an empty range writes nothing
+
+
+def test_a_copy_is_polled_inline_only_while_it_is_short():
+    """spin_for: the enqueueing thread (the event loop's) polls a device copy for about its
+    expected time, never longer than SPIN_MAX_S, and not at all once it is expected to take
+    longer than that (the engine's reaper then reports it)."""
+    assert 0 < _cuda.spin_for(1 << 20, host=False) < _cuda.spin_for(64 << 20, host=False) <= _cuda.SPIN_MAX_S
+    assert _cuda.spin_for(1 << 30, host=False) == 0  # ~1 ms even on an H200: the reaper's
+    assert _cuda.spin_for(64 << 20, host=True) == 0  # host memory is ~30x slower
+    assert 0 < _cuda.spin_for(1 << 20, host=True) <= _cuda.SPIN_MAX_S
+    assert _cuda.spin_for(0, host=False) == _cuda.SPIN_BASE_S  # a kernel launch, or waits only

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tests._support import PYTHON, ROOT, python_env
+from transport._background import start_background
 from transport.weights._checksum import SumPass
-from transport.weights._copy import PIECE_BYTES, start_background
+from transport.weights._copy import PIECE_BYTES
 from transport.weights._delta import DeltaEncoder, DeltaRefusedError
 from transport.weights._delta_apply import DeltaApplier
 from transport.weights._layout import build_layout
@@ -145,7 +146,7 @@ EXITS = {
     # torch work still running on a background thread when the script ends: waited for at exit
     "background torch work": """
 import torch
-from transport.weights._copy import start_background
+from transport._background import start_background
 def work():
     for _ in range(20):
         torch.empty(1 << 27, dtype=torch.uint8).fill_(1)

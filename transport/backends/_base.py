@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
+import torch
 from anyio.abc import TaskGroup
 
 from .. import _cuda
@@ -40,6 +41,9 @@ RegionCheck = Callable[[TransferOp, Mapping[str, Any], int], Region]
 Pending = Callable[[], Awaitable[bool]]
 # move(local_address, offset, nbytes): True (done), False (declined, nothing moved) or a Pending.
 Mover = Callable[[int, int, int], "bool | Pending"]
+# move(local_tensor, offset, nbytes) where either side is CUDA memory: True (done), False
+# (declined: nothing left running) or a Pending. See Backend.device_mover.
+DeviceMover = Callable[[torch.Tensor, int, int], "bool | Pending"]
 # A prepared transfer's reusable runner (see Backend.prepare_runs): run(ready=None).
 Runner = Callable[..., Awaitable[None]]
 
@@ -174,6 +178,22 @@ class Backend(abc.ABC):
 
         What it holds (a mapping, a connection) stays valid while the returned callable is
         referenced.
+        """
+        return None
+
+    def device_mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord,
+                     local: MemoryKind) -> DeviceMover | None:
+        """A synchronous path for transfers where a side is CUDA memory (``local`` memory here,
+        or ``region``), or None (the default: they take :meth:`put` / :meth:`get`).
+
+        Asked and called as :meth:`mover` is, for transfers of any size that wait for no
+        transfer in flight: ``move(local_tensor, offset, nbytes)`` enqueues the copy on the
+        calling thread, ordered after the work queued so far on the caller's current CUDA
+        stream, and returns True when it completed within a short poll (a few hundred
+        microseconds at most), False when it declined or failed with nothing left running (the
+        asynchronous path then moves the bytes and reports any error precisely), or a
+        :data:`Pending` that completes the copy (cancelled like any transfer: it returns only
+        once the device no longer touches the memory).
         """
         return None
 

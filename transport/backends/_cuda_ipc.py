@@ -5,6 +5,11 @@
   storage sharing does, so tensors carved out of the caching allocator's blocks work). A peer
   opens the handle once (cached per peer incarnation, closed when the peer goes away) and
   copies with ``cuMemcpyAsync`` on a transport-owned stream.
+* Copies are enqueued on the calling thread (the event loop's) and their ends learnt from the
+  CUDA copier's engine: a put or get whose route is known is enqueued inside ``put()`` itself
+  (:meth:`CudaIpc.mover`) and, when short, completed there too; a prepared transfer's device runs
+  are laid out once per peer record (:meth:`CudaIpc.prepare_runs`) and cost one enqueue (one
+  kernel launch, or one ``cuMemcpyAsync`` per run) per start.
 * Device <-> a peer's host region: into its shared mapping (``Transport.empty``), page-locked
   once with ``cuMemHostRegister``; or, for other host regions, through a pinned staging buffer
   and cross-memory attach.
@@ -22,12 +27,16 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
+import torch
+
 from .. import _cuda
 from .._errors import BackendUnavailableError, TransportInternalError
+from .._native import PeerMapping, pack_segments
 from .._regions import Region
 from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp
-from ._base import LocalBuffer, RemoteTarget
+from ._base import DeviceMover, LocalBuffer, Pending, RemoteTarget, Runner
 
 _DEVICE_REGION = struct.Struct("<64sQQQ")  # IPC handle, allocation base, offset in it, nbytes
 _REFUSED = b"!"  # a descriptor that carries why the region cannot be exported instead
@@ -128,40 +137,130 @@ class CudaIpc:
         eng = self.copier
         there, device, held = self._device_copy_target(peer, remote, local)
         dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
+        host = local.kind == MemoryKind.CPU
         try:
-            await eng.copy(dst, src, remote.nbytes, device, local.ready)
+            await eng.copy(dst, src, remote.nbytes, device, local.ready, host=host,
+                           pageable=host and not local.tensor.is_pinned())
         finally:
             if held is not None:
                 eng.release_ipc(held)
 
-    async def copy_device_many(self, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]], op: TransferOp,
-                               ready: Mapping[int, Any] | None) -> None:
-        """Moves every run, each between a local CUDA tensor and a device region of ``peer`` (a
-        prepared transfer's device runs): per copying device, after ``ready`` (the events
-        recorded at start() on the local tensors' devices, by index; recorded now where absent),
-        all runs are enqueued on the copier's stream and waited for once; many runs whose both
-        sides are that device's memory go by one batched-copy kernel launch
-        (:meth:`_cuda.CudaCopier.copy_many`). The peer's IPC imports are held until then."""
+    def mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord, local: MemoryKind) -> DeviceMover | None:
+        """The synchronous path of a transfer between ``local`` memory here and ``peer``'s
+        device region (see ``Backend.device_mover``): the copy is enqueued inside ``put()``
+        and completed there when it ends within its short poll. Local host memory that is not
+        page-locked is declined (its copy would block the event loop: it takes the worker
+        thread of the asynchronous path)."""
+        if region.nbytes == 0:
+            return None
+        handle, base, offset, _nbytes = _DEVICE_REGION.unpack(region.descriptors["ipc"])
+        visible = _cuda.local_index(region.device)
+        own = peer.pid == self._pid
+        put = op == TransferOp.PUT
         eng = self.copier
-        held: list[_cuda.IpcImportKey] = []
-        groups: dict[int, tuple[list[tuple[int, int, int]], list[bool]]] = {}  # device -> (copies, on it)
+
+        def move(tensor: torch.Tensor, at: int, nbytes: int) -> bool | Pending:
+            here = tensor.data_ptr()
+            cuda_here = tensor.is_cuda
+            if not cuda_here and not tensor.is_pinned():
+                return False
+            device = visible if visible is not None else tensor.device.index
+            held: _cuda.IpcImportKey | None = None
+            if own:
+                there = base + offset + at
+            else:
+                try:
+                    held, ptr = eng.acquire_ipc(peer.name, peer.incarnation, handle, device)
+                except TransportInternalError:
+                    return False  # the checked path reports it precisely
+                there = ptr + offset + at
+            after = ((tensor.device.index, _cuda.current_stream(tensor.device.index)),) if cuda_here else ()
+            packed = pack_segments([(there, here, nbytes) if put else (here, there, nbytes)])
+            return _started(lambda: eng.start(device, packed, nbytes=nbytes, host=not cuda_here, after=after),
+                            lambda: eng.release_ipc(held) if held is not None else None)
+
+        return move
+
+    def mapped_mover(self, op: TransferOp, mapping: PeerMapping, at: int) -> DeviceMover:
+        """The synchronous path of a transfer between a CUDA tensor here and a peer's host
+        region mapped here (its bytes at ``mapping.address + at``): once the mapping is
+        page-locked (the first, asynchronous transfer does that), the copy is enqueued and
+        completed as :meth:`mover`'s."""
+        eng = self.copier
+        key = (mapping.address, mapping.nbytes)
+        put = op == TransferOp.PUT
+        start = mapping.address + at
+
+        def move(tensor: torch.Tensor, offset: int, nbytes: int, _held: PeerMapping = mapping) -> bool | Pending:
+            # `_held` keeps the mapping referenced (mapped) while this callable lives.
+            if not tensor.is_cuda or not eng.pinned(*key):
+                return False
+            eng.hold_pin(key)
+            device, there, here = tensor.device.index, start + offset, tensor.data_ptr()
+            packed = pack_segments([(there, here, nbytes) if put else (here, there, nbytes)])
+            after = ((device, _cuda.current_stream(device)),)
+            return _started(lambda: eng.start(device, packed, nbytes=nbytes, host=True, after=after),
+                            lambda: eng.release_pin(key))
+
+        return move
+
+    def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
+        """A reusable runner of a prepared transfer's device runs (each between a local CUDA
+        tensor and a device region of ``peer``). Per copying device, the runs become one
+        :class:`_cuda.DeviceBatch` (a batched-copy kernel launch when there are many and both
+        sides are that device's memory, else one ``cuMemcpyAsync`` each), laid out at the first
+        start and kept while the peer's imports stay where they were; each start enqueues them
+        after ``ready`` (the events recorded at start() on the local tensors' devices, by index;
+        recorded now where absent) and waits for all. The peer's IPC imports are held meanwhile."""
+        put = op == TransferOp.PUT
+        own = peer.pid == self._pid  # a region of this process: used at its own address
+        groups: dict[int, list[tuple[Runs, RegionRecord, bytes, int, int]]] = {}
+        for runs, region in lists:
+            handle, base, offset, _nbytes = _DEVICE_REGION.unpack(region.descriptors["ipc"])
+            device = self._open_device(region, runs.local)
+            if device is None:
+                raise BackendUnavailableError(f"{peer.name}'s GPU {region.device} is not visible here")
+            groups.setdefault(device, []).append((runs, region, handle, base, offset))
         anchors = {r.local.tensor.device.index: r.local.tensor for r, _ in lists}
-        events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
-        try:
-            for runs, region in lists:
-                local = runs.local
-                there, device, key = self._device_copy_target(peer, RemoteTarget(peer, region, 0, region.nbytes),
-                                                              local)
-                if key is not None:
-                    held.append(key)
-                copies, on_device = groups.setdefault(device, ([], []))
-                copies.extend(map(tuple, runs.copies(op == TransferOp.PUT, there).tolist()))
-                on_device.append(local.tensor.device.index == device and _cuda.local_index(region.device) == device)
-            for device, (copies, on_device) in groups.items():
-                await eng.copy_many(copies, device, kernel=all(on_device), ready=events)
-        finally:
-            for key in held:
-                eng.release_ipc(key)
+        laid_out: dict[int, tuple[tuple[int, ...], _cuda.DeviceBatch]] = {}  # device -> (bases, batch)
+
+        def batch_for(device: int, bases: tuple[int, ...]) -> _cuda.DeviceBatch:
+            cached = laid_out.get(device)
+            if cached is not None and cached[0] == bases:
+                return cached[1]
+            entries = groups[device]
+            copies = [tuple(row) for (runs, *_), there in zip(entries, bases, strict=True)
+                      for row in runs.copies(put, there).tolist()]
+            kernel = all(runs.local.tensor.device.index == device and _cuda.local_index(region.device) == device
+                         for runs, region, *_ in entries)
+            batch = self.copier.batch(copies, device, kernel=kernel)
+            laid_out[device] = (bases, batch)
+            return batch
+
+        async def run(ready: Mapping[int, Any] | None = None) -> None:
+            eng = self.copier
+            events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
+            held: list[_cuda.IpcImportKey] = []
+            jobs: list[_cuda.DeviceCopy] = []
+            try:
+                for device, entries in groups.items():
+                    bases = []
+                    for _runs, _region, handle, base, offset in entries:
+                        if own:
+                            bases.append(base + offset)
+                            continue
+                        key, ptr = eng.acquire_ipc(peer.name, peer.incarnation, handle, device)
+                        held.append(key)
+                        bases.append(ptr + offset)
+                    jobs.append(eng.start_batch(batch_for(device, tuple(bases)), ready=events))
+            finally:
+                try:
+                    await _wait_all(jobs)
+                finally:
+                    for key in held:
+                        eng.release_ipc(key)
+
+        return run
 
     async def copy_mapped(self, local: LocalBuffer, there: int, mapping: tuple[int, int, bool], nbytes: int,
                           op: TransferOp) -> None:
@@ -173,7 +272,7 @@ class CudaIpc:
         pinned = await eng.pin(*mapping, device)
         try:
             dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
-            await eng.copy(dst, src, nbytes, device, local.ready)
+            await eng.copy(dst, src, nbytes, device, local.ready, pageable=not eng.pinned(*pinned))
         finally:  # an unpin asked for meanwhile happens now, not under the DMA
             eng.release_pin(pinned)
 
@@ -181,7 +280,55 @@ class CudaIpc:
         if self._used:
             self.copier.forget_peer(peer)
 
-    def unpin(self, address: int, nbytes: int) -> None:
-        """Call before a host mapping this backend may have page-locked is unmapped."""
+    def unpin(self, mapping: PeerMapping) -> None:
+        """Call when this backend lets go of a host mapping it may have page-locked: it is
+        unlocked in the background, and stays mapped until then."""
         if self._used:
-            self.copier.unpin(address, nbytes)
+            self.copier.unpin(mapping.address, mapping.nbytes, hold=mapping)
+
+
+def _started(start: Callable[[], _cuda.DeviceCopy], release: Callable[[], None]) -> bool | Pending:
+    """What a synchronous mover returns for a copy ``start`` enqueues: True when it ended within
+    its poll, False when it failed (nothing enqueued, or it ended failed: the checked path
+    moves it again and reports the error precisely), else a Pending that waits for it. ``release``
+    lets go of what the copy holds, once it ended."""
+    try:
+        job = start()
+    except TransportInternalError:
+        release()
+        return False
+    if job.done():
+        release()
+        try:
+            job.check()
+        except TransportInternalError:
+            return False
+        return True
+
+    async def pending() -> bool:
+        try:
+            await job.wait()  # cancellation: returns (re-raising) once the copy ended
+        except TransportInternalError:
+            return False
+        finally:
+            release()
+        return True
+
+    return pending
+
+
+async def _wait_all(jobs: Sequence[_cuda.DeviceCopy]) -> None:
+    """Waits for every job to end (each, also when waiting for another was cancelled: their
+    memory must not be released under them), then raises the first failure or cancellation."""
+    first: BaseException | None = None
+    for job in jobs:
+        try:
+            if first is None:
+                await job.wait()
+            else:
+                with anyio.CancelScope(shield=True):
+                    await job.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once every job ended
+            first = first or exc
+    if first is not None:
+        raise first

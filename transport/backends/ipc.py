@@ -53,7 +53,7 @@ from .._regions import Region
 from .._staging import bounce
 from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp
-from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner
+from ._base import Backend, BackendContext, DeviceMover, LocalBuffer, RemoteTarget, Runner
 from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
 from ._cuda_ipc import CudaIpc, is_device
 
@@ -223,7 +223,7 @@ class IpcBackend(Backend):
             return cached[1]
         if cached is not None:  # another memfd, writability or size: replaced, so no longer pinned
             del self._maps[cache_key]
-            self._cuda.unpin(cached[1].address, cached[1].nbytes)
+            self._cuda.unpin(cached[1])
         failed = self._map_errors.get(cache_key)
         if failed is not None and failed[0] == ident:
             return None
@@ -299,6 +299,22 @@ class IpcBackend(Backend):
 
         return move
 
+    def device_mover(self, op: TransferOp, peer: PeerRecord, region: RegionRecord,
+                     local: MemoryKind) -> DeviceMover | None:
+        """CUDA memory on either side: the copy enqueued on the calling thread (see
+        :meth:`CudaIpc.mover`), into a peer's device region or, from a CUDA tensor, into its host
+        region mapped here. A host region reached by cross-memory attach only goes through
+        staging, on the asynchronous path."""
+        if self.unreachable_reason(peer, region, local) is not None:
+            return None
+        if is_device(region):
+            return self._cuda.mover(op, peer, region, local)
+        mapping = self._mapping(peer, region) if local == MemoryKind.CUDA else None
+        if mapping is None:
+            return None
+        _addr, _nbytes, _fd, fd_offset, _inode = _REGION.unpack(region.descriptors["ipc"])
+        return self._cuda.mapped_mover(op, mapping, fd_offset)
+
     async def move(self, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         host = self._host_copy(op, local, remote)
         if host is None:
@@ -315,8 +331,8 @@ class IpcBackend(Backend):
         as they are (the region's address added to one column, the tensor's to the other),
         built once; each run submits them, split across the copy engine's threads. A failed
         job is retried run by run, which raises the precise error. Device-to-device runs (CUDA
-        IPC) are enqueued together on the CUDA copier's stream and waited for once
-        (:meth:`CudaIpc.copy_device_many`); other runs with CUDA memory go run by run."""
+        IPC) are laid out once and enqueued together on the CUDA copier's stream, then waited
+        for once (:meth:`CudaIpc.prepare_runs`); other runs with CUDA memory go run by run."""
         jobs: dict[tuple[CopyKind, int], tuple[list[np.ndarray], list[tuple[Runs, RegionRecord]]]] = {}
         devices: list[tuple[Runs, RegionRecord]] = []
         slow: list[tuple[Runs, RegionRecord]] = []
@@ -336,6 +352,7 @@ class IpcBackend(Backend):
                    sum(r.nbytes for r, _ in members), members)
                   for (kind, pid), (arrays, members) in jobs.items()]
         one_by_one = Backend.prepare_runs(self, op, peer, slow) if slow else None
+        device_runs = self._cuda.prepare_runs(op, peer, devices) if devices else None
 
         async def run(ready: Mapping[int, Any] | None = None, _held: list[PeerMapping] = held) -> None:
             # `_held` keeps the mappings referenced (mapped) while this runner lives.
@@ -343,8 +360,8 @@ class IpcBackend(Backend):
                 result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
                 if result.status != CopyStatus.OK:
                     await Backend.prepare_runs(self, op, peer, members)()
-            if devices:
-                await self._cuda.copy_device_many(peer, devices, op, ready)
+            if device_runs is not None:
+                await device_runs(ready)
             if one_by_one is not None:
                 await one_by_one(ready)
 
@@ -430,7 +447,7 @@ class IpcBackend(Backend):
         self._cuda.forget_peer(peer)
         for k, (_ident, m) in self._maps.items():
             if k[0] == peer:
-                self._cuda.unpin(m.address, m.nbytes)
+                self._cuda.unpin(m)
         _forget(self._cma, peer)
         _forget(self._maps, peer)
         _forget(self._map_errors, peer)
@@ -438,6 +455,6 @@ class IpcBackend(Backend):
 
     def close(self) -> None:
         for _ident, m in self._maps.values():  # page-locked mappings are unpinned before they are unmapped
-            self._cuda.unpin(m.address, m.nbytes)
+            self._cuda.unpin(m)
         self._maps.clear()
         self._peer_ctl.clear()

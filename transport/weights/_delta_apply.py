@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import _tensor_kernels
+from .._background import start_background
 from .._native import delta as native
 from .._tensors import dtype_from_name
 from ._checksum import MASK64, PAUSE_S, SumPass, checksums_of, deltable
-from ._copy import HostCopies, copy_bytes, start_background
+from ._copy import HostCopies, copy_bytes
 from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, DeltaRefusedError, Kind, _unsigned
 from ._layout import Entry, Layout
 

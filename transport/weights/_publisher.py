@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 import torch
 
+from .._background import start_background
 from .._errors import PeerLostError, TransferTimeoutError, TransportError, TransportInternalError
 from ._checksum import PAUSE_S, SumPass, deltable
 from ._control import (
@@ -38,7 +39,7 @@ from ._control import (
     over_memory,
     withdraw,
 )
-from ._copy import available_threads, cores, start_background
+from ._copy import available_threads, cores
 from ._crossover import Crossover
 from ._delta import CROSSOVER, PARTS, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._delta_feed import DeltaFeed, Fill
