@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import transport
-from tests._support import PYTHON, ROOT, python_env
+from tests._support import PYTHON, ROOT, nccl_headers, python_env
 from transport._agent import AgentServer
 from transport._auth import Authenticator
 from transport._errors import (
@@ -153,26 +153,66 @@ _C_TYPES = {
 }
 
 
-@needs_lib
-def test_config_layout_is_a_prefix_of_the_wheels_ncclconfig() -> None:
-    """NCCL reads ``size`` bytes of the config and defaults every field newer than ``version``:
-    our struct must be exactly the leading members of the real one."""
+def _macro(header: str, name: str) -> str | None:
+    """The replacement text of ``#define <name> ...`` in nccl.h (continuation lines joined)."""
+    m = re.search(r"^[ \t]*#[ \t]*define[ \t]+" + name + r"\b[ \t]*((?:[^\n]*\\\n)*[^\n]*)", header, re.M)
+    return None if m is None else m.group(1).replace("\\\n", " ").strip()
+
+
+def _initializer(header: str) -> list[tuple[str, str]]:
+    """(value, field) of each entry of ``NCCL_CONFIG_INITIALIZER`` (its comments name the fields)."""
+    body = _macro(header, "NCCL_CONFIG_INITIALIZER")
+    assert body is not None and body.startswith("{"), "nccl.h has no NCCL_CONFIG_INITIALIZER"
+    return [(v.strip(), c.strip()) for v, c in re.findall(r"([^,{}]+?)\s*,?\s*/\*\s*([^*]+?)\s*\*/", body)]
+
+
+def _int_value(header: str, expr: str) -> int:
+    """An integer literal, or a macro of nccl.h that expands to one."""
+    for _ in range(4):
+        if re.fullmatch(r"0[xX][0-9a-fA-F]+[uUlL]*|\d+[uUlL]*", expr):
+            return int(expr.rstrip("uUlL"), 0)
+        text = _macro(header, expr)
+        assert text is not None, f"{expr} is neither an integer literal nor a macro of nccl.h"
+        expr = text.strip("() ")
+    raise AssertionError(f"{expr}: macros nested too deep")
+
+
+def _headers() -> list[tuple[str, Path]]:
+    """Every nccl.h to check: the installed wheel's, and one of each NCCL series we load."""
+    found = [(f"{package}-{version}", nccl_headers.path_of(package, version))
+             for package, version in nccl_headers.VERSIONS]
     root = wheel_root()
-    if root is None:
-        pytest.skip("no nvidia-nccl wheel with headers is installed")
-    header = (root / "include" / "nccl.h").read_text()
+    if root is not None:
+        found.append(("installed wheel", root / "include" / "nccl.h"))
+    return found
+
+
+@pytest.mark.parametrize(("name", "path"), _headers(), ids=[n for n, _ in _headers()])
+def test_config_layout_is_a_prefix_of_every_ncclconfig(name: str, path: Path) -> None:
+    """NCCL reads ``size`` bytes of the config and defaults every field newer than ``version``:
+    our struct must be exactly the leading members of the real one, for every NCCL we load
+    (2.27 to 2.32). The magic and the defaults are read the way the header spells them: 2.27
+    and 2.28 write the magic as a literal in NCCL_CONFIG_INITIALIZER, 2.29 on name it
+    NCCL_API_MAGIC."""
+    assert path.exists(), f"{path} is missing: run `python -m tests._support.nccl_headers` (scripts/test.sh does)"
+    header = path.read_text()
+    version = tuple(_int_value(header, f"NCCL_{part}") for part in ("MAJOR", "MINOR", "PATCH"))
+    assert len(version) == 3
     real = _c_fields(header, "ncclConfig_t")
-    assert LIB is not None
-    for layout in (_nccl.config_layout((2, 14, 0)), _nccl.config_layout(LIB.version)):
+    init = _initializer(header)
+    assert [field for _, field in init] == [n for _, n in real], "the initializer's fields are the struct's"
+    for layout in (_nccl.config_layout((2, 14, 0)), _nccl.config_layout(version)):
         ours = layout._fields_
-        assert [name for _, name in real[: len(ours)]] == [f[0] for f in ours]
-        for (ctype, name), field in zip(real, ours, strict=False):  # the header may have more fields than ours
-            assert _C_TYPES[ctype] is field[1], (name, ctype)
-    assert re.search(r"#define NCCL_API_MAGIC\s+0xcafebeef", header)
-    assert re.search(r"#define NCCL_CONFIG_UNDEF_INT\s+INT_MIN", header)
-    assert re.search(rf"#define NCCL_UNIQUE_ID_BYTES\s+{_nccl.UNIQUE_ID_BYTES}\b", header)
-    cfg = _nccl.make_config(LIB.version, b"name")
+        assert [n for _, n in real[: len(ours)]] == [f[0] for f in ours], (name, layout.__name__)
+        for (ctype, field), mine in zip(real, ours, strict=False):  # the header may have more fields than ours
+            assert _C_TYPES[ctype] is mine[1], (name, field, ctype)
+    values = {field: value for value, field in init}
+    assert _int_value(header, values["magic"]) == _nccl.NCCL_API_MAGIC
+    assert values["blocking"] == "NCCL_CONFIG_UNDEF_INT" and _macro(header, "NCCL_CONFIG_UNDEF_INT") == "INT_MIN"
+    assert _int_value(header, "NCCL_UNIQUE_ID_BYTES") == _nccl.UNIQUE_ID_BYTES
+    cfg = _nccl.make_config(version, b"name")
     assert cfg.magic == _nccl.NCCL_API_MAGIC and cfg.blocking == 0 and cfg.size == ctypes.sizeof(cfg)
+    assert cfg.version == _nccl.version_code(type(cfg).VERSION)
 
 
 def test_uuid_forms_compare_equal() -> None:
@@ -280,7 +320,7 @@ async def nccl_backend(
     async with anyio.create_task_group() as tg:
         ctx = BackendContext(name=name, incarnation=incarnation or secrets.token_hex(8), pid=os.getpid(),
                              host=host_id(), tg=tg,
-                             copier=None, timeout=10.0, auth=auth or Authenticator(None), store=store)  # type: ignore[arg-type]
+                             copier=None, timeout=10.0, auth=auth or Authenticator(None), store=store)
         backend = NcclBackend(ctx)
         try:
             yield backend
@@ -388,10 +428,10 @@ async def test_open_close_self_and_unknown_requests() -> None:
         with pytest.raises(TransportInternalError, match=f"no NCCL unique id for comm {re.escape(cid)}"):
             await a.request(record, open_meta)
         assert LIB is not None
-        await publish_unique_id(a.ctx.store, Authenticator("wrong"), cid, LIB.unique_id())  # type: ignore[arg-type]
+        await publish_unique_id(a.ctx.store, Authenticator("wrong"), cid, LIB.unique_id())
         with pytest.raises(TransportInternalError, match="signed with another token"):
             await a.request(record, open_meta)
-        await publish_unique_id(a.ctx.store, a.ctx.auth, cid, LIB.unique_id())  # type: ignore[arg-type]
+        await publish_unique_id(a.ctx.store, a.ctx.auth, cid, LIB.unique_id())
         with pytest.raises(TransportInternalError, match="b sees no GPU GPU-00000000-0000-0000-0000-00000000beef"):
             await a.request(record, open_meta)
         assert served._comms._served == {}
@@ -456,14 +496,14 @@ async def test_a_completed_event_on_an_aborted_link_is_a_failure(monkeypatch: py
     destroyed: list[str] = []
     monkeypatch.setattr(_comm, "_destroy_stream", lambda handle, device, cid: destroyed.append(cid))
     async with nccl_backend("a", MemoryStore(secrets.token_hex(4))):
-        link = Comm("a>b/1", "b", "i", FakeComm(), None, 1, None, None)  # type: ignore[arg-type]
+        link = Comm("a>b/1", "b", "i", FakeComm(), None, 1, None, None)
         await link.wait(DoneEvent(), "nccl get")
         link.abort(PeerLostError("b left"), tell=False)
         assert link.nccl.aborted and destroyed == ["a>b/1"]
         with pytest.raises(PeerLostError, match=r"nccl get: comm a>b/1 was aborted: b left"):
             await link.wait(DoneEvent(), "nccl get")
 
-        failing = Comm("a>b/2", "b", "i", FakeComm(), None, 2, None, None)  # type: ignore[arg-type]
+        failing = Comm("a>b/2", "b", "i", FakeComm(), None, 2, None, None)
         failing.nccl.failure = _nccl.NcclError("ncclRecv", _nccl.NcclResult.REMOTE_ERROR)
         with pytest.raises(PeerLostError, match=r"nccl get failed on comm a>b/2 with b: ncclRecv: REMOTE_ERROR"):
             await failing.wait(DoneEvent(), "nccl get")
@@ -476,13 +516,13 @@ async def test_a_self_transfer_cancelled_while_its_comm_opens_is_never_enqueued(
 ) -> None:
     async with nccl_backend("a", MemoryStore(secrets.token_hex(4))) as a:
         tensor = SimpleNamespace(device=torch.device("cuda", 0), data_ptr=lambda: 1 << 20)
-        ticket = _Ticket(TransferOp.GET, SimpleNamespace(tensor=tensor), ready=None)  # type: ignore[arg-type]
+        ticket = _Ticket(TransferOp.GET, SimpleNamespace(tensor=tensor), ready=None)
         a._tickets[7] = ticket
         comm = FakeComm()
 
         async def self_comm(device: int) -> Comm:
             del a._tickets[7]  # the transfer is cancelled (its tensor may be freed) meanwhile
-            return Comm("self", "a", a.ctx.incarnation, comm, None, 1, None, None)  # type: ignore[arg-type]
+            return Comm("self", "a", a.ctx.incarnation, comm, None, 1, None, None)
 
         monkeypatch.setattr(a._comms, "self_comm", self_comm)
         meta = a._meta("self", ticket=7, dir="get", key="w", dtype="float32", offset=0, nbytes=8)
@@ -546,9 +586,32 @@ async def test_one_rank_put_and_get_to_self(memory_store: str) -> None:
 
 
 _PEER_CHILD = r"""
-import json, sys, time, anyio, torch, transport
+import json, os, signal, sys, time, anyio, torch, transport
 from transport._native import nccl as _nccl
 spec = json.loads(sys.argv[1])
+mode = spec.get("mode", "normal")
+inflight = []
+
+async def initiate(t, src, out):
+    if spec.get("stall"):
+        await t.signal(spec["peer"], "stall", 1)
+        try:
+            await t.put(src, spec["peer"], key="w", timeout=spec["stall"] / 3)
+            out["stalled_put"] = "completed"
+        except transport.TransportError as exc:
+            out["stalled_put"] = type(exc).__name__
+    h = t.put(src, spec["peer"], key="w")
+    await h
+    out["backend"] = h.backend
+    back = torch.empty_like(src)
+    await t.get(back, spec["peer"], key="w")
+    out["get_ok"] = bool(torch.equal(back, src))
+    await t.signal(spec["peer"], "done", 1)
+    if mode == "close_in_flight":
+        # leaving `async with` closes the Transport with these in flight
+        inflight.extend(t.put(src, spec["peer"], key="w") for _ in range(4))
+    else:
+        await t.signal(spec["peer"], "bye", 1)
 
 async def main():
     torch.cuda.set_device(spec["device"])
@@ -558,31 +621,35 @@ async def main():
         if spec["role"] == "target":
             region = torch.zeros(n, dtype=torch.float32, device="cuda")
             t.register("w", region)
+            if mode == "kill_target":
+                await t.wait_signal("stall", 1, timeout=90)
+                time.sleep(1.0)  # the agent is blocked: the put is posted, not served
+                os.kill(os.getpid(), signal.SIGKILL)
             if spec.get("stall"):
                 await t.wait_signal("stall", 1, timeout=90)
                 time.sleep(spec["stall"])  # the agent (and so the receive) is blocked meanwhile
             await t.wait_signal("done", 1, timeout=120)
             torch.cuda.synchronize()
             out["sum"] = float(region.double().sum())
-            await t.wait_signal("bye", 1, timeout=120)
+            if mode == "close_in_flight":
+                await anyio.sleep(3)  # the initiator closes with a put in flight meanwhile
+            else:
+                await t.wait_signal("bye", 1, timeout=120)
         else:
             await t.peer(spec["peer"], regions=["w"], timeout=60)
             src = torch.arange(n, dtype=torch.float32, device="cuda")
-            if spec.get("stall"):
+            if mode == "kill_target":
                 await t.signal(spec["peer"], "stall", 1)
                 try:
-                    await t.put(src, spec["peer"], key="w", timeout=spec["stall"] / 3)
-                    out["stalled_put"] = "completed"
+                    await t.put(src, spec["peer"], key="w", timeout=45)
+                    out["killed_put"] = "completed"
                 except transport.TransportError as exc:
-                    out["stalled_put"] = type(exc).__name__
-            h = t.put(src, spec["peer"], key="w")
-            await h
-            out["backend"] = h.backend
-            back = torch.empty_like(src)
-            await t.get(back, spec["peer"], key="w")
-            out["get_ok"] = bool(torch.equal(back, src))
-            await t.signal(spec["peer"], "done", 1)
-            await t.signal(spec["peer"], "bye", 1)
+                    out["killed_put"] = type(exc).__name__
+            else:
+                await initiate(t, src, out)
+    if spec["role"] == "initiator" and mode == "close_in_flight":
+        out["inflight"] = sorted({type(h.exception()).__name__ if h.exception() else "completed" for h in inflight})
+    out["closed"] = True  # Transport.aclose returned (it crashed the process once: SIGSEGV in ncclCommAbort's wake)
     print(json.dumps(out), flush=True)
 
 anyio.run(main)
@@ -594,16 +661,19 @@ def _spawn(spec: dict, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-async def _run_pair(
-    tmp_path: Path, devices: tuple[int, int], env_extra: dict[str, str], stall: float = 0.0
-) -> tuple[dict, dict]:
+async def _run_pair(tmp_path: Path, devices: tuple[int, int], env_extra: dict[str, str], stall: float = 0.0,
+                    mode: str = "normal") -> tuple[dict | None, dict]:
+    """Runs a target and an initiator process (one rank each) and returns what each printed
+    (None for a target that was killed, as ``mode="kill_target"`` asks). Every process that is
+    not killed on purpose must exit with status 0: a crash at close fails the test."""
     env = {**python_env(), **env_extra}
     store = f"file://{tmp_path / 'store'}"
     n = 1 << 22
     specs = [
-        {"role": "target", "name": "gen", "device": devices[1], "store": store, "numel": n, "stall": stall},
+        {"role": "target", "name": "gen", "device": devices[1], "store": store, "numel": n, "stall": stall,
+         "mode": mode},
         {"role": "initiator", "name": "trainer", "peer": "gen", "device": devices[0], "store": store, "numel": n,
-         "stall": stall},
+         "stall": stall, "mode": mode},
     ]
     procs = [_spawn(spec, env) for spec in specs]
     try:
@@ -615,16 +685,31 @@ async def _run_pair(
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=30)
-    outs = []
-    for p in procs:
+    outs: list[dict | None] = []
+    for p, spec in zip(procs, specs, strict=True):
         stdout, stderr = p.stdout.read().decode(), p.stderr.read().decode()  # type: ignore[union-attr]
         p.stdout.close(), p.stderr.close()  # type: ignore[union-attr]
-        assert p.returncode == 0, stderr[-4000:]
-        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+        if mode == "kill_target" and spec["role"] == "target":
+            assert p.returncode == -9, (p.returncode, stderr[-4000:])
+            outs.append(None)
+            continue
+        assert p.returncode == 0, (spec["role"], p.returncode, stderr[-4000:])
+        out = json.loads(stdout.strip().splitlines()[-1])
+        assert out["closed"], out
+        outs.append(out)
     target, initiator = outs
+    assert initiator is not None
+    if mode == "kill_target":
+        return target, initiator
     assert initiator["backend"] == "nccl" and initiator["get_ok"]
-    assert target["sum"] == float(n * (n - 1) // 2)
+    assert target is not None and target["sum"] == float(n * (n - 1) // 2)
     return target, initiator
+
+
+_ONE_GPU = pytest.mark.skipif(
+    not GPU or LIB is None or LIB.version < _nccl.MULTI_RANK_GPU_VERSION,
+    reason="two ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
+_MULTI_RANK = {_nccl.MULTI_RANK_GPU_ENV: "1"}
 
 
 @pytest.mark.gpu
@@ -644,7 +729,33 @@ async def test_a_stalled_target_times_out_and_the_next_put_reopens(tmp_path: Pat
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not GPU or LIB is None or LIB.version < _nccl.MULTI_RANK_GPU_VERSION,
-                    reason="two ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1")
+@_ONE_GPU
 async def test_two_processes_one_gpu_with_multi_rank_enabled(tmp_path: Path) -> None:
-    await _run_pair(tmp_path, (0, 0), {_nccl.MULTI_RANK_GPU_ENV: "1"})
+    """Put, get, then both processes close and exit with status 0 (the initiator once died with
+    SIGSEGV in close: its pinned ack buffer came from torch's caching host allocator, which had
+    recorded the comm's stream on it, and freeing it after the stream was destroyed recorded an
+    event on a stream that no longer existed)."""
+    await _run_pair(tmp_path, (0, 0), _MULTI_RANK)
+
+
+@pytest.mark.gpu
+@_ONE_GPU
+async def test_one_gpu_close_with_puts_in_flight_exits_cleanly(tmp_path: Path) -> None:
+    _target, initiator = await _run_pair(tmp_path, (0, 0), _MULTI_RANK, mode="close_in_flight")
+    # each ended, completed or cut by the close; none hangs, nothing crashes
+    assert set(initiator["inflight"]) <= {"completed", "ClosedError"}, initiator
+
+
+@pytest.mark.gpu
+@_ONE_GPU
+async def test_one_gpu_target_killed_mid_put_is_a_peer_lost_error(tmp_path: Path) -> None:
+    _target, initiator = await _run_pair(tmp_path, (0, 0), _MULTI_RANK, mode="kill_target")
+    # PeerLostError, not the put's own 45 s deadline: the loss was seen, not waited out
+    assert initiator["killed_put"] == PeerLostError.__name__, initiator
+
+
+@pytest.mark.gpu
+@_ONE_GPU
+async def test_one_gpu_a_stalled_target_times_out_and_the_next_put_reopens(tmp_path: Path) -> None:
+    _target, initiator = await _run_pair(tmp_path, (0, 0), _MULTI_RANK, stall=6.0)
+    assert initiator["stalled_put"] == TransferTimeoutError.__name__

@@ -83,15 +83,20 @@ class Comm:
         nccl: the communicator; this Comm aborts it.
         stream: a ``torch.cuda.ExternalStream`` over ``stream_handle``.
         stream_handle: the CUstream, created for this Comm; destroyed when it is aborted.
-        ack_dev: ``ACK_SLOTS`` int64 on the device. ack_host: their pinned copies (initiator only).
+        ack_dev: ``ACK_SLOTS`` int64 on the device. ack_host: their copies in page-locked host
+            memory (initiator only), ``ack_pinned``'s: registered by us, not taken from torch's
+            caching host allocator, which would record our stream on the block and, when the
+            block is freed after the stream was destroyed, record an event on a stream that no
+            longer exists (the process crashed so at close).
         pair: "<local uuid>><remote uuid>" as the initiator names the GPU pair.
         owner: this Transport's name (for the log).
         target, requests: initiator only: the target's record and the requests to its agent.
     """
 
     def __init__(self, cid: str, peer: str, incarnation: str, nccl: Communicator, stream: Any, stream_handle: int,
-                 ack_dev: torch.Tensor, ack_host: torch.Tensor | None, *, pair: str = "", owner: str = "",
-                 target: PeerRecord | None = None, requests: Requests | None = None) -> None:
+                 ack_dev: torch.Tensor, ack_host: torch.Tensor | None, *, ack_pinned: _cuda.PinnedBuffer | None = None,
+                 pair: str = "", owner: str = "", target: PeerRecord | None = None,
+                 requests: Requests | None = None) -> None:
         self.cid = cid
         self.peer = peer
         self.incarnation = incarnation
@@ -101,6 +106,7 @@ class Comm:
         self._stream_handle = stream_handle
         self._ack_dev = ack_dev
         self._ack_host = ack_host
+        self._ack_pinned = ack_pinned
         self._owner = owner
         self._target = target
         self._requests = requests
@@ -118,6 +124,7 @@ class Comm:
             TransportInternalError: CUDA could not provide them (``nccl`` is aborted then).
         """
         device, handle = nccl.device, 0
+        pinned: _cuda.PinnedBuffer | None = None
         try:
             with torch.cuda.device(device):  # also restores the current device the driver call sets
                 handle = _cuda.stream_create(device)
@@ -126,16 +133,21 @@ class Comm:
                 # The zeros are written (and the block was last used) on the current stream,
                 # which our stream does not otherwise wait for: order it after them once.
                 stream.wait_stream(torch.cuda.current_stream(device))
-                ack_host = torch.full((ACK_SLOTS,), -1, dtype=torch.int64).pin_memory() if initiator else None
+                ack_host = None
+                if initiator:
+                    pinned = _cuda.PinnedBuffer(ACK_SLOTS * ACK_BYTES, device)
+                    ack_host = pinned.tensor[: ACK_SLOTS * ACK_BYTES].view(torch.int64).fill_(-1)
         except BaseException as exc:
             nccl.abort()
             if handle:
                 _destroy_stream(handle, device, cid)
+            if pinned is not None:
+                _free_pinned(pinned, cid)
             if isinstance(exc, Exception) and not isinstance(exc, TransportError):
                 raise TransportInternalError(f"cannot set up comm {cid} with {peer} on cuda:{device}: {exc}") from exc
             raise
-        return cls(cid, peer, incarnation, nccl, stream, handle, ack_dev, ack_host, pair=pair, owner=owner,
-                   target=target, requests=requests)
+        return cls(cid, peer, incarnation, nccl, stream, handle, ack_dev, ack_host, ack_pinned=pinned, pair=pair,
+                   owner=owner, target=target, requests=requests)
 
     @property
     def device(self) -> int:
@@ -179,11 +191,21 @@ class Comm:
             return why
         self._lost = why
         log.info("transport %s: aborting nccl comm %s (%s)", self._owner, self.cid, why)
-        self.nccl.abort()
-        # NCCL has let go of the stream; work still on it finishes before CUDA frees it. Nothing
-        # enqueues on a lost Comm's stream (every enqueue checks ``_lost`` or the aborted
-        # communicator first, with no await in between).
-        _destroy_stream(self._stream_handle, self.nccl.device, self.cid)
+        self.nccl.abort()  # blocks until NCCL's own work is gone; it keeps nothing of our stream
+        # Our own work on the stream (an ack copied to the host, events) may still be queued
+        # behind NCCL's: it ends before the stream goes and before the ack buffers may be
+        # reused or unlocked. Nothing enqueues on a lost Comm's stream (every enqueue checks
+        # ``_lost`` or the aborted communicator first, with no await in between).
+        device = self.nccl.device
+        try:
+            with torch.cuda.device(device):
+                _cuda.stream_synchronize(self._stream_handle, device)
+        except Exception as exc:  # noqa: BLE001 - an abort must not fail; say it happened
+            log.warning("nccl: waiting for the stream of comm %s failed: %s", self.cid, exc)
+        _destroy_stream(self._stream_handle, device, self.cid)
+        if self._ack_pinned is not None:  # the tensor over it stays valid (pageable memory)
+            _free_pinned(self._ack_pinned, self.cid)
+            self._ack_pinned = None
         if tell and self._target is not None and self._requests is not None:
             self._requests.tell_close(self._target, self.cid)
         return why
@@ -471,6 +493,13 @@ class Comm:
         except (NcclError, TimeoutError) as exc:
             raise self.abort(self.nccl_error(exc, what)) from exc
         return self._record()
+
+
+def _free_pinned(buf: _cuda.PinnedBuffer, cid: str) -> None:
+    try:
+        buf.free()
+    except Exception as exc:  # noqa: BLE001 - releasing must not fail an abort; say it happened
+        log.warning("nccl: unlocking the ack buffer of comm %s failed: %s", cid, exc)
 
 
 def _destroy_stream(handle: int, device: int, cid: str) -> None:
