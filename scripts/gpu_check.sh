@@ -5,22 +5,26 @@
 #
 # It records the machine (date, GPUs, driver, Python, torch), builds transport with its CUDA
 # kernels (pip install -e ., offline), runs `python -m transport doctor`, every GPU test
-# (pytest -m gpu over tests/, then the unmarked tests of test_cuda/test_kernels/test_nccl) and
-# the GPU benchmark (python -m benchmarks.gpu_bench), and prints a summary table last. Every
-# step runs even when an earlier one failed; each is bounded in time, and the whole run by
-# $GPU_CHECK_BUDGET_S (default 480 s; it typically takes a few minutes on an H200).
+# (pytest -m gpu over tests/, then the unmarked tests of test_cuda/test_kernels/test_nccl), the
+# NCCL tests again with NCCL >= 2.30 and two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1:
+# torch's own NCCL may be older), the GPU micro-benchmark (python -m benchmarks.gpu_bench) and
+# the colocated weight-sync benchmark (python -m benchmarks.colocated), and prints a summary
+# table last. Every step runs even when an earlier one failed; each is bounded in time, and the
+# whole run by $GPU_CHECK_BUDGET_S (default 480 s: it must fit a lease of a few minutes).
 #
 # Needs no network: torch with CUDA must already be installed (it is never pip-installed here).
-# Python packages the tests need and the machine lacks (trio, pytest-trio, ...) are installed
-# from wheels in $TRANSPORT_WHEELS (default: .whl/ in the repo) when that folder exists.
+# What the machine lacks travels with the repo (scripts/gpu_wheels.sh readies it and prints the
+# calls): Python wheels in $TRANSPORT_WHEELS (default .whl/ in the repo), installed offline; and
+# an NCCL >= 2.30 wheel cut in parts, carried in earlier calls into $NCCL_PARTS (default
+# /tmp/transport-nccl, with wheel.sha256), joined and checked here.
 #
 # Output: OUTDIR/gpu_check.log (everything), OUTDIR/summary.md (the table printed last),
-# OUTDIR/pytest-*.xml, OUTDIR/gpu_bench.{json,md}.
+# OUTDIR/pytest-*.xml, OUTDIR/gpu_bench.{json,md}, OUTDIR/colocated.{json,md}.
 # Exit status: 0 every step passed, 1 a step failed, 2 no usable CUDA GPU (nothing was run).
 #
 # Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S, GPU_CHECK_TEST_TIMEOUT_S (per test,
-# default 150), TRANSPORT_WHEELS. Steps that are shell functions run in a child bash, so what
-# they read is exported.
+# default 150), TRANSPORT_WHEELS, NCCL_PARTS. Steps that are shell functions run in a child bash,
+# so what they read is exported.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -36,10 +40,12 @@ STEPS=$OUT/steps.tsv
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT_S:-150}
 WHEELS=${TRANSPORT_WHEELS:-$ROOT/.whl}
+NCCL_PARTS=${NCCL_PARTS:-/tmp/transport-nccl}
+NCCL_LIB=$NCCL_PARTS/lib/libnccl.so.2
 STARTED=$(date +%s)
 FAILED=0
 
-export PY OUT WHEELS
+export PY OUT WHEELS NCCL_PARTS NCCL_LIB
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -170,27 +176,70 @@ fi
 # ---- steps ------------------------------------------------------------------------------------
 
 check_deps() {
+    # Every carried wheel goes in (without its dependencies, over the image's version: the
+    # image's anyio, say, may be older than transport needs); then what is still missing is named.
+    if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "installing the wheels in $WHEELS (offline): $(cd "$WHEELS" && ls ./*.whl | tr '\n' ' ')"
+        "$PY" -m pip install --quiet --no-index --no-deps --upgrade "$WHEELS"/*.whl || return 1
+    fi
     local missing
     missing=$("$PY" -c '
 import importlib.util
-need = {"trio": "trio", "anyio": "anyio", "pytest": "pytest", "pytest_trio": "pytest-trio", "pytest_timeout": "pytest-timeout"}
+need = {"trio": "trio", "anyio": "anyio", "pytest": "pytest", "pytest_trio": "pytest-trio", "pytest_timeout": "pytest-timeout",
+        "outcome": "outcome", "sniffio": "sniffio", "nanobind": "nanobind", "scikit_build_core": "scikit-build-core"}
 print(" ".join(dist for mod, dist in need.items() if importlib.util.find_spec(mod) is None))
 ') || return 1
     if [ -z "$missing" ]; then
-        echo "every Python package the tests need is installed"
+        echo "every Python package the build and the tests need is installed"
         return 0
     fi
     echo "missing Python packages: $missing"
-    if [ -d "$WHEELS" ]; then
-        echo "installing them from $WHEELS (offline)"
-        # shellcheck disable=SC2086  # one word per package
-        "$PY" -m pip install --no-index --find-links "$WHEELS" $missing || return 1
-        return 0
-    fi
-    echo "no wheel folder $WHEELS: carry them as wheels; on a machine with pip access, from the repo root:"
-    echo "  python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl $missing"
-    echo "then run this again (or set TRANSPORT_WHEELS); the tests that need them fail meanwhile"
+    echo "carry them as wheels: on a machine with pip access, from the repo root, bash scripts/gpu_wheels.sh"
     return 1
+}
+
+# The NCCL >= 2.30 wheel carried in parts (scripts/gpu_wheels.sh): joined, its sha256 checked,
+# and its libnccl.so.2 extracted to $NCCL_LIB.
+nccl_join() {
+    "$PY" - "$NCCL_PARTS" <<'PYEOF'
+import hashlib, pathlib, sys, zipfile
+folder = pathlib.Path(sys.argv[1])
+lib = folder / "lib" / "libnccl.so.2"
+if lib.exists():
+    print(f"{lib} is there already")
+    sys.exit(0)
+parts = sorted(folder.glob("part-*"))
+sums = folder / "wheel.sha256"
+if not parts or not sums.exists():
+    print(f"no NCCL wheel parts and wheel.sha256 in {folder}: carry them first (scripts/gpu_wheels.sh prints the calls)")
+    sys.exit(1)
+digest, name = sums.read_text().split()[:2]
+joined = folder / name
+h = hashlib.sha256()
+with joined.open("wb") as out:
+    for part in parts:
+        data = part.read_bytes()
+        h.update(data)
+        out.write(data)
+if h.hexdigest() != digest:
+    print(f"the {len(parts)} parts joined give sha256 {h.hexdigest()}, not {name}'s {digest}: a part is missing or damaged")
+    sys.exit(1)
+with zipfile.ZipFile(joined) as z:
+    lib.parent.mkdir(exist_ok=True)
+    lib.write_bytes(z.read("nvidia/nccl/lib/libnccl.so.2"))
+print(f"joined {len(parts)} parts into {name} (sha256 checked); {lib}")
+PYEOF
+}
+
+# The NCCL tests with that library: LD_PRELOAD makes torch's own libnccl.so.2 the same one (two
+# NCCLs in one process must be avoided), and two ranks may share the one GPU.
+nccl_tests() {
+    if [ ! -f "$NCCL_LIB" ]; then
+        echo "no NCCL >= 2.30 library at $NCCL_LIB (see the step before): the two-process tests on one GPU cannot run"
+        return 1
+    fi
+    LD_PRELOAD="$NCCL_LIB" TRANSPORT_NCCL_LIB="$NCCL_LIB" NCCL_MULTI_RANK_GPU_ENABLE=1 \
+        "$PY" -m pytest -m gpu "$@" --junitxml="$OUT/pytest-nccl.xml" tests/backends/test_nccl.py
 }
 
 kernels_built() {
@@ -215,17 +264,17 @@ run_unmarked() {
     return "$rc"
 }
 
-# RESERVE_S of each step: the minimum kept for the steps after it (build 60, kernels 5, doctor
-# 15, gpu tests 60, other tests 30, benchmark 150, summary 10 s): the benchmark's slot matters most.
-step "python packages" 90 330 check_deps
+# RESERVE_S of each step: the minimum kept for the steps after it (build 40, kernels 5, doctor
+# 10, gpu tests 120, nccl 60, other tests 20, gpu_bench 60, colocated 120, summary 5 s).
+step "python packages" 60 380 check_deps
 
-step "build (pip install -e ., offline)" 240 270 --quiet \
+step "build (pip install -e ., offline)" 180 360 --quiet \
     "$PY" -m pip install -v --no-index --no-build-isolation --no-deps -e .
 grep -E "transport: (transfer kernels|ucx backend|the ucx backend|UCX headers)" "$LOG" | sed 's/^[ -]*/  /' | sort -u || true
 
-step "kernels" 30 265 kernels_built
+step "kernels" 30 355 kernels_built
 
-step "doctor" 60 250 "$PY" -m transport doctor
+step "doctor" 60 345 "$PY" -m transport doctor
 
 PYTEST_ARGS=(-v -rfEs -p no:cacheprovider)
 if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
@@ -235,19 +284,26 @@ else
 fi
 
 # Every GPU-marked test in tests/ (a file that fails to import does not stop the others).
-step "pytest -m gpu tests/" 240 190 \
+step "pytest -m gpu tests/" 240 225 \
     "$PY" -m pytest -m gpu "${PYTEST_ARGS[@]}" --continue-on-collection-errors --junitxml="$OUT/pytest-gpu.xml" tests/
+
+step "nccl >= 2.30 (join the carried wheel)" 60 220 nccl_join
+step "pytest -m gpu tests/backends/test_nccl.py (NCCL >= 2.30, two ranks on one GPU)" 150 200 nccl_tests \
+    "${PYTEST_ARGS[@]}"
 
 FILES=()
 for f in tests/gpu/test_cuda.py tests/gpu/test_kernels.py tests/backends/test_nccl.py; do
     if [ -f "$f" ]; then FILES+=("$f"); else say "note: $f does not exist (yet)"; fi
 done
 if [ "${#FILES[@]}" -gt 0 ]; then
-    step "pytest -m 'not gpu' ${FILES[*]}" 120 160 run_unmarked "${PYTEST_ARGS[@]}" "${FILES[@]}"
+    step "pytest -m 'not gpu' ${FILES[*]}" 90 180 run_unmarked "${PYTEST_ARGS[@]}" "${FILES[@]}"
 fi
 
-step "benchmark (python -m benchmarks.gpu_bench)" 240 10 \
+step "benchmark (python -m benchmarks.gpu_bench)" 120 120 \
     "$PY" -m benchmarks.gpu_bench --json "$OUT/gpu_bench.json" --markdown "$OUT/gpu_bench.md"
+
+step "benchmark (python -m benchmarks.colocated)" 150 5 \
+    "$PY" -m benchmarks.colocated --json "$OUT/colocated.json" --markdown "$OUT/colocated.md"
 
 # ---- summary ----------------------------------------------------------------------------------
 
@@ -260,7 +316,7 @@ from pathlib import Path
 out = Path(sys.argv[1])
 files: dict[str, dict[str, int]] = {}
 failures: list[str] = []
-for xml in ("pytest-gpu.xml", "pytest-files.xml"):
+for xml in ("pytest-gpu.xml", "pytest-nccl.xml", "pytest-files.xml"):
     path = out / xml
     if not path.exists():
         continue
@@ -274,7 +330,7 @@ for xml in ("pytest-gpu.xml", "pytest-files.xml"):
         parts = (cls or name).split(".")  # a collection error has no class name
         while len(parts) > 1 and not parts[-1].startswith("test"):
             parts.pop()  # a test class
-        key = "/".join(parts) + ".py"
+        key = "/".join(parts) + ".py" + (" (NCCL >= 2.30, multi-rank)" if xml == "pytest-nccl.xml" else "")
         if case.find("failure") is not None:
             status = "failed"
         elif case.find("error") is not None:
@@ -305,15 +361,6 @@ if len(failures) > 20:
     print(f"- ... and {len(failures) - 20} more (see gpu_check.log)")
 
 print()
-bench = out / "gpu_bench.json"
-try:
-    b = json.loads(bench.read_text())
-except (OSError, ValueError) as exc:
-    print(f"benchmark: no results ({bench.name}: {exc})")
-    print("d2d put >= 0.8x the same-run device copy: NOT MEASURED")
-    sys.exit(0)
-
-
 def size(n: int) -> str:
     for unit, nm in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
         if n >= unit and n % unit == 0:
@@ -321,26 +368,34 @@ def size(n: int) -> str:
     return f"{n} B"
 
 
-print(f"benchmark on {b.get('gpu')} (driver {b.get('driver')}, torch {b.get('torch')}, {b.get('date')}):")
-print("| op | size | transport GB/s | baseline | baseline GB/s | ratio |")
-print("| --- | --- | --- | --- | --- | --- |")
-for r in b.get("rows", []):
-    print(f"| {r['op']} | {size(r['size'])} | {r['gbps']:.1f} | {r['baseline']} copy_ | {r['baseline_gbps']:.1f} | {r['ratio']:.2f} |")
-nccl = b.get("nccl_broadcast") or {}
-if "skipped" in nccl:
-    print(f"nccl broadcast: skipped: {nccl['skipped']}")
-elif "error" in nccl:
-    print(f"nccl broadcast: failed: {nccl['error']}")
+bench = out / "gpu_bench.json"
+try:
+    b = json.loads(bench.read_text())
+except (OSError, ValueError) as exc:
+    print(f"gpu_bench: no results ({bench.name}: {exc})")
+    b = None
+if b is not None:
+    print(f"gpu_bench on {b.get('gpu')} (driver {b.get('driver')}, torch {b.get('torch')}, {b.get('date')}):")
+    print("| op | size | transport GB/s | baseline | baseline GB/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in b.get("rows", []):
+        print(f"| {r['op']} | {size(r['size'])} | {r['gbps']:.1f} | {r['baseline']} copy_ | {r['baseline_gbps']:.1f} | {r['ratio']:.2f} |")
+    if b.get("error"):
+        print(f"gpu_bench error: {b['error']}")
+    print()
+    print("| target | measured | bar | met |")
+    print("| --- | --- | --- | --- |")
+    for t in b.get("targets", []):
+        value = "not measured" if t["value"] is None else f"{t['value']:.3g}"
+        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")
+        print(f"| {t['what']} | {value} | {t['bar']} | {met} |")
+
+print()
+col = out / "colocated.md"
+if col.exists():
+    print(col.read_text())
 else:
-    print("nccl broadcast GB/s: " + ", ".join(f"{size(s['size'])} {s['gbps']:.1f}" for s in nccl.get("sizes", [])))
-if b.get("error"):
-    print(f"benchmark error: {b['error']}")
-c = b.get("criterion")
-if c:
-    print(f"d2d put >= {c['threshold']}x the same-run device copy at {size(c['size'])}: "
-          f"{'YES' if c['met'] else 'NO'} ({c['ratio']:.2f}x)")
-else:
-    print("d2d put >= 0.8x the same-run device copy: NOT MEASURED")
+    print("colocated: no results (colocated.md is missing)")
 PYEOF
 }
 

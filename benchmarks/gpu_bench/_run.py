@@ -333,7 +333,7 @@ async def measure_batch(t: Any, buf: Buffers, region_bytes: int, out: dict[str, 
 
 async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Sequence[int], iters: int | None,
                    warmup: int, timeout: float, baselines: Baselines, rows: list[Row],
-                   batch: dict[str, Any]) -> None:
+                   batch: dict[str, Any], closing: dict[str, float]) -> None:
     import trio
 
     async with transport.Transport(INITIATOR, store=store, backends=("ipc",), timeout=timeout) as t:
@@ -355,6 +355,12 @@ async def initiate(store: str, target: TargetProcess, buf: Buffers, sizes: Seque
             with trio.move_on_after(10):
                 if target.failure() is None:
                     await t.signal(TARGET, EXIT_SIGNAL, 1)
+        await t.fence(TARGET)  # the doorbell landed: nothing is in flight from here
+        t0 = time.perf_counter()
+        await t.aclose()
+        closing["close_s"] = time.perf_counter() - t0
+        print(f"gpu_bench: Transport.aclose of the initiator: {closing['close_s'] * 1e3:.1f} ms", file=sys.stderr,
+              flush=True)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -489,10 +495,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     baselines: Baselines = {}
     nccl: dict[str, Any] = {"skipped": "not run"}
     batch: dict[str, Any] = {"skipped": "not run"}
+    closing: dict[str, float] = {}
     error = None
 
     def write(final: bool) -> str:
-        report = Report(info, config, rows, baselines, nccl, error, time.perf_counter() - started, batch=batch)
+        report = Report(info, config, rows, baselines, nccl, error, time.perf_counter() - started, batch=batch,
+                        close_s=closing.get("close_s"))
         text = format_markdown(report)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -510,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target = TargetProcess(store, max(sizes), args.timeout, Path(tmp) / "target.log")
             run = functools.partial(
                 trio.run, initiate, store, target, buf, sizes, args.iters, args.warmup, args.timeout, baselines, rows,
-                batch,
+                batch, closing,
             )
             target.supervise(run, BenchError)
         del buf
