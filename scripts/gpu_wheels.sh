@@ -6,8 +6,9 @@
 #                 recent anyio, and libucx-cu12 (the UCX headers, so the ucx backend is compiled
 #                 there too). ~45 MiB: it travels with the repo in the check's own call.
 #   .nccl-parts/  an NCCL >= 2.30 wheel (two ranks on one GPU need it; torch 2.11 ships 2.28.9),
-#                 cut into parts of at most 60 MiB: one call to the GPU machine carries at most
-#                 64 MiB, so the parts go one call each, to the same warm machine, before the check.
+#                 cut into parts of at most 50 MiB: one call to the GPU machine carries at most
+#                 64 MiB with the repo (~6 MiB), so the parts go one call each, to the same warm
+#                 machine, before the check.
 #
 #     bash scripts/gpu_wheels.sh            # idempotent; prints the calls to make, in order
 #
@@ -19,7 +20,7 @@ PY=${PYTHON:-python3}
 TARGET_PY=${GPU_PYTHON_VERSION:-3.12}  # the GPU image's Python
 NCCL_PACKAGE=${GPU_NCCL_PACKAGE:-nvidia-nccl-cu13}  # CUDA 13, as the image's torch
 NCCL_VERSION=${GPU_NCCL_VERSION:-2.32.6}
-PART_MIB=60
+PART_MIB=50
 export PIP_ROOT_USER_ACTION=ignore
 for d in .whl .nccl-parts; do
     mkdir -p "$d"
@@ -65,7 +66,7 @@ EOF
     i=$((i + 1))
 done
 cat <<EOF
-  $i. put wheel.sha256 and $(basename "$wheel")'s name into .gpu-carry/ (no part), then
+  $i. leave only wheel.sha256 in .gpu-carry/ (rm .gpu-carry/*; cp .nccl-parts/wheel.sha256 .gpu-carry/), then
      run(carry=[".whl", ".gpu-carry"], timeout_s=600, command=
        "cp .gpu-carry/wheel.sha256 /tmp/transport-nccl/ && bash scripts/gpu_check.sh /tmp/gc;
         tar -C /tmp -czf \$OUT/gpu-check.tgz gc; cp /tmp/gc/*.md \$OUT/; true")
