@@ -242,6 +242,7 @@ class CudaIpc:
             events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
             held: list[_cuda.IpcImportKey] = []
             jobs: list[_cuda.DeviceCopy] = []
+            batches = []  # referenced until their jobs ended (a kernel reads its table meanwhile)
             try:
                 for device, entries in groups.items():
                     bases = []
@@ -252,7 +253,8 @@ class CudaIpc:
                         key, ptr = eng.acquire_ipc(peer.name, peer.incarnation, handle, device)
                         held.append(key)
                         bases.append(ptr + offset)
-                    jobs.append(eng.start_batch(batch_for(device, tuple(bases)), ready=events))
+                    batches.append(batch_for(device, tuple(bases)))
+                    jobs.append(eng.start_batch(batches[-1], ready=events))
             finally:
                 try:
                     await _wait_all(jobs)
