@@ -5,7 +5,8 @@ A benchmark's target process is a real separate process (``python -m benchmarks.
 :class:`LoggedProcess` starts it with this checkout importable, sends its output to a log file
 (quoted when it fails) and always leaves it joined. :func:`supervise` runs a group of
 ``multiprocessing`` workers that put plain-dict messages on a queue, and always leaves them joined;
-:func:`leave_process_group` is what such a worker runs last.
+:func:`leave_process_group` is what such a worker runs last. A worker that calls :func:`output_to`
+first writes its output to a log file, which the parent quotes with :func:`log_tail` when it fails.
 """
 
 from __future__ import annotations
@@ -225,3 +226,31 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - best effort at exit
         log.info("destroy_process_group: %s", exc)
+
+
+def output_to(log_path: Path) -> None:
+    """A worker's first step: sends its standard output and error to ``log_path`` at the file
+    descriptor level, so that what native code writes (a CUDA or NCCL error, an abort message)
+    lands there too, not only Python's prints. Pair it with :func:`log_tail` in the parent to
+    quote the log when the worker fails.
+
+    Raises:
+        OSError: the log file cannot be opened.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def log_tail(log_path: Path, limit: int = 3000) -> str:
+    """The last ``limit`` bytes of a worker's log (see :func:`output_to`), decoded, or why it
+    cannot be read."""
+    try:
+        return log_path.read_bytes()[-limit:].decode(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {log_path}: {exc})"
