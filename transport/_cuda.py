@@ -40,9 +40,12 @@ log = logging.getLogger(__name__)
 
 IpcImportKey = tuple[str, str, bytes, int]  # a peer's IPC import: (peer, incarnation, handle, device)
 
-# A DeviceBatch of this many ranges or more is moved by one batched-copy kernel launch (when they
-# are all memory of the copying device); fewer, one cuMemcpyAsync each.
+# A DeviceBatch of this many ranges or more, of at most KERNEL_MAX_MEAN_BYTES each on average, is
+# moved by one batched-copy kernel launch (when they are all memory of the copying device): many
+# small ranges cost one launch instead of a cuMemcpyAsync each. Fewer or larger ones (a state
+# dict's tensors) go one cuMemcpyAsync each, which moves a large range at the device's copy rate.
 KERNEL_MIN_COPIES = 16
+KERNEL_MAX_MEAN_BYTES = 1 << 20
 # Pinned staging buffers are pooled up to this many bytes; beyond it they are freed on release.
 STAGING_POOL_BYTES = 1 << 30
 # How long the thread that enqueues a device copy polls its end before leaving it to the engine's
@@ -473,13 +476,16 @@ class CudaCopier:
 
         Args:
             kernel: every range is memory of ``device`` itself (or pinned host memory): from
-                ``KERNEL_MIN_COPIES`` disjoint ranges on, one launch of the batched copy kernel
-                moves them all (when this build has the kernels; else one ``cuMemcpyAsync`` each).
+                ``KERNEL_MIN_COPIES`` disjoint ranges of ``KERNEL_MAX_MEAN_BYTES`` or less on
+                average, one launch of the batched copy kernel moves them all (when this build
+                has the kernels; else one ``cuMemcpyAsync`` each).
         """
         launcher = None
         # The kernel's blocks run in no order: overlapping destinations (a prepared get into
         # overlapping local views) go as the ordered list, where the last range wins.
-        if kernel and len(copies) >= KERNEL_MIN_COPIES and _disjoint(copies):
+        n = len(copies)
+        many_small = n >= KERNEL_MIN_COPIES and sum(c[2] for c in copies) <= KERNEL_MAX_MEAN_BYTES * n
+        if kernel and many_small and _disjoint(copies):
             try:
                 launcher = kernels(device)
             except BackendUnavailableError as exc:
