@@ -303,7 +303,7 @@ step "benchmark (python -m benchmarks.gpu_bench)" 120 120 \
     "$PY" -m benchmarks.gpu_bench --json "$OUT/gpu_bench.json" --markdown "$OUT/gpu_bench.md"
 
 step "benchmark (python -m benchmarks.colocated)" 150 5 \
-    "$PY" -m benchmarks.colocated --json "$OUT/colocated.json" --markdown "$OUT/colocated.md"
+    "$PY" -m benchmarks.colocated --run-timeout 140 --json "$OUT/colocated.json" --markdown "$OUT/colocated.md"
 
 # ---- summary ----------------------------------------------------------------------------------
 
