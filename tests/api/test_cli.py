@@ -43,6 +43,20 @@ def test_doctor_lists_backends_and_ipc_permissions() -> None:
     assert "torch" in r.stdout
     assert "cross-memory attach" in r.stdout
     assert "Yama ptrace_scope" in r.stdout
+    # Each fact once: the NCCL library's path has its own line, the CUDA driver's loader message too.
+    from transport._native import nccl
+
+    lib, _ = nccl.library()
+    if lib is not None:
+        assert r.stdout.count(lib.path) == 1, r.stdout
+    assert r.stdout.count("cannot open shared object file") <= 1, r.stdout
+
+
+def test_version() -> None:
+    import transport
+
+    r = run_cli("--version", timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"transport {transport.__version__}", r.stdout + r.stderr
 
 
 def test_bench_small_run_writes_json(tmp_path: Path) -> None:

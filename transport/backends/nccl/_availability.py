@@ -5,8 +5,9 @@ from __future__ import annotations
 from ..._native import nccl as native
 
 
-def gpu_reason() -> str | None:
-    """None when this process can drive a GPU for NCCL (CUDA driver, CUDA torch, a device)."""
+def gpu_reason(detail: bool = True) -> str | None:
+    """None when this process can drive a GPU for NCCL (CUDA driver, CUDA torch, a device);
+    ``detail``: with the loader's message for a missing driver."""
     import torch
 
     reasons = []
@@ -14,7 +15,7 @@ def gpu_reason() -> str | None:
         reasons.append(f"torch {torch.__version__} is built without CUDA (install a CUDA build of torch)")
     driver = native.cuda_driver_error()
     if driver is not None:
-        reasons.append(f"no CUDA driver ({driver})")
+        reasons.append(f"no CUDA driver ({driver})" if detail else "no CUDA driver")
     if not reasons and torch.cuda.device_count() == 0:
         reasons.append("no CUDA device is visible (torch.cuda.device_count() == 0)")
     return "; ".join(reasons) or None
@@ -29,6 +30,15 @@ def unavailable_reason() -> str | None:
     if gpu is not None:
         return f"NCCL {lib.version_string} loads ({lib.path}), but {gpu}: nccl moves GPU memory"
     return None
+
+
+def doctor_reason() -> str | None:
+    """As :func:`unavailable_reason`, without what doctor's own CUDA and NCCL lines say."""
+    lib, why = native.library()
+    if lib is None:
+        return why
+    gpu = gpu_reason(detail=False)
+    return None if gpu is None else f"needs a GPU: {gpu}"
 
 
 def describe() -> str:
