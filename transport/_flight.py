@@ -98,6 +98,8 @@ class FlightRecorder:
         self._dumps = itertools.count(1)
         self.dropped = 0
         self._last_auto_dump = 0.0
+        self._changes = 0  # records started, completed or moved on, and events, so far
+        self._dumped_at: int | None = None  # _changes when the last dump was written (None: never)
         self._lock = threading.Lock()
         if self.dump_dir is not None:
             _install_sigusr1(self)
@@ -105,6 +107,7 @@ class FlightRecorder:
     def start(self, op: str, peer: str, key: str, nbytes: int) -> OpRecord:
         now = time.time()
         rec = OpRecord(next(self._seq), op, peer, key, nbytes, now, transitions=[(OpState.STARTED.value, now)])
+        self._changes += 1
         with self._lock:
             self._records[rec.seq] = rec
             while len(self._records) > self.capacity:
@@ -115,6 +118,7 @@ class FlightRecorder:
     def completed(self, op: str, peer: str, key: str, nbytes: int, backend: str, started: float) -> None:
         """Records an operation that started at ``started`` (``time.time()``) and is already done."""
         seq = next(self._seq)
+        self._changes += 1
         with self._lock:
             self._records[seq] = (seq, op, peer, key, nbytes, backend, started, time.time())
             if len(self._records) > self.capacity:
@@ -125,6 +129,7 @@ class FlightRecorder:
                    error: BaseException | None = None) -> None:
         rec.state = state
         rec.transitions.append((state.value, time.time()))
+        self._changes += 1
         if backend is not None:
             rec.backend = backend
         if error is not None:
@@ -132,6 +137,7 @@ class FlightRecorder:
 
     def event(self, kind: str, peer: str, detail: str) -> None:
         self._events.append({"time": time.time(), "event": kind, "peer": peer, "detail": detail})
+        self._changes += 1
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         with self._lock:
@@ -151,6 +157,7 @@ class FlightRecorder:
         if not force and now - self._last_auto_dump < _MIN_AUTO_DUMP_INTERVAL_S:
             return None
         self._last_auto_dump = now
+        self._dumped_at = self._changes
         path = self.dump_dir / f"{self.name}-{self.incarnation}-{os.getpid()}-{next(self._dumps):04d}.json"
         try:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +169,15 @@ class FlightRecorder:
             return None
         log.info("flight recorder %s: dumped %s (%s)", self.name, path, reason)
         return path
+
+
+    def dump_if_changed(self, reason: str) -> Path | None:
+        """Dumps again when a dump was written before and the ring changed since: at close, so
+        that the last dump of a process shows how what an earlier dump caught in flight ended
+        (a dump on a peer's loss is written before the transfers it aborts have settled)."""
+        if self._dumped_at is None or self._dumped_at == self._changes:
+            return None
+        return self.dump(reason)
 
 
 _recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()

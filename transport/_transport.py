@@ -227,6 +227,9 @@ class Transport:
         # Not inside the shield: the task groups must be exited in the scope they were entered in.
         await self._stack.aclose()
         self._regions.clear()
+        # Every transfer has settled: if a failure was dumped meanwhile, the last dump shows how
+        # what it caught in flight ended.
+        self._flight.dump_if_changed("closing")
 
     def _close_backends(self) -> None:
         for b in self._backends:

@@ -186,6 +186,43 @@ async def test_a_peer_loss_is_dumped_by_itself_and_read_back_by_the_cli(targets,
     assert f"last completed: #{first['seq']} put 'w' {1 << 20} B via tcp" in out, out
 
 
+async def test_the_last_dump_shows_how_what_a_loss_caught_in_flight_ended(targets, file_store, tmp_path):
+    """A dump at a peer's loss is written before the transfers it aborts have settled (it once
+    made a test read the loss without the aborted put's error); closing dumps again, so the
+    newest dump of the process shows how each ended."""
+    flight = tmp_path / "flight"
+    async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30, flight_dir=flight) as t:
+        target = await serving_target(t, targets, file_store, "tcp", [{"key": "w", "numel": BIG, "dtype": "uint8"}])
+        await t.put(torch.zeros(4096, dtype=torch.uint8), "server", key="w")  # the connection is up
+        os.kill(target.proc.pid, signal.SIGSTOP)
+        try:
+            stuck = t.put(torch.ones(BIG, dtype=torch.uint8), "server", key="w", timeout=30)
+            t.exclude("server")  # dumps right here, the put still in flight
+            with pytest.raises(transport.TransferAbortedError):
+                await stuck
+        finally:
+            os.kill(target.proc.pid, signal.SIGCONT)
+        [excluded] = [d for d in dumps_in(flight) if d["reason"].startswith("excluded")]
+        [caught] = [r for r in excluded["records"] if r["nbytes"] == BIG]
+        assert caught["state"] in ("started", "moving") and caught["error"] is None, caught
+    [newest] = load_dumps(sorted(flight.glob("*.json")))
+    assert newest["reason"] == "closing"
+    [ended] = [r for r in newest["records"] if r["nbytes"] == BIG]
+    assert ended["state"] == "aborted" and ended["error_type"] == "TransferAbortedError", ended
+
+
+def test_a_process_that_never_dumped_does_not_dump_at_close(tmp_path):
+    from transport._flight import FlightRecorder
+
+    rec = FlightRecorder("quiet", "i0", dump_dir=tmp_path)
+    rec.completed("put", "p", "k", 8, "ipc", 0.0)
+    assert rec.dump_if_changed("closing") is None and not list(tmp_path.iterdir())
+    assert rec.dump("asked") is not None
+    assert rec.dump_if_changed("closing") is None  # nothing changed since
+    rec.event("peer-lost", "p", "gone")
+    assert rec.dump_if_changed("closing") is not None
+
+
 # -- the reader ----------------------------------------------------------------------------------
 
 
