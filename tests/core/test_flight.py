@@ -8,10 +8,12 @@ real process over the dumps the recorder wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -36,6 +38,19 @@ def dumps_in(directory: Path) -> list[dict]:
 
 def transfer_records(t: transport.Transport, peer: str) -> list[dict]:
     return [r for r in t.flight_record()["records"] if r["peer"] == peer and r["op"] in ("put", "get")]
+
+
+@contextlib.asynccontextmanager
+async def stopped_server(t: transport.Transport, targets, file_store) -> AsyncIterator[None]:
+    """A tcp target "server" with a BIG region "w", connected, then SIGSTOPped (SIGCONT on exit):
+    a BIG put to it stays open."""
+    target = await serving_target(t, targets, file_store, "tcp", [{"key": "w", "numel": BIG, "dtype": "uint8"}])
+    await t.put(torch.zeros(4096, dtype=torch.uint8), "server", key="w")  # the connection is up
+    os.kill(target.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(target.proc.pid, signal.SIGCONT)
 
 
 def states(record: dict) -> list[str]:
@@ -128,17 +143,12 @@ async def test_the_environment_names_the_dump_directory(tmp_path, memory_store, 
 async def test_a_timed_out_put_is_stalled_while_open_then_aborted_and_dumped(targets, file_store, tmp_path):
     flight = tmp_path / "flight"
     async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30, flight_dir=flight) as t:
-        target = await serving_target(t, targets, file_store, "tcp", [{"key": "w", "numel": BIG, "dtype": "uint8"}])
-        await t.put(torch.zeros(4096, dtype=torch.uint8), "server", key="w")  # the connection is up
-        os.kill(target.proc.pid, signal.SIGSTOP)
-        try:
+        async with stopped_server(t, targets, file_store):
             stuck = t.put(torch.ones(BIG, dtype=torch.uint8), "server", key="w", timeout=4)
             await anyio.sleep(1.5)  # past STALL_S: open this long is "stalled"
             while_open = Path(t.dump_flight_record("while stuck"))
             with pytest.raises(transport.TransferTimeoutError):
                 await stuck
-        finally:
-            os.kill(target.proc.pid, signal.SIGCONT)
 
         [open_] = [r for r in load_dumps([while_open])[0]["records"] if r["nbytes"] == BIG]
         assert open_["state"] in ("started", "moving") and open_["error"] is None
@@ -192,16 +202,11 @@ async def test_the_last_dump_shows_how_what_a_loss_caught_in_flight_ended(target
     newest dump of the process shows how each ended."""
     flight = tmp_path / "flight"
     async with transport.Transport("init", store=file_store, backends=("tcp",), timeout=30, flight_dir=flight) as t:
-        target = await serving_target(t, targets, file_store, "tcp", [{"key": "w", "numel": BIG, "dtype": "uint8"}])
-        await t.put(torch.zeros(4096, dtype=torch.uint8), "server", key="w")  # the connection is up
-        os.kill(target.proc.pid, signal.SIGSTOP)
-        try:
+        async with stopped_server(t, targets, file_store):
             stuck = t.put(torch.ones(BIG, dtype=torch.uint8), "server", key="w", timeout=30)
             t.exclude("server")  # dumps right here, the put still in flight
             with pytest.raises(transport.TransferAbortedError):
                 await stuck
-        finally:
-            os.kill(target.proc.pid, signal.SIGCONT)
         [excluded] = [d for d in dumps_in(flight) if d["reason"].startswith("excluded")]
         [caught] = [r for r in excluded["records"] if r["nbytes"] == BIG]
         assert caught["state"] in ("started", "moving") and caught["error"] is None, caught
