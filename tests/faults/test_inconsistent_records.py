@@ -184,8 +184,10 @@ async def _scribble(t: transport.Transport, word: int) -> None:
 
 async def test_control_words_from_a_third_peer_never_break_or_wedge_a_subscriber(memory_store):
     """A FRONT naming slot 3 of a copy-mode subscriber is ignored (no IndexError); a version of
-    2**60 is never applied by the async calls, and when a sync apply() took it, wait_version
-    and pull() recover to the publisher's own versions."""
+    2**60 is never applied by the async calls, nor by the sync apply(), which reads the
+    same-host publisher's control block through its mapping (tests/faults/test_forged_front.py
+    has a publisher it cannot read that way); wait_version and pull() stay on the publisher's
+    own versions."""
     src = {"w": torch.zeros(1024)}
     async with (transport.Transport("trainer", store=memory_store) as tt,
                 transport.Transport("gen", store=memory_store) as tg,
@@ -209,13 +211,13 @@ async def test_control_words_from_a_third_peer_never_break_or_wedge_a_subscriber
             assert await sub.wait_version(3, timeout=30) == 3 and bool((dst["w"] == 3).all())
 
             await _scribble(ts, encode_front(1 << 60, 0))
-            assert sub.apply() == 1 << 60  # the sync call cannot ask the publisher: it takes it...
+            assert sub.apply() is None and sub.version == 3  # the publisher's block, mapped here, refuses it
             src["w"].fill_(4)
             await pub.publish(4)
-            assert await sub.wait_version(4, timeout=30) == 4 and bool((dst["w"] == 4).all())  # ...not for long
+            assert await sub.wait_version(4, timeout=30) == 4 and bool((dst["w"] == 4).all())
 
             await _scribble(ts, encode_front(1 << 60, 0))
-            assert sub.apply() == 1 << 60
+            assert sub.apply() is None and sub.version == 4
             assert await sub.pull(timeout=30) == 4 and sub.version == 4 and bool((dst["w"] == 4).all())
 
 

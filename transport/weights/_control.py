@@ -15,6 +15,10 @@ Both sides publish a small control block (``int64[CTL_WORDS]``) next to their da
 A front word packs (version, slot) into one aligned 8-byte store, so a reader never sees one
 without the other. Flags written by one side and read by the other are ordered with
 :func:`memory_barrier` (the classic two-flag handshake).
+
+A subscriber on the publisher's host reads the publisher's block through its own read-only
+mapping of it (:class:`LocalBlock`): without the network, from any thread, and after the
+publisher has gone (the mapping keeps what it wrote last).
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._errors import TransportError
+from .._host import process_alive
 from .._native import memory_fence
+from .._wire import TransferOp
 
 if TYPE_CHECKING:
-    from .. import Transfer, Transport
+    from .. import Peer, Transfer, Transport
+    from .._wire import PeerRecord
+    from ..backends import Backend
+    from ..backends._base import Mover
 
 # Word indices. Subscriber control block (DELTA: 1 when it takes delta versions):
 FRONT, READING, APPLIED, LAYOUT_ID, TRYING, DELTA = 0, 1, 2, 3, 4, 5
@@ -69,6 +78,67 @@ def publisher_latest(pubctl: torch.Tensor) -> int:
     what its snapshots hold or are being filled with (0: nothing yet)."""
     front = decode_front(int(pubctl[FRONT]))
     return max(int(pubctl[LATEST]), int(pubctl[FILLING]), front[0] if front is not None else 0)
+
+
+class LocalBlock:
+    """A same-host peer's read-only control block (``Transport.empty(..., writable=False)``:
+    only its owner writes it), read here without the network.
+
+    Reads go through the ``ipc`` backend's synchronous path (``Backend.mover``): a copy out of
+    this process's read-only mapping of the owner's memfd, or else one cross-memory-attach read.
+    Each word is read on its own, with one aligned 8-byte load, so a word the owner stores
+    meanwhile is seen whole. Any thread may read. The mapping lives as long as this object, so
+    once the owner has exited, crashed or closed, :meth:`read` still returns the last words it
+    wrote (over cross-memory attach it returns None then).
+
+    Make one with :meth:`of`, on the event loop.
+    """
+
+    def __init__(self, ipc: Backend, record: PeerRecord, move: Mover, words: int) -> None:
+        self._ipc, self._record, self._move, self._words = ipc, record, move, words
+
+    @classmethod
+    def of(cls, transport: Transport, peer: Peer, key: str, words: int) -> LocalBlock | None:
+        """``peer``'s read-only int64 region ``key`` of at least ``words`` words, as published in
+        ``peer`` (what ``Transport.peer``/``lookup`` returned); None where it cannot be read
+        here without the network: the Transport has no ``ipc`` backend, the peer is on another
+        host, the region is not such a block, or neither a mapping nor cross-memory attach is
+        permitted."""
+        # The one place weight sync reaches below the Transport's API: its ipc backend's
+        # synchronous path, for the record the Transport resolved.
+        ipc = next((b for b in transport._backends if b.name == "ipc"), None)
+        record: PeerRecord = peer._record
+        region = record.regions.get(key)
+        if (ipc is None or region is None or region.writable or region.device != "cpu" or region.dtype != "int64"
+                or region.nbytes < 8 * words):
+            return None
+        move = ipc.mover(TransferOp.GET, record, region)
+        return None if move is None else cls(ipc, record, move, words)
+
+    @property
+    def incarnation(self) -> str:
+        """The owner's incarnation this block belongs to."""
+        return self._record.incarnation
+
+    def read(self) -> torch.Tensor | None:
+        """The block's words now (int64), or None when it cannot be read any more."""
+        out = torch.zeros(self._words, dtype=torch.int64)
+        base = out.data_ptr()
+        for i in range(self._words):
+            if self._move(base + 8 * i, 8 * i, 8) is not True:
+                return None
+        return out
+
+    def current(self) -> bool:
+        """Whether the owner still publishes this very block: its process lives and its
+        Transport's record is still the one the block was found in (the ``ipc`` control page
+        says so with one load). False once it exited, crashed, closed its Transport or
+        published another record (the block may have been replaced: ask it again)."""
+        record = self._record
+        try:
+            return process_alive(record.pid, record.pid_start) and self._ipc.live_seq(record) == record.seq
+        except Exception:  # noqa: BLE001 - a closed Transport's backend: not known to be current
+            return False
 
 
 def free_slot(ctl: torch.Tensor, nslots: int) -> int | None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import TransferTimeoutError, TransportError
+from .._errors import ClosedError, TransferTimeoutError, TransportError
 from ..plan import (
     MAX_LAYOUT_BYTES,
     GeneratorRank,
@@ -51,7 +51,7 @@ from ._polling import PENDING, Pending, even, poll, seqlock_read
 if TYPE_CHECKING:
     import numpy as np
 
-    from .. import Transport
+    from .. import Peer, Transport
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class MeshSubscriber:
         self._trainer: tuple[tuple[str, str], Planner] | None = None
         self._plan: ReplicaPlan | None = None
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
+        self._distrusted: int | None = None  # the last committed version found past the trainers' (logged)
         self._behind_since: float | None = None
         self._delta = delta
         self._materializer: Materializer | None = None  # the delta areas, once the plan is known
@@ -314,22 +315,20 @@ class MeshSubscriber:
         """One look at the store: this replica's ranks, its plan (made here from the published
         layouts, reused while they are unchanged) and the trainer ranks.
 
+        The trainer layout is read once per trainer incarnation. When no trainer rank is listed
+        (they all left: exited, crashed, restarting) or its layout cannot be read any more, the
+        one read last is used: what trainer ranks completed into the slots before they left
+        can still be committed. ``trainers`` then lists only those still listed.
+
         Raises:
-            CommitError: no trainer rank of the stream, or a rank of the replica, is listed.
+            CommitError: a rank of the replica is not listed; or no trainer rank is listed (or
+                its layout cannot be read) and none was ever seen here.
         """
         members = await self._members.scan()
-        if not members.trainers:
+        if members.trainers:
+            await self._read_trainer_layout(members.trainers[min(members.trainers)])
+        if self._trainer is None:
             raise CommitError(f"{self.replica}/{self.rank}: no trainer rank of stream {self.name!r} in the store")
-        source = members.trainers[min(members.trainers)]
-        if self.keys.trainer not in source.regions:
-            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes no layout")
-        if self._trainer is None or self._trainer[0] != (source.name, source.incarnation):
-            nbytes = source.regions[self.keys.trainer].nbytes
-            if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
-                raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes a {nbytes}-byte layout")
-            raw = torch.empty(nbytes, dtype=torch.uint8)
-            await self.t.get(raw, source.name, key=self.keys.trainer)
-            self._trainer = ((source.name, source.incarnation), Planner(decode_trainer(raw.numpy().tobytes())))
         planner = self._trainer[1]
         ranks = {rl.rank: n for n, (_, rl) in members.generators.items() if rl.replica == self.replica}
         missing = [r for r in range(self.size) if r not in ranks]
@@ -340,6 +339,35 @@ class MeshSubscriber:
         self._plan = planner.plan_replica(Replica(self.replica, layouts), self._plan)
         self._make_areas(planner, self._plan.ranks[self.rank])
         return _Replica(ranks, list(self._plan.ranks), {r: p.name for r, p in members.trainers.items()}, planner)
+
+    async def _read_trainer_layout(self, source: Peer) -> None:
+        """Reads ``source``'s trainer layout unless it is the one read last. A trainer rank that
+        is gone by now (its record still listed after a crash) leaves the one read last in place.
+
+        Raises:
+            CommitError: it publishes no layout, or one of a bad size, or it cannot be read and
+                none was read before.
+        """
+        if self._trainer is not None and self._trainer[0] == (source.name, source.incarnation):
+            return
+        if self.keys.trainer not in source.regions:
+            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes no layout")
+        nbytes = source.regions[self.keys.trainer].nbytes
+        if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
+            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes a {nbytes}-byte layout")
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            await self.t.get(raw, source.name, key=self.keys.trainer)
+        except ClosedError:
+            raise
+        except TransportError as exc:
+            if self._trainer is not None:
+                log.info("%s/%s: trainer %s's layout cannot be read (%s): using the one read before", self.replica,
+                         self.rank, source.name, exc)
+                return
+            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name}'s layout cannot be read: "
+                              f"{exc}") from exc
+        self._trainer = ((source.name, source.incarnation), Planner(decode_trainer(raw.numpy().tobytes())))
 
     async def _ctl_of(self, peer: str, words: int) -> torch.Tensor:
         """The first ``words`` control words of ``peer`` (a rank of this replica)."""
@@ -361,11 +389,19 @@ class MeshSubscriber:
         in full, at every rank. Call it between generation steps; then every rank calls
         :meth:`apply`.
 
+        Trainer ranks need not be there: a version they completed at every rank before they
+        left (exited, crashed, restarting) is committed all the same, once this rank has seen
+        the trainer layout (at an earlier commit, wait, pull or catch-up). A trainer rank's own
+        read-only control block bounds the versions committed while it can be read (forged
+        DONE words cannot wedge the replica); with none readable, the versions complete at
+        every rank are taken as they are.
+
         Returns:
             The committed version (None: no version is complete at every rank yet).
 
         Raises:
-            CommitError: this is not rank 0, or a rank of the replica or the trainer is missing.
+            CommitError: this is not rank 0, a rank of the replica is missing, or no trainer
+                rank was ever seen here.
             TransferTimeoutError: not done within ``timeout``.
             TransportError: a rank of the replica could not be read or written (it failed).
 
@@ -401,16 +437,24 @@ class MeshSubscriber:
             v = versions.pop() if len(versions) == 1 else None
             return v if v is not None and (newest is None or v <= newest) else None
 
+        # Our COMMIT word is writable by any peer too: a committed version no trainer rank has
+        # snapshotted (a scribbled 2**60) holds back no version they vouch for.
+        trusted = current if current is None or newest is None or current <= newest else None
+        if trusted is None and current is not None and current != self._distrusted:
+            self._distrusted = current
+            log.warning("%s/%s: committed version %d is past what the trainer ranks have published (%d): "
+                        "not trusted; the newest version complete at every rank replaces it", self.replica,
+                        self.rank, current, newest)
         seen = await ctls()
         best = max((v for v in (complete(seen, 0), complete(seen, 1)) if v is not None), default=None)
-        if best is None or (current is not None and best <= current):
+        if best is None or (trusted is not None and best <= trusted):
             return current
         s = slot_of(best)
         word = encode_front(best, s)
         for r in range(self.size):
             await self._write(peers[r], PROPOSED, word)
         if complete(await ctls(), s) != best:  # look again (two-flag handshake)
-            back = encode_front(current, slot_of(current)) if current is not None else 0
+            back = encode_front(trusted, slot_of(trusted)) if trusted is not None else 0
             for r in range(self.size):  # a trainer rank started writing that slot: not this time
                 await self._write(peers[r], PROPOSED, back)
             return current
@@ -455,8 +499,12 @@ class MeshSubscriber:
         """
         limit = self.timeout if timeout is None else timeout
         if self._delta and self._materializer is None:
-            with contextlib.suppress(CommitError):  # the delta areas need the plan: one look now
+            try:  # the delta areas need the plan: one look now
                 await self._replica_now()
+            except ClosedError:
+                raise
+            except TransportError as exc:  # a rank or the trainer is not up (or has left): dense only, for now
+                log.debug("%s/%s: no plan yet: %s", self.replica, self.rank, exc)
 
         async def look() -> int | Pending:
             v = self.committed()
@@ -475,7 +523,8 @@ class MeshSubscriber:
         trainer ranks' control words at most every ``after / 2`` seconds.
 
         Returns:
-            The version pulled, or None (nothing to catch up, or not yet ``after`` seconds).
+            The version pulled, or None (nothing to catch up, not yet ``after`` seconds, or a
+            source trainer rank is not there or cannot be read: it left).
 
         Raises:
             TransferTimeoutError: the pull did not complete within ``timeout``.
@@ -495,7 +544,13 @@ class MeshSubscriber:
         fronts = []
         for t in sources:
             tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
-            await self.t.get(tctl, trainer_ranks[t], key=self.keys.tctl)
+            try:
+                await self.t.get(tctl, trainer_ranks[t], key=self.keys.tctl)
+            except ClosedError:
+                raise
+            except TransportError as exc:  # listed, but gone (a crash): nothing to fetch from it
+                log.debug("%s/%s: cannot read trainer rank %d's control block: %s", self.replica, self.rank, t, exc)
+                return None
             front = decode_front(int(tctl[FRONT]))
             if front is None:
                 return None
@@ -529,8 +584,9 @@ class MeshSubscriber:
 
         Raises:
             TransferTimeoutError: no consistent copy within ``timeout``: a source trainer rank
-                or a rank of the replica is not in the store (it is waited for meanwhile), they
-                hold no common version, or the trainer kept overwriting the snapshots.
+                or a rank of the replica is not in the store, or cannot be read (it left; it is
+                waited for meanwhile), they hold no common version, or the trainer kept
+                overwriting the snapshots.
 
         Cancellation: the slot is left incomplete (never applied); nothing else changes.
         """
@@ -541,8 +597,10 @@ class MeshSubscriber:
             nonlocal why
             try:
                 got = await self._pull_once(version)
-            except CommitError as exc:  # a trainer rank or a rank of the replica is not up (yet)
-                why = str(exc)
+            except ClosedError:
+                raise
+            except TransportError as exc:  # a trainer rank or a rank of the replica is not up (yet), or left
+                why = f"{type(exc).__name__}: {exc}"
                 await anyio.sleep(_WAIT_S)  # each attempt scans the store: not more often than this
                 return PENDING
             return PENDING if got is None else got

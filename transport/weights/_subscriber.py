@@ -7,11 +7,21 @@ tensors: a memcpy split across the available cores, :mod:`._copy`; CUDA: one ``_
 plus a dequantisation per fp8 tensor), or re-points the model's tensors at it. ``apply_async()``
 runs the same in a worker thread. ``pull()`` reads the publisher's snapshot one-sidedly under its
 seqlock.
+
+Any peer may write a subscriber's control block, so a version past the newest one the
+publisher's own (read-only) control block has vouched for is checked against that block before
+it is applied (:meth:`Subscriber._vouched`): through this process's mapping of it when the
+publisher is on this host (:class:`~._control.LocalBlock`: no network, and still readable after
+the publisher left), else over the network (the asynchronous calls only). A version the block
+does not cover is refused; one that cannot be checked (the publisher has gone or does not
+answer, or, for the synchronous ``apply()``, lives on another host) is applied as it is, and
+marked unasked: an unasked live version never holds back another version.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -22,7 +32,7 @@ import anyio
 import torch
 
 from .. import _cuda, _tensor_kernels
-from .._errors import BackendUnavailableError, TransferTimeoutError, TransportError
+from .._errors import BackendUnavailableError, ClosedError, TransferTimeoutError, TransportError
 from .._tensors import dtype_name
 from ._apply import ApplyPlan, dequantize_into, host_unpack
 from ._checksum import deltable
@@ -37,6 +47,7 @@ from ._control import (
     NO_SLOT,
     READING,
     TRYING,
+    LocalBlock,
     StreamKeys,
     decode_front,
     memory_barrier,
@@ -54,6 +65,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transport.weights")
 SHOWN_NAMES = 5  # names listed in a mismatch message before "and N more"
+# How long the asynchronous calls wait for the publisher's control block over the network before
+# they take the publisher as not answering (the read takes a millisecond when it answers).
+ASK_S = 2.0
+
+
+class _Vouch(enum.Enum):
+    """What the publisher's control block says of a version (see ``Subscriber._vouched``)."""
+
+    YES = "vouched"  # it has published (or begun to push) that version
+    NO = "refused"  # read now, it has not: somebody else wrote our front word
+    UNASKED = "unasked"  # it cannot be read now (the publisher left, or is not reachable this way)
 
 
 def _names(names: Sequence[str]) -> str:
@@ -142,6 +164,10 @@ class Subscriber:
         self._applied: int | None = None
         self._pub_latest = 0  # the newest version the publisher's own control block vouched for
         self._refused: int | None = None  # the last unvouched version logged
+        self._unasked_logged: int | None = None  # the last version taken unasked that was logged
+        self._block: LocalBlock | None = None  # the publisher's control block mapped here (same host)
+        self._unasked = False  # the live version was applied without the publisher's word on it
+        self._live_word = 0  # the front word the live version came from (0: pulled, or none)
         self._apply_lock = threading.Lock()
         self._threads = available_threads()
         self._started = False
@@ -172,29 +198,119 @@ class Subscriber:
         """(version, slot) of our FRONT word; None for nothing, or for a slot we do not have."""
         return decode_front(int(self._ctl[FRONT]), len(self._slots))
 
-    async def _vouched(self, version: int) -> bool:
-        """Whether the publisher's own control block (only it writes it) vouches for
-        ``version``: any peer can write our FRONT, so a version past what the publisher has
-        begun to push is refused, and never becomes the live one. A live version the
-        publisher no longer vouches for (written by a third peer, or the publisher restarted)
-        is forgotten, so that the publisher's next version is applied: nothing can wedge us."""
-        if version > self._pub_latest or (self._applied is not None and self._applied > self._pub_latest):
-            ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
-            await self.t.get(ctl, self.publisher, key=self._keys.pubctl)
-            self._pub_latest = publisher_latest(ctl)
-            if self._applied is not None and self._applied > self._pub_latest:
-                log.warning("subscriber %s: live version %d of %r is past what %s has published (%d): not "
-                            "trusted; the next version it publishes is applied", self.t.name, self._applied,
-                            self.name, self.publisher, self._pub_latest)
-                self._applied = None
-        if version <= self._pub_latest:
+    def _newer(self, word: int, front: tuple[int, int]) -> bool:
+        """Whether the version of ``front`` (our front word ``word``) should replace the live
+        one: it is newer, or the live one was taken unasked and this is another word (so a
+        version nobody could vouch for never holds back the publisher's next one)."""
+        if self._applied is None or front[0] > self._applied:
             return True
+        return self._unasked and word != self._live_word
+
+    def _judge(self, version: int, words: torch.Tensor, authoritative: bool) -> _Vouch:
+        """What the publisher's control block ``words`` says of ``version``.
+
+        ``authoritative``: the block is the current publisher's (read now over the network, or
+        through a mapping of a block it still publishes): a version past it is refused, and a
+        live version past it is forgotten (written by a third peer, or the publisher restarted
+        since), so that the publisher's next version is applied. Otherwise the block is what a
+        publisher that has gone wrote last: it still vouches for what it covers, and cannot
+        refuse the rest."""
+        latest = publisher_latest(words)
+        self._pub_latest = latest if authoritative else max(self._pub_latest, latest)
+        if self._applied is not None and self._applied > self._pub_latest and authoritative:
+            log.warning("subscriber %s: live version %d of %r is past what %s has published (%d): not "
+                        "trusted; the next version it publishes is applied", self.t.name, self._applied,
+                        self.name, self.publisher, self._pub_latest)
+            self._applied = None
+            self._unasked = False
+        elif self._unasked and self._applied is not None and self._applied <= self._pub_latest:
+            self._unasked = False  # vouched for after all
+        if version <= self._pub_latest:
+            return _Vouch.YES
+        if not authoritative:
+            return _Vouch.UNASKED
         if version != self._refused:
             self._refused = version
             log.warning("subscriber %s: version %d in %r's front word is past what %s has published (%d): "
                         "someone else wrote it; ignored", self.t.name, version, self.name, self.publisher,
                         self._pub_latest)
-        return False
+        return _Vouch.NO
+
+    def _past_vouch(self, version: int) -> bool:
+        """Whether ``version``, or the live version, is past the newest one vouched for (the
+        publisher's block must be read again)."""
+        return version > self._pub_latest or (self._applied is not None and self._applied > self._pub_latest)
+
+    def _vouch_here(self, version: int) -> _Vouch:
+        """:meth:`_vouched` without the network, on any thread: the last word seen, then the
+        publisher's block through the mapping here (same host); UNASKED where there is none."""
+        if not self._past_vouch(version):
+            return _Vouch.YES
+        block = self._block
+        words = block.read() if block is not None else None
+        if words is None or block is None:
+            return self._take_unasked(version, "its control block cannot be read here without the network")
+        if (verdict := self._judge(version, words, block.current())) is _Vouch.UNASKED:
+            return self._take_unasked(version, "it no longer publishes the control block mapped here")
+        return verdict
+
+    async def _vouched(self, version: int) -> _Vouch:
+        """Whether the publisher's own control block (only it writes it) vouches for
+        ``version``: any peer can write our FRONT, so a version past what the publisher has
+        begun to push is refused, and never becomes the live one (see :meth:`_judge`).
+
+        The block is read through the mapping here while the publisher still publishes it,
+        else over the network (at most ``ASK_S`` seconds), else through the mapping of the block
+        a publisher that left wrote last. When none can be read (the publisher has exited,
+        crashed, is restarting or does not answer, and is not on this host), the version is
+        UNASKED: taken as it is, as the synchronous :meth:`apply` takes it. Never raises for the
+        publisher (only ClosedError, for our own Transport)."""
+        if not self._past_vouch(version):
+            return _Vouch.YES
+        block = self._block
+        if block is not None and block.current() and (words := block.read()) is not None:
+            return self._judge(version, words, True)
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+        why = ""
+        try:
+            await self.t.get(ctl, self.publisher, key=self._keys.pubctl, timeout=min(self.t.timeout, ASK_S))
+        except ClosedError:
+            raise
+        except TransportError as exc:  # gone, restarting, not answering
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            if block is not None:
+                await self._map_block()  # a publisher back on this host: its new block
+            return self._judge(version, ctl, True)
+        if block is not None and (words := block.read()) is not None:
+            if (verdict := self._judge(version, words, False)) is not _Vouch.UNASKED:
+                return verdict  # what the publisher wrote last covers it
+        return self._take_unasked(version, why)
+
+    def _take_unasked(self, version: int, why: str) -> _Vouch:
+        """UNASKED (logged once per version) for a version past the newest one vouched for."""
+        if version <= self._pub_latest:
+            return _Vouch.YES  # (the block was to be read for the live version's sake)
+        if version != self._unasked_logged:
+            self._unasked_logged = version
+            log.info("subscriber %s: cannot ask %s whether it published version %d of %r (%s): taken as it "
+                     "is", self.t.name, self.publisher, version, self.name, why)
+        return _Vouch.UNASKED
+
+    async def _map_block(self) -> None:
+        """Maps the control block of the publisher now in the store (when it is on this host),
+        unless the one mapped is still current. Keeps the old one when the new one cannot be
+        mapped: what a publisher that left wrote last still vouches for what it covers."""
+        if self._block is not None and self._block.current():
+            return
+        try:
+            peer = await self.t.lookup(self.publisher)
+        except ClosedError:
+            raise
+        except TransportError:
+            return
+        if peer is not None:
+            self._block = LocalBlock.of(self.t, peer, self._keys.pubctl, CTL_WORDS) or self._block
 
     async def start(self, *, timeout: float | None = None) -> None:
         """Fetches the publisher's layout, checks it against the local tensors, and subscribes
@@ -214,6 +330,7 @@ class Subscriber:
         """
         t, k = self.t, self._keys
         peer = await t.peer(self.publisher, regions=[k.layout, k.pubctl], timeout=timeout)
+        self._block = LocalBlock.of(t, peer, k.pubctl, CTL_WORDS)
         nbytes = peer.regions[k.layout].nbytes
         if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
             raise MalformedLayoutError(f"{self.publisher} publishes a {nbytes}-byte layout of {self.name!r} "
@@ -329,6 +446,7 @@ class Subscriber:
         """
         if self._started:
             self._started = False
+            self._block = None  # (its mapping of the publisher's block goes with it)
             if self._delta is not None:
                 self._delta.close()
             k = self._keys
@@ -385,15 +503,26 @@ class Subscriber:
         Async code should call :meth:`apply_async`. With device slots, returns once the device
         copies have finished.
 
+        A version past the newest one the publisher has vouched for is checked against the
+        publisher's own control block where that needs no network: a publisher on this host
+        (reached over ``ipc``) is read through this process's mapping of its block, which
+        stays readable after it exited. A version the block does not cover is not applied
+        (another peer wrote our front word). Where the block cannot be read that way (a
+        publisher on another host, or one that restarted, until an asynchronous call has
+        mapped its new block), the version is applied as it is; such a version never
+        holds back a later one (the publisher's next version replaces it), and the next
+        :meth:`apply_async`, :meth:`wait_version` or :meth:`pull` checks it.
+
         Returns:
-            The version applied now, or None if there was nothing newer.
+            The version applied now, or None if there was nothing newer (or only a version
+            the publisher does not vouch for).
 
         Raises:
             TransportError: the subscriber is not started.
         """
         if not self._started:
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
-        return self._apply_newest()
+        return self._apply_newest(self._vouch_here)
 
     async def apply_async(self) -> int | None:
         """:meth:`apply` with the copy in a worker thread: the event loop keeps running.
@@ -405,11 +534,22 @@ class Subscriber:
         runs at a time). Call it between generation steps: the local tensors change while it
         runs. Returns at once (after a checkpoint) when there is nothing newer.
 
+        A version past the newest one the publisher has vouched for is checked against the
+        publisher's own control block: through this process's mapping of it (a publisher on
+        this host), else over the network (waiting at most ``ASK_S`` = 2 seconds). A version
+        the block does not cover is not applied. A publisher that cannot be asked (it exited,
+        crashed, is restarting or does not answer) is no error: what it completed into our
+        slots before it left is applied (a publisher on this host still vouches through the
+        mapping; one on another host cannot, and its version is applied as it is, as
+        :meth:`apply` would; such a version never holds back a later one).
+
         Returns:
-            The version applied now, or None if there was nothing newer.
+            The version applied now, or None if there was nothing newer (or only a version
+            the publisher does not vouch for).
 
         Raises:
             TransportError: the subscriber is not started.
+            ClosedError: this subscriber's Transport is closed. Never an error of the publisher.
 
         Cancellation: a copy that has started is not interrupted: the call waits for its thread,
         so that version is applied whole (``version`` says which), then raises the
@@ -417,13 +557,21 @@ class Subscriber:
         """
         if not self._started:
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
-        front = self._front()
-        if front is None or not await self._vouched(front[0]) or (self._applied is not None
-                                                                   and front[0] <= self._applied):
+        word = int(self._ctl[FRONT])
+        front = decode_front(word, len(self._slots))
+        verdict = _Vouch.NO
+        if front is not None and self._newer(word, front):
+            verdict = await self._vouched(front[0])
+        if front is None or verdict is _Vouch.NO:
             await anyio.lowlevel.checkpoint()
             return None
+        version = front[0]
+
+        def vouch(v: int) -> _Vouch:  # a newer front meanwhile is checked without the network
+            return verdict if v == version else self._vouch_here(v)
+
         # The copies go on the caller's current streams, after its queued work, as apply()'s do.
-        applied = await self._in_thread(self._apply_newest, self._pub_latest)
+        applied = await self._in_thread(self._apply_newest, vouch)
         await anyio.lowlevel.checkpoint_if_cancelled()
         return applied
 
@@ -441,21 +589,22 @@ class Subscriber:
 
         return await anyio.to_thread.run_sync(run)
 
-    def _apply_newest(self, bound: int | None = None) -> int | None:
+    def _apply_newest(self, vouch: Callable[[int], _Vouch]) -> int | None:
         """Claims the newest complete slot (two-flag handshake), makes it live, releases it.
-        A front naming a slot we lack, or (``bound``) a version past it, is not applied."""
+        A front naming a slot we lack, or a version ``vouch`` refuses, is not applied."""
         claim = TRYING if self.zero_copy else READING
         with self._apply_lock:
             ctl = self._ctl
             while True:
                 word = int(ctl[FRONT])
                 front = decode_front(word, len(self._slots))
-                if front is None or (self._applied is not None and front[0] <= self._applied):
-                    return None
-                if bound is not None and front[0] > bound:
+                if front is None or not self._newer(word, front):
                     return None
                 if word == self._refused_word:
                     return None  # refused already: pull() or the next version
+                verdict = vouch(front[0])
+                if verdict is _Vouch.NO:
+                    return None
                 ctl[claim] = front[1]
                 memory_barrier()
                 if int(ctl[FRONT]) == word:  # the publisher had not moved on: the slot is ours
@@ -482,6 +631,8 @@ class Subscriber:
                     ctl[READING] = NO_SLOT
             ctl[APPLIED] = front[0]
             self._applied = front[0]
+            self._live_word = word
+            self._unasked = verdict is _Vouch.UNASKED
             self._last_apply_s = time.perf_counter() - t0
             return front[0]
 
@@ -512,8 +663,14 @@ class Subscriber:
     async def wait_version(self, version: int, *, timeout: float | None = None) -> int:
         """Waits until a version ≥ ``version`` is complete here, applies it, returns it.
 
+        Versions are checked against the publisher's control block as in :meth:`apply_async`:
+        a publisher that has left (exited, crashed, restarting) or does not answer makes no
+        error here; what it completed into our slots before it left is applied.
+
         Raises:
             TransferTimeoutError: none arrived within the timeout (default: the Transport's).
+                The only error a publisher, present or gone, can cause here.
+            ClosedError: this subscriber's Transport is closed.
 
         The copy runs in a worker thread, as in :meth:`apply_async`.
 
@@ -522,23 +679,37 @@ class Subscriber:
         timeout = self.t.timeout if timeout is None else timeout
         with anyio.move_on_after(timeout):
             while True:
-                if self._applied is not None and self._applied >= version and await self._vouched(self._applied):
+                if self._applied is not None and self._applied >= version \
+                        and await self._vouched(self._applied) is not _Vouch.NO:
                     return self._applied
                 latest = self.latest
                 if latest is not None and latest >= version and await self.apply_async() is not None:
                     continue
                 if self._refused_word and self._refused_word == int(self._ctl[FRONT]) and latest is not None \
-                        and latest >= version:
-                    await self.pull(timeout=timeout)  # a refused delta: catch up from the snapshot
+                        and latest >= version and await self._pull_refused(timeout):
                     continue
                 try:  # the doorbell wakes us; polling covers an unacknowledged one
                     await self.t.wait_signal(self._keys.doorbell, at_least=version, timeout=0.05)
                 except TransferTimeoutError:
                     pass
-        if self._applied is not None and self._applied >= version and self._applied <= self._pub_latest:
+        if self._applied is not None and self._applied >= version \
+                and (self._unasked or self._applied <= self._pub_latest):
             return self._applied  # the timeout fell during the copy
         raise TransferTimeoutError(f"{self.t.name}: version {version} of {self.name!r} did not arrive within "
                                    f"{timeout:g}s (live: {self._applied})")
+
+    async def _pull_refused(self, timeout: float) -> bool:
+        """Catches up from the snapshot after a refused delta; False when the publisher cannot
+        be read (it left: its next version, or its return, is waited for)."""
+        try:
+            await self.pull(timeout=timeout)
+        except ClosedError:
+            raise
+        except TransportError as exc:
+            log.info("subscriber %s: cannot pull %r from %s after a refused delta: %s", self.t.name, self.name,
+                     self.publisher, exc)
+            return False
+        return True
 
     async def pull(self, *, timeout: float | None = None) -> int | None:
         """Fetches the publisher's latest complete version one-sidedly and applies it.
@@ -603,6 +774,7 @@ class Subscriber:
                 return self._applied
             self._unpack(buf)
             self._applied = version
+            self._unasked, self._live_word = False, 0  # the publisher's own copy
             if self._started:
                 self._ctl[APPLIED] = version
             return version
