@@ -93,7 +93,8 @@ def test_every_typed_driver_call_raises_backend_unavailable():
         lambda: _cuda.PinnedBuffer(4096, 0),
     ],
     ids=["driver_version", "device_count", "device_uuid", "device_name", "device_label", "local_index", "allocation",
-         "ipc_export", "kernels", "stream_create", "stream_destroy", "stream_synchronize", "CudaCopier", "PinnedBuffer"],
+         "ipc_export", "kernels", "stream_create", "stream_destroy", "stream_synchronize", "CudaCopier",
+         "PinnedBuffer"],
 )
 def test_every_python_cuda_entry_point_raises_backend_unavailable(call):
     with pytest.raises(transport.BackendUnavailableError, match=r"libcuda\.so\.1"):
