@@ -15,24 +15,34 @@ authenticates, and nothing one connection does stops the others:
 * the HELLO must arrive complete within ``handshake_timeout`` s with at most PRE_AUTH_META bytes
   of metadata (checked in the header, before allocating) and no payload, or the connection closes;
 * at most ``max_preauth`` connections wait for their HELLO: a new one closes the *oldest* waiting
-  one (an honest client says HELLO at once, so idle sockets cannot lock it out); at most
-  ``max_conns`` are open in all: a new one beyond that closes the oldest waiting one or, if all
-  have said HELLO, is closed itself (without a token HELLO proves nothing: this bounds descriptors);
+  one (an honest client says HELLO at once, so idle sockets cannot lock it out);
+* at most ``max_conns`` are open in all. A new one beyond that (or one that ``accept`` cannot take
+  for want of descriptors) is made room for: the agent closes the *stalest* connection, the one
+  that has gone longest without moving a byte in either direction (a connection waiting for its
+  HELLO counts from when it was accepted), unless that one has bytes waiting to be read. So idle
+  connections, authenticated ones included, can never lock a peer out, whoever holds them (a
+  token holder, or anyone where no token is set, under as many names as it likes). An honest
+  client whose idle connection was closed opens a new one for its next request. Watch
+  connections are never closed to make room (closing one tells its peer that this process
+  died); at most ``max_conns // 2`` may be open, and one more is refused with an ERR (its peer
+  then learns of this process's end from heartbeats);
 * after HELLO, one peer (the name its HELLO gives) holds at most ``max_conns_per_peer``
-  connections: one more is refused with an ERR naming the cap, so no single peer (a token
-  holder included) can take every slot; an honest Transport holds three or four per peer;
+  connections: one more is refused with an ERR naming the cap; an honest Transport holds three
+  or four per peer;
 * a connection on which nothing arrives for ``idle_timeout`` s, between frames or inside one (a
   stalled payload or metadata), or that takes no reply bytes for that long, is closed. The HELLO's
   OK carries ``idle_s``, and clients reopen a channel idle for half of it before they use it, so
   an honest client never writes into a connection being closed. Watch connections (a peer
   waiting for this process to end, ``lane="watch"``) are exempt between frames: idling is their job;
-* a refused payload is drained into one buffer shared by every connection, and metadata buffers
-  grow with the bytes that arrive: what a stalled connection costs is what it sent;
+* a refused payload is drained into one buffer shared by every connection, and every buffer
+  whose size a peer announced (metadata, a run table, a staged payload) grows only with the
+  bytes that arrive: what a stalled connection costs is what it sent;
 * defaults 1024 / 64 / 10 s / 32 / 300 s; ``$TRANSPORT_AGENT_MAX_CONNS``, ``$TRANSPORT_AGENT_MAX_PREAUTH``,
   ``$TRANSPORT_AGENT_HANDSHAKE_TIMEOUT``, ``$TRANSPORT_AGENT_MAX_CONNS_PER_PEER`` and
   ``$TRANSPORT_AGENT_IDLE_TIMEOUT`` (read when the server is made) or the fields override them;
-* a failing ``accept`` never stops the listener: out of descriptors or memory is warned about
-  (rate-limited) and retried after 0.1 s; an aborted connection is skipped;
+* a failing ``accept`` never stops the listener: out of descriptors, it makes room as above and
+  accepts again; with nothing to close (or out of memory) it warns (rate-limited) and retries
+  after 0.1 s; an aborted connection is skipped;
 * an undecodable or oversized frame (WireError, JSON nested too deep included) or any unexpected
   error closes that connection only; a garbled reply fails that channel's requests with PeerLostError.
 """
@@ -58,6 +68,7 @@ from ._auth import Authenticator
 from ._errors import AuthenticationError, BackendUnavailableError, TransportError
 from ._sockets import (
     CONNECTION_ENDED,
+    Activity,
     close_socket,
     discard,
     payload_parts,
@@ -66,6 +77,7 @@ from ._sockets import (
     recv_into_views,
     send_all_views,
     tune_socket,
+    wait_for_bytes,
 )
 from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, WireError, encode_frame, error_to_frame
 
@@ -86,6 +98,7 @@ _ACCEPT_BACKOFF_S = 0.1
 _WARN_EVERY_S = 10.0
 # accept(2) passes on errors of the connection it was about to return: skip that connection.
 _CONNECTION_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.EHOSTUNREACH})
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,12 +111,26 @@ class Conn:
     def __init__(self, sock: socket.socket, stall: float | None = None) -> None:
         self.sock = sock
         self.stall = stall  # seconds without progress after which a read or a reply gives up
+        self.activity = Activity()  # when it last moved a byte (the agent makes room by it)
+        # True while the agent waits for its next frame having read no byte of it (and with every
+        # reply sent): closing it then can tell its peer that nothing unanswered was carried out.
+        self.between_frames = False
 
     async def reply(self, kind: FrameKind, rid: int, meta: Mapping[str, Any],
                     payload: memoryview | Sequence[memoryview] | None = None) -> None:
         parts = payload_parts(payload)
         frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
-        await send_all_views(self.sock, [memoryview(frame), *parts], self.stall)
+        await send_all_views(self.sock, [memoryview(frame), *parts], self.stall, self.activity)
+
+    async def reply_head(self, kind: FrameKind, rid: int, meta: Mapping[str, Any], nbytes: int) -> None:
+        """Starts a reply whose ``nbytes`` of payload follow by :meth:`send` (made as they are
+        sent: a peer that stops reading then holds one part, never the whole payload). The
+        caller sends exactly ``nbytes``, or raises (the connection closes: it is out of step)."""
+        await send_all_views(self.sock, [memoryview(encode_frame(kind, rid, meta, nbytes))], self.stall, self.activity)
+
+    async def send(self, views: Sequence[memoryview]) -> None:
+        """Sends ``views`` (bytes views) in order: payload bytes of a reply begun by :meth:`reply_head`."""
+        await send_all_views(self.sock, views, self.stall, self.activity)
 
     async def refuse(self, rid: int, exc: TransportError) -> None:
         code, msg = error_to_frame(exc)
@@ -111,15 +138,15 @@ class Conn:
 
     async def recv_into(self, views: Sequence[memoryview]) -> None:
         """Fills ``views`` (bytes views) in order from the stream, many per system call."""
-        await recv_into_views(self.sock, views, self.stall)
+        await recv_into_views(self.sock, views, self.stall, self.activity)
 
     async def recv_bytes(self, nbytes: int) -> bytearray:
-        """``nbytes`` from the stream into a new buffer that grows with what arrives."""
-        return await recv_growing(self.sock, nbytes, self.stall)
+        """``nbytes`` from the stream into a new buffer that grows only with what arrives."""
+        return await recv_growing(self.sock, nbytes, self.stall, self.activity)
 
     async def discard(self, nbytes: int) -> None:
         if nbytes:
-            await discard(self.sock, nbytes, self.stall)
+            await discard(self.sock, nbytes, self.stall, self.activity)
 
 
 class Routes(Protocol):
@@ -193,7 +220,9 @@ class AgentServer:
         self._lsock.setblocking(False)
         self.port = self._lsock.getsockname()[1]
         self._conns: dict[socket.socket, anyio.CancelScope] = {}  # every open connection's task
-        self._waiting: dict[socket.socket, None] = {}  # those still waiting for HELLO, oldest first
+        self._waiting: dict[socket.socket, float] = {}  # those still waiting for HELLO -> accepted when, oldest first
+        self._serving: dict[socket.socket, Conn] = {}  # those past HELLO that may be closed to make room
+        self._watching: set[socket.socket] = set()  # watch connections (never closed to make room)
         self._by_peer: dict[str, set[socket.socket]] = {}  # authenticated connections per HELLO name
         self._peer_of: dict[socket.socket, str] = {}
         self._warned: dict[str, tuple[float, int]] = {}  # kind of warning -> (when last logged, since)
@@ -201,6 +230,11 @@ class AgentServer:
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
+
+    @property
+    def max_watch(self) -> int:
+        """Watch connections open at once, at most (they are never closed to make room)."""
+        return max(1, self.max_conns // 2)
 
     async def serve(self, tg: TaskGroup, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Accepts connections until cancelled (or :meth:`close`), serving each in a task of
@@ -215,7 +249,10 @@ class AgentServer:
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as exc:
-                    if exc.errno not in _CONNECTION_GONE:  # out of descriptors or memory, or unforeseen:
+                    if exc.errno in _OUT_OF_DESCRIPTORS and (closed := self._make_room()):
+                        self._warn("accept", f"accept failed ({exc}) with {len(self._conns) + 1} connections open: "
+                                   f"closed {closed} to make room")
+                    elif exc.errno not in _CONNECTION_GONE:  # out of memory, or nothing to close, or unforeseen:
                         # the connection stays queued, so retrying at once would spin
                         self._warn("accept", f"accept failed ({exc}) with {len(self._conns)} connections open; "
                                    f"retrying in {_ACCEPT_BACKOFF_S:g}s")
@@ -232,6 +269,8 @@ class AgentServer:
             close_socket(s)
         self._conns.clear()
         self._waiting.clear()
+        self._serving.clear()
+        self._watching.clear()
         self._by_peer.clear()
         self._peer_of.clear()
 
@@ -246,15 +285,19 @@ class AgentServer:
         log.warning("agent %s: %s%s", self.name, what, f" ({unsaid} more since the last)" if unsaid else "")
 
     def _admit(self, tg: TaskGroup, sock: socket.socket, peer: str) -> None:
-        if len(self._conns) >= self.max_conns and not self._waiting:
-            self._warn("cap", f"closed a new connection from {peer}: {len(self._conns)} connections are open "
-                       f"(the cap; ${MAX_CONNS_ENV})")
-            close_socket(sock)
-            return
-        if len(self._conns) >= self.max_conns or len(self._waiting) >= self.max_preauth:
+        if len(self._waiting) >= self.max_preauth:
             self._warn("preauth", f"{len(self._waiting)} connections waiting for their HELLO, {len(self._conns)} open: "
-                       f"closing the oldest waiting one (caps ${MAX_PREAUTH_ENV}, ${MAX_CONNS_ENV})")
+                       f"closing the oldest waiting one (cap ${MAX_PREAUTH_ENV})")
             self._drop(next(iter(self._waiting)))
+        if len(self._conns) >= self.max_conns:
+            closed = self._make_room()
+            if closed is None:  # every one is a watch connection, or has bytes waiting
+                self._warn("cap", f"closed a new connection from {peer}: {len(self._conns)} connections are open "
+                           f"(the cap; ${MAX_CONNS_ENV}) and none is idle")
+                close_socket(sock)
+                return
+            self._warn("cap", f"{len(self._conns) + 1} connections open (the cap; ${MAX_CONNS_ENV}): closed {closed} "
+                       f"to make room for one from {peer}")
         try:
             tune_socket(sock)
         except OSError:  # reset before we got to it
@@ -262,8 +305,35 @@ class AgentServer:
             return
         scope = anyio.CancelScope()
         self._conns[sock] = scope
-        self._waiting[sock] = None
+        self._waiting[sock] = time.monotonic()
         tg.start_soon(self._serve_conn, sock, scope, peer)
+
+    def _make_room(self) -> str | None:
+        """Closes the stalest connection: of the one waiting longest for its HELLO and the
+        served one that moved no byte for longest (read or written; watch connections are
+        never closed here), whichever has been silent longer. A served connection with bytes
+        waiting to be read is not silent (its request just came): it counts as active now.
+        Returns what was closed, for the log, or None when nothing could be."""
+        now = time.monotonic()
+        for _ in range(8):  # each pass either closes one or marks one active: bounded
+            waiting = next(iter(self._waiting.items()), None)
+            served = min(self._serving.items(), key=lambda item: item[1].activity.last, default=None)
+            if served is not None and (waiting is None or served[1].activity.last < waiting[1]):
+                sock, conn = served
+                if _has_bytes_waiting(sock):
+                    conn.activity.touch()
+                    continue
+                who = self._peer_of.get(sock, "?")
+                if conn.between_frames:  # nothing of a next request read: its peer may send it again elsewhere
+                    _say_going_away(sock, f"{self.name} closed this connection, idle for "
+                                    f"{now - conn.activity.last:.1f}s, to make room for a new one")
+                self._drop(sock)
+                return f"the connection from {who!r} idle for {now - conn.activity.last:.1f}s"
+            if waiting is not None:
+                self._drop(waiting[0])
+                return f"a connection waiting {now - waiting[1]:.1f}s for its HELLO"
+            return None
+        return None
 
     def _drop(self, sock: socket.socket) -> None:
         """Forgets a connection and closes it (stopping its task if it still runs)."""
@@ -275,7 +345,9 @@ class AgentServer:
         close_socket(sock)
 
     def _unclaim(self, sock: socket.socket) -> None:
-        """Stops counting ``sock`` against its peer's cap."""
+        """Stops counting ``sock`` against its peer's cap, and as served or watching."""
+        self._serving.pop(sock, None)
+        self._watching.discard(sock)
         who = self._peer_of.pop(sock, None)
         if who is not None:
             socks = self._by_peer[who]
@@ -301,9 +373,18 @@ class AgentServer:
                         self._warn("lane", f"closed the {lane} lane from {peer}: not served (at its cap)")
                     return
                 idle = None if lane == WATCH_LANE else self.idle_timeout
+                if lane != WATCH_LANE:
+                    self._serving[sock] = conn
                 while True:
-                    kind, rid, meta, plen = await read_frame_head(sock, idle=idle, stall=self.idle_timeout)
+                    conn.between_frames = True
+                    try:
+                        await wait_for_bytes(sock, idle)
+                    finally:
+                        conn.between_frames = False
+                    kind, rid, meta, plen = await read_frame_head(sock, idle=self.idle_timeout, stall=self.idle_timeout,
+                                                                  activity=conn.activity)
                     await self._dispatch(conn, kind, rid, meta, plen)
+                    conn.activity.touch()  # (a route may have worked a while without moving a byte)
         except CONNECTION_ENDED as exc:
             log.debug("agent %s: connection from %s ended: %s", self.name, peer, exc)
         except Exception:  # a route's bug or an unforeseen input: this connection only
@@ -333,7 +414,17 @@ class AgentServer:
             self._warn("auth", f"refused a connection from {peer}: {exc}")
             await conn.reply(FrameKind.ERR, rid, {"code": ErrCode.AUTH, "message": str(exc)})
             return peer, False, ""
-        self._waiting.pop(conn.sock, None)  # authenticated: no longer evictable
+        self._waiting.pop(conn.sock, None)  # authenticated: no longer waiting
+        lane = meta.get("lane")
+        lane = lane if isinstance(lane, str) else ""
+        if lane == WATCH_LANE and len(self._watching) >= self.max_watch:
+            self._warn("watch", f"refused a watch connection from {peer}: {len(self._watching)} are open (the cap "
+                       f"for watch connections, half of ${MAX_CONNS_ENV})")
+            await conn.reply(FrameKind.ERR, rid, {
+                "code": ErrCode.INTERNAL,
+                "message": f"{self.name} holds {len(self._watching)} watch connections, its cap; watch it through "
+                "heartbeats"})
+            return peer, False, ""
         who = str(meta.get("from", "?"))[:200]
         mine = self._by_peer.get(who, set())
         if len(mine) >= self.max_conns_per_peer:
@@ -346,10 +437,11 @@ class AgentServer:
             return peer, False, ""
         self._by_peer[who] = mine | {conn.sock}
         self._peer_of[conn.sock] = who
+        if lane == WATCH_LANE:
+            self._watching.add(conn.sock)
         await conn.reply(FrameKind.OK, rid, {"incarnation": self.incarnation, "idle_s": self.idle_timeout,
                                              **self.auth.ok_fields(meta, self.incarnation)})
-        lane = meta.get("lane")
-        return peer, True, lane if isinstance(lane, str) else ""
+        return peer, True, lane
 
     async def _dispatch(self, conn: Conn, kind: FrameKind, rid: int, meta: dict[str, Any], plen: int) -> None:
         if kind == FrameKind.SIGNAL:
@@ -381,6 +473,25 @@ class AgentServer:
                 f"{self.name} does not run backend {str(meta.get('backend'))[:100]!r}"))
             return
         await self.routes.frame(conn, kind, rid, meta, plen)
+
+
+def _say_going_away(sock: socket.socket, why: str) -> None:
+    """Tells the peer of ``sock``, if its socket takes the frame at once, that the agent closes
+    the connection having carried out nothing since its last reply (ErrCode.GOING_AWAY)."""
+    frame = encode_frame(FrameKind.ERR, 0, {"code": ErrCode.GOING_AWAY, "message": why}, 0)
+    with contextlib.suppress(OSError):  # full or broken: the peer sees the connection close, as before
+        if sock.send(frame, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL) == len(frame):
+            sock.shutdown(socket.SHUT_WR)  # the end of the stream right after it
+
+
+def _has_bytes_waiting(sock: socket.socket) -> bool:
+    """Whether bytes (or the peer's end of the stream) wait to be read on ``sock``, now."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:  # reset: closing it costs nothing
+        return False
 
 
 def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:

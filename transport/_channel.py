@@ -9,7 +9,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -27,13 +27,22 @@ from ._sockets import (
     recv_into_views,
     send_all_views,
 )
-from ._wire import PRE_AUTH_META, FrameKind, WireError, encode_frame, frame_to_error
+from ._wire import PRE_AUTH_META, ErrCode, FrameKind, WireError, encode_frame, frame_to_error
 
 log = logging.getLogger(__name__)
 
 # How long a released channel (its peer forgotten: it left, or was lost or excluded) keeps reading
 # replies already on their way: a request the peer answered just before it closed succeeds.
 RELEASE_GRACE_S = 2.0
+# A send that fails gives the reply reader this long to read why (a GOING_AWAY notice already in
+# the socket means the request was not carried out and may go on a new connection).
+_WHY_GRACE_S = 1.0
+
+
+class _WentAway(PeerLostError):
+    """The agent closed the connection to make room, having carried out nothing on it since
+    its last reply: a request still unanswered goes again on a new connection. (Should one
+    ever escape, it is what it was before the notice existed: a PeerLostError.)"""
 
 
 class _Reply:
@@ -56,7 +65,10 @@ class Channel:
 
     Create with :meth:`open`. A broken channel (EOF, reset, protocol error, or a send that
     overran its deadline) fails every outstanding request with :class:`PeerLostError` and
-    refuses new ones; open a new channel to retry.
+    refuses new ones; open a new channel to retry. The one exception: an agent that closes the
+    connection to make room for others says so first (ErrCode.GOING_AWAY), and a channel made
+    by :meth:`open` then sends its unanswered requests again on a new connection, its
+    *successor* (which :class:`ChannelPool` adopts), as if nothing had happened.
     """
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
@@ -70,6 +82,11 @@ class Channel:
         self._used = time.monotonic()  # last request sent or reply read
         self._idle_limit = math.inf  # the agent closes the connection after this long idle
         self._tg: TaskGroup | None = None  # where the reader runs (and a release's deadline)
+        # How to open another connection like this one (set by open()), and the one opened when
+        # the agent went away from this one.
+        self._reopen: Callable[[], Awaitable[Channel]] | None = None
+        self._successor: Channel | None = None
+        self._succession = anyio.Lock()
 
     @classmethod
     async def open(
@@ -92,7 +109,13 @@ class Channel:
             sock = await connect(address)
         except OSError as exc:
             raise PeerLostError(f"cannot reach the agent of {peer} at {address[0]}:{address[1]}: {exc}") from exc
-        return await cls.greet(tg, sock, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
+        chan = await cls.greet(tg, sock, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
+
+        async def reopen() -> Channel:
+            return await cls.open(tg, address, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
+
+        chan._reopen = reopen
+        return chan
 
     @classmethod
     async def greet(
@@ -138,6 +161,28 @@ class Channel:
     def broken(self) -> bool:
         return self._broken is not None
 
+    @property
+    def successor(self) -> Channel | None:
+        """The open connection that took over from this one after its agent went away, if any."""
+        return self._successor
+
+    def detach_successor(self) -> Channel | None:
+        """Hands the successor over (to a pool): closing this channel no longer closes it."""
+        successor, self._successor = self._successor, None
+        return successor
+
+    async def _take_over(self) -> Channel:
+        """This channel's successor, opened now if there is none yet (the agent went away).
+
+        Raises:
+            PeerLostError, AuthenticationError, TransportError: as :meth:`open`.
+        """
+        assert self._reopen is not None
+        async with self._succession:
+            if self._successor is None or self._successor.broken:
+                self._successor = await self._reopen()
+            return self._successor
+
     async def wait_closed(self) -> BaseException:
         """Waits until the connection is closed or broken; returns why (a PeerLostError when
         the other side went away, a ClosedError when we closed it)."""
@@ -155,12 +200,16 @@ class Channel:
                 reply.event.set()
         self._replies.clear()
         close_socket(self._sock)
+        if self._successor is not None:  # (not handed over: whoever closes this one owns it)
+            self._successor.close(reason)
 
     def release(self, reason: BaseException, grace: float = RELEASE_GRACE_S) -> None:
         """Takes no new request (they raise ``reason``'s kind) but keeps reading the replies of
         those in flight for up to ``grace`` seconds, then closes; what is still unanswered then
         (or when the peer closes first) fails with ``reason``. A peer that answered and then
         closed its Transport is not reported as having failed the request."""
+        if self._successor is not None:
+            self._successor.release(reason, grace)
         if self._broken is not None:
             return
         self._broken = reason
@@ -182,6 +231,10 @@ class Channel:
             return False
         self.close()
         return True
+
+    def _went_away(self) -> bool:
+        """Whether the agent went away from this connection and another may take over."""
+        return isinstance(self._broken, _WentAway) and self._reopen is not None
 
     def _failure(self, what: str) -> TransportError:
         """Why a request cannot go on this broken channel: ClosedError when we closed it."""
@@ -208,12 +261,17 @@ class Channel:
         Once a frame has started on the wire it is finished (shielded, bounded by the caller's
         deadline): cancelling before that sends nothing; cancelling after it only stops the wait.
 
+        If the agent goes away from this connection before it answers (ErrCode.GOING_AWAY: it
+        carried out nothing unanswered), the request goes again on the successor connection.
+
         Raises:
             PeerLostError: the connection broke (before or during this request).
             TransferTimeoutError: the frame could not be sent by the caller's deadline.
             TransportError subclasses: the agent refused (mapped from the ERR frame).
         """
         if self._broken is not None:
+            if self._went_away():
+                return await (await self._take_over()).request(kind, meta, payload, into)
             raise self._failure("earlier failure")
         rid = next(self._ids)
         self._used = time.monotonic()
@@ -222,26 +280,40 @@ class Channel:
         parts = payload_parts(payload)
         frame = encode_frame(kind, rid, meta, sum(len(p) for p in parts))
         deadline = anyio.current_effective_deadline()
+        unsent: BaseException | None = None
         try:
             async with self._send_lock:
                 if self._broken is not None:
-                    raise self._failure("earlier failure")
-                with anyio.CancelScope(shield=True, deadline=deadline) as scope:
-                    try:
-                        await send_all_views(self._sock, [memoryview(frame), *parts])
-                    except (OSError, anyio.ClosedResourceError) as exc:
-                        # If the reader already saw the connection die (or we closed it), report that.
-                        if isinstance(self._broken, ClosedError):
-                            raise self._failure("closed") from exc
-                        cause = self._broken or exc
-                        err = self._lost(f"send failed: {cause}", cause)
-                        self.close(err)
-                        raise err from cause
-                if scope.cancelled_caught:
-                    # A frame cut in half leaves the stream unusable: drop the connection.
-                    late = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")
-                    self.close(self._lost("send timed out", late))
-                    raise late
+                    if not self._went_away():
+                        raise self._failure("earlier failure")
+                    unsent = self._broken
+                else:
+                    with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+                        try:
+                            await send_all_views(self._sock, [memoryview(frame), *parts])
+                        except (OSError, anyio.ClosedResourceError) as exc:
+                            unsent = exc
+                    if unsent is None and scope.cancelled_caught:
+                        # A frame cut in half leaves the stream unusable: drop the connection.
+                        late = TransferTimeoutError(f"sending to {self.peer} did not finish by the deadline")
+                        self.close(self._lost("send timed out", late))
+                        raise late
+            if unsent is not None:
+                if self._broken is None and self._reopen is not None:
+                    # The reply reader may be about to read why: a GOING_AWAY notice (then this
+                    # request was not carried out and goes again), or the end of the stream.
+                    with anyio.move_on_after(_WHY_GRACE_S):
+                        await self._closed.wait()
+                if self._went_away():
+                    self._replies.pop(rid, None)
+                    return await (await self._take_over()).request(kind, meta, payload, into)
+                # If the reader already saw the connection die (or we closed it), report that.
+                if isinstance(self._broken, ClosedError):
+                    raise self._failure("closed") from unsent
+                cause = self._broken or unsent
+                err = self._lost(f"send failed: {cause}", cause)
+                self.close(err)
+                raise err from cause
         except BaseException:
             if not reply.event.is_set():
                 self._replies.pop(rid, None)
@@ -253,6 +325,8 @@ class Channel:
             self._close_if_unwaited()
             raise
         if reply.error is not None:
+            if isinstance(reply.error, _WentAway) and self._reopen is not None:
+                return await (await self._take_over()).request(kind, meta, payload, into)
             if isinstance(reply.error, ClosedError):
                 raise ClosedError(str(reply.error))
             if isinstance(reply.error, PeerLostError):  # a new one per request: tasks raise their own
@@ -268,6 +342,14 @@ class Channel:
         try:
             while True:
                 kind, rid, meta, payload_len = await read_frame_head(self._sock)
+                if rid == 0:  # no request has id 0: the agent's notice that it closes the connection
+                    if kind != FrameKind.ERR or meta.get("code") != ErrCode.GOING_AWAY:
+                        raise WireError(f"{kind.name} frame with request id 0")
+                    why = str(meta.get("message", ""))[:300]
+                    log.debug("connection to %s: the agent went away (%s); unanswered requests go on a new "
+                              "connection", self.peer, why)
+                    self.close(_WentAway(f"connection to {self.peer} lost: {why}"))
+                    return
                 reply = self._replies.pop(rid, None)
                 if reply is None:
                     raise WireError(f"reply to unknown request {rid}")
@@ -343,6 +425,10 @@ class ChannelPool:
             cached = self._channels.get(peer)
             if cached is not None:
                 inc, chan = cached
+                while inc == incarnation and chan.broken and (heir := chan.detach_successor()) is not None:
+                    chan.close()  # the agent went away from it: its successor took over
+                    chan = heir
+                    self._channels[peer] = (inc, chan)
                 if inc == incarnation and not chan.broken and not chan.idle_expired:
                     return chan
                 chan.close()

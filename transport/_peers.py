@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 PEER_PREFIX = "peer/"
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.2
 _WATCH_CONNECT_TIMEOUT_S = 10.0
-# How long a peer's record may keep failing authentication before waiting for it gives up: long
-# enough for a legitimate restart to replace a leftover record, well under a second.
-_AUTH_GRACE_S = 0.3
+# How long a peer's record may keep being refused (failing authentication, malformed, misplaced
+# or too large) before waiting for it gives up: long enough for a legitimate restart to replace a
+# leftover record, well under a second. Records are written whole (file rename, one store set),
+# so a refused one is never half-written: it is what is there.
+_REFUSED_GRACE_S = 0.3
 MAX_NAME_BYTES = 255
 
 
@@ -347,31 +349,35 @@ class PeerDirectory:
                    check_open: Callable[[], None]) -> Peer:
         """Polls until a live peer ``name`` with every key in ``regions`` is published.
 
-        A record that fails authentication (another token, unsigned, copied from another name)
-        is given :data:`_AUTH_GRACE_S` to be replaced by a good one (a restart), then refused.
+        A record that is refused (fails authentication: another token, unsigned, copied from
+        another name; or malformed, misplaced or too large: e.g. written by another version of
+        the library) is given :data:`_REFUSED_GRACE_S` to be replaced by a good one (a restart),
+        then the wait ends with the reason, read again and again meanwhile, not the timeout.
 
         Raises:
             AuthenticationError: the record of ``name`` keeps failing authentication.
-            PeerNotFoundError: none appeared within ``timeout``.
+            PeerNotFoundError: none appeared within ``timeout``, or the record of ``name`` keeps
+                being malformed, misplaced or too large (the message says how; ``__cause__`` is
+                the WireError or RecordTooLargeError).
             ClosedError: (from ``check_open``) the Transport closed meanwhile.
             ValueError: ``name`` cannot be a peer name.
         """
         check_name(name, "peer name")
         delay, stale = _POLL_MIN_S, False
         bad: TransportError | None = None
-        refused_since: float | None = None  # since when every read of the record failed authentication
+        refused_since: float | None = None  # since when every read of the record was refused
         with anyio.move_on_after(timeout):
             while True:
                 check_open()
                 try:
                     record = await self.fetch(name)
-                except AuthenticationError as exc:
+                except (AuthenticationError, WireError, RecordTooLargeError) as exc:
                     record, bad = None, exc
                     now = time.monotonic()
                     refused_since = now if refused_since is None else refused_since
-                    if now - refused_since >= _AUTH_GRACE_S:
+                    if now - refused_since >= _REFUSED_GRACE_S:
                         raise self._refused(name, exc) from exc
-                except TransportError as exc:  # malformed, misplaced, too large: keep waiting
+                except TransportError as exc:  # the store failed: keep waiting
                     record, bad, refused_since = None, exc, None
                 else:
                     refused_since = None
@@ -383,7 +389,7 @@ class PeerDirectory:
                     stale = stale or record is not None
                 await anyio.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX_S)
-        if refused_since is not None and isinstance(bad, AuthenticationError):
+        if refused_since is not None and bad is not None:
             raise self._refused(name, bad) from bad
         hint = " (only a stale record of an exited or lost process was found)" if stale else ""
         if bad is not None:
@@ -393,8 +399,14 @@ class PeerDirectory:
             hint = f" with regions {missing}"
         raise PeerNotFoundError(f"no peer named {name!r} appeared in {self._store.url} within {timeout:g}s{hint}")
 
-    def _refused(self, name: str, exc: AuthenticationError) -> AuthenticationError:
-        return AuthenticationError(f"peer {name!r} in {self._store.url}: {exc} (do all its peers use the same token?)")
+    def _refused(self, name: str, exc: TransportError) -> TransportError:
+        """Why waiting for ``name`` ends early: its record was refused as ``exc``, read after read."""
+        if isinstance(exc, AuthenticationError):
+            return AuthenticationError(f"peer {name!r} in {self._store.url}: {exc} (do all its peers use the same "
+                                       "token?)")
+        return PeerNotFoundError(f"peer {name!r} in {self._store.url}: its record was rejected, read after read for "
+                                 f"{_REFUSED_GRACE_S:g}s: {exc} (written by another version of transport, copied "
+                                 "from another name, or not by a Transport?)")
 
     async def resolve(self, name: str, *, refresh: bool = False) -> PeerRecord:
         """The record a transfer to ``name`` goes by: the adopted one, or a fresh one.

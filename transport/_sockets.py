@@ -4,8 +4,10 @@ same code under trio and asyncio; ``recv_into`` in place, without copies; many b
 system call). What the bytes mean is :mod:`transport._wire`'s.
 
 Every read is bounded: a stalled peer ends the call after ``stall`` seconds without a byte,
-metadata buffers grow with what arrives rather than with what was announced, and discarded
-payloads all go through one small buffer per process.
+buffers whose size another process announced (metadata, run tables, staged payloads) grow only
+with the bytes that arrived, and discarded payloads all go through one small buffer per
+process. An :class:`Activity` passed along records when the connection last moved a byte (the
+agent makes room by closing the connection that moved none for longest).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -24,6 +27,18 @@ _IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds 
 _SOCK_BUF = 4 << 20
 _YIELD_EVERY = 16  # let other tasks run at least every this many ready syscalls
 _IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
+
+
+class Activity:
+    """When a connection last moved a byte in either direction (``time.monotonic()``)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -88,7 +103,14 @@ async def _wait_ready(wait: Callable[[socket.socket], Awaitable[None]], sock: so
         raise TimeoutError(f"no progress for {stall:g}s")
 
 
-async def send_all_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None) -> None:
+async def wait_for_bytes(sock: socket.socket, idle: float | None = None) -> None:
+    """Returns once ``sock`` has bytes to read (or the peer ended the stream), having read
+    none; with ``idle``, raises TimeoutError when none came for that many seconds."""
+    await _wait_ready(anyio.wait_readable, sock, idle)
+
+
+async def send_all_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None,
+                         activity: Activity | None = None) -> None:
     """Sends every view in order (bytes ``B`` views), many per system call (``sendmsg``, up to
     ``_IOV_MAX`` buffers): a frame's payload of many small ranges costs a few calls, not one each.
     With ``stall``, a peer that takes no bytes for that many seconds ends it (TimeoutError)."""
@@ -100,12 +122,15 @@ async def send_all_views(sock: socket.socket, views: Sequence[memoryview], stall
             await _wait_ready(anyio.wait_writable, sock, stall)
             continue
         i, pos = _advance(views, i, pos, sent)
+        if activity is not None:
+            activity.last = time.monotonic()
         ready += 1
         if ready % _YIELD_EVERY == 0:
             await anyio.lowlevel.checkpoint()
 
 
-async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None) -> None:
+async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None,
+                          activity: Activity | None = None) -> None:
     """Fills every view in order (bytes ``B`` views), many per system call (``recvmsg_into``,
     up to ``_IOV_MAX`` buffers). Raises EOFError if the peer closed first; with ``stall``,
     TimeoutError when no byte arrived for that many seconds."""
@@ -120,43 +145,62 @@ async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stal
             left = len(views[i]) - pos + sum(len(v) for v in views[i + 1 :])
             raise EOFError(f"connection closed with {left} bytes outstanding")
         i, pos = _advance(views, i, pos, got)
+        if activity is not None:
+            activity.last = time.monotonic()
         ready += 1
         if ready % _YIELD_EVERY == 0:
             await anyio.lowlevel.checkpoint()
 
 
-async def recv_exactly(sock: socket.socket, n: int, stall: float | None = None) -> bytes:
+async def recv_exactly(sock: socket.socket, n: int, stall: float | None = None,
+                       activity: Activity | None = None) -> bytes:
     """``n`` bytes from the stream (see :func:`recv_growing`)."""
-    return bytes(await recv_growing(sock, n, stall))
+    return bytes(await recv_growing(sock, n, stall, activity))
 
 
-async def recv_growing(sock: socket.socket, n: int, stall: float | None = None) -> bytearray:
-    """``n`` bytes from the stream. The buffer grows with what arrives (``_GROW_CHUNK`` at a
-    time), so a peer that announces much and sends little costs what it sent, not ``n``."""
-    buf = bytearray()
+async def recv_growing(sock: socket.socket, n: int, stall: float | None = None,
+                       activity: Activity | None = None) -> bytearray:
+    """``n`` bytes from the stream, in a buffer that grows only with the bytes that arrived:
+    each read lands in the process's shared ``_LANDING`` buffer and is appended at once, so a
+    peer that announces ``n`` bytes and sends few costs what it sent, never ``n``. Raises as
+    :func:`recv_into_views`."""
+    buf, ready = bytearray(), 0
     while len(buf) < n:
-        at = len(buf)
-        buf.extend(bytes(min(n - at, _GROW_CHUNK)))
-        await recv_into_views(sock, [memoryview(buf)[at:]], stall)  # (dropped before the next extend)
+        try:
+            got = sock.recv_into(_LANDING, min(n - len(buf), len(_LANDING)))
+        except BlockingIOError:
+            await _wait_ready(anyio.wait_readable, sock, stall)
+            continue
+        if got == 0:
+            raise EOFError(f"connection closed with {n - len(buf)} bytes outstanding")
+        buf += _LANDING[:got]  # (no await between the read and this copy: the buffer is shared)
+        if activity is not None:
+            activity.last = time.monotonic()
+        ready += 1
+        if ready % _YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
     return buf
 
 
 # Where discarded payload bytes go: one buffer for every connection of the process (what lands in
 # it is never read), so a peer draining a refused payload costs no memory of its own.
 _DISCARD = memoryview(bytearray(256 << 10))
-_GROW_CHUNK = 64 << 10
+# Where a growing read's bytes land before they are appended (shared likewise: each read is
+# copied out before anything else runs).
+_LANDING = memoryview(bytearray(256 << 10))
 
 
-async def discard(sock: socket.socket, n: int, stall: float | None = None) -> None:
+async def discard(sock: socket.socket, n: int, stall: float | None = None, activity: Activity | None = None) -> None:
     """Reads and drops ``n`` bytes (a refused payload), into the shared ``_DISCARD`` buffer."""
     while n > 0:
         k = min(n, len(_DISCARD))
-        await recv_into_views(sock, [_DISCARD[:k]], stall)
+        await recv_into_views(sock, [_DISCARD[:k]], stall, activity)
         n -= k
 
 
 async def read_frame_head(sock: socket.socket, max_meta: int = MAX_META, *, idle: float | None = None,
-                          stall: float | None = None) -> tuple[FrameKind, int, dict[str, Any], int]:
+                          stall: float | None = None,
+                          activity: Activity | None = None) -> tuple[FrameKind, int, dict[str, Any], int]:
     """One frame's kind, request id, metadata and payload length (the payload is left unread).
 
     Args:
@@ -168,8 +212,8 @@ async def read_frame_head(sock: socket.socket, max_meta: int = MAX_META, *, idle
             buffer is allocated for it), or metadata that does not decode (too deep included).
         EOFError, OSError: the connection ended; TimeoutError: ``idle`` or ``stall`` passed.
     """
-    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size, idle), max_meta)
-    meta = decode_meta(await recv_exactly(sock, hdr.meta_len, stall))
+    hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size, idle, activity), max_meta)
+    meta = decode_meta(await recv_exactly(sock, hdr.meta_len, stall, activity))
     return hdr.kind, hdr.request_id, meta, hdr.payload_len
 
 

@@ -289,8 +289,12 @@ class ErrCode(enum.IntEnum):
     BOUNDS = 4
     READ_ONLY = 5
     STALE = 6  # the request was meant for another incarnation of this peer
-    BAD_REQUEST = 7
-    AUTH = 8  # the connection did not present the shared token
+    BAD_REQUEST = 7  # the request did not decode as what it claims to be (a WireError here)
+    AUTH = 8  # the connection (or what the request names) did not present the shared token
+    # Not an answer (request id 0, which no request has): the agent closes this connection to make
+    # room, and has processed nothing on it since its last reply. A request still unanswered may be
+    # sent again on a new connection: it was not (and will not be) carried out.
+    GOING_AWAY = 9
 
 
 _ERROR_CLASSES: dict[int, type[TransportError]] = {
@@ -299,18 +303,30 @@ _ERROR_CLASSES: dict[int, type[TransportError]] = {
     ErrCode.UNKNOWN_KEY: RegistrationError,
     ErrCode.READ_ONLY: ReadOnlyRegionError,
     ErrCode.STALE: PeerLostError,
+    ErrCode.BAD_REQUEST: TransportInternalError,  # the peer could not decode what we sent: a bug or a version skew
     ErrCode.AUTH: AuthenticationError,
 }
 
+# The refusals a target sends by type, most specific first. Anything else a route raises is
+# INTERNAL: a failure of the target's own (TransportInternalError, PeerLostError,
+# TransferTimeoutError, TransferAbortedError, StoreError, ...), which the initiator cannot act
+# on by its kind (a PeerLostError by type would make it drop a peer that is alive), and a
+# BackendUnavailableError (a backend the target does not run, memory it cannot reach), which
+# has no code of its own: the initiator sees a TransportInternalError with its message.
+_REFUSALS: tuple[tuple[type[TransportError], ErrCode], ...] = (
+    (ReadOnlyRegionError, ErrCode.READ_ONLY),
+    (DTypeMismatchError, ErrCode.DTYPE),
+    (BoundsError, ErrCode.BOUNDS),
+    (RegistrationError, ErrCode.UNKNOWN_KEY),
+    (WireError, ErrCode.BAD_REQUEST),
+    (AuthenticationError, ErrCode.AUTH),
+)
+
 
 def error_to_frame(exc: TransportError) -> tuple[ErrCode, str]:
-    """The ERR frame's code and message for a refusal the initiator should see as ``exc``."""
-    for cls, code in (
-        (ReadOnlyRegionError, ErrCode.READ_ONLY),
-        (DTypeMismatchError, ErrCode.DTYPE),
-        (BoundsError, ErrCode.BOUNDS),
-        (RegistrationError, ErrCode.UNKNOWN_KEY),
-    ):
+    """The ERR frame's code and message for a refusal the initiator should see as ``exc``
+    (:func:`frame_to_error` maps the code back)."""
+    for cls, code in _REFUSALS:
         if isinstance(exc, cls):
             return code, str(exc)
     return ErrCode.INTERNAL, str(exc)

@@ -10,10 +10,12 @@ agent's limits are also tested directly, in this process, with real sockets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -39,6 +41,7 @@ from transport._wire import (
     MAX_META,
     MAX_RECORD_BYTES,
     PRE_AUTH_META,
+    ErrCode,
     FrameKind,
     PeerRecord,
     WireError,
@@ -598,41 +601,53 @@ async def test_a_released_channel_still_takes_the_replies_on_their_way():
         tg.cancel_scope.cancel()
 
 
-async def test_connection_cap_closes_the_newest_when_all_have_said_hello(monkeypatch, memory_store):
+async def test_connection_cap_closes_the_stalest_to_admit_a_new_one(monkeypatch, memory_store):
+    """Four authenticated idle connections fill a cap of 4: a fifth is admitted, and the one
+    that moved no byte for longest is closed, told first that nothing unanswered was carried
+    out (an ERR of code GOING_AWAY with request id 0); the other three stay open."""
     monkeypatch.setenv("TRANSPORT_AGENT_MAX_CONNS", "4")
     async with transport.Transport("capped", store=memory_store, backends=("tcp",), timeout=10) as b:
         addr = b._agent.address
         frame = hello_frame("capped", b.incarnation)
 
-        def reply_to_hello(s: socket.socket) -> bytes:
-            """The agent's answer to our HELLO; b"" when it closed the connection instead."""
+        def reply_to_hello(s: socket.socket) -> bool:
+            """Whether the agent answered our HELLO with OK (False: it closed the connection)."""
             try:
-                return s.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
-            except ConnectionResetError:
-                return b""
+                head = s.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
+                s.recv(FRAME_HEADER.unpack(head)[5], socket.MSG_WAITALL)
+                return FrameKind(FRAME_HEADER.unpack(head)[1]) == FrameKind.OK
+            except (ConnectionResetError, struct.error):
+                return False
 
-        def attack() -> tuple[list[bool], bool, bool]:
-            socks = flood_idle(addr, 4, frame)
+        def read_to_end(s: socket.socket) -> bytes:
+            data = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := s.recv(1 << 16):
+                    data += chunk
+            return data
+
+        def attack() -> tuple[bool, bytes, int]:
+            socks: list[socket.socket] = []
             try:
-                first = [len(reply_to_hello(s)) == FRAME_HEADER.size for s in socks]
+                for _ in range(4):  # one after the other: the first is the stalest
+                    socks.extend(flood_idle(addr, 1, frame))
+                    assert reply_to_hello(socks[-1])
                 with flood_idle(addr, 1, frame)[0] as extra:
-                    refused = reply_to_hello(extra) == b""
-                socks.pop().close()
-                deadline = time.monotonic() + 10
-                while True:  # the freed slot is reusable once the agent has seen the close
-                    with flood_idle(addr, 1, frame)[0] as again:
-                        got_in = len(reply_to_hello(again)) == FRAME_HEADER.size
-                    if got_in or time.monotonic() > deadline:
-                        return first, refused, got_in
-                    time.sleep(0.05)
+                    admitted = reply_to_hello(extra)
+                    notice = read_to_end(socks[0])  # (the agent closed it before it answered the fifth)
+                    still_open = sum(1 for s in socks[1:] if not select.select([s], [], [], 0)[0])
+                return admitted, notice, still_open
             finally:
                 for s in socks:
                     s.close()
 
-        first, refused, got_in = await anyio.to_thread.run_sync(attack)
-        assert first == [True] * 4
-        assert refused, "a fifth authenticated connection was kept over the cap of 4"
-        assert got_in, "a slot freed by a closed connection was not reused"
+        admitted, notice, still_open = await anyio.to_thread.run_sync(attack)
+        assert admitted, "a fifth connection was refused although four sat idle"
+        _, kind, _, _, rid, meta_len, plen = FRAME_HEADER.unpack(notice[: FRAME_HEADER.size])
+        meta = json.loads(notice[FRAME_HEADER.size : FRAME_HEADER.size + meta_len])
+        assert (FrameKind(kind), rid, meta["code"], plen) == (FrameKind.ERR, 0, ErrCode.GOING_AWAY, 0), notice
+        assert len(notice) == FRAME_HEADER.size + meta_len
+        assert still_open == 3
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "many"])

@@ -1,12 +1,14 @@
 """A target process for tests/faults/test_hostile_agent.py: ``python -m tests.peers.hostile_target '<json spec>'``.
 
 It opens a Transport (``env`` is applied first: the agent reads its caps and handshake deadline
-from there), optionally lowers its own RLIMIT_NOFILE to the highest open descriptor plus
-``nofile_headroom``, registers the uint8 region ``w``, and writes ``<out>.ready``. While it
-serves it keeps looking up the peers named in ``watch`` (as a directory polling a poisoned
-store would), recording each round in ``<out>.watch``; any error that is not a TransportError
-escapes and kills the process, which the test notices. On signal ``done`` it writes the sha256
-of ``w`` to ``out``. Logs go to stderr (the test sends them to a file it reads).
+from there; ``sock_buf``, if given, is the size its agent asks for its sockets' buffers, as on a
+host whose ``net.core.wmem_max`` / ``rmem_max`` are the Linux defaults), optionally lowers its
+own RLIMIT_NOFILE to the highest open descriptor plus ``nofile_headroom``, registers the uint8
+region ``w``, and writes ``<out>.ready``. While it serves it keeps looking up the peers named in
+``watch`` (as a directory polling a poisoned store would), recording each round in
+``<out>.watch``; any error that is not a TransportError escapes and kills the process, which the
+test notices. On signal ``done`` it writes the sha256 of ``w`` to ``out``. Logs go to stderr (the
+test sends them to a file it reads).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import trio
 
 import transport
+from transport import _sockets
 
 
 def _write(path: str, doc: dict) -> None:
@@ -49,6 +52,8 @@ async def _watch(t: transport.Transport, names: list[str], out: str) -> None:
 
 async def main(spec: dict) -> None:
     os.environ.update(spec.get("env", {}))
+    if "sock_buf" in spec:
+        _sockets._SOCK_BUF = spec["sock_buf"]
     async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"),
                                    token=spec.get("token"), timeout=30) as t:
         region = torch.zeros(spec["numel"], dtype=torch.uint8)
