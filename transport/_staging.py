@@ -28,6 +28,7 @@ import anyio
 import torch
 
 from . import _cuda, _tensor_kernels
+from ._cuda_copier import CudaCopier
 from ._tensors import LocalBuffer, MemoryKind
 
 # A transfer moved through a bounce buffer goes in pieces of at most this size.
@@ -73,7 +74,7 @@ class Bounce(abc.ABC):
 class PinnedBounce(Bounce):
     """A CUDA tensor through one pinned host buffer of the CUDA copier's pool."""
 
-    def __init__(self, copier: _cuda.CudaCopier, local: LocalBuffer, nbytes: int, buf: _cuda.PinnedBuffer) -> None:
+    def __init__(self, copier: CudaCopier, local: LocalBuffer, nbytes: int, buf: _cuda.PinnedBuffer) -> None:
         super().__init__(local, nbytes)
         self._copier = copier
         self._device = local.tensor.device.index
@@ -119,7 +120,7 @@ class DeviceBounce(Bounce):
 
 
 @contextlib.asynccontextmanager
-async def bounce(local: LocalBuffer, nbytes: int, copier: Callable[[], _cuda.CudaCopier]) -> AsyncIterator[Bounce]:
+async def bounce(local: LocalBuffer, nbytes: int, copier: Callable[[], CudaCopier]) -> AsyncIterator[Bounce]:
     """A bounce buffer for moving ``nbytes`` of ``local`` over a backend of the other memory
     kind: pinned host memory (from ``copier()``'s pool) for a CUDA tensor, a buffer on the
     current GPU for a host tensor. At most one staging chunk, whatever ``nbytes`` is."""

@@ -23,6 +23,7 @@ from anyio.abc import TaskGroup
 
 from . import _cuda
 from ._batch import PreparedTransfer
+from ._cuda_copier import CudaCopier
 from ._errors import (
     BoundsError,
     ClosedError,
@@ -74,7 +75,7 @@ class TransferEngine:
     """
 
     def __init__(self, name: str, tg: TaskGroup, directory: PeerDirectory, backends: Sequence[Backend],
-                 flight: FlightRecorder, cuda: Callable[[], _cuda.CudaCopier], timeout: float) -> None:
+                 flight: FlightRecorder, cuda: Callable[[], CudaCopier], timeout: float) -> None:
         self.name = name
         self.timeout = timeout  # a prepared transfer's default
         self.state = "open"  # "draining" / "closed": prepared transfers refuse to start (ClosedError)

@@ -23,11 +23,11 @@ from typing import Any
 import anyio
 import torch
 
-from . import _cuda
 from ._agent import AgentServer, listen_address
 from ._auth import Authenticator
 from ._batch import PreparedTransfer
 from ._channel import ChannelPool, hello
+from ._cuda_copier import CudaCopier
 from ._errors import ClosedError, LayoutError, RegistrationError
 from ._flight import FlightRecorder
 from ._host import host_id, pid_start
@@ -123,7 +123,7 @@ class Transport:
         self._regions = RegionTable(name)
         self._backends: list[Backend] = []
         self._seq = 0
-        self._cuda: _cuda.CudaCopier | None = None  # ipc's CUDA copies and all staging; made on first use
+        self._cuda: CudaCopier | None = None  # ipc's CUDA copies and all staging; made on first use
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -240,9 +240,9 @@ class Transport:
             self._cuda.close()
             self._cuda = None
 
-    def _cuda_copier(self) -> _cuda.CudaCopier:
+    def _cuda_copier(self) -> CudaCopier:
         if self._cuda is None:
-            copier = _cuda.CudaCopier()
+            copier = CudaCopier()
             self._outer.start_soon(copier.run)
             self._cuda = copier
         return self._cuda

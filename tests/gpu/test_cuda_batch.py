@@ -19,7 +19,7 @@ import torch
 
 from tests.gpu._support import CUDA_MARKS, Checker, MiB, cuda_region, opened, random_bytes, same_bytes
 from tests.peers.cuda_peer import digest
-from transport._cuda import KERNEL_MIN_COPIES
+from transport._cuda_copier import KERNEL_MIN_COPIES
 
 pytestmark = CUDA_MARKS  # gpu, skipped without one, 180 s each
 

@@ -17,7 +17,7 @@ import torch
 
 import transport
 from tests._support import python_env
-from transport import _cuda, _staging
+from transport import _cuda, _cuda_copier, _staging
 from transport._native import cuda as native_cuda
 from transport._native import load
 from transport._peers import PEER_PREFIX
@@ -89,7 +89,7 @@ def test_every_typed_driver_call_raises_backend_unavailable():
         lambda: _cuda.stream_create(0),
         lambda: _cuda.stream_destroy(1, 0),
         lambda: _cuda.stream_synchronize(1, 0),
-        lambda: _cuda.CudaCopier(),
+        lambda: _cuda_copier.CudaCopier(),
         lambda: _cuda.PinnedBuffer(4096, 0),
     ],
     ids=["driver_version", "device_count", "device_uuid", "device_name", "device_label", "local_index", "allocation",
@@ -106,8 +106,8 @@ def test_public_functions_of_the_cuda_module_are_all_covered():
               if callable(v) and not inspect.isclass(v) and not n.startswith("_")
               and getattr(v, "__module__", "") == _cuda.__name__}
     # unavailable_reason answers instead of raising; ready_event and current_stream need a CUDA
-    # tensor or torch's CUDA to exist; spin_for is arithmetic (tested below).
-    assert public == {"unavailable_reason", "ready_event", "current_stream", "spin_for", "driver_version",
+    # tensor or torch's CUDA to exist; driver_call runs the calls the others make.
+    assert public == {"unavailable_reason", "ready_event", "current_stream", "driver_call", "driver_version",
                       "device_count", "device_uuid", "device_name", "device_label", "local_index", "allocation",
                       "ipc_export", "kernels", "stream_create", "stream_destroy", "stream_synchronize"}
 
@@ -173,7 +173,7 @@ def test_staging_pieces_cover_the_bytes_in_whole_elements():
 
 def test_overlapping_destinations_never_go_to_the_batched_copy_kernel():
     # Its blocks run in no order; the ordered list of copies keeps "the later range wins".
-    from transport._cuda import _disjoint
+    from transport._cuda_copier import _disjoint
 
     assert _disjoint([(0, 100, 4), (4, 200, 4), (64, 300, 0), (8, 400, 8)])
     assert not _disjoint([(0, 100, 5), (4, 200, 4)])
@@ -185,8 +185,9 @@ def test_a_copy_is_polled_inline_only_while_it_is_short():
     """spin_for: the enqueueing thread (the event loop's) polls a device copy for about its
     expected time, never longer than SPIN_MAX_S, and not at all once it is expected to take
     longer than that (the engine's reaper then reports it)."""
-    assert 0 < _cuda.spin_for(1 << 20, host=False) < _cuda.spin_for(64 << 20, host=False) <= _cuda.SPIN_MAX_S
-    assert _cuda.spin_for(1 << 30, host=False) == 0  # ~1 ms even on an H200: the reaper's
-    assert _cuda.spin_for(64 << 20, host=True) == 0  # host memory is ~30x slower
-    assert 0 < _cuda.spin_for(1 << 20, host=True) <= _cuda.SPIN_MAX_S
-    assert _cuda.spin_for(0, host=False) == _cuda.SPIN_BASE_S  # a kernel launch, or waits only
+    spin_for, most = _cuda_copier.spin_for, _cuda_copier.SPIN_MAX_S
+    assert 0 < spin_for(1 << 20, host=False) < spin_for(64 << 20, host=False) <= most
+    assert _cuda_copier.spin_for(1 << 30, host=False) == 0  # ~1 ms even on an H200: the reaper's
+    assert _cuda_copier.spin_for(64 << 20, host=True) == 0  # host memory is ~30x slower
+    assert 0 < _cuda_copier.spin_for(1 << 20, host=True) <= _cuda_copier.SPIN_MAX_S
+    assert _cuda_copier.spin_for(0, host=False) == _cuda_copier.SPIN_BASE_S  # a kernel launch, or waits only

@@ -62,7 +62,7 @@ class BackendContext:
     auth: Authenticator
     lanes: int | None = None  # parallel channels per peer where a backend supports it (ucx)
     store: Store | None = None  # the rendezvous store (e.g. for exchanging NCCL unique ids)
-    # The Transport's one transport._cuda.CudaCopier (streams, pinned staging, IPC imports),
+    # The Transport's one transport._cuda_copier.CudaCopier (streams, pinned staging, IPC imports),
     # created on first use; the Transport closes it after its backends.
     cuda: Callable[[], Any] | None = None
     # Asks the Transport to watch a peer's process through its agent connection (the peer is

@@ -31,6 +31,7 @@ import anyio
 import torch
 
 from .. import _cuda
+from .._cuda_copier import CudaCopier, DeviceBatch, DeviceCopy, IpcImportKey
 from .._errors import BackendUnavailableError, TransportInternalError
 from .._native import PeerMapping, pack_segments
 from .._regions import Region
@@ -49,14 +50,14 @@ def is_device(region: RegionRecord) -> bool:
 class CudaIpc:
     """CUDA IPC for one :class:`IpcBackend` (created on the first device-memory use)."""
 
-    def __init__(self, pid: int, copier: Callable[[], _cuda.CudaCopier]) -> None:
+    def __init__(self, pid: int, copier: Callable[[], CudaCopier]) -> None:
         self._pid = pid  # a region of this very process (another Transport in it, or ourselves)
         # is used at its own address: CUDA IPC cannot open a handle in the process that made it
         self._copier_of = copier  # the Transport's CUDA copier (it closes it, after this backend)
         self._used = False
 
     @property
-    def copier(self) -> _cuda.CudaCopier:
+    def copier(self) -> CudaCopier:
         self._used = True
         return self._copier_of()
 
@@ -107,7 +108,7 @@ class CudaIpc:
 
     def _device_copy_target(
         self, peer: PeerRecord, remote: RemoteTarget, local: LocalBuffer
-    ) -> tuple[int, int, _cuda.IpcImportKey | None]:
+    ) -> tuple[int, int, IpcImportKey | None]:
         """(address of the remote range in this process, device to copy on, the IPC import held
         for the copy or None); release the import with ``copier.release_ipc``."""
         handle, base, offset, _nbytes = _DEVICE_REGION.unpack(remote.region.descriptors["ipc"])
@@ -128,7 +129,7 @@ class CudaIpc:
             ) from exc
         return held[1] + offset + remote.offset, device, held[0]
 
-    def copier_factory(self) -> _cuda.CudaCopier:
+    def copier_factory(self) -> CudaCopier:
         """The CUDA copier, for a bounce buffer (``transport._staging.bounce``)."""
         return self.copier
 
@@ -165,7 +166,7 @@ class CudaIpc:
             if not cuda_here and not tensor.is_pinned():
                 return False
             device = visible if visible is not None else tensor.device.index
-            held: _cuda.IpcImportKey | None = None
+            held: IpcImportKey | None = None
             if own:
                 there = base + offset + at
             else:
@@ -207,7 +208,7 @@ class CudaIpc:
     def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
         """A reusable runner of a prepared transfer's device runs (each between a local CUDA
         tensor and a device region of ``peer``). Per copying device, the runs become one
-        :class:`_cuda.DeviceBatch` (a batched-copy kernel launch when there are many and both
+        :class:`transport._cuda_copier.DeviceBatch` (a batched-copy kernel launch when there are many and both
         sides are that device's memory, else one ``cuMemcpyAsync`` each), laid out at the first
         start and kept while the peer's imports stay where they were; each start enqueues them
         after ``ready`` (the events recorded at start() on the local tensors' devices, by index;
@@ -222,9 +223,9 @@ class CudaIpc:
                 raise BackendUnavailableError(f"{peer.name}'s GPU {region.device} is not visible here")
             groups.setdefault(device, []).append((runs, region, handle, base, offset))
         anchors = {r.local.tensor.device.index: r.local.tensor for r, _ in lists}
-        laid_out: dict[int, tuple[tuple[int, ...], _cuda.DeviceBatch]] = {}  # device -> (bases, batch)
+        laid_out: dict[int, tuple[tuple[int, ...], DeviceBatch]] = {}  # device -> (bases, batch)
 
-        def batch_for(device: int, bases: tuple[int, ...]) -> _cuda.DeviceBatch:
+        def batch_for(device: int, bases: tuple[int, ...]) -> DeviceBatch:
             cached = laid_out.get(device)
             if cached is not None and cached[0] == bases:
                 return cached[1]
@@ -240,8 +241,8 @@ class CudaIpc:
         async def run(ready: Mapping[int, Any] | None = None) -> None:
             eng = self.copier
             events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
-            held: list[_cuda.IpcImportKey] = []
-            jobs: list[_cuda.DeviceCopy] = []
+            held: list[IpcImportKey] = []
+            jobs: list[DeviceCopy] = []
             batches = []  # referenced until their jobs ended (a kernel reads its table meanwhile)
             try:
                 for device, entries in groups.items():
@@ -289,7 +290,7 @@ class CudaIpc:
             self.copier.unpin(mapping.address, mapping.nbytes, hold=mapping)
 
 
-def _started(start: Callable[[], _cuda.DeviceCopy], release: Callable[[], None]) -> bool | Pending:
+def _started(start: Callable[[], DeviceCopy], release: Callable[[], None]) -> bool | Pending:
     """What a synchronous mover returns for a copy ``start`` enqueues: True when it ended within
     its poll, False when it failed (nothing enqueued, or it ended failed: the checked path
     moves it again and reports the error precisely), else a Pending that waits for it. ``release``
@@ -319,7 +320,7 @@ def _started(start: Callable[[], _cuda.DeviceCopy], release: Callable[[], None])
     return pending
 
 
-async def _wait_all(jobs: Sequence[_cuda.DeviceCopy]) -> None:
+async def _wait_all(jobs: Sequence[DeviceCopy]) -> None:
     """Waits for every job to end (each, also when waiting for another was cancelled: their
     memory must not be released under them), then raises the first failure or cancellation."""
     first: BaseException | None = None
