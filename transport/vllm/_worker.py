@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .._errors import TransportError
+from .._errors import TransferTimeoutError, TransportError
 from .._native import delta as native_delta
 from ..plan import GeneratorRank, MeshLayoutError, TrainerLayout
 from ..weights import DeltaRefusedError, LayoutMismatchError, MeshSubscriber, read_trainer_layout
@@ -373,14 +373,28 @@ class TransportWeightTransferEngine(WeightTransferEngine[TransportInitInfo, Tran
         import anyio
 
         deadline = time.monotonic() + wait
+        v: int | None = None
+
+        def late(why: str) -> EngineSyncError:
+            # The caller's wait is what ran out, whichever step the deadline caught.
+            return EngineSyncError(f"replica {s.replica}: version {wanted} is not complete at every rank within "
+                                   f"{wait:g}s (committed: {v}{why})")
+
         while True:
-            v = await s.sub.commit(timeout=max(deadline - time.monotonic(), 0.001))
+            try:
+                v = await s.sub.commit(timeout=max(deadline - time.monotonic(), 0.001))
+            except TransferTimeoutError as exc:
+                if wanted is None:
+                    raise
+                raise late(f"; {exc}") from exc
             if wanted is None or (v is not None and v >= wanted):
                 return v
             if time.monotonic() >= deadline:
-                raise EngineSyncError(f"replica {s.replica}: version {wanted} is not complete at every rank "
-                                      f"within {wait:g}s (committed: {v})")
-            await s.sub.catch_up(after=1.0, timeout=max(deadline - time.monotonic(), 0.001))
+                raise late("")
+            try:
+                await s.sub.catch_up(after=1.0, timeout=max(deadline - time.monotonic(), 0.001))
+            except TransferTimeoutError as exc:
+                raise late(f"; {exc}") from exc
             await anyio.sleep(0.002)
 
     def _agree_version(self, s: _Session, wanted: int | None, wait: float) -> int | None:
