@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lint and type checks with the settings in pyproject.toml ([tool.ruff], [tool.mypy]): ruff over
 # transport, benchmarks, examples and tests, then mypy (strict on the public modules), then the
-# standard-header check of csrc/ (scripts/check_includes.sh, include-what-you-use). All run even
+# standard-header check of csrc/ (scripts/check_includes.sh, include-what-you-use), then the import
+# graph (scripts/import_graph.py: no cycle among modules or folders). All run even
 # when one finds something. scripts/test.sh (the test command) runs it first.
 # Without include-what-you-use the header check is skipped with a note, unless
 # TRANSPORT_CHECK_INCLUDES=1 (CI sets it, after installing Debian's iwyu): then it fails.
@@ -29,6 +30,8 @@ if command -v "${IWYU:-include-what-you-use}" >/dev/null 2>&1 || [ "${TRANSPORT_
 else
     echo "skipped: include-what-you-use is not installed (apt-get install iwyu); CI runs this check"
 fi
+echo "== import graph: no cycle, lazy and type-only imports included (scripts/import_graph.py)"
+"$PY" scripts/import_graph.py || rc=1
 echo "== module sizes (warnings only)"
 "$PY" scripts/module_sizes.py
 exit "$rc"

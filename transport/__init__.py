@@ -4,7 +4,6 @@ The public surface is what this module re-exports; everything else is private
 (underscored modules) and may change.
 """
 
-from ._batch import PreparedTransfer as PreparedTransfer
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import BoundsError as BoundsError
@@ -27,8 +26,9 @@ from ._rendezvous import StoreError as StoreError
 from ._rendezvous import serve_store as serve_store
 from ._support import available_backends as available_backends
 from ._support import cuda_unavailable_reason as cuda_unavailable_reason
-from ._transfer import Transfer as Transfer
-from ._transfer import gather as gather
+from ._transfers import PreparedTransfer as PreparedTransfer
+from ._transfers import Transfer as Transfer
+from ._transfers import gather as gather
 from ._transport import Transport as Transport
 from ._wire import TransferOp as TransferOp
 from ._wire import WireError as WireError

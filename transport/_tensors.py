@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,3 +149,13 @@ class Runs:
         paths that move run by run."""
         base, item = self.local.tensor, self.local.tensor.element_size()
         return [(base[a // item : (a + n) // item], b) for a, b, n in self.array.tolist()]
+
+
+def spans_of(ranges: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
+    """Per region key, the byte span ``(lo, hi)`` that the ``(key, offset, nbytes)`` ranges
+    cover (what a transfer of all of them counts as, for the ordering rule)."""
+    out: dict[str, tuple[int, int]] = {}
+    for key, offset, nbytes in ranges:
+        lo, hi = out.get(key, (offset, offset + nbytes))
+        out[key] = (min(lo, offset), max(hi, offset + nbytes))
+    return out

@@ -25,7 +25,6 @@ import torch
 
 from ._agent import AgentServer, listen_address
 from ._auth import Authenticator
-from ._batch import PreparedTransfer
 from ._channel import ChannelPool, hello
 from ._cuda_copier import CudaCopier
 from ._errors import ClosedError, LayoutError, RegistrationError
@@ -39,8 +38,7 @@ from ._routes import Routes
 from ._signals import Signals
 from ._tensors import MemoryKind, byte_offset, check_tensor, memory_kind
 from ._timeouts import seconds
-from ._transfer import Transfer
-from ._transfers import TransferEngine
+from ._transfers import PreparedTransfer, Transfer, TransferEngine
 from ._wire import TransferOp
 from .backends import Backend, BackendContext, select_backends
 
@@ -460,14 +458,14 @@ class Transport:
         """
         self._check_open(notice=False)
         name = peer_name(peer)
-        return PreparedTransfer(TransferOp.PUT, name, items, self._transfers, self._directory.known(name))
+        return self._transfers.prepare(TransferOp.PUT, name, items)
 
     def prepare_get(self, peer: str | Peer, items: Sequence[tuple[torch.Tensor, str, int]]) -> PreparedTransfer:
         """As :meth:`prepare_put`, for a get: each item ``(dst, key, offset)`` reads
         ``dst.nbytes`` bytes at byte ``offset`` of region ``key`` into ``dst``."""
         self._check_open(notice=False)
         name = peer_name(peer)
-        return PreparedTransfer(TransferOp.GET, name, items, self._transfers, self._directory.known(name))
+        return self._transfers.prepare(TransferOp.GET, name, items)
 
     def prepare_put_runs(self, peer: str | Peer, src: torch.Tensor, key: str, runs: object) -> PreparedTransfer:
         """Prepares a reusable put of many runs of one tensor into one region of ``peer``.
@@ -499,8 +497,7 @@ class Transport:
         """
         self._check_open(notice=False)
         name = peer_name(peer)
-        return PreparedTransfer.of_runs(TransferOp.PUT, name, src, key, runs, self._transfers,
-                                        self._directory.known(name))
+        return self._transfers.prepare(TransferOp.PUT, name, tensor=src, key=key, runs=runs)
 
     def prepare_get_runs(self, peer: str | Peer, dst: torch.Tensor, key: str, runs: object) -> PreparedTransfer:
         """As :meth:`prepare_put_runs`, for a get: each run ``(local, remote, nbytes)`` reads
@@ -508,8 +505,7 @@ class Transport:
         (runs may overlap remotely; ``dst`` is written at every start)."""
         self._check_open(notice=False)
         name = peer_name(peer)
-        return PreparedTransfer.of_runs(TransferOp.GET, name, dst, key, runs, self._transfers,
-                                        self._directory.known(name))
+        return self._transfers.prepare(TransferOp.GET, name, tensor=dst, key=key, runs=runs)
 
     def put_many(self, peer: str | Peer, items: Sequence[tuple[torch.Tensor, str, int]], *,
                  timeout: float | None = None) -> Transfer:

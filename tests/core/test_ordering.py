@@ -1,4 +1,4 @@
-"""The ordering rule's bookkeeping (transport/_ordering.py): which transfers a new one waits for,
+"""The ordering rule's bookkeeping (transport/_transfers/ordering.py): which transfers a new one waits for,
 the cheap question put() asks before it moves bytes synchronously, and an index that holds
 exactly what is in flight."""
 
@@ -9,8 +9,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport._ordering import Ranges
-from transport._transfer import Transfer
+from transport._transfers.handle import Transfer
+from transport._transfers.ordering import Ranges
 from transport._wire import TransferOp
 
 OPS = st.sampled_from([TransferOp.PUT, TransferOp.GET])

@@ -45,10 +45,9 @@ from .._channel import ChannelPool, greet_plain, hello
 from .._errors import TransportError, TransportInternalError
 from .._native import Copier, CopyKind, CopyStatus
 from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
-from .._ordering import spans_of
 from .._regions import Region
 from .._sockets import close_socket, connect
-from .._tensors import MemoryKind, Runs, dtype_name
+from .._tensors import MemoryKind, Runs, dtype_name, spans_of
 from .._wire import (
     MAX_RUN_GROUPS,
     MAX_STAGED_BYTES,

@@ -7,9 +7,9 @@ from typing import Any
 
 import anyio
 
-from ._errors import TransportError
-from ._timeouts import seconds
-from ._wire import TransferOp
+from .._errors import TransportError
+from .._timeouts import seconds
+from .._wire import TransferOp
 
 # Awaiting a transfer that has already ended does not yield to the event loop (that would cost
 # more than a small transfer), except once this long after the previous such yield: a loop of

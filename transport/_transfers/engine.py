@@ -2,8 +2,8 @@
 
 It owns the in-flight table and each transfer's lifecycle. For one transfer it resolves the
 peer's record, checks the range against it (:func:`transport._regions.check`), has the router
-(:mod:`transport._routing`) choose a backend or a prepared plan, waits for the overlapping
-transfers before it (:mod:`transport._ordering`), moves the bytes (through a bounce buffer when
+(:mod:`.routing`) choose a backend or build a prepared plan, waits for the overlapping
+transfers before it (:mod:`.ordering`), moves the bytes (through a bounce buffer when
 the backend does not serve the tensor's memory) and settles the outcome in the handle and the
 flight recorder. A backend that sees its peer die reports it here, and the engine tells the
 peer directory, which tells everyone.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -21,10 +22,9 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from . import _cuda
-from ._batch import PreparedTransfer
-from ._cuda_copier import CudaCopier
-from ._errors import (
+from .. import _cuda
+from .._cuda_copier import CudaCopier
+from .._errors import (
     BoundsError,
     ClosedError,
     DTypeMismatchError,
@@ -35,18 +35,20 @@ from ._errors import (
     TransportError,
     TransportInternalError,
 )
-from ._flight import FlightRecorder, OpState
-from ._ordering import Ranges, ended_within
-from ._peers import PeerDirectory
-from ._regions import check
-from ._routing import Router
-from ._staging import bounce
-from ._tensors import MemoryKind, dtype_name, nbytes_of
-from ._timeouts import seconds
-from ._transfer import Transfer
-from ._wire import PeerRecord, RegionRecord, TransferOp
-from .backends import Backend, LocalBuffer, RemoteTarget
-from .backends._base import Pending
+from .._flight import FlightRecorder, OpState
+from .._peers import PeerDirectory
+from .._regions import check
+from .._staging import bounce
+from .._tensors import MemoryKind, dtype_name, nbytes_of
+from .._timeouts import seconds
+from .._wire import PeerRecord, RegionRecord, TransferOp
+from ..backends import Backend, LocalBuffer, RemoteTarget
+from ..backends._base import Pending
+from .handle import Transfer
+from .ordering import Ranges, ended_within
+from .prepared import PreparedTransfer
+from .routing import BatchPlan, Router
+from .runs import RunList
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,12 @@ class TransferEngine:
         self._cuda = cuda
         self._inflight: dict[str, set[Transfer]] = {}
         self._ranges: dict[tuple[str, str], Ranges] = {}  # (peer, key) -> transfers in flight to it
-        self._router = Router(name, backends)  # backend choice, synchronous routes, prepared plans
+        self._router = Router(name, backends)  # backend choice, synchronous routes
+        # Each prepared run list's plan for one record of its peer and one placement of its local
+        # memory (its backends' runners over their native lists): built at its first start (or
+        # warm) on them, dropped with the run list, i.e. with its PreparedTransfer.
+        self._plans: weakref.WeakKeyDictionary[RunList, tuple[tuple[object, ...], BatchPlan]] = (
+            weakref.WeakKeyDictionary())
         self._closing = False  # the Transport is closing: what ends now ends with ClosedError
         directory.subscribe(lost=self.abort_peer, forget=self._router.forget, current=self._router.current,
                             withdrawn=self._router.withdrawn)
@@ -128,7 +135,39 @@ class TransferEngine:
         self._tg.start_soon(self._run, xfer, work, timeout)
         return xfer
 
-    def start_prepared(self, prepared: PreparedTransfer, timeout: float | None) -> Transfer:
+    def prepare(self, op: TransferOp, peer: str, items: Sequence[tuple[torch.Tensor, str, int]] | None = None, *,
+                tensor: torch.Tensor | None = None, key: str = "", runs: object = None) -> PreparedTransfer:
+        """A prepared ``op`` to ``peer``: of ``items`` (``Transport.prepare_put`` / ``_get``), or
+        of an array of ``runs`` between ``tensor`` and the peer's region ``key``
+        (``prepare_put_runs`` / ``_get_runs``). Checked here once: locally, and against the
+        peer's record when it is known already (else at the first start).
+
+        Raises:
+            As :meth:`RunList.of_items` / :meth:`RunList.of_array` and :meth:`RunList.check`.
+        """
+        made = (RunList.of_items(op, peer, items) if items is not None
+                else RunList.of_array(op, peer, tensor, key, runs))  # type: ignore[arg-type]
+        known = self._directory.known(peer)
+        if known is not None:
+            made.check(known)  # all remote checks now, while the peer's record is at hand
+        return PreparedTransfer(made, self)
+
+    def _plan(self, runs: RunList, record: PeerRecord) -> BatchPlan:
+        """``runs``' plan for ``record``, kept while the peer's incarnation and record and the
+        local memory stay the same (checked and built at the first start on them).
+
+        Raises:
+            As :meth:`RunList.check` and :meth:`Router.plan`.
+        """
+        ident = (record.incarnation, record.seq, *runs.memory())
+        cached = self._plans.get(runs)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        plan = self._router.plan(runs.op, record, runs.check(record))
+        self._plans[runs] = (ident, plan)
+        return plan
+
+    def start_prepared(self, prepared: RunList, timeout: float | None) -> Transfer:
         """See ``PreparedTransfer.start``. One segment takes the path a put of it would
         (completed here when it can be, see :meth:`start`): a prepared transfer is never slower
         than the plain transfer of the same bytes.
@@ -139,13 +178,13 @@ class TransferEngine:
         if self.state != "open":
             raise ClosedError(f"transport {self.name!r} is {self.state}")
         limit = self.timeout if timeout is None else seconds(timeout, "timeout")
-        one = prepared.single()
+        one = prepared.single
         if one is not None:
             view, kind, key, offset = one
             return self.start(prepared.op, view, kind, prepared.peer, key, offset, limit)
         return self.start_batch(prepared, limit)
 
-    async def warm_prepared(self, prepared: PreparedTransfer, timeout: float | None) -> None:
+    async def warm_prepared(self, prepared: RunList, timeout: float | None) -> None:
         """See ``PreparedTransfer.warm``: builds its plan for the peer's current record and lets
         each backend ready its runs (``Backend.warm``).
 
@@ -156,20 +195,20 @@ class TransferEngine:
         if self.state != "open":
             raise ClosedError(f"transport {self.name!r} is {self.state}")
         limit = self.timeout if timeout is None else seconds(timeout, "timeout")
-        if prepared.single() is not None:
+        if prepared.single is not None:
             return  # it takes a put's path, whose route the first start makes (and reuses)
         with anyio.move_on_after(limit) as scope:
-            record, plan = await self._resolved(prepared.peer, lambda r: self._router.plan_for(prepared, r))
+            record, plan = await self._resolved(prepared.peer, lambda r: self._plan(prepared, r))
             for backend, lists in plan.served:
                 await backend.warm(prepared.op, record, lists)
         if scope.cancelled_caught:
             raise TransferTimeoutError(f"{self.name}: warming a prepared {prepared.op.value} of {prepared.segments} "
                                        f"runs to {prepared.peer} took longer than {limit:g}s")
 
-    def start_batch(self, prepared: PreparedTransfer, timeout: float) -> Transfer:
+    def start_batch(self, prepared: RunList, timeout: float) -> Transfer:
         """Starts every segment of ``prepared`` as one transfer (see ``PreparedTransfer.start``).
         For ordering it counts as one transfer over the span it covers in each region."""
-        spans = prepared.spans()  # empty when every item is empty
+        spans = prepared.spans  # empty when every item is empty
         keys = sorted(spans) or [prepared.first_key]
         label = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1} regions)"
         first = spans[keys[0]][0] if spans else 0
@@ -342,10 +381,10 @@ class TransferEngine:
         if not await pending():
             await self._execute(xfer, local, ())
 
-    async def _execute_batch(self, xfer: Transfer, prepared: PreparedTransfer, after: Sequence[Transfer],
+    async def _execute_batch(self, xfer: Transfer, prepared: RunList, after: Sequence[Transfer],
                              ready: Mapping[int, Any]) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream."""
-        record, plan = await self._checked(xfer, after, lambda r: self._router.plan_for(prepared, r))
+        record, plan = await self._checked(xfer, after, lambda r: self._plan(prepared, r))
         xfer._routed(plan.backends, plan.one_sided)
         self._begin(xfer, record, plan.backends)
         for run in plan.runners:

@@ -4,30 +4,28 @@
 of local memory (first in preference order that can, with every refusal's reason when none
 can); the synchronous routes (:class:`SyncRoute`, one per peer, key, direction and kind of
 local memory, valid for one record of the peer) of small host transfers and of device copies
-enqueued inside ``put()``; and each prepared transfer's plan for one record
-(:class:`BatchPlan`: its backends' reusable runners over their native descriptor lists), kept
-weakly, so a plan lives as long as its prepared transfer. The transfer engine asks; nothing here
-starts, waits for or settles a transfer.
+enqueued inside ``put()``; and how to build a prepared transfer's plan for one record
+(:class:`BatchPlan`: its backends' reusable runners over their native descriptor lists), which
+the transfer engine keeps. The engine asks; nothing here starts, waits for or settles a
+transfer, and nothing here knows the engine or a prepared transfer.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import _cuda
-from ._batch import PreparedTransfer
-from ._errors import BackendUnavailableError
-from ._staging import staging_kind
-from ._tensors import MemoryKind, Runs, dtype_from_name
-from ._wire import PeerRecord, RegionRecord, TransferOp
-from .backends import Backend, Runner
-from .backends._base import DeviceMover, Mover
-from .backends._control import WITHDRAWN_SEQ
+from .. import _cuda
+from .._errors import BackendUnavailableError
+from .._staging import staging_kind
+from .._tensors import MemoryKind, Runs, dtype_from_name
+from .._wire import PeerRecord, RegionRecord, TransferOp
+from ..backends import Backend, Runner
+from ..backends._base import DeviceMover, Mover
+from ..backends._control import WITHDRAWN_SEQ
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +34,7 @@ SYNC_ROUTES_MAX = 4096  # cached (peer, key, op) routes; the cache is reset past
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one prepared transfer moves to one record of its peer (see :meth:`Router.plan_for`)."""
+    """How one prepared transfer moves to one record of its peer (see :meth:`Router.plan`)."""
 
     backends: str  # the backends' names, "a,b" for two
     runners: list[Runner]  # each backend's reusable runner (Backend.prepare_runs)
@@ -85,10 +83,6 @@ class Router:
         self._backends = tuple(backends)
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._sync: dict[tuple[str, str, TransferOp, MemoryKind], SyncRoute] = {}
-        # Each prepared transfer's plan for one record of its peer (its backends' native lists):
-        # made at its first start on that record, dropped with the transfer.
-        self._plans: weakref.WeakKeyDictionary[PreparedTransfer, tuple[tuple[object, ...], BatchPlan]] = (
-            weakref.WeakKeyDictionary())
 
     def choose(self, record: PeerRecord, region: RegionRecord, kind: MemoryKind) -> Backend:
         """The first backend that can move bytes between ``kind`` memory here and ``region``.
@@ -167,21 +161,15 @@ class Router:
             del self._sync[k]
         self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != peer}
 
-    def plan_for(self, prepared: PreparedTransfer, record: PeerRecord) -> BatchPlan:
-        """``prepared``'s plan for ``record``, kept while the peer's incarnation and record and
-        the local memory stay the same (built at the first start on them): a backend per
-        (region, memory kind), and each backend's reusable runner over the runs it serves
-        (``Backend.prepare_runs``, one call with all of them); runs of memory it does not serve
-        go run by run through staging at every start.
+    def plan(self, op: TransferOp, record: PeerRecord, bound: Sequence[tuple[Runs, RegionRecord]]) -> BatchPlan:
+        """The plan of a prepared ``op`` whose runs were checked against ``record`` (``bound``:
+        each with its region): a backend per (region, memory kind), and each backend's reusable
+        runner over the runs it serves (``Backend.prepare_runs``, one call with all of them);
+        runs of memory it does not serve go run by run through staging at every start.
 
         Raises:
-            As ``PreparedTransfer.bind``; BackendUnavailableError: no backend reaches a region.
+            BackendUnavailableError: no backend reaches a region.
         """
-        bound = prepared.bind(record)
-        ident = (record.incarnation, record.seq, *prepared.memory())
-        cached = self._plans.get(prepared)
-        if cached is not None and cached[0] == ident:
-            return cached[1]
         served: dict[str, tuple[Backend, list[tuple[Runs, RegionRecord]]]] = {}
         chosen: dict[tuple[str, MemoryKind], Backend] = {}
         staged: list[tuple[Backend, Runs, RegionRecord]] = []
@@ -196,7 +184,5 @@ class Router:
             else:
                 staged.append((backend, runs, region))
         busy = [(backend, lists) for backend, lists in served.values() if lists]
-        runners = [backend.prepare_runs(prepared.op, record, lists) for backend, lists in busy]
-        plan = BatchPlan(",".join(served), runners, staged, all(b.one_sided for b, _ in served.values()), busy)
-        self._plans[prepared] = (ident, plan)
-        return plan
+        runners = [backend.prepare_runs(op, record, lists) for backend, lists in busy]
+        return BatchPlan(",".join(served), runners, staged, all(b.one_sided for b, _ in served.values()), busy)

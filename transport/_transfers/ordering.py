@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import anyio
 
-from ._transfer import Transfer
-from ._wire import TransferOp
+from .._wire import TransferOp
+from .handle import Transfer
 
 
 class Ranges:
@@ -81,16 +81,6 @@ class Ranges:
                 break
             i += 1
         return not self._keys
-
-
-def spans_of(ranges: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
-    """Per region key, the byte span ``(lo, hi)`` that the ``(key, offset, nbytes)`` ranges
-    cover (what a transfer of all of them counts as, for the ordering rule)."""
-    out: dict[str, tuple[int, int]] = {}
-    for key, offset, nbytes in ranges:
-        lo, hi = out.get(key, (offset, offset + nbytes))
-        out[key] = (min(lo, offset), max(hi, offset + nbytes))
-    return out
 
 
 async def ended_within(transfers: Sequence[Transfer], timeout: float) -> list[Transfer]:
