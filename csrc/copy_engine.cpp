@@ -18,16 +18,12 @@ namespace transport {
 
 struct CopyEngine::Job {
   uint64_t id;
-  CopyKind kind;
-  int pid;
-  std::vector<Segment> segs;                        // large segments already cut at chunk_bytes
-  std::vector<std::pair<size_t, size_t>> units;     // [begin, end) ranges of segs
+  std::shared_ptr<const CopyPlan> plan;  // what to copy: shared by every job over the same plan
   size_t next = 0;                 // next unit to hand out (guarded by mu_)
   std::atomic<size_t> remaining;   // units not yet finished
   std::atomic<uint64_t> bytes{0};
   std::atomic<int> err{0};
   std::atomic<bool> cancelled{false};
-  bool stream = false;  // local copies with streaming stores (see kStreamMinJobBytes)
 };
 
 namespace {
@@ -159,39 +155,51 @@ CopyEngine::~CopyEngine() {
   if (efd_ >= 0) close(efd_);
 }
 
-uint64_t CopyEngine::submit(CopyKind kind, int pid, const Segment* segments, size_t count) {
-  auto job = std::make_shared<Job>();
-  job->kind = kind;
-  job->pid = pid;
-  job->segs.reserve(count);
+std::shared_ptr<const CopyPlan> CopyEngine::plan(CopyKind kind, int pid, const Segment* segments,
+                                                 size_t count) const {
+  auto plan = std::make_shared<CopyPlan>();
+  plan->kind = kind;
+  plan->pid = pid;
+  plan->segs.reserve(count);
   uint64_t total = 0;
   for (size_t i = 0; i < count; ++i) {
     const Segment& s = segments[i];
     for (uint64_t off = 0; off < s.len; off += chunk_bytes_) {
-      job->segs.push_back({s.dst + off, s.src + off, std::min(chunk_bytes_, s.len - off)});
+      plan->segs.push_back({s.dst + off, s.src + off, std::min(chunk_bytes_, s.len - off)});
     }
     total += s.len;
   }
-  job->stream = kind == CopyKind::kLocal && total >= kStreamMinJobBytes;
+  plan->total = total;
+  plan->stream = kind == CopyKind::kLocal && total >= kStreamMinJobBytes;
   // Units: at most kMaxUnitSegments segments and about chunk_bytes each, and at least as many
   // units as threads when there are enough segments (so that every thread has work).
   size_t nthreads = threads_.empty() ? 1 : threads_.size();
   uint64_t unit_bytes = std::max<uint64_t>(1, std::min<uint64_t>(chunk_bytes_, total / nthreads + 1));
   size_t begin = 0;
   uint64_t bytes = 0;
-  for (size_t i = 0; i < job->segs.size(); ++i) {
-    bytes += job->segs[i].len;
-    if (i + 1 - begin >= kMaxUnitSegments || bytes >= unit_bytes || i + 1 == job->segs.size()) {
-      job->units.emplace_back(begin, i + 1);
+  for (size_t i = 0; i < plan->segs.size(); ++i) {
+    bytes += plan->segs[i].len;
+    if (i + 1 - begin >= kMaxUnitSegments || bytes >= unit_bytes || i + 1 == plan->segs.size()) {
+      plan->units.emplace_back(begin, i + 1);
       begin = i + 1;
       bytes = 0;
     }
   }
+  return plan;
+}
+
+uint64_t CopyEngine::submit(CopyKind kind, int pid, const Segment* segments, size_t count) {
+  return submit(plan(kind, pid, segments, count));
+}
+
+uint64_t CopyEngine::submit(std::shared_ptr<const CopyPlan> plan) {
+  auto job = std::make_shared<Job>();
+  job->plan = std::move(plan);
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) throw std::runtime_error("copy engine is shut down");
   job->id = next_id_++;
-  job->remaining.store(job->units.size());
-  if (job->units.empty()) {
+  job->remaining.store(job->plan->units.size());
+  if (job->plan->units.empty()) {
     done_.push_back({job->id, CopyStatus::kOk, 0, 0});
     uint64_t one = 1;
     (void)!write(efd_, &one, sizeof(one));
@@ -231,17 +239,18 @@ void CopyEngine::worker() {
       job = queue_.front();
       queue_.pop_front();
       idx = job->next++;
-      if (job->next < job->units.size()) queue_.push_back(job);  // round-robin across jobs
+      if (job->next < job->plan->units.size()) queue_.push_back(job);  // round-robin across jobs
     }
     if (job->cancelled.load() || job->err.load() != 0) {
       finish_unit(job, 0, 0);
       continue;
     }
-    auto [begin, end] = job->units[idx];
+    const CopyPlan& plan = *job->plan;
+    auto [begin, end] = plan.units[idx];
     uint64_t copied = 0;
-    const Segment* segs = job->segs.data() + begin;
-    int err = job->stream ? copy_local_streaming(segs, end - begin, &copied)
-                          : copy_segments(job->kind, job->pid, segs, end - begin, &copied);
+    const Segment* segs = plan.segs.data() + begin;
+    int err = plan.stream ? copy_local_streaming(segs, end - begin, &copied)
+                          : copy_segments(plan.kind, plan.pid, segs, end - begin, &copied);
     finish_unit(job, copied, err);
   }
 }

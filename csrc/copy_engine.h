@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace transport {
@@ -54,6 +55,18 @@ int copy_now(CopyKind kind, int pid, const Segment& s);
 // returns 0 or the errno of the first failure, and adds the bytes copied to `*copied`.
 int copy_segments(CopyKind kind, int pid, const Segment* segs, size_t count, uint64_t* copied);
 
+// A job's segments, cut and grouped into units once (CopyEngine::plan): immutable, so one plan
+// may be submitted again and again, and by several jobs at once. A prepared transfer keeps one
+// per copy kind and peer and submits it by handle at every start.
+struct CopyPlan {
+  CopyKind kind = CopyKind::kLocal;
+  int pid = 0;
+  std::vector<Segment> segs;                     // large segments already cut at chunk_bytes
+  std::vector<std::pair<size_t, size_t>> units;  // [begin, end) ranges of segs
+  uint64_t total = 0;                            // bytes in all
+  bool stream = false;  // local copies with streaming stores (see kStreamMinJobBytes)
+};
+
 class CopyEngine {
  public:
   CopyEngine(int threads, uint64_t chunk_bytes);
@@ -67,6 +80,11 @@ class CopyEngine {
   uint64_t submit(CopyKind kind, int pid, const std::vector<Segment>& segments) {
     return submit(kind, pid, segments.data(), segments.size());
   }
+  // Cuts and groups `count` segments into a plan for this engine (its chunk size and threads).
+  std::shared_ptr<const CopyPlan> plan(CopyKind kind, int pid, const Segment* segments, size_t count) const;
+  // Queues a job over `plan` (kept alive until the job ends); returns its id. Throws
+  // std::runtime_error once shut down.
+  uint64_t submit(std::shared_ptr<const CopyPlan> plan);
   int threads() const { return static_cast<int>(threads_.size()); }
   // Requests that a job stop at its next unit boundary. Returns false if it already finished.
   bool cancel(uint64_t id);

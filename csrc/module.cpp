@@ -489,6 +489,13 @@ NB_MODULE(_C, m) {
   // Tensors over SharedBuffers may legitimately outlive the interpreter's teardown.
   nb::set_leak_warnings(false);
 
+  nb::class_<CopyPlan>(m, "CopyPlan")
+      .def_prop_ro("kind", [](const CopyPlan& p) { return static_cast<int>(p.kind); })
+      .def_prop_ro("pid", [](const CopyPlan& p) { return p.pid; })
+      .def_prop_ro("segments", [](const CopyPlan& p) { return p.segs.size(); })
+      .def_prop_ro("units", [](const CopyPlan& p) { return p.units.size(); })
+      .def_prop_ro("nbytes", [](const CopyPlan& p) { return p.total; });
+
   nb::class_<CopyEngine>(m, "CopyEngine")
       .def(nb::init<int, uint64_t>(), nb::arg("threads"), nb::arg("chunk_bytes"))
       .def_prop_ro("event_fd", &CopyEngine::event_fd)
@@ -510,6 +517,22 @@ NB_MODULE(_C, m) {
             return e.submit(static_cast<CopyKind>(kind), pid, unpack_triples<Segment>(packed));
           },
           nb::arg("kind"), nb::arg("pid"), nb::arg("packed"))
+      .def(
+          "plan_packed",
+          [](const CopyEngine& e, int kind, int pid, nb::bytes packed) {
+            if (kind < 0 || kind > 2) throw std::invalid_argument("unknown copy kind");
+            std::vector<Segment> v = unpack_triples<Segment>(packed);
+            nb::gil_scoped_release unlocked;
+            return std::const_pointer_cast<CopyPlan>(e.plan(static_cast<CopyKind>(kind), pid, v.data(), v.size()));
+          },
+          nb::arg("kind"), nb::arg("pid"), nb::arg("packed"))
+      .def(
+          "submit_plan",
+          [](CopyEngine& e, std::shared_ptr<CopyPlan> plan) {
+            if (!plan) throw std::invalid_argument("no plan");
+            return e.submit(std::shared_ptr<const CopyPlan>(std::move(plan)));
+          },
+          nb::arg("plan"))
       .def_prop_ro("threads", &CopyEngine::threads)
       .def("cancel", &CopyEngine::cancel)
       .def("drain",
@@ -576,6 +599,20 @@ NB_MODULE(_C, m) {
       nb::arg("kind"), nb::arg("pid"), nb::arg("dst"), nb::arg("src"), nb::arg("nbytes"),
       nb::call_guard<nb::gil_scoped_release>(),
       "Copies on the calling thread; returns 0 or errno. For small copies only.");
+  m.def(
+      "copy_plan_now",
+      [](const std::shared_ptr<CopyPlan>& plan) {
+        if (!plan) throw std::invalid_argument("no plan");
+        uint64_t copied = 0;
+        int err;
+        {
+          nb::gil_scoped_release release;
+          err = copy_segments(plan->kind, plan->pid, plan->segs.data(), plan->segs.size(), &copied);
+          std::atomic_thread_fence(std::memory_order_seq_cst);
+        }
+        return std::make_tuple(err, copied);
+      },
+      nb::arg("plan"));
   m.def(
       "copy_packed_now",
       [](int kind, int pid, nb::bytes packed) {

@@ -86,6 +86,49 @@ async def test_copy_engine_reports_a_dead_process():
     await with_copier(body)
 
 
+async def test_a_copy_plan_is_cut_once_and_runs_again_and_again_also_twice_at_once():
+    """A plan (what a prepared ipc transfer keeps) is cut at the engine's chunk size and grouped
+    once; each run copies the bytes as they are then, two runs of one plan may overlap, and a
+    plan outlives the Python names of what it was made from."""
+    n_runs, run = 1536, 512  # runs of 512 B at a 1 KiB stride, plus one of 3 MiB (three 1 MiB chunks)
+    src = torch.zeros(5 << 20, dtype=torch.uint8)
+    dst = [torch.zeros_like(src) for _ in range(2)]
+    idx = torch.arange(n_runs, dtype=torch.int64)
+
+    def rows(d: torch.Tensor) -> bytes:
+        table = torch.stack([d.data_ptr() + idx * 1024, src.data_ptr() + idx * 1024, torch.full_like(idx, run)], 1)
+        big = torch.tensor([[d.data_ptr() + (1 << 20) * 3 // 2, src.data_ptr() + (1 << 20) * 3 // 2, 3 << 20]])
+        return _native.pack_segments([tuple(int(v) for v in r) for r in torch.cat([table, big])])
+
+    async def body(copier):
+        plans = [copier.plan(CopyKind.LOCAL, 0, rows(d)) for d in dst]
+        assert plans[0].segments == 1536 + 3 and plans[0].nbytes == 1536 * run + (3 << 20)
+        for step in (1, 2):
+            src.fill_(step)
+            results: list = [None, None]
+
+            async def one(i: int, results: list = results) -> None:
+                results[i] = await copier.copy_plan(plans[i])
+
+            async with anyio.create_task_group() as tg:  # both at once, and the first one twice
+                tg.start_soon(one, 0)
+                tg.start_soon(one, 1)
+            again = await copier.copy_plan(plans[0])
+            for r in (*results, again):
+                assert r.status == CopyStatus.OK and r.nbytes == plans[0].nbytes
+            for d in dst:
+                assert torch.all(d[:512] == step) and torch.all(d[(1 << 20) * 3 // 2:(1 << 20) * 9 // 2] == step)
+                assert int(d[512:1024].sum()) == 0  # between two runs: never written
+        tiny = copier.plan(CopyKind.LOCAL, 0, rows(dst[0])[:24 * 4])  # 4 runs: copied right here
+        src.fill_(7)
+        r = await copier.copy_plan(tiny)
+        assert r.status == CopyStatus.OK and r.nbytes == 4 * run and int(dst[0][3 * 1024]) == 7
+        with pytest.raises(ValueError, match="whole number"):
+            copier.plan(CopyKind.LOCAL, 0, b"\0" * 20)
+
+    await with_copier(body)
+
+
 async def test_copy_engine_cancel_stops_between_chunks():
     src = torch.ones(256 << 20, dtype=torch.uint8)
     dst = torch.zeros_like(src)

@@ -63,6 +63,7 @@ async def test_runs_land_exactly_and_come_back(backend, targets, file_store, mon
             h = prepared.start()
             await h
             assert h.one_sided is (backend != "tcp") and h.backend == backend
+            assert h.same_host is (backend == "ipc")  # the link the engine reports (weights reads it)
         back = torch.zeros(REGION // 4)
         await t.get(back, target.name, key="w")
         want = expected(np.zeros(REGION, np.uint8), src.numpy().view(np.uint8), runs)
@@ -87,7 +88,7 @@ async def test_runs_land_exactly_and_come_back(backend, targets, file_store, mon
             assert np.array_equal(dst.numpy().view(np.uint8)[a : a + n], want[b : b + n])
         single = t.put(src[:16], target.name, key="w")
         await single
-        assert single.one_sided is (backend != "tcp")
+        assert single.one_sided is (backend != "tcp") and single.same_host is (backend == "ipc")
         await t.signal(target.name, "done", 1)
         await target.result()
 

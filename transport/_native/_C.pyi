@@ -10,6 +10,20 @@ from collections.abc import Sequence
 
 # -- copy engine and host memory -----------------------------------------------------------------
 
+class CopyPlan:
+    """A job's segments cut at the engine's chunk size and grouped into units, once (immutable)."""
+
+    @property
+    def kind(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def segments(self) -> int: ...
+    @property
+    def units(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
 class CopyEngine:
     """Copies (dst, src, nbytes) segments on its threads; completions through an eventfd."""
 
@@ -20,6 +34,10 @@ class CopyEngine:
         """Queues a job of CopyKind `kind`; returns its id. Raises ValueError for an unknown kind."""
     def submit_packed(self, kind: int, pid: int, packed: bytes) -> int:
         """As submit, with the segments packed as little-endian u64 (dst, src, nbytes) triples."""
+    def plan_packed(self, kind: int, pid: int, packed: bytes) -> CopyPlan:
+        """Packed segments cut and grouped for this engine, once. Raises ValueError."""
+    def submit_plan(self, plan: CopyPlan) -> int:
+        """Queues a job over `plan` (which may be submitted again, also while running); returns its id."""
     @property
     def threads(self) -> int: ...
     def cancel(self, arg: int, /) -> bool: ...
@@ -59,6 +77,9 @@ class PeerMapping:
     def nbytes(self) -> int: ...
     def populate(self, packed: bytes, column: int, write: bool) -> int:
         """Fills the page tables for the pages of packed (dst, src, nbytes) rows' `column` side; 0 or errno."""
+
+def copy_plan_now(plan: CopyPlan) -> tuple[int, int]:
+    """Copies a plan's segments on the calling thread; returns (errno or 0, bytes copied)."""
 
 def copy_packed_now(kind: int, pid: int, packed: bytes) -> tuple[int, int]:
     """Copies packed (dst, src, nbytes) segments on the calling thread; returns (errno or 0, bytes copied)."""

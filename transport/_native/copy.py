@@ -285,6 +285,21 @@ class _Pending:
         self.result: CopyResult | None = None
 
 
+class CopyPlan:
+    """A copy job's segments, cut and grouped once by the native engine (:meth:`Copier.plan`);
+    immutable, started any number of times (:meth:`Copier.copy_plan`)."""
+
+    __slots__ = ("native", "nbytes", "segments")
+
+    def __init__(self, native: _C.CopyPlan) -> None:
+        self.native = native
+        self.nbytes = native.nbytes  # bytes in all
+        self.segments = native.segments  # after cutting large ones into chunks
+
+    def __repr__(self) -> str:
+        return f"<CopyPlan {CopyKind(self.native.kind).name} {self.segments} segments, {self.nbytes} B>"
+
+
 class Copier:
     """Async front of the native ``CopyEngine`` (threads + eventfd).
 
@@ -342,6 +357,29 @@ class Copier:
             await anyio.lowlevel.checkpoint()
             return CopyResult(CopyStatus.FAILED if err else CopyStatus.OK, err, copied)
         return await self._run_job(lambda: self._engine.submit_packed(int(kind), pid, packed))
+
+    def plan(self, kind: CopyKind, pid: int, packed: bytes) -> CopyPlan:
+        """Segments packed by :func:`pack_segments`, cut into chunks and grouped into units of
+        work once, for :meth:`copy_plan` to run again and again: what a prepared transfer keeps,
+        so that a start hands the engine one handle, not its segments (copied, cut and grouped
+        again at every start before).
+
+        Raises:
+            ValueError: an unknown kind, or ``packed`` not a whole number of u64 triples.
+        """
+        return CopyPlan(self._engine.plan_packed(int(kind), pid, packed))
+
+    async def copy_plan(self, plan: CopyPlan) -> CopyResult:
+        """As :meth:`copy`, for a plan (:meth:`plan`) of this copier. Up to ``INLINE_MAX_BYTES``
+        in all are copied right here.
+
+        Cancellation: as :meth:`copy`.
+        """
+        if plan.nbytes <= INLINE_MAX_BYTES:
+            err, copied = _C.copy_plan_now(plan.native)
+            await anyio.lowlevel.checkpoint()
+            return CopyResult(CopyStatus.FAILED if err else CopyStatus.OK, err, copied)
+        return await self._run_job(lambda: self._engine.submit_plan(plan.native))
 
     async def _run_job(self, submit: Callable[[], int]) -> CopyResult:
         try:

@@ -265,7 +265,8 @@ class TransferEngine:
             return self._launch(op, LocalBuffer(tensor, kind, ready=ready), peer, key, offset, timeout,
                                 (record, backend, moved))
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
-        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, backend.one_sided, t0)
+        return Transfer._completed(op, peer, key, nbytes, offset, backend.name, backend.one_sided, backend.same_host,
+                                   t0)
 
     async def fence(self, peer: str, timeout: float) -> None:
         """Waits until every transfer to ``peer`` started before this call has ended.
@@ -360,7 +361,7 @@ class TransferEngine:
         record, region = await self._checked(xfer, after,
                                              lambda r: self._check_remote(r, xfer, local.tensor.dtype))
         backend = self._router.choose(record, region, local.kind)
-        xfer._routed(backend.name, backend.one_sided)
+        xfer._routed(backend.name, backend.one_sided, backend.same_host)
         self._begin(xfer, record, backend.name)
         if xfer.nbytes == 0:
             return
@@ -370,7 +371,7 @@ class TransferEngine:
                                pending: Pending) -> None:
         """Completes a synchronous attempt whose request went out (see :meth:`_now`); when it
         comes back refused or broken, moves the bytes again by the checked path."""
-        xfer._routed(backend.name, backend.one_sided)
+        xfer._routed(backend.name, backend.one_sided, backend.same_host)
         try:
             self._begin(xfer, record, backend.name)
         except BaseException:
@@ -385,7 +386,7 @@ class TransferEngine:
                              ready: Mapping[int, Any]) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream."""
         record, plan = await self._checked(xfer, after, lambda r: self._plan(prepared, r))
-        xfer._routed(plan.backends, plan.one_sided)
+        xfer._routed(plan.backends, plan.one_sided, plan.same_host)
         self._begin(xfer, record, plan.backends)
         for run in plan.runners:
             await run(ready)

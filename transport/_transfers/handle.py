@@ -46,6 +46,9 @@ class Transfer:
         one_sided: True when every backend that carries it moves the bytes without the peer's
             process taking part (``ipc``, ``ucx``); False when the peer's agent serves them
             (``tcp``); None until a backend is chosen.
+        same_host: True when every backend that carries it moves the bytes through this host's
+            memory (``ipc``: a link as fast as a pass over the bytes); False when one goes over
+            a network path (``ucx``, ``tcp``, ``nccl``); None until a backend is chosen.
 
     Waiting is not aborting: ``await h`` and ``await h.wait(timeout=...)`` only observe. A
     ``wait`` that times out raises the builtin :class:`TimeoutError` and leaves the transfer
@@ -61,7 +64,7 @@ class Transfer:
 
     __slots__ = ("_abort_error", "_cancel_requested", "_done", "_error", "_event", "_finished", "_incarnation",
                  "_moving", "_rec", "_scope", "_started", "_waiters", "backend", "key", "nbytes", "offset", "one_sided",
-                 "op", "peer", "segments")
+                 "op", "peer", "same_host", "segments")
 
     def __init__(self, op: TransferOp, peer: str, key: str, nbytes: int, offset: int, *, segments: int = 1,
                  rec: Any = None) -> None:
@@ -72,6 +75,7 @@ class Transfer:
         self.offset = offset
         self.backend: str | None = None
         self.one_sided: bool | None = None
+        self.same_host: bool | None = None
         self.segments = segments  # ranges moved (more for a prepared transfer)
         self._done = False
         self._event: anyio.Event | None = None  # made by the first task that has to wait
@@ -88,11 +92,11 @@ class Transfer:
 
     @classmethod
     def _completed(cls, op: TransferOp, peer: str, key: str, nbytes: int, offset: int, backend: str,
-                   one_sided: bool, started: float) -> Transfer:
+                   one_sided: bool, same_host: bool, started: float) -> Transfer:
         """A handle for a transfer that already completed when it was started (the engine's
         synchronous path for small transfers); ``started``: its ``time.monotonic()``."""
         x = cls(op, peer, key, nbytes, offset)
-        x.backend, x.one_sided = backend, one_sided
+        x.backend, x.one_sided, x.same_host = backend, one_sided, same_host
         x._started = started
         x._finished = time.monotonic()
         x._moving = True
@@ -101,9 +105,9 @@ class Transfer:
 
     # -- what the transfer engine tells the handle (it changes the handle's state only so) ---
 
-    def _routed(self, backend: str, one_sided: bool) -> None:
+    def _routed(self, backend: str, one_sided: bool, same_host: bool) -> None:
         """The backend(s) that carry it were chosen."""
-        self.backend, self.one_sided = backend, one_sided
+        self.backend, self.one_sided, self.same_host = backend, one_sided, same_host
 
     def _began(self, incarnation: str) -> None:
         """Bytes may start to move now, to that incarnation of the peer."""

@@ -42,6 +42,7 @@ class BatchPlan:
     # run at every start.
     staged: list[tuple[Backend, Runs, RegionRecord]]
     one_sided: bool  # every backend of it moves bytes without the peer's process
+    same_host: bool  # every backend of it moves bytes through this host's memory
     # each backend with the runs it serves (what its runner was built from; Backend.warm)
     served: list[tuple[Backend, list[tuple[Runs, RegionRecord]]]]
 
@@ -185,4 +186,6 @@ class Router:
                 staged.append((backend, runs, region))
         busy = [(backend, lists) for backend, lists in served.values() if lists]
         runners = [backend.prepare_runs(op, record, lists) for backend, lists in busy]
-        return BatchPlan(",".join(served), runners, staged, all(b.one_sided for b, _ in served.values()), busy)
+        backends = [b for b, _ in served.values()]
+        return BatchPlan(",".join(served), runners, staged, all(b.one_sided for b in backends),
+                         all(b.same_host for b in backends), busy)

@@ -85,6 +85,10 @@ class Backend(abc.ABC):
     * ``memory_kinds``: the local memory it moves directly (``MemoryKind.CPU`` / ``CUDA``). The
       Transport stages a tensor of another kind through a bounce buffer (``transport._staging``).
 
+    It may set ``same_host`` (default False): True when it moves bytes only through this host's
+    memory (``ipc``), a link as fast as a pass over the bytes. Transfers report it
+    (``Transfer.same_host``); weight sync sends such peers dense versions rather than deltas.
+
     Lifecycle: :meth:`unavailable_reason` is asked before an instance exists (None: it can run
     here). One instance per Transport is made with its :class:`BackendContext` when the
     Transport opens, and :meth:`close` is called once when it closes, after every transfer has
@@ -122,6 +126,7 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     one_sided: ClassVar[bool]  # True when the target's Python takes no part in a transfer
     memory_kinds: ClassVar[frozenset[MemoryKind]]
+    same_host: ClassVar[bool] = False  # True when it moves bytes only through this host's memory
     frames: ClassVar[frozenset[FrameKind]] = frozenset()  # frame kinds served on the target side
     lanes: ClassVar[frozenset[str]] = frozenset()  # HELLO lanes it takes over (adopt_lane)
 

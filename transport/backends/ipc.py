@@ -110,6 +110,7 @@ class _HostCopy:
 class IpcBackend(Backend):
     name = "ipc"
     one_sided = True
+    same_host = True
     memory_kinds = frozenset({MemoryKind.CPU, MemoryKind.CUDA})
 
     @classmethod
@@ -326,10 +327,11 @@ class IpcBackend(Backend):
                         op == TransferOp.PUT and host.kind == CopyKind.CMA_WRITE, host.there)
 
     def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
-        """Host memory on both sides: the arrays become one packed native job per copy kind
+        """Host memory on both sides: the arrays become one native copy plan per copy kind
         (mapped memfd: memcpy; elsewhere: cross-memory attach, IOV_MAX runs per system call)
         as they are (the region's address added to one column, the tensor's to the other),
-        built once; each run submits them, split across the copy engine's threads. A failed
+        cut into chunks and grouped into units of work once (``Copier.plan``); each run submits
+        the plans by handle, split across the copy engine's threads. A failed
         job is retried run by run, which raises the precise error. Device-to-device runs (CUDA
         IPC) are laid out once and enqueued together on the CUDA copier's stream, then waited
         for once (:meth:`CudaIpc.prepare_runs`); other runs with CUDA memory go run by run."""
@@ -348,16 +350,15 @@ class IpcBackend(Backend):
             arrays, members = jobs.setdefault((kind, pid), ([], []))
             arrays.append(runs.copies(op == TransferOp.PUT, base))
             members.append((runs, region))
-        packed = [(kind, pid, np.concatenate(arrays).astype(np.uint64).tobytes(),
-                   sum(r.nbytes for r, _ in members), members)
-                  for (kind, pid), (arrays, members) in jobs.items()]
+        plans = [(self.ctx.copier.plan(kind, pid, np.concatenate(arrays).astype(np.uint64).tobytes()), members)
+                 for (kind, pid), (arrays, members) in jobs.items()]
         one_by_one = Backend.prepare_runs(self, op, peer, slow) if slow else None
         device_runs = self._cuda.prepare_runs(op, peer, devices) if devices else None
 
         async def run(ready: Mapping[int, Any] | None = None, _held: list[PeerMapping] = held) -> None:
             # `_held` keeps the mappings referenced (mapped) while this runner lives.
-            for kind, pid, data, nbytes, members in packed:
-                result = await self.ctx.copier.copy_packed(kind, pid, data, nbytes)
+            for plan, members in plans:
+                result = await self.ctx.copier.copy_plan(plan)
                 if result.status != CopyStatus.OK:
                     await Backend.prepare_runs(self, op, peer, members)()
             if device_runs is not None:

@@ -62,7 +62,7 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._native import CopyKind, CopyStatus, RemoteWord
+from .._native import CopyKind, CopyPlan, CopyStatus, RemoteWord
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind, Runs
@@ -443,8 +443,9 @@ class UcxBackend(Backend):
             link = self._link(peer)
             if self._cma and peer.host == self.ctx.host and peer.pid != self.ctx.pid:
                 rows = [r.copies(op == TransferOp.PUT, self._rkey(link, region)[1]) for r, region in lists]
-                packed = np.concatenate(rows).astype(np.uint64).tobytes()
-                return self._cma_runner(op, peer, link, lists, packed, keep, what)
+                kind = CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ
+                plan = self.ctx.copier.plan(kind, peer.pid, np.concatenate(rows).astype(np.uint64).tobytes())
+                return self._cma_runner(op, link, lists, plan, keep, what)
             native = self._ucx_lists(link, lists)
         except (TransportInternalError, WireError) as exc:
             raise TransportInternalError(f"{what}: {exc}") from exc
@@ -473,19 +474,17 @@ class UcxBackend(Backend):
                        for lane, part in enumerate(split) if len(part)]
         return native
 
-    def _cma_runner(self, op: TransferOp, peer: PeerRecord, link: _Link, lists: Sequence[tuple[Runs, RegionRecord]],
-                    packed: bytes, keep: list[LocalBuffer], what: str) -> Runner:
-        """Runs ``packed`` (copy rows into / out of ``peer``) by cross-memory attach; after a
-        failure, through UCX (:meth:`_runner` over lists built then)."""
-        kind = CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ
-        nbytes = sum(r.nbytes for r, _ in lists)
+    def _cma_runner(self, op: TransferOp, link: _Link, lists: Sequence[tuple[Runs, RegionRecord]],
+                    plan: CopyPlan, keep: list[LocalBuffer], what: str) -> Runner:
+        """Runs ``plan`` (copy rows into / out of the peer, cut and grouped once) by cross-memory
+        attach; after a failure, through UCX (:meth:`_runner` over lists built then)."""
         through_ucx: list[Runner] = []
 
         async def run(ready: Mapping[int, Any] | None = None) -> None:
             if link.lost is not None:
                 raise self._lost_error(what, link)
             if not through_ucx:
-                result = await self.ctx.copier.copy_packed(kind, peer.pid, packed, nbytes)
+                result = await self.ctx.copier.copy_plan(plan)
                 if result.status == CopyStatus.OK:
                     return
                 if result.status == CopyStatus.ABORTED:

@@ -35,7 +35,7 @@ from .._native import memory_fence
 from .._wire import TransferOp
 
 if TYPE_CHECKING:
-    from .. import Peer, Transfer, Transport
+    from .. import Peer, Transport
     from .._wire import PeerRecord
     from ..backends import Backend
     from ..backends._base import Mover
@@ -104,9 +104,9 @@ class LocalBlock:
         here without the network: the Transport has no ``ipc`` backend, the peer is on another
         host, the region is not such a block, or neither a mapping nor cross-memory attach is
         permitted."""
-        # The one place weight sync reaches below the Transport's API: its ipc backend's
+        # The one place weight sync reaches below the Transport's API: its same-host backend's
         # synchronous path, for the record the Transport resolved.
-        ipc = next((b for b in transport._backends if b.name == "ipc"), None)
+        ipc = next((b for b in transport._backends if b.same_host), None)
         record: PeerRecord = peer._record
         region = record.regions.get(key)
         if (ipc is None or region is None or region.writable or region.device != "cpu" or region.dtype != "int64"
@@ -189,12 +189,6 @@ class StreamKeys:
             deltas=(p + "delta0", p + "delta1"),
             doorbell=p + "version",
         )
-
-
-def over_memory(transfer: Transfer) -> bool:
-    """Whether ``transfer`` went (in part) over ``ipc``: a link as fast as the memory pass that
-    finds a delta, where delta sync does not pay (``delta="auto"`` sends such peers dense)."""
-    return "ipc" in (transfer.backend or "").split(",")
 
 
 def withdraw(transport: Transport, keys: Iterable[str]) -> None:

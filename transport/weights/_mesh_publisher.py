@@ -24,7 +24,7 @@ from ..plan import (
     encode_trainer,
 )
 from ._binding import byte_runs, slot_layout, snapshot_layout
-from ._control import decode_front, encode_front, memory_barrier, over_memory, withdraw
+from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._mesh_control import (
     APPLIED,
     COMMIT,
@@ -527,7 +527,7 @@ class MeshPublisher:
                              timeout=self.deadline)
         h = prepared.start(timeout=self.deadline)
         await h
-        self._memory_link[name] = over_memory(h)
+        self._memory_link[name] = h.same_host is True
         known = self._runs.get((name, peer.incarnation))
         takes = self._delta_everywhere or not self._memory_link[name]
         if area is not None and known is not None and known.why_not is None and takes:

@@ -36,7 +36,6 @@ from ._control import (
     encode_front,
     free_slot,
     memory_barrier,
-    over_memory,
     withdraw,
 )
 from ._copy import available_threads, cores
@@ -778,7 +777,7 @@ class Publisher:
         moved[0] = nbytes
         if not moved[1]:
             self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
-        self._memory_link[sub] = all(over_memory(h) for h in handles)
+        self._memory_link[sub] = all(h.same_host is True for h in handles)
         self._takes_delta[sub] = self._takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
         # Reached one-sidedly (every backend that carried it): its slot can be read back for the
         # snapshot fill without its application taking part.
