@@ -24,6 +24,7 @@ from tests._support.delta_model import model_at, same_bits, step, zeros
 from transport._native import delta as native
 from transport.weights import Publisher, Subscriber
 from transport.weights._control import APPLIED, FRONT, decode_front
+from transport.weights._delta import CROSSOVER
 
 ROOT = Path(__file__).resolve().parents[2]
 ISAS = [isa for isa in (native.Isa.SCALAR, native.Isa.AVX2, native.Isa.AVX512) if native.supports(isa)]
@@ -556,8 +557,9 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
     fills = []
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         # Small buckets: the big tensors go straight from the live tensors when dense, the small
-        # one from the snapshot (packed).
-        async with Publisher(tt, src, delta=True, bucket_bytes=1 << 13) as pub, \
+        # one from the snapshot (packed). The crossover is given: chosen from what this machine
+        # measures, it moved past mid's 20% under a CPU hog, and mid then stayed sparse in v4.
+        async with Publisher(tt, src, delta=True, bucket_bytes=1 << 13, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
             for v, fraction in enumerate([0, 0.005, 0.005, 0.01, 0.004, 0.9, 0.002, 0.004, 0.003], start=1):
                 if v == 4:
