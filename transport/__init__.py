@@ -13,16 +13,17 @@ from ._errors import LayoutError as LayoutError
 from ._errors import PeerLostError as PeerLostError
 from ._errors import PeerNotFoundError as PeerNotFoundError
 from ._errors import ReadOnlyRegionError as ReadOnlyRegionError
+from ._errors import RecordTooLargeError as RecordTooLargeError
 from ._errors import RegistrationError as RegistrationError
+from ._errors import StoreError as StoreError
 from ._errors import TransferAbortedError as TransferAbortedError
 from ._errors import TransferTimeoutError as TransferTimeoutError
 from ._errors import TransportError as TransportError
 from ._errors import TransportInternalError as TransportInternalError
+from ._errors import WireError as WireError
 from ._peers import Peer as Peer
 from ._public import rehome
 from ._regions import Region as Region
-from ._rendezvous import RecordTooLargeError as RecordTooLargeError
-from ._rendezvous import StoreError as StoreError
 from ._rendezvous import serve_store as serve_store
 from ._support import available_backends as available_backends
 from ._support import cuda_unavailable_reason as cuda_unavailable_reason
@@ -31,7 +32,6 @@ from ._transfers import Transfer as Transfer
 from ._transfers import gather as gather
 from ._transport import Transport as Transport
 from ._wire import TransferOp as TransferOp
-from ._wire import WireError as WireError
 from .backends import register_backend as register_backend
 
 __version__ = "0.1.0"

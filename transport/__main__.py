@@ -184,7 +184,8 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def store(args: argparse.Namespace) -> int:
     """Hosts a TCPStore until Ctrl-C / SIGTERM (or ``--duration`` seconds)."""
-    from ._rendezvous import StoreError, TCPStore
+    from ._errors import StoreError
+    from ._rendezvous import TCPStore
 
     try:
         # With no --host it listens on every interface (peers reach it by this host's name).

@@ -65,7 +65,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._auth import Authenticator
-from ._errors import AuthenticationError, BackendUnavailableError, TransportError
+from ._errors import AuthenticationError, BackendUnavailableError, TransportError, WireError
 from ._sockets import (
     CONNECTION_ENDED,
     Activity,
@@ -79,7 +79,7 @@ from ._sockets import (
     tune_socket,
     wait_for_bytes,
 )
-from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, WireError, encode_frame, error_to_frame
+from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, encode_frame, error_to_frame
 
 log = logging.getLogger(__name__)
 

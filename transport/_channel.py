@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ._auth import Authenticator
-from ._errors import ClosedError, PeerLostError, TransferTimeoutError, TransportError
+from ._errors import ClosedError, PeerLostError, TransferTimeoutError, TransportError, WireError
 from ._sockets import (
     CONNECTION_ENDED,
     close_socket,
@@ -27,7 +27,7 @@ from ._sockets import (
     recv_into_views,
     send_all_views,
 )
-from ._wire import PRE_AUTH_META, ErrCode, FrameKind, WireError, encode_frame, frame_to_error
+from ._wire import PRE_AUTH_META, ErrCode, FrameKind, encode_frame, frame_to_error
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,21 @@ from anyio.abc import TaskGroup
 
 from ._auth import Authenticator
 from ._channel import Channel, hello
-from ._errors import AuthenticationError, PeerLostError, PeerNotFoundError, RegistrationError, TransportError
+from ._errors import (
+    AuthenticationError,
+    PeerLostError,
+    PeerNotFoundError,
+    RecordTooLargeError,
+    RegistrationError,
+    TransportError,
+    WireError,
+)
 from ._flight import FlightRecorder
 from ._host import ProcessWatch
 from ._liveness import HEARTBEAT_PREFIX, Heartbeat, Leases, LostTable
-from ._rendezvous import RecordTooLargeError, Store
+from ._rendezvous import Store
 from ._sockets import connect
-from ._wire import HostId, PeerRecord, RegionRecord, WireError
+from ._wire import HostId, PeerRecord, RegionRecord
 
 log = logging.getLogger(__name__)
 

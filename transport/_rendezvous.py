@@ -35,7 +35,7 @@ from pathlib import Path
 
 import anyio
 
-from ._errors import TransportError
+from ._errors import RecordTooLargeError, StoreError
 from ._wire import MAX_RECORD_BYTES
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,6 @@ def default_store_url() -> str:
     if env:
         return env
     return f"file://{Path(tempfile.gettempdir()) / f'transport-{os.getuid()}'}"
-
-
-class StoreError(TransportError):
-    """The rendezvous store could not be reached or used."""
-
-
-class RecordTooLargeError(StoreError):
-    """A value in the store is larger than :data:`MAX_VALUE_BYTES`; it was not read (a file
-    store) or not used (a TCP store)."""
 
 
 # No record this library writes comes near this; a larger value is refused without being read.

@@ -21,7 +21,8 @@ from typing import Any
 
 import anyio
 
-from ._wire import FRAME_HEADER, MAX_META, FrameKind, WireError, decode_header, decode_meta
+from ._errors import WireError
+from ._wire import FRAME_HEADER, MAX_META, FrameKind, decode_header, decode_meta
 
 _IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds the loop
 _SOCK_BUF = 4 << 20

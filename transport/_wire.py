@@ -34,6 +34,7 @@ from ._errors import (
     RegistrationError,
     TransportError,
     TransportInternalError,
+    WireError,
 )
 
 
@@ -54,10 +55,6 @@ RECORD_VERSION = 1
 MAX_RECORD_BYTES = 16 << 20  # a peer record larger than this is refused unread (stores check it too)
 MAX_RECORD_DEPTH = 16  # a record nests 4 levels (record, regions, region, descriptors)
 MAX_META_DEPTH = 32  # frame metadata is flat; backends' requests nest a little
-
-
-class WireError(TransportInternalError):
-    """Bytes from another process that do not decode as what they claim to be."""
 
 
 # -- bounded JSON ---------------------------------------------------------------------------------

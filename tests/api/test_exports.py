@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import transport
+import transport._errors
 import transport.plan
 import transport.testing
 import transport.weights
@@ -189,18 +190,38 @@ def _readme_error_tree() -> dict[str, str | None]:
     return parents
 
 
+INTERNAL_ERRORS = {"MalformedLayoutError", "MalformedRegionError", "CudaError"}  # drawn as their parents
+
+
 def test_readme_draws_every_public_error_with_its_real_parent() -> None:
     tree = _readme_error_tree()
-    errors = {n: getattr(transport, n) for n in transport.__all__
-              if isinstance(getattr(transport, n), type) and issubclass(getattr(transport, n), Exception)}
-    errors["LayoutMismatchError"] = transport.weights.LayoutMismatchError
-    errors["CommitError"] = transport.weights.CommitError
-    errors["DeltaRefusedError"] = transport.weights.DeltaRefusedError
-    errors["MeshLayoutError"] = transport.plan.MeshLayoutError
+    errors = {n: getattr(transport._errors, n) for n in transport._errors.__all__ if n not in INTERNAL_ERRORS}
     assert set(tree) == set(errors), set(tree) ^ set(errors)
+    # Each is exported by the package it belongs to (transport.vllm by its source: importing it needs vLLM).
+    vllm_init = (PKG / "vllm" / "__init__.py").read_text()
+    for name, cls in errors.items():
+        homes = [m for m in (transport, transport.weights, transport.plan) if getattr(m, name, None) is cls]
+        assert homes or f"import {name} as {name}" in vllm_init, name
     for name, parent in tree.items():
         cls = errors[name]
         if parent is None:
             assert cls is transport.TransportError
         else:
             assert cls.__bases__[0] is errors[parent], (name, parent, cls.__bases__)
+
+
+def test_every_error_class_is_defined_in_the_error_module() -> None:
+    """One tree in one module: outside transport/_errors.py a class deriving from an error of
+    the tree is private (a leading underscore), so everything users may catch is drawn there."""
+    tree_names = set(transport._errors.__all__)
+    offenders = []
+    for m, path in _modules().items():
+        if m == "transport._errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                         for b in node.bases}
+                if bases & tree_names:
+                    offenders.append(f"{m}.{node.name}")
+    assert offenders == []

@@ -45,13 +45,14 @@ from transport._errors import (
     TransferAbortedError,
     TransferTimeoutError,
     TransportInternalError,
+    WireError,
 )
 from transport._host import host_id
 from transport._native import nccl as _nccl
 from transport._rendezvous import FileStore, MemoryStore
 from transport._routes import Routes
 from transport._tensors import MemoryKind
-from transport._wire import PeerRecord, RegionRecord, TransferOp, WireError
+from transport._wire import PeerRecord, RegionRecord, TransferOp
 from transport.backends import BackendContext, availability
 from transport.backends.nccl import NcclBackend, _comm
 from transport.backends.nccl._backend import _Ticket

@@ -12,8 +12,9 @@ import torch
 
 import transport
 from tests._support import PYTHON, python_env
-from transport._rendezvous import FileStore, MemoryStore, StoreError, TCPStore, open_store
-from transport._wire import HostId, PeerRecord, RegionRecord, WireError
+from transport._errors import StoreError, WireError
+from transport._rendezvous import FileStore, MemoryStore, TCPStore, open_store
+from transport._wire import HostId, PeerRecord, RegionRecord
 
 
 @pytest.fixture(params=["file", "memory", "tcp"])

@@ -26,12 +26,12 @@ import torch
 
 import transport
 from tests.plan._cases import random_case
+from transport._errors import MeshLayoutError, WireError
 from transport._native.ucx_format import check_rkey, check_worker_address
-from transport._wire import HostId, PeerRecord, RegionRecord, WireError, decode_meta
+from transport._wire import HostId, PeerRecord, RegionRecord, decode_meta
 from transport.backends._ucx_descriptors import decode_endpoint as _decode_endpoint
 from transport.backends._ucx_descriptors import decode_region as _decode_region
 from transport.plan._codec import RankLayout, decode_rank, decode_trainer, encode_rank, encode_trainer
-from transport.plan._layouts import MeshLayoutError
 from transport.weights._control import decode_front, publisher_latest
 from transport.weights._layout import Layout, build_layout
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import transport
+from transport._errors import WireError
+from transport._errors import WireError as MalformedLayoutError
 from transport._rendezvous import TCPStore, open_store
-from transport._wire import PeerRecord, WireError
-from transport._wire import WireError as MalformedLayoutError
+from transport._wire import PeerRecord
 from transport.plan import GeneratorRank, LocalTensor, Piece, full_box, trainer_layout_from_state_dict
 from transport.weights import LayoutMismatchError, MeshPublisher, MeshSubscriber, Publisher, Subscriber
 from transport.weights._control import StreamKeys, encode_front

@@ -20,7 +20,7 @@ from typing import ParamSpec, TypeVar
 import anyio
 from anyio.abc import TaskStatus
 
-from .._errors import BackendUnavailableError, TransportInternalError
+from .._errors import BackendUnavailableError, CudaError
 from ._extension import _C
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,6 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 Dim3 = tuple[int, int, int]
-
-
-class CudaError(TransportInternalError):
-    """The CUDA driver refused a call; the message names the call and the driver's error."""
 
 
 def _driver(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from .._wire import WireError
+from .._errors import WireError
 
 _UNKNOWN_SYS_DEV = 0xFF
 _FLUSH_BIT = 0x80

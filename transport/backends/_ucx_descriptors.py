@@ -9,9 +9,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from .._errors import WireError
 from .._native import SharedBuffer
 from .._native.ucx_format import check_rkey, check_worker_address
-from .._wire import WireError
 from ._control import SEQ_OFFSET
 
 # magic, version, lanes, address of the control word, its memfd's number and inode (same-host

@@ -61,12 +61,13 @@ from .._errors import (
     PeerLostError,
     TransportError,
     TransportInternalError,
+    WireError,
 )
 from .._native import CopyKind, CopyPlan, CopyStatus, RemoteWord
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
 from .._regions import Region
 from .._tensors import MemoryKind, Runs
-from .._wire import PeerRecord, RegionRecord, TransferOp, WireError
+from .._wire import PeerRecord, RegionRecord, TransferOp
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner
 from ._control import SEQ_OFFSET, WITHDRAWN_SEQ, PeerControlPages, control_page
 from ._ucx_descriptors import EndpointInfo, decode_endpoint, decode_region, encode_endpoint, encode_region

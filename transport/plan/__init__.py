@@ -7,6 +7,7 @@ codec (``encode_*``/``decode_*``, bounded by ``MAX_LAYOUT_BYTES``), the planner,
 block format (``FP8_*``, ``fp8_*``).
 """
 
+from .._errors import MeshLayoutError as MeshLayoutError
 from .._public import rehome
 from ._boxes import Box as Box
 from ._boxes import Shape as Shape
@@ -32,7 +33,6 @@ from ._layouts import ITEMSIZE as ITEMSIZE
 from ._layouts import ExplicitSharding as ExplicitSharding
 from ._layouts import GeneratorRank as GeneratorRank
 from ._layouts import LocalTensor as LocalTensor
-from ._layouts import MeshLayoutError as MeshLayoutError
 from ._layouts import MeshSharding as MeshSharding
 from ._layouts import Piece as Piece
 from ._layouts import Replica as Replica

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._layouts import MeshLayoutError
+from .._errors import MeshLayoutError
 from ._netsim import Network
 
 

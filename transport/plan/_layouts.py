@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import LayoutError
+from .._errors import MeshLayoutError
 from ._boxes import Box, Shape, box_shape, chunk, contains, full_box, volume
 
 #: Bytes per element of the dtypes a layout may name (torch names without the ``torch.``).
@@ -35,12 +35,6 @@ ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-
-
-class MeshLayoutError(LayoutError, ValueError):
-    """A layout that cannot be planned from: a box outside its tensor, overlapping pieces, an
-    unknown tensor or dtype, a sharding that does not fit its mesh. The message names the
-    tensor and the rank. A LayoutError of the error tree, and a ValueError (what it was first)."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._errors import MeshLayoutError
 from ._boxes import Box, box_shape, contains, row_major, segments, volume
-from ._layouts import ITEMSIZE, LocalTensor, MeshLayoutError, Piece, Replica, TrainerLayout
+from ._layouts import ITEMSIZE, LocalTensor, Piece, Replica, TrainerLayout
 
 #: A part shared by several ranks is not cut into pieces smaller than this (bytes).
 MIN_SPLIT_BYTES = 64 << 10

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import MeshLayoutError
 from ._fp8 import FP8_DTYPE, fp8_generator_rank, fp8_trainer_layout
-from ._layouts import ITEMSIZE, MeshLayoutError, Replica
+from ._layouts import ITEMSIZE, Replica
 from ._models import ModelConfig, builtin_model, checkpoint_tensors, model_config, trainer_layout
 from ._netsim import Network, SimResult, simulate
 from ._planner import Planner

@@ -40,6 +40,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "torchvision/torchaudio/torchcodec: bash scripts/install_vllm.sh)"
     ) from exc
 
+from .._errors import EngineSyncError as EngineSyncError
+from .._public import rehome
 from ._clients import EngineResult as EngineResult
 from ._clients import EngineStatus as EngineStatus
 from ._clients import LLMClient as LLMClient
@@ -51,7 +53,6 @@ from ._sources import ShardSource as ShardSource
 from ._trainer import SyncReport as SyncReport
 from ._trainer import TransportTrainerEngine as TransportTrainerEngine
 from ._trainer import TransportTrainerInitInfo as TransportTrainerInitInfo
-from ._worker import EngineSyncError as EngineSyncError
 from ._worker import TransportWeightTransferEngine as TransportWeightTransferEngine
 
 __all__ = [
@@ -69,3 +70,6 @@ __all__ = [
     "TransportUpdateInfo",
     "TransportWeightTransferEngine",
 ]
+
+# The error is defined with the whole tree (transport._errors); users catch it from here.
+rehome(globals(), ["EngineSyncError"], __name__)

@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from .._errors import EngineSyncError
 from ..plan import full_box, trainer_layout_from_state_dict
 from ..weights import MeshPublisher, MeshPublishReport
 from ..weights._polling import Pending, even, poll, seqlock_read
@@ -40,7 +41,7 @@ from ._clients import EngineDriver, EngineResult, EngineStatus, update_round
 from ._info import BACKEND, TransportInitInfo
 from ._loop import LoopThread
 from ._sources import ShardSource, check_agrees, check_whole_source, full_tensors, param_metas
-from ._worker import LOAD_FIELDS, LOAD_KEY, LOAD_WORDS, EngineSyncError, worker_name
+from ._worker import LOAD_FIELDS, LOAD_KEY, LOAD_WORDS, worker_name
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .._errors import TransferTimeoutError, TransportError
+from .._errors import (
+    DeltaRefusedError,
+    EngineSyncError,
+    LayoutMismatchError,
+    MeshLayoutError,
+    TransferTimeoutError,
+    TransportError,
+)
 from .._native import delta as native_delta
-from ..plan import GeneratorRank, MeshLayoutError, TrainerLayout
-from ..weights import DeltaRefusedError, LayoutMismatchError, MeshSubscriber, read_trainer_layout
+from ..plan import GeneratorRank, TrainerLayout
+from ..weights import MeshSubscriber, read_trainer_layout
 from ..weights._control import memory_barrier
 from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
 from ._layouts import checkpoint_names, full_shaped, tp_slices, whole_tensors
@@ -85,11 +92,6 @@ class _QuietUnloaded(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Failed to load weights" not in record.getMessage()
-
-
-class EngineSyncError(TransportError):
-    """A vLLM engine could not load a version (not complete at every rank in time, or the
-    load failed); the engine keeps serving the version it had."""
 
 
 def worker_name(engine: str, rank: int, dp_rank: int | None) -> str:

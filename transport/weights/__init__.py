@@ -52,14 +52,14 @@ an async context manager and has
 Packing and device unpacking use the batched gather/scatter of ``transport._tensor_kernels``.
 """
 
+from .._errors import CommitError as CommitError
+from .._errors import DeltaRefusedError as DeltaRefusedError
+from .._errors import LayoutMismatchError as LayoutMismatchError
 from .._public import rehome
-from ._delta import DeltaRefusedError as DeltaRefusedError
 from ._delta import delta_isa as delta_isa
-from ._layout import LayoutMismatchError as LayoutMismatchError
 from ._mesh_peers import read_trainer_layout as read_trainer_layout
 from ._mesh_publisher import MeshPublisher as MeshPublisher
 from ._mesh_publisher import MeshPublishReport as MeshPublishReport
-from ._mesh_subscriber import CommitError as CommitError
 from ._mesh_subscriber import MeshSubscriber as MeshSubscriber
 from ._publisher import Publisher as Publisher
 from ._report import DeltaStats as DeltaStats

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _tensor_kernels
-from .._errors import TransportError, TransportInternalError
+from .._errors import TransportInternalError
 from .._native import delta as native
 from .._native import stream_copy
 from .._tensors import dtype_from_name
@@ -75,14 +75,6 @@ PARTS = 8
 Kind = native.Kind
 Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
 Items = list[tuple[torch.Tensor, int]]  # (source bytes, offset in the slot) of what a delta push sends
-
-
-class DeltaRefusedError(TransportError):
-    """A delta that does not apply to the live weights: their checksum is not the base's (a
-    wrong base, e.g. a control word that claimed a version the subscriber does not hold), or
-    the payload fails a bounds or integrity check. The live weights stay on their version
-    (whatever the apply stored was undone first), and ``pull()`` (or the next dense version)
-    catches up."""
 
 
 def index_bytes(layout: Layout) -> int:

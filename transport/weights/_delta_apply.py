@@ -13,11 +13,12 @@ import torch
 
 from .. import _tensor_kernels
 from .._background import start_background
+from .._errors import DeltaRefusedError
 from .._native import delta as native
 from .._tensors import dtype_from_name
 from ._checksum import MASK64, PAUSE_S, SumPass, checksums_of, deltable
 from ._copy import HostCopies, copy_bytes
-from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, DeltaRefusedError, Kind, _unsigned
+from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, Kind, _unsigned
 from ._layout import Entry, Layout
 
 # The least scratch a subscriber keeps for its one-pass applies; at most an eighth of the

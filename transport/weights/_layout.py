@@ -10,38 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._errors import LayoutError, TransportError
+from .._errors import MalformedLayoutError, TransportError, WireError
 from .._tensors import dtype_from_name, dtype_name
-from .._wire import WireError, loads_bounded
+from .._wire import loads_bounded
 
 LAYOUT_FORMAT = "transport.weights.layout"
 LAYOUT_VERSION = 1
 MAX_LAYOUT_BYTES = 256 << 20  # a layout read from a peer is refused beyond this (~2M tensors)
 ALIGN = 64
 DIRECT_MIN = 1 << 20  # tensors this large travel in buckets of their own
-
-
-class LayoutMismatchError(LayoutError):
-    """Publisher and subscriber disagree about the weights (names, shapes, conversions).
-
-    A ``LayoutError``: the subscriber's tensors are a layout the publisher's stream cannot
-    serve, so ``except LayoutError`` catches every "these tensors do not fit" refusal.
-
-    Attributes:
-        not_received: wire names the publisher sends that no local tensor receives.
-        not_sent: local tensor names the publisher's layout does not send.
-    """
-
-    def __init__(self, message: str, *, not_received: Iterable[str] = (), not_sent: Iterable[str] = ()) -> None:
-        super().__init__(message)
-        self.not_received = tuple(not_received)
-        self.not_sent = tuple(not_sent)
 
 
 @dataclass(frozen=True)
@@ -124,11 +107,6 @@ class Layout:
             raise MalformedLayoutError(f"malformed weights layout: {exc}") from exc
         _check(layout)
         return layout
-
-
-class MalformedLayoutError(LayoutMismatchError, WireError):
-    """A weights layout read from a peer that is not one: its bytes do not decode, or its
-    fields do not fit together (sizes, offsets, bounds). Nothing was sized from it."""
 
 
 MAX_VERSION_BYTES = 1 << 46  # 64 TiB: a layout claiming more is refused before anything is allocated

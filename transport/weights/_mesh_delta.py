@@ -37,10 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._errors import DeltaRefusedError
 from .._native import delta as native
 from ._checksum import MASK64
 from ._copy import HostCopies, available_threads
-from ._delta import SPARSE_MAX, DeltaRefusedError, _signed, _unsigned
+from ._delta import SPARSE_MAX, _signed, _unsigned
 
 MAGIC = 0x31_4D_44_4C_57  # "WLDM1"
 HEAD_BYTES = 64

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import ClosedError, TransportError
-from .._wire import WireError
-from ..plan import MAX_LAYOUT_BYTES, MeshLayoutError, RankLayout, TrainerLayout, decode_rank, decode_trainer
+from .._errors import ClosedError, MalformedRegionError, MeshLayoutError, TransportError
+from ..plan import MAX_LAYOUT_BYTES, RankLayout, TrainerLayout, decode_rank, decode_trainer
 from ._mesh_control import MAX_TRAINER_RANKS, TCTL_WORDS, TRANK, MeshKeys
 from ._polling import PENDING, Pending, poll
 
@@ -130,10 +129,6 @@ class MeshPeers:
         except (TransportError, MeshLayoutError) as exc:
             log.warning("%s: cannot use %s's generator layout (%s): %s", self.t.name, peer.name, self.keys.rank, exc)
             return None
-
-
-class MalformedRegionError(WireError):
-    """A peer's record names a stream region whose size is not the one its kind has."""
 
 
 _RETRY_S = 5.0  # a peer whose reads failed is left out of scans for this long before it is read again

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import ClosedError, TransferTimeoutError, TransportError
+from .._errors import ClosedError, CommitError, TransferTimeoutError, TransportError
 from ..plan import (
     MAX_LAYOUT_BYTES,
     GeneratorRank,
@@ -56,11 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _WAIT_S = 0.1  # pull() looks for missing trainer or replica ranks again after this
-
-
-class CommitError(TransportError):
-    """A replica-level operation that cannot proceed: not the leader, a rank of the replica or a
-    trainer rank is missing, or ``apply(version)`` asked for a version that is not committed."""
 
 
 class MeshSubscriber:

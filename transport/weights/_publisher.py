@@ -21,7 +21,7 @@ import anyio
 import torch
 
 from .._background import start_background
-from .._errors import PeerLostError, TransferTimeoutError, TransportError, TransportInternalError
+from .._errors import LayoutMismatchError, PeerLostError, TransferTimeoutError, TransportError, TransportInternalError
 from ._checksum import PAUSE_S, SumPass, deltable
 from ._control import (
     APPLIED,
@@ -42,7 +42,7 @@ from ._copy import available_threads, cores
 from ._crossover import Crossover
 from ._delta import CROSSOVER, PARTS, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._delta_feed import DeltaFeed, Fill
-from ._layout import LayoutMismatchError, build_layout, describe, tensors_of
+from ._layout import build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
 from ._snapshots import Snapshots

@@ -32,7 +32,15 @@ import anyio
 import torch
 
 from .. import _cuda, _tensor_kernels
-from .._errors import BackendUnavailableError, ClosedError, TransferTimeoutError, TransportError
+from .._errors import (
+    BackendUnavailableError,
+    ClosedError,
+    DeltaRefusedError,
+    LayoutMismatchError,
+    MalformedLayoutError,
+    TransferTimeoutError,
+    TransportError,
+)
 from .._tensors import dtype_name
 from ._apply import ApplyPlan, dequantize_into, host_unpack
 from ._checksum import deltable
@@ -55,9 +63,9 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads
-from ._delta import DeltaRefusedError, index_bytes
+from ._delta import index_bytes
 from ._delta_apply import DeltaApplier
-from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, LayoutMismatchError, MalformedLayoutError, tensors_of
+from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, tensors_of
 from ._polling import PENDING, Pending, even, poll, seqlock_read
 
 if TYPE_CHECKING:

@@ -39,10 +39,11 @@ from ..._errors import (
     PeerLostError,
     TransferAbortedError,
     TransportInternalError,
+    WireError,
 )
 from ..._native import nccl as native
 from ..._tensors import MemoryKind, dtype_name
-from ..._wire import PeerRecord, RegionRecord, TransferOp, WireError
+from ..._wire import PeerRecord, RegionRecord, TransferOp
 from .._base import Backend, BackendContext, LocalBuffer, RegionCheck, RemoteTarget
 from . import _availability
 from ._comm import Comm

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..._errors import WireError
 from ..._native.nccl import WINDOW_VERSION, Library
-from ..._wire import WireError, loads_bounded
+from ..._wire import loads_bounded
 
 ENDPOINT_FORMAT = "transport.nccl"
 ENDPOINT_VERSION = 1
