@@ -219,7 +219,7 @@ async def _trainer_loop(spec: MeshBenchSpec, rank: int, model: Any, layout: Any,
             pubs[DELTA] = MeshPublisher(t, STREAM + "-delta", model.state_dict(), layout, rank=rank,
                                         deadline=spec.deadline, delta=True)
         for pub in pubs.values():
-            pub.start()
+            await pub.start()
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr) if spec.update == "adamw" else None
         try:
             await _barrier()  # every publisher and subscriber is registered in the store
@@ -346,7 +346,7 @@ async def _generator_loop(spec: MeshBenchSpec, replica: str, rank: int, layout: 
             subs[DELTA] = MeshSubscriber(t, STREAM + "-delta", replica=replica, rank=rank, size=spec.tp,
                                          layout=layout, timeout=spec.timeout)
         for sub in subs.values():
-            sub.start()
+            await sub.start()
         try:
             await _barrier()
             emit({"kind": "ready"})

@@ -234,8 +234,8 @@ async def test_done_words_from_a_third_peer_never_wedge_a_mesh_replica(memory_st
                 transport.Transport("scribbler", store=memory_store) as ts):
         pub = MeshPublisher(tt, "m", state, layout, rank=0, deadline=10)
         sub = MeshSubscriber(tg, "m", replica="r", rank=0, size=1, layout=whole_generator_rank(layout), timeout=30)
-        pub.start()
-        sub.start()
+        await pub.start()
+        await sub.start()
         try:
             state["w"].fill_(1)
             await pub.publish(2)

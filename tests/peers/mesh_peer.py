@@ -129,7 +129,7 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
     reports, incomplete, changed, warmed = [], [], [], []
     pub = MeshPublisher(t, "m", live, lay, rank=rank, deadline=spec.get("deadline", 10.0),
                         delta=spec.get("delta", "auto"))
-    pub.start()
+    await pub.start()
     if spec.get("die_at") is not None:
         real_prepare = pub._prepare
 
@@ -165,7 +165,7 @@ async def generator(spec: dict, t: transport.Transport) -> dict:
     g = generator_layout(spec["size"], spec["rank"], spec.get("fp8", False))
     sub = MeshSubscriber(t, "m", replica=spec["replica"], rank=spec["rank"], size=spec["size"], layout=g, timeout=30,
                          delta=spec.get("take_delta", True))
-    sub.start()
+    await sub.start()
     rounds = []
     first = spec.get("first", 0)
     if spec.get("pull"):

@@ -87,8 +87,8 @@ async def test_mesh_classes_close_and_aclose_alike(store):
     async with transport.Transport("t0", store=store) as tt, transport.Transport("g0", store=store) as tg:
         pub = MeshPublisher(tt, "m", {"w": torch.zeros(8, 6)}, layout, rank=0)
         sub = MeshSubscriber(tg, "m", replica="A", rank=0, size=1, layout=need)
-        pub.start()
-        sub.start()
+        await pub.start()
+        await sub.start()
         assert _mine(tt, "mesh.") and _mine(tg, "mesh.")
         pub.close()  # the synchronous spelling
         await sub.aclose()

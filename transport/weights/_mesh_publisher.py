@@ -104,8 +104,9 @@ class MeshPublisher:
     control block. A generator rank whose slot is still committed or being applied is skipped
     for this version (a straggler); one that fails is reported; neither delays the others.
 
-    Use as ``async with MeshPublisher(...) as pub:`` (or ``pub.start()`` / ``await
+    Use as ``async with MeshPublisher(...) as pub:`` (or ``await pub.start()`` / ``await
     pub.aclose()``; ``close()`` is the same as ``aclose()`` for synchronous callers).
+    ``start()`` is a coroutine, as on every weights class.
 
     Args:
         transport: this trainer rank's open Transport.
@@ -190,18 +191,20 @@ class MeshPublisher:
         return live
 
     async def __aenter__(self) -> MeshPublisher:
-        self.start()
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Registers this rank's layout, control block and snapshots (read-only to peers).
 
         Raises:
             RegistrationError: a region name is taken.
             ClosedError: the Transport is closed.
+
+        Cancellation: nothing here waits; once called, the registration completes.
         """
         data = encode_trainer(self.layout)
         self._layout_bytes = self.t.empty(self.keys.trainer, len(data), torch.uint8, writable=False)

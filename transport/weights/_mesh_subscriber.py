@@ -68,8 +68,9 @@ class MeshSubscriber:
     calls :meth:`apply`, which copies the committed version into its tensors. A rank that
     (re)starts calls :meth:`pull` to fetch its slices from the trainer ranks' snapshots itself.
 
-    Use as ``async with MeshSubscriber(...) as sub:`` (or ``sub.start()`` / ``await
+    Use as ``async with MeshSubscriber(...) as sub:`` (or ``await sub.start()`` / ``await
     sub.aclose()``; ``close()`` is the same as ``aclose()`` for synchronous callers).
+    ``start()`` is a coroutine, as on every weights class.
 
     Args:
         transport: this rank's open Transport.
@@ -129,18 +130,20 @@ class MeshSubscriber:
         self.last_delta: tuple[int, int] = (0, 0)  # of the last version read: (trainer ranks' deltas, units)
 
     async def __aenter__(self) -> MeshSubscriber:
-        self.start()
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Registers the slots, the control block and this rank's layout.
 
         Raises:
             RegistrationError: a region name is taken.
             ClosedError: the Transport is closed.
+
+        Cancellation: nothing here waits; once called, the registration completes.
         """
         data = encode_rank(RankLayout(self.replica, self.rank, self.size, self.layout))
         raw = self.t.empty(self.keys.rank, len(data), torch.uint8, writable=False)
