@@ -46,6 +46,7 @@ from ._mesh_delta import CROSSOVER, HEAD_BYTES, Change, Cut, MeshDeltaPacker, Ru
 from ._mesh_fp8 import BlockQuantizer
 from ._mesh_peers import MeshMembers, MeshPeers
 from ._report import SyncResult, SyncStatus
+from ._warm import WarmTarget, warm_pushes
 
 if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transport
@@ -311,29 +312,30 @@ class MeshPublisher:
         """
         if self._tctl is None or not self._open:
             raise ClosedError(f"mesh publisher {self.name!r}: not started or closed")
-        warmed = 0
         async with self._lock:
             work, _incomplete, _refused = self._discover(await self._members.scan())
             header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+            targets = []
             for label, peer, moves in work:
                 # A slot's prepared transfer exists once it was pushed to or warmed (_discover
-                # drops those of ranks no longer fed); one whose warm failed is dropped below.
+                # drops those of ranks no longer fed); one whose warm failed is dropped by warm_pushes.
                 todo = [s for s in (0, 1) if (peer.name, peer.incarnation, s) not in self._prepared]
                 if not todo:
                     continue
-                slot = todo[0]
-                try:
-                    with anyio.fail_after(self.deadline):
-                        await self._area(peer)
-                        await self.t.get(header, peer.name, key=self.keys.ctl)
-                        for slot in todo:
-                            await self._prepare(peer.name, peer.incarnation, slot, moves).warm(timeout=self.deadline)
-                            warmed += 1
-                except (TransportError, MeshLayoutError, TimeoutError) as exc:
-                    self._prepared.pop((peer.name, peer.incarnation, slot), None)
-                    log.info("mesh publisher %s rank %d: cannot warm the pushes to %s (%s): %s", self.name,
-                             self.rank, label, peer.name, exc)
-        return warmed
+
+                async def ready(p: Peer = peer) -> None:  # its delta area and a first control-word read
+                    await self._area(p)
+                    await self.t.get(header, p.name, key=self.keys.ctl)
+
+                def prepare(s: int, p: Peer = peer, m: ReplicaPlanMoves = moves) -> PreparedTransfer:
+                    return self._prepare(p.name, p.incarnation, s, m)
+
+                def drop(s: int, p: Peer = peer) -> None:
+                    self._prepared.pop((p.name, p.incarnation, s), None)
+
+                targets.append(WarmTarget(f"{label} ({peer.name})", todo, prepare, drop, ready))
+            return await warm_pushes(targets, self.deadline, (MeshLayoutError,),
+                                     f"mesh publisher {self.name} rank {self.rank}")
 
     async def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
         """Copies the shards (``converted`` ones as given) into snapshot ``version % 2`` under

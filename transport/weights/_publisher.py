@@ -46,6 +46,7 @@ from ._layout import build_layout, describe, tensors_of
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
 from ._snapshots import Snapshots
+from ._warm import WarmTarget, warm_pushes
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -308,29 +309,27 @@ class Publisher:
         """
         if not self._started:
             raise TransportError("publisher not started; use `async with Publisher(...)`")
-        warmed = 0
         async with self._lock:
             subs, _listed = await self._discover()
             snap = self._snapshots.snaps[0]
             # A slot has a prepared push once it was pushed to or warmed (those of subscribers no
-            # longer served are dropped by _remember; one whose warm failed is dropped below).
+            # longer served are dropped by _remember; one whose warm failed is dropped by warm_pushes).
             have = {c[:3] for c in self._batches}
+            targets = []
             for peer in subs.values():
                 slots = [s for s, key in enumerate(self._keys.slots) if key in peer.regions]
                 todo = [s for s in slots if (peer.name, peer.incarnation, s) not in have]
                 if not todo or any(peer.regions[self._keys.slots[s]].nbytes != self.layout.total for s in slots):
                     continue
-                slot = todo[0]
-                try:
-                    with anyio.fail_after(self.deadline):
-                        for slot in todo:
-                            await self._prepared(peer, slot, snap).warm(timeout=self.deadline)
-                            warmed += 1
-                except (TransportError, TimeoutError) as exc:
-                    self._batches.pop((peer.name, peer.incarnation, slot, snap.data_ptr()), None)
-                    log.info("publisher %s/%s: cannot warm the pushes to %s: %s", self.t.name, self.name, peer.name,
-                             exc)
-        return warmed
+
+                def prepare(s: int, p: Peer = peer) -> PreparedTransfer:
+                    return self._prepared(p, s, snap)
+
+                def drop(s: int, p: Peer = peer) -> None:
+                    self._batches.pop((p.name, p.incarnation, s, snap.data_ptr()), None)
+
+                targets.append(WarmTarget(peer.name, todo, prepare, drop))
+            return await warm_pushes(targets, self.deadline, (), f"publisher {self.t.name}/{self.name}")
 
     async def wait_snapshot(self, timeout: float | None = None) -> int | None:
         """Waits until the snapshot of the last :meth:`publish` is complete: what ``pull()``
