@@ -79,7 +79,7 @@ from ._sockets import (
     tune_socket,
     wait_for_bytes,
 )
-from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, encode_frame, error_to_frame
+from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, encode_frame, error_to_frame, kind_name
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,10 @@ class Routes(Protocol):
         """BACKEND: a backend's own request (``meta["backend"]`` names it); returns the reply's
         metadata or raises TransportError."""
 
-    def serves(self, kind: FrameKind, meta: Mapping[str, Any]) -> bool:
+    def serves(self, kind: int, meta: Mapping[str, Any]) -> bool:
         """Whether a backend here serves frames like this one (else it is a protocol error)."""
 
-    async def frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any], payload_len: int) -> None:
+    async def frame(self, conn: Conn, kind: int, rid: int, meta: Mapping[str, Any], payload_len: int) -> None:
         """Any other frame (PUT / GET ... of ``tcp``, a backend's own data request): the backend
         that serves its kind takes its payload and replies on ``conn``."""
 
@@ -399,7 +399,7 @@ class AgentServer:
         Raises WireError if the first frame is not a HELLO of PRE_AUTH_META bytes and no payload."""
         kind, rid, meta, plen = await read_frame_head(conn.sock, PRE_AUTH_META)
         if kind != FrameKind.HELLO or plen:
-            raise WireError(f"connection did not start with HELLO (got {kind.name} with {plen} payload bytes)")
+            raise WireError(f"connection did not start with HELLO (got {kind_name(kind)} with {plen} payload bytes)")
         peer = f"{str(meta.get('from', '?'))[:200]} ({peer})"
         if meta.get("to_incarnation") != self.incarnation:
             await conn.reply(FrameKind.ERR, rid, {
@@ -443,7 +443,7 @@ class AgentServer:
                                              **self.auth.ok_fields(meta, self.incarnation)})
         return peer, True, lane
 
-    async def _dispatch(self, conn: Conn, kind: FrameKind, rid: int, meta: dict[str, Any], plen: int) -> None:
+    async def _dispatch(self, conn: Conn, kind: int, rid: int, meta: dict[str, Any], plen: int) -> None:
         if kind == FrameKind.SIGNAL:
             await conn.discard(plen)
             try:
@@ -464,10 +464,10 @@ class AgentServer:
             await conn.reply(FrameKind.OK, rid, answer)
             return
         if kind in (FrameKind.HELLO, FrameKind.OK, FrameKind.DATA, FrameKind.ERR):
-            raise WireError(f"unexpected {kind.name} request")
+            raise WireError(f"unexpected {kind_name(kind)} request")
         if not self.routes.serves(kind, meta):
             if kind != FrameKind.BACKEND_DATA:
-                raise WireError(f"unexpected {kind.name} request")
+                raise WireError(f"unexpected {kind_name(kind)} request")
             await conn.discard(plen)  # a backend's own request for a backend not run here: refused
             await conn.refuse(rid, BackendUnavailableError(
                 f"{self.name} does not run backend {str(meta.get('backend'))[:100]!r}"))

@@ -27,7 +27,7 @@ from ._sockets import (
     recv_into_views,
     send_all_views,
 )
-from ._wire import PRE_AUTH_META, ErrCode, FrameKind, encode_frame, frame_to_error
+from ._wire import PRE_AUTH_META, ErrCode, FrameKind, encode_frame, frame_to_error, kind_name
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class _Reply:
         # payload that still comes is read and dropped, never written into ``into`` (the
         # caller may reuse that memory, or a bounce buffer went back to its pool).
         self.abandoned = False
-        self.kind: FrameKind | None = None
+        self.kind: int | None = None
         self.meta: dict[str, Any] = {}
         self.error: BaseException | None = None
 
@@ -249,7 +249,7 @@ class Channel:
 
     async def request(
         self,
-        kind: FrameKind,
+        kind: int,
         meta: Mapping[str, Any],
         payload: memoryview | Sequence[memoryview] | None = None,
         into: memoryview | Sequence[memoryview] | None = None,
@@ -344,7 +344,7 @@ class Channel:
                 kind, rid, meta, payload_len = await read_frame_head(self._sock)
                 if rid == 0:  # no request has id 0: the agent's notice that it closes the connection
                     if kind != FrameKind.ERR or meta.get("code") != ErrCode.GOING_AWAY:
-                        raise WireError(f"{kind.name} frame with request id 0")
+                        raise WireError(f"{kind_name(kind)} frame with request id 0")
                     why = str(meta.get("message", ""))[:300]
                     log.debug("connection to %s: the agent went away (%s); unanswered requests go on a new "
                               "connection", self.peer, why)
@@ -397,7 +397,7 @@ async def greet_plain(sock: socket.socket, *, peer: str, peer_incarnation: str, 
     except CONNECTION_ENDED as exc:
         raise PeerLostError(f"connection to {peer} lost during its HELLO: {exc}") from exc
     if rid != 1 or plen or kind not in (FrameKind.OK, FrameKind.ERR):
-        raise PeerLostError(f"{peer} answered the HELLO with {kind.name} (request {rid}, {plen} payload bytes)")
+        raise PeerLostError(f"{peer} answered the HELLO with {kind_name(kind)} (request {rid}, {plen} payload bytes)")
     if kind == FrameKind.ERR:
         raise frame_to_error(reply, peer)
     auth.check_ok(reply, meta, peer, peer_incarnation)

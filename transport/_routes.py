@@ -24,7 +24,7 @@ class Routes:
         self._regions = regions
         self._backends = backends
         self._signals = signals
-        self._by_kind: dict[FrameKind, Backend] = {}
+        self._by_kind: dict[int, Backend] = {}
         for b in backends:  # the first backend (in preference order) that serves a kind serves it
             for kind in b.frames:
                 self._by_kind.setdefault(kind, b)
@@ -46,12 +46,12 @@ class Routes:
     def _check(self, op: TransferOp, meta: Mapping[str, Any], nbytes: int) -> Region:
         return self._regions.check(op, meta.get("key"), meta.get("dtype"), meta.get("offset"), nbytes)
 
-    def serves(self, kind: FrameKind, meta: Mapping[str, Any]) -> bool:
+    def serves(self, kind: int, meta: Mapping[str, Any]) -> bool:
         if kind == FrameKind.BACKEND_DATA:
             return any(b.name == meta.get("backend") for b in self._backends)
         return kind in self._by_kind
 
-    async def frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any], payload_len: int) -> None:
+    async def frame(self, conn: Conn, kind: int, rid: int, meta: Mapping[str, Any], payload_len: int) -> None:
         backend = self._named(meta) if kind == FrameKind.BACKEND_DATA else self._by_kind[kind]
         await backend.serve_frame(conn, kind, rid, meta, payload_len)
 

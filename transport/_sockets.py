@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from ._errors import WireError
-from ._wire import FRAME_HEADER, MAX_META, FrameKind, decode_header, decode_meta
+from ._wire import FRAME_HEADER, MAX_META, decode_header, decode_meta
 
 _IO_CHUNK = 4 << 20  # bytes per send/recv call; bounds how long one call holds the loop
 _SOCK_BUF = 4 << 20
@@ -201,7 +201,7 @@ async def discard(sock: socket.socket, n: int, stall: float | None = None, activ
 
 async def read_frame_head(sock: socket.socket, max_meta: int = MAX_META, *, idle: float | None = None,
                           stall: float | None = None,
-                          activity: Activity | None = None) -> tuple[FrameKind, int, dict[str, Any], int]:
+                          activity: Activity | None = None) -> tuple[int, int, dict[str, Any], int]:
     """One frame's kind, request id, metadata and payload length (the payload is left unread).
 
     Args:

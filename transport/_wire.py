@@ -263,14 +263,13 @@ PRE_AUTH_META = 8 << 10
 
 
 class FrameKind(enum.IntEnum):
+    """The frame kinds of the agent's own protocol. A backend may serve kinds of its own
+    (``Backend.frames``, numbers in ``BACKEND_KINDS``): the tcp backend's PUT 2, GET 3, PUTR 8
+    and GETR 9 (``transport.backends.tcp._frames.TcpFrame``); 6 and 7 were retired (never reused)."""
+
     HELLO = 1
-    PUT = 2
-    GET = 3
     SIGNAL = 4
     BACKEND = 5  # a backend's own control request (meta["backend"] names it), e.g. nccl's recv
-    # 6 and 7 were PUTV / GETV (ranges listed in the metadata); retired for PUTR / GETR, never reused
-    PUTR = 8  # many runs of one or more regions (a prepared transfer): a binary run table leads the payload
-    GETR = 9
     BACKEND_DATA = 10  # a backend's own request with a payload (meta["backend"] names it): Backend.serve_frame
     OK = 16
     DATA = 17
@@ -337,32 +336,47 @@ def frame_to_error(meta: Mapping[str, Any], peer: str) -> TransportError:
     return cls(f"{peer} refused: {str(meta.get('message', ''))[:1000]}")
 
 
+RETIRED_KINDS = frozenset({6, 7})  # PUTV / GETV, once: never reused
+# The kinds a backend may serve (Backend.frames): every other one-byte kind.
+BACKEND_KINDS = frozenset(range(2, 256)) - frozenset(FrameKind) - RETIRED_KINDS
+
+
+def kind_name(kind: int) -> str:
+    """A frame kind as messages name it: the agent's by name, a backend's by number."""
+    return kind.name if isinstance(kind, FrameKind) else f"kind-{kind}"
+
+
 @dataclass(frozen=True)
 class FrameHeader:
-    kind: FrameKind
+    kind: int  # a FrameKind, or a kind in BACKEND_KINDS (served by the backend that declares it)
     request_id: int
     meta_len: int
     payload_len: int
 
 
-def encode_frame(kind: FrameKind, request_id: int, meta: Mapping[str, Any], payload_len: int) -> bytes:
+def encode_frame(kind: int, request_id: int, meta: Mapping[str, Any], payload_len: int) -> bytes:
     meta_b = json.dumps(meta, separators=(",", ":")).encode()
     return FRAME_HEADER.pack(FRAME_MAGIC, int(kind), 0, 0, request_id, len(meta_b), payload_len) + meta_b
 
 
 def decode_header(data: bytes, max_meta: int = MAX_META) -> FrameHeader:
-    """Raises WireError: not a frame header, or metadata longer than ``max_meta`` announced."""
+    """Raises WireError: not a frame header (an unknown or retired kind included), or metadata
+    longer than ``max_meta`` announced."""
     if len(data) != FRAME_HEADER.size:
         raise WireError(f"frame header of {len(data)} bytes, expected {FRAME_HEADER.size}")
     magic, kind, _flags, _res, rid, meta_len, payload_len = FRAME_HEADER.unpack(data)
     if magic != FRAME_MAGIC:
         raise WireError(f"bad frame magic {magic!r}: not a transport agent connection")
-    try:
-        fk = FrameKind(kind)
-    except ValueError:
-        raise WireError(f"unknown frame kind {kind}") from None
+    fk: int
+    if kind in BACKEND_KINDS:
+        fk = kind  # whether a backend here serves it is the agent's to say
+    else:
+        try:
+            fk = FrameKind(kind)
+        except ValueError:
+            raise WireError(f"unknown frame kind {kind}") from None
     if meta_len > max_meta:
-        raise WireError(f"{fk.name} frame announces {meta_len} bytes of metadata, more than {max_meta}")
+        raise WireError(f"{kind_name(fk)} frame announces {meta_len} bytes of metadata, more than {max_meta}")
     return FrameHeader(fk, rid, meta_len, payload_len)
 
 
@@ -375,101 +389,26 @@ def decode_meta(data: bytes) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Typed requests (the metadata of PUT / GET / SIGNAL frames), validated on arrival
+# Typed requests (the metadata of the frames the agent itself serves: SIGNAL), validated on arrival;
+# backends define their own (the tcp backend's: transport/backends/tcp/_frames.py) with these fields
 
 
-def _int(meta: Mapping[str, Any], key: str) -> int:
+def field_int(meta: Mapping[str, Any], key: str) -> int:
+    """``meta[key]`` as an int (not a bool). Raises WireError."""
     value = meta.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
         raise WireError(f"request field {key!r} must be an integer, got {type(value).__name__}")
     return value
 
 
-def _str(meta: Mapping[str, Any], key: str) -> str:
+def field_str(meta: Mapping[str, Any], key: str) -> str:
+    """``meta[key]`` as a str. Raises WireError."""
     value = meta.get(key)
     if not isinstance(value, str):
         raise WireError(f"request field {key!r} must be a string, got {type(value).__name__}")
     return value
 
 
-@dataclass(frozen=True)
-class RangeRequest:
-    """A PUT or GET of ``nbytes`` ``dtype`` bytes at byte ``offset`` of region ``key``."""
-
-    key: str
-    dtype: str
-    offset: int
-    nbytes: int
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "offset": self.offset, "nbytes": self.nbytes}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> RangeRequest:
-        """Raises WireError for a missing or mistyped field."""
-        return cls(_str(meta, "key"), _str(meta, "dtype"), _int(meta, "offset"), _int(meta, "nbytes"))
-
-
-MAX_SEGMENTS = 65536  # runs in one PUTR / GETR frame
-
-
-RUN_ROW = 16  # one run in a PUTR / GETR table: remote byte offset, nbytes (little-endian int64)
-
-
-MAX_RUN_GROUPS = 4096  # regions in one PUTR / GETR frame
-
-
-@dataclass(frozen=True)
-class RunsRequest:
-    """A PUTR or GETR: runs of one or more regions, ``groups`` of ``(key, dtype, count)`` in
-    table order. The payload starts with the run table (one row of :data:`RUN_ROW` bytes per
-    run, the groups' runs one after another), then, for PUTR, the runs' bytes back to back;
-    the target reads and checks the whole table, every group, before it takes a data byte, so
-    a frame lands whole or not at all."""
-
-    groups: tuple[tuple[str, str, int], ...]
-    # The runs' bytes are packed back to back and copied to (from) their places natively, in
-    # one job, at most MAX_STAGED_BYTES of them: small runs, where a system-call buffer per run
-    # would cost more than the copy.
-    staged: bool = False
-
-    @property
-    def count(self) -> int:
-        return sum(g[2] for g in self.groups)
-
-    @property
-    def table_bytes(self) -> int:
-        return self.count * RUN_ROW
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"groups": [list(g) for g in self.groups], "staged": self.staged}
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> RunsRequest:
-        """Raises WireError for a missing or mistyped field, no group or more than
-        MAX_RUN_GROUPS, a group without runs, or more than MAX_SEGMENTS runs in all."""
-        groups = meta.get("groups")
-        if not isinstance(groups, list) or not 0 < len(groups) <= MAX_RUN_GROUPS:
-            raise WireError(f"request field 'groups' must be a list of 1 to {MAX_RUN_GROUPS} groups")
-        out = []
-        for g in groups:
-            if not (isinstance(g, list) and len(g) == 3):
-                raise WireError("a run group must be [key, dtype, count]")
-            fields = dict(zip(("key", "dtype", "count"), g, strict=True))
-            key, dtype, count = _str(fields, "key"), _str(fields, "dtype"), _int(fields, "count")
-            if count <= 0:
-                raise WireError(f"a run group of {key!r} must have at least one run, got {count}")
-            out.append((key, dtype, count))
-        staged = meta.get("staged", False)
-        if not isinstance(staged, bool):
-            raise WireError("request field 'staged' must be a bool")
-        request = cls(tuple(out), staged)
-        if request.count > MAX_SEGMENTS:
-            raise WireError(f"a frame of {request.count} runs (at most {MAX_SEGMENTS})")
-        return request
-
-
-MAX_STAGED_BYTES = 4 << 20  # data bytes of one staged PUTR / GETR frame
 
 
 @dataclass(frozen=True)
@@ -486,7 +425,7 @@ class SignalRequest:
     def from_meta(cls, meta: Mapping[str, Any]) -> SignalRequest:
         """Raises WireError for a missing or mistyped field, or a name longer than
         MAX_SIGNAL_NAME_BYTES."""
-        return cls(check_signal_name(_str(meta, "name"), WireError), _int(meta, "value"))
+        return cls(check_signal_name(field_str(meta, "name"), WireError), field_int(meta, "value"))
 
 
 MAX_SIGNAL_NAME_BYTES = 256

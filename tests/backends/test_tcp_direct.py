@@ -32,8 +32,8 @@ from transport._channel import greet_plain, hello
 from transport._conformance import warm_sync_route
 from transport._sockets import connect
 from transport._transfers import SYNC_MAX_BYTES
-from transport.backends import tcp as tcp_backend
-from transport.backends.tcp import DIRECT_LANE, DIRECT_MAX_BYTES
+from transport.backends.tcp import _backend as tcp_backend
+from transport.backends.tcp._backend import DIRECT_LANE, DIRECT_MAX_BYTES
 
 REQ = struct.Struct("<IBBBBQQQ")  # csrc/tcp_direct.h Request
 REP = struct.Struct("<IHHQQ")  # csrc/tcp_direct.h Reply

@@ -22,7 +22,7 @@ import torch
 
 import transport
 from transport._sockets import _IO_CHUNK, _IOV_MAX, recv_into_views, send_all_views
-from transport._wire import FrameKind
+from transport.backends.tcp._frames import TcpFrame
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -102,7 +102,7 @@ async def putr(a: transport.Transport, segs: list[list[object]], payload: bytes,
     table = np.array([s[2:] for s in segs], dtype="<i8").tobytes()
     backend = next(x for x in a._backends if x.name == "tcp")
     chan = await backend._pool.get(record.name, record.incarnation, record.agent)
-    await chan.request(FrameKind.PUTR, {"groups": groups, "staged": False},
+    await chan.request(TcpFrame.PUTR, {"groups": groups, "staged": False},
                        payload=[memoryview(table), memoryview(payload)])
 
 

@@ -223,7 +223,14 @@ def test_register_backend_validates_the_class():
         register_backend("no_flags", NoFlags)
     with pytest.raises(TypeError, match="memory_kinds must be a non-empty frozenset"):
         register_backend("no_kinds", NoKinds)
-    assert not {"kit_tcp", "abstract", "other", "no_flags", "no_kinds"} & set(registered_backends())
+
+    class TakesSignals(KitTcp):  # a backend may serve kinds of its own, never the agent's
+        name = "takes_signals"
+        frames = frozenset({*TcpBackend.frames, FrameKind.SIGNAL})
+
+    with pytest.raises(TypeError, match="frames must be a frozenset of frame kinds from"):
+        register_backend("takes_signals", TakesSignals)
+    assert not {"kit_tcp", "abstract", "other", "no_flags", "no_kinds", "takes_signals"} & set(registered_backends())
 
 
 def test_no_silent_overwrite_and_replace(kit_tcp):

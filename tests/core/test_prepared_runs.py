@@ -17,6 +17,7 @@ import torch
 import transport
 from tests._support import backend_params, serving_target
 from transport._wire import FRAME_HEADER, ErrCode, FrameKind, encode_frame
+from transport.backends.tcp._frames import TcpFrame
 
 REGION = 1 << 20
 
@@ -199,7 +200,7 @@ async def test_hostile_run_tables_are_refused_before_a_byte_lands(memory_store):
 
         def frame(meta: dict, rows: list[tuple[int, int]], data: bytes, rid: int) -> bytes:
             table = np.array(rows, dtype="<i8").reshape(-1, 2).tobytes()
-            return encode_frame(FrameKind.PUTR, rid, meta, len(table) + len(data)) + table + data
+            return encode_frame(TcpFrame.PUTR, rid, meta, len(table) + len(data)) + table + data
 
         def putr(rows: list[tuple[int, int]], data: bytes, rid: int, staged: bool = False) -> bytes:
             return frame({"groups": [["w", "int32", len(rows)]], "staged": staged}, rows, data, rid)

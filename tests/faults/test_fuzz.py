@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import transport
 from transport._auth import Authenticator
 from transport._errors import WireError
-from transport._wire import FRAME_HEADER, PeerRecord, RunsRequest, decode_header, decode_meta
+from transport._wire import FRAME_HEADER, PeerRecord, decode_header, decode_meta
+from transport.backends.tcp._frames import RunsRequest
 from transport.weights._layout import Layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]

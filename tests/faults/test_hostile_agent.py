@@ -35,6 +35,7 @@ from tests._support import PYTHON, ROOT, put_to_fake_agent, python_env, sha
 from transport._agent import AgentServer
 from transport._auth import Authenticator
 from transport._channel import Channel, hello
+from transport._errors import WireError
 from transport._wire import (
     FRAME_HEADER,
     FRAME_MAGIC,
@@ -44,11 +45,11 @@ from transport._wire import (
     ErrCode,
     FrameKind,
     PeerRecord,
-    WireError,
     decode_meta,
     encode_frame,
     loads_bounded,
 )
+from transport.backends.tcp._frames import TcpFrame
 
 NUMEL = 1 << 16
 TOKEN = "s3cret"
@@ -201,7 +202,7 @@ async def test_deeply_nested_frames_close_only_their_connection(env, name):
     ]
     if name == "open":  # without a token anyone gets past HELLO: the same after it, up to MAX_META
         attacks.append(hello_frame(name, inc) + header(FrameKind.SIGNAL, 100_000) + b"[" * 100_000)
-        attacks.append(hello_frame(name, inc) + header(FrameKind.PUT, MAX_META) + b"[" * MAX_META)
+        attacks.append(hello_frame(name, inc) + header(TcpFrame.PUT, MAX_META) + b"[" * MAX_META)
     for data in attacks:
         assert await anyio.to_thread.run_sync(send_and_wait_closed, addr, data), "the agent kept the connection"
         env.targets[name].assert_alive()
@@ -549,11 +550,11 @@ async def test_a_reply_whose_waiter_gave_up_is_dropped_not_written():
                                           hello=hello("me", "i", "control"), auth=Authenticator(None))
                 buf = bytearray(8)
                 with anyio.move_on_after(0.2):
-                    await chan.request(FrameKind.GET, {"k": 1}, into=memoryview(buf))
+                    await chan.request(TcpFrame.GET, {"k": 1}, into=memoryview(buf))
                 buf[:] = b"RETRYOK!"  # the caller, told it failed, reuses the buffer
                 go.set()
                 other = bytearray(8)
-                assert await chan.request(FrameKind.GET, {"k": 2}, into=memoryview(other)) == {}
+                assert await chan.request(TcpFrame.GET, {"k": 2}, into=memoryview(other)) == {}
                 assert bytes(other) == b"FRESHONE" and bytes(buf) == b"RETRYOK!"
                 chan.release(transport.PeerLostError("fake is gone"))
                 assert chan.broken

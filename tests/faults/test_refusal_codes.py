@@ -35,6 +35,7 @@ from transport import (
     WireError,
 )
 from transport._wire import FRAME_HEADER, ErrCode, FrameKind, encode_frame, error_to_frame, frame_to_error
+from transport.backends.tcp._frames import TcpFrame
 
 
 @pytest.mark.parametrize(("error", "code", "seen_as"), [
@@ -60,7 +61,7 @@ def test_every_refusal_travels_under_its_code(error: TransportError, code: ErrCo
 
 
 def _putr(rid: int, groups: object, rows: list[tuple[int, int]], data: bytes,
-          kind: FrameKind = FrameKind.PUTR) -> bytes:
+          kind: int = TcpFrame.PUTR) -> bytes:
     table = b"".join(o.to_bytes(8, "little", signed=True) + n.to_bytes(8, "little", signed=True) for o, n in rows)
     return encode_frame(kind, rid, {"groups": groups}, len(table) + len(data)) + table + data
 
@@ -70,11 +71,11 @@ REQUESTS = [  # (what, frame, the code it must be refused with)
     ("a PUTR group short of a field", _putr(3, [["w", "uint8"]], [(0, 4)], bytes(4)), ErrCode.BAD_REQUEST),
     ("a PUTR whose table wants more data", _putr(4, [["w", "uint8", 2]], [(0, 4), (8, 4)], bytes(4)),
      ErrCode.BAD_REQUEST),
-    ("a GETR with data", _putr(5, [["w", "uint8", 1]], [(0, 4)], bytes(4), FrameKind.GETR), ErrCode.BAD_REQUEST),
+    ("a GETR with data", _putr(5, [["w", "uint8", 1]], [(0, 4)], bytes(4), TcpFrame.GETR), ErrCode.BAD_REQUEST),
     ("a PUT whose payload is not its size",
-     encode_frame(FrameKind.PUT, 6, {"key": "w", "dtype": "uint8", "offset": 0, "nbytes": 8}, 4) + bytes(4),
+     encode_frame(TcpFrame.PUT, 6, {"key": "w", "dtype": "uint8", "offset": 0, "nbytes": 8}, 4) + bytes(4),
      ErrCode.BAD_REQUEST),
-    ("a PUT without a key", encode_frame(FrameKind.PUT, 7, {"dtype": "uint8", "offset": 0, "nbytes": 4}, 4) + bytes(4),
+    ("a PUT without a key", encode_frame(TcpFrame.PUT, 7, {"dtype": "uint8", "offset": 0, "nbytes": 4}, 4) + bytes(4),
      ErrCode.BAD_REQUEST),
     ("a SIGNAL without a value", encode_frame(FrameKind.SIGNAL, 8, {"name": "s"}, 0), ErrCode.BAD_REQUEST),
     ("a backend's request for a backend not run here", encode_frame(FrameKind.BACKEND, 9, {"backend": "nosuch"}, 0),
@@ -82,10 +83,10 @@ REQUESTS = [  # (what, frame, the code it must be refused with)
     ("a backend's data for a backend not run here",
      encode_frame(FrameKind.BACKEND_DATA, 10, {"backend": "nosuch"}, 4) + bytes(4), ErrCode.INTERNAL),
     ("a PUT into no such region",
-     encode_frame(FrameKind.PUT, 11, {"key": "nope", "dtype": "uint8", "offset": 0, "nbytes": 4}, 4) + bytes(4),
+     encode_frame(TcpFrame.PUT, 11, {"key": "nope", "dtype": "uint8", "offset": 0, "nbytes": 4}, 4) + bytes(4),
      ErrCode.UNKNOWN_KEY),
     ("a PUT of another dtype",
-     encode_frame(FrameKind.PUT, 12, {"key": "w", "dtype": "int32", "offset": 0, "nbytes": 4}, 4) + bytes(4),
+     encode_frame(TcpFrame.PUT, 12, {"key": "w", "dtype": "int32", "offset": 0, "nbytes": 4}, 4) + bytes(4),
      ErrCode.DTYPE),
     ("a PUTR run past the region", _putr(13, [["w", "uint8", 1]], [(probe.TARGET_NUMEL, 4)], bytes(4)),
      ErrCode.BOUNDS),

@@ -21,6 +21,7 @@ import transport
 from tests.peers import resource_probe as probe
 from transport import _signals
 from transport._wire import FRAME_HEADER, FrameKind, encode_frame
+from transport.backends.tcp._frames import TcpFrame
 
 
 @pytest.fixture
@@ -156,7 +157,7 @@ async def test_idle_connections_time_out_and_clients_never_notice(monkeypatch, m
             idle, _ = hello_from(addr, "idle", inc, "raw-idle")
             watch, _ = hello_from(addr, "idle", inc, "raw-watch", lane="watch")
             stalled, _ = hello_from(addr, "idle", inc, "raw-stalled")
-            stalled.sendall(encode_frame(FrameKind.PUT, 2, {"key": "w", "dtype": "uint8", "offset": 0,
+            stalled.sendall(encode_frame(TcpFrame.PUT, 2, {"key": "w", "dtype": "uint8", "offset": 0,
                                                             "nbytes": 1024}, 1024) + bytes(100))
             with idle, watch, stalled:
                 return closed_within(idle, 5), closed_within(stalled, 5), closed_within(watch, 2.5)

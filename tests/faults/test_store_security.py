@@ -21,17 +21,10 @@ import torch
 
 import transport
 from transport._auth import Authenticator
+from transport._errors import RecordTooLargeError, StoreError
 from transport._liveness import Leases, LostTable
 from transport._peers import MAX_NAME_BYTES, check_name
-from transport._rendezvous import (
-    MAX_VALUE_BYTES,
-    FileStore,
-    RecordTooLargeError,
-    StoreError,
-    TCPStore,
-    open_store,
-    serve_store,
-)
+from transport._rendezvous import MAX_VALUE_BYTES, FileStore, TCPStore, open_store, serve_store
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 

@@ -48,7 +48,8 @@ import torch
 import transport
 from transport._auth import Authenticator
 from transport._channel import hello
-from transport._wire import FRAME_HEADER, FRAME_MAGIC, RUN_ROW, FrameKind, encode_frame
+from transport._wire import FRAME_HEADER, FRAME_MAGIC, FrameKind, encode_frame
+from transport.backends.tcp._frames import RUN_ROW, TcpFrame
 
 ROOT = Path(__file__).resolve().parents[2]
 STALL_PAYLOAD = 64 << 20
@@ -184,7 +185,7 @@ def _stall(scenario: str, first: bytes, addr: tuple[str, int], to: str, incarnat
 
 def stalled(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:
     meta = {"key": "no-such-key", "dtype": "uint8", "offset": 0, "nbytes": STALL_PAYLOAD}
-    first = encode_frame(FrameKind.PUT, 2, meta, STALL_PAYLOAD) + bytes(1024)
+    first = encode_frame(TcpFrame.PUT, 2, meta, STALL_PAYLOAD) + bytes(1024)
     return _stall("stalled", first, addr, to, incarnation, n, pid)
 
 
@@ -199,7 +200,7 @@ def _runs_frame(kind: FrameKind, runs: int, payload: int, staged: bool = False) 
 
 def runs_stall(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: int) -> dict[str, Any]:
     """PUTR frames announcing the most runs a frame may carry, 16 bytes of their table sent."""
-    first = _runs_frame(FrameKind.PUTR, RUNS_ANNOUNCED, RUNS_ANNOUNCED * (RUN_ROW + 1)) + bytes(16)
+    first = _runs_frame(TcpFrame.PUTR, RUNS_ANNOUNCED, RUNS_ANNOUNCED * (RUN_ROW + 1)) + bytes(16)
     return _stall("runs", first, addr, to, incarnation, n, pid)
 
 
@@ -210,7 +211,7 @@ def tables_stall(addr: tuple[str, int], to: str, incarnation: str, n: int, pid: 
     rows = np.zeros((RUNS_ANNOUNCED, 2), dtype="<i8")
     rows[:, 0] = np.arange(RUNS_ANNOUNCED) % TARGET_NUMEL
     rows[:, 1] = 1
-    first = _runs_frame(FrameKind.PUTR, RUNS_ANNOUNCED, RUNS_ANNOUNCED * (RUN_ROW + 1)) + rows.tobytes()
+    first = _runs_frame(TcpFrame.PUTR, RUNS_ANNOUNCED, RUNS_ANNOUNCED * (RUN_ROW + 1)) + rows.tobytes()
     return _stall("tables", first, addr, to, incarnation, n, pid)
 
 
@@ -218,7 +219,7 @@ def replies_stall(addr: tuple[str, int], to: str, incarnation: str, n: int, pid:
     """Staged GETRs of 4 MiB whose replies are never read (4 KiB receive buffers)."""
     rows = [(i * 1024 % (TARGET_NUMEL - REPLY_RUN + 1), REPLY_RUN) for i in range(REPLY_RUNS)]
     table = b"".join(o.to_bytes(8, "little") + k.to_bytes(8, "little") for o, k in rows)
-    first = _runs_frame(FrameKind.GETR, REPLY_RUNS, len(table), staged=True) + table
+    first = _runs_frame(TcpFrame.GETR, REPLY_RUNS, len(table), staged=True) + table
     return _stall("replies", first, addr, to, incarnation, n, pid, rcvbuf=4096)
 
 

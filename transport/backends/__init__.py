@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from .._errors import BackendUnavailableError
 from .._tensors import MemoryKind
+from .._wire import BACKEND_KINDS
 from ._base import Backend, BackendContext, LocalBuffer, RemoteTarget, Runner, Runs
 from .ipc import IpcBackend
 from .nccl import NcclBackend
@@ -163,6 +164,10 @@ def _validate(name: object, cls: object) -> None:
     kinds = getattr(cls, "memory_kinds", None)
     if not isinstance(kinds, frozenset) or not kinds or not all(isinstance(k, MemoryKind) for k in kinds):
         raise TypeError(f"backend {name!r}: {_qualname(cls)}.memory_kinds must be a non-empty frozenset of MemoryKind")
+    frames: object = getattr(cls, "frames", frozenset())
+    if not isinstance(frames, frozenset) or not frames <= BACKEND_KINDS:
+        raise TypeError(f"backend {name!r}: {_qualname(cls)}.frames must be a frozenset of frame kinds from "
+                        f"transport._wire.BACKEND_KINDS (not the agent's own), got {frames!r:.100}")
 
 
 def register_backend(name: str, cls: type[Backend], *, replace: bool = False) -> None:

@@ -26,7 +26,7 @@ from .._native import Copier
 from .._regions import Region, RegionTable
 from .._rendezvous import Store
 from .._tensors import LocalBuffer, MemoryKind, RemoteTarget, Runs, nbytes_of
-from .._wire import FrameKind, HostId, PeerRecord, RegionRecord, TransferOp
+from .._wire import HostId, PeerRecord, RegionRecord, TransferOp
 
 if TYPE_CHECKING:
     from .._agent import Conn
@@ -127,7 +127,8 @@ class Backend(abc.ABC):
     one_sided: ClassVar[bool]  # True when the target's Python takes no part in a transfer
     memory_kinds: ClassVar[frozenset[MemoryKind]]
     same_host: ClassVar[bool] = False  # True when it moves bytes only through this host's memory
-    frames: ClassVar[frozenset[FrameKind]] = frozenset()  # frame kinds served on the target side
+    # frame kinds served on the target side: numbers of transport._wire.BACKEND_KINDS, each declared by one backend
+    frames: ClassVar[frozenset[int]] = frozenset()
     lanes: ClassVar[frozenset[str]] = frozenset()  # HELLO lanes it takes over (adopt_lane)
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -284,7 +285,7 @@ class Backend(abc.ABC):
         Returns the reply's metadata; raises TransportError to refuse."""
         raise TransportInternalError(f"backend {self.name} serves no requests")
 
-    async def serve_frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any],
+    async def serve_frame(self, conn: Conn, kind: int, rid: int, meta: Mapping[str, Any],
                           payload_len: int) -> None:
         """Target side: serves one frame (see the class docstring), already read up to its
         payload. It must take exactly ``payload_len`` payload bytes from ``conn`` (or discard

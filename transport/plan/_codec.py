@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import MeshLayoutError
 from ._boxes import Box
 from ._layouts import (
     ExplicitSharding,
     GeneratorRank,
     LocalTensor,
-    MeshLayoutError,
     MeshSharding,
     Piece,
     Placement,

@@ -18,16 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .._errors import MeshLayoutError
 from ._boxes import Box
-from ._layouts import (
-    ExplicitSharding,
-    GeneratorRank,
-    LocalTensor,
-    MeshLayoutError,
-    Piece,
-    TensorSpec,
-    TrainerLayout,
-)
+from ._layouts import ExplicitSharding, GeneratorRank, LocalTensor, Piece, TensorSpec, TrainerLayout
 
 FP8_BLOCK = 128  # the side of a square block that shares one scale, in elements
 FP8_DTYPE = "float8_e4m3fn"  # the dtype name FP8 tensors carry in layouts

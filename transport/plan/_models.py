@@ -35,17 +35,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from .._errors import MeshLayoutError
 from ._boxes import Shape, full_box, volume
-from ._layouts import (
-    ITEMSIZE,
-    MeshLayoutError,
-    MeshSharding,
-    Placement,
-    Replicate,
-    Shard,
-    TensorSpec,
-    TrainerLayout,
-)
+from ._layouts import ITEMSIZE, MeshSharding, Placement, Replicate, Shard, TensorSpec, TrainerLayout
 
 #: Architectures by Hugging Face ``model_type`` (kimi_k2 is the deepseek_v3 architecture).
 ARCHITECTURES: Mapping[str, str] = MappingProxyType({

@@ -6,15 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .._errors import MeshLayoutError
 from ._boxes import Box, Shape, full_box, volume
-from ._layouts import (
-    ITEMSIZE,
-    GeneratorRank,
-    LocalTensor,
-    MeshLayoutError,
-    Piece,
-    Replica,
-)
+from ._layouts import ITEMSIZE, GeneratorRank, LocalTensor, Piece, Replica
 from ._models import VOCAB_PADDING, ModelConfig
 
 

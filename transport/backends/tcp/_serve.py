@@ -10,19 +10,12 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .._agent import Conn
-from .._errors import BackendUnavailableError, BoundsError, TransportError, TransportInternalError
-from .._native import INLINE_MAX_BYTES, Copier, CopyKind, CopyStatus
-from .._regions import Region, RegionTable
-from .._wire import (
-    MAX_STAGED_BYTES,
-    RUN_ROW,
-    FrameKind,
-    RangeRequest,
-    RunsRequest,
-    TransferOp,
-    WireError,
-)
+from ..._agent import Conn
+from ..._errors import BackendUnavailableError, BoundsError, TransportError, TransportInternalError, WireError
+from ..._native import INLINE_MAX_BYTES, Copier, CopyKind, CopyStatus
+from ..._regions import Region, RegionTable
+from ..._wire import FrameKind, TransferOp
+from ._frames import MAX_STAGED_BYTES, RUN_ROW, RangeRequest, RunsRequest, TcpFrame
 
 # The target side makes a frame's views of its runs this many at a time (one recvmsg_into /
 # sendmsg call's worth), as the bytes move: a frame of many runs whose peer stalls holds a batch
@@ -36,7 +29,7 @@ _REPLY_PART = 256 << 10
 _REPLY_COPY = INLINE_MAX_BYTES
 
 
-async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RunsRequest,
+async def serve_runs(regions: RegionTable, conn: Conn, kind: int, rid: int, request: RunsRequest,
                      payload_len: int, copier: Copier) -> None:
     """The target side of a PUTR / GETR: reads the run table (its size was bounded from the
     frame's header, and its buffer grows only with the bytes that arrive), checks every run
@@ -47,7 +40,7 @@ async def serve_runs(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int
     bytes move; a staged PUTR's data (at most MAX_STAGED_BYTES) is received whole first (its
     buffer growing with what arrives) and placed by one native copy job, and a staged GETR's
     reply is gathered and sent ``_REPLY_PART`` bytes at a time."""
-    op = TransferOp.PUT if kind == FrameKind.PUTR else TransferOp.GET
+    op = TransferOp.PUT if kind == TcpFrame.PUTR else TransferOp.GET
     table = await conn.recv_bytes(request.table_bytes)
     rows = np.frombuffer(table, dtype="<i8").reshape(request.count, RUN_ROW // 8)
     offsets, sizes = rows[:, 0], rows[:, 1]
@@ -159,13 +152,13 @@ async def _send_staged(conn: Conn, rid: int, there: np.ndarray, sizes: np.ndarra
         await conn.send([memoryview(part)[:n]])  # type: ignore[arg-type]  # ndarray is a Buffer
 
 
-async def serve_range(regions: RegionTable, conn: Conn, kind: FrameKind, rid: int, request: RangeRequest,
+async def serve_range(regions: RegionTable, conn: Conn, kind: int, rid: int, request: RangeRequest,
                       payload_len: int) -> None:
     """The target side of a tcp PUT / GET of one range: it is checked against the live
     registration before any byte is taken (a refusal reads and drops the payload, so nothing
     is written and the stream stays in step); then the payload is received straight into the
     region (or the range is sent back)."""
-    op = TransferOp.PUT if kind == FrameKind.PUT else TransferOp.GET
+    op = TransferOp.PUT if kind == TcpFrame.PUT else TransferOp.GET
     key, offset, nbytes = request.key, request.offset, request.nbytes
     try:
         region = regions.check(op, key, request.dtype, offset, nbytes)

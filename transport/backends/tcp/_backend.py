@@ -40,27 +40,18 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._agent import Conn
-from .._channel import ChannelPool, greet_plain, hello
-from .._errors import TransportError, TransportInternalError
-from .._native import Copier, CopyKind, CopyStatus
-from .._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
-from .._regions import Region
-from .._sockets import close_socket, connect
-from .._tensors import MemoryKind, Runs, dtype_name, spans_of
-from .._wire import (
-    MAX_RUN_GROUPS,
-    MAX_STAGED_BYTES,
-    FrameKind,
-    PeerRecord,
-    RangeRequest,
-    RegionRecord,
-    RunsRequest,
-    TransferOp,
-    WireError,
-)
-from ._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
-from ._tcp_serve import serve_range, serve_runs
+from ..._agent import Conn
+from ..._channel import ChannelPool, greet_plain, hello
+from ..._errors import TransportError, TransportInternalError, WireError
+from ..._native import Copier, CopyKind, CopyStatus
+from ..._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
+from ..._regions import Region
+from ..._sockets import close_socket, connect
+from ..._tensors import MemoryKind, Runs, dtype_name, spans_of
+from ..._wire import PeerRecord, RegionRecord, TransferOp
+from .._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
+from ._frames import MAX_RUN_GROUPS, MAX_STAGED_BYTES, RangeRequest, RunsRequest, TcpFrame
+from ._serve import serve_range, serve_runs
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +77,7 @@ class TcpBackend(Backend):
     name = "tcp"
     one_sided = False
     memory_kinds = frozenset({MemoryKind.CPU})
-    frames = frozenset({FrameKind.PUT, FrameKind.GET, FrameKind.PUTR, FrameKind.GETR})
+    frames = frozenset({TcpFrame.PUT, TcpFrame.GET, TcpFrame.PUTR, TcpFrame.GETR})
     lanes = frozenset({DIRECT_LANE})
 
     @classmethod
@@ -127,14 +118,14 @@ class TcpBackend(Backend):
         if await self._by_lane(True, local, remote):
             return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
-        await chan.request(FrameKind.PUT, self._request(local, remote).to_meta(), payload=local.view)
+        await chan.request(TcpFrame.PUT, self._request(local, remote).to_meta(), payload=local.view)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         await self._after_unsettled(remote.peer.name, remote.region.key, remote.offset, remote.nbytes)
         if await self._by_lane(False, local, remote):
             return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
-        await chan.request(FrameKind.GET, self._request(local, remote).to_meta(), into=local.view)
+        await chan.request(TcpFrame.GET, self._request(local, remote).to_meta(), into=local.view)
 
     async def _by_lane(self, put: bool, local: LocalBuffer, remote: RemoteTarget) -> bool:
         """Moves one range by the direct lane when it can take it (size, key, lane open and
@@ -163,7 +154,7 @@ class TcpBackend(Backend):
         are packed back to back by one native copy job and sent as one buffer, and the agent
         places them by one job too, so a small run costs no Python and no system-call buffer
         on either side. Larger runs go as they are, one view each, received in place."""
-        kind = FrameKind.PUTR if op == TransferOp.PUT else FrameKind.GETR
+        kind = TcpFrame.PUTR if op == TransferOp.PUT else TcpFrame.GETR
         names = [(region.key, dtype_name(r.local.tensor.dtype)) for r, region in lists]
         cost = np.array([len(k.encode()) + len(d.encode()) + 32 for k, d in names], dtype=np.int64)
         addresses = np.array([r.local.address for r, _ in lists], dtype=np.int64)
@@ -406,7 +397,7 @@ class TcpBackend(Backend):
 
     # -- the target side (the agent's hook) ------------------------------------------------------
 
-    async def serve_frame(self, conn: Conn, kind: FrameKind, rid: int, meta: Mapping[str, Any],
+    async def serve_frame(self, conn: Conn, kind: int, rid: int, meta: Mapping[str, Any],
                           payload_len: int) -> None:
         """PUT / GET / PUTR / GETR from a peer: the request is parsed and every
         range checked against the live registration before a payload byte is taken; a refusal
@@ -414,19 +405,20 @@ class TcpBackend(Backend):
         regions = self.ctx.regions
         assert regions is not None, "the Transport gives its backends its region table"
         try:
-            if kind in (FrameKind.PUTR, FrameKind.GETR):
+            if kind in (TcpFrame.PUTR, TcpFrame.GETR):
                 runs = RunsRequest.from_meta(meta)
-                if payload_len < runs.table_bytes or (kind == FrameKind.GETR and payload_len != runs.table_bytes):
-                    raise WireError(f"a {kind.name} of {runs.count} runs with {payload_len} payload bytes")
+                if payload_len < runs.table_bytes or (kind == TcpFrame.GETR and payload_len != runs.table_bytes):
+                    raise WireError(f"a {TcpFrame(kind).name} of {runs.count} runs with {payload_len} payload bytes")
             else:
                 request = RangeRequest.from_meta(meta)
-                if payload_len != (request.nbytes if kind == FrameKind.PUT else 0):
-                    raise WireError(f"a {kind.name} of {request.nbytes} bytes with {payload_len} payload bytes")
+                if payload_len != (request.nbytes if kind == TcpFrame.PUT else 0):
+                    raise WireError(f"a {TcpFrame(kind).name} of {request.nbytes} bytes with {payload_len} "
+                                    "payload bytes")
         except TransportError as exc:
             await conn.discard(payload_len)
             await conn.refuse(rid, exc)
             return
-        if kind in (FrameKind.PUTR, FrameKind.GETR):
+        if kind in (TcpFrame.PUTR, TcpFrame.GETR):
             await serve_runs(regions, conn, kind, rid, runs, payload_len, self.ctx.copier)
         else:
             await serve_range(regions, conn, kind, rid, request, payload_len)
