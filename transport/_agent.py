@@ -132,7 +132,10 @@ class Conn:
         """Sends ``views`` (bytes views) in order: payload bytes of a reply begun by :meth:`reply_head`."""
         await send_all_views(self.sock, views, self.stall, self.activity)
 
-    async def refuse(self, rid: int, exc: TransportError) -> None:
+    async def refuse(self, rid: int, exc: TransportError, *, discard: int = 0) -> None:
+        """Answers request ``rid`` with ``exc``'s refusal code, after reading past the ``discard``
+        payload bytes left of it (the connection stays usable)."""
+        await self.discard(discard)
         code, msg = error_to_frame(exc)
         await self.reply(FrameKind.ERR, rid, {"code": code, "message": msg})
 
@@ -468,9 +471,8 @@ class AgentServer:
         if not self.routes.serves(kind, meta):
             if kind != FrameKind.BACKEND_DATA:
                 raise WireError(f"unexpected {kind_name(kind)} request")
-            await conn.discard(plen)  # a backend's own request for a backend not run here: refused
-            await conn.refuse(rid, BackendUnavailableError(
-                f"{self.name} does not run backend {str(meta.get('backend'))[:100]!r}"))
+            await conn.refuse(rid, BackendUnavailableError(  # a backend's own request for one not run here
+                f"{self.name} does not run backend {str(meta.get('backend'))[:100]!r}"), discard=plen)
             return
         await self.routes.frame(conn, kind, rid, meta, plen)
 

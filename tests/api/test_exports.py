@@ -84,43 +84,18 @@ def test_weights_plan_and_testing_exports() -> None:
     assert {"check_backend"} <= set(transport.testing.__all__)
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in PKG.rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
-def _imports(module: str, path: Path, *, top_level_only: bool) -> set[str]:
-    """Absolute names of the modules ``module`` imports (relative imports resolved)."""
-    tree = ast.parse(path.read_text())
-    is_pkg = path.name == "__init__.py"
-    base = module.split(".") if is_pkg else module.split(".")[:-1]
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    found: set[str] = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                prefix = ".".join(base[: len(base) - node.level + 1])
-                mod = f"{prefix}.{node.module}" if node.module else prefix
-            else:
-                mod = node.module or ""
-            found.add(mod)
-            found.update(f"{mod}.{a.name}" for a in node.names)
-    return found
-
-
 def _import_graph() -> ModuleType:
+    """scripts/import_graph.py: the package's modules and what each imports (lazy and type-only
+    imports included)."""
     spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _modules() -> dict[str, Path]:
+    return dict(_import_graph().modules(PKG))
 
 
 def test_no_import_cycle_among_transport_modules_or_folders() -> None:
@@ -159,7 +134,7 @@ def test_only_native_touches_the_extension_and_ctypes() -> None:
     for m, p in _modules().items():
         if m.startswith("transport._native"):
             continue
-        names = _imports(m, p, top_level_only=False)
+        names = _import_graph().imported_names(m, p)
         if "ctypes" in names or any(n == "transport._C" or n.startswith("transport._C.") for n in names):
             offenders.append(m)
     assert not offenders

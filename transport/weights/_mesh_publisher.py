@@ -25,6 +25,7 @@ from ..plan import (
 )
 from ._binding import byte_runs, slot_layout, snapshot_layout
 from ._control import decode_front, encode_front, memory_barrier, withdraw
+from ._lifecycle import Lifecycle
 from ._mesh_control import (
     APPLIED,
     COMMIT,
@@ -94,7 +95,7 @@ def slot_busy(header: torch.Tensor, slot: int) -> str | None:
     return None
 
 
-class MeshPublisher:
+class MeshPublisher(Lifecycle):
     """Pushes this trainer rank's shards into every generator rank that needs them.
 
     Every trainer rank runs one, with the same ``layout`` and ``name``; they never talk to each
@@ -190,13 +191,6 @@ class MeshPublisher:
                                       f"got {got}")
             live[name] = shard
         return live
-
-    async def __aenter__(self) -> MeshPublisher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Registers this rank's layout, control block and snapshots (read-only to peers).

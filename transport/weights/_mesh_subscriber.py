@@ -27,6 +27,7 @@ from ..plan import (
 )
 from ._binding import byte_runs, slot_layout, snapshot_layout
 from ._control import decode_front, encode_front, memory_barrier, withdraw
+from ._lifecycle import Lifecycle
 from ._mesh_control import (
     APPLIED,
     COMMIT,
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 _WAIT_S = 0.1  # pull() looks for missing trainer or replica ranks again after this
 
 
-class MeshSubscriber:
+class MeshSubscriber(Lifecycle):
     """One generator rank of a replica: receives its slices one-sidedly and applies versions
     only when the whole replica holds them.
 
@@ -128,13 +129,6 @@ class MeshSubscriber:
         self._materializer: Materializer | None = None  # the delta areas, once the plan is known
         self._materialized: tuple[int, int] | None = None  # (version, slot) last made whole here
         self.last_delta: tuple[int, int] = (0, 0)  # of the last version read: (trainer ranks' deltas, units)
-
-    async def __aenter__(self) -> MeshSubscriber:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Registers the slots, the control block and this rank's layout.

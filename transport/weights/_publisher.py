@@ -43,6 +43,7 @@ from ._crossover import Crossover
 from ._delta import CROSSOVER, PARTS, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._delta_feed import DeltaFeed, Fill
 from ._layout import build_layout, describe, tensors_of
+from ._lifecycle import Lifecycle
 from ._polling import PENDING, Pending, poll
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
 from ._snapshots import Snapshots
@@ -86,7 +87,7 @@ async def _both(first: Callable[[], Awaitable[T]], second: Callable[[], Awaitabl
     return out[0], ended[0]
 
 
-class Publisher:
+class Publisher(Lifecycle):
     """Trainer side: publishes versions of a state dict to every current subscriber.
 
     Use as ``async with Publisher(t, model) as pub:`` (or ``await pub.start()`` /
@@ -278,13 +279,6 @@ class Publisher:
                 # doorbell loop that failed unexpectedly surfaces here, as the group it raised.
                 rings.cancel_scope.cancel()
                 await rings.__aexit__(None, None, None)
-
-    async def __aenter__(self) -> Publisher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def warm(self) -> int:
         """Readies the pushes into subscribers' slots this publisher has not pushed to or warmed

@@ -66,6 +66,7 @@ from ._copy import available_threads
 from ._delta import index_bytes
 from ._delta_apply import DeltaApplier
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, tensors_of
+from ._lifecycle import Lifecycle
 from ._polling import PENDING, Pending, even, poll, seqlock_read
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def _names(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
 
 
-class Subscriber:
+class Subscriber(Lifecycle):
     """Generator side: receives versions into staging slots and applies complete ones.
 
     Use as ``async with Subscriber(t, model, publisher="trainer-0") as sub:``. Between
@@ -460,13 +461,6 @@ class Subscriber:
             k = self._keys
             withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], *k.deltas, k.ctl)
                               if key in self.t.regions])
-
-    async def __aenter__(self) -> Subscriber:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def _unpack(self, buf: torch.Tensor) -> None:
         """Copies a whole version from ``buf`` (a slot or a pulled copy) into the local tensors.

@@ -415,8 +415,7 @@ class TcpBackend(Backend):
                     raise WireError(f"a {TcpFrame(kind).name} of {request.nbytes} bytes with {payload_len} "
                                     "payload bytes")
         except TransportError as exc:
-            await conn.discard(payload_len)
-            await conn.refuse(rid, exc)
+            await conn.refuse(rid, exc, discard=payload_len)
             return
         if kind in (TcpFrame.PUTR, TcpFrame.GETR):
             await serve_runs(regions, conn, kind, rid, runs, payload_len, self.ctx.copier)

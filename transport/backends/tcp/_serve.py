@@ -67,8 +67,7 @@ async def serve_runs(regions: RegionTable, conn: Conn, kind: int, rid: int, requ
         if request.staged and int(sizes.sum()) > MAX_STAGED_BYTES:
             raise WireError(f"a staged frame of {int(sizes.sum())} bytes (at most {MAX_STAGED_BYTES})")
     except TransportError as exc:
-        await conn.discard(data)
-        await conn.refuse(rid, exc)
+        await conn.refuse(rid, exc, discard=data)
         return
     if request.staged:
         there = np.concatenate([mine[:, 0] + region.tensor.data_ptr() for region, mine in placed])
@@ -166,8 +165,7 @@ async def serve_range(regions: RegionTable, conn: Conn, kind: int, rid: int, req
             raise BackendUnavailableError(f"{regions.owner}:{key!r} is device memory; the agent's byte "
                                           "stream cannot reach it")
     except TransportError as exc:
-        await conn.discard(payload_len)
-        await conn.refuse(rid, exc)
+        await conn.refuse(rid, exc, discard=payload_len)
         return
     view = region.view[offset : offset + nbytes]
     if op == TransferOp.PUT:
