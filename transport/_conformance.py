@@ -4,6 +4,9 @@ Each check opens a fresh pair of Transports (an initiator ``a`` and a target ``b
 the backend under test) from the caller's factory, both in this process so that the target's
 memory is inspected directly, and raises AssertionError (or the unexpected error) when the
 backend does not behave as the library promises.
+
+Size: one concept, a flat list of independent checks (each a short async function plus its
+registration); splitting the list would only scatter it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ loss and exclusion.
 declared lost, the heartbeat and the leases). Parts that hold per-peer state (backends,
 connection pools, the transfer engine) subscribe to it and are told when a peer restarts or is
 lost; one peer's loss only ever touches that peer's state.
+
+Size: one concept, the directory; liveness is already its own module (``_liveness``), and what
+is left (records, waiting, loss, exclusion) changes one state together.
 """
 
 from __future__ import annotations

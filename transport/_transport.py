@@ -9,6 +9,9 @@ delegates every public method to the part that owns the state:
 * :class:`~transport._signals.Signals`: the signal table and doorbells;
 * :class:`~transport._agent.AgentServer`: this endpoint's server for peers' requests;
 * the backends (:mod:`transport.backends`), which move the bytes.
+
+Size: over half of the class is the public methods' docstrings (Args/Returns/Raises and what
+cancellation does, the contract users read); each method body delegates in a few lines.
 """
 
 from __future__ import annotations
