@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from .. import Peer, PreparedTransfer, Transfer, Transport
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

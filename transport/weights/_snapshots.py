@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from .. import Peer, PreparedTransfer, Transport
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 # The background snapshot fill starts once the doorbells of its version were acknowledged, or
 # after this long (a subscriber busy generating acknowledges when it next yields).

@@ -72,7 +72,7 @@ from ._polling import PENDING, Pending, even, poll, seqlock_read
 if TYPE_CHECKING:
     from .. import Transport
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 SHOWN_NAMES = 5  # names listed in a mismatch message before "and N more"
 # How long the asynchronous calls wait for the publisher's control block over the network before
 # they take the publisher as not answering (the read takes a millisecond when it answers).
