@@ -200,3 +200,13 @@ def test_every_error_class_is_defined_in_the_error_module() -> None:
                 if bases & tree_names:
                     offenders.append(f"{m}.{node.name}")
     assert offenders == []
+
+
+def test_only_the_codec_reaches_the_native_delta_module() -> None:
+    """Weight sync's delta code is one codec (transport/weights/_codec/): its drivers (the
+    publishers, the subscribers, the vLLM worker) go through it, never to the native pass."""
+    ig = _import_graph()
+    outside = [m for m, p in _modules().items()
+               if m.startswith(("transport.weights", "transport.vllm")) and not m.startswith("transport.weights._codec")
+               and "transport._native.delta" in ig.imported_names(m, p)]
+    assert outside == []

@@ -16,7 +16,8 @@ import subprocess
 from pathlib import Path
 
 from tests._support import PYTHON, ROOT, python_env
-from transport.weights._delta import ALIGN, CROSSOVER, ENTRY_WORDS, HEADER_WORDS
+from transport.weights._codec.encode import ALIGN, CROSSOVER
+from transport.weights._codec.format import ENTRY_WORDS, HEADER_WORDS
 
 
 def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ import torch
 from tests._support import PYTHON, ROOT, python_env
 from transport._background import start_background
 from transport._errors import DeltaRefusedError
-from transport.weights._checksum import SumPass
+from transport.weights._codec.apply import DeltaApplier
+from transport.weights._codec.checksum import SumPass
+from transport.weights._codec.encode import DeltaEncoder
 from transport.weights._copy import PIECE_BYTES
-from transport.weights._delta import DeltaEncoder
-from transport.weights._delta_apply import DeltaApplier
 from transport.weights._layout import build_layout
 
 

@@ -10,7 +10,7 @@ import torch
 
 import transport
 from transport.weights import Publisher, Subscriber
-from transport.weights._crossover import CROSSOVER, NETWORK_MAX, Crossover, wire_share
+from transport.weights._codec.policy import CROSSOVER, NETWORK_MAX, Crossover, wire_share
 
 MODEL_BYTES = 200 << 20
 ELEMENTS = MODEL_BYTES // 2

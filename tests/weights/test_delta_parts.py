@@ -14,8 +14,8 @@ import transport
 from tests._support.delta_model import same_bits
 from transport.weights import Publisher, Subscriber
 from transport.weights import _publisher as publisher_module
-from transport.weights._delta import DeltaEncoder, Kind
-from transport.weights._delta_apply import DeltaApplier
+from transport.weights._codec.apply import DeltaApplier
+from transport.weights._codec.encode import DeltaEncoder, Kind
 from transport.weights._layout import build_layout
 
 

@@ -23,8 +23,8 @@ from tests._support import PYTHON, python_env
 from tests._support.delta_model import model_at, same_bits, step, zeros
 from transport._native import delta as native
 from transport.weights import Publisher, Subscriber
+from transport.weights._codec.encode import CROSSOVER
 from transport.weights._control import APPLIED, FRONT, decode_front
-from transport.weights._delta import CROSSOVER
 
 ROOT = Path(__file__).resolve().parents[2]
 ISAS = [isa for isa in (native.Isa.SCALAR, native.Isa.AVX2, native.Isa.AVX512) if native.supports(isa)]
@@ -506,7 +506,7 @@ async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
     # A header beside the free slot already names the next version (left by a publisher that
     # counted this far before it restarted, or scribbled): the dense version that lands in that
     # slot must not be read as a delta. The publisher clears the header before a dense push.
-    from transport.weights._delta import MAGIC
+    from transport.weights._codec.format import STREAM_MAGIC as MAGIC
 
     store = f"memory://{uuid.uuid4().hex}"
     src = {"a": torch.randn(256, 64).to(torch.bfloat16)}

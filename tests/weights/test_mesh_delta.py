@@ -10,7 +10,8 @@ import torch
 
 from transport._native import delta as native
 from transport.weights import DeltaRefusedError
-from transport.weights._mesh_delta import HEAD_BYTES, Materializer, MeshDeltaPacker, Runs, area_table, cut, read_table
+from transport.weights._codec.format import HEAD_BYTES, area_table, read_table
+from transport.weights._codec.runs import Materializer, MeshDeltaPacker, Runs, cut
 
 ISAS = [isa for isa in (native.Isa.SCALAR, native.Isa.AVX2, native.Isa.AVX512) if native.supports(isa)]
 

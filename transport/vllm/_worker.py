@@ -42,9 +42,9 @@ from .._errors import (
     TransferTimeoutError,
     TransportError,
 )
-from .._native import delta as native_delta
 from ..plan import GeneratorRank, TrainerLayout
 from ..weights import MeshSubscriber, read_trainer_layout
+from ..weights._codec.checksum import bytes_checksum
 from ..weights._control import memory_barrier
 from ._info import TransportInitInfo, TransportUpdateInfo, init_info_from_env
 from ._layouts import checkpoint_names, full_shaped, tp_slices, whole_tensors
@@ -79,11 +79,7 @@ def load_group(name: str) -> str:
 
 def tensor_sums(views: dict[str, torch.Tensor]) -> dict[str, int | None]:
     """A checksum of each view's bytes (None: an odd byte size, taken as changed always)."""
-    out: dict[str, int | None] = {}
-    for name, v in views.items():
-        nbytes = v.numel() * v.element_size()
-        out[name] = None if nbytes % 2 else native_delta.checksum(v.data_ptr(), nbytes // 2, 2)
-    return out
+    return {name: bytes_checksum(v) for name, v in views.items()}
 
 
 class _QuietUnloaded(logging.Filter):

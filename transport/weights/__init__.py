@@ -56,7 +56,7 @@ from .._errors import CommitError as CommitError
 from .._errors import DeltaRefusedError as DeltaRefusedError
 from .._errors import LayoutMismatchError as LayoutMismatchError
 from .._public import rehome
-from ._delta import delta_isa as delta_isa
+from ._codec.encode import delta_isa as delta_isa
 from ._mesh_peers import read_trainer_layout as read_trainer_layout
 from ._mesh_publisher import MeshPublisher as MeshPublisher
 from ._mesh_publisher import MeshPublishReport as MeshPublishReport

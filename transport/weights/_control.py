@@ -10,7 +10,7 @@ Both sides publish a small control block (``int64[CTL_WORDS]``) next to their da
 * each subscriber's (``ctl``, written by the publisher): ``FRONT`` (its newest complete slot),
   ``READING`` (the slot being read: copy mode while applying, zero-copy mode the slot the model
   lives in), ``APPLIED``, ``LAYOUT_ID``, ``TRYING`` (the slot a zero-copy apply is claiming) and
-  ``DELTA`` (1: it takes delta versions, :mod:`transport.weights._delta`).
+  ``DELTA`` (1: it takes delta versions, :mod:`transport.weights._codec`).
 
 A front word packs (version, slot) into one aligned 8-byte store, so a reader never sees one
 without the other. Flags written by one side and read by the other are ordered with

@@ -14,7 +14,7 @@ import anyio.lowlevel
 import torch
 
 from .._errors import TransportInternalError
-from ._delta import DeltaEncoder, DeltaVersion, Items
+from ._codec.encode import DeltaEncoder, DeltaVersion, Items
 
 
 class DeltaFeed:

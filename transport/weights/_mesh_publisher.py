@@ -24,6 +24,8 @@ from ..plan import (
     encode_trainer,
 )
 from ._binding import byte_runs, slot_layout, snapshot_layout
+from ._codec.format import HEAD_BYTES, read_table
+from ._codec.runs import CROSSOVER, Change, Cut, MeshDeltaPacker, Runs, cut
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._lifecycle import Lifecycle
 from ._mesh_control import (
@@ -43,7 +45,6 @@ from ._mesh_control import (
     done_word,
     slot_of,
 )
-from ._mesh_delta import CROSSOVER, HEAD_BYTES, Change, Cut, MeshDeltaPacker, Runs, cut, read_table
 from ._mesh_fp8 import BlockQuantizer
 from ._mesh_peers import MeshMembers, MeshPeers
 from ._report import SyncResult, SyncStatus
@@ -124,7 +125,7 @@ class MeshPublisher(Lifecycle):
             version its snapshot held, and a generator rank whose slot holds exactly that
             version from this rank (and that takes deltas) gets only the changed 2-byte units
             of its slices, checked and applied by that rank when it reads the version (see
-            :mod:`transport.weights._mesh_delta`); every other rank gets the version dense.
+            :mod:`transport.weights._codec.runs`); every other rank gets the version dense.
             ``"auto"`` (the default): only to generator ranks reached over a network backend,
             not over ``ipc`` (as fast as the memory pass that finds the change). ``True``: to
             every rank that takes them. ``False``: every version dense, not diffed.

@@ -26,6 +26,8 @@ from ..plan import (
     encode_rank,
 )
 from ._binding import byte_runs, slot_layout, snapshot_layout
+from ._codec.format import area_table
+from ._codec.runs import Materializer
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._lifecycle import Lifecycle
 from ._mesh_control import (
@@ -45,7 +47,6 @@ from ._mesh_control import (
     slot_of,
     slot_version,
 )
-from ._mesh_delta import Materializer, area_table
 from ._mesh_peers import MeshPeers
 from ._polling import PENDING, Pending, even, poll, seqlock_read
 
@@ -86,7 +87,7 @@ class MeshSubscriber(Lifecycle):
         allocate: False: no ``self.tensors`` are allocated (``tensors`` must then be None);
             read committed versions straight from the slots with :meth:`reading` (``apply``
             then raises).
-        delta: take deltas (see :mod:`transport.weights._mesh_delta`): trainer ranks whose
+        delta: take deltas (see :mod:`transport.weights._codec.runs`): trainer ranks whose
             publisher sends them write only the changed units of a version, into a delta area
             beside each slot, and this rank applies them into the slot, checked, when it
             reads the committed version. Costs two areas of up to half a slot each, made once

@@ -22,7 +22,10 @@ import torch
 
 from .._background import start_background
 from .._errors import LayoutMismatchError, PeerLostError, TransferTimeoutError, TransportError, TransportInternalError
-from ._checksum import PAUSE_S, SumPass, deltable
+from ._codec.checksum import PAUSE_S, SumPass, deltable
+from ._codec.encode import CROSSOVER, PARTS, DeltaEncoder, DeltaVersion
+from ._codec.format import SPARSE_MAX, index_bytes
+from ._codec.policy import Crossover
 from ._control import (
     APPLIED,
     CTL_WORDS,
@@ -39,8 +42,6 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads, cores
-from ._crossover import Crossover
-from ._delta import CROSSOVER, PARTS, SPARSE_MAX, DeltaEncoder, DeltaVersion, index_bytes
 from ._delta_feed import DeltaFeed, Fill
 from ._layout import build_layout, describe, tensors_of
 from ._lifecycle import Lifecycle

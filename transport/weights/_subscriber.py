@@ -43,7 +43,9 @@ from .._errors import (
 )
 from .._tensors import dtype_name
 from ._apply import ApplyPlan, dequantize_into, host_unpack
-from ._checksum import deltable
+from ._codec.apply import DeltaApplier
+from ._codec.checksum import deltable
+from ._codec.format import index_bytes
 from ._control import (
     APPLIED,
     CTL_WORDS,
@@ -63,8 +65,6 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads
-from ._delta import index_bytes
-from ._delta_apply import DeltaApplier
 from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, tensors_of
 from ._lifecycle import Lifecycle
 from ._polling import PENDING, Pending, even, poll, seqlock_read

@@ -25,7 +25,7 @@ those of the values stored must be the new checksum (O(changed elements)), which
 corrupted value or position. The subscriber checks and stores a tensor in one pass whose stores
 it undoes when a check fails (or, past its scratch, checks the payload alone before storing). A
 delta that fails any check is refused whole: the live weights stay on their version (see
-:class:`._delta_apply.DeltaApplier`).
+:class:`.apply.DeltaApplier`).
 """
 
 from __future__ import annotations
@@ -38,25 +38,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _tensor_kernels
-from .._errors import TransportInternalError
-from .._native import delta as native
-from .._native import stream_copy
-from .._tensors import dtype_from_name
-from ._checksum import MASK64, SumPass, deltable
-from ._copy import STREAM_MIN_BYTES, HostCopies, copy_bytes
-from ._layout import ALIGN, Entry, Layout
+from ... import _tensor_kernels
+from ..._errors import TransportInternalError
+from ..._native import delta as native
+from ..._native import stream_copy
+from ..._tensors import dtype_from_name
+from .._copy import STREAM_MIN_BYTES, HostCopies, copy_bytes
+from .._layout import ALIGN, Entry, Layout
+from .checksum import SumPass, deltable
+from .format import MASK64, SPARSE_MAX, STREAM_MAGIC, Kind, signed
 
-MAGIC = 0x31_54_4C_44_57  # "WDLT1"
-HEADER_WORDS = 4  # magic, version, base version, entries
-ENTRY_WORDS = 7  # kind, changed, position bytes, payload bytes, base checksum, new checksum, base terms
-SPARSE_MAX = 0.5  # a sparse encoding is used only up to this fraction of the tensor's dense bytes
 PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of dense goes dense undiffed
 # The changed fraction above which a tensor goes dense (and a version, by its sample, without the
 # full diff): where scattering stops paying against a dense copy when the link runs about as fast
 # as memory (benchmarks/results/delta_sync-2026-12-01.md). Over a network, bytes dominate and
 # denser changes pay: a stream publisher raises it per version from its measurements
-# (:mod:`._crossover`) unless given one.
+# (:mod:`.policy`) unless given one.
 CROSSOVER = 0.05
 SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elements spread over it
 # A snapshot tensor is patched with two versions' encodings (rather than copied from the live
@@ -72,14 +69,8 @@ PATCH_MAX = 0.10
 # cores from it: on a 2-core VM over tcp shaped to 10 Gbit/s, 8 parts made the diff of the 100M
 # model 1.6-2x slower (31-41 ms against 16-21) and the version no sooner live.
 PARTS = 8
-Kind = native.Kind
 Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
 Items = list[tuple[torch.Tensor, int]]  # (source bytes, offset in the slot) of what a delta push sends
-
-
-def index_bytes(layout: Layout) -> int:
-    """Bytes of a stream's delta index region (its header) for ``layout``."""
-    return 8 * (HEADER_WORDS + ENTRY_WORDS * len(layout.entries))
 
 
 def _cap(e: Entry) -> int:
@@ -285,7 +276,8 @@ class DeltaEncoder:
         sums: list[int] = []
         dv = DeltaVersion(version, base_version if base is not None else None, kinds,
                           held=held[0] if held is not None else None)
-        words = [MAGIC, version, -1 if dv.base is None else dv.base, len(entries)]  # the header, built in Python
+        # the header, built in Python
+        words = [STREAM_MAGIC, version, -1 if dv.base is None else dv.base, len(entries)]
         for i, (e, r) in enumerate(zip(entries, results, strict=True)):
             kind = kinds[i]
             if r is None:
@@ -302,7 +294,7 @@ class DeltaEncoder:
                 words += [int(kind), r.changed, r.pos_bytes, r.payload_bytes]
             else:
                 words += [int(kind), 0, 0, 0]
-            words += [_signed(old), _signed(sums[-1]), _signed(r.sum_old if r is not None else 0)]
+            words += [signed(old), signed(sums[-1]), signed(r.sum_old if r is not None else 0)]
             if base is None or r is None:
                 continue
             if kind == Kind.DENSE:
@@ -514,14 +506,6 @@ class DeltaEncoder:
     def commit(self, slot: int, version: int, sums: list[int]) -> None:
         """Records that snapshot ``slot`` holds ``version`` with these checksums."""
         self._sums[slot] = (version, sums)
-
-
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _unsigned(x: int) -> int:
-    return x & MASK64
 
 
 def delta_isa() -> str:

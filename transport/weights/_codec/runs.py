@@ -2,7 +2,7 @@
 its slices that changed since the version that slot already holds.
 
 Version ``v`` travels in slot ``v % 2`` and is packed into snapshot ``v % 2`` (see
-:mod:`._mesh_control`), so both hold the same earlier version, the *base* ``b``, before ``v``
+:mod:`.._mesh_control`), so both hold the same earlier version, the *base* ``b``, before ``v``
 arrives. The trainer rank diffs its live shards against that snapshot in the pass that packs
 them (:class:`MeshDeltaPacker`: the snapshot is overwritten in place, and the changed units are
 recorded with their old values), then cuts the change along each generator rank's byte runs
@@ -37,48 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._errors import DeltaRefusedError
-from .._native import delta as native
-from ._checksum import MASK64
-from ._copy import HostCopies, available_threads
-from ._delta import SPARSE_MAX, _signed, _unsigned
+from ..._errors import DeltaRefusedError
+from ..._native import delta as native
+from .._copy import HostCopies, available_threads
+from .format import HEAD_BYTES, MASK64, MESH_MAGIC, signed, unsigned
 
-MAGIC = 0x31_4D_44_4C_57  # "WLDM1"
-HEAD_BYTES = 64
 # The changed fraction of a version's units above which it goes dense. Higher than the stream's:
 # the base is the version two back (twice the change), and by default deltas go over networks.
 CROSSOVER = 0.2
-TABLE_WORDS = 3  # per trainer rank: rank, offset, cap
-
-
-def area_table(sent: Mapping[int, int]) -> tuple[np.ndarray, int]:
-    """The delta area of a slot fed ``sent[t]`` bytes by each trainer rank ``t``.
-
-    Returns:
-        The table (int64 rows ``(rank, offset, cap)``, by rank) and the area's size in bytes.
-    """
-    rows, at = [], 0
-    for t in sorted(sent):
-        cap = int(sent[t] * SPARSE_MAX) // 64 * 64
-        rows.append((t, at, cap))
-        at += HEAD_BYTES + cap
-    return np.array(rows, dtype=np.int64).reshape(-1, TABLE_WORDS), max(at, HEAD_BYTES)
-
-
-def read_table(raw: torch.Tensor, area_bytes: int) -> dict[int, tuple[int, int]]:
-    """Trainer rank -> (offset, cap) from a generator rank's table (a peer's bytes: entries
-    that do not fit its area, or overlap another, are dropped)."""
-    words = raw.view(torch.int64).numpy().reshape(-1, TABLE_WORDS) if raw.numel() % (8 * TABLE_WORDS) == 0 else None
-    out: dict[int, tuple[int, int]] = {}
-    if words is None:
-        return out
-    end = 0
-    for t, off, cap in sorted((int(a), int(b), int(c)) for a, b, c in words):
-        if off < end or off % 64 or cap < 0 or cap % 64 or off + HEAD_BYTES + cap > area_bytes:
-            continue
-        out[t] = (off, cap)
-        end = off + HEAD_BYTES + cap
-    return out
 
 
 # -- the trainer's side -----------------------------------------------------------------------
@@ -274,8 +240,8 @@ def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
                + native.terms(new.ctypes.data, pos.ctypes.data, count, 2)) & MASK64
     payload_bytes = vbytes + pos_bytes
     head = out[:HEAD_BYTES].view(torch.int64)
-    head[:] = torch.tensor([MAGIC, change.version, change.base, _signed(base_sum), _signed(new_sum), count, pos_bytes,
-                            payload_bytes])
+    head[:] = torch.tensor([MESH_MAGIC, change.version, change.base, signed(base_sum), signed(new_sum), count,
+                            pos_bytes, payload_bytes])
     return Cut(out[: HEAD_BYTES + payload_bytes], new_sum)
 
 
@@ -327,9 +293,9 @@ class Materializer:
         checked: list[tuple[int, torch.Tensor, int, int, int, int]] = []
         for t, (off, cap) in sorted(self.table.items()):
             head = area[off : off + HEAD_BYTES].view(torch.int64).clone()  # a peer's words: one private copy
-            if int(head[0]) != MAGIC or int(head[1]) != version:
+            if int(head[0]) != MESH_MAGIC or int(head[1]) != version:
                 continue
-            base, base_sum, new_sum = int(head[2]), _unsigned(int(head[3])), _unsigned(int(head[4]))
+            base, base_sum, new_sum = int(head[2]), unsigned(int(head[3])), unsigned(int(head[4]))
             count, pos_bytes, payload_bytes = int(head[5]), int(head[6]), int(head[7])
             if not (0 < payload_bytes <= cap and 0 <= pos_bytes <= payload_bytes and 0 < count <= units):
                 raise DeltaRefusedError(f"trainer rank {t}: a payload of {payload_bytes} bytes / {count} units does "

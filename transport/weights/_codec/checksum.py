@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-from .._errors import TransportInternalError
-from .._native import delta as native
-from .._tensors import dtype_from_name
-from ._copy import PIECE_BYTES, HostCopies
-from ._layout import Entry
+from ..._errors import TransportInternalError
+from ..._native import delta as native
+from ..._tensors import dtype_from_name
+from .._copy import PIECE_BYTES, HostCopies
+from .._layout import Entry
+from .format import MASK64
 
-MASK64 = (1 << 64) - 1
 PAUSE_S = 10.0  # bounds the wait for a background pass's piece in flight (one piece: milliseconds)
 
 
@@ -25,6 +25,13 @@ def deltable(e: Entry) -> bool:
     """Whether ``e`` can travel as a delta: a 2- or 4-byte element type sent as it is (fp8
     entries are quantised per version, other sizes always go dense)."""
     return e.scale_offset < 0 and e.numel > 0 and dtype_from_name(e.wire_dtype).itemsize in (2, 4)
+
+
+def bytes_checksum(t: torch.Tensor) -> int | None:
+    """The checksum of a contiguous tensor's bytes taken as 2-byte units, on the calling thread;
+    None for an odd byte size."""
+    nbytes = t.numel() * t.element_size()
+    return None if nbytes % 2 else native.checksum(t.data_ptr(), nbytes // 2, 2)
 
 
 def checksums_of(buf: torch.Tensor, entries: Sequence[Entry], threads: int) -> list[int]:

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from .._native import delta as native
-from .._native import stream_copy
-from ._delta import CROSSOVER
+from ..._native import delta as native
+from ..._native import stream_copy
+from .encode import CROSSOVER
 
 NETWORK_MAX = 0.4  # the highest crossover chosen: denser changes go dense on any link
 MARGIN = 0.8  # a delta is chosen only where it is predicted to take at most this share of dense

@@ -1,4 +1,4 @@
-"""The subscriber's side of stream delta sync (the format is in :mod:`._delta`): the
+"""The subscriber's side of stream delta sync (the format is in :mod:`.format`): the
 checksums of the live tensors, and the checked, all-or-nothing apply of a delta from a slot."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _tensor_kernels
-from .._background import start_background
-from .._errors import DeltaRefusedError
-from .._native import delta as native
-from .._tensors import dtype_from_name
-from ._checksum import MASK64, PAUSE_S, SumPass, checksums_of, deltable
-from ._copy import HostCopies, copy_bytes
-from ._delta import ENTRY_WORDS, HEADER_WORDS, MAGIC, Kind, _unsigned
-from ._layout import Entry, Layout
+from ... import _tensor_kernels
+from ..._background import start_background
+from ..._errors import DeltaRefusedError
+from ..._native import delta as native
+from ..._tensors import dtype_from_name
+from .._copy import HostCopies, copy_bytes
+from .._layout import Entry, Layout
+from .checksum import PAUSE_S, SumPass, checksums_of, deltable
+from .format import ENTRY_WORDS, HEADER_WORDS, MASK64, STREAM_MAGIC, Kind, unsigned
 
 # The least scratch a subscriber keeps for its one-pass applies; at most an eighth of the
 # version otherwise (a delta is a few percent of it where deltas pay).
@@ -105,7 +105,7 @@ class DeltaApplier:
     @staticmethod
     def header_of(index: torch.Tensor) -> tuple[int, int, int] | None:
         """(version, base, entries) of an index region's header, or None when it holds none."""
-        if int(index[0]) != MAGIC:
+        if int(index[0]) != STREAM_MAGIC:
             return None
         return int(index[1]), int(index[2]), int(index[3])
 
@@ -133,7 +133,7 @@ class DeltaApplier:
         for i, e in enumerate(entries):
             w = HEADER_WORDS + ENTRY_WORDS * i
             kind_word, changed, pos_bytes, payload_bytes = words[w:w + 4]
-            base_sum, new_sum, old_terms = (_unsigned(x) for x in words[w + 4:w + 7])
+            base_sum, new_sum, old_terms = (unsigned(x) for x in words[w + 4:w + 7])
             if kind_word not in (0, 1, 2, 3):
                 raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
             kind = Kind(kind_word)
@@ -209,7 +209,7 @@ class DeltaApplier:
         batch.run(self._threads)
         for i, e in enumerate(entries):
             if deltable(e) and self._local[i] is not None:
-                self.sums[i] = _unsigned(words[HEADER_WORDS + ENTRY_WORDS * i + 5])
+                self.sums[i] = unsigned(words[HEADER_WORDS + ENTRY_WORDS * i + 5])
 
     def _check_payloads(self, checks: list[_Check], base_ptr: int) -> None:
         """Checks the payloads of ``checks`` in the slot at ``base_ptr`` without writing: O(changed),

@@ -1,0 +1,17 @@
+"""The delta codec: how a version travels as the changes since a base, with no I/O of its own.
+
+Each module imports only those listed before it (and ``transport._native.delta``, which only this
+package imports among the weights modules):
+
+    format    both wire forms, versioned by their magics (stream: STREAM_MAGIC; mesh: MESH_MAGIC),
+              the index and table layouts, checksum words
+    checksum  the per-tensor checksum and the passes computing it (SumPass)
+    encode    the stream form's encoder (DeltaEncoder, DeltaVersion) and its thresholds
+    apply     the stream form's checked, all-or-nothing apply (DeltaApplier)
+    policy    the stream crossover: where a delta stops paying, from what the publisher measured
+    runs      the mesh form: a trainer rank's changes cut along generator ranks' byte runs, and
+              their materialisation in a generator's slot
+
+Its drivers are the stream publisher and subscriber, the mesh publisher and subscriber (and,
+through them, the vLLM worker); they move the bytes, the codec only makes and checks them.
+"""
