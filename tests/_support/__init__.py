@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -125,3 +125,17 @@ async def serving_target(t: transport.Transport, targets: Callable[[dict], Targe
     await t.wait_signal("ready", timeout=60)
     await t.peer(name, regions=[r["key"] for r in regions])
     return target
+
+
+async def put_and_read_back(t: transport.Transport, peer: str, keys: Sequence[str], src: torch.Tensor,
+                            backend: str) -> None:
+    """Puts ``src`` into each of ``peer``'s regions ``keys`` and reads it back one-sidedly,
+    asserting the backend that carried it and that the bytes came back unchanged (bit for bit:
+    a NaN is compared as its bits)."""
+    for key in keys:
+        h = t.put(src, peer, key=key)
+        await h
+        assert h.backend == backend
+        back = torch.zeros_like(src)
+        await t.get(back, peer, key=key)  # one-sided read of the target
+        assert torch.equal(back.view(torch.uint8), src.view(torch.uint8)) if src.numel() else back.numel() == 0

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import transport
-from tests._support import PYTHON, ROOT, python_env
+from tests._support import PYTHON, ROOT, put_and_read_back, python_env
 from tests._support.scenarios import DTYPES, random_tensor
 from transport.backends.ucx import UcxBackend
 
@@ -173,13 +173,7 @@ async def test_target_blocked_in_sleep_receives_over_ucx(procs, file_store, tmp_
         }))
         await t.wait_signal("ready", timeout=60)
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        for key in ("plain", "shm"):
-            h = t.put(src, "sleeper", key=key)
-            await h
-            assert h.backend == "ucx"
-            back = torch.zeros(n, dtype=torch.uint8)
-            await t.get(back, "sleeper", key=key)  # one-sided read of the sleeping target
-            assert torch.equal(back, src)
+        await put_and_read_back(t, "sleeper", ("plain", "shm"), src, "ucx")  # the target sleeps meanwhile
         Path(out + ".go").touch()
         assert await target.wait(60) == 0, target.tail()
     info = json.loads(Path(out).read_text())
@@ -203,12 +197,7 @@ async def test_cross_process_conformance_over_ucx(procs, file_store, tmp_path):
         for i, dtype in enumerate(DTYPES):
             name = str(dtype).removeprefix("torch.")
             src = random_tensor(sizes[name], dtype, seed=i)
-            h = t.put(src, "server", key=name)
-            await h
-            assert h.backend == "ucx"
-            back = torch.empty_like(src)
-            await t.get(back, "server", key=name)
-            assert torch.equal(back.view(torch.uint8), src.view(torch.uint8)) if src.numel() else back.numel() == 0
+            await put_and_read_back(t, "server", [name], src, "ucx")
             expected[name] = sha(src)
         await t.signal("server", "done", 1)
         assert await server.wait(60) == 0, server.tail()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import transport
-from tests._support import PYTHON, python_env, sha
+from tests._support import PYTHON, put_and_read_back, python_env, sha
 from tests._support.scenarios import DTYPES, random_tensor
 
 
@@ -26,13 +26,7 @@ async def test_target_blocked_in_sleep_receives_64mib_over_ipc(targets, file_sto
         await t.wait_signal("ready", timeout=60)
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         # The target's thread is now stuck in time.sleep: nothing on its side can run.
-        for key in ("cma", "shm"):
-            h = t.put(src, "sleeper", key=key)
-            await h
-            assert h.backend == "ipc"
-            back = torch.zeros(n, dtype=torch.uint8)
-            await t.get(back, "sleeper", key=key)  # one-sided read of the sleeping target
-            assert torch.equal(back, src)
+        await put_and_read_back(t, "sleeper", ("cma", "shm"), src, "ipc")
         target.go()
         info = await target.result()
     assert info["woke_by_go"], "the target woke by its deadline, not after the puts"
@@ -54,12 +48,7 @@ async def test_cross_process_conformance(targets, file_store, backend, shared):
         for i, dtype in enumerate(DTYPES):
             name = str(dtype).removeprefix("torch.")
             src = random_tensor(sizes[name], dtype, seed=i)
-            h = t.put(src, "server", key=name)
-            await h
-            assert h.backend == backend
-            back = torch.empty_like(src)
-            await t.get(back, "server", key=name)
-            assert torch.equal(back.view(torch.uint8), src.view(torch.uint8)) if src.numel() else back.numel() == 0
+            await put_and_read_back(t, "server", [name], src, backend)
             expected[name] = sha(src)
         await t.signal("server", "done", 1)
         info = await target.result()
