@@ -350,6 +350,8 @@ class Channel:
                               "connection", self.peer, why)
                     self.close(_WentAway(f"connection to {self.peer} lost: {why}"))
                     return
+                if kind not in (FrameKind.OK, FrameKind.DATA, FrameKind.ERR):  # e.g. a request kind sent back
+                    raise WireError(f"a {kind_name(kind)} frame where a reply was due")
                 reply = self._replies.pop(rid, None)
                 if reply is None:
                     raise WireError(f"reply to unknown request {rid}")

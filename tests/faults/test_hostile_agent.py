@@ -415,7 +415,9 @@ def fake_agent(answer: Callable[[int], bytes]) -> tuple[socket.socket, Callable[
     lambda rid: header(FrameKind.OK, 100_000, rid=rid) + b"[" * 100_000,
     lambda rid: header(FrameKind.OK, 4 * MAX_META, rid=rid),
     lambda rid: header(FrameKind.OK, 6, rid=rid) + b"\xff\xfe[[[[",
-], ids=["nested", "oversized", "not-utf8"])
+    lambda rid: header(TcpFrame.PUT, 2, rid=rid) + b"{}",  # a request's kind where a reply is due
+    lambda rid: header(77, 2, rid=rid) + b"{}",  # a kind no one declared
+], ids=["nested", "oversized", "not-utf8", "request-kind", "unknown-kind"])
 async def test_a_hostile_hello_reply_is_peer_lost_with_a_wire_cause(answer):
     lsock, serve = fake_agent(answer)
     with lsock:
