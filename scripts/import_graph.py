@@ -65,12 +65,7 @@ def graph(pkg: Path = PKG) -> dict[str, set[str]]:
     mods = modules(pkg)
     out: dict[str, set[str]] = {}
     for m, p in mods.items():
-        deps: set[str] = set()
-        for name in imported_names(m, p):
-            if name in mods:
-                deps.add(name)
-            elif name.rpartition(".")[0] in mods:  # from pkg import Name: the package itself
-                deps.add(name.rpartition(".")[0])
+        deps = {name for name in imported_names(m, p) if name in mods}  # `from a import b` names a too
         is_pkg = p.name == "__init__.py"
         deps = {d for d in deps if d != m and not (is_pkg and d.startswith(m + "."))}
         out[m] = deps

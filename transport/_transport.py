@@ -42,6 +42,7 @@ from ._signals import Signals
 from ._tensors import MemoryKind, byte_offset, check_tensor, memory_kind
 from ._timeouts import seconds
 from ._transfers import PreparedTransfer, Transfer, TransferEngine
+from ._transfers.runs import RunList
 from ._wire import TransferOp
 from .backends import Backend, BackendContext, select_backends
 
@@ -461,14 +462,14 @@ class Transport:
         """
         self._check_open(notice=False)
         name = peer_name(peer)
-        return self._transfers.prepare(TransferOp.PUT, name, items)
+        return self._transfers.prepare(RunList.of_items(TransferOp.PUT, name, items))
 
     def prepare_get(self, peer: str | Peer, items: Sequence[tuple[torch.Tensor, str, int]]) -> PreparedTransfer:
         """As :meth:`prepare_put`, for a get: each item ``(dst, key, offset)`` reads
         ``dst.nbytes`` bytes at byte ``offset`` of region ``key`` into ``dst``."""
         self._check_open(notice=False)
         name = peer_name(peer)
-        return self._transfers.prepare(TransferOp.GET, name, items)
+        return self._transfers.prepare(RunList.of_items(TransferOp.GET, name, items))
 
     def prepare_put_runs(self, peer: str | Peer, src: torch.Tensor, key: str, runs: object) -> PreparedTransfer:
         """Prepares a reusable put of many runs of one tensor into one region of ``peer``.
@@ -500,7 +501,7 @@ class Transport:
         """
         self._check_open(notice=False)
         name = peer_name(peer)
-        return self._transfers.prepare(TransferOp.PUT, name, tensor=src, key=key, runs=runs)
+        return self._transfers.prepare(RunList.of_array(TransferOp.PUT, name, src, key, runs))
 
     def prepare_get_runs(self, peer: str | Peer, dst: torch.Tensor, key: str, runs: object) -> PreparedTransfer:
         """As :meth:`prepare_put_runs`, for a get: each run ``(local, remote, nbytes)`` reads
@@ -508,7 +509,7 @@ class Transport:
         (runs may overlap remotely; ``dst`` is written at every start)."""
         self._check_open(notice=False)
         name = peer_name(peer)
-        return self._transfers.prepare(TransferOp.GET, name, tensor=dst, key=key, runs=runs)
+        return self._transfers.prepare(RunList.of_array(TransferOp.GET, name, dst, key, runs))
 
     def put_many(self, peer: str | Peer, items: Sequence[tuple[torch.Tensor, str, int]], *,
                  timeout: float | None = None) -> Transfer:

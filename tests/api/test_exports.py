@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import inspect
 import re
@@ -84,6 +85,7 @@ def test_weights_plan_and_testing_exports() -> None:
     assert {"check_backend"} <= set(transport.testing.__all__)
 
 
+@functools.cache
 def _import_graph() -> ModuleType:
     """scripts/import_graph.py: the package's modules and what each imports (lazy and type-only
     imports included)."""

@@ -16,6 +16,7 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -39,7 +40,7 @@ from .._flight import FlightRecorder, OpState
 from .._peers import PeerDirectory
 from .._regions import check
 from .._staging import bounce
-from .._tensors import MemoryKind, dtype_name, nbytes_of
+from .._tensors import MemoryKind, Runs, dtype_name, nbytes_of
 from .._timeouts import seconds
 from .._wire import PeerRecord, RegionRecord, TransferOp
 from ..backends import Backend, LocalBuffer, RemoteTarget
@@ -62,6 +63,18 @@ SYNC_MAX_BYTES = 8 << 20
 
 
 _Checked = TypeVar("_Checked")
+
+
+@dataclass
+class _Plan:
+    """What the engine keeps for one prepared run list: its runs checked against one record of
+    the peer (``checked``: its incarnation and revision; ``bound``: each run with its region),
+    and the plan built on them for one placement of the local memory."""
+
+    checked: tuple[str, int]
+    bound: list[tuple[Runs, RegionRecord]]
+    plan: BatchPlan | None = None
+    memory: tuple[int, ...] = ()
 
 
 class TransferEngine:
@@ -88,11 +101,11 @@ class TransferEngine:
         self._inflight: dict[str, set[Transfer]] = {}
         self._ranges: dict[tuple[str, str], Ranges] = {}  # (peer, key) -> transfers in flight to it
         self._router = Router(name, backends)  # backend choice, synchronous routes
-        # Each prepared run list's plan for one record of its peer and one placement of its local
-        # memory (its backends' runners over their native lists): built at its first start (or
-        # warm) on them, dropped with the run list, i.e. with its PreparedTransfer.
-        self._plans: weakref.WeakKeyDictionary[RunList, tuple[tuple[object, ...], BatchPlan]] = (
-            weakref.WeakKeyDictionary())
+        # Each prepared run list's runs checked against one record of its peer (at prepare when the
+        # record is known, else at the first start or warm) and its plan for that record and one
+        # placement of its local memory (its backends' runners over their native lists): dropped
+        # with the run list, i.e. with its PreparedTransfer.
+        self._plans: weakref.WeakKeyDictionary[RunList, _Plan] = weakref.WeakKeyDictionary()
         self._closing = False  # the Transport is closing: what ends now ends with ClosedError
         directory.subscribe(lost=self.abort_peer, forget=self._router.forget, current=self._router.current,
                             withdrawn=self._router.withdrawn)
@@ -135,37 +148,34 @@ class TransferEngine:
         self._tg.start_soon(self._run, xfer, work, timeout)
         return xfer
 
-    def prepare(self, op: TransferOp, peer: str, items: Sequence[tuple[torch.Tensor, str, int]] | None = None, *,
-                tensor: torch.Tensor | None = None, key: str = "", runs: object = None) -> PreparedTransfer:
-        """A prepared ``op`` to ``peer``: of ``items`` (``Transport.prepare_put`` / ``_get``), or
-        of an array of ``runs`` between ``tensor`` and the peer's region ``key``
-        (``prepare_put_runs`` / ``_get_runs``). Checked here once: locally, and against the
-        peer's record when it is known already (else at the first start).
+    def prepare(self, runs: RunList) -> PreparedTransfer:
+        """A prepared transfer of ``runs`` (checked locally already), checked against the peer's
+        record now when it is known (else at the first start); that check is kept for the first
+        start on the same record.
 
         Raises:
-            As :meth:`RunList.of_items` / :meth:`RunList.of_array` and :meth:`RunList.check`.
+            As :meth:`RunList.check`.
         """
-        made = (RunList.of_items(op, peer, items) if items is not None
-                else RunList.of_array(op, peer, tensor, key, runs))  # type: ignore[arg-type]
-        known = self._directory.known(peer)
-        if known is not None:
-            made.check(known)  # all remote checks now, while the peer's record is at hand
-        return PreparedTransfer(made, self)
+        known = self._directory.known(runs.peer)
+        if known is not None:  # all remote checks now, while the peer's record is at hand
+            self._plans[runs] = _Plan((known.incarnation, known.seq), runs.check(known))
+        return PreparedTransfer(runs, self)
 
     def _plan(self, runs: RunList, record: PeerRecord) -> BatchPlan:
-        """``runs``' plan for ``record``, kept while the peer's incarnation and record and the
-        local memory stay the same (checked and built at the first start on them).
+        """``runs``' plan for ``record``: its runs checked against the record once per
+        incarnation and revision of it, and the plan built once per local memory placement on
+        top (at the first start on them).
 
         Raises:
             As :meth:`RunList.check` and :meth:`Router.plan`.
         """
-        ident = (record.incarnation, record.seq, *runs.memory())
+        checked, memory = (record.incarnation, record.seq), runs.memory()
         cached = self._plans.get(runs)
-        if cached is not None and cached[0] == ident:
-            return cached[1]
-        plan = self._router.plan(runs.op, record, runs.check(record))
-        self._plans[runs] = (ident, plan)
-        return plan
+        if cached is None or cached.checked != checked:
+            cached = self._plans[runs] = _Plan(checked, runs.check(record))
+        if cached.plan is None or cached.memory != memory:
+            cached.plan, cached.memory = self._router.plan(runs.op, record, cached.bound), memory
+        return cached.plan
 
     def start_prepared(self, prepared: RunList, timeout: float | None) -> Transfer:
         """See ``PreparedTransfer.start``. One segment takes the path a put of it would
