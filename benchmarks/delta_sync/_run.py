@@ -124,11 +124,19 @@ def memcpy_gbps(nbytes: int) -> dict[str, float]:
     return out
 
 
+def changed_fraction(state: dict[str, torch.Tensor], prev: dict[str, torch.Tensor]) -> float:
+    """The fraction of bf16 elements whose bits differ from ``prev`` (not timed: what a diff
+    would find, for versions the publisher sent dense without one)."""
+    changed = sum(int((v.view(torch.int16) != prev[k].view(torch.int16)).sum()) for k, v in state.items())
+    return changed / sum(v.numel() for v in state.values())
+
+
 async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], version: int,
-                       streams: tuple[str, ...] = STREAMS) -> dict[str, Any]:
+                       streams: tuple[str, ...] = STREAMS, changed: float | None = None) -> dict[str, Any]:
     """Publishes ``version`` on both streams (or on ``streams``), one after the other, and waits
-    on each until both subscribers hold it."""
-    row: dict[str, Any] = {"version": version}
+    on each until both subscribers hold it. ``changed``: the version's changed fraction as the
+    trainer measured it, reported where the delta stream's publisher did not diff."""
+    row: dict[str, Any] = {"version": version, "changed_fraction": changed}
     # Alternate which stream goes first: the first publish after a training step reads live
     # tensors the optimizer just wrote.
     for stream in [s for s in (STREAMS if version % 2 else STREAMS[::-1]) if s in streams]:
@@ -148,7 +156,8 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
                        "as_delta": [r.delta for r in res]}
         if report.delta is not None:
             d = report.delta
-            row["changed_fraction"] = d.density
+            if d.base is not None or d.sampled or changed is None:
+                row["changed_fraction"] = d.density
             row["diff_encode_s"] = d.encode_s
             row["diff_gbps"] = d.dense_bytes / d.encode_s / 1e9 if d.encode_s else None
             row["kinds"] = d.kinds
@@ -209,12 +218,14 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         outs.append(out)
     steps: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
+    windows: list[dict[str, Any]] = []
     try:
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=120) as t:
             crossover = {} if args.crossover is None else {"delta_crossover": args.crossover}
             async with Publisher(t, published, name="delta", delta=True, **crossover) as pd, \
                     Publisher(t, published, name="dense", delta=False) as pn:
-                await run_steps(args, t, model, published, cfg, {"delta": pd, "dense": pn}, backend, steps, sweep)
+                await run_steps(args, t, model, published, cfg, {"delta": pd, "dense": pn}, backend, steps, sweep,
+                                windows)
         for p in procs:
             p.wait(timeout=120)
         applies = [json.loads(o.read_text()) for o in outs]
@@ -223,17 +234,17 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for rows in (steps, sweep):
+    for rows in (steps, sweep, windows):
         for row in rows:
             for stream in STREAMS:
                 row[stream]["apply_s"] = [next((a["apply_s"] for a in sub[stream] if a["version"] == row["version"]),
                                                None) for sub in applies]
-    return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep}
+    return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep, "windows": windows}
 
 
 async def run_steps(args: argparse.Namespace, t: transport.Transport, model: torch.nn.Module,
                     published: dict[str, torch.Tensor], cfg: dict[str, Any], pubs: dict[str, Publisher], backend: str,
-                    steps: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> None:
+                    steps: list[dict[str, Any]], sweep: list[dict[str, Any]], windows: list[dict[str, Any]]) -> None:
     from examples.mesh_sync.model import batch
 
     for name in SUBSCRIBERS:
@@ -265,17 +276,42 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
             opt.zero_grad()
             loss.backward()
             opt.step()
+            before = {k: v.clone() for k, v in published.items()}
             with torch.no_grad():
                 for k, v in model.state_dict().items():
                     published[k].copy_(v)  # fp32 master -> bf16 published, in place
             version += 1
-            row = await publish_both(t, pubs, version)
+            row = await publish_both(t, pubs, version, changed=changed_fraction(published, before))
+            del before
             row["fp8_changed_fraction"], fp8_prev = fp8_change(published, fp8_prev)
             steps.append({"lr": lr, "step": s, "loss": float(loss.detach()), **row})
             print(f"[{backend}] lr={lr:g} step {s}: changed {row['changed_fraction']:.4%}, wire "
                   f"{row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
                   f"live {row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms, "
                   f"diff {diff_cell(row)}", flush=True)
+    if args.window:
+        # A generator that skipped versions: the change across ``window`` AdamW steps at the
+        # first learning rate, published as one version against the base both subscribers
+        # hold (the trainer published nothing between): the delta a lagging generator would
+        # need, and whether the publisher sends it dense when it should.
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr[0])
+        before = {k: v.clone() for k, v in published.items()}
+        for s in range(args.window):
+            x, y = batch(version + s + 1, cfg["vocab_size"], batch_size=args.batch, seq=args.seq)
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                published[k].copy_(v)
+        version += 1
+        row = await publish_both(t, pubs, version, changed=changed_fraction(published, before))
+        del before
+        windows.append({"lr": args.lr[0], "steps": args.window, **row})
+        print(f"[{backend}] {args.window} steps at lr={args.lr[0]:g} in one version: changed "
+              f"{row['changed_fraction']:.4%}, as delta {row['delta']['as_delta']}, live "
+              f"{row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms", flush=True)
     g = torch.Generator().manual_seed(5)
     # Unreported: a small delta first, so that the first swept version does not carry the one
     # read of the live tensors a subscriber makes when a delta follows dense versions.
@@ -283,9 +319,11 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
     version += 1
     await publish_both(t, pubs, version)
     for f in args.sweep:
+        before = {k: v.clone() for k, v in published.items()}
         flip(published, f, g)
         version += 1
-        row = await publish_both(t, pubs, version)
+        row = await publish_both(t, pubs, version, changed=changed_fraction(published, before))
+        del before
         sweep.append({"forced": f, **row})
         print(f"[{backend}] forced {f:.1%}: measured {row['changed_fraction']:.4%}, kinds {row['kinds']}, "
               f"wire {row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
@@ -295,8 +333,9 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
         await t.signal(name, "stop", 1)
 
 
-def summarize(run: dict[str, Any]) -> dict[str, Any]:
-    """The done-when figures of one backend's run, from its rows."""
+def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
+    """The done-when figures of one backend's run, from its rows (``memcpy``: the same run's
+    memcpy on all cores, GB/s)."""
     out: dict[str, Any] = {}
     for lr in sorted({r["lr"] for r in run["steps"] if r["lr"] is not None}):
         rows = [r for r in run["steps"] if r["lr"] == lr]
@@ -314,6 +353,13 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             "fp8_changed_fraction_mean": sum(r.get("fp8_changed_fraction") or 0 for r in rows) / len(rows),
             "delta_versions": sum(1 for r in rows if all(r["delta"]["as_delta"])),
         }
+    every = [r["delta"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:]]
+    out["every step"] = {"live_ratio_max": max(every, default=float("nan")),
+                         "diff_over_memcpy_min": min((r["diff_gbps"] / memcpy for r in run["steps"][1:]
+                                                      if r.get("diff_gbps")), default=float("nan"))}
+    out["windows"] = [{"lr": r["lr"], "steps": r["steps"], "changed": r["changed_fraction"],
+                       "as_delta": r["delta"]["as_delta"], "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"]}
+                      for r in run.get("windows", [])]
     out["sweep"] = [{"forced": r["forced"], "measured": r["changed_fraction"], "kinds": r["kinds"],
                      "wire_ratio": r["delta"]["wire_bytes"] / r["dense"]["wire_bytes"],
                      "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"],
@@ -345,6 +391,8 @@ def references_md(refs: dict[str, Any] | None) -> list[str]:
 
 
 def diff_cell(r: dict[str, Any]) -> str:
+    if r.get("crossover") == 0.0:
+        return "none (no delta pays on either path: dense)"
     if not r.get("diff_gbps"):
         return "none (sample above the crossover: dense)"
     return f"{r['diff_encode_s'] * 1e3:.0f} ({r['diff_gbps']:.2f})"
@@ -406,10 +454,22 @@ def markdown(result: dict[str, Any]) -> str:
                                     d["snapshot_s"], d["live_s"] - d["publish_s"])]
             out.append(f"| {r['lr']:g} | {r['step']} | " + " | ".join(f"{x:.0f}" for x in ms) + " | "
                        + " / ".join(f"{a * 1e3:.0f}" for a in d["apply_s"] if a is not None) + " |")
+        if run.get("windows"):
+            out += ["", f"Skipped versions ({b}): the change of several AdamW steps published as one version against "
+                    "the base both subscribers hold, as a generator that skipped the versions between would "
+                    "need it (the publisher diffs only against its previous version: a generator that holds "
+                    "an older one gets the version dense).", "",
+                    "| lr | AdamW steps | changed | wire delta / dense (MB) | diff ms (GB/s) | live ms delta / dense | "
+                    "ratio |", "|---|---|---|---|---|---|---|"]
+            for r in run["windows"]:
+                d, n = r["delta"], r["dense"]
+                out.append(f"| {r['lr']:g} | {r['steps']} | {r['changed_fraction']:.3%} | "
+                           f"{d['wire_bytes'] / 1e6:.2f} / {n['wire_bytes'] / 1e6:.2f} | {diff_cell(r)} | "
+                           f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} |")
         s = result["summary"][b]
         out += ["", f"Summary ({b}):", ""]
         for key, v in s.items():
-            if key != "sweep":
+            if key not in ("sweep", "windows"):
                 out.append(f"- {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()))
         out.append("")
     return "\n".join(out)
@@ -425,6 +485,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--sweep", type=float, nargs="*", default=list(SWEEP))
+    p.add_argument("--window", type=int, default=10,
+                   help="then this many AdamW steps published as one version (as a generator that skipped versions "
+                        "needs them; 0: none)")
     p.add_argument("--short", action="store_true", help="a tiny model (the test suite's smoke run)")
     p.add_argument("--join", action="store_true",
                    help="the delta stream's first delta follows its first, dense, version (no dense warm-up there)")
@@ -460,14 +523,17 @@ def main(argv: list[str] | None = None) -> None:
                     "torch": torch.__version__, "diff_isa": delta_isa()},
         "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}, "bf16_bytes": nbytes,
         "memcpy_gbps": memcpy, "args": {k: v for k, v in vars(args).items() if k not in ("spec", "role")},
-        "runs": runs, "summary": {r["backend"]: summarize(r) for r in runs},
+        "runs": runs, "summary": {r["backend"]: summarize(r, max(memcpy.values())) for r in runs},
         "load_before": load_before, "commit": commit, "references": refs,
     }
     summary: dict[str, dict[str, Any]] = result["summary"]
     for b, s in summary.items():
         for key, v in s.items():
-            if key != "sweep":
+            if key not in ("sweep", "windows"):
                 print(f"[{b}] {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()), flush=True)
+        for r in s["windows"]:
+            print(f"[{b}] {r['steps']} steps at lr={r['lr']:g} as one version: changed {r['changed']:.4%}, as delta "
+                  f"{r['as_delta']}, live x{r['live_ratio']:.3f}", flush=True)
         for r in s["sweep"]:
             print(f"[{b}] sweep {r['forced']:.1%}: wire x{r['wire_ratio']:.3f}, live x{r['live_ratio']:.3f}, "
                   f"apply {r['apply_s']} vs dense {r['dense_apply_s']}", flush=True)

@@ -22,8 +22,11 @@ from transport.weights._codec.format import ENTRY_WORDS, HEADER_WORDS
 
 def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     out = tmp_path / "delta.json"
+    # The crossover is given: chosen from what it measures, a model this small goes dense (the
+    # diff's fixed costs outweigh the bytes a delta saves), and this checks a delta's bytes.
     cmd = [PYTHON, "-m", "benchmarks.delta_sync", "--short", "--steps", "1", "--backends", "ipc", "tcp",
-           "--sweep", "0.01", "0.9", "--json", str(out), "--tmp", str(tmp_path / "run")]
+           "--sweep", "0.01", "0.9", "--window", "3", "--crossover", str(CROSSOVER), "--json", str(out),
+           "--tmp", str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=ROOT, env=python_env(), capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -53,6 +56,10 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
                 assert d["as_delta"] == [False, False] and d["wire_bytes"] == dense and f > CROSSOVER / 2
         # The smallest learning rate and the 1% sweep go as deltas.
         assert run["steps"][1]["delta"]["as_delta"] == [True, True] == run["sweep"][0]["delta"]["as_delta"]
+        # The skipped-versions case: three steps as one version, against the base both hold.
+        (window,) = run["windows"]
+        assert window["steps"] == 3 and 0 < window["changed_fraction"] <= 1
+        assert window["dense"]["wire_bytes"] == dense and all(s > 0 for s in window["delta"]["apply_s"])
         hot = run["sweep"][1]  # 90%: dense without a full diff
         assert hot["changed_fraction"] > 0.8 and hot["delta"]["as_delta"] == [False, False]
         assert hot["delta"]["wire_bytes"] == dense

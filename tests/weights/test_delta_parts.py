@@ -15,7 +15,7 @@ from tests._support.delta_model import same_bits
 from transport.weights import Publisher, Subscriber
 from transport.weights import _publisher as publisher_module
 from transport.weights._codec.apply import DeltaApplier
-from transport.weights._codec.encode import DeltaEncoder, Kind
+from transport.weights._codec.encode import CROSSOVER, DeltaEncoder, Kind
 from transport.weights._layout import build_layout
 
 
@@ -126,7 +126,7 @@ async def test_pushed_in_parts_every_subscriber_holds_every_version(monkeypatch,
     async with transport.Transport("trainer", store=store, backends=("tcp",)) as tt, \
             transport.Transport("gen-0", store=store, backends=("tcp",)) as t0, \
             transport.Transport("gen-1", store=store, backends=("tcp",)) as t1:
-        async with Publisher(tt, live, delta=True) as pub, \
+        async with Publisher(tt, live, delta=True, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(t0, subs_state["gen-0"], publisher="trainer") as s0, \
                 Subscriber(t1, subs_state["gen-1"], publisher="trainer") as s1:
             assert pub._parts == (8 if free_cores else 1)

@@ -237,7 +237,7 @@ async def test_by_default_deltas_go_over_the_network_only():
     async with transport.Transport("trainer", store=store, backends=("ipc", "tcp")) as tt, \
             transport.Transport("near", store=store, backends=("ipc",)) as tn, \
             transport.Transport("far", store=store, backends=("tcp",)) as tf:
-        async with Publisher(tt, src) as pub, \
+        async with Publisher(tt, src, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(tn, near := {"a": torch.zeros(1 << 16)}, publisher="trainer") as s_near, \
                 Subscriber(tf, far := {"a": torch.zeros(1 << 16)}, publisher="trainer") as s_far:
             for v in range(1, 5):
@@ -262,7 +262,7 @@ async def test_dense_above_the_crossover_and_forced_dense():
     src = {"a": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(1 << 16)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg, \
             transport.Transport("old", store=store) as to:
-        async with Publisher(tt, src, delta=True) as pub, \
+        async with Publisher(tt, src, delta=True, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub, \
                 Subscriber(to, old := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer",
                            delta=False) as dense_only:
@@ -363,7 +363,7 @@ async def test_every_subscriber_holds_every_version_bit_for_bit(tmp_path, backen
         outs = {name: peers.start(name, plan) for name, plan in PLANS.items()}
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=30) as tt, \
                 transport.Transport("intruder", store=store, backends=(backend,), timeout=30) as ti:
-            async with Publisher(tt, live, delta=True) as pub:
+            async with Publisher(tt, live, delta=True, delta_crossover=CROSSOVER) as pub:
                 for name in PLANS:
                     await tt.wait_signal(f"ready.{name}", at_least=1, timeout=60)
                 acked = dict.fromkeys(PLANS, 0)
@@ -477,7 +477,7 @@ async def holding_version_1(src: dict[str, torch.Tensor]) -> AsyncIterator[tuple
     tensors, once the subscriber holds version 1: (publisher, subscriber, its tensors)."""
     store = f"memory://{uuid.uuid4().hex}"
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
-        async with Publisher(tt, src, delta=True) as pub, \
+        async with Publisher(tt, src, delta=True, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(tg, dst := {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
             await pub.publish(1)
             assert await sub.wait_version(1) == 1
@@ -511,7 +511,7 @@ async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
     store = f"memory://{uuid.uuid4().hex}"
     src = {"a": torch.randn(256, 64).to(torch.bfloat16)}
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
-        async with Publisher(tt, src, delta=True) as pub, \
+        async with Publisher(tt, src, delta=True, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(tg, dst := {"a": torch.zeros(256, 64, dtype=torch.bfloat16)}, publisher="trainer") as sub:
             await pub.publish(1)
             assert await sub.wait_version(1) == 1
@@ -578,8 +578,8 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
     # (with its checksum pass): patched with v2's encodings alone. v3: patched (both sparse).
     # v4: mid goes dense (written before the pushes), the others patched. v5: mid was dense in
     # v4, whose encodings v5 patches with: copied, the others patched. v6: 90% everywhere, dense
-    # by the sample, and no pass after it (the next version likely changes as much). v7: the
-    # kept encodings (v4 -> v5) do not start from what the snapshot holds (v5): copied. v8, v9:
+    # by the sample; the pass after it copies its snapshot as after v1, so the first delta after
+    # it, v7, is patched with its own encodings alone, like v2 (before: all four copied). v8, v9:
     # patched.
     assert [f[1] for f in fills] == [False, True, True, True, True, False, True, True, True]
-    assert [f[2] for f in fills] == [None, (4, 0), (4, 0), (3, 0), (3, 1), None, (0, 4), (4, 0), (4, 0)]
+    assert [f[2] for f in fills] == [None, (4, 0), (4, 0), (3, 0), (3, 1), None, (4, 0), (4, 0), (4, 0)]

@@ -25,10 +25,13 @@ class DeltaFeed:
     Args:
         base: the version the delta is made against (a subscriber that holds it can follow the
             parts before the diff is done).
+        fraction: the changed fraction the sample of the version found (a subscriber whose
+            crossover is below it gets the version dense).
     """
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, fraction: float = 0.0) -> None:
         self.base = base
+        self.fraction = fraction
         self.dv: DeltaVersion | None = None
         self.fill: Fill | None = None
         self._parts: list[Items] = []

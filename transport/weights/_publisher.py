@@ -127,10 +127,15 @@ class Publisher(Lifecycle):
             Costs a third host buffer of up to half the packed size (the encodings). Applies to
             host (CPU) state only; CUDA state and ``delta=False`` send every version dense.
         delta_crossover: the changed fraction of a tensor above which it goes dense. None
-            (the default) chooses it per version from what this publisher measured: its last
-            dense push to each subscriber that takes deltas, its last diff, and a copy and a
-            scatter timed once on this host: 0.05 over links about as fast as memory, up to
-            0.4 over slow networks, where bytes dominate (0.05 until those are measured).
+            (the default) chooses it per version and per subscriber from what this publisher
+            measured: the last dense push to the subscriber, its last diff, and a copy, a
+            checksum pass and a scatter timed once on this host (:mod:`._codec.policy`). A
+            delta is chosen only where it is predicted to take at most 0.8 of the dense
+            version on that subscriber's path, counting what the first delta after a dense
+            version pays on top: up to 0.4 over slow networks, where bytes dominate, and none
+            at all (the version goes dense to it, undiffed) where no delta would pay, e.g. a
+            same-host link as fast as the memory pass that finds the change. A delta stream is
+            never meant to be slower than dense.
 
     Raises:
         ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive,
@@ -208,6 +213,7 @@ class Publisher(Lifecycle):
         self._delta_everywhere = delta is True  # "auto": not to subscribers reached over ipc
         self._memory_link: dict[str, bool] = {}  # subscriber -> its last push went over ipc
         self._takers = False  # whether a subscriber served by the last publish takes deltas
+        self._chosen: dict[str, float] = {}  # this version's crossover per subscriber that takes deltas (0.0: dense)
         # The checksum pass over the last dense snapshot, begun in the background: (slot, version, pass)
         self._learning: tuple[int, int, SumPass] | None = None
         self._ahead: threading.Thread | None = None  # the thread that runs it (and readies what follows)
@@ -473,6 +479,7 @@ class Publisher(Lifecycle):
                     self._learning = learning  # still writing there: the next publish waits again
                     raise
             snapshots.end_copy()
+            self._chosen = {}
             t0 = time.perf_counter()
             front = decode_front(int(snapshots.ctl[FRONT]))
             slot = snapshots.begin()
@@ -486,20 +493,22 @@ class Publisher(Lifecycle):
                 async def prepare() -> None:
                     nonlocal base, sample, feed
                     if self._delta is not None and front is not None and self._takers:
+                        base = snapshots.snaps[front[1]]
+                        crossover = await self._choose(front, learning)
                         # A sample of the change decides whether the full diff can pay: a version
                         # that changed too much goes dense at once, exactly as with delta=False.
-                        # (No diff at all while no subscriber takes deltas: zero-copy or
-                        # device-slot ones, say.)
-                        base = snapshots.snaps[front[1]]
-                        self._delta.crossover = self._crossover.value([n for n, v in self._takes_delta.items() if v])
-                        sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
-                        if not sample[0]:
+                        # (No diff at all while no subscriber takes deltas, zero-copy or
+                        # device-slot ones say, or none's path makes one pay.)
+                        if crossover > 0:
+                            self._delta.crossover = crossover
+                            sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
+                        if sample is not None and not sample[0]:
                             if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
                                 started = learning[2] if learning is not None and learning[:2] == front[::-1] \
                                     else None
                                 await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started,
                                                                slot)
-                            feed = DeltaFeed(front[0])
+                            feed = DeltaFeed(front[0], sample[1] / sample[2] if sample[2] else 0.0)
                     if feed is None:
                         if self._delta is not None:
                             self._delta.forget(slot)
@@ -577,13 +586,13 @@ class Publisher(Lifecycle):
             self._takers = any(self._takes_delta.get(n, False) for n in subs)
             if learning is not None:
                 learning[2].stop()  # used above, or not needed: it takes no more pieces
-            if dv is None and self._delta is not None and self._takers and self._rings is not None and \
-                    not (sample is not None and sample[0]):
-                # The next version is diffed against this snapshot: its checksum pass begins
+            if dv is None and self._delta is not None and self._rings is not None and \
+                    any(self._takes_delta.get(n, False) and self._crossover.of(n) > 0 for n in subs):
+                # The next version may be diffed against this snapshot: its checksum pass begins
                 # once it is complete, in the background (the next publish finishes it), and
                 # copies it into the other snapshot on the way, which the next version then
-                # only patches. Not after a version that changed too much (the next one likely
-                # does too).
+                # only patches: the first delta after a dense version then costs what the others
+                # do (before, 1.3-1.6x of them: delta_sync-2026-12-04-ipc.md).
                 self._learning = (slot, version, SumPass.of_buffer(snapshots.snaps[slot], self.layout.entries,
                                                                    copy_to=snapshots.snaps[1 - slot]))
                 self._rings.start_soon(self._learn_when_filled, *self._learning)
@@ -597,17 +606,39 @@ class Publisher(Lifecycle):
                                    encode_s=dv.encode_s,
                                    kinds={k.name.lower(): dv.kinds.count(k) for k in set(dv.kinds)},
                                    crossover=self._delta.crossover)
-            elif self._delta is not None:  # dense without a full diff: no base, or the sample said so
+            elif self._delta is not None:  # dense without a full diff: no base, the model or the sample said so
                 stats = DeltaStats(base=None, changed=sample[1] if sample else 0, elements=sample[2] if sample else 0,
                                    dense_bytes=self.layout.total, delta_bytes=self.layout.total, encode_s=0.0,
                                    kinds={"dense": len(self.layout.entries)}, sampled=sample is not None,
-                                   crossover=self._delta.crossover if sample is not None else None)
+                                   crossover=self._delta.crossover if sample is not None else
+                                   0.0 if self._chosen else None)
             # A delta version's diff ran after the lookup, its pushes beside it: pack_s counts it,
             # push_s what the pushes took after it.
             return PublishReport(version, results, left, queued_s=t0 - entry,
                                  pack_s=t_packed - t0 + t_diffed - t_found, discover_s=t_found - t_packed,
                                  push_s=t_pushed - t_diffed, snapshot_s=end - t_pushed,
                                  total_s=end - entry, delta=stats)
+
+    async def _choose(self, front: tuple[int, int], learning: tuple[int, int, SumPass] | None) -> float:
+        """Chooses this version's crossover for each subscriber that takes deltas (into
+        ``_chosen``) from what was measured on its path, counting what a first delta after the
+        dense version in front still pays (the part of the background pass ``learning`` not
+        done); returns the highest, the one the version is diffed by (0.0: no delta pays, the
+        version goes dense undiffed). Calibrates this host first, once (about 30 ms; usually
+        done already, in the background after the first version)."""
+        assert self._delta is not None
+        if self._crossover.fixed is None and not self._crossover.calibrated:
+            await anyio.to_thread.run_sync(self._crossover.calibrate)
+        first_s = 0.0
+        if self._delta.base_of(front[1], front[0]) is None:
+            deltable_bytes = sum(e.nbytes for e in self.layout.entries if deltable(e))
+            started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
+            left = 1.0 if started is None else started.left
+            first_s = self._crossover.first_s(int(deltable_bytes * left),
+                                              int(deltable_bytes * (left if started is not None and started.copies
+                                                                    else 1.0)))
+        self._chosen = self._crossover.value([n for n, v in self._takes_delta.items() if v], first_s)
+        return max(self._chosen.values(), default=0.0)
 
     async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
         """Begins the checksum pass ``sums`` over dense snapshot ``slot`` (which copies it into
@@ -624,10 +655,10 @@ class Publisher(Lifecycle):
 
             def ahead() -> None:
                 sums.drain()
-                if not sums.stopped:  # (stopped: closing)
-                    delta.reserve()
-                if not sums.stopped and self._crossover.fixed is None and not self._crossover.calibrated:
+                if not sums.stopped and self._crossover.fixed is None:  # (stopped: closing)
                     self._crossover.calibrate()
+                if not sums.stopped:
+                    delta.reserve()
 
             self._ahead = start_background(ahead, sums.stop)
 
@@ -732,7 +763,8 @@ class Publisher(Lifecycle):
                 return PENDING if slot is None else slot
 
             back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
-        if feed is not None and self._takes_delta[sub] and self._holds_base(peer, ctl, nslots, back, feed.base):
+        if feed is not None and self._takes_delta[sub] and 0 < self._chosen.get(sub, 0.0) >= feed.fraction and \
+                self._holds_base(peer, ctl, nslots, back, feed.base):
             # Only what changed since the base it holds: each part of the encodings as the diff
             # hands it out (the rest is diffed meanwhile), then the header beside the slot.
             index = 0

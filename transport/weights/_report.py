@@ -44,7 +44,10 @@ class DeltaStats:
         sampled: the version went dense without a full diff because a sample of the change said
             a delta would not pay (``changed``/``elements`` are then the sample's).
         crossover: the changed fraction above which a tensor went dense for this version (the
-            publisher's ``delta_crossover``, or the one it chose from its measurements).
+            publisher's ``delta_crossover``, or the highest it chose per subscriber from its
+            measurements); 0.0 when its measurements said no delta would pay on any
+            subscriber's path (the version went dense without a sample or a diff; ``base`` is
+            then None); None when no subscriber took deltas.
     """
 
     base: int | None

@@ -97,6 +97,12 @@ class SumPass:
         """Whether the pass copies what it sums."""
         return self._copy_to is not None
 
+    @property
+    def left(self) -> float:
+        """The share of its pieces no thread has taken yet (0.0 when done, 1.0 before it began)."""
+        with self._lock:
+            return (len(self._pieces) - self._next) / len(self._pieces) if self._pieces else 0.0
+
     def _take(self, background: bool) -> int | None:
         with self._lock:
             if self._stopped or (background and self._paused) or self._next >= len(self._pieces):

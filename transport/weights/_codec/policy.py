@@ -1,26 +1,34 @@
-"""Where a stream's delta stops paying: the changed fraction above which a tensor (and a version,
-by its sample) goes dense, chosen per version from what this publisher measured.
+"""Where a stream's delta stops paying: per subscriber, the changed fraction above which a
+tensor (and a version, by its sample) goes dense, chosen per version from what this publisher
+measured, down to none: the version goes dense to that subscriber without being diffed.
 
 A delta of a version at changed fraction f costs the diff (it reads the new and the previous
-version), the push of its encodings (about ``w(f)`` of the dense bytes) and the subscribers'
-checked scatter (a cost per changed element); dense costs the push of every byte and a copy.
-Over a link as fast as memory the diff and the scatter outweigh the bytes saved from a few
-percent on (``CROSSOVER``); over a network the bytes dominate and much denser changes still pay
+version), the push of its encodings (about ``w(f)`` of the dense bytes) and the subscriber's
+checked scatter (a cost per changed element); the first delta after a dense version also pays
+what the background pass after that version did not do yet (the base's checksums, and the copy
+that lets the new snapshot be patched rather than copied). Dense costs the push of every byte
+and the subscriber's copy. Over a link as fast as memory the diff alone costs about what the
+bytes saved do, so a delta there rarely pays (``delta_sync-2026-12-04-ipc.md``: 1.05-1.56x of
+dense at 2-3% changed); over a network the bytes dominate and much denser changes still pay
 (``delta_sync-2026-12-03-tcp-10gbit-crossover-0.4.md``: 11-19% changed at 0.58-0.64x of dense
 over 10 Gbit/s). :class:`Crossover` models both from measurements:
 
-- the last dense push to each subscriber that takes deltas (seconds for the dense bytes; the
-  fastest of them decides, as one encoding serves them all);
+- the last dense push to each subscriber that takes deltas (seconds for the dense bytes: its
+  path, including what it shares with the other pushes of a version);
 - the last full diff (seconds), else twice a copy of the dense bytes;
-- a copy rate and a scatter cost per changed element, measured once on this host on a scratch
-  buffer (:meth:`calibrate`, in the background after the first dense version).
+- a copy rate, a checksum rate and a scatter cost per changed element, measured once on this
+  host on a scratch buffer (:meth:`Crossover.calibrate`).
 
-Until all are known it answers ``CROSSOVER``; a crossover given to the publisher is used as it is.
+A delta is chosen only where it is predicted to take at most ``MARGIN`` of dense: the rule is
+that a delta stream is never slower than dense. Until a subscriber's path is measured it
+answers ``CROSSOVER``; a crossover given to the publisher is used as it is.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -30,7 +38,9 @@ from .encode import CROSSOVER
 
 NETWORK_MAX = 0.4  # the highest crossover chosen: denser changes go dense on any link
 MARGIN = 0.8  # a delta is chosen only where it is predicted to take at most this share of dense
-STEPS = (0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, NETWORK_MAX)  # the crossovers tried above CROSSOVER
+# The crossovers tried, lowest first; the highest that pays is chosen, and none (0.0: dense) when
+# not even the lowest does.
+STEPS = (0.005, 0.01, 0.02, 0.03, CROSSOVER, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, NETWORK_MAX)
 CALIBRATE_ELEMENTS = 8 << 20  # bf16 elements of the scratch buffer (16 MiB, past most caches)
 
 
@@ -42,7 +52,7 @@ def wire_share(f: float, es: int) -> float:
 
 
 class Crossover:
-    """The crossover of one publisher, from its measurements (see the module docstring).
+    """The crossovers of one publisher, from its measurements (see the module docstring).
 
     Args:
         fixed: a crossover given by the caller (used as it is), or None to choose one.
@@ -58,7 +68,9 @@ class Crossover:
         self._es = element_size
         self._push_s: dict[str, float] = {}  # subscriber -> seconds of its last dense push
         self._diff_s: float | None = None
+        self._calibrating = threading.Lock()  # one calibration at a time; the second waits for it
         self.copy_gbps: float | None = None  # measured by calibrate()
+        self.sum_gbps: float | None = None  # the checksum pass, measured by calibrate()
         self.scatter_ns: float | None = None  # per changed element, measured by calibrate()
 
     def pushed_dense(self, sub: str, seconds: float) -> None:
@@ -76,49 +88,72 @@ class Crossover:
 
     @property
     def calibrated(self) -> bool:
-        return self.copy_gbps is not None and self.scatter_ns is not None
+        return self.copy_gbps is not None and self.scatter_ns is not None and self.sum_gbps is not None
 
     def calibrate(self) -> None:
-        """Measures a streaming copy and the checked scatter (check pass and stores) of a 10%
-        change on a scratch buffer of ``CALIBRATE_ELEMENTS`` bf16 elements (best of three
-        each; about 30 ms). Runs in a background thread. It sees this host idle: subscribers
-        that share their cores with each other and the trainer scatter slower (3-4x on the
-        2-core VM of the benchmarks)."""
-        n = CALIBRATE_ELEMENTS
-        base = torch.zeros(n, dtype=torch.int16)
-        fresh = base.clone()
-        fresh[::10] = 1  # 10% changed, every gap 9: the varint encoding the scatter meets
-        dst = torch.empty_like(base)
-        dst.fill_(0)
-        out = torch.zeros(n * 2, dtype=torch.uint8)
-        enc = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())
-        copy_s = scatter_s = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            stream_copy(dst.data_ptr(), base.data_ptr(), n * 2)
-            t1 = time.perf_counter()
-            for write in (False, True):  # a subscriber's checked apply: the check pass, then the stores
-                native.scatter(dst.data_ptr() if write else 0, n, 2, out.data_ptr(), enc.payload_bytes,
-                               int(enc.kind), enc.changed, enc.pos_bytes, write)
-            t2 = time.perf_counter()
-            copy_s, scatter_s = min(copy_s, t1 - t0), min(scatter_s, t2 - t1)
-        self.copy_gbps = n * 2 / copy_s / 1e9
-        self.scatter_ns = scatter_s / max(1, enc.changed) * 1e9
+        """Measures a streaming copy, a checksum pass and the checked scatter (check pass and
+        stores) of a 10% change on a scratch buffer of ``CALIBRATE_ELEMENTS`` bf16 elements
+        (best of three each; about 30 ms), once: a call while another runs waits for it. Runs
+        in a worker or background thread. It sees this host idle: subscribers that share their
+        cores with each other and the trainer scatter slower (3-4x on the 2-core VM of the
+        benchmarks)."""
+        with self._calibrating:
+            if self.calibrated:
+                return
+            n = CALIBRATE_ELEMENTS
+            base = torch.zeros(n, dtype=torch.int16)
+            fresh = base.clone()
+            fresh[::10] = 1  # 10% changed, every gap 9: the varint encoding the scatter meets
+            dst = torch.empty_like(base)
+            dst.fill_(0)
+            out = torch.zeros(n * 2, dtype=torch.uint8)
+            enc = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())
+            copy_s = sum_s = scatter_s = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                stream_copy(dst.data_ptr(), base.data_ptr(), n * 2)
+                t1 = time.perf_counter()
+                native.checksum(fresh.data_ptr(), n, 2)
+                t2 = time.perf_counter()
+                for write in (False, True):  # a subscriber's checked apply: the check pass, then the stores
+                    native.scatter(dst.data_ptr() if write else 0, n, 2, out.data_ptr(), enc.payload_bytes,
+                                   int(enc.kind), enc.changed, enc.pos_bytes, write)
+                t3 = time.perf_counter()
+                copy_s, sum_s, scatter_s = min(copy_s, t1 - t0), min(sum_s, t2 - t1), min(scatter_s, t3 - t2)
+            self.copy_gbps = n * 2 / copy_s / 1e9
+            self.sum_gbps = n * 2 / sum_s / 1e9
+            self.scatter_ns = scatter_s / max(1, enc.changed) * 1e9
 
-    def value(self, takers: list[str]) -> float:
-        """The crossover for a version going to ``takers`` (the subscribers that take deltas)."""
+    def first_s(self, unsummed: int, uncopied: int) -> float:
+        """What the first delta after a dense version pays on top of the others: a checksum
+        pass over ``unsummed`` bytes of the base and a copy of ``uncopied`` bytes into the new
+        snapshot (what the background pass after the dense version did not do). 0.0 while not
+        calibrated."""
+        if self.copy_gbps is None or self.sum_gbps is None:
+            return 0.0
+        return unsummed / (self.sum_gbps * 1e9) + uncopied / (self.copy_gbps * 1e9)
+
+    def of(self, sub: str, first_s: float = 0.0) -> float:
+        """The crossover for a version going to ``sub`` (a subscriber that takes deltas): the
+        highest of ``STEPS`` at which a delta is predicted to take at most ``MARGIN`` of the
+        dense version on its path, or 0.0 where none is (it gets the version dense, undiffed);
+        ``first_s``: the extra cost of a first delta after a dense version (:meth:`first_s`).
+        The given crossover, if any; ``CROSSOVER`` while its path or this host is unmeasured."""
         if self.fixed is not None:
             return self.fixed
-        pushes = [self._push_s[s] for s in takers if s in self._push_s]
-        if not pushes or self.copy_gbps is None or self.scatter_ns is None:
+        push = self._push_s.get(sub)
+        if push is None or self.copy_gbps is None or self.scatter_ns is None:
             return CROSSOVER
-        push = min(pushes)
         copy = self._bytes / (self.copy_gbps * 1e9)
         diff = self._diff_s if self._diff_s is not None else 2 * copy
         dense = push + copy
-        best = CROSSOVER
+        best = 0.0
         for f in STEPS:
-            delta = diff + wire_share(f, self._es) * push + self.scatter_ns * 1e-9 * f * self._elements
+            delta = first_s + diff + wire_share(f, self._es) * push + self.scatter_ns * 1e-9 * f * self._elements
             if delta <= MARGIN * dense:
                 best = f
         return best
+
+    def value(self, takers: Iterable[str], first_s: float = 0.0) -> dict[str, float]:
+        """:meth:`of` each of ``takers`` (the subscribers that take deltas)."""
+        return {sub: self.of(sub, first_s) for sub in takers}
