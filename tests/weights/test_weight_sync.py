@@ -233,7 +233,7 @@ async def test_close_stops_the_doorbells_promptly(store):
                     assert (await pub.publish(v)).done == ["gen"]
             finally:
                 await pub.aclose()
-        assert not pub._ringing  # the doorbell loops ended with the publisher
+        assert not pub._doorbells.pending  # the doorbell loops ended with the publisher
         try:
             await pub.aclose()  # idempotent
             assert sub.apply() == 3  # the fronts were set before the doorbells

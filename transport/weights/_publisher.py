@@ -21,39 +21,35 @@ import anyio
 import torch
 
 from .._background import start_background
-from .._errors import LayoutMismatchError, PeerLostError, TransferTimeoutError, TransportError, TransportInternalError
+from .._errors import TransferTimeoutError, TransportError, TransportInternalError
 from ._codec.checksum import PAUSE_S, SumPass, deltable
 from ._codec.encode import CROSSOVER, PARTS, DeltaEncoder, DeltaVersion
 from ._codec.format import SPARSE_MAX, index_bytes
 from ._codec.policy import Crossover
 from ._control import (
-    APPLIED,
-    CTL_WORDS,
-    DELTA,
     FILLING,
     FRONT,
     LATEST,
-    LAYOUT_ID,
     StreamKeys,
     decode_front,
-    encode_front,
-    free_slot,
     memory_barrier,
     withdraw,
 )
 from ._copy import available_threads, cores
 from ._delta_feed import DeltaFeed, Fill
+from ._doorbells import Doorbells
 from ._layout import build_layout, describe, tensors_of
 from ._lifecycle import Lifecycle
-from ._polling import PENDING, Pending, poll
+from ._push import Pushes
 from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
+from ._roster import Roster
 from ._snapshots import Snapshots
 from ._warm import WarmTarget, warm_pushes
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from .. import Peer, PreparedTransfer, Transfer, Transport
+    from .. import Peer, PreparedTransfer, Transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,26 +188,18 @@ class Publisher(Lifecycle):
         elements = sum(e.numel for e in deltable_entries)
         self._crossover = Crossover(delta_crossover, self.layout.total, elements,
                                     round(sum(e.nbytes for e in deltable_entries) / elements) if elements else 2)
-        self._index_bytes = index_bytes(self.layout)
         # The diff hands its encodings to the pushes in parts while it runs where it leaves cores
         # free for them (else in one part, once done: see PARTS).
         self._parts = PARTS if cores() > available_threads() else 1
         self.version: int | None = None
-        self._ringing: dict[tuple[str, str], int] = {}  # (subscriber, incarnation) -> newest version to ring
-        self._rings: TaskGroup | None = None  # runs the doorbell loops; open between start and aclose
+        self._rings: TaskGroup | None = None  # runs doorbells, fills, passes; open between start and aclose
         self._lock = anyio.Lock()
         self._started = False
-        # Subscribers served by a publish, by name -> incarnation, until reported left or dead;
-        # and the (name, incarnation)s reported dead, left out of every later publish.
-        self._served: dict[str, str] = {}
-        self._gone: set[tuple[str, str]] = set()
-        # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
-        self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
-        # subscriber -> (the slot its last complete version went to, reached one-sidedly)
-        self._landed: dict[str, tuple[int, bool]] = {}
-        self._takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
-        self._delta_everywhere = delta is True  # "auto": not to subscribers reached over ipc
-        self._memory_link: dict[str, bool] = {}  # subscriber -> its last push went over ipc
+        self._roster = Roster(transport, self._keys)
+        self._doorbells = Doorbells(transport, self._keys.doorbell, self.deadline)
+        # "auto": no deltas to subscribers reached over a same-host link
+        self._pushes = Pushes(transport, name, self._keys, self.layout, self._snapshots, self._crossover, self.deadline,
+                              index_bytes(self.layout), delta is True)
         self._takers = False  # whether a subscriber served by the last publish takes deltas
         self._chosen: dict[str, float] = {}  # this version's crossover per subscriber that takes deltas (0.0: dense)
         # The checksum pass over the last dense snapshot, begun in the background: (slot, version, pass)
@@ -247,6 +235,7 @@ class Publisher(Lifecycle):
         rings = anyio.create_task_group()
         await rings.__aenter__()
         self._rings = rings
+        self._doorbells.open(rings)
         self._started = True
         log.info("publisher %s/%s: %s (%d of %d buckets sent straight from the live tensors)", t.name, self.name,
                  describe(self.layout), len(self._snapshots.direct), len(self.layout.buckets))
@@ -266,6 +255,7 @@ class Publisher(Lifecycle):
             return
         self._started = False
         rings, self._rings = self._rings, None
+        self._doorbells.close()
         if self._learning is not None:
             self._learning[2].stop()
         try:
@@ -311,11 +301,11 @@ class Publisher(Lifecycle):
         if not self._started:
             raise TransportError("publisher not started; use `async with Publisher(...)`")
         async with self._lock:
-            subs, _listed = await self._discover()
+            subs = (await self._roster.scan()).serve
             snap = self._snapshots.snaps[0]
             # A slot has a prepared push once it was pushed to or warmed (those of subscribers no
-            # longer served are dropped by _remember; one whose warm failed is dropped by warm_pushes).
-            have = {c[:3] for c in self._batches}
+            # longer served are dropped after a publish; one whose warm failed by warm_pushes).
+            have = self._pushes.warmed()
             targets = []
             for peer in subs.values():
                 slots = [s for s, key in enumerate(self._keys.slots) if key in peer.regions]
@@ -324,10 +314,10 @@ class Publisher(Lifecycle):
                     continue
 
                 def prepare(s: int, p: Peer = peer) -> PreparedTransfer:
-                    return self._prepared(p, s, snap)
+                    return self._pushes.prepared(p, s, snap)
 
                 def drop(s: int, p: Peer = peer) -> None:
-                    self._batches.pop((p.name, p.incarnation, s, snap.data_ptr()), None)
+                    self._pushes.drop(p, s, snap)
 
                 targets.append(WarmTarget(peer.name, todo, prepare, drop))
             return await warm_pushes(targets, self.deadline, (), f"publisher {self.t.name}/{self.name}")
@@ -366,72 +356,7 @@ class Publisher(Lifecycle):
         Raises:
             ClosedError: the Transport is closed.
         """
-        return sorted((await self._discover())[0])
-
-    async def _discover(self) -> tuple[dict[str, Peer], dict[str, Peer | None]]:
-        """The subscribers to serve now, and every peer listed in the store as looked up now
-        (None: its record is unusable, i.e. left by an exited process, or unreadable)."""
-        listed: dict[str, Peer | None] = {}
-        subs = {}
-        for n in await self.t.peers():
-            if n == self.t.name:
-                continue
-            peer = listed[n] = await self.t.lookup(n)
-            if peer is None or (n, peer.incarnation) in self._gone:
-                continue
-            if self._keys.slots[1] in peer.regions and self._keys.ctl in peer.regions:
-                subs[n] = peer
-        return subs, listed
-
-    def _departed(self, subs: dict[str, Peer], listed: dict[str, Peer | None], version: int, t0: float,
-                  results: dict[str, SyncResult]) -> tuple[tuple[str, ...], list[tuple[str, str]]]:
-        """Sorts the subscribers served before and not subscribed now into those that left
-        (names, sorted) and the dead ((name, incarnation), each with a FAILED result in
-        ``results``). Changes no state: the publish forgets them once it completes (a cancelled
-        publish leaves them to the next)."""
-        left, dead = [], []
-        for name, incarnation in self._served.items():
-            if name in subs:  # still subscribed, or a restarted process under its name is (served as new)
-                continue
-            if name in listed and listed[name] is None:
-                why = (f"{name} (incarnation {incarnation}) died: its record in the store is left by an exited "
-                       f"process, or unreadable")
-                results[name] = SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0,
-                                           f"{PeerLostError.__name__}: {why}")
-                dead.append((name, incarnation))
-                log.warning("publisher %s: subscriber %s", self.t.name, why)
-            else:  # no record (its Transport closed), no slots (it unsubscribed), or a new incarnation
-                left.append(name)
-                log.info("publisher %s: subscriber %s (incarnation %s) left", self.t.name, name, incarnation)
-        return tuple(sorted(left)), dead
-
-    def _remember(self, subs: dict[str, Peer], listed: dict[str, Peer | None], dead: list[tuple[str, str]]) -> None:
-        """After a publish: who was served (for the next one's departures). The dead, and
-        those lost during it, are remembered by incarnation while their record is listed: no
-        later publish serves or reports them again (one that left may come back, e.g.
-        re-subscribe; a restart under the name is a new incarnation)."""
-        self._gone.update(dead)
-        still = {n: None if p is None else p.incarnation for n, p in listed.items()}  # None: stale record
-        self._gone = {(n, i) for n, i in self._gone if n in still and still[n] in (None, i)}
-        for name in [n for n in self._served if n not in subs]:
-            del self._served[name]
-        # Prepared pushes (and snapshot copies) of subscribers no longer served: what they hold
-        # (e.g. mappings of a dead subscriber's slots) goes with them.
-        serving = {(n, p.incarnation) for n, p in subs.items() if (n, p.incarnation) not in self._gone}
-        for c in [c for c in self._batches if (c[0], c[1]) not in serving]:
-            del self._batches[c]
-        self._snapshots.forget(serving)
-        for name in [n for n in self._landed if n not in subs]:
-            del self._landed[name]
-        for name in [n for n in self._takes_delta if n not in subs]:
-            del self._takes_delta[name]
-            self._memory_link.pop(name, None)
-            self._crossover.forget(name)
-        for name, peer in subs.items():
-            if (name, peer.incarnation) in self._gone:
-                self._served.pop(name, None)
-            else:
-                self._served[name] = peer.incarnation
+        return sorted((await self._roster.scan()).serve)
 
     async def publish(self, version: int) -> PublishReport:
         """Snapshots the state dict as ``version`` and pushes it to every current subscriber.
@@ -518,9 +443,10 @@ class Publisher(Lifecycle):
                         await anyio.to_thread.run_sync(snapshots.pack, slot)
 
                 # The subscribers are looked up while the sample, or the pack, runs.
-                (subs, listed), t_packed = await _both(self._discover, prepare)
-                results: dict[str, SyncResult] = {}
-                left, dead = self._departed(subs, listed, version, t0, results)
+                scan, t_packed = await _both(self._roster.scan, prepare)
+                subs = scan.serve
+                results = {name: SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0, why)
+                           for (name, _), why in scan.dead.items()}
                 t_found = t_diffed = time.perf_counter()
                 snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
                 if feed is not None:  # its snapshot is completed below: pull() waits for it, not the one before
@@ -528,7 +454,7 @@ class Publisher(Lifecycle):
                 memory_barrier()
                 async with anyio.create_task_group() as tg:
                     for peer in subs.values():
-                        tg.start_soon(self._push, peer, version, snapshots.snaps[slot], t0, results, feed)
+                        tg.start_soon(self._serve, peer, version, snapshots.snaps[slot], t0, results, feed)
                     if feed is not None and self._delta is not None and front is not None:
                         # Diffed against the front snapshot, writing only the encodings (and what a
                         # delta push sends from the new snapshot); the pushes to subscribers that
@@ -549,7 +475,7 @@ class Publisher(Lifecycle):
                 t_pushed = time.perf_counter()
                 # A subscriber reached one-sidedly (its application takes no part in the copy back).
                 source = next((subs[n] for n, r in results.items()
-                               if r.status == SyncStatus.DONE and n in subs and self._landed[n][1]), None)
+                               if r.status == SyncStatus.DONE and n in subs and self._pushes.landed[n][1]), None)
                 fill = None if feed is None else feed.fill
                 if fill is not None and dv is not None and self._delta is not None:
                     delta = self._delta
@@ -565,15 +491,15 @@ class Publisher(Lifecycle):
                         await fill.copies()
                         snapshots.complete_in_background(self._rings, slot, version,
                                                          functools.partial(delta.fill_patches, snap, dv),
-                                                         lambda: bool(self._ringing),
+                                                         lambda: self._doorbells.pending,
                                                          functools.partial(delta.commit, slot, version, sums))
                         ended = True
                 elif source is not None and snapshots.direct and self._rings is not None:
                     # The rest of the snapshot comes from a subscriber's slot that holds this version
                     # (no one writes it before our next publish), in the background: the live
                     # tensors are free now.
-                    snapshots.fill_in_background(self._rings, source, self._landed[source.name][0], slot, version,
-                                                 lambda: bool(self._ringing))
+                    snapshots.fill_in_background(self._rings, source, self._pushes.landed[source.name][0], slot,
+                                                 version, lambda: self._doorbells.pending)
                     ended = True
                 else:
                     await anyio.to_thread.run_sync(snapshots.fill_direct, slot)
@@ -583,11 +509,11 @@ class Publisher(Lifecycle):
                 if not ended:  # failed or cancelled: unpublished, and pullers read the front as before
                     snapshots.finish(slot, version, False)
             self.version = version
-            self._takers = any(self._takes_delta.get(n, False) for n in subs)
+            self._takers = any(self._pushes.takes_delta.get(n, False) for n in subs)
             if learning is not None:
                 learning[2].stop()  # used above, or not needed: it takes no more pieces
             if dv is None and self._delta is not None and self._rings is not None and \
-                    any(self._takes_delta.get(n, False) and self._crossover.of(n) > 0 for n in subs):
+                    any(self._pushes.takes_delta.get(n, False) and self._crossover.of(n) > 0 for n in subs):
                 # The next version may be diffed against this snapshot: its checksum pass begins
                 # once it is complete, in the background (the next publish finishes it), and
                 # copies it into the other snapshot on the way, which the next version then
@@ -596,7 +522,9 @@ class Publisher(Lifecycle):
                 self._learning = (slot, version, SumPass.of_buffer(snapshots.snaps[slot], self.layout.entries,
                                                                    copy_to=snapshots.snaps[1 - slot]))
                 self._rings.start_soon(self._learn_when_filled, *self._learning)
-            self._remember(subs, listed, dead)
+            serving = self._roster.served(scan)
+            self._pushes.forget(serving)
+            self._snapshots.forget(serving)
             end = time.perf_counter()
             stats = None
             if dv is not None and self._delta is not None:
@@ -614,7 +542,7 @@ class Publisher(Lifecycle):
                                    0.0 if self._chosen else None)
             # A delta version's diff ran after the lookup, its pushes beside it: pack_s counts it,
             # push_s what the pushes took after it.
-            return PublishReport(version, results, left, queued_s=t0 - entry,
+            return PublishReport(version, results, scan.left, queued_s=t0 - entry,
                                  pack_s=t_packed - t0 + t_diffed - t_found, discover_s=t_found - t_packed,
                                  push_s=t_pushed - t_diffed, snapshot_s=end - t_pushed,
                                  total_s=end - entry, delta=stats)
@@ -629,15 +557,9 @@ class Publisher(Lifecycle):
         assert self._delta is not None
         if self._crossover.fixed is None and not self._crossover.calibrated:
             await anyio.to_thread.run_sync(self._crossover.calibrate)
-        first_s = 0.0
-        if self._delta.base_of(front[1], front[0]) is None:
-            deltable_bytes = sum(e.nbytes for e in self.layout.entries if deltable(e))
-            started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
-            left = 1.0 if started is None else started.left
-            first_s = self._crossover.first_s(int(deltable_bytes * left),
-                                              int(deltable_bytes * (left if started is not None and started.copies
-                                                                    else 1.0)))
-        self._chosen = self._crossover.value([n for n, v in self._takes_delta.items() if v], first_s)
+        started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
+        first_s = self._crossover.first_s(*self._delta.unready_bytes(front[1], front[0], started))
+        self._chosen = self._crossover.value([n for n, v in self._pushes.takes_delta.items() if v], first_s)
         return max(self._chosen.values(), default=0.0)
 
     async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
@@ -662,152 +584,13 @@ class Publisher(Lifecycle):
 
             self._ahead = start_background(ahead, sums.stop)
 
-    async def _push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float,
-                    results: dict[str, SyncResult], feed: DeltaFeed | None = None) -> None:
-        sub, moved = peer.name, [0, 0]  # bytes written, whether as a delta
-        handles: list[Transfer] = []
-        status = SyncStatus.STRAGGLER
-        error: str | None = f"not complete within the {self.deadline:g}s deadline"
-        with anyio.CancelScope() as scope:
-
-            def clock() -> None:
-                """(Re)starts the deadline: it runs from the end of the diff, our own work."""
-                scope.deadline = anyio.current_time() + self.deadline
-
-            clock()
-            try:
-                await self._push_inner(peer, version, snap, handles, moved, feed, clock)
-                status, error = SyncStatus.DONE, None
-            except TransportError as exc:
-                status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, PeerLostError):  # that incarnation is gone for good: reported once
-                    self._gone.add((sub, peer.incarnation))  # (a cancelled publish reports it again)
-            finally:
-                for h in handles:
-                    h.cancel()
-        seconds = time.perf_counter() - t0
-        results[sub] = SyncResult(sub, version, status, moved[0], seconds, error, delta=bool(moved[1]))
-        if status == SyncStatus.DONE:
-            self._ring(sub, peer.incarnation, version)
-        else:
-            log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
-
-    def _prepared(self, peer: Peer, slot: int, snap: torch.Tensor) -> PreparedTransfer:
-        """The prepared put of every bucket (from the live tensors, or the snapshot ``snap``)
-        into ``peer``'s slot ``slot``: made once per subscriber incarnation, slot and snapshot."""
-        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr())
-        prepared = self._batches.get(cache_key)
-        if prepared is None:  # (those of subscribers no longer served are dropped by _remember)
-            key = self._keys.slots[slot]
-            items = [(self._snapshots.source(snap, start, end), key, start) for start, end in self.layout.buckets]
-            prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
-        return prepared
-
-    def _holds_base(self, peer: Peer, ctl: torch.Tensor, nslots: int, back: int, base: int) -> bool:
-        """Whether ``peer`` (its control block read into ``ctl``) takes deltas, has applied
-        exactly version ``base`` and has nothing newer waiting in a slot. Its words are anyone's to
-        write: a wrong claim costs nothing but a refused delta (its checksums catch it)."""
-        index = peer.regions.get(self._keys.deltas[back])
-        front = decode_front(int(ctl[FRONT]), nslots)
-        return (nslots == 2 and int(ctl[DELTA]) == 1 and index is not None and index.nbytes == self._index_bytes
-                and int(ctl[APPLIED]) == base and front is not None and front[0] == base)
-
-    def _ring(self, sub: str, incarnation: str, version: int) -> None:
-        """Rings the doorbell in the background: a subscriber busy generating acknowledges it
-        when it next yields, and nobody waits for that. At most one ring per subscriber is in
-        flight; it always carries the newest version."""
-        if self._rings is None:  # closing: the front is set, the subscriber sees it without a ring
-            return
-        key = (sub, incarnation)
-        pending = key in self._ringing
-        self._ringing[key] = version
-        if not pending:
-            self._rings.start_soon(self._ring_loop, key)
-
-    async def _ring_loop(self, key: tuple[str, str]) -> None:
-        sub = key[0]
-        try:
-            while True:
-                version = self._ringing[key]
-                try:
-                    await self.t.signal(sub, self._keys.doorbell, version, timeout=self.deadline)
-                except TransportError as exc:  # its front is set; apply()/wait_version poll it
-                    log.info("publisher %s: doorbell %d to %s not acknowledged: %s", self.t.name, version, sub, exc)
-                    return
-                if self._ringing[key] == version:
-                    return
-        finally:
-            self._ringing.pop(key, None)
-
-    async def _push_inner(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer],
-                          moved: list[int], feed: DeltaFeed | None, clock: Callable[[], None]) -> None:
-        t, k, sub = self.t, self._keys, peer.name
-        slot_bytes = peer.regions[k.slots[0]].nbytes
-        if slot_bytes != self.layout.total:
-            raise LayoutMismatchError(f"{sub}'s slots hold {slot_bytes} bytes; this layout needs {self.layout.total}")
-        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
-        await t.get(ctl, sub, key=k.ctl)
-        if int(ctl[LAYOUT_ID]) != self.layout.layout_id:
-            raise LayoutMismatchError(
-                f"{sub} subscribed to a different layout of {self.name!r} (restart it or let it re-subscribe)"
-            )
-        nslots = 3 if k.slots[2] in peer.regions else 2
-        self._takes_delta[sub] = int(ctl[DELTA]) == 1 and (self._delta_everywhere
-                                                           or not self._memory_link.get(sub, False))
-        back = free_slot(ctl, nslots)
-        if back is None:  # it is applying or living in them: look again (within _push's deadline)
-
-            async def freed() -> int | Pending:
-                await t.get(ctl, sub, key=k.ctl)
-                slot = free_slot(ctl, nslots)
-                return PENDING if slot is None else slot
-
-            back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
-        if feed is not None and self._takes_delta[sub] and 0 < self._chosen.get(sub, 0.0) >= feed.fraction and \
-                self._holds_base(peer, ctl, nslots, back, feed.base):
-            # Only what changed since the base it holds: each part of the encodings as the diff
-            # hands it out (the rest is diffed meanwhile), then the header beside the slot.
-            index = 0
-            while (part := await feed.part(index)) is not None:
-                handles.append(t.put_many(sub, [(src, k.slots[back], offset) for src, offset in part],
-                                          timeout=self.deadline))
-                index += 1
-            clock()
-            dv = await feed.done()
-            if dv.is_delta:
-                handles.append(t.put_many(sub, [(dv.header, k.deltas[back], 0)], timeout=self.deadline))
-                nbytes, moved[1] = dv.wire_bytes, 1
-            else:  # every tensor went dense after all: the version goes as usual, after the parts
-                for h in handles:
-                    await h
-                handles.clear()
-        if not moved[1]:
-            if feed is not None:  # a delta version: the packed buckets this sends are filled first
-                await feed.done()
-                clock()
-                assert feed.fill is not None
-                await feed.fill()
-            if int(ctl[DELTA]) == 1 and k.deltas[back] in peer.regions:
-                # That slot's delta header may name this version (a restarted publisher counts
-                # again): cleared first, so the dense bytes are never read as a delta.
-                await t.put(torch.zeros(1, dtype=torch.int64), sub, key=k.deltas[back], offset=0,
-                            timeout=self.deadline)
-            # The whole version as one prepared transfer into that slot: its segment list
-            # (coalesced, checked, and packed into each backend's native list) is built the
-            # first time and reused every later version with this subscriber, slot and snapshot.
-            handles.append(self._prepared(peer, back, snap).start(timeout=self.deadline))
-            nbytes = self.layout.total
-        pushed = time.perf_counter()
-        for h in handles:
-            await h
-        moved[0] = nbytes
-        if not moved[1]:
-            self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
-        self._memory_link[sub] = all(h.same_host is True for h in handles)
-        self._takes_delta[sub] = self._takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
-        # Reached one-sidedly (every backend that carried it): its slot can be read back for the
-        # snapshot fill without its application taking part.
-        self._landed[sub] = (back, all(h.one_sided is True for h in handles))
-        # Every byte is in its memory (puts complete only then): now make the slot the front.
-        front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
-        await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
+    async def _serve(self, peer: Peer, version: int, snap: torch.Tensor, t0: float, results: dict[str, SyncResult],
+                     feed: DeltaFeed | None) -> None:
+        """Pushes the version to ``peer`` (:meth:`Pushes.push`), records its result, and rings
+        its doorbell once it is complete."""
+        result, lost = await self._pushes.push(peer, version, snap, t0, feed, self._chosen)
+        results[peer.name] = result
+        if lost:  # that incarnation is gone for good: reported once
+            self._roster.lost(peer.name, peer.incarnation)
+        if result.status == SyncStatus.DONE:
+            self._doorbells.ring(peer.name, peer.incarnation, version)

@@ -492,6 +492,17 @@ class DeltaEncoder:
             self._prev = _Payloads(version, version, self._prev_buf, {},
                                    frozenset(i for i, e in enumerate(self.layout.entries) if deltable(e)))
 
+    def unready_bytes(self, slot: int, version: int, started: SumPass | None) -> tuple[int, int]:
+        """What a first delta against snapshot ``slot`` (holding ``version``) still has to do
+        before it can diff, as (bytes to checksum, bytes to copy into the other snapshot): none
+        when its checksums are known; else what the background pass ``started`` over it (if
+        any) has not done, and the whole copy when that pass does not copy."""
+        if self.base_of(slot, version) is not None:
+            return 0, 0
+        total = sum(e.nbytes for e in self.layout.entries if deltable(e))
+        left = 1.0 if started is None else started.left
+        return int(total * left), int(total * (left if started is not None and started.copies else 1.0))
+
     def forget(self, slot: int) -> None:
         """Snapshot ``slot`` is being rewritten by a dense publish: its checksums are stale."""
         self._sums.pop(slot, None)

@@ -1,0 +1,212 @@
+"""Pushing a version into one subscriber of a stream (:class:`Pushes`): into the slot it is not
+about to read, as a delta where it holds the base and a delta pays on its path, else dense as
+one prepared transfer, then the front word. Also what the publisher knows of each subscriber
+between versions: its prepared pushes, the slot its last version landed in, whether it takes
+deltas and over what link."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from .._errors import LayoutMismatchError, PeerLostError, TransportError
+from ._codec.policy import Crossover
+from ._control import APPLIED, CTL_WORDS, DELTA, FRONT, LAYOUT_ID, StreamKeys, decode_front, encode_front, free_slot
+from ._delta_feed import DeltaFeed
+from ._layout import Layout
+from ._polling import PENDING, Pending, poll
+from ._report import SyncResult, SyncStatus
+from ._snapshots import Snapshots
+
+if TYPE_CHECKING:
+    from .. import Peer, PreparedTransfer, Transfer, Transport
+
+log = logging.getLogger(__name__)
+
+
+class Pushes:
+    """The pushes of one stream publisher, and what it keeps per subscriber between versions.
+
+    Args:
+        transport: the publisher's Transport.
+        stream: the stream's name.
+        keys: its region names.
+        layout: its packed layout.
+        snapshots: the publisher's snapshots (where packed buckets are sent from).
+        crossover: the publisher's crossover model (told each dense push's time).
+        deadline: seconds a push may take (from the end of a delta version's diff).
+        index_bytes: the size of a subscriber's delta index region for this layout.
+        delta_everywhere: deltas also to subscribers reached over a same-host link.
+    """
+
+    def __init__(self, transport: Transport, stream: str, keys: StreamKeys, layout: Layout, snapshots: Snapshots,
+                 crossover: Crossover, deadline: float, index_bytes: int, delta_everywhere: bool) -> None:
+        self.t, self.stream, self._keys, self.layout = transport, stream, keys, layout
+        self._snapshots, self._crossover, self.deadline = snapshots, crossover, deadline
+        self._index_bytes, self._delta_everywhere = index_bytes, delta_everywhere
+        # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
+        self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
+        # subscriber -> (the slot its last complete version went to, reached one-sidedly)
+        self.landed: dict[str, tuple[int, bool]] = {}
+        self.takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
+        self._memory_link: dict[str, bool] = {}  # subscriber -> its last push went over a same-host link
+
+    def forget(self, serving: set[tuple[str, str]]) -> None:
+        """Drops what is kept for subscribers no longer served (``serving``: (name,
+        incarnation)s): their prepared pushes (and what they hold, e.g. mappings of a dead
+        subscriber's slots) and what was measured of them."""
+        for c in [c for c in self._batches if (c[0], c[1]) not in serving]:
+            del self._batches[c]
+        names = {n for n, _ in serving}
+        for name in [n for n in self.landed if n not in names]:
+            del self.landed[name]
+        for name in [n for n in self.takes_delta if n not in names]:
+            del self.takes_delta[name]
+            self._memory_link.pop(name, None)
+            self._crossover.forget(name)
+
+    async def push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None = None,
+                   chosen: Mapping[str, float] | None = None) -> tuple[SyncResult, bool]:
+        """Pushes ``version`` into ``peer``'s free slot and makes it the front there (not the
+        doorbell: the caller rings it), within the deadline: as a delta where ``feed`` is one
+        (a delta version), ``peer`` holds its base and ``chosen`` (its crossover for this
+        version) admits the version's sampled change; else dense, from the live tensors and
+        ``snap``.
+
+        Returns:
+            Its :class:`SyncResult` (``t0``: when the publish began), and whether the peer was
+            found lost (that incarnation is gone for good).
+
+        Cancellation: aborts its transfers; the subscriber keeps its front.
+        """
+        sub, moved = peer.name, [0, 0]  # bytes written, whether as a delta
+        lost = False
+        handles: list[Transfer] = []
+        status = SyncStatus.STRAGGLER
+        error: str | None = f"not complete within the {self.deadline:g}s deadline"
+        with anyio.CancelScope() as scope:
+
+            def clock() -> None:
+                """(Re)starts the deadline: it runs from the end of the diff, our own work."""
+                scope.deadline = anyio.current_time() + self.deadline
+
+            clock()
+            try:
+                await self._push(peer, version, snap, handles, moved, feed, chosen or {}, clock)
+                status, error = SyncStatus.DONE, None
+            except TransportError as exc:
+                status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
+                lost = isinstance(exc, PeerLostError)
+            finally:
+                for h in handles:
+                    h.cancel()
+        seconds = time.perf_counter() - t0
+        if status != SyncStatus.DONE:
+            log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
+        return SyncResult(sub, version, status, moved[0], seconds, error, delta=bool(moved[1])), lost
+
+    def prepared(self, peer: Peer, slot: int, snap: torch.Tensor) -> PreparedTransfer:
+        """The prepared put of every bucket (from the live tensors, or the snapshot ``snap``)
+        into ``peer``'s slot ``slot``: made once per subscriber incarnation, slot and snapshot."""
+        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr())
+        prepared = self._batches.get(cache_key)
+        if prepared is None:  # (those of subscribers no longer served are dropped by forget)
+            key = self._keys.slots[slot]
+            items = [(self._snapshots.source(snap, start, end), key, start) for start, end in self.layout.buckets]
+            prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
+        return prepared
+
+    def drop(self, peer: Peer, slot: int, snap: torch.Tensor) -> None:
+        """Forgets the prepared put into ``peer``'s slot ``slot`` (its warm failed)."""
+        self._batches.pop((peer.name, peer.incarnation, slot, snap.data_ptr()), None)
+
+    def warmed(self) -> set[tuple[str, str, int]]:
+        """The (subscriber, incarnation, slot)s that have a prepared put: pushed to or warmed."""
+        return {c[:3] for c in self._batches}
+
+    def _holds_base(self, peer: Peer, ctl: torch.Tensor, nslots: int, back: int, base: int) -> bool:
+        """Whether ``peer`` (its control block read into ``ctl``) takes deltas, has applied
+        exactly version ``base`` and has nothing newer waiting in a slot. Its words are anyone's to
+        write: a wrong claim costs nothing but a refused delta (its checksums catch it)."""
+        index = peer.regions.get(self._keys.deltas[back])
+        front = decode_front(int(ctl[FRONT]), nslots)
+        return (nslots == 2 and int(ctl[DELTA]) == 1 and index is not None and index.nbytes == self._index_bytes
+                and int(ctl[APPLIED]) == base and front is not None and front[0] == base)
+
+    async def _push(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer], moved: list[int],
+                    feed: DeltaFeed | None, chosen: Mapping[str, float], clock: Callable[[], None]) -> None:
+        t, k, sub = self.t, self._keys, peer.name
+        slot_bytes = peer.regions[k.slots[0]].nbytes
+        if slot_bytes != self.layout.total:
+            raise LayoutMismatchError(f"{sub}'s slots hold {slot_bytes} bytes; this layout needs {self.layout.total}")
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+        await t.get(ctl, sub, key=k.ctl)
+        if int(ctl[LAYOUT_ID]) != self.layout.layout_id:
+            raise LayoutMismatchError(
+                f"{sub} subscribed to a different layout of {self.stream!r} (restart it or let it re-subscribe)"
+            )
+        nslots = 3 if k.slots[2] in peer.regions else 2
+        self.takes_delta[sub] = int(ctl[DELTA]) == 1 and (self._delta_everywhere
+                                                           or not self._memory_link.get(sub, False))
+        back = free_slot(ctl, nslots)
+        if back is None:  # it is applying or living in them: look again (within _push's deadline)
+
+            async def freed() -> int | Pending:
+                await t.get(ctl, sub, key=k.ctl)
+                slot = free_slot(ctl, nslots)
+                return PENDING if slot is None else slot
+
+            back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
+        if feed is not None and self.takes_delta[sub] and 0 < chosen.get(sub, 0.0) >= feed.fraction and \
+                self._holds_base(peer, ctl, nslots, back, feed.base):
+            # Only what changed since the base it holds: each part of the encodings as the diff
+            # hands it out (the rest is diffed meanwhile), then the header beside the slot.
+            index = 0
+            while (part := await feed.part(index)) is not None:
+                handles.append(t.put_many(sub, [(src, k.slots[back], offset) for src, offset in part],
+                                          timeout=self.deadline))
+                index += 1
+            clock()
+            dv = await feed.done()
+            if dv.is_delta:
+                handles.append(t.put_many(sub, [(dv.header, k.deltas[back], 0)], timeout=self.deadline))
+                nbytes, moved[1] = dv.wire_bytes, 1
+            else:  # every tensor went dense after all: the version goes as usual, after the parts
+                for h in handles:
+                    await h
+                handles.clear()
+        if not moved[1]:
+            if feed is not None:  # a delta version: the packed buckets this sends are filled first
+                await feed.done()
+                clock()
+                assert feed.fill is not None
+                await feed.fill()
+            if int(ctl[DELTA]) == 1 and k.deltas[back] in peer.regions:
+                # That slot's delta header may name this version (a restarted publisher counts
+                # again): cleared first, so the dense bytes are never read as a delta.
+                await t.put(torch.zeros(1, dtype=torch.int64), sub, key=k.deltas[back], offset=0,
+                            timeout=self.deadline)
+            # The whole version as one prepared transfer into that slot: its segment list
+            # (coalesced, checked, and packed into each backend's native list) is built the
+            # first time and reused every later version with this subscriber, slot and snapshot.
+            handles.append(self.prepared(peer, back, snap).start(timeout=self.deadline))
+            nbytes = self.layout.total
+        pushed = time.perf_counter()
+        for h in handles:
+            await h
+        moved[0] = nbytes
+        if not moved[1]:
+            self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
+        self._memory_link[sub] = all(h.same_host is True for h in handles)
+        self.takes_delta[sub] = self.takes_delta[sub] and (self._delta_everywhere or not self._memory_link[sub])
+        # Reached one-sidedly (every backend that carried it): its slot can be read back for the
+        # snapshot fill without its application taking part.
+        self.landed[sub] = (back, all(h.one_sided is True for h in handles))
+        # Every byte is in its memory (puts complete only then): now make the slot the front.
+        front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
+        await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
