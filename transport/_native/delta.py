@@ -1,6 +1,6 @@
-"""The native delta-sync primitives (``csrc/delta.cpp``): the diff + encode of one tensor
-against its previous version, the in-place diff of a snapshot (with the fp32 -> bf16 cast),
-the checksum both ends compute, and the bounds-checked scatter of an encoded delta.
+"""The native delta-sync primitives (``csrc/delta.h``; ``csrc/delta_*.cpp``): the diff + encode
+of one tensor against its previous version, the in-place diff of a snapshot (with the fp32 ->
+bf16 cast), the checksum both ends compute, and the bounds-checked scatter of an encoded delta.
 
 Every call takes raw addresses and element counts; the caller owns the memory behind them and
 keeps it alive for the call. The GIL is released for each call, so they run in parallel on
