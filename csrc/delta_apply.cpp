@@ -320,6 +320,8 @@ void undo_es(uint8_t* l, uint64_t n, uint32_t kind, const uint8_t* pos, uint64_t
 
 ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                       uint64_t count, uint64_t pos_bytes, bool write) {
+  // scatter takes no isa: it runs on the default's (so TRANSPORT_DELTA_ISA holds here too).
+  [[maybe_unused]] const int isa = resolve(kAuto);
   ScatterResult r{kOk, 0, 0};
   if (es != 2 && es != 4) return {kBadElemSize, 0, 0};
   if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0};
@@ -334,7 +336,7 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
     const int refusal = check_bitmask(pos, pos_bytes, n, count);
     if (refusal != kOk) return {refusal, 0, 0};
 #ifdef TRANSPORT_DELTA_X86
-    if ((write || l == nullptr) && supports(kAvx512)) {
+    if ((write || l == nullptr) && isa == kAvx512) {
       const int vector = es == 2 ? scatter_mask_avx512<2>(l, n, vals, count, pos, write, &r.sum_new)
                                  : scatter_mask_avx512<4>(l, n, vals, count, pos, write, &r.sum_new);
       if (vector != kOk) return {vector, 0, 0};

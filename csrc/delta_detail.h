@@ -3,7 +3,7 @@
 // and element-size checks the entry points start with.
 //
 // The translation units, one concept each (as transport/weights/_codec/ is split):
-//   delta_isa.cpp       which vector path runs: supports, resolve, best_isa
+//   delta_isa.cpp       which vector path runs: supports, resolve (with TRANSPORT_DELTA_ISA), best_isa
 //   delta_encode.cpp    the fused copy + checksum + diff + encode pass (scalar, AVX2, AVX-512),
 //                       encode and sample_changed
 //   delta_checksum.cpp  the checksums: of a tensor piece (the pass above without a base), of values
@@ -78,8 +78,9 @@ inline void check_es(int es) {
   if (es != 2 && es != 4) throw std::invalid_argument("delta: element size must be 2 or 4, not " + std::to_string(es));
 }
 
-// The ISA a call runs on (delta_isa.cpp): isa itself when this CPU has it, for kAuto the best
-// this CPU has. Throws std::invalid_argument for an unknown isa or one this CPU lacks.
+// The ISA a call runs on (delta_isa.cpp): isa itself when this CPU has it; for kAuto the one
+// TRANSPORT_DELTA_ISA names, else the best this CPU has. Throws std::invalid_argument for an
+// unknown isa, one this CPU lacks, or a TRANSPORT_DELTA_ISA that is either.
 int resolve(int isa);
 
 // The encoder's pass without a base (delta_encode.cpp): copies n elements of es bytes from p to
