@@ -22,6 +22,10 @@ namespace transport::delta {
 
 enum Kind : uint32_t { kUnchanged = 0, kDense = 1, kVarint = 2, kBitmask = 3 };
 
+// kAuto (every caller's default) is the best ISA this CPU has, or the one $TRANSPORT_DELTA_ISA
+// (avx512, avx2, scalar or auto; read once per process) forces, for benchmarks. Every call that
+// runs on kAuto (scatter() always does) throws std::invalid_argument when that variable names
+// an ISA this CPU lacks or no ISA at all.
 enum Isa : int { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
 // Why a payload was refused (scatter); 0 is success.
@@ -143,7 +147,7 @@ uint64_t terms(const void* values, const uint64_t* positions, uint64_t count, in
 // for a column outside {0, 1}, or an odd offset or length.
 uint64_t checksum_runs(const void* base, const int64_t* runs, uint64_t count, int addr_col, int pos_col, int isa);
 
-// The ISA that kAuto picks on this CPU: "avx512", "avx2" or "scalar".
+// The ISA that kAuto picks in this process: "avx512", "avx2" or "scalar".
 std::string best_isa();
 
 // Whether this CPU runs isa.

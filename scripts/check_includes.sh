@@ -9,8 +9,9 @@
 # Only IWYU's suggestions of standard library headers count (`#include <name>`: no directory, no
 # extension, so not <bits/...>, <ucp/...>, "local.h" or <emmintrin.h>); its other suggestions
 # (forward declarations, project and third-party headers) are its taste, not a portability bug.
-# Each .cpp is analysed with the header of the same name, as IWYU does; every header in csrc/
-# has its .cpp. The CUDA kernels (.cu) are compiled by nvcc, which IWYU cannot parse.
+# Each .cpp is analysed with the header of the same name, as IWYU does; a header without a .cpp
+# of its own (delta_detail.h, the delta units' shared internals) is analysed in every .cpp that
+# includes it. The CUDA kernels (.cu) are compiled by nvcc, which IWYU cannot parse.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,8 +34,12 @@ if ucx_inc=$("$PY" -c 'import libucx, os; print(os.path.join(os.path.dirname(lib
 else
     echo "check_includes: no UCX headers (pip install libucx-cu12): csrc/ucx_*.cpp are not checked" >&2
 fi
+for hdr in csrc/*.h; do
+    [ -f "${hdr%.h}.cpp" ] || flags+=(-Xiwyu "--check_also=$hdr")
+done
 missing=0
 checked=0
+reported=""
 for src in csrc/*.cpp; do
     case "$src" in
         csrc/ucx_*) [[ " ${flags[*]} " == *" -DTRANSPORT_HAVE_UCX=1 "* ]] || continue ;;
@@ -56,10 +61,12 @@ for src in csrc/*.cpp; do
         adding && /^#include <[a-z_0-9]+>/ { sub(/[ \t]+\/\/.*/, ""); print file ": " $0 }
     ' <<<"$out")
     if [ -n "$found" ]; then
-        echo "$found"
+        reported+="$found"$'\n'
         missing=1
     fi
 done
+# A shared header's findings come once per source that includes it.
+[ -z "$reported" ] || printf '%s' "$reported" | sort -u
 if [ "$missing" -ne 0 ]; then
     echo "check_includes: standard headers are missing (above): include each one in the file named" >&2
     exit 1

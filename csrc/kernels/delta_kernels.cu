@@ -1,4 +1,4 @@
-// The delta-sync diff on the GPU: the same compare, copy and checksum as csrc/delta.cpp's CPU
+// The delta-sync diff on the GPU: the same compare, copy and checksum as csrc/delta_encode.cpp's
 // pass, for a tensor that lives in device memory, with the changed positions as a bitmask (the
 // bitmask encoding of delta.h, bit for bit) and a second kernel that gathers the changed values.
 //

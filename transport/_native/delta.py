@@ -1,10 +1,16 @@
-"""The native delta-sync primitives (``csrc/delta.cpp``): the diff + encode of one tensor
-against its previous version, the in-place diff of a snapshot (with the fp32 -> bf16 cast),
-the checksum both ends compute, and the bounds-checked scatter of an encoded delta.
+"""The native delta-sync primitives (``csrc/delta.h``; ``csrc/delta_*.cpp``): the diff + encode
+of one tensor against its previous version, the in-place diff of a snapshot (with the fp32 ->
+bf16 cast), the checksum both ends compute, and the bounds-checked scatter of an encoded delta.
 
 Every call takes raw addresses and element counts; the caller owns the memory behind them and
 keeps it alive for the call. The GIL is released for each call, so they run in parallel on
 copy threads.
+
+``$TRANSPORT_DELTA_ISA`` (``avx512``, ``avx2`` or ``scalar``; unset or ``auto``: the best this CPU
+has) forces the vector path of every call made with :data:`Isa.AUTO`, :func:`scatter` included,
+for the whole process (read once, at the first such call): benchmarks compare the paths with it.
+A path this CPU lacks, or a value that names none, makes each of those calls raise
+:class:`TransportInternalError` naming the variable, never run another path.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ class Kind(enum.IntEnum):
 
 
 class Isa(enum.IntEnum):
-    """Which vector path runs the diff (``AUTO``: the best this CPU has)."""
+    """Which vector path runs the diff (``AUTO``: the best this CPU has, or the one
+    ``$TRANSPORT_DELTA_ISA`` forces)."""
 
     AUTO = 0
     SCALAR = 1
@@ -210,8 +217,13 @@ def checksum_runs(base: int, runs: int, count: int, addr_col: int, pos_col: int,
 
 
 def best_isa() -> str:
-    """The vector path :data:`Isa.AUTO` picks here: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
-    return str(load().delta_best_isa())
+    """The vector path :data:`Isa.AUTO` picks in this process: ``"avx512"``, ``"avx2"`` or
+    ``"scalar"``.
+
+    Raises:
+        TransportInternalError: ``$TRANSPORT_DELTA_ISA`` names a path this CPU lacks, or none.
+    """
+    return str(_call("delta isa", "delta_best_isa"))
 
 
 def supports(isa: Isa) -> bool:

@@ -520,6 +520,10 @@ class DeltaEncoder:
 
 
 def delta_isa() -> str:
-    """The vector path the native diff takes on this CPU: ``"avx512"``, ``"avx2"`` or
-    ``"scalar"`` (picked at run time)."""
+    """The vector path the native diff takes in this process: ``"avx512"``, ``"avx2"`` or
+    ``"scalar"`` (the best this CPU has, or the one ``$TRANSPORT_DELTA_ISA`` forces).
+
+    Raises:
+        TransportInternalError: ``$TRANSPORT_DELTA_ISA`` names a path this CPU lacks, or none.
+    """
     return native.best_isa()

@@ -1,0 +1,398 @@
+// The subscriber's side of delta sync (see delta.h): the bounds-checked scatter of an encoded
+// delta into a live tensor, its one-pass apply (check, save for undo, store, sum) and the undo.
+// Every byte of a payload is a peer's: each position is checked against n before its store, and
+// each value is read once, so what is stored is what is summed. A bitmask payload goes a vector
+// of elements at a time on AVX-512; varints, and bitmasks elsewhere, one position at a time.
+#include <cstdint>
+#include <cstring>
+
+#include "delta.h"
+#include "delta_detail.h"
+
+namespace transport::delta {
+using namespace detail;
+
+namespace {
+
+template <int ES>
+inline uint32_t load_es(const uint8_t* p) {
+  if constexpr (ES == 2) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  } else {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+}
+
+template <int ES>
+inline void store_es(uint8_t* p, uint32_t v) {
+  if constexpr (ES == 2) {
+    const uint16_t h = static_cast<uint16_t>(v);
+    std::memcpy(p, &h, 2);
+  } else {
+    std::memcpy(p, &v, 4);
+  }
+}
+
+// The one-pass apply (see apply()) of the k-th changed element, at position p: the live value
+// saved to undo, the new value read once from vals (what is stored is what is summed, whatever
+// the peer does), stored, and both added to the sums.
+template <int ES>
+inline void apply_at(uint8_t* l, uint64_t p, const uint8_t* vals, uint64_t k, uint8_t* undo, ApplyResult* r) {
+  uint8_t* dst = l + p * ES;
+  const uint32_t now = load_es<ES>(vals + k * ES);
+  const uint32_t old = load_es<ES>(dst);
+  store_es<ES>(undo + k * ES, old);
+  store_es<ES>(dst, now);
+  r->sum_old += mix(old, p);
+  r->sum_new += mix(now, p);
+}
+
+#ifdef TRANSPORT_DELTA_X86
+TRANSPORT_AVX512_BEGIN
+
+// The bits of a bitmask for the vector of 64 / ES elements from element i (a multiple of it).
+template <int ES>
+inline uint64_t mask_bits(const uint8_t* mask, uint64_t i) {
+  if constexpr (ES == 2) {
+    uint32_t x;
+    std::memcpy(&x, mask + i / 8, 4);
+    return x;
+  } else {
+    uint16_t x;
+    std::memcpy(&x, mask + i / 8, 2);
+    return x;
+  }
+}
+
+// The checksum keys (index * kIndexMul, as mix() takes them) of elements 0..15.
+__attribute__((target(TRANSPORT_AVX512))) inline __m512i first_keys_avx512() {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+}
+
+// acc plus the checksum terms of the elements of v at the set bits of m: ES-byte elements, one
+// vector of 64 / ES of them whose first 16 have the keys h (the next 16 of 2-byte ones h + step16).
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) inline __m512i add_terms_avx512(__m512i acc, __m512i v, uint64_t m,
+                                                                          __m512i h, __m512i step16) {
+  if constexpr (ES == 2) {
+    const __m512i lo = mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), h);
+    const __m512i hi =
+        mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), _mm512_add_epi32(h, step16));
+    acc = add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), lo));
+    return add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m >> 16), hi));
+  } else {
+    return add16_avx512(acc, _mm512_maskz_mov_epi32(static_cast<__mmask16>(m), mix16_avx512(v, h)));
+  }
+}
+
+// The bitmask scatter, 64 bytes of the tensor a step: one expand-load of the block's new values
+// and one masked store; the new values' checksum terms by masked lanes. The bitmask's size, tail
+// and popcount are checked by the caller; the running count is checked again here before every
+// load (the payload is a peer's memory), and stores never leave [0, n).
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) int scatter_mask_avx512(uint8_t* l, uint64_t n, const uint8_t* vals,
+                                                                  uint64_t count, const uint8_t* mask, bool write,
+                                                                  uint64_t* sum_new) {
+  constexpr uint64_t kLanes = 64 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
+  const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m512i h0 = first_keys_avx512();
+  __m512i acc = _mm512_setzero_si512();
+  uint64_t k = 0;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    const uint64_t m = mask_bits<ES>(mask, i);
+    const __m512i hb = h0;
+    h0 = _mm512_add_epi32(h0, stepk);
+    if (!m) continue;
+    const uint64_t pc = static_cast<uint64_t>(__builtin_popcountll(m));
+    if (k + pc > count) return kCountMismatch;
+    if constexpr (ES == 2) {
+      const __m512i v = _mm512_maskz_expandloadu_epi16(static_cast<__mmask32>(m), vals + k * 2);
+      if (write) _mm512_mask_storeu_epi16(l + i * 2, static_cast<__mmask32>(m), v);
+      acc = add_terms_avx512<2>(acc, v, m, hb, step16);
+    } else {
+      const __m512i v = _mm512_maskz_expandloadu_epi32(static_cast<__mmask16>(m), vals + k * 4);
+      if (write) _mm512_mask_storeu_epi32(l + i * 4, static_cast<__mmask16>(m), v);
+      acc = add_terms_avx512<4>(acc, v, m, hb, step16);
+    }
+    k += pc;
+  }
+  uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  for (uint64_t i = body; i < n; ++i) {
+    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
+    if (k >= count) return kCountMismatch;
+    sum += mix(load_elem(vals + k * ES, ES), i);
+    if (write) std::memcpy(l + i * ES, vals + k * ES, ES);
+    ++k;
+  }
+  if (k != count) return kCountMismatch;
+  *sum_new = sum;
+  return kOk;
+}
+
+// The one-pass apply of a bitmask payload (see apply()), a vector of elements at a time: the
+// live values at the set bits are saved to undo in position order (as the scalar walk saves
+// them, so undo() restores them), the new values read once from vals, stored, and both summed.
+// mask is the private copy apply() checked. stored: the positions stored to.
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) ApplyResult apply_mask_avx512(uint8_t* l, uint64_t n, const uint8_t* vals,
+                                                                        uint64_t count, const uint8_t* mask,
+                                                                        uint8_t* undo) {
+  constexpr uint64_t kLanes = 64 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
+  const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m512i h0 = first_keys_avx512();
+  __m512i acc_new = _mm512_setzero_si512();
+  __m512i acc_old = _mm512_setzero_si512();
+  ApplyResult r{kOk, 0, 0, 0};
+  uint64_t k = 0;
+  uint64_t i = 0;
+  for (; i < body; i += kLanes) {
+    const uint64_t m = mask_bits<ES>(mask, i);
+    const __m512i hb = h0;
+    h0 = _mm512_add_epi32(h0, stepk);
+    if (!m) continue;
+    const uint64_t pc = static_cast<uint64_t>(__builtin_popcountll(m));
+    if (k + pc > count) {
+      r.refusal = kCountMismatch;
+      break;
+    }
+    uint8_t* dst = l + i * ES;
+    __builtin_prefetch(dst + kPrefetch, 1);
+    const __m512i old = _mm512_loadu_si512(dst);  // the vector lies inside the tensor (i < body)
+    __m512i v;
+    if constexpr (ES == 2) {
+      const auto mm = static_cast<__mmask32>(m);
+      // Compressed in a register, then stored under a mask of the first pc lanes: a compress
+      // straight to memory is microcoded on some CPUs (6x slower on this VM's AMD EPYC).
+      _mm512_mask_storeu_epi16(undo + k * 2, static_cast<__mmask32>((uint64_t{1} << pc) - 1),
+                               _mm512_maskz_compress_epi16(mm, old));
+      v = _mm512_maskz_expandloadu_epi16(mm, vals + k * 2);
+      _mm512_mask_storeu_epi16(dst, mm, v);
+    } else {
+      const auto mm = static_cast<__mmask16>(m);
+      _mm512_mask_storeu_epi32(undo + k * 4, static_cast<__mmask16>((uint64_t{1} << pc) - 1),
+                               _mm512_maskz_compress_epi32(mm, old));
+      v = _mm512_maskz_expandloadu_epi32(mm, vals + k * 4);
+      _mm512_mask_storeu_epi32(dst, mm, v);
+    }
+    acc_new = add_terms_avx512<ES>(acc_new, v, m, hb, step16);
+    acc_old = add_terms_avx512<ES>(acc_old, old, m, hb, step16);
+    k += pc;
+  }
+  r.sum_new = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc_new));
+  r.sum_old = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc_old));
+  for (i = r.refusal == kOk ? body : n; i < n; ++i) {
+    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
+    if (k >= count) {
+      r.refusal = kCountMismatch;
+      break;
+    }
+    apply_at<ES>(l, i, vals, k, undo, &r);
+    ++k;
+  }
+  if (r.refusal == kOk && k != count) r.refusal = kCountMismatch;
+  r.stored = k;
+  return r;
+}
+
+TRANSPORT_AVX512_END
+#endif  // TRANSPORT_DELTA_X86
+
+// Reads the LEB128 gap at pos + *at (pos_bytes in all, a peer's bytes) and moves *at past it.
+// One- and two-byte gaps (nearly all of them) take a short path while ten bytes are left.
+inline int next_gap(const uint8_t* pos, uint64_t pos_bytes, uint64_t* at, uint64_t* gap) {
+  uint64_t a = *at;
+  if (a + 10 <= pos_bytes) {
+    const uint8_t b0 = pos[a];
+    if (b0 < 0x80) {
+      *gap = b0;
+      *at = a + 1;
+      return kOk;
+    }
+    const uint8_t b1 = pos[a + 1];
+    if (b1 < 0x80) {
+      *gap = (b0 & 0x7fu) | static_cast<uint64_t>(b1) << 7;
+      *at = a + 2;
+      return kOk;
+    }
+  }
+  uint64_t g = 0;
+  int shift = 0;
+  while (true) {
+    if (a >= pos_bytes) return kCountMismatch;
+    const uint8_t byte = pos[a++];
+    if (shift == 63 && (byte & 0x7e) != 0) return kBadVarint;
+    g |= static_cast<uint64_t>(byte & 0x7f) << shift;
+    if (!(byte & 0x80)) break;
+    shift += 7;
+    if (shift > 63) return kBadVarint;
+  }
+  *gap = g;
+  *at = a;
+  return kOk;
+}
+
+// Walks the positions of a sparse payload (pos: its position bytes, in memory nobody else
+// writes), each checked against n before visit(k, p) is called for the k-th. Returns the
+// refusal; the positions visited before a refusal are the first ones, in order, whoever walks
+// the same bytes again (undo relies on that).
+template <typename Visit>
+int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit) {
+  if (kind == kVarint) {
+    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
+    for (uint64_t k = 0; k < count; ++k) {
+      uint64_t gap = 0;
+      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
+      if (refusal != kOk) return refusal;
+      if (gap >= n || next > n - 1 - gap) return kOutOfRange;  // next + gap would be >= n
+      const uint64_t p = next + gap;
+      visit(k, p);
+      next = p + 1;
+    }
+    return at == pos_bytes ? kOk : kCountMismatch;
+  }
+  if (pos_bytes != (n + 7) / 8) return kBadBitmask;
+  uint64_t k = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) {
+    unsigned bits = pos[i];
+    while (bits) {
+      const uint64_t p = i * 8 + static_cast<uint64_t>(__builtin_ctz(bits));
+      if (p >= n) return kOutOfRange;  // callers check the bitmask first: only a peer rewriting it
+      if (k >= count) return kCountMismatch;
+      visit(k, p);
+      ++k;
+      bits &= bits - 1;
+    }
+  }
+  return k == count ? kOk : kCountMismatch;
+}
+
+// The bitmask's own checks, before any position is visited: its size, no bit past n, exactly
+// count bits set.
+int check_bitmask(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t count) {
+  if (pos_bytes != (n + 7) / 8) return kBadBitmask;
+  if (n % 8 != 0 && (pos[pos_bytes - 1] >> (n % 8)) != 0) return kBadBitmask;
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < pos_bytes; ++i) total += static_cast<uint64_t>(__builtin_popcount(pos[i]));
+  return total == count ? kOk : kCountMismatch;
+}
+
+// The stores of a payload into live (n elements), every position checked before its store.
+template <int ES>
+int store_all(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
+              uint64_t pos_bytes) {
+  return walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
+    // The positions ascend: the line a little ahead in the tensor is about to be stored to.
+    __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
+    std::memcpy(l + p * ES, vals + k * ES, ES);
+  });
+}
+
+template <int ES>
+ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
+                     uint64_t pos_bytes, uint8_t* undo) {
+  ApplyResult r{kOk, 0, 0, 0};
+  r.refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
+    __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);  // the positions ascend
+    apply_at<ES>(l, p, vals, k, undo, &r);
+    r.stored = k + 1;
+  });
+  return r;
+}
+
+template <int ES>
+void undo_es(uint8_t* l, uint64_t n, uint32_t kind, const uint8_t* pos, uint64_t pos_bytes, uint64_t stored,
+             const uint8_t* undo) {
+  walk_positions(pos, pos_bytes, kind, n, stored, [&](uint64_t k, uint64_t p) {
+    std::memcpy(l + p * ES, undo + k * ES, ES);
+  });
+}
+
+}  // namespace
+
+ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
+                      uint64_t count, uint64_t pos_bytes, bool write) {
+  // scatter takes no isa: it runs on the default's (so TRANSPORT_DELTA_ISA holds here too).
+  [[maybe_unused]] const int isa = resolve(kAuto);
+  ScatterResult r{kOk, 0, 0};
+  if (es != 2 && es != 4) return {kBadElemSize, 0, 0};
+  if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0};
+  if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0};
+  const uint64_t vbytes = align8(count * es);
+  if (pos_bytes > payload_len || payload_len - pos_bytes != vbytes) return {kBadSize, 0, 0};
+  auto* l = static_cast<uint8_t*>(live);
+  const auto* vals = static_cast<const uint8_t*>(payload);
+  const auto* pos = vals + vbytes;
+  if (write && l == nullptr) return {kBadSize, 0, 0};
+  if (kind == kBitmask) {
+    const int refusal = check_bitmask(pos, pos_bytes, n, count);
+    if (refusal != kOk) return {refusal, 0, 0};
+#ifdef TRANSPORT_DELTA_X86
+    if ((write || l == nullptr) && isa == kAvx512) {
+      const int vector = es == 2 ? scatter_mask_avx512<2>(l, n, vals, count, pos, write, &r.sum_new)
+                                 : scatter_mask_avx512<4>(l, n, vals, count, pos, write, &r.sum_new);
+      if (vector != kOk) return {vector, 0, 0};
+      return r;
+    }
+#endif
+  }
+  if (write) {  // checked before: only the stores (the sums were taken by the check)
+    const int refusal = es == 2 ? store_all<2>(l, n, vals, kind, count, pos, pos_bytes)
+                                : store_all<4>(l, n, vals, kind, count, pos, pos_bytes);
+    return {refusal, 0, 0};
+  }
+  const int refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
+    r.sum_new += mix(load_elem(vals + k * es, es), p);
+    if (l != nullptr) r.sum_old += mix(load_elem(l + p * es, es), p);
+  });
+  if (refusal != kOk) return {refusal, 0, 0};
+  return r;
+}
+
+ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
+                  uint64_t count, uint64_t pos_bytes, const void* pos, void* undo, int isa) {
+  if (es != 2 && es != 4) return {kBadElemSize, 0, 0, 0};
+  if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0, 0};
+  if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0, 0};
+  if (pos_bytes > payload_len || payload_len - pos_bytes != align8(count * es)) return {kBadSize, 0, 0, 0};
+  if (live == nullptr || pos == nullptr || undo == nullptr) return {kBadSize, 0, 0, 0};
+  if (kind == kBitmask) {
+    const int refusal = check_bitmask(static_cast<const uint8_t*>(pos), pos_bytes, n, count);
+    if (refusal != kOk) return {refusal, 0, 0, 0};
+  }
+  auto* l = static_cast<uint8_t*>(live);
+  const auto* vals = static_cast<const uint8_t*>(payload);
+  const auto* p = static_cast<const uint8_t*>(pos);
+  auto* u = static_cast<uint8_t*>(undo);
+#ifdef TRANSPORT_DELTA_X86
+  if (kind == kBitmask && resolve(isa) == kAvx512)
+    return es == 2 ? apply_mask_avx512<2>(l, n, vals, count, p, u) : apply_mask_avx512<4>(l, n, vals, count, p, u);
+#else
+  (void)isa;
+#endif
+  return es == 2 ? apply_es<2>(l, n, vals, kind, count, p, pos_bytes, u)
+                 : apply_es<4>(l, n, vals, kind, count, p, pos_bytes, u);
+}
+
+void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,
+          const void* saved) {
+  if ((es != 2 && es != 4) || (kind != kVarint && kind != kBitmask) || stored == 0) return;
+  auto* l = static_cast<uint8_t*>(live);
+  const auto* p = static_cast<const uint8_t*>(pos);
+  const auto* u = static_cast<const uint8_t*>(saved);
+  if (es == 2) {
+    undo_es<2>(l, n, kind, p, pos_bytes, stored, u);
+  } else {
+    undo_es<4>(l, n, kind, p, pos_bytes, stored, u);
+  }
+}
+
+}  // namespace transport::delta

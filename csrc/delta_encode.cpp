@@ -1,0 +1,458 @@
+// The publisher's pass (see delta.h): a streaming compare of two tensors that also copies the
+// fresh one into the publisher's snapshot and checksums it, so a delta costs one pass over memory
+// the dense snapshot pass touches anyway. Without a base the same pass is the checksum (with its
+// copy) of delta_checksum.cpp. The vector paths (AVX2, AVX-512BW) are compiled with target
+// attributes and picked at run time, so the extension runs on any x86-64 (and elsewhere, on the
+// scalar path).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "delta.h"
+#include "delta_detail.h"
+
+namespace transport::delta {
+using namespace detail;
+
+namespace {
+
+constexpr uint64_t kStreamMin = 1 << 20;  // bytes of snapshot from which stores stream
+constexpr uint64_t kCheckEvery = 1 << 16;  // elements between two looks at the running density
+
+// Scratch that grows and is kept per thread: the encoders run on the publisher's copy threads.
+uint8_t* scratch(int which, uint64_t nbytes) {
+  thread_local std::unique_ptr<uint8_t[]> bufs[2];
+  thread_local uint64_t caps[2] = {0, 0};
+  if (caps[which] < nbytes) {
+    bufs[which].reset(new uint8_t[nbytes]);
+    caps[which] = nbytes;
+  }
+  return bufs[which].get();
+}
+
+// Collects the changed elements: values straight into the output (up to its capacity), the
+// varint positions and the bitmask into scratch. Past the capacity only the count goes on.
+struct Emitter {
+  int es;
+  uint8_t* vals;
+  uint64_t vcap;
+  uint8_t* var;
+  uint64_t varcap;
+  uint8_t* mask;
+  uint64_t vmax;  // values that fit vcap
+  const uint8_t* base;
+  uint64_t n;
+  uint64_t count = 0;
+  uint64_t sum_old = 0;  // mix() of the base values at the changed positions (all of them)
+  uint64_t sum_new = 0;  // mix() of the fresh values there: new checksum = base's - old + new
+  uint64_t next_check = kCheckEvery;
+  uint64_t varlen = 0;
+  uint64_t last = 0;  // the previous position + 1
+  bool vover = false;
+  bool varover = false;
+
+  inline void one(uint64_t pos, const uint8_t* elem) {
+    sum_old += mix(load_elem(base + pos * es, es), pos);
+    sum_new += mix(load_elem(elem, es), pos);
+    if (count < vmax && !vover) {
+      std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
+    } else {
+      vover = true;
+    }
+    ++count;
+    if (varover) return;
+    gap(pos);
+  }
+
+  inline void gap(uint64_t pos) {
+    if (varlen + 10 > varcap) {
+      varover = true;
+      return;
+    }
+    varlen += put_varint(var + varlen, pos - last);
+    last = pos + 1;
+  }
+
+  // ``bits`` flags the changed elements among the ``lanes`` at index ``i`` (elements at fresh).
+  inline void many(uint64_t bits, uint64_t i, const uint8_t* fresh) {
+    if (i >= next_check && !vover) {
+      // Far past the crossover already (a quarter more changes than the budget allows at this
+      // point): the tensor goes dense, so stop encoding and only count.
+      next_check = i + kCheckEvery;
+      if (i >= n / 16 && static_cast<double>(count) > 1.25 * static_cast<double>(vmax) * static_cast<double>(i) /
+                                                          static_cast<double>(n))
+        vover = true;
+    }
+    while (bits) {
+      int t = __builtin_ctzll(bits);
+      one(i + t, fresh + (i + t) * es);
+      bits &= bits - 1;
+    }
+  }
+};
+
+// The elements [from, n) one by one: compare, copy, checksum, bitmask bits (from is a
+// multiple of 8, so the tail starts on a bitmask byte of its own).
+uint64_t tail(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t from, uint64_t n, int es, Emitter* em) {
+  uint64_t sum = 0;
+  if (em != nullptr && from < n) std::memset(em->mask + from / 8, 0, (n - from + 7) / 8);
+  for (uint64_t i = from; i < n; ++i) {
+    const uint8_t* e = f + i * es;
+    uint32_t x = load_elem(e, es);
+    if (s != nullptr) std::memcpy(s + i * es, e, es);
+    if (em == nullptr) sum += mix(x, i);
+    if (em != nullptr && x != load_elem(b + i * es, es)) {
+      em->mask[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+      em->one(i, e);
+    }
+  }
+  return sum;
+}
+
+uint64_t run_scalar(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, int es, uint64_t first, Emitter* em) {
+  // Indices in the checksum are first-based; positions and bitmask bits are 0-based.
+  if (first == 0) return tail(f, b, s, 0, n, es, em);
+  uint64_t sum = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint8_t* e = f + i * es;
+    if (s != nullptr) std::memcpy(s + i * es, e, es);
+    sum += mix(load_elem(e, es), first + i);
+  }
+  return sum;
+}
+
+#ifdef TRANSPORT_DELTA_X86
+
+// 32 bytes a step: 16 bf16/fp16 or 8 fp32 elements.
+template <int ES>
+__attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n,
+                                                  uint64_t first, Emitter* em) {
+  constexpr uint64_t kLanes = 32 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int>(8u * kIndexMul));
+  const __m256i stepk = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m256i h0 = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                                                   lane),
+                                  _mm256_set1_epi32(static_cast<int>(kIndexMul)));
+  __m256i acc = _mm256_setzero_si256();
+  const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 32 == 0 && n * ES >= kStreamMin;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * ES));
+    if (s != nullptr) {
+      if (stream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
+      }
+    }
+    if (em == nullptr) {  // with a base, only the changes are hashed (by the emitter)
+      if constexpr (ES == 2) {
+        __m256i h1 = _mm256_add_epi32(h0, step8);
+        acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), h0));
+        acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), h1));
+      } else {
+        acc = add8_avx2(acc, mix8_avx2(a, h0));
+      }
+      h0 = _mm256_add_epi32(h0, stepk);
+    }
+    if (em != nullptr) {
+      __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ES));
+      uint32_t ne;
+      if constexpr (ES == 2) {
+        __m256i eq = _mm256_cmpeq_epi16(a, c);
+        ne = ~static_cast<uint32_t>(_mm_movemask_epi8(
+                 _mm_packs_epi16(_mm256_castsi256_si128(eq), _mm256_extracti128_si256(eq, 1)))) & 0xFFFFu;
+        uint16_t m16 = static_cast<uint16_t>(ne);
+        std::memcpy(em->mask + i / 8, &m16, 2);
+      } else {
+        ne = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, c)))) & 0xFFu;
+        em->mask[i / 8] = static_cast<uint8_t>(ne);
+      }
+      if (ne) em->many(ne, i, f);
+    }
+  }
+  if (stream) _mm_sfence();
+  uint64_t sum = hsum_avx2(acc);
+  if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
+  for (uint64_t i = body; i < n; ++i) {
+    if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
+    sum += mix(load_elem(f + i * ES, ES), first + i);
+  }
+  return sum;
+}
+
+TRANSPORT_AVX512_BEGIN
+
+// The changed elements of a run of blocks, packed: fresh and base values and their indices
+// (from the batch's first block, at ``start``), with a vector's slack past kCap for the
+// full-width stores.
+struct Batch {
+  static constexpr uint64_t kCap = 4096;
+  alignas(64) uint8_t fresh[(kCap + 32) * 4];
+  alignas(64) uint8_t base[(kCap + 32) * 4];
+  alignas(64) uint32_t index[kCap + 32];
+  uint64_t fill = 0;
+  uint64_t start = 0;
+};
+
+// Appends the LEB128 gaps of 16 changed positions (``live`` lanes of ``pos``, relative to
+// ``start``) to the emitter's varints. Gaps under 2**14 (one or two bytes) are built in the
+// lanes and packed by one byte compress; a group with a longer gap goes one by one.
+__attribute__((target(TRANSPORT_AVX512))) inline void varints16(Emitter* em, __m512i pos, __mmask16 live,
+                                                               uint64_t start) {
+  if (em->varover) return;
+  const uint64_t first = start + static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(pos)));
+  const unsigned lanes = static_cast<unsigned>(__builtin_popcount(live));
+  if (em->varlen + 2 * 16 + 10 > em->varcap || em->varlen > em->n / 8) {  // or past the bitmask's size
+    em->varover = true;
+    return;
+  }
+  // Lane j's predecessor is lane j - 1; lane 0's is the last position emitted (as an index
+  // from start: mod 2**32, exact whenever the gap itself is below 2**32, checked below).
+  const __m512i prev = _mm512_alignr_epi32(pos, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(
+                                                     em->last - 1 - start))), 15);
+  const __m512i gap = _mm512_maskz_sub_epi32(live, _mm512_sub_epi32(pos, prev), _mm512_set1_epi32(1));
+  if (first - em->last >= (uint64_t{1} << 14) || _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(1 << 14))) {
+    alignas(64) uint32_t p[16];
+    _mm512_store_si512(p, pos);
+    for (unsigned j = 0; j < lanes; ++j) em->gap(start + p[j]);
+    return;
+  }
+  const __mmask16 two = _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(0x80));
+  const __m512i lo = _mm512_or_si512(_mm512_and_si512(gap, _mm512_set1_epi32(0x7f)),
+                                     _mm512_maskz_mov_epi32(two, _mm512_set1_epi32(0x80)));
+  const __m256i words = _mm512_cvtepi32_epi16(_mm512_or_si512(lo, _mm512_slli_epi32(_mm512_srli_epi32(gap, 7), 8)));
+  // Byte 2j (the low one) of every live lane, byte 2j + 1 where the gap takes two.
+  const uint32_t keep = static_cast<uint32_t>(_pdep_u32(live, 0x55555555u) | _pdep_u32(two, 0xAAAAAAAAu));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(em->var + em->varlen), _mm256_maskz_compress_epi8(keep, words));
+  em->varlen += static_cast<uint64_t>(__builtin_popcount(keep));
+  alignas(64) uint32_t p[16];
+  _mm512_store_si512(p, pos);
+  em->last = start + p[lanes - 1] + 1;
+}
+
+// Hashes the batch into the running sums (fresh terms into acc, base terms into old), moves
+// its fresh values into the payload while they fit and its positions into the varints, then
+// empties it.
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) void flush_avx512(Batch& batch, Emitter* em, __m512i* acc, __m512i* old) {
+  const uint64_t k = batch.fill;
+  if (k == 0) return;
+  const __m512i at = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(batch.start)));
+  for (uint64_t j = 0; j < k; j += 16) {
+    const __mmask16 live = j + 16 <= k ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - j)) - 1);
+    const __m512i pos = _mm512_maskz_loadu_epi32(live, batch.index + j);
+    const __m512i key = _mm512_mullo_epi32(_mm512_add_epi32(pos, at), _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+    __m512i x, y;
+    if constexpr (ES == 2) {
+      x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, batch.fresh + j * 2));
+      y = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, batch.base + j * 2));
+    } else {
+      x = _mm512_maskz_loadu_epi32(live, batch.fresh + j * 4);
+      y = _mm512_maskz_loadu_epi32(live, batch.base + j * 4);
+    }
+    *acc = add16_avx512(*acc, _mm512_maskz_mov_epi32(live, mix16_avx512(x, key)));
+    *old = add16_avx512(*old, _mm512_maskz_mov_epi32(live, mix16_avx512(y, key)));
+    varints16(em, pos, live, batch.start);
+  }
+  if (!em->vover && em->count + k <= em->vmax) {
+    std::memcpy(em->vals + em->count * ES, batch.fresh, k * ES);
+  } else {
+    em->vover = true;
+  }
+  em->count += k;
+  batch.fill = 0;
+}
+
+// 64 bytes a step: 32 bf16/fp16 or 16 fp32 elements.
+template <int ES>
+__attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, const uint8_t* b, uint8_t* s,
+                                                               uint64_t n, uint64_t first, Emitter* em) {
+  constexpr uint64_t kLanes = 64 / ES;
+  const uint64_t body = n / kLanes * kLanes;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
+  const __m512i stepk = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
+  __m512i h0 = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                                                   lane),
+                                  _mm512_set1_epi32(static_cast<int>(kIndexMul)));
+  __m512i acc = _mm512_setzero_si512();
+  __m512i old = _mm512_setzero_si512();  // checksum terms of the base values at the changes
+  Batch batch;  // on the stack (40 KB): a thread_local costs a call per access in a shared library
+  uint8_t* const bfresh = batch.fresh;  // locals: stores through byte pointers alias everything
+  uint8_t* const bbase = batch.base;
+  uint32_t* const bindex = batch.index;
+  uint64_t fill = 0, start = 0;  // start: the index of the batch's first block
+  uint8_t* const mask = em != nullptr ? em->mask : nullptr;
+  uint64_t next_check = em != nullptr ? em->next_check : 0;
+  // The snapshot is far larger than the cache and written whole: streaming stores skip reading
+  // each line before writing it (an aligned destination only).
+  const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 64 == 0 && n * ES >= kStreamMin;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    __m512i a = _mm512_loadu_si512(f + i * ES);
+    if (em != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(f + i * ES + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + i * ES + kPrefetch), _MM_HINT_T0);
+    }
+    if (s != nullptr) {
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(s + i * ES), a);
+      } else {
+        _mm512_storeu_si512(s + i * ES, a);
+      }
+    }
+    if (em == nullptr) {
+      const __m512i hb = h0;  // the checksum keys of this block's elements
+      h0 = _mm512_add_epi32(h0, stepk);
+      if constexpr (ES == 2) {
+        acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), hb));
+        acc = add16_avx512(acc, mix16_avx512(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)),
+                                             _mm512_add_epi32(hb, step16)));
+      } else {
+        acc = add16_avx512(acc, mix16_avx512(a, hb));
+      }
+      continue;
+    }
+    __m512i c = _mm512_loadu_si512(b + i * ES);
+    uint64_t ne;
+    if constexpr (ES == 2) {
+      uint32_t m = _mm512_cmpneq_epi16_mask(a, c);
+      std::memcpy(mask + i / 8, &m, 4);
+      ne = m;
+    } else {
+      uint16_t m = _mm512_cmpneq_epi32_mask(a, c);
+      std::memcpy(mask + i / 8, &m, 2);
+      ne = m;
+    }
+    // No branch on whether the block changed: at the densities deltas pay (a few percent)
+    // about half the blocks hold a change, at random, so a branch would mispredict every other
+    // block; the compresses below pack nothing for an unchanged one.
+    const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
+    if (i >= next_check && !em->vover) {
+      next_check = i + kCheckEvery;
+      if (i >= n / 16 && static_cast<double>(em->count + fill) >
+                             1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
+        em->vover = true;  // far past the crossover: dense; only count and hash from here
+    }
+    // The changed lanes' fresh and base values and indices are packed into the batch
+    // (register compresses, full-width stores into slack); they are hashed and their varints
+    // made 16 at a time when it fills, so that work costs per changed element, not per block.
+    const __m512i ib = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i - start))), lane);
+    if constexpr (ES == 2) {
+      const __mmask16 m0 = static_cast<__mmask16>(ne), m1 = static_cast<__mmask16>(ne >> 16);
+      _mm512_storeu_si512(bfresh + fill * 2, _mm512_maskz_compress_epi16(static_cast<__mmask32>(ne), a));
+      _mm512_storeu_si512(bbase + fill * 2, _mm512_maskz_compress_epi16(static_cast<__mmask32>(ne), c));
+      _mm512_storeu_si512(bindex + fill, _mm512_maskz_compress_epi32(m0, ib));
+      _mm512_storeu_si512(bindex + fill + __builtin_popcount(m0),
+                          _mm512_maskz_compress_epi32(m1, _mm512_add_epi32(ib, _mm512_set1_epi32(16))));
+    } else {
+      const __mmask16 m0 = static_cast<__mmask16>(ne);
+      _mm512_storeu_si512(bfresh + fill * 4, _mm512_maskz_compress_epi32(m0, a));
+      _mm512_storeu_si512(bbase + fill * 4, _mm512_maskz_compress_epi32(m0, c));
+      _mm512_storeu_si512(bindex + fill, _mm512_maskz_compress_epi32(m0, ib));
+    }
+    fill += k;
+    // Full, or its indices (from start, 32 bits) about to run out: a tensor past 2**31 elements.
+    if (fill + kLanes > Batch::kCap || i + kLanes - start >= (uint64_t{1} << 31)) {
+      batch.fill = fill;
+      batch.start = start;
+      flush_avx512<ES>(batch, em, &acc, &old);
+      fill = 0;
+      start = i + kLanes;
+    }
+  }
+  batch.fill = fill;
+  batch.start = start;
+  if (em != nullptr) flush_avx512<ES>(batch, em, &acc, &old);
+  if (stream) _mm_sfence();
+  uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  if (em != nullptr) {  // with a base: acc holds the fresh terms of the changed lanes
+    em->sum_old += static_cast<uint64_t>(_mm512_reduce_add_epi64(old));
+    em->sum_new += sum;
+    sum = 0;
+  }
+  if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
+  for (uint64_t i = body; i < n; ++i) {
+    if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
+    sum += mix(load_elem(f + i * ES, ES), first + i);
+  }
+  return sum;
+}
+
+TRANSPORT_AVX512_END
+#endif  // TRANSPORT_DELTA_X86
+
+uint64_t run(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, int es, uint64_t first, Emitter* em,
+             int isa) {
+  switch (resolve(isa)) {
+#ifdef TRANSPORT_DELTA_X86
+    case kAvx512:
+      return es == 2 ? run_avx512<2>(f, b, s, n, first, em) : run_avx512<4>(f, b, s, n, first, em);
+    case kAvx2:
+      return es == 2 ? run_avx2<2>(f, b, s, n, first, em) : run_avx2<4>(f, b, s, n, first, em);
+#endif
+    default:
+      return run_scalar(f, b, s, n, es, first, em);
+  }
+}
+
+}  // namespace
+
+// Here, beside run(), so that the compiler specialises the pass for no base and no emitter.
+uint64_t detail::checksum_pass(const uint8_t* p, uint8_t* dst, uint64_t n, int es, uint64_t first, int isa) {
+  return run(p, nullptr, dst, n, es, first, nullptr, isa);
+}
+
+EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
+                    int isa) {
+  check_es(es);
+  const auto* f = static_cast<const uint8_t*>(fresh);
+  auto* s = static_cast<uint8_t*>(snap);
+  EncodeResult r{kDense, n, 0, 0, 0, 0, 0};
+  if (base == nullptr) {
+    r.checksum = run(f, nullptr, s, n, es, 0, nullptr, isa);
+    return r;
+  }
+  const uint64_t mask_bytes = (n + 7) / 8;
+  Emitter em{es, static_cast<uint8_t*>(out), cap, scratch(0, cap + 16), cap, scratch(1, mask_bytes + 8), cap / es,
+             static_cast<const uint8_t*>(base), n};
+  run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
+  r.changed = em.count;
+  r.sum_old = em.sum_old;
+  r.sum_new = em.sum_new;
+  if (em.count == 0) {
+    r.kind = kUnchanged;
+    return r;
+  }
+  if (em.vover) return r;  // dense
+  const uint64_t vbytes = align8(em.count * es);
+  bool use_mask = em.varover || mask_bytes < em.varlen;
+  uint64_t pos = use_mask ? mask_bytes : em.varlen;
+  if (vbytes + pos > cap) return r;  // dense
+  auto* o = static_cast<uint8_t*>(out);
+  std::memset(o + em.count * es, 0, vbytes - em.count * es);
+  std::memcpy(o + vbytes, use_mask ? em.mask : em.var, pos);
+  r.kind = use_mask ? kBitmask : kVarint;
+  r.payload_bytes = vbytes + pos;
+  r.pos_bytes = pos;
+  return r;
+}
+
+uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
+                        int isa) {
+  check_es(es);
+  run = std::min(run, n);
+  if (runs == 0 || run == 0) return 0;
+  const auto* f = static_cast<const uint8_t*>(fresh);
+  const auto* b = static_cast<const uint8_t*>(base);
+  uint64_t changed = 0;
+  for (uint64_t j = 0; j < runs; ++j) {
+    const uint64_t at = runs == 1 ? 0 : (n - run) / (runs - 1) * j + (n - run) % (runs - 1) * j / (runs - 1);
+    changed += encode(f + at * es, b + at * es, nullptr, run, es, nullptr, 0, isa).changed;
+  }
+  return changed;
+}
+
+}  // namespace transport::delta
