@@ -1,7 +1,7 @@
 """A delta version of a stream while the publisher makes it: the parts of its encodings as the
 diff hands them out (:class:`DeltaFeed`), which the pushes to subscribers holding the base send
 while the rest is diffed, and the work that brings the new snapshot to the version
-(:class:`Fill`), shared by the publish and the pushes that send the snapshot dense."""
+(:class:`Fill`), which the publish runs after the pushes."""
 
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ class DeltaFeed:
 class Fill:
     """Brings a delta version's new snapshot to the version: its copies, which read the live
     tensors (:meth:`DeltaEncoder.fill_copies`), then its patches, which read only our encodings
-    (:meth:`DeltaEncoder.fill_patches`). Each runs once, shared by the publish and the pushes
-    that send the snapshot dense."""
+    (:meth:`DeltaEncoder.fill_patches`). Each runs once: the copies before the publish returns,
+    the patches after it, in the background."""
 
     def __init__(self, delta: DeltaEncoder, snap: torch.Tensor, dv: DeltaVersion) -> None:
         self.copies = Once(functools.partial(delta.fill_copies, snap, dv))

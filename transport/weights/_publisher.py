@@ -434,13 +434,14 @@ class Publisher(Lifecycle):
                                 await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started,
                                                                slot)
                             feed = DeltaFeed(front[0], sample[1] / sample[2] if sample[2] else 0.0)
-                    if feed is None:
-                        if self._delta is not None:
-                            self._delta.forget(slot)
-                        # Only what cannot go straight from the live tensors is packed before the
-                        # pushes; the rest of the snapshot (for pull) is filled after them: copying
-                        # it meanwhile would compete with the pushes for memory bandwidth and cores.
-                        await anyio.to_thread.run_sync(snapshots.pack, slot)
+                    if feed is None and self._delta is not None:
+                        self._delta.forget(slot)
+                    # Only what cannot go straight from the live tensors is packed before the
+                    # pushes (a delta version too: a subscriber that gets it dense is pushed at
+                    # once, beside the diff); the rest of the snapshot (for pull) is filled after
+                    # them: copying it meanwhile would compete with the pushes for memory
+                    # bandwidth and cores.
+                    await anyio.to_thread.run_sync(snapshots.pack, slot)
 
                 # The subscribers are looked up while the sample, or the pack, runs.
                 scan, t_packed = await _both(self._roster.scan, prepare)
@@ -479,7 +480,7 @@ class Publisher(Lifecycle):
                 fill = None if feed is None else feed.fill
                 if fill is not None and dv is not None and self._delta is not None:
                     delta = self._delta
-                    if fill.done or self._rings is None:
+                    if self._rings is None:
                         await fill()
                         snapshots.finish(slot, version, True)
                         ended = True

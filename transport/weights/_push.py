@@ -181,11 +181,8 @@ class Pushes:
                     await h
                 handles.clear()
         if not moved[1]:
-            if feed is not None:  # a delta version: the packed buckets this sends are filled first
-                await feed.done()
-                clock()
-                assert feed.fill is not None
-                await feed.fill()
+            # Dense, also in a delta version (its packed buckets were packed before the pushes):
+            # at once, without waiting for the diff.
             if int(ctl[DELTA]) == 1 and k.deltas[back] in peer.regions:
                 # That slot's delta header may name this version (a restarted publisher counts
                 # again): cleared first, so the dense bytes are never read as a delta.

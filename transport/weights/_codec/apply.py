@@ -268,8 +268,8 @@ class DeltaApplier:
         with self._scratch_lock:
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need, dtype=torch.uint8)
-            held = self._scratch  # (kept alive for this pass whatever the background sets)
-        scratch = held.data_ptr()
+            scratch_t = self._scratch  # (kept alive for this pass whatever the background sets)
+        scratch = scratch_t.data_ptr()
         done: list[tuple[native.Refusal, int, int, int]] = [(native.Refusal.OK, 0, 0, 0)] * len(work)
         batch = HostCopies()
         for j, (c, at) in enumerate(work):
