@@ -11,6 +11,7 @@ import torch
 import transport
 from transport.weights import Publisher, Subscriber
 from transport.weights._codec.policy import CROSSOVER, NETWORK_MAX, Crossover, wire_share
+from transport.weights._control import DIFFING
 
 MODEL_BYTES = 200 << 20
 ELEMENTS = MODEL_BYTES // 2
@@ -125,4 +126,16 @@ async def test_the_report_names_the_crossover_each_version_was_judged_by():
                     assert not r2.results["far"].delta and r2.delta.base is None and not r2.delta.sampled
                 assert r3.delta is not None and r3.delta.crossover == 0.0 and not r3.delta.sampled
                 assert r3.delta.base is None and not r3.results["far"].delta and r3.delta.encode_s == 0.0
+                # Its control block says no delta is coming, so its subscriber checksums nothing
+                # ahead after a dense apply; the other publishers' say one may.
+                assert int(never._snapshots.ctl[DIFFING]) == 0 and s3._delta is not None and s3._delta._pass is None
+                assert int(fixed._snapshots.ctl[DIFFING]) == 1 and s1._delta is not None
             assert torch.equal(far["a"], src["a"]) and torch.equal(never_live["a"], src["a"])
+            # The host measures as it is again: a delta pays once more (this once: its measured
+            # diff then outweighs so small a push), and it goes to a subscriber that learnt
+            # nothing ahead, which checks it against checksums it makes then.
+            never._crossover.scatter_ns = 2.0
+            src["a"][5:8] += 1
+            r3 = await never.publish(5)
+            assert await s3.wait_version(5) == 5 and torch.equal(never_live["a"], src["a"])
+            assert r3.results["far"].delta and s3.refused_deltas == 0

@@ -3,7 +3,8 @@
 Both sides publish a small control block (``int64[CTL_WORDS]``) next to their data:
 
 * the publisher's (``pubctl``, read-only to peers): ``FRONT`` (its newest complete snapshot),
-  ``LAYOUT_ID``, ``FILLING`` (a newer version whose snapshot is still being filled) and one
+  ``LAYOUT_ID``, ``FILLING`` (a newer version whose snapshot is still being filled),
+  ``LATEST`` (the newest version it has begun to push), ``DIFFING`` (deltas may come) and one
   generation counter per snapshot at ``GEN0 + slot``: odd while the snapshot is being written,
   so a one-sided reader (``pull``) keeps a copy only if the counter was even and did not move
   during its read (a seqlock);
@@ -49,6 +50,10 @@ FRONT, READING, APPLIED, LAYOUT_ID, TRYING, DELTA = 0, 1, 2, 3, 4, 5
 # its block; any peer can write a subscriber's).
 FILLING = 1
 LATEST = 2  # the newest version the publisher has begun to push (set before any push of it)
+# DIFFING: 1 while the publisher's next version may go to some subscriber as a delta (its
+# measurements say one may pay there); its subscribers checksum their weights ahead of a delta
+# in the background after a dense apply only then (else at the first delta, in its apply).
+DIFFING = 3
 GEN0 = 4
 CTL_WORDS = 8
 NO_SLOT = -1  # READING / TRYING / APPLIED when nothing is being read, claimed or applied

@@ -27,6 +27,7 @@ from ._codec.encode import CROSSOVER, PARTS, DeltaEncoder, DeltaVersion
 from ._codec.format import SPARSE_MAX, index_bytes
 from ._codec.policy import Crossover
 from ._control import (
+    DIFFING,
     FILLING,
     FRONT,
     LATEST,
@@ -63,22 +64,20 @@ async def _both(first: Callable[[], Awaitable[T]], second: Callable[[], Awaitabl
     errors: list[Exception] = []
     ended = [0.0]
 
-    async def run_first() -> None:
+    async def run(which: int) -> None:
         try:
-            out.append(await first())
+            if which == 0:
+                out.append(await first())
+            else:
+                await second()
         except Exception as exc:  # noqa: BLE001 -- raised below
             errors.append(exc)
-
-    async def run_second() -> None:
-        try:
-            await second()
-        except Exception as exc:  # noqa: BLE001 -- raised below
-            errors.append(exc)
-        ended[0] = time.perf_counter()
+        if which == 1:
+            ended[0] = time.perf_counter()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(run_first)
-        tg.start_soon(run_second)
+        tg.start_soon(run, 0)
+        tg.start_soon(run, 1)
     if errors:
         raise errors[0]
     return out[0], ended[0]
@@ -450,6 +449,7 @@ class Publisher(Lifecycle):
                            for (name, _), why in scan.dead.items()}
                 t_found = t_diffed = time.perf_counter()
                 snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
+                snapshots.ctl[DIFFING] = int(self._delta is not None and self._pushes.may_diff())
                 if feed is not None:  # its snapshot is completed below: pull() waits for it, not the one before
                     snapshots.ctl[FILLING] = version
                 memory_barrier()
@@ -514,7 +514,7 @@ class Publisher(Lifecycle):
             if learning is not None:
                 learning[2].stop()  # used above, or not needed: it takes no more pieces
             if dv is None and self._delta is not None and self._rings is not None and \
-                    any(self._pushes.takes_delta.get(n, False) and self._crossover.of(n) > 0 for n in subs):
+                    self._pushes.may_diff(subs):
                 # The next version may be diffed against this snapshot: its checksum pass begins
                 # once it is complete, in the background (the next publish finishes it), and
                 # copies it into the other snapshot on the way, which the next version then

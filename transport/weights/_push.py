@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
@@ -55,6 +55,13 @@ class Pushes:
         self.landed: dict[str, tuple[int, bool]] = {}
         self.takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
         self._memory_link: dict[str, bool] = {}  # subscriber -> its last push went over a same-host link
+
+    def may_diff(self, among: Iterable[str] | None = None) -> bool:
+        """Whether a later version may be diffed: a subscriber (of ``among``, or any) takes
+        deltas and its path is unmeasured or a delta may pay there (before a first delta's own
+        costs, which the background pass after a dense version takes off)."""
+        names = self.takes_delta if among is None else among
+        return any(self.takes_delta.get(n, False) and self._crossover.of(n) > 0 for n in names)
 
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops what is kept for subscribers no longer served (``serving``: (name,
@@ -191,9 +198,9 @@ class Pushes:
             # The whole version as one prepared transfer into that slot: its segment list
             # (coalesced, checked, and packed into each backend's native list) is built the
             # first time and reused every later version with this subscriber, slot and snapshot.
+            pushed = time.perf_counter()  # (a small push completes inside start())
             handles.append(self.prepared(peer, back, snap).start(timeout=self.deadline))
             nbytes = self.layout.total
-        pushed = time.perf_counter()
         for h in handles:
             await h
         moved[0] = nbytes

@@ -50,6 +50,7 @@ from ._control import (
     APPLIED,
     CTL_WORDS,
     DELTA,
+    DIFFING,
     FILLING,
     FRONT,
     GEN0,
@@ -172,6 +173,7 @@ class Subscriber(Lifecycle):
         self._keys = StreamKeys.of(name)
         self._applied: int | None = None
         self._pub_latest = 0  # the newest version the publisher's own control block vouched for
+        self._pub_diffs = True  # its block's DIFFING word, last read: deltas may come
         self._refused: int | None = None  # the last unvouched version logged
         self._unasked_logged: int | None = None  # the last version taken unasked that was logged
         self._block: LocalBlock | None = None  # the publisher's control block mapped here (same host)
@@ -226,6 +228,7 @@ class Subscriber(Lifecycle):
         refuse the rest."""
         latest = publisher_latest(words)
         self._pub_latest = latest if authoritative else max(self._pub_latest, latest)
+        self._pub_diffs = int(words[DIFFING]) != 0
         if self._applied is not None and self._applied > self._pub_latest and authoritative:
             log.warning("subscriber %s: live version %d of %r is past what %s has published (%d): not "
                         "trusted; the next version it publishes is applied", self.t.name, self._applied,
@@ -476,7 +479,7 @@ class Subscriber(Lifecycle):
                     self._delta.before_dense()
                 host_unpack(buf, plan.copies, plan.converted, self._threads)
                 if self._delta is not None:
-                    self._delta.dense_applied()
+                    self._delta.dense_applied(self._pub_diffs)
                 return
             _tensor_kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
             dequantize_into(buf, plan.converted)
@@ -741,6 +744,7 @@ class Subscriber(Lifecycle):
                 return PENDING if filling else self._applied  # (filling: the first snapshot)
             version, slot = front
             self._pub_latest = publisher_latest(ctl)
+            self._pub_diffs = int(ctl[DIFFING]) != 0
             if self._applied is not None and max(version, filling) == self._applied:
                 return self._applied
             # Past the publisher's own version (a third peer's word, or a restarted

@@ -64,12 +64,15 @@ class DeltaApplier:
         self._scratch_max = max(SCRATCH_MIN, layout.total // 8)
         self._scratch_lock = threading.Lock()  # the background pass readies it (see dense_applied)
 
-    def dense_applied(self) -> None:
-        """The live tensors were just copied from a dense version: their checksum pass begins
-        now on a background thread, while the subscriber waits for the next
-        version (a dense apply costs what it costs without delta sync); the first delta after
-        it finishes the pass on its copy threads (nothing, if the background took it all)."""
+    def dense_applied(self, ahead: bool = True) -> None:
+        """The live tensors were just copied from a dense version: with ``ahead`` (deltas may
+        come: the publisher says so), their checksum pass begins now on a background thread,
+        while the subscriber waits for the next version (a dense apply costs what it costs
+        without delta sync); the first delta after it finishes the pass on its copy threads
+        (nothing, if the background took it all). Without, the first delta makes the whole pass."""
         self.before_dense()
+        if not ahead:
+            return
         self._pass = self._new_pass()
         self._thread = start_background(functools.partial(self._ahead, self._pass), self._pass.stop)
 
