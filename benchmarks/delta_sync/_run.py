@@ -40,7 +40,10 @@ from transport.weights import Publisher, Subscriber, delta_isa
 from ._references import floor_s, references
 
 ROOT = Path(__file__).resolve().parent.parent
-STREAMS = ("delta", "dense")
+# The delta stream, the forced-dense one, and the same forced-dense publish again: the third
+# measures this run's noise (two identical publishes), against which a delta stream that sends
+# dense is judged.
+STREAMS = ("delta", "dense", "again")
 SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
 SUBSCRIBERS = ("gen-0", "gen-1")
 
@@ -139,7 +142,8 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     row: dict[str, Any] = {"version": version, "changed_fraction": changed}
     # Alternate which stream goes first: the first publish after a training step reads live
     # tensors the optimizer just wrote.
-    for stream in [s for s in (STREAMS if version % 2 else STREAMS[::-1]) if s in streams]:
+    k = version % len(STREAMS)  # which stream goes first rotates with the version
+    for stream in [s for s in STREAMS[k:] + STREAMS[:k] if s in streams]:
         t0 = time.perf_counter()
         report = await pubs[stream].publish(version)
         for name in SUBSCRIBERS:
@@ -223,8 +227,10 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=120) as t:
             crossover = {} if args.crossover is None else {"delta_crossover": args.crossover}
             async with Publisher(t, published, name="delta", delta=True, **crossover) as pd, \
-                    Publisher(t, published, name="dense", delta=False) as pn:
-                await run_steps(args, t, model, published, cfg, {"delta": pd, "dense": pn}, backend, steps, sweep,
+                    Publisher(t, published, name="dense", delta=False) as pn, \
+                    Publisher(t, published, name="again", delta=False) as pa:
+                pubs = {"delta": pd, "dense": pn, "again": pa}
+                await run_steps(args, t, model, published, cfg, pubs, backend, steps, sweep,
                                 windows)
         for p in procs:
             p.wait(timeout=120)
@@ -262,7 +268,7 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
     flip(published, 0.9, torch.Generator().manual_seed(9))
     for _ in range(2):
         version += 1
-        await publish_both(t, pubs, version, streams=("dense",) if args.join else STREAMS)
+        await publish_both(t, pubs, version, streams=("dense", "again") if args.join else STREAMS)
         for k, v in published.items():
             v.copy_(warm[k])
     if args.join:
@@ -354,7 +360,10 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
             "delta_versions": sum(1 for r in rows if all(r["delta"]["as_delta"])),
         }
     every = [r["delta"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:]]
+    noise = [r["again"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:] + run["sweep"]]
     out["every step"] = {"live_ratio_max": max(every, default=float("nan")),
+                         "noise_ratio_min": min(noise, default=float("nan")),
+                         "noise_ratio_max": max(noise, default=float("nan")),
                          "diff_over_memcpy_min": min((r["diff_gbps"] / memcpy for r in run["steps"][1:]
                                                       if r.get("diff_gbps")), default=float("nan"))}
     out["windows"] = [{"lr": r["lr"], "steps": r["steps"], "changed": r["changed_fraction"],
@@ -406,8 +415,9 @@ def markdown(result: dict[str, Any]) -> str:
            f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['threads']} copy threads), no GPU; torch "
            f"{m['torch']}; diff ISA {m['diff_isa']}. Model: {result['model']} "
            f"({result['bf16_bytes'] / 1e6:.1f} MB of bf16). Two subscriber processes per backend; each "
-           "version published on the delta stream and on the forced-dense stream (`delta=False` both ends), "
-           "which goes first alternating by version. Load average at the start: "
+           "version published on the delta stream, on the forced-dense stream (`delta=False` both ends) and "
+           "once more on a second forced-dense stream (the run's noise: two identical publishes); which goes "
+           "first rotates by version. Load average at the start: "
            f"{result.get('load_before', 'not recorded')}; commit {result.get('commit', 'not recorded')}.",
            "", "live = from the start of the publish until both subscribers report the version applied; apply = "
            "the subscriber's own copy or checked scatter (the slower of the two); diff = the diff + encode "
@@ -423,25 +433,27 @@ def markdown(result: dict[str, Any]) -> str:
         b = run["backend"]
         refs = result.get("references")
         out += [f"## {b}", "", "| lr | step | loss | changed | wire delta / dense (MB) | diff ms (GB/s) | "
-                "apply ms delta / dense | live ms delta / dense | ratio | floor ms (/ dense live) |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "apply ms delta / dense | live ms delta / dense | ratio | dense again / dense | "
+                "floor ms (/ dense live) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["steps"][1:]:
             d, n = r["delta"], r["dense"]
             out.append(f"| {r['lr']:g} | {r['step']} | {r['loss']:.3f} | {r['changed_fraction']:.3%} | "
                        f"{d['wire_bytes'] / 1e6:.2f} / {n['wire_bytes'] / 1e6:.2f} | {diff_cell(r)} | "
                        f"{max(d['apply_s']) * 1e3:.0f} / {max(n['apply_s']) * 1e3:.0f} | "
                        f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} | "
-                       f"{floor_cell(refs, r)} |")
+                       f"{r['again']['live_s'] / n['live_s']:.2f} | {floor_cell(refs, r)} |")
         out += ["", f"Forced densities ({b}): bit flips of that fraction of every tensor.", "",
-                "| forced | measured | kinds | wire ratio | apply ms delta / dense | live ms delta / dense | ratio |",
-                "|---|---|---|---|---|---|---|"]
+                "| forced | measured | kinds | wire ratio | apply ms delta / dense | live ms delta / dense | ratio | "
+                "dense again / dense |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in run["sweep"]:
             d, n = r["delta"], r["dense"]
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items()))
             out.append(f"| {r['forced']:.1%} | {r['changed_fraction']:.3%} | {kinds} | "
                        f"{d['wire_bytes'] / n['wire_bytes']:.3f} | {max(d['apply_s']) * 1e3:.0f} / "
                        f"{max(n['apply_s']) * 1e3:.0f} | {d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | "
-                       f"{d['live_s'] / n['live_s']:.2f} |")
+                       f"{d['live_s'] / n['live_s']:.2f} | {r['again']['live_s'] / n['live_s']:.2f} |")
         out += ["", f"Where the time goes ({b}, delta stream; ms): publish = pack (sample + diff) + discover + "
                 "push + snapshot (what the publish does after the pushes: the fill's copies; its patches run "
                 "after it returns); after = live - publish (the doorbell, the subscribers' checked apply, their "

@@ -44,7 +44,8 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
         header = 8 * (HEADER_WORDS + ENTRY_WORDS * tensors)
         assert [r["lr"] for r in run["steps"]] == [None, 1e-6, 1e-5]
         for row in run["steps"] + run["sweep"]:
-            assert row["dense"]["wire_bytes"] == dense and row["dense"]["as_delta"] == [False, False]
+            for stream in ("dense", "again"):  # forced dense, and the same publish again (the noise)
+                assert row[stream]["wire_bytes"] == dense and row[stream]["as_delta"] == [False, False]
             assert all(s > 0 for s in row["dense"]["apply_s"] + row["delta"]["apply_s"])  # both applied it
         for row in run["steps"][1:] + run["sweep"]:
             f, d = row["changed_fraction"], row["delta"]
