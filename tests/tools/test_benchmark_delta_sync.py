@@ -16,8 +16,9 @@ import subprocess
 from pathlib import Path
 
 from tests._support import PYTHON, ROOT, python_env
-from transport.weights._codec.encode import ALIGN, CROSSOVER
+from transport.weights._codec.encode import ALIGN
 from transport.weights._codec.format import ENTRY_WORDS, HEADER_WORDS
+from transport.weights._codec.policy import CROSSOVER
 
 
 def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:

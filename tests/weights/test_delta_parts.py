@@ -15,7 +15,8 @@ from tests._support.delta_model import same_bits
 from transport.weights import Publisher, Subscriber
 from transport.weights import _publisher as publisher_module
 from transport.weights._codec.apply import DeltaApplier
-from transport.weights._codec.encode import CROSSOVER, DeltaEncoder, Kind
+from transport.weights._codec.encode import DeltaEncoder, Kind
+from transport.weights._codec.policy import CROSSOVER
 from transport.weights._layout import build_layout
 
 

@@ -23,7 +23,7 @@ from tests._support import PYTHON, python_env
 from tests._support.delta_model import model_at, same_bits, step, zeros
 from transport._native import delta as native
 from transport.weights import Publisher, Subscriber
-from transport.weights._codec.encode import CROSSOVER
+from transport.weights._codec.policy import CROSSOVER
 from transport.weights._control import APPLIED, FRONT, decode_front
 
 ROOT = Path(__file__).resolve().parents[2]

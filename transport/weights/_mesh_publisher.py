@@ -25,7 +25,8 @@ from ..plan import (
 )
 from ._binding import byte_runs, slot_layout, snapshot_layout
 from ._codec.format import HEAD_BYTES, read_table
-from ._codec.runs import CROSSOVER, Change, Cut, MeshDeltaPacker, Runs, cut
+from ._codec.policy import RUNS_CROSSOVER
+from ._codec.runs import Change, Cut, MeshDeltaPacker, Runs, cut
 from ._control import decode_front, encode_front, memory_barrier, withdraw
 from ._lifecycle import Lifecycle
 from ._mesh_control import (
@@ -138,7 +139,7 @@ class MeshPublisher(Lifecycle):
 
     def __init__(self, transport: Transport, name: str, shards: Mapping[str, torch.Tensor], layout: TrainerLayout,
                  *, rank: int, topology: Topology | None = None, deadline: float = 30.0,
-                 delta: bool | str = "auto", delta_crossover: float = CROSSOVER) -> None:
+                 delta: bool | str = "auto", delta_crossover: float = RUNS_CROSSOVER) -> None:
         if delta not in (True, False, "auto"):
             raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
         if not 0 < delta_crossover <= 0.5:

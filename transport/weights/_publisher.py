@@ -23,9 +23,9 @@ import torch
 from .._background import start_background
 from .._errors import TransferTimeoutError, TransportError, TransportInternalError
 from ._codec.checksum import PAUSE_S, SumPass, deltable
-from ._codec.encode import CROSSOVER, PARTS, DeltaEncoder, DeltaVersion
+from ._codec.encode import PARTS, DeltaEncoder, DeltaVersion
 from ._codec.format import SPARSE_MAX, index_bytes
-from ._codec.policy import Crossover
+from ._codec.policy import CROSSOVER, Crossover
 from ._control import (
     DIFFING,
     FILLING,
@@ -201,6 +201,7 @@ class Publisher(Lifecycle):
                               index_bytes(self.layout), delta is True)
         self._takers = False  # whether a subscriber served by the last publish takes deltas
         self._chosen: dict[str, float] = {}  # this version's crossover per subscriber that takes deltas (0.0: dense)
+        self._change: float | None = None  # the changed fraction of the last version sampled or diffed
         # The checksum pass over the last dense snapshot, begun in the background: (slot, version, pass)
         self._learning: tuple[int, int, SumPass] | None = None
         self._ahead: threading.Thread | None = None  # the thread that runs it (and readies what follows)
@@ -449,7 +450,9 @@ class Publisher(Lifecycle):
                            for (name, _), why in scan.dead.items()}
                 t_found = t_diffed = time.perf_counter()
                 snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
-                snapshots.ctl[DIFFING] = int(self._delta is not None and self._pushes.may_diff())
+                if sample is not None and sample[2]:
+                    self._change = sample[1] / sample[2]
+                snapshots.ctl[DIFFING] = int(self._delta is not None and self._pushes.may_diff(None, self._change))
                 if feed is not None:  # its snapshot is completed below: pull() waits for it, not the one before
                     snapshots.ctl[FILLING] = version
                 memory_barrier()
@@ -471,7 +474,7 @@ class Publisher(Lifecycle):
                             raise
                         feed.close(made, Fill(self._delta, snapshots.snaps[slot], made))
                         self._crossover.diffed(made.encode_s)
-                        dv = made
+                        dv, self._change = made, made.density
                         t_diffed = time.perf_counter()
                 t_pushed = time.perf_counter()
                 # A subscriber reached one-sidedly (its application takes no part in the copy back).
@@ -514,7 +517,7 @@ class Publisher(Lifecycle):
             if learning is not None:
                 learning[2].stop()  # used above, or not needed: it takes no more pieces
             if dv is None and self._delta is not None and self._rings is not None and \
-                    self._pushes.may_diff(subs):
+                    self._pushes.may_diff(subs, self._change):
                 # The next version may be diffed against this snapshot: its checksum pass begins
                 # once it is complete, in the background (the next publish finishes it), and
                 # copies it into the other snapshot on the way, which the next version then

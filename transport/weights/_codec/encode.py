@@ -47,14 +47,9 @@ from .._copy import STREAM_MIN_BYTES, HostCopies, copy_bytes
 from .._layout import ALIGN, Entry, Layout
 from .checksum import SumPass, deltable
 from .format import MASK64, SPARSE_MAX, STREAM_MAGIC, Kind, signed
+from .policy import CROSSOVER
 
 PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of dense goes dense undiffed
-# The changed fraction above which a tensor goes dense (and a version, by its sample, without the
-# full diff): where scattering stops paying against a dense copy when the link runs about as fast
-# as memory (benchmarks/results/delta_sync-2026-12-01.md). Over a network, bytes dominate and
-# denser changes pay: a stream publisher raises it per version from its measurements
-# (:mod:`.policy`) unless given one.
-CROSSOVER = 0.05
 SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elements spread over it
 # A snapshot tensor is patched with two versions' encodings (rather than copied from the live
 # tensors) while they change at most this fraction of it together. The patches run after the

@@ -34,7 +34,17 @@ import torch
 
 from ..._native import delta as native
 from ..._native import stream_copy
-from .encode import CROSSOVER
+
+# The changed fraction above which a tensor of a stream goes dense (and a version, by its sample,
+# without the full diff) until the publisher has measured its subscribers' paths: where
+# scattering stops paying against a dense copy when the link runs about as fast as memory
+# (benchmarks/results/delta_sync-2026-12-01.md). Over a network, bytes dominate and denser
+# changes pay: :class:`Crossover` chooses per version and subscriber unless given one.
+CROSSOVER = 0.05
+# Mesh sync's (``MeshPublisher(delta_crossover=...)``): the changed fraction of a version's units
+# above which it goes dense. Higher than the stream's: its base is the version two back (twice
+# the change), and by default its deltas go over networks.
+RUNS_CROSSOVER = 0.2
 
 NETWORK_MAX = 0.4  # the highest crossover chosen: denser changes go dense on any link
 MARGIN = 0.8  # a delta is chosen only where it is predicted to take at most this share of dense

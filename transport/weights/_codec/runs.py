@@ -41,11 +41,7 @@ from ..._errors import DeltaRefusedError
 from ..._native import delta as native
 from .._copy import HostCopies, available_threads
 from .format import HEAD_BYTES, MASK64, MESH_MAGIC, signed, unsigned
-
-# The changed fraction of a version's units above which it goes dense. Higher than the stream's:
-# the base is the version two back (twice the change), and by default deltas go over networks.
-CROSSOVER = 0.2
-
+from .policy import RUNS_CROSSOVER
 
 # -- the trainer's side -----------------------------------------------------------------------
 
@@ -76,7 +72,7 @@ class MeshDeltaPacker:
     """
 
     def __init__(self, packed: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
-                 offsets: Mapping[str, tuple[int, int]], total: int, crossover: float = CROSSOVER) -> None:
+                 offsets: Mapping[str, tuple[int, int]], total: int, crossover: float = RUNS_CROSSOVER) -> None:
         self._packed, self._offsets, self.crossover = list(packed), dict(offsets), crossover
         self.total_units = sum(nbytes // 2 for _, nbytes in self._offsets.values())
         odd = [n for n, (_, nbytes) in self._offsets.items() if nbytes % 2]
