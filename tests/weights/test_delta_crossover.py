@@ -50,7 +50,7 @@ def modeled(copy_gbps: float = 13.0, scatter_ns: float = 2.0, sum_gbps: float = 
 
 def test_calibration_measures_this_host(calibrated: Crossover):
     assert calibrated.calibrated and calibrated.copy_gbps is not None and calibrated.scatter_ns is not None
-    assert calibrated.copy_gbps > 0 and calibrated.scatter_ns > 0 and calibrated.sum_gbps
+    assert calibrated.copy_gbps > 0 and calibrated.scatter_ns > 0 and calibrated.sum_gbps and calibrated.emit_ns >= 0
     # Whatever the host measured: a slower link never lowers the crossover, nor does a first
     # delta's extra cost raise it.
     copy_s = MODEL_BYTES / (calibrated.copy_gbps * 1e9)
@@ -88,6 +88,13 @@ def test_the_crossover_follows_the_link():
     # A measured diff slower than a copy lowers it.
     c.diffed(20 * copy_s)
     assert c.of("slow") < chosen["slow"]
+    # A diff that spends more per changed element (AVX2 against AVX-512: 5 ns against 1 ns
+    # here) is predicted slower at a denser change, so it lowers the crossover too.
+    c.diffed(copy_s, 0.02)
+    fast_emit = c.of("slow")
+    c.emit_ns = 5.0
+    assert c.diff_s(0.3) > c.diff_s(0.02) >= copy_s
+    assert c.of("slow") < fast_emit
     # A host whose scatter is slower (subscribers sharing their cores) lowers it too.
     slow_host = modeled(scatter_ns=8.0)
     slow_host.pushed_dense("slow", 40 * copy_s)

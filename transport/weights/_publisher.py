@@ -184,9 +184,9 @@ class Publisher(Lifecycle):
         self._delta = DeltaEncoder(self.layout, wire, available_threads(), delta_crossover or CROSSOVER) \
             if delta and on_host else None
         deltable_entries = [e for e in self.layout.entries if deltable(e)]
-        elements = sum(e.numel for e in deltable_entries)
-        self._crossover = Crossover(delta_crossover, self.layout.total, elements,
-                                    round(sum(e.nbytes for e in deltable_entries) / elements) if elements else 2)
+        n = sum(e.numel for e in deltable_entries)
+        es = round(sum(e.nbytes for e in deltable_entries) / n) if n else 2
+        self._crossover = Crossover(delta_crossover, self.layout.total, n, es, available_threads())
         # The diff hands its encodings to the pushes in parts while it runs where it leaves cores
         # free for them (else in one part, once done: see PARTS).
         self._parts = PARTS if cores() > available_threads() else 1
@@ -473,7 +473,7 @@ class Publisher(Lifecycle):
                             feed.fail()
                             raise
                         feed.close(made, Fill(self._delta, snapshots.snaps[slot], made))
-                        self._crossover.diffed(made.encode_s)
+                        self._crossover.diffed(made.encode_s, made.density)
                         dv, self._change = made, made.density
                         t_diffed = time.perf_counter()
                 t_pushed = time.perf_counter()

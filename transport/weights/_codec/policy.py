@@ -15,9 +15,10 @@ over 10 Gbit/s). :class:`Crossover` models both from measurements:
 
 - the last dense push to each subscriber that takes deltas (seconds for the dense bytes: its
   path, including what it shares with the other pushes of a version);
-- the last full diff (seconds), else twice a copy of the dense bytes;
-- a copy rate, a checksum rate and a scatter cost per changed element, measured once on this
-  host on a scratch buffer (:meth:`Crossover.calibrate`).
+- the last full diff (seconds, at the change it found), else twice a copy of the dense bytes;
+- a copy rate, a checksum rate, the diff's cost per changed element and a scatter cost per
+  changed element (the slower of the two position forms), measured once on this host on a
+  scratch buffer (:meth:`Crossover.calibrate`).
 
 A delta is chosen only where it is predicted to take at most ``MARGIN`` of dense: the rule is
 that a delta stream is never slower than dense. Until a subscriber's path is measured it
@@ -69,19 +70,24 @@ class Crossover:
         dense_bytes: bytes of a dense version.
         elements: elements of the tensors that can travel as deltas.
         element_size: their usual element size in bytes (2 for bf16).
+        threads: the threads the diff runs on.
     """
 
-    def __init__(self, fixed: float | None, dense_bytes: int, elements: int, element_size: int) -> None:
+    def __init__(self, fixed: float | None, dense_bytes: int, elements: int, element_size: int,
+                 threads: int = 1) -> None:
         self.fixed = fixed
         self._bytes = dense_bytes
         self._elements = elements
         self._es = element_size
+        self._threads = max(1, threads)
         self._push_s: dict[str, float] = {}  # subscriber -> seconds of its last dense push
         self._diff_s: float | None = None
+        self._diff_f = 0.0  # the changed fraction that diff found
         self._calibrating = threading.Lock()  # one calibration at a time; the second waits for it
         self.copy_gbps: float | None = None  # measured by calibrate()
         self.sum_gbps: float | None = None  # the checksum pass, measured by calibrate()
         self.scatter_ns: float | None = None  # per changed element, measured by calibrate()
+        self.emit_ns = 0.0  # what the diff spends per changed element (encoding it), measured by calibrate()
 
     def pushed_dense(self, sub: str, seconds: float) -> None:
         """A dense version reached ``sub`` in ``seconds`` (its push alone)."""
@@ -91,19 +97,21 @@ class Crossover:
     def forget(self, sub: str) -> None:
         self._push_s.pop(sub, None)
 
-    def diffed(self, seconds: float) -> None:
-        """A full diff of a version took ``seconds``."""
+    def diffed(self, seconds: float, density: float = 0.0) -> None:
+        """A full diff of a version took ``seconds`` and found ``density`` of it changed."""
         if seconds > 0:
-            self._diff_s = seconds
+            self._diff_s, self._diff_f = seconds, density
 
     @property
     def calibrated(self) -> bool:
         return self.copy_gbps is not None and self.scatter_ns is not None and self.sum_gbps is not None
 
     def calibrate(self) -> None:
-        """Measures a streaming copy, a checksum pass and the checked scatter (check pass and
-        stores) of a 10% change on a scratch buffer of ``CALIBRATE_ELEMENTS`` bf16 elements
-        (best of three each; about 30 ms), once: a call while another runs waits for it. Runs
+        """Measures a streaming copy, a checksum pass, the diff of nothing changed against a
+        10% change, and the checked scatter (check pass and stores) of a 10% change with varint
+        positions and a 25% one with a bitmask, on scratch buffers of ``CALIBRATE_ELEMENTS``
+        bf16 elements (best of three each; about 0.15 s on the 2-core VM), once: a call while
+        another runs waits for it. Runs
         in a worker or background thread. It sees this host idle: subscribers that share their
         cores with each other and the trainer scatter slower (3-4x on the 2-core VM of the
         benchmarks)."""
@@ -113,26 +121,51 @@ class Crossover:
             n = CALIBRATE_ELEMENTS
             base = torch.zeros(n, dtype=torch.int16)
             fresh = base.clone()
-            fresh[::10] = 1  # 10% changed, every gap 9: the varint encoding the scatter meets
+            fresh[::10] = 1  # 10% changed, every gap 9: varint positions
+            dense = base.clone()  # 25% changed at random: bitmask positions (each ISA walks them its own way)
+            dense[torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.25] = 1
             dst = torch.empty_like(base)
             dst.fill_(0)
             out = torch.zeros(n * 2, dtype=torch.uint8)
-            enc = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())
-            copy_s = sum_s = scatter_s = float("inf")
+            encs = [native.encode(x.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())
+                    for x in (fresh, dense)]
+            copy_s = sum_s = diff0_s = diff_s = float("inf")
+            scatter_s = [float("inf")] * len(encs)
             for _ in range(3):
                 t0 = time.perf_counter()
                 stream_copy(dst.data_ptr(), base.data_ptr(), n * 2)
                 t1 = time.perf_counter()
                 native.checksum(fresh.data_ptr(), n, 2)
                 t2 = time.perf_counter()
-                for write in (False, True):  # a subscriber's checked apply: the check pass, then the stores
-                    native.scatter(dst.data_ptr() if write else 0, n, 2, out.data_ptr(), enc.payload_bytes,
-                                   int(enc.kind), enc.changed, enc.pos_bytes, write)
+                native.encode(dst.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())  # nothing changed
                 t3 = time.perf_counter()
-                copy_s, sum_s, scatter_s = min(copy_s, t1 - t0), min(sum_s, t2 - t1), min(scatter_s, t3 - t2)
+                native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())
+                t4 = time.perf_counter()
+                copy_s, sum_s = min(copy_s, t1 - t0), min(sum_s, t2 - t1)
+                diff0_s, diff_s = min(diff0_s, t3 - t2), min(diff_s, t4 - t3)
+            for i, (x, enc) in enumerate(zip((fresh, dense), encs, strict=True)):
+                native.encode(x.data_ptr(), base.data_ptr(), 0, n, 2, out.data_ptr(), out.numel())
+                for _ in range(3):
+                    dst.fill_(0)
+                    t0 = time.perf_counter()
+                    for write in (False, True):  # a subscriber's checked apply: the check pass, then the stores
+                        native.scatter(dst.data_ptr() if write else 0, n, 2, out.data_ptr(), enc.payload_bytes,
+                                       int(enc.kind), enc.changed, enc.pos_bytes, write)
+                    scatter_s[i] = min(scatter_s[i], time.perf_counter() - t0)
             self.copy_gbps = n * 2 / copy_s / 1e9
             self.sum_gbps = n * 2 / sum_s / 1e9
-            self.scatter_ns = scatter_s / max(1, enc.changed) * 1e9
+            self.emit_ns = max(0.0, diff_s - diff0_s) / max(1, encs[0].changed) * 1e9
+            # the slower of the two position forms, per changed element
+            self.scatter_ns = max(t / max(1, enc.changed) for t, enc in zip(scatter_s, encs, strict=True)) * 1e9
+
+    def diff_s(self, f: float) -> float:
+        """The predicted diff of a version at changed fraction ``f``: the last one measured (or
+        twice a copy), less what it spent encoding its changes, plus what ``f`` costs."""
+        emit = self.emit_ns * 1e-9 * self._elements / self._threads  # seconds per unit of f
+        if self._diff_s is None:
+            assert self.copy_gbps is not None
+            return 2 * self._bytes / (self.copy_gbps * 1e9) + emit * f
+        return max(self._diff_s - emit * self._diff_f, self._diff_s / 2) + emit * f
 
     def first_s(self, unsummed: int, uncopied: int) -> float:
         """What the first delta after a dense version pays on top of the others: a checksum
@@ -155,11 +188,11 @@ class Crossover:
         if push is None or self.copy_gbps is None or self.scatter_ns is None:
             return CROSSOVER
         copy = self._bytes / (self.copy_gbps * 1e9)
-        diff = self._diff_s if self._diff_s is not None else 2 * copy
         dense = push + copy
         best = 0.0
         for f in STEPS:
-            delta = first_s + diff + wire_share(f, self._es) * push + self.scatter_ns * 1e-9 * f * self._elements
+            delta = (first_s + self.diff_s(f) + wire_share(f, self._es) * push
+                     + self.scatter_ns * 1e-9 * f * self._elements)
             if delta <= MARGIN * dense:
                 best = f
         return best
