@@ -104,6 +104,17 @@ async def _wait_ready(wait: Callable[[socket.socket], Awaitable[None]], sock: so
         raise TimeoutError(f"no progress for {stall:g}s")
 
 
+async def _progressed(activity: Activity | None, ready: int) -> int:
+    """After a system call that moved bytes: notes it in ``activity`` and lets other tasks run
+    every ``_YIELD_EVERY`` such calls; returns the calls counted so far."""
+    if activity is not None:
+        activity.last = time.monotonic()
+    ready += 1
+    if ready % _YIELD_EVERY == 0:
+        await anyio.lowlevel.checkpoint()
+    return ready
+
+
 async def wait_for_bytes(sock: socket.socket, idle: float | None = None) -> None:
     """Returns once ``sock`` has bytes to read (or the peer ended the stream), having read
     none; with ``idle``, raises TimeoutError when none came for that many seconds."""
@@ -123,11 +134,7 @@ async def send_all_views(sock: socket.socket, views: Sequence[memoryview], stall
             await _wait_ready(anyio.wait_writable, sock, stall)
             continue
         i, pos = _advance(views, i, pos, sent)
-        if activity is not None:
-            activity.last = time.monotonic()
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
+        ready = await _progressed(activity, ready)
 
 
 async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stall: float | None = None,
@@ -146,11 +153,7 @@ async def recv_into_views(sock: socket.socket, views: Sequence[memoryview], stal
             left = len(views[i]) - pos + sum(len(v) for v in views[i + 1 :])
             raise EOFError(f"connection closed with {left} bytes outstanding")
         i, pos = _advance(views, i, pos, got)
-        if activity is not None:
-            activity.last = time.monotonic()
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
+        ready = await _progressed(activity, ready)
 
 
 async def recv_exactly(sock: socket.socket, n: int, stall: float | None = None,
@@ -175,11 +178,7 @@ async def recv_growing(sock: socket.socket, n: int, stall: float | None = None,
         if got == 0:
             raise EOFError(f"connection closed with {n - len(buf)} bytes outstanding")
         buf += _LANDING[:got]  # (no await between the read and this copy: the buffer is shared)
-        if activity is not None:
-            activity.last = time.monotonic()
-        ready += 1
-        if ready % _YIELD_EVERY == 0:
-            await anyio.lowlevel.checkpoint()
+        ready = await _progressed(activity, ready)
     return buf
 
 

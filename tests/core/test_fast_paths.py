@@ -176,6 +176,17 @@ async def test_lookup_of_a_same_host_peer_reads_the_store_only_when_its_record_c
         assert fresh.incarnation == first.incarnation
 
 
+
+async def ucx_server(t: transport.Transport, targets, file_store, big_n: int, other: tuple[str, int, bool]):
+    """A ucx target process "server" with a shared region "big" of ``big_n`` bytes and another
+    (key, bytes, shared), once ``t`` has learnt the route to it (a first small put)."""
+    key, n, shared = other
+    target = await serving_target(t, targets, file_store, "ucx",
+                                  [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
+                                   {"key": key, "dtype": "uint8", "numel": n, "shared": shared}], timeout=120)
+    await t.put(torch.zeros(8, dtype=torch.uint8), "server", key=key)  # learns the route
+    return target
+
 async def test_synchronous_ucx_puts_drive_a_lane_that_carries_a_large_put(targets, file_store):
     # A synchronous ucx transfer is driven by the calling thread itself, on lane 0, while that
     # lane's own thread is moving chunks of a large asynchronous put: both must land intact.
@@ -183,11 +194,7 @@ async def test_synchronous_ucx_puts_drive_a_lane_that_carries_a_large_put(target
         pytest.skip(f"ucx unavailable: {why}")
     big_n, small_n = 64 << 20, 4096
     async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
-        target = await serving_target(t, targets, file_store, "ucx",
-                                      [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
-                                       {"key": "small", "dtype": "uint8", "numel": small_n, "shared": True}],
-                                      timeout=120)
-        await t.put(torch.zeros(8, dtype=torch.uint8), "server", key="small")  # learns the route
+        target = await ucx_server(t, targets, file_store, big_n, ("small", small_n, True))
         big = torch.randint(0, 256, (big_n,), dtype=torch.uint8)
         small = torch.randint(0, 256, (small_n,), dtype=torch.uint8)
         synchronous = 0
@@ -215,11 +222,7 @@ async def test_synchronous_ucx_transfers_from_256_kib_move_two_halves_at_once(ta
         pytest.skip(f"ucx unavailable: {why}")
     big_n, mid_n = 32 << 20, (1 << 20) + 8192
     async with transport.Transport("init", store=file_store, backends=("ucx",)) as t:
-        target = await serving_target(t, targets, file_store, "ucx",
-                                      [{"key": "big", "dtype": "uint8", "numel": big_n, "shared": True},
-                                       {"key": "mid", "dtype": "uint8", "numel": mid_n, "shared": False}],
-                                      timeout=120)
-        await t.put(torch.zeros(8, dtype=torch.uint8), "server", key="mid")  # learns the route
+        target = await ucx_server(t, targets, file_store, big_n, ("mid", mid_n, False))
         big = torch.randint(0, 256, (big_n,), dtype=torch.uint8)
         mid = torch.zeros(mid_n, dtype=torch.uint8)
         synchronous = 0

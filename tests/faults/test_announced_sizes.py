@@ -11,6 +11,10 @@ bytes that arrived, 100 stalled tables cost +101 MiB, 20 whole tables of one-byt
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import anyio
 import pytest
 
@@ -29,34 +33,36 @@ def target(tmp_path, request):
         t.close()
 
 
+@contextmanager
+def stalled(target, scenario: Callable[..., dict[str, Any]], n: int) -> Iterator[dict[str, Any]]:
+    """Runs ``scenario`` with ``n`` connections against the target and yields what it measured
+    (none refused, the target alive); afterwards a legitimate peer's put still lands."""
+    t, addr, inc = target
+    doc = scenario(addr, t.name, inc, n, t.pid)
+    assert doc["refused"] == 0 and t.alive()
+    yield doc
+    anyio.run(probe.legit_put_timed, t.store, t.name, None)
+
+
 def test_stalled_run_tables_cost_what_arrived(target):
     """100 PUTRs announce 65,536 runs each (a 1 MiB table), send 16 bytes of it and stall."""
-    t, addr, inc = target
-    doc = probe.runs_stall(addr, t.name, inc, 100, t.pid)
-    assert doc["refused"] == 0 and t.alive()
-    print(f"100 stalled run tables: +{grew(doc):.1f} MiB ({doc['sent_mib'] * 1024:.0f} KiB sent)")
-    assert grew(doc) < 16, f"100 stalled run tables of 16 bytes sent cost {grew(doc):.0f} MiB"
-    anyio.run(probe.legit_put_timed, t.store, t.name, None)
+    with stalled(target, probe.runs_stall, 100) as doc:
+        print(f"100 stalled run tables: +{grew(doc):.1f} MiB ({doc['sent_mib'] * 1024:.0f} KiB sent)")
+        assert grew(doc) < 16, f"100 stalled run tables of 16 bytes sent cost {grew(doc):.0f} MiB"
 
 
 def test_whole_run_tables_cost_about_what_arrived(target):
     """20 PUTRs send a whole table of 65,536 valid one-byte runs (1 MiB each), then stall
     before the data: the target holds the tables, not a view per run."""
-    t, addr, inc = target
-    doc = probe.tables_stall(addr, t.name, inc, 20, t.pid)
-    assert doc["refused"] == 0 and t.alive()
-    print(f"20 whole run tables: +{grew(doc):.1f} MiB ({doc['sent_mib']:.1f} MiB sent)")
-    assert grew(doc) < 2 * doc["sent_mib"] + 16, f"20 tables ({doc['sent_mib']:.0f} MiB) cost {grew(doc):.0f} MiB"
-    anyio.run(probe.legit_put_timed, t.store, t.name, None)
+    with stalled(target, probe.tables_stall, 20) as doc:
+        print(f"20 whole run tables: +{grew(doc):.1f} MiB ({doc['sent_mib']:.1f} MiB sent)")
+        assert grew(doc) < 2 * doc["sent_mib"] + 16, f"20 tables ({doc['sent_mib']:.0f} MiB) cost {grew(doc):.0f} MiB"
 
 
 @pytest.mark.parametrize("target", [probe.SMALL_SOCK_BUF], indirect=True)
 def test_unread_staged_replies_hold_one_part_each(target):
     """100 staged GETRs of 4 MiB whose replies are never read, against a target whose socket
     buffers are the Linux default size (so the kernel does not take the whole reply)."""
-    t, addr, inc = target
-    doc = probe.replies_stall(addr, t.name, inc, 100, t.pid)
-    assert doc["refused"] == 0 and t.alive()
-    print(f"100 unread staged replies: +{grew(doc):.1f} MiB")
-    assert grew(doc) < 48, f"100 unread 4 MiB replies cost {grew(doc):.0f} MiB"
-    anyio.run(probe.legit_put_timed, t.store, t.name, None)
+    with stalled(target, probe.replies_stall, 100) as doc:
+        print(f"100 unread staged replies: +{grew(doc):.1f} MiB")
+        assert grew(doc) < 48, f"100 unread 4 MiB replies cost {grew(doc):.0f} MiB"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import pytest
@@ -177,45 +177,45 @@ async def test_poll_passes_a_probe_error_through_unchanged(store):
 # -- seqlock_read ---------------------------------------------------------------------------
 
 
+def _seqlock_reads(reader: transport.Transport, after_read: Callable[[int], None] | None = None
+                   ) -> tuple[Callable[[], Awaitable[int]], Callable[[], Awaitable[list[int]]], list[int]]:
+    """A one-sided stamp (the writer's generation word) and read (its three data words) for
+    seqlock_read, and the count of reads made; ``after_read(n)`` runs after the n-th read."""
+    gen, data, reads = torch.zeros(1, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), [0]
+
+    async def stamp() -> int:
+        await reader.get(gen, "writer", key="w")
+        return int(gen[0])
+
+    async def read() -> list[int]:
+        reads[0] += 1
+        await reader.get(data, "writer", key="w", offset=8)
+        if after_read is not None:
+            after_read(reads[0])
+        return data.tolist()
+
+    return stamp, read, reads
+
+
 async def test_seqlock_read_keeps_a_stable_copy_and_refuses_one_being_written(store):
     async with _word_pair(store) as (reader, seq):  # seq[0]: generation; seq[1:]: the data
-        gen, data, reads = torch.zeros(1, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 0
-
-        async def stamp() -> int:
-            await reader.get(gen, "writer", key="w")
-            return int(gen[0])
-
-        async def read() -> list[int]:
-            nonlocal reads
-            reads += 1
-            await reader.get(data, "writer", key="w", offset=8)
-            return data.tolist()
-
+        stamp, read, reads = _seqlock_reads(reader)
         seq[1:] = torch.tensor([1, 2, 3])
         assert await seqlock_read(stamp, read, stable=even) == [1, 2, 3]
         seq[0] = 1  # odd: a write in progress; the data is not even read
-        assert await seqlock_read(stamp, read, stable=even) is PENDING and reads == 1
+        assert await seqlock_read(stamp, read, stable=even) is PENDING and reads == [1]
 
 
 async def test_seqlock_read_retries_a_torn_read_until_a_consistent_copy(store):
     async with _word_pair(store) as (reader, seq):  # seq[0]: generation; seq[1:]: the data
         seq[1:] = torch.tensor([1, 1, 1])
-        gen, data = torch.zeros(1, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
-        attempts = 0
 
-        async def stamp() -> int:
-            await reader.get(gen, "writer", key="w")
-            return int(gen[0])
-
-        async def read() -> list[int]:
-            nonlocal attempts
-            attempts += 1
-            await reader.get(data, "writer", key="w", offset=8)
-            if attempts == 1:  # the writer rewrites the data right after this read: it is torn
+        def rewrite(n: int) -> None:
+            if n == 1:  # the writer rewrites the data right after this read: it is torn
                 seq[0] += 1
                 seq[1:] = torch.tensor([2, 2, 2])
                 seq[0] += 1
-            return data.tolist()
 
+        stamp, read, reads = _seqlock_reads(reader, rewrite)
         got = await poll(lambda: seqlock_read(stamp, read, stable=even), timeout=10, what="a consistent copy")
-        assert got == [2, 2, 2] and attempts == 2  # the torn copy ([1, 1, 1]) was not kept
+        assert got == [2, 2, 2] and reads == [2]  # the torn copy ([1, 1, 1]) was not kept
