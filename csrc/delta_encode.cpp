@@ -53,10 +53,20 @@ struct Emitter {
   bool varover = false;
 
   inline void one(uint64_t pos, const uint8_t* elem) {
-    sum_old += mix(load_elem(base + pos * es, es), pos);
-    sum_new += mix(load_elem(elem, es), pos);
+    if (es == 2) {
+      one_of<2>(pos, elem);
+    } else {
+      one_of<4>(pos, elem);
+    }
+  }
+
+  // one() with the element size known at compile time (the vector loops' form: no branch on it).
+  template <int ES>
+  inline void one_of(uint64_t pos, const uint8_t* elem) {
+    sum_old += mix(load_elem(base + pos * ES, ES), pos);
+    sum_new += mix(load_elem(elem, ES), pos);
     if (count < vmax && !vover) {
-      std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
+      std::memcpy(vals + count * ES, elem, ES);
     } else {
       vover = true;
     }
@@ -75,6 +85,7 @@ struct Emitter {
   }
 
   // ``bits`` flags the changed elements among the ``lanes`` at index ``i`` (elements at fresh).
+  template <int ES>
   inline void many(uint64_t bits, uint64_t i, const uint8_t* fresh) {
     if (i >= next_check && !vover) {
       // Far past the crossover already (a quarter more changes than the budget allows at this
@@ -86,7 +97,7 @@ struct Emitter {
     }
     while (bits) {
       int t = __builtin_ctzll(bits);
-      one(i + t, fresh + (i + t) * es);
+      one_of<ES>(i + t, fresh + (i + t) * ES);
       bits &= bits - 1;
     }
   }
@@ -110,16 +121,23 @@ uint64_t tail(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t from, uin
   return sum;
 }
 
-uint64_t run_scalar(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, int es, uint64_t first, Emitter* em) {
-  // Indices in the checksum are first-based; positions and bitmask bits are 0-based.
-  if (first == 0) return tail(f, b, s, 0, n, es, em);
-  uint64_t sum = 0;
-  for (uint64_t i = 0; i < n; ++i) {
+// The elements [from, n) after a vector loop whose checksum so far is sum: with first 0 (a diff,
+// or a tensor's checksum from its first element) through tail(); else copied and checksummed with
+// indices from first (a piece of a tensor).
+uint64_t rest(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t from, uint64_t n, int es, uint64_t first,
+              Emitter* em, uint64_t sum) {
+  if (first == 0) return sum + tail(f, b, s, from, n, es, em);
+  for (uint64_t i = from; i < n; ++i) {
     const uint8_t* e = f + i * es;
     if (s != nullptr) std::memcpy(s + i * es, e, es);
     sum += mix(load_elem(e, es), first + i);
   }
   return sum;
+}
+
+uint64_t run_scalar(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, int es, uint64_t first, Emitter* em) {
+  // Indices in the checksum are first-based; positions and bitmask bits are 0-based.
+  return rest(f, b, s, 0, n, es, first, em, 0);
 }
 
 #ifdef TRANSPORT_DELTA_X86
@@ -170,17 +188,12 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
         ne = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, c)))) & 0xFFu;
         em->mask[i / 8] = static_cast<uint8_t>(ne);
       }
-      if (ne) em->many(ne, i, f);
+      if (ne) em->many<ES>(ne, i, f);
     }
   }
   if (stream) _mm_sfence();
   uint64_t sum = hsum_avx2(acc);
-  if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
-  for (uint64_t i = body; i < n; ++i) {
-    if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
-    sum += mix(load_elem(f + i * ES, ES), first + i);
-  }
-  return sum;
+  return rest(f, b, s, body, n, ES, first, em, sum);
 }
 
 TRANSPORT_AVX512_BEGIN
@@ -373,12 +386,7 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
     em->sum_new += sum;
     sum = 0;
   }
-  if (first == 0) return sum + tail(f, b, s, body, n, ES, em);
-  for (uint64_t i = body; i < n; ++i) {
-    if (s != nullptr) std::memcpy(s + i * ES, f + i * ES, ES);
-    sum += mix(load_elem(f + i * ES, ES), first + i);
-  }
-  return sum;
+  return rest(f, b, s, body, n, ES, first, em, sum);
 }
 
 TRANSPORT_AVX512_END
