@@ -21,6 +21,7 @@ across the copy threads as the diff is), and forced-dense publishing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -248,11 +250,38 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep, "windows": windows}
 
 
+def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: dict[str, Any], args: argparse.Namespace,
+               seed: int) -> float:
+    """One AdamW step of ``model`` on the toy next-token batch ``seed``; returns its loss."""
+    from examples.mesh_sync.model import batch
+
+    x, y = batch(seed, cfg["vocab_size"], batch_size=args.batch, seq=args.seq)
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def to_published(model: torch.nn.Module, published: dict[str, torch.Tensor]) -> None:
+    """fp32 master -> bf16 published, in place."""
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            published[k].copy_(v)
+
+
+async def publish_changed(t: transport.Transport, pubs: dict[str, Publisher], version: int,
+                          published: dict[str, torch.Tensor], change: Callable[[], None]) -> dict[str, Any]:
+    """Applies ``change`` to the published tensors and publishes them as ``version`` on every
+    stream (:func:`publish_both`), with the changed fraction measured against what they held."""
+    before = {k: v.clone() for k, v in published.items()}
+    change()
+    return await publish_both(t, pubs, version, changed=changed_fraction(published, before))
+
+
 async def run_steps(args: argparse.Namespace, t: transport.Transport, model: torch.nn.Module,
                     published: dict[str, torch.Tensor], cfg: dict[str, Any], pubs: dict[str, Publisher], backend: str,
                     steps: list[dict[str, Any]], sweep: list[dict[str, Any]], windows: list[dict[str, Any]]) -> None:
-    from examples.mesh_sync.model import batch
-
     for name in SUBSCRIBERS:
         await t.wait_signal(f"ready.{name}", at_least=1, timeout=300)
     version = 1
@@ -277,20 +306,11 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
     for lr in args.lr:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         for s in range(args.steps):
-            x, y = batch(version, cfg["vocab_size"], batch_size=args.batch, seq=args.seq)
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            before = {k: v.clone() for k, v in published.items()}
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    published[k].copy_(v)  # fp32 master -> bf16 published, in place
+            loss = adamw_step(model, opt, cfg, args, version)
             version += 1
-            row = await publish_both(t, pubs, version, changed=changed_fraction(published, before))
-            del before
+            row = await publish_changed(t, pubs, version, published, lambda: to_published(model, published))
             row["fp8_changed_fraction"], fp8_prev = fp8_change(published, fp8_prev)
-            steps.append({"lr": lr, "step": s, "loss": float(loss.detach()), **row})
+            steps.append({"lr": lr, "step": s, "loss": loss, **row})
             print(f"[{backend}] lr={lr:g} step {s}: changed {row['changed_fraction']:.4%}, wire "
                   f"{row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "
                   f"live {row['delta']['live_s'] * 1e3:.1f} ms vs {row['dense']['live_s'] * 1e3:.1f} ms, "
@@ -301,19 +321,10 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
         # hold (the trainer published nothing between): the delta a lagging generator would
         # need, and whether the publisher sends it dense when it should.
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr[0])
-        before = {k: v.clone() for k, v in published.items()}
         for s in range(args.window):
-            x, y = batch(version + s + 1, cfg["vocab_size"], batch_size=args.batch, seq=args.seq)
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                published[k].copy_(v)
+            adamw_step(model, opt, cfg, args, version + s + 1)
         version += 1
-        row = await publish_both(t, pubs, version, changed=changed_fraction(published, before))
-        del before
+        row = await publish_changed(t, pubs, version, published, lambda: to_published(model, published))
         windows.append({"lr": args.lr[0], "steps": args.window, **row})
         print(f"[{backend}] {args.window} steps at lr={args.lr[0]:g} in one version: changed "
               f"{row['changed_fraction']:.4%}, as delta {row['delta']['as_delta']}, live "
@@ -325,11 +336,8 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
     version += 1
     await publish_both(t, pubs, version)
     for f in args.sweep:
-        before = {k: v.clone() for k, v in published.items()}
-        flip(published, f, g)
         version += 1
-        row = await publish_both(t, pubs, version, changed=changed_fraction(published, before))
-        del before
+        row = await publish_changed(t, pubs, version, published, functools.partial(flip, published, f, g))
         sweep.append({"forced": f, **row})
         print(f"[{backend}] forced {f:.1%}: measured {row['changed_fraction']:.4%}, kinds {row['kinds']}, "
               f"wire {row['delta']['wire_bytes'] / 1e6:.2f} MB vs {row['dense']['wire_bytes'] / 1e6:.2f} MB, "

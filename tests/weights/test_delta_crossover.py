@@ -75,6 +75,16 @@ def test_the_crossover_follows_the_link():
     # still pays up to the cap.
     assert chosen["memory"] == 0.0
     assert CROSSOVER < chosen["fast"] < chosen["slow"] == NETWORK_MAX, chosen
+    # Readying for a delta after a dense version (the background passes): never where none
+    # pays; where one pays only below CROSSOVER (twice a copy's time on the wire: 2%), only
+    # while the versions change that little; on a slower link whatever they change.
+    c.pushed_dense("near", 2 * copy_s)
+    assert 0 < c.of("near") < CROSSOVER
+    assert not c.worth_readying("memory", None)
+    assert c.worth_readying("near", None) and c.worth_readying("near", c.of("near"))
+    assert not c.worth_readying("near", 0.03)
+    assert c.worth_readying("fast", 0.3) and c.worth_readying("slow", 0.9)
+    c.forget("near")
     # Each subscriber by its own path (one encoding serves those it pays for).
     assert c.value(["slow", "memory"]) == {"slow": chosen["slow"], "memory": 0.0}
     c.forget("slow")

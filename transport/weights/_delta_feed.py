@@ -1,25 +1,22 @@
 """A delta version of a stream while the publisher makes it: the parts of its encodings as the
 diff hands them out (:class:`DeltaFeed`), which the pushes to subscribers holding the base send
-while the rest is diffed, and the work that brings the new snapshot to the version
-(:class:`Fill`), which the publish runs after the pushes."""
+while the rest is diffed."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import torch
 
 from .._errors import TransportInternalError
-from ._codec.encode import DeltaEncoder, DeltaVersion, Items
+from ._codec.encode import DeltaVersion, Items
 
 
 class DeltaFeed:
     """The encodings of one delta version, part by part as its diff finishes them (in order),
-    then the whole version (:attr:`dv`) and its :class:`Fill` once the diff is done. Lives on
+    then the whole version (:attr:`dv`) once the diff is done. Lives on
     the event loop's thread; :meth:`ready` is what the diff calls from its threads.
 
     Args:
@@ -33,7 +30,6 @@ class DeltaFeed:
         self.base = base
         self.fraction = fraction
         self.dv: DeltaVersion | None = None
-        self.fill: Fill | None = None
         self._parts: list[Items] = []
         self._closed = False
         self._more = anyio.Event()
@@ -52,9 +48,9 @@ class DeltaFeed:
         self._parts.append(part)
         self._wake()
 
-    def close(self, dv: DeltaVersion, fill: Fill) -> None:
+    def close(self, dv: DeltaVersion) -> None:
         """The diff is done: ``dv`` is the version, its parts all handed out."""
-        self.dv, self.fill = dv, fill
+        self.dv = dv
         self._closed = True
         self._wake()
 
@@ -95,44 +91,3 @@ class DeltaFeed:
         if self.dv is None:
             raise TransportInternalError("the diff of this version failed")
         return self.dv
-
-
-class Fill:
-    """Brings a delta version's new snapshot to the version: its copies, which read the live
-    tensors (:meth:`DeltaEncoder.fill_copies`), then its patches, which read only our encodings
-    (:meth:`DeltaEncoder.fill_patches`). Each runs once: the copies before the publish returns,
-    the patches after it, in the background."""
-
-    def __init__(self, delta: DeltaEncoder, snap: torch.Tensor, dv: DeltaVersion) -> None:
-        self.copies = Once(functools.partial(delta.fill_copies, snap, dv))
-        self._patches = Once(functools.partial(delta.fill_patches, snap, dv))
-
-    @property
-    def done(self) -> bool:
-        """Whether the snapshot is filled."""
-        return self._patches.done
-
-    async def __call__(self) -> None:
-        await self.copies()
-        await self._patches()
-
-
-class Once:
-    """Runs ``work`` in a worker thread the first time it is awaited; later awaits wait for that
-    run. Shared by the pushes of one version and the publish that made them."""
-
-    def __init__(self, work: Callable[[], None]) -> None:
-        self._work = work
-        self._lock = anyio.Lock()
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        """Whether the work has run."""
-        return self._done
-
-    async def __call__(self) -> None:
-        async with self._lock:
-            if not self._done:
-                await anyio.to_thread.run_sync(self._work)
-                self._done = True

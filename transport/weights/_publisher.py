@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import torch
@@ -37,7 +37,7 @@ from ._control import (
     withdraw,
 )
 from ._copy import available_threads, cores
-from ._delta_feed import DeltaFeed, Fill
+from ._delta_feed import DeltaFeed
 from ._doorbells import Doorbells
 from ._layout import build_layout, describe, tensors_of
 from ._lifecycle import Lifecycle
@@ -61,23 +61,22 @@ async def _both(first: Callable[[], Awaitable[T]], second: Callable[[], Awaitabl
     ``second`` ended (``time.perf_counter()``). What either raises is raised as it is (not as a
     group), once both have ended."""
     out: list[T] = []
+    ended: list[float] = []
     errors: list[Exception] = []
-    ended = [0.0]
 
-    async def run(which: int) -> None:
+    async def run(fn: Callable[[], Awaitable[Any]], into: list[Any]) -> None:
         try:
-            if which == 0:
-                out.append(await first())
-            else:
-                await second()
+            into.append(await fn())
         except Exception as exc:  # noqa: BLE001 -- raised below
             errors.append(exc)
-        if which == 1:
-            ended[0] = time.perf_counter()
+
+    async def second_ended() -> float:
+        await second()
+        return time.perf_counter()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(run, 0)
-        tg.start_soon(run, 1)
+        tg.start_soon(run, first, out)
+        tg.start_soon(run, second_ended, ended)
     if errors:
         raise errors[0]
     return out[0], ended[0]
@@ -472,7 +471,7 @@ class Publisher(Lifecycle):
                         except BaseException:
                             feed.fail()
                             raise
-                        feed.close(made, Fill(self._delta, snapshots.snaps[slot], made))
+                        feed.close(made)
                         self._crossover.diffed(made.encode_s, made.density)
                         dv, self._change = made, made.density
                         t_diffed = time.perf_counter()
@@ -480,19 +479,18 @@ class Publisher(Lifecycle):
                 # A subscriber reached one-sidedly (its application takes no part in the copy back).
                 source = next((subs[n] for n, r in results.items()
                                if r.status == SyncStatus.DONE and n in subs and self._pushes.landed[n][1]), None)
-                fill = None if feed is None else feed.fill
-                if fill is not None and dv is not None and self._delta is not None:
-                    delta = self._delta
+                if dv is not None and self._delta is not None:
+                    # The rest of the new snapshot: what needs the live tensors now (they are free
+                    # once we return); the patches, which read only our encodings, after the
+                    # doorbells, like a fill (here when closing).
+                    delta, snap = self._delta, snapshots.snaps[slot]
+                    await anyio.to_thread.run_sync(delta.fill_copies, snap, dv)
                     if self._rings is None:
-                        await fill()
+                        await anyio.to_thread.run_sync(delta.fill_patches, snap, dv)
                         snapshots.finish(slot, version, True)
                         ended = True
                         delta.commit(slot, version, sums)
                     else:
-                        # What needs the live tensors now (they are free once we return); the
-                        # patches, which read only our encodings, after the doorbells, like a fill.
-                        snap = snapshots.snaps[slot]
-                        await fill.copies()
                         snapshots.complete_in_background(self._rings, slot, version,
                                                          functools.partial(delta.fill_patches, snap, dv),
                                                          lambda: self._doorbells.pending,
@@ -556,8 +554,8 @@ class Publisher(Lifecycle):
         ``_chosen``) from what was measured on its path, counting what a first delta after the
         dense version in front still pays (the part of the background pass ``learning`` not
         done); returns the highest, the one the version is diffed by (0.0: no delta pays, the
-        version goes dense undiffed). Calibrates this host first, once (about 30 ms; usually
-        done already, in the background after the first version)."""
+        version goes dense undiffed). Calibrates this host first, once (about 0.15 s on the
+        2-core VM; usually done already, in the background after the first version)."""
         assert self._delta is not None
         if self._crossover.fixed is None and not self._crossover.calibrated:
             await anyio.to_thread.run_sync(self._crossover.calibrate)

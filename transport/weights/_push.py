@@ -15,7 +15,7 @@ import anyio
 import torch
 
 from .._errors import LayoutMismatchError, PeerLostError, TransportError
-from ._codec.policy import CROSSOVER, Crossover
+from ._codec.policy import Crossover
 from ._control import APPLIED, CTL_WORDS, DELTA, FRONT, LAYOUT_ID, StreamKeys, decode_front, encode_front, free_slot
 from ._delta_feed import DeltaFeed
 from ._layout import Layout
@@ -58,15 +58,10 @@ class Pushes:
 
     def may_diff(self, among: Iterable[str] | None = None, change: float | None = None) -> bool:
         """Whether a later version may be diffed: a subscriber (of ``among``, or any) takes
-        deltas and its path is unmeasured or a delta may pay there (before a first delta's own
-        costs, which the background pass after a dense version takes off). On a path where
-        one pays only below ``CROSSOVER`` (one about as fast as memory), only while the
-        changed fraction last seen (``change``; None: unknown) is that small too: readying for
-        a delta (that pass, and each subscriber's) is work on every version, wasted where the
-        versions change more than a delta there can carry."""
+        deltas and is worth readying for one (:meth:`Crossover.worth_readying`; ``change``: the
+        changed fraction last seen)."""
         names = self.takes_delta if among is None else among
-        return any(self.takes_delta.get(n, False) and (x := self._crossover.of(n)) > 0 and
-                   (x >= CROSSOVER or change is None or x >= change) for n in names)
+        return any(self.takes_delta.get(n, False) and self._crossover.worth_readying(n, change) for n in names)
 
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops what is kept for subscribers no longer served (``serving``: (name,

@@ -197,6 +197,16 @@ class Crossover:
                 best = f
         return best
 
+    def worth_readying(self, sub: str, change: float | None) -> bool:
+        """Whether to ready for a delta to ``sub`` after a dense version (the publisher's
+        background pass, and the subscriber's): one may pay on its path (before a first delta's
+        own costs, which that readying takes off) or its path is unmeasured; and on a path where
+        one pays only below ``CROSSOVER`` (about as fast as memory), only while the changed
+        fraction last seen (``change``; None: unknown) is that small too. Readying is work on
+        every version, wasted where the versions change more than a delta there can carry."""
+        x = self.of(sub)
+        return x > 0 and (x >= CROSSOVER or change is None or x >= change)
+
     def value(self, takers: Iterable[str], first_s: float = 0.0) -> dict[str, float]:
         """:meth:`of` each of ``takers`` (the subscribers that take deltas)."""
         return {sub: self.of(sub, first_s) for sub in takers}
