@@ -186,7 +186,9 @@ def stream_synchronize(stream: int, device: int) -> None:
 
 def ready_event(t: torch.Tensor) -> Any:
     """A ``torch.cuda.Event`` recorded now on ``t``'s device's current stream: what a transfer
-    of ``t`` waits for before touching it."""
+    of ``t`` waits for before touching it. Recorded by the transfer engine when a transfer
+    starts (one per device it touches), and for a staging GPU buffer when it is allocated
+    (``transport._staging``); nothing below records one for a transfer (``transport._pieces``)."""
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(t.device))
     return ev

@@ -3,36 +3,37 @@
 * device memory over a host-memory backend (tcp, ucx, CMA-only ipc): pinned host staging;
 * host memory over a device-memory backend (nccl): a GPU buffer.
 
-A :class:`Bounce` is driven by whoever moves the bytes, piece by piece (one piece schedule,
-:func:`staging_pieces`), so a huge tensor never needs a huge buffer and no
-closure is handed down to be called back::
+A :class:`Bounce` moves the transfer through its one buffer piece by piece, at most one
+staging chunk each (:func:`staging_pieces`, on the piece schedule of ``transport._pieces``),
+so a huge tensor never needs a huge buffer. Whoever moves the bytes hands it the one step that
+is theirs, between the buffer and the peer::
 
     async with bounce(local, nbytes, copier) as b:
-        for pos, size in b.pieces:
-            if op is PUT:
-                await b.load(pos, size)           # the tensor -> the buffer
-                await move(b.buffer(size), pos)  # the buffer -> the peer
-            else:
-                await move(b.buffer(size), pos)  # the peer -> the buffer
-                await b.store(pos, size)          # the buffer -> the tensor
+        await b.each(op, move)  # a put: load a piece, move(buffer, pos, size); a get: the reverse
+
+Runs of a prepared transfer that need a bounce buffer each go through one, one run at a time
+(``STAGED_INFLIGHT``).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import torch
 
-from . import _cuda, _tensor_kernels
+from . import _cuda, _pieces, _tensor_kernels
 from ._cuda_copier import CudaCopier
+from ._pieces import ready_of
 from ._tensors import LocalBuffer, MemoryKind
+from ._wire import TransferOp
 
 # A transfer moved through a bounce buffer goes in pieces of at most this size.
 STAGING_CHUNK = 64 << 20
+# Runs of a prepared transfer moved through bounce buffers at once (a buffer each).
+STAGED_INFLIGHT = 1
 
 
 def staging_chunk(granule: int) -> int:
@@ -43,8 +44,7 @@ def staging_chunk(granule: int) -> int:
 def staging_pieces(nbytes: int, granule: int) -> list[tuple[int, int]]:
     """(byte offset, size) of the pieces ``nbytes`` are staged in: whole elements of
     ``granule`` bytes, at most one chunk each."""
-    chunk = staging_chunk(granule)
-    return [(pos, min(chunk, nbytes - pos)) for pos in range(0, nbytes, chunk)]
+    return _pieces.cut(nbytes, staging_chunk(granule))
 
 
 class Bounce(abc.ABC):
@@ -57,6 +57,28 @@ class Bounce(abc.ABC):
         self.local = local
         self.nbytes = nbytes
         self.pieces = staging_pieces(nbytes, local.tensor.dtype.itemsize)
+
+    async def each(self, op: TransferOp, move: Callable[[LocalBuffer, int, int], Awaitable[None]]) -> None:
+        """Moves the transfer through the buffer, one piece after the other:
+        ``move(buffer, pos, size)`` moves the buffer's first ``size`` bytes to (a put) or from
+        (a get) the peer's side of the transfer's bytes ``[pos, pos+size)``; a put loads each
+        piece into the buffer before it, a get stores it into the tensor after.
+
+        Raises:
+            What ``move``, :meth:`load` or :meth:`store` raise, the first (no piece after it
+            is moved). Cancellation: as ``transport._pieces.run``.
+        """
+        put = op == TransferOp.PUT
+
+        async def piece(at: tuple[int, int]) -> None:
+            pos, size = at
+            if put:
+                await self.load(pos, size)
+            await move(self.buffer(size), pos, size)
+            if not put:
+                await self.store(pos, size)
+
+        await _pieces.run(self.pieces, piece, 1)
 
     @abc.abstractmethod
     def buffer(self, size: int) -> LocalBuffer:
@@ -89,34 +111,38 @@ class PinnedBounce(Bounce):
         return LocalBuffer(self._buf.tensor[:size].view(self.local.tensor.dtype), MemoryKind.CPU)
 
     async def load(self, pos: int, size: int) -> None:
-        await self._copier.copy(self._buf.address, self.local.address + pos, size, self._device, self.local.ready)
+        await self._copier.copy(self._buf.address, self.local.address + pos, size, self._device, ready_of(self.local))
 
     async def store(self, pos: int, size: int) -> None:
-        await self._copier.copy(self.local.address + pos, self._buf.address, size, self._device, self.local.ready)
+        await self._copier.copy(self.local.address + pos, self._buf.address, size, self._device, ready_of(self.local))
 
 
 class DeviceBounce(Bounce):
-    """A host tensor through one buffer on the current GPU (for device-memory backends)."""
+    """A host tensor through one buffer on the current GPU (for device-memory backends).
+
+    The buffer's ready event (what the backend's stream waits for before it touches the
+    buffer) is recorded once, when the buffer is allocated, on the current stream it was
+    allocated for: the caching allocator may hand out memory that work queued there still
+    uses. It is not a transfer's ready event (the tensor is host memory; the buffer did not
+    exist when the transfer started). The copies between the tensor and the buffer are
+    synchronous (``copy_`` without ``non_blocking``), on a worker thread: a loaded piece is on
+    the device when :meth:`load` returns, and a stored one in the tensor when :meth:`store` does.
+    """
 
     def __init__(self, local: LocalBuffer, nbytes: int, gpu: torch.Tensor) -> None:
         super().__init__(local, nbytes)
         self._host = _tensor_kernels.as_bytes(local.tensor)
         self._gpu = gpu
-        self._ready: Any = None  # the event of the last load (a put's piece is read after it)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:  # on a worker thread: it may block
-        dst.copy_(src)
-        return _cuda.ready_event(self._gpu)  # what the backend waits for before reading the buffer
+        self._ready = _cuda.ready_event(gpu)
 
     def buffer(self, size: int) -> LocalBuffer:
-        ready = self._ready if self._ready is not None else _cuda.ready_event(self._gpu)
-        return LocalBuffer(self._gpu[:size].view(self.local.tensor.dtype), MemoryKind.CUDA, ready)
+        return LocalBuffer(self._gpu[:size].view(self.local.tensor.dtype), MemoryKind.CUDA, self._ready)
 
     async def load(self, pos: int, size: int) -> None:
-        self._ready = await anyio.to_thread.run_sync(self._copy, self._gpu[:size], self._host[pos : pos + size])
+        await anyio.to_thread.run_sync(self._gpu[:size].copy_, self._host[pos : pos + size])
 
     async def store(self, pos: int, size: int) -> None:
-        await anyio.to_thread.run_sync(self._copy, self._host[pos : pos + size], self._gpu[:size])
+        await anyio.to_thread.run_sync(self._host[pos : pos + size].copy_, self._gpu[:size])
 
 
 @contextlib.asynccontextmanager

@@ -11,7 +11,8 @@ Inside it, each module imports only the ones listed before it::
     engine    TransferEngine: starts, runs and settles transfers; makes prepared transfers and
               owns their plans (one per peer record and local memory placement)
 
-Below it: backends, staging (``transport._staging``), regions, tensors, the wire vocabulary.
+Below it: backends, staging (``transport._staging``), the piece schedule and ready events
+(``transport._pieces``), regions, tensors, the wire vocabulary.
 Above it: only the Transport front (``transport._transport``) and the agent's dispatch
 (``transport._signals``).
 """

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,7 +23,7 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from .. import _cuda
+from .. import _cuda, _pieces
 from .._cuda_copier import CudaCopier
 from .._errors import (
     BoundsError,
@@ -38,8 +38,9 @@ from .._errors import (
 )
 from .._flight import FlightRecorder, OpState
 from .._peers import PeerDirectory
+from .._pieces import Ready
 from .._regions import check
-from .._staging import bounce
+from .._staging import STAGED_INFLIGHT, bounce
 from .._tensors import MemoryKind, Runs, dtype_name, nbytes_of
 from .._timeouts import seconds
 from .._wire import PeerRecord, RegionRecord, TransferOp
@@ -63,6 +64,25 @@ SYNC_MAX_BYTES = 8 << 20
 
 
 _Checked = TypeVar("_Checked")
+
+
+def _record_ready(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
+    """A transfer's CUDA ready events, recorded now, inside the call that starts it: one per
+    CUDA device among ``tensors``, on that device's current stream, so that the transfer sees
+    the work its caller queued so far, and only that (host tensors: none). The one place
+    they are recorded: everything below (staging, backends, their runners) waits for the events
+    it is given and records none of its own."""
+    ready: dict[int, Any] = {}
+    for t in tensors:
+        if t.is_cuda and t.get_device() not in ready:
+            ready[t.get_device()] = _cuda.ready_event(t)
+    return ready
+
+
+def _ready_buffer(tensor: torch.Tensor, kind: MemoryKind) -> LocalBuffer:
+    """The local side of a single transfer of ``tensor``, with its ready event (see
+    :func:`_record_ready`) when it is CUDA memory."""
+    return LocalBuffer(tensor, kind, ready=next(iter(_record_ready((tensor,)).values()), None))
 
 
 @dataclass
@@ -129,9 +149,7 @@ class TransferEngine:
             done = self._now(op, tensor, kind, peer, key, offset, timeout)
             if done is not None:
                 return done
-        # CUDA: the transfer must see the work the caller queued so far, and only that.
-        local = LocalBuffer(tensor, kind, ready=_cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None)
-        return self._launch(op, local, peer, key, offset, timeout)
+        return self._launch(op, _ready_buffer(tensor, kind), peer, key, offset, timeout)
 
     def _launch(self, op: TransferOp, local: LocalBuffer, peer: str, key: str, offset: int, timeout: float,
                 pending: tuple[PeerRecord, Backend, Pending] | None = None) -> Transfer:
@@ -228,8 +246,7 @@ class TransferEngine:
         for key, (lo, hi) in spans.items():
             after += self._ranges.setdefault((prepared.peer, key), Ranges()).add(xfer, lo, hi)
         self._inflight.setdefault(prepared.peer, set()).add(xfer)
-        # CUDA segments see the work queued on their device's current stream now, at start().
-        ready = {d: _cuda.ready_event(t) for d, t in prepared.cuda_anchors.items()}
+        ready = _record_ready(prepared.cuda_anchors.values())
         self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after, ready),
                             timeout, tuple((key, lo) for key, (lo, _hi) in spans.items()))
         return xfer
@@ -271,9 +288,7 @@ class TransferEngine:
         if moved is not True:  # went out; its completion comes later
             # (a CUDA tensor's ready event: only for moving it again by the checked path, if the
             # device copy failed; recorded now, still in put(), so it sees what the copy saw)
-            ready = _cuda.ready_event(tensor) if kind == MemoryKind.CUDA else None
-            return self._launch(op, LocalBuffer(tensor, kind, ready=ready), peer, key, offset, timeout,
-                                (record, backend, moved))
+            return self._launch(op, _ready_buffer(tensor, kind), peer, key, offset, timeout, (record, backend, moved))
         self._flight.completed(op.value, peer, key, nbytes, backend.name, started)
         return Transfer._completed(op, peer, key, nbytes, offset, backend.name, backend.one_sided, backend.same_host,
                                    t0)
@@ -393,18 +408,17 @@ class TransferEngine:
             await self._execute(xfer, local, ())
 
     async def _execute_batch(self, xfer: Transfer, prepared: RunList, after: Sequence[Transfer],
-                             ready: Mapping[int, Any]) -> None:
-        """``ready``: the events recorded at start() on each CUDA device's current stream."""
+                             ready: Ready) -> None:
+        """``ready``: the events recorded at start() on each CUDA device's current stream. Runs
+        of memory their backend does not serve go through bounce buffers, ``STAGED_INFLIGHT``
+        at once."""
         record, plan = await self._checked(xfer, after, lambda r: self._plan(prepared, r))
         xfer._routed(plan.backends, plan.one_sided, plan.same_host)
         self._begin(xfer, record, plan.backends)
         for run in plan.runners:
             await run(ready)
-        for backend, runs, region in plan.staged:
-            for view, offset in runs.pieces():
-                event = ready[view.device.index] if runs.local.kind == MemoryKind.CUDA else None
-                await self._move(backend, xfer.op, LocalBuffer(view, runs.local.kind, ready=event),
-                                 RemoteTarget(record, region, offset, nbytes_of(view)))
+        await _pieces.run(plan.staged, lambda s: self._move(s[0], xfer.op, s[1].local(ready), s[1].remote),
+                          STAGED_INFLIGHT)
 
     async def _move(self, backend: Backend, op: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         """Moves one range with ``backend``, through a bounce buffer when it does not serve the
@@ -413,14 +427,8 @@ class TransferEngine:
             await backend.move(op, local, remote)
             return
         async with bounce(local, remote.nbytes, self._cuda) as b:
-            for pos, size in b.pieces:
-                part = RemoteTarget(remote.peer, remote.region, remote.offset + pos, size)
-                if op == TransferOp.PUT:
-                    await b.load(pos, size)
-                    await backend.move(op, b.buffer(size), part)
-                else:
-                    await backend.move(op, b.buffer(size), part)
-                    await b.store(pos, size)
+            await b.each(op, lambda buf, pos, size: backend.move(
+                op, buf, RemoteTarget(remote.peer, remote.region, remote.offset + pos, size)))
 
     async def _run(self, xfer: Transfer, work: Callable[[], Awaitable[None]], timeout: float,
                    spans: Sequence[tuple[str, int]] = ()) -> None:

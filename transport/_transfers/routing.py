@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _cuda
+from .. import _cuda, _pieces
 from .._errors import BackendUnavailableError
+from .._pieces import RunPiece
 from .._staging import staging_kind
 from .._tensors import MemoryKind, Runs, dtype_from_name
 from .._wire import PeerRecord, RegionRecord, TransferOp
@@ -38,9 +39,9 @@ class BatchPlan:
 
     backends: str  # the backends' names, "a,b" for two
     runners: list[Runner]  # each backend's reusable runner (Backend.prepare_runs)
-    # Runs of memory their backend does not serve (staged through a bounce buffer): moved run by
-    # run at every start.
-    staged: list[tuple[Backend, Runs, RegionRecord]]
+    # Runs of memory their backend does not serve, each with its backend: moved run by run
+    # through a bounce buffer at every start.
+    staged: list[tuple[Backend, RunPiece]]
     one_sided: bool  # every backend of it moves bytes without the peer's process
     same_host: bool  # every backend of it moves bytes through this host's memory
     # each backend with the runs it serves (what its runner was built from; Backend.warm)
@@ -173,7 +174,7 @@ class Router:
         """
         served: dict[str, tuple[Backend, list[tuple[Runs, RegionRecord]]]] = {}
         chosen: dict[tuple[str, MemoryKind], Backend] = {}
-        staged: list[tuple[Backend, Runs, RegionRecord]] = []
+        staged: list[tuple[Backend, RunPiece]] = []
         for runs, region in bound:
             kind = runs.local.kind
             backend = chosen.get((runs.key, kind))
@@ -183,7 +184,7 @@ class Router:
             if kind in backend.memory_kinds:
                 mine[1].append((runs, region))
             else:
-                staged.append((backend, runs, region))
+                staged += [(backend, piece) for piece in _pieces.of_runs(record, [(runs, region)])]
         busy = [(backend, lists) for backend, lists in served.values() if lists]
         runners = [backend.prepare_runs(op, record, lists) for backend, lists in busy]
         backends = [b for b, _ in served.values()]

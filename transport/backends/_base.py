@@ -15,17 +15,17 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from .. import _cuda
+from .. import _pieces
 from .._auth import Authenticator
-from .._errors import TransportError, TransportInternalError
+from .._errors import TransportInternalError
 from .._native import Copier
+from .._pieces import Ready
 from .._regions import Region, RegionTable
 from .._rendezvous import Store
-from .._tensors import LocalBuffer, MemoryKind, RemoteTarget, Runs, nbytes_of
+from .._tensors import LocalBuffer, MemoryKind, RemoteTarget, Runs
 from .._wire import HostId, PeerRecord, RegionRecord, TransferOp
 
 if TYPE_CHECKING:
@@ -44,8 +44,9 @@ Mover = Callable[[int, int, int], "bool | Pending"]
 # move(local_tensor, offset, nbytes) where either side is CUDA memory: True (done), False
 # (declined: nothing left running) or a Pending. See Backend.device_mover.
 DeviceMover = Callable[[torch.Tensor, int, int], "bool | Pending"]
-# A prepared transfer's reusable runner (see Backend.prepare_runs): run(ready=None).
-Runner = Callable[..., Awaitable[None]]
+# A prepared transfer's reusable runner (see Backend.prepare_runs): ``await run(ready)``, with
+# the ready events the engine recorded when that start began, one per CUDA device it touches.
+Runner = Callable[[Ready], Awaitable[None]]
 
 
 @dataclass
@@ -226,43 +227,21 @@ class Backend(abc.ABC):
 
         Built once per prepared transfer and record of its peer; every ``await run(ready)``
         moves every run again (reading or writing the same memory) and returns when all are
-        done. ``ready``: the ``torch.cuda.Event`` recorded on each CUDA device's current stream
-        when the transfer was started, by device index, which CUDA copies must wait for (None,
-        or a device missing: record one then). Backends with a native list operation override
-        this to build their descriptor lists here, once, from the arrays as they are; the
-        default moves each run with :meth:`move`, up to ``MANY_INFLIGHT`` at once.
+        done. ``ready``: the ``torch.cuda.Event`` the engine recorded on each CUDA device's
+        current stream when the transfer was started, by device index, which CUDA copies must
+        wait for. A runner never records one of its own: a CUDA run whose device has none is a
+        bug, raised as TransportInternalError (``transport._pieces.ready_on``). Backends with a
+        native list operation override this to build their descriptor lists here, once, from
+        the arrays as they are; the default moves each run with :meth:`move`, up to
+        ``MANY_INFLIGHT`` at once (``transport._pieces.run``).
 
         Raises (from ``run``): TransportError, the first failure; the runs not started by then
-        are not started.
+        are not started, those in flight end first.
         """
-        pieces = [(r.local.kind, view, RemoteTarget(peer, region, offset, nbytes_of(view)))
-                  for r, region in lists for view, offset in r.pieces()]
+        pieces = _pieces.of_runs(peer, lists)
 
-        async def run(ready: Mapping[int, Any] | None = None) -> None:
-            errors: list[TransportError] = []
-            todo = iter(pieces)
-
-            async def worker() -> None:
-                for kind, view, remote in todo:
-                    if errors:
-                        return
-                    event = None
-                    if kind == MemoryKind.CUDA:
-                        event = (ready or {}).get(view.device.index) or _cuda.ready_event(view)
-                    try:
-                        await self.move(op, LocalBuffer(view, kind, ready=event), remote)
-                    except TransportError as exc:
-                        errors.append(exc)
-                        return
-
-            if len(pieces) == 1:
-                await worker()
-            else:
-                async with anyio.create_task_group() as tg:
-                    for _ in range(min(MANY_INFLIGHT, len(pieces))):
-                        tg.start_soon(worker)
-            if errors:
-                raise errors[0]
+        async def run(ready: Ready) -> None:
+            await _pieces.run(pieces, lambda p: self.move(op, p.local(ready), p.remote), MANY_INFLIGHT)
 
         return run
 

@@ -24,16 +24,15 @@ shared mapping is mapped ``PROT_READ`` and page-locked read-only (see the ``ipc`
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-import anyio
 import torch
 
-from .. import _cuda
+from .. import _cuda, _pieces
 from .._cuda_copier import CudaCopier, DeviceBatch, DeviceCopy, IpcImportKey
 from .._errors import BackendUnavailableError, TransportInternalError
 from .._native import PeerMapping, pack_segments
+from .._pieces import Ready, ready_of, ready_on
 from .._regions import Region
 from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp
@@ -140,7 +139,7 @@ class CudaIpc:
         dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
         host = local.kind == MemoryKind.CPU
         try:
-            await eng.copy(dst, src, remote.nbytes, device, local.ready, host=host,
+            await eng.copy(dst, src, remote.nbytes, device, ready_of(local), host=host,
                            pageable=host and not local.tensor.is_pinned())
         finally:
             if held is not None:
@@ -210,9 +209,11 @@ class CudaIpc:
         tensor and a device region of ``peer``). Per copying device, the runs become one
         :class:`transport._cuda_copier.DeviceBatch` (a batched-copy kernel launch when there are many and both
         sides are that device's memory, else one ``cuMemcpyAsync`` each), laid out at the first
-        start and kept while the peer's imports stay where they were; each start enqueues them
-        after ``ready`` (the events recorded at start() on the local tensors' devices, by index;
-        recorded now where absent) and waits for all. The peer's IPC imports are held meanwhile."""
+        start and kept while the peer's imports stay where they were. Each start enqueues every
+        device's batch at once (``transport._pieces.run``, a piece per device), each after
+        ``ready`` (the events recorded at start() on the local tensors' devices, by index: every
+        one of them must be there), and waits for all; each device holds the peer's IPC imports
+        it copies through until its batch has ended."""
         put = op == TransferOp.PUT
         own = peer.pid == self._pid  # a region of this process: used at its own address
         groups: dict[int, list[tuple[Runs, RegionRecord, bytes, int, int]]] = {}
@@ -222,7 +223,7 @@ class CudaIpc:
             if device is None:
                 raise BackendUnavailableError(f"{peer.name}'s GPU {region.device} is not visible here")
             groups.setdefault(device, []).append((runs, region, handle, base, offset))
-        anchors = {r.local.tensor.device.index: r.local.tensor for r, _ in lists}
+        anchors = sorted({r.local.tensor.get_device() for r, _ in lists})  # the local tensors' devices
         laid_out: dict[int, tuple[tuple[int, ...], DeviceBatch]] = {}  # device -> (bases, batch)
 
         def batch_for(device: int, bases: tuple[int, ...]) -> DeviceBatch:
@@ -238,30 +239,29 @@ class CudaIpc:
             laid_out[device] = (bases, batch)
             return batch
 
-        async def run(ready: Mapping[int, Any] | None = None) -> None:
+        async def run(ready: Ready) -> None:
             eng = self.copier
-            events = [(ready or {}).get(d) or _cuda.ready_event(t) for d, t in anchors.items()]
-            held: list[IpcImportKey] = []
-            jobs: list[DeviceCopy] = []
-            batches = []  # referenced until their jobs ended (a kernel reads its table meanwhile)
-            try:
-                for device, entries in groups.items():
+            events = [ready_on(ready, d) for d in anchors]
+
+            async def copy(device: int) -> None:
+                held: list[IpcImportKey] = []
+                try:
                     bases = []
-                    for _runs, _region, handle, base, offset in entries:
+                    for _runs, _region, handle, base, offset in groups[device]:
                         if own:
                             bases.append(base + offset)
                             continue
                         key, ptr = eng.acquire_ipc(peer.name, peer.incarnation, handle, device)
                         held.append(key)
                         bases.append(ptr + offset)
-                    batches.append(batch_for(device, tuple(bases)))
-                    jobs.append(eng.start_batch(batches[-1], ready=events))
-            finally:
-                try:
-                    await _wait_all(jobs)
+                    # `batch` stays referenced until its job has ended (a kernel reads its table meanwhile).
+                    batch = batch_for(device, tuple(bases))
+                    await eng.start_batch(batch, ready=events).wait()  # cancelled: returns once they ended
                 finally:
                     for key in held:
                         eng.release_ipc(key)
+
+            await _pieces.run(list(groups), copy, None)
 
         return run
 
@@ -275,7 +275,7 @@ class CudaIpc:
         pinned = await eng.pin(*mapping, device)
         try:
             dst, src = (there, local.address) if op == TransferOp.PUT else (local.address, there)
-            await eng.copy(dst, src, nbytes, device, local.ready, pageable=not eng.pinned(*pinned))
+            await eng.copy(dst, src, nbytes, device, ready_of(local), pageable=not eng.pinned(*pinned))
         finally:  # an unpin asked for meanwhile happens now, not under the DMA
             eng.release_pin(pinned)
 
@@ -318,20 +318,3 @@ def _started(start: Callable[[], DeviceCopy], release: Callable[[], None]) -> bo
         return True
 
     return pending
-
-
-async def _wait_all(jobs: Sequence[DeviceCopy]) -> None:
-    """Waits for every job to end (each, also when waiting for another was cancelled: their
-    memory must not be released under them), then raises the first failure or cancellation."""
-    first: BaseException | None = None
-    for job in jobs:
-        try:
-            if first is None:
-                await job.wait()
-            else:
-                with anyio.CancelScope(shield=True):
-                    await job.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, once every job ended
-            first = first or exc
-    if first is not None:
-        raise first

@@ -37,9 +37,9 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
@@ -49,6 +49,7 @@ from .. import _native
 from .._errors import PeerLostError, ReadOnlyRegionError, TransportInternalError
 from .._host import process_alive
 from .._native import CopyKind, CopyResult, CopyStatus, PeerMapping, SharedBuffer, copy_now
+from .._pieces import Ready
 from .._regions import Region
 from .._staging import bounce
 from .._tensors import MemoryKind, Runs
@@ -355,12 +356,12 @@ class IpcBackend(Backend):
         one_by_one = Backend.prepare_runs(self, op, peer, slow) if slow else None
         device_runs = self._cuda.prepare_runs(op, peer, devices) if devices else None
 
-        async def run(ready: Mapping[int, Any] | None = None, _held: list[PeerMapping] = held) -> None:
+        async def run(ready: Ready, _held: list[PeerMapping] = held) -> None:
             # `_held` keeps the mappings referenced (mapped) while this runner lives.
             for plan, members in plans:
                 result = await self.ctx.copier.copy_plan(plan)
                 if result.status != CopyStatus.OK:
-                    await Backend.prepare_runs(self, op, peer, members)()
+                    await Backend.prepare_runs(self, op, peer, members)(ready)
             if device_runs is not None:
                 await device_runs(ready)
             if one_by_one is not None:
@@ -404,19 +405,16 @@ class IpcBackend(Backend):
                                          remote.nbytes, op)
             return
         # Reachable by cross-memory attach only: through pinned staging, piece by piece.
-        there, kind = addr + remote.offset, (CopyKind.CMA_WRITE if op == TransferOp.PUT else CopyKind.CMA_READ)
+        there, put = addr + remote.offset, op == TransferOp.PUT
+        kind = CopyKind.CMA_WRITE if put else CopyKind.CMA_READ
+
+        async def attach(staging: LocalBuffer, pos: int, size: int) -> None:
+            seg = (there + pos, staging.address, size) if put else (staging.address, there + pos, size)
+            result = await self.ctx.copier.copy(kind, peer.pid, [seg])
+            self._raise_for(result, peer, region, remote, put, there + pos)
+
         async with bounce(local, remote.nbytes, self._cuda.copier_factory) as b:
-            for pos, size in b.pieces:
-                staging = b.buffer(size).address
-                if op == TransferOp.PUT:
-                    await b.load(pos, size)
-                    seg = (there + pos, staging, size)
-                else:
-                    seg = (staging, there + pos, size)
-                result = await self.ctx.copier.copy(kind, peer.pid, [seg])
-                self._raise_for(result, peer, region, remote, op == TransferOp.PUT, there + pos)
-                if op == TransferOp.GET:
-                    await b.store(pos, size)
+            await b.each(op, attach)
 
     def _raise_for(self, result: CopyResult, peer: PeerRecord, region: RegionRecord, remote: RemoteTarget,
                    write: bool = False, there: int = 0) -> None:

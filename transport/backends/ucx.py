@@ -49,9 +49,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 import numpy as np
@@ -65,6 +64,7 @@ from .._errors import (
 )
 from .._native import CopyKind, CopyPlan, CopyStatus, RemoteWord
 from .._native.ucx import UcxEngine, UcxList, UcxPart, UcxResult, library
+from .._pieces import Ready
 from .._regions import Region
 from .._tensors import MemoryKind, Runs
 from .._wire import PeerRecord, RegionRecord, TransferOp
@@ -481,7 +481,7 @@ class UcxBackend(Backend):
         attach; after a failure, through UCX (:meth:`_runner` over lists built then)."""
         through_ucx: list[Runner] = []
 
-        async def run(ready: Mapping[int, Any] | None = None) -> None:
+        async def run(ready: Ready) -> None:
             if link.lost is not None:
                 raise self._lost_error(what, link)
             if not through_ucx:
@@ -504,7 +504,7 @@ class UcxBackend(Backend):
                 what: str) -> Runner:
         """Submits ``lists`` at every call and awaits their one result (``keep``: the local
         buffers, referenced until UCX lets go of them)."""
-        async def run(ready: Mapping[int, Any] | None = None) -> None:
+        async def run(ready: Ready) -> None:
             if link.lost is not None:
                 raise self._lost_error(what, link)
             result = await self._engine.transfer_many(op, lists, keep=keep)

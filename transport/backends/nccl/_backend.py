@@ -18,8 +18,9 @@ Transport's own agent so that the region checks are the same.
 
 Stream semantics: the transport-owned stream of a communicator waits for the caller's ready
 event (``LocalBuffer.ready``: recorded on the caller's current stream when the transfer was
-started; recorded here if absent) before reading or writing the tensor; completion means the
-bytes are in place, as above. Completion is observed by polling CUDA events (with backoff).
+started, by the engine; a tensor reached without one is refused as a bug, never given one
+here) before reading or writing the tensor; completion means the bytes are in place, as above.
+Completion is observed by polling CUDA events (with backoff).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from typing import Any
 import anyio
 import torch
 
-from ... import _cuda
 from ..._errors import (
     BackendUnavailableError,
     PeerLostError,
@@ -42,6 +42,7 @@ from ..._errors import (
     WireError,
 )
 from ..._native import nccl as native
+from ..._pieces import ready_of
 from ..._tensors import MemoryKind, dtype_name
 from ..._wire import PeerRecord, RegionRecord, TransferOp
 from .._base import Backend, BackendContext, LocalBuffer, RegionCheck, RemoteTarget
@@ -173,17 +174,13 @@ class NcclBackend(Backend):
         Cancellation: as :meth:`put`."""
         await self._transfer(TransferOp.GET, local, remote)
 
-    def _ready(self, local: LocalBuffer) -> Any:
-        ready = getattr(local, "ready", None)
-        return ready if ready is not None else _cuda.ready_event(local.tensor)
-
     async def _transfer(self, direction: TransferOp, local: LocalBuffer, remote: RemoteTarget) -> None:
         tensor, peer = local.tensor, remote.peer
         what = (f"nccl {direction.value} of {remote.nbytes} bytes at offset {remote.offset} of "
                 f"{peer.name}:{remote.region.key!r}")
         if tensor.device.type != "cuda":
             raise BackendUnavailableError(f"{what}: the local tensor is on {tensor.device}; nccl moves GPU memory only")
-        ready = self._ready(local)
+        ready = ready_of(local)
         if self._is_self(peer):
             await self._self_transfer(direction, local, ready, remote, what)
             return

@@ -40,11 +40,13 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ... import _pieces
 from ..._agent import Conn
 from ..._channel import ChannelPool, greet_plain, hello
 from ..._errors import TransportError, TransportInternalError, WireError
 from ..._native import Copier, CopyKind, CopyStatus
 from ..._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
+from ..._pieces import Ready
 from ..._regions import Region
 from ..._sockets import close_socket, connect
 from ..._tensors import MemoryKind, Runs, dtype_name, spans_of
@@ -183,37 +185,29 @@ class TcpBackend(Backend):
         stages = self._stages
         put = op == TransferOp.PUT
 
-        async def frame(chan: Any, f: _RunsFrame, errors: list[TransportError]) -> None:
-            try:
-                if f.copies is None:
-                    if put:
-                        await chan.request(kind, f.meta, payload=[f.table, *f.views])
-                    else:
-                        await chan.request(kind, f.meta, payload=f.table, into=f.views)
-                    return
-                async with stages.buffer() as (buf, address):
-                    data = buf[: f.nbytes]
-                    if put:
-                        await stages.copy(f.copies, address, to_stage=True, nbytes=f.nbytes)
-                        await chan.request(kind, f.meta, payload=[f.table, data])
-                    else:
-                        await chan.request(kind, f.meta, payload=f.table, into=data)
-                        await stages.copy(f.copies, address, to_stage=False, nbytes=f.nbytes)
-            except TransportError as exc:
-                errors.append(exc)
+        async def frame(chan: Any, f: _RunsFrame) -> None:
+            if f.copies is None:
+                if put:
+                    await chan.request(kind, f.meta, payload=[f.table, *f.views])
+                else:
+                    await chan.request(kind, f.meta, payload=f.table, into=f.views)
+                return
+            async with stages.buffer() as (buf, address):
+                data = buf[: f.nbytes]
+                if put:
+                    await stages.copy(f.copies, address, to_stage=True, nbytes=f.nbytes)
+                    await chan.request(kind, f.meta, payload=[f.table, data])
+                else:
+                    await chan.request(kind, f.meta, payload=f.table, into=data)
+                    await stages.copy(f.copies, address, to_stage=False, nbytes=f.nbytes)
 
         spans = spans_of((r.key, r.span[0], r.span[1] - r.span[0]) for r, _ in lists)
 
-        async def run(ready: Mapping[int, Any] | None = None) -> None:
+        async def run(ready: Ready) -> None:
             for key, (lo, hi) in spans.items():
                 await self._after_unsettled(peer.name, key, lo, hi - lo)
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
-            errors: list[TransportError] = []
-            async with anyio.create_task_group() as tg:
-                for f in frames:
-                    tg.start_soon(frame, chan, f, errors)
-            if errors:
-                raise errors[0]
+            await _pieces.run(frames, functools.partial(frame, chan), None)  # every frame pipelined at once
 
         return run
 
