@@ -130,8 +130,8 @@ async def test_the_report_names_the_crossover_each_version_was_judged_by():
                     # As if this host's scatter took a second per element: no delta can pay, on
                     # any link, so every later version goes to it dense, undiffed.
                     await never.wait_snapshot()
-                    never._crossover.calibrate()
-                    never._crossover.scatter_ns = 1e9
+                    never._pipeline.crossover.calibrate()
+                    never._pipeline.crossover.scatter_ns = 1e9
                     continue
                 # diffed against the version before, by the given crossover
                 assert r1.delta is not None and r1.delta.crossover == 0.3 and r1.results["far"].delta
@@ -145,13 +145,14 @@ async def test_the_report_names_the_crossover_each_version_was_judged_by():
                 assert r3.delta.base is None and not r3.results["far"].delta and r3.delta.encode_s == 0.0
                 # Its control block says no delta is coming, so its subscriber checksums nothing
                 # ahead after a dense apply; the other publishers' say one may.
-                assert int(never._snapshots.ctl[DIFFING]) == 0 and s3._delta is not None and s3._delta._pass is None
-                assert int(fixed._snapshots.ctl[DIFFING]) == 1 and s1._delta is not None
+                assert int(never._pipeline.snapshots.ctl[DIFFING]) == 0
+                assert s3._delta is not None and s3._delta._pass is None
+                assert int(fixed._pipeline.snapshots.ctl[DIFFING]) == 1 and s1._delta is not None
             assert torch.equal(far["a"], src["a"]) and torch.equal(never_live["a"], src["a"])
             # The host measures as it is again: a delta pays once more (this once: its measured
             # diff then outweighs so small a push), and it goes to a subscriber that learnt
             # nothing ahead, which checks it against checksums it makes then.
-            never._crossover.scatter_ns = 2.0
+            never._pipeline.crossover.scatter_ns = 2.0
             src["a"][5:8] += 1
             r3 = await never.publish(5)
             assert await s3.wait_version(5) == 5 and torch.equal(never_live["a"], src["a"])

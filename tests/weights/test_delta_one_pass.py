@@ -97,7 +97,7 @@ async def test_a_delta_refused_by_its_last_tensor_leaves_every_tensor_as_it_was(
     async with holding_version_1(src) as (pub, sub, dst):
         held = {k: v.clone() for k, v in dst.items()}
         if scratch == "checked first":
-            sub._delta._scratch_max = 0
+            sub._delta._scratch.max_bytes = 0
         for k in src:
             src[k].view(-1)[::40] += 1
         r = await pub.publish(2)

@@ -13,7 +13,7 @@ import torch
 import transport
 from tests._support.delta_model import same_bits
 from transport.weights import Publisher, Subscriber
-from transport.weights import _publisher as publisher_module
+from transport.weights import _pipeline as pipeline_module
 from transport.weights._codec.apply import DeltaApplier
 from transport.weights._codec.encode import DeltaEncoder, Kind
 from transport.weights._codec.policy import CROSSOVER
@@ -120,7 +120,7 @@ async def test_pushed_in_parts_every_subscriber_holds_every_version(monkeypatch,
     the diff's threads) sends each version's encodings in several puts, one that does not in
     one; two subscribers hold every version bit for bit, as deltas from the second on."""
     if free_cores:
-        monkeypatch.setattr(publisher_module, "cores", lambda: 64)
+        monkeypatch.setattr(pipeline_module, "cores", lambda: 64)
     store = f"memory://{uuid.uuid4().hex}"
     live = model(7)
     subs_state = {n: {k: torch.zeros_like(v) for k, v in live.items()} for n in ("gen-0", "gen-1")}
@@ -130,7 +130,7 @@ async def test_pushed_in_parts_every_subscriber_holds_every_version(monkeypatch,
         async with Publisher(tt, live, delta=True, delta_crossover=CROSSOVER) as pub, \
                 Subscriber(t0, subs_state["gen-0"], publisher="trainer") as s0, \
                 Subscriber(t1, subs_state["gen-1"], publisher="trainer") as s1:
-            assert pub._parts == (8 if free_cores else 1)
+            assert pub._pipeline.parts == (8 if free_cores else 1)
             for v in range(1, 6):
                 if v > 1:
                     for k, x in changed(live, 10 + v, dense="norm" if v == 3 else None).items():

@@ -529,7 +529,7 @@ async def test_a_stale_delta_header_is_never_read_with_a_dense_version():
 
 def front_snapshot_holds(pub: Publisher, src: dict[str, torch.Tensor]) -> int:
     """The version of the publisher's front snapshot, checked to hold ``src``'s bytes exactly."""
-    snaps = pub._snapshots
+    snaps = pub._pipeline.snapshots
     version, slot = decode_front(int(snaps.ctl[FRONT]))
     for e in pub.layout.entries:
         got = snaps.snaps[slot][e.offset:e.offset + e.nbytes]
@@ -570,7 +570,8 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
                 r = await pub.publish(v)
                 assert await sub.wait_version(v) == v and same_bits(dst, src), v
                 assert r.delta is not None
-                fills.append((v, r.results["gen"].delta, pub._delta.filled if r.delta.base is not None else None))
+                delta = pub._pipeline.delta
+                fills.append((v, r.results["gen"].delta, delta.filled if r.delta.base is not None and delta else None))
                 # completed in the background (a delta's patches, a dense fill)
                 assert await pub.wait_snapshot(10) == v
                 assert front_snapshot_holds(pub, src) == v  # what pull reads, the next version's base

@@ -83,7 +83,7 @@ async def test_zero_copy_apply_repoints_the_tensors(store):
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         async with Publisher(tt, src, bucket_bytes=64 << 10) as pub, \
                 Subscriber(tg, dst := zeros_like(src), publisher="trainer", zero_copy=True) as sub:
-            assert pub._snapshots.direct, "no bucket was planned to go straight from the live tensors"
+            assert pub._pipeline.snapshots.direct, "no bucket was planned to go straight from the live tensors"
             assert sub.staging_bytes == 3 * pub.layout.total
             seen_slots = set()
             for v in range(1, 6):
@@ -113,16 +113,16 @@ async def test_an_unfinished_snapshot_fill_gives_way_to_the_next_publish(store):
         # delta=False: a delta publisher packs its snapshot whole before the pushes (no fill).
         async with Publisher(tt, src, bucket_bytes=16 << 20, delta=False) as pub, \
                 Subscriber(tg, dst := zeros_like(src), publisher="trainer") as sub:
-            assert pub._snapshots.direct
+            assert pub._pipeline.snapshots.direct
             await pub.publish(1)
             assert sub.apply() == 1
-            await pub._snapshots._filled.wait()  # the first snapshot is complete
+            await pub._pipeline.snapshots._filled.wait()  # the first snapshot is complete
             counts = []
             for v in range(2, 10):
                 for x in src.values():
                     x.add_(1)
                 await pub.publish(v)  # right after the previous one: its fill has not run yet
-                counts.append(pub._snapshots._abandoned)
+                counts.append(pub._pipeline.snapshots._abandoned)
             # v1's fill was complete; then three abandoned in a row, the fourth waited for, ...
             assert _snapshots.MAX_ABANDONED_FILLS == 3
             assert counts == [0, 1, 2, 3, 0, 1, 2, 3], counts
@@ -215,7 +215,7 @@ async def test_large_non_contiguous_tensor_is_packed_not_sent_raw(store):
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         async with Publisher(tt, src, bucket_bytes=1 << 20) as pub, \
                 Subscriber(tg, dst := {k: torch.zeros(v.shape) for k, v in src.items()}, publisher="trainer") as sub:
-            assert not pub._snapshots.direct  # only contiguous tensors go straight from live memory
+            assert not pub._pipeline.snapshots.direct  # only contiguous tensors go straight from live memory
             await pub.publish(1)
             assert sub.apply() == 1
             assert all(torch.equal(dst[k], src[k]) for k in src)

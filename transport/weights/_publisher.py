@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Mapping
@@ -20,31 +19,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import torch
 
-from .._background import start_background
-from .._errors import TransferTimeoutError, TransportError, TransportInternalError
-from ._codec.checksum import PAUSE_S, SumPass, deltable
-from ._codec.encode import PARTS, DeltaEncoder, DeltaVersion
+from .._errors import TransferTimeoutError, TransportError
 from ._codec.format import SPARSE_MAX, index_bytes
-from ._codec.policy import CROSSOVER, Crossover
 from ._control import (
-    DIFFING,
-    FILLING,
     FRONT,
-    LATEST,
     StreamKeys,
     decode_front,
-    memory_barrier,
     withdraw,
 )
-from ._copy import available_threads, cores
-from ._delta_feed import DeltaFeed
 from ._doorbells import Doorbells
 from ._layout import build_layout, describe, tensors_of
 from ._lifecycle import Lifecycle
+from ._pipeline import Version, VersionPipeline
 from ._push import Pushes
-from ._report import DeltaStats, PublishReport, SyncResult, SyncStatus
+from ._report import PublishReport, SyncResult, SyncStatus
 from ._roster import Roster
-from ._snapshots import Snapshots
 from ._warm import WarmTarget, warm_pushes
 
 if TYPE_CHECKING:
@@ -178,17 +167,8 @@ class Publisher(Lifecycle):
                 raise ValueError(f"two tensors map to the wire name {w!r}")
             wire[w] = v
         self.layout = build_layout(name, wire, bucket_bytes=bucket_bytes, fp8=fp8)
-        self._snapshots = Snapshots(transport, self._keys, self.layout, wire, self.deadline)
-        on_host = all(not v.is_cuda for v in wire.values())
-        self._delta = DeltaEncoder(self.layout, wire, available_threads(), delta_crossover or CROSSOVER) \
-            if delta and on_host else None
-        deltable_entries = [e for e in self.layout.entries if deltable(e)]
-        n = sum(e.numel for e in deltable_entries)
-        es = round(sum(e.nbytes for e in deltable_entries) / n) if n else 2
-        self._crossover = Crossover(delta_crossover, self.layout.total, n, es, available_threads())
-        # The diff hands its encodings to the pushes in parts while it runs where it leaves cores
-        # free for them (else in one part, once done: see PARTS).
-        self._parts = PARTS if cores() > available_threads() else 1
+        self._pipeline = VersionPipeline(transport, self._keys, self.layout, wire, self.deadline, bool(delta),
+                                         delta_crossover)
         self.version: int | None = None
         self._rings: TaskGroup | None = None  # runs doorbells, fills, passes; open between start and aclose
         self._lock = anyio.Lock()
@@ -196,26 +176,20 @@ class Publisher(Lifecycle):
         self._roster = Roster(transport, self._keys)
         self._doorbells = Doorbells(transport, self._keys.doorbell, self.deadline)
         # "auto": no deltas to subscribers reached over a same-host link
-        self._pushes = Pushes(transport, name, self._keys, self.layout, self._snapshots, self._crossover, self.deadline,
-                              index_bytes(self.layout), delta is True)
-        self._takers = False  # whether a subscriber served by the last publish takes deltas
-        self._chosen: dict[str, float] = {}  # this version's crossover per subscriber that takes deltas (0.0: dense)
-        self._change: float | None = None  # the changed fraction of the last version sampled or diffed
-        # The checksum pass over the last dense snapshot, begun in the background: (slot, version, pass)
-        self._learning: tuple[int, int, SumPass] | None = None
-        self._ahead: threading.Thread | None = None  # the thread that runs it (and readies what follows)
+        self._pushes = Pushes(transport, name, self._keys, self.layout, self._pipeline.snapshots.source,
+                              self._pipeline.crossover, self.deadline, index_bytes(self.layout), delta is True)
 
     @property
     def staging_bytes(self) -> int:
         """Bytes this publisher holds for staging: two packed snapshots, plus the buffer of
         delta encodings when delta sync is on (allocated once a subscriber that takes deltas
         has received a version)."""
-        return 2 * self.layout.total + (self._delta.staging_bytes if self._delta is not None else 0)
+        return self._pipeline.staging_bytes
 
     @property
     def delta(self) -> bool:
         """Whether versions are diffed and sent as deltas where that pays."""
-        return self._delta is not None
+        return self._pipeline.delta is not None
 
     async def start(self) -> None:
         """Registers the layout, the snapshots and the control block (read-only to peers), and
@@ -230,14 +204,14 @@ class Publisher(Lifecycle):
         layout_bytes = self.layout.encode()
         layout_t = t.empty(k.layout, len(layout_bytes), torch.uint8, writable=False)
         layout_t.copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
-        self._snapshots.register()
+        self._pipeline.snapshots.register()
         rings = anyio.create_task_group()
         await rings.__aenter__()
         self._rings = rings
         self._doorbells.open(rings)
         self._started = True
         log.info("publisher %s/%s: %s (%d of %d buckets sent straight from the live tensors)", t.name, self.name,
-                 describe(self.layout), len(self._snapshots.direct), len(self.layout.buckets))
+                 describe(self.layout), len(self._pipeline.snapshots.direct), len(self.layout.buckets))
 
     async def aclose(self) -> None:
         """Withdraws the published regions (subscribers can no longer pull) and stops the
@@ -255,19 +229,9 @@ class Publisher(Lifecycle):
         self._started = False
         rings, self._rings = self._rings, None
         self._doorbells.close()
-        if self._learning is not None:
-            self._learning[2].stop()
         try:
             withdraw(self.t, [self._keys.pubctl, *self._keys.snapshots, self._keys.layout])
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                # Its piece in flight ends in milliseconds; a thread left in native code when the
-                # interpreter exits would abort the process.
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(ahead.join, PAUSE_S)
-                if ahead.is_alive():
-                    log.warning("publisher %s: its background checksum pass did not end within %gs", self.t.name,
-                                PAUSE_S)
+            await self._pipeline.aclose()
         finally:
             if rings is not None:
                 # Whatever leaves the ``async with`` body passes through unchanged (it is not
@@ -301,7 +265,7 @@ class Publisher(Lifecycle):
             raise TransportError("publisher not started; use `async with Publisher(...)`")
         async with self._lock:
             subs = (await self._roster.scan()).serve
-            snap = self._snapshots.snaps[0]
+            snap = self._pipeline.snapshots.snaps[0]
             # A slot has a prepared push once it was pushed to or warmed (those of subscribers no
             # longer served are dropped after a publish; one whose warm failed by warm_pushes).
             have = self._pushes.warmed()
@@ -342,11 +306,11 @@ class Publisher(Lifecycle):
         """
         limit = self.deadline if timeout is None else timeout
         with anyio.move_on_after(limit) as scope:
-            await self._snapshots.settled()
+            await self._pipeline.snapshots.settled()
         if scope.cancelled_caught:
             raise TransferTimeoutError(f"{self.t.name}: the snapshot of {self.name!r} version {self.version} was not "
                                        f"complete within {limit:g}s")
-        front = decode_front(int(self._snapshots.ctl[FRONT]))
+        front = decode_front(int(self._pipeline.snapshots.ctl[FRONT]))
         return None if front is None else front[0]
 
     async def subscribers(self) -> list[str]:
@@ -392,207 +356,45 @@ class Publisher(Lifecycle):
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must grow: {version} after {self.version}")
         async with self._lock:
-            snapshots = self._snapshots
-            await snapshots.abandon_fill()
-            learning, self._learning = self._learning, None
-            if learning is not None:
-                # Its copy into the snapshot this publish writes stops first (one piece in flight).
-                try:
-                    await anyio.to_thread.run_sync(learning[2].pause, PAUSE_S)
-                except TransportInternalError:
-                    self._learning = learning  # still writing there: the next publish waits again
-                    raise
-            snapshots.end_copy()
-            self._chosen = {}
+            pipeline = self._pipeline
+            await pipeline.settle()
             t0 = time.perf_counter()
-            front = decode_front(int(snapshots.ctl[FRONT]))
-            slot = snapshots.begin()
-            ended = False  # whether the snapshot's write was ended (or handed to a background task)
+            v = pipeline.begin(version)
             try:
-                dv: DeltaVersion | None = None
-                sums: list[int] = []
-                sample: tuple[bool, int, int] | None = None
-                feed: DeltaFeed | None = None
-                base = snapshots.snaps[0]
-                async def prepare() -> None:
-                    nonlocal base, sample, feed
-                    if self._delta is not None and front is not None and self._takers:
-                        base = snapshots.snaps[front[1]]
-                        crossover = await self._choose(front, learning)
-                        # A sample of the change decides whether the full diff can pay: a version
-                        # that changed too much goes dense at once, exactly as with delta=False.
-                        # (No diff at all while no subscriber takes deltas, zero-copy or
-                        # device-slot ones say, or none's path makes one pay.)
-                        if crossover > 0:
-                            self._delta.crossover = crossover
-                            sample = await anyio.to_thread.run_sync(self._delta.predicts_dense, base)
-                        if sample is not None and not sample[0]:
-                            if self._delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
-                                started = learning[2] if learning is not None and learning[:2] == front[::-1] \
-                                    else None
-                                await anyio.to_thread.run_sync(self._delta.learn, front[1], front[0], base, started,
-                                                               slot)
-                            feed = DeltaFeed(front[0], sample[1] / sample[2] if sample[2] else 0.0)
-                    if feed is None and self._delta is not None:
-                        self._delta.forget(slot)
-                    # Only what cannot go straight from the live tensors is packed before the
-                    # pushes (a delta version too: a subscriber that gets it dense is pushed at
-                    # once, beside the diff); the rest of the snapshot (for pull) is filled after
-                    # them: copying it meanwhile would compete with the pushes for memory
-                    # bandwidth and cores.
-                    await anyio.to_thread.run_sync(snapshots.pack, slot)
-
-                # The subscribers are looked up while the sample, or the pack, runs.
-                scan, t_packed = await _both(self._roster.scan, prepare)
-                subs = scan.serve
+                # The subscribers are looked up while the version is sampled, or packed.
+                scan, t_packed = await _both(self._roster.scan,
+                                             functools.partial(pipeline.prepare, v, self._pushes.takers()))
                 results = {name: SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0, why)
                            for (name, _), why in scan.dead.items()}
-                t_found = t_diffed = time.perf_counter()
-                snapshots.ctl[LATEST] = version  # before any subscriber's front names it (they check)
-                if sample is not None and sample[2]:
-                    self._change = sample[1] / sample[2]
-                snapshots.ctl[DIFFING] = int(self._delta is not None and self._pushes.may_diff(None, self._change))
-                if feed is not None:  # its snapshot is completed below: pull() waits for it, not the one before
-                    snapshots.ctl[FILLING] = version
-                memory_barrier()
+                pipeline.announce(v, self._pushes.takers())
                 async with anyio.create_task_group() as tg:
-                    for peer in subs.values():
-                        tg.start_soon(self._serve, peer, version, snapshots.snaps[slot], t0, results, feed)
-                    if feed is not None and self._delta is not None and front is not None:
-                        # Diffed against the front snapshot, writing only the encodings (and what a
-                        # delta push sends from the new snapshot); the pushes to subscribers that
-                        # hold the base send each part of them while the rest is diffed. The rest
-                        # of the new snapshot is brought to the version later (fill), by the two
-                        # versions' encodings where that pays.
-                        try:
-                            made, sums = await anyio.to_thread.run_sync(
-                                functools.partial(self._delta.encode, snapshots.snaps[slot], slot, base, front[0],
-                                                  front[1], version, feed.ready(), self._parts))
-                        except BaseException:
-                            feed.fail()
-                            raise
-                        feed.close(made)
-                        self._crossover.diffed(made.encode_s, made.density)
-                        dv, self._change = made, made.density
-                        t_diffed = time.perf_counter()
+                    for peer in scan.serve.values():
+                        tg.start_soon(self._serve, peer, v, t0, results)
+                    await pipeline.diff(v)
                 t_pushed = time.perf_counter()
-                # A subscriber reached one-sidedly (its application takes no part in the copy back).
-                source = next((subs[n] for n, r in results.items()
-                               if r.status == SyncStatus.DONE and n in subs and self._pushes.landed[n][1]), None)
-                if dv is not None and self._delta is not None:
-                    # The rest of the new snapshot: what needs the live tensors now (they are free
-                    # once we return); the patches, which read only our encodings, after the
-                    # doorbells, like a fill (here when closing).
-                    delta, snap = self._delta, snapshots.snaps[slot]
-                    await anyio.to_thread.run_sync(delta.fill_copies, snap, dv)
-                    if self._rings is None:
-                        await anyio.to_thread.run_sync(delta.fill_patches, snap, dv)
-                        snapshots.finish(slot, version, True)
-                        ended = True
-                        delta.commit(slot, version, sums)
-                    else:
-                        snapshots.complete_in_background(self._rings, slot, version,
-                                                         functools.partial(delta.fill_patches, snap, dv),
-                                                         lambda: self._doorbells.pending,
-                                                         functools.partial(delta.commit, slot, version, sums))
-                        ended = True
-                elif source is not None and snapshots.direct and self._rings is not None:
-                    # The rest of the snapshot comes from a subscriber's slot that holds this version
-                    # (no one writes it before our next publish), in the background: the live
-                    # tensors are free now.
-                    snapshots.fill_in_background(self._rings, source, self._pushes.landed[source.name][0], slot,
-                                                 version, lambda: self._doorbells.pending)
-                    ended = True
-                else:
-                    await anyio.to_thread.run_sync(snapshots.fill_direct, slot)
-                    snapshots.finish(slot, version, True)
-                    ended = True
+                await pipeline.complete(v, self._pushes.holder(results, scan.serve), self._rings,
+                                        lambda: self._doorbells.pending)
             finally:
-                if not ended:  # failed or cancelled: unpublished, and pullers read the front as before
-                    snapshots.finish(slot, version, False)
+                pipeline.end(v)
             self.version = version
-            self._takers = any(self._pushes.takes_delta.get(n, False) for n in subs)
-            if learning is not None:
-                learning[2].stop()  # used above, or not needed: it takes no more pieces
-            if dv is None and self._delta is not None and self._rings is not None and \
-                    self._pushes.may_diff(subs, self._change):
-                # The next version may be diffed against this snapshot: its checksum pass begins
-                # once it is complete, in the background (the next publish finishes it), and
-                # copies it into the other snapshot on the way, which the next version then
-                # only patches: the first delta after a dense version then costs what the others
-                # do (before, 1.3-1.6x of them: delta_sync-2026-12-04-ipc.md).
-                self._learning = (slot, version, SumPass.of_buffer(snapshots.snaps[slot], self.layout.entries,
-                                                                   copy_to=snapshots.snaps[1 - slot]))
-                self._rings.start_soon(self._learn_when_filled, *self._learning)
+            pipeline.after(v, self._pushes.takers(scan.serve), self._rings)
             serving = self._roster.served(scan)
             self._pushes.forget(serving)
-            self._snapshots.forget(serving)
+            pipeline.forget(serving)
             end = time.perf_counter()
-            stats = None
-            if dv is not None and self._delta is not None:
-                stats = DeltaStats(base=dv.base, changed=dv.changed, elements=dv.elements,
-                                   dense_bytes=self.layout.total,
-                                   delta_bytes=dv.wire_bytes if dv.is_delta else self.layout.total,
-                                   encode_s=dv.encode_s,
-                                   kinds={k.name.lower(): dv.kinds.count(k) for k in set(dv.kinds)},
-                                   crossover=self._delta.crossover)
-            elif self._delta is not None:  # dense without a full diff: no base, the model or the sample said so
-                stats = DeltaStats(base=None, changed=sample[1] if sample else 0, elements=sample[2] if sample else 0,
-                                   dense_bytes=self.layout.total, delta_bytes=self.layout.total, encode_s=0.0,
-                                   kinds={"dense": len(self.layout.entries)}, sampled=sample is not None,
-                                   crossover=self._delta.crossover if sample is not None else
-                                   0.0 if self._chosen else None)
             # A delta version's diff ran after the lookup, its pushes beside it: pack_s counts it,
             # push_s what the pushes took after it.
             return PublishReport(version, results, scan.left, queued_s=t0 - entry,
-                                 pack_s=t_packed - t0 + t_diffed - t_found, discover_s=t_found - t_packed,
-                                 push_s=t_pushed - t_diffed, snapshot_s=end - t_pushed,
-                                 total_s=end - entry, delta=stats)
+                                 pack_s=t_packed - t0 + v.diff_s, discover_s=v.announced_at - t_packed,
+                                 push_s=t_pushed - v.diffed_at, snapshot_s=end - t_pushed, total_s=end - entry,
+                                 delta=pipeline.stats(v))
 
-    async def _choose(self, front: tuple[int, int], learning: tuple[int, int, SumPass] | None) -> float:
-        """Chooses this version's crossover for each subscriber that takes deltas (into
-        ``_chosen``) from what was measured on its path, counting what a first delta after the
-        dense version in front still pays (the part of the background pass ``learning`` not
-        done); returns the highest, the one the version is diffed by (0.0: no delta pays, the
-        version goes dense undiffed). Calibrates this host first, once (about 0.15 s on the
-        2-core VM; usually done already, in the background after the first version)."""
-        assert self._delta is not None
-        if self._crossover.fixed is None and not self._crossover.calibrated:
-            await anyio.to_thread.run_sync(self._crossover.calibrate)
-        started = learning[2] if learning is not None and learning[:2] == front[::-1] else None
-        first_s = self._crossover.first_s(*self._delta.unready_bytes(front[1], front[0], started))
-        self._chosen = self._crossover.value([n for n, v in self._pushes.takes_delta.items() if v], first_s)
-        return max(self._chosen.values(), default=0.0)
-
-    async def _learn_when_filled(self, slot: int, version: int, sums: SumPass) -> None:
-        """Begins the checksum pass ``sums`` over dense snapshot ``slot`` (which copies it into
-        the other snapshot) on a background thread once the snapshot holds all of ``version``
-        (its fill may still run), unless the next publish has begun (it pauses the pass); the
-        same thread then readies the staging buffer of the encodings for the first delta."""
-        await self._snapshots.settled()
-        delta = self._delta
-        if delta is not None and self._learning is not None and self._learning[2] is sums and \
-                decode_front(int(self._snapshots.ctl[FRONT])) == (version, slot):
-            # No publish has begun since (it takes the pass first): the other snapshot is ours
-            # to write until the next one pauses the pass.
-            delta.forget(self._snapshots.begin_copy())
-
-            def ahead() -> None:
-                sums.drain()
-                if not sums.stopped and self._crossover.fixed is None:  # (stopped: closing)
-                    self._crossover.calibrate()
-                if not sums.stopped:
-                    delta.reserve()
-
-            self._ahead = start_background(ahead, sums.stop)
-
-    async def _serve(self, peer: Peer, version: int, snap: torch.Tensor, t0: float, results: dict[str, SyncResult],
-                     feed: DeltaFeed | None) -> None:
-        """Pushes the version to ``peer`` (:meth:`Pushes.push`), records its result, and rings
+    async def _serve(self, peer: Peer, v: Version, t0: float, results: dict[str, SyncResult]) -> None:
+        """Pushes version ``v`` to ``peer`` (:meth:`Pushes.push`), records its result, and rings
         its doorbell once it is complete."""
-        result, lost = await self._pushes.push(peer, version, snap, t0, feed, self._chosen)
+        result, lost = await self._pushes.push(peer, v.number, v.snap, t0, v.feed, v.chosen)
         results[peer.name] = result
         if lost:  # that incarnation is gone for good: reported once
             self._roster.lost(peer.name, peer.incarnation)
         if result.status == SyncStatus.DONE:
-            self._doorbells.ring(peer.name, peer.incarnation, version)
+            self._doorbells.ring(peer.name, peer.incarnation, v.number)

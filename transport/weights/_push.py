@@ -21,7 +21,6 @@ from ._delta_feed import DeltaFeed
 from ._layout import Layout
 from ._polling import PENDING, Pending, poll
 from ._report import SyncResult, SyncStatus
-from ._snapshots import Snapshots
 
 if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transfer, Transport
@@ -37,17 +36,19 @@ class Pushes:
         stream: the stream's name.
         keys: its region names.
         layout: its packed layout.
-        snapshots: the publisher's snapshots (where packed buckets are sent from).
+        source: where a bucket is sent from (``Snapshots.source``: the live tensor's bytes, or
+            the snapshot given; the pushes only read them).
         crossover: the publisher's crossover model (told each dense push's time).
         deadline: seconds a push may take (from the end of a delta version's diff).
         index_bytes: the size of a subscriber's delta index region for this layout.
         delta_everywhere: deltas also to subscribers reached over a same-host link.
     """
 
-    def __init__(self, transport: Transport, stream: str, keys: StreamKeys, layout: Layout, snapshots: Snapshots,
-                 crossover: Crossover, deadline: float, index_bytes: int, delta_everywhere: bool) -> None:
+    def __init__(self, transport: Transport, stream: str, keys: StreamKeys, layout: Layout,
+                 source: Callable[[torch.Tensor, int, int], torch.Tensor], crossover: Crossover, deadline: float,
+                 index_bytes: int, delta_everywhere: bool) -> None:
         self.t, self.stream, self._keys, self.layout = transport, stream, keys, layout
-        self._snapshots, self._crossover, self.deadline = snapshots, crossover, deadline
+        self._source, self._crossover, self.deadline = source, crossover, deadline
         self._index_bytes, self._delta_everywhere = index_bytes, delta_everywhere
         # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
@@ -56,12 +57,17 @@ class Pushes:
         self.takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
         self._memory_link: dict[str, bool] = {}  # subscriber -> its last push went over a same-host link
 
-    def may_diff(self, among: Iterable[str] | None = None, change: float | None = None) -> bool:
-        """Whether a later version may be diffed: a subscriber (of ``among``, or any) takes
-        deltas and is worth readying for one (:meth:`Crossover.worth_readying`; ``change``: the
-        changed fraction last seen)."""
-        names = self.takes_delta if among is None else among
-        return any(self.takes_delta.get(n, False) and self._crossover.worth_readying(n, change) for n in names)
+    def takers(self, among: Iterable[str] | None = None) -> list[str]:
+        """The subscribers (of ``among``, or all known) that take deltas, as last pushed to."""
+        return [n for n in (self.takes_delta if among is None else among) if self.takes_delta.get(n, False)]
+
+    def holder(self, results: Mapping[str, SyncResult], serve: Mapping[str, Peer]) -> tuple[Peer, int] | None:
+        """A subscriber of ``serve`` the version of ``results`` reached one-sidedly (its
+        application takes no part in a copy back), and the slot it landed in; None if none."""
+        for name, r in results.items():
+            if r.status == SyncStatus.DONE and name in serve and self.landed[name][1]:
+                return serve[name], self.landed[name][0]
+        return None
 
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops what is kept for subscribers no longer served (``serving``: (name,
@@ -124,7 +130,7 @@ class Pushes:
         prepared = self._batches.get(cache_key)
         if prepared is None:  # (those of subscribers no longer served are dropped by forget)
             key = self._keys.slots[slot]
-            items = [(self._snapshots.source(snap, start, end), key, start) for start, end in self.layout.buckets]
+            items = [(self._source(snap, start, end), key, start) for start, end in self.layout.buckets]
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
         return prepared
 

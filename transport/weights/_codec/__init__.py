@@ -6,11 +6,14 @@ package imports among the weights modules):
     format    both wire forms, versioned by their magics (stream: STREAM_MAGIC; mesh: MESH_MAGIC),
               the index and table layouts, checksum words
     checksum  the per-tensor checksum and the passes computing it (SumPass)
+    patch     the one checked, all-or-nothing apply of sparse deltas (apply_patches), for both
+              forms: the stream's tensors and a mesh generator's slot
     encode    the stream form's encoder (DeltaEncoder, DeltaVersion) and its thresholds
-    apply     the stream form's checked, all-or-nothing apply (DeltaApplier)
+    apply     the stream form's apply (DeltaApplier): the live tensors' checksums, the header's
+              checks, its patches (through patch) and dense tensors
     policy    the stream crossover: where a delta stops paying, from what the publisher measured
     runs      the mesh form: a trainer rank's changes cut along generator ranks' byte runs, and
-              their materialisation in a generator's slot
+              their materialisation in a generator's slot (through patch)
 
 Its drivers are the stream publisher and subscriber, the mesh publisher and subscriber (and,
 through them, the vLLM worker); they move the bytes, the codec only makes and checks them.

@@ -40,7 +40,8 @@ import torch
 from ..._errors import DeltaRefusedError
 from ..._native import delta as native
 from .._copy import HostCopies, available_threads
-from .format import HEAD_BYTES, MASK64, MESH_MAGIC, signed, unsigned
+from .format import HEAD_BYTES, MASK64, MESH_MAGIC, Kind, signed, unsigned
+from .patch import SCRATCH_MIN, Patch, Scratch, apply_patches
 from .policy import RUNS_CROSSOVER
 
 # -- the trainer's side -----------------------------------------------------------------------
@@ -265,6 +266,8 @@ class Materializer:
         # when it names that version. Any other base is checked by reading the slot.
         self.known: dict[tuple[int, int], tuple[int, int]] = {}
         self.full_checks = 0  # base checks that read the trainer rank's runs in the slot
+        self._threads = available_threads()
+        self._scratch = Scratch(max(SCRATCH_MIN, slots[0].numel() // 8))  # grown only as deltas need
 
     def clear(self, slot: int) -> None:
         """Forgets every payload waiting for ``slot`` (its bytes were just written whole)."""
@@ -286,7 +289,9 @@ class Materializer:
         """
         buf, area = self.slots[slot], self.areas[slot]
         units = buf.numel() // 2
-        checked: list[tuple[int, torch.Tensor, int, int, int, int]] = []
+        patches: list[Patch] = []
+        payloads: list[torch.Tensor] = []  # (kept alive until applied)
+        ranks: list[int] = []  # the trainer rank of each patch
         for t, (off, cap) in sorted(self.table.items()):
             head = area[off : off + HEAD_BYTES].view(torch.int64).clone()  # a peer's words: one private copy
             if int(head[0]) != MESH_MAGIC or int(head[1]) != version:
@@ -308,22 +313,15 @@ class Materializer:
             if held != base_sum:
                 raise DeltaRefusedError(f"trainer rank {t}: slot {slot} does not hold version {base}, the base of "
                                         f"version {version} (checksum {held:#x}, the delta expects {base_sum:#x})")
-            payload = area[off + HEAD_BYTES : off + HEAD_BYTES + payload_bytes].clone()
-            refusal, old, new = native.scatter(buf.data_ptr(), units, 2, payload.data_ptr(), payload_bytes,
-                                               int(native.Kind.VARINT), count, pos_bytes, False)
-            if refusal != native.Refusal.OK:
-                raise DeltaRefusedError(f"trainer rank {t}: payload refused ({refusal.name})")
-            if (held - old + new) & MASK64 != new_sum:
-                raise DeltaRefusedError(f"trainer rank {t}: the patched slot would not have version {version}'s "
-                                        f"checksum")
-            checked.append((t, payload, count, pos_bytes, payload_bytes, new_sum))
-        # Every check passed: write (only the stores; the positions were checked in bounds).
-        for _, payload, count, pos_bytes, payload_bytes, _ in checked:
-            native.scatter(buf.data_ptr(), units, 2, payload.data_ptr(), payload_bytes, int(native.Kind.VARINT),
-                           count, pos_bytes, True)
-        self.applied_units = sum(c[2] for c in checked)
-        self.sources_delta = len(checked)
+            ranks.append(t)
+            payloads.append(area[off + HEAD_BYTES : off + HEAD_BYTES + payload_bytes].clone())
+            patches.append(Patch(f"trainer rank {t}", buf.data_ptr(), units, 2, payloads[-1].data_ptr(),
+                                 payload_bytes, pos_bytes, Kind.VARINT, count, held, new_sum, what="slot"))
+        # Positions are units of the slot: each trainer rank's checksum is over its own runs there.
+        apply_patches(patches, self._threads, self._scratch)
+        self.applied_units = sum(p.count for p in patches)
+        self.sources_delta = len(patches)
         self.clear(slot)  # (forgets what was known of the slot: the dense sources' bytes are new)
-        for t, *_, new_sum in checked:
-            self.known[(slot, t)] = (version, new_sum)
-        return len(checked)
+        for t, p in zip(ranks, patches, strict=True):
+            self.known[(slot, t)] = (version, p.new_sum)
+        return len(patches)

@@ -1,0 +1,72 @@
+"""The one checked apply of sparse deltas (``_codec.patch.apply_patches``) that the stream
+subscriber and the mesh generator rank both use: every patch or none, whether the patches go
+in one pass (undone on a failure) or are checked first (scratch too small), or some of each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transport._native import delta as native
+from transport.weights import DeltaRefusedError
+from transport.weights._codec.format import MASK64, Kind
+from transport.weights._codec.patch import Patch, Scratch, apply_patches
+
+N = 50_000
+
+
+def _case(seed: int, dtype: torch.dtype, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Patch]:
+    """(live base, fresh, payload, patch) for a tensor of which ``fraction`` changed."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(N, generator=g).to(dtype)
+    fresh = base.clone()
+    at = torch.randperm(N, generator=g)[: int(N * fraction)]
+    fresh[at] += 1.0
+    es = base.element_size()
+    out = torch.zeros(N * es, dtype=torch.uint8)
+    r = native.encode(fresh.data_ptr(), base.data_ptr(), 0, N, es, out.data_ptr(), out.numel())
+    assert r.kind in (Kind.VARINT, Kind.BITMASK) and r.changed == len(at)
+    held = native.checksum(base.data_ptr(), N, es)
+    new_sum = native.checksum(fresh.data_ptr(), N, es)
+    assert (held - r.sum_old + r.sum_new) & MASK64 == new_sum
+    live = base.clone()
+    patch = Patch(f"t{seed}", live.data_ptr(), N, es, out.data_ptr(), r.payload_bytes, r.pos_bytes, Kind(r.kind),
+                  r.changed, held, new_sum)
+    return live, fresh, out, patch
+
+
+def _cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Patch]]:
+    return [_case(1, torch.bfloat16, 0.01), _case(2, torch.float32, 0.3), _case(3, torch.bfloat16, 0.002)]
+
+
+# scratch for none of them (every patch checked first), for the first only (some of each), for all
+SCRATCH = {"checked-first": 0, "mixed": 1, "one-pass": 3}
+
+
+@pytest.mark.parametrize("mode", list(SCRATCH))
+def test_every_patch_lands_bit_for_bit(mode):
+    cases = _cases()
+    scratch = Scratch(sum(c[3].scratch_bytes for c in cases[: SCRATCH[mode]]))
+    apply_patches([c[3] for c in cases], 2, scratch)
+    for live, fresh, _, _ in cases:
+        assert torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", list(SCRATCH))
+@pytest.mark.parametrize("poison", ["checksum", "positions"])
+def test_a_failing_patch_leaves_every_memory_as_it_was(mode, poison):
+    """The last patch fails (a wrong promised checksum, or positions past the tensor's end):
+    the others, stored in the same pass or not, are undone or never stored."""
+    cases = _cases()
+    live, _, payload, bad = cases[-1]
+    if poison == "checksum":
+        bad = Patch(**{**bad.__dict__, "new_sum": (bad.new_sum + 1) & MASK64})
+    else:  # a patch that claims a tensor of 10 elements: its positions fall outside it
+        bad = Patch(**{**bad.__dict__, "numel": 10})
+    cases[-1] = (live, cases[-1][1], payload, bad)
+    before = [c[0].clone() for c in cases]
+    scratch = Scratch(sum(c[3].scratch_bytes for c in cases[: SCRATCH[mode]]))
+    with pytest.raises(DeltaRefusedError, match="t3"):
+        apply_patches([c[3] for c in cases], 2, scratch)
+    for (now, *_), was in zip(cases, before, strict=True):
+        assert torch.equal(now.view(torch.uint8), was.view(torch.uint8))
