@@ -38,13 +38,16 @@ slot handshake (``_delta``; README, "Delta sync").
 Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
 words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_snapshots`` (its two packed
 snapshots that ``pull`` reads, and their background fill), ``_report`` (what a publish
-reports), ``_subscriber`` (``Subscriber``), ``_apply`` (how a slot becomes the local weights),
+reports), ``_subscriber`` (``Subscriber``), ``_trust`` (the publisher's word on the versions
+it is offered, and the live version), ``_target`` (the local tensors a version is written
+into), ``_delta_intake`` (its delta versions), ``_apply`` (how a slot becomes the local weights),
 ``_delta`` (the diff, the encodings, the checked scatter), ``_copy`` (host copies split across
 the cores), ``_polling`` (the one poll loop and the one seqlock read every wait on a peer's
 control words goes through).
-Mesh sync: ``_mesh_publisher`` (``MeshPublisher``), ``_mesh_subscriber`` (``MeshSubscriber``),
-``_mesh_control`` (its regions and control words), ``_binding`` (the plan's moves bound to
-byte offsets of the snapshots and slots), ``_mesh_peers`` (who takes part), ``_mesh_fp8`` (FP8
+Mesh sync: ``_mesh_publisher`` (``MeshPublisher``), ``_mesh_subscriber`` (``MeshSubscriber``;
+its replica and plan ``_mesh_replica``, the leader's commit ``_mesh_commit``, its delta areas
+``_mesh_delta_intake``), ``_mesh_control`` (its regions and control words), ``_binding`` (the
+plan's moves bound to byte offsets of the snapshots and slots), ``_mesh_peers`` (who takes part), ``_mesh_fp8`` (FP8
 block scales made at the source), ``_mesh_delta`` (delta sync of a mesh stream: the in-place diff,
 the cut along each generator rank's runs, the checked apply into its slot). Every class here is
 an async context manager and has

@@ -15,7 +15,8 @@ Both sides publish a small control block (``int64[CTL_WORDS]``) next to their da
 
 A front word packs (version, slot) into one aligned 8-byte store, so a reader never sees one
 without the other. Flags written by one side and read by the other are ordered with
-:func:`memory_barrier` (the classic two-flag handshake).
+:func:`memory_barrier` (the classic two-flag handshake; a reader's side of it on a slot is
+:func:`claim` and :func:`release`).
 
 A subscriber on the publisher's host reads the publisher's block through its own read-only
 mapping of it (:class:`LocalBlock`): without the network, from any thread, and after the
@@ -169,6 +170,30 @@ def memory_barrier() -> None:
     memory_fence()
 
 
+def claim(ctl: torch.Tensor, at: int, slot: int, front_at: int, front: int) -> bool:
+    """The reader's half of the two-flag handshake on its own control block ``ctl``.
+
+    Announces in ``ctl[at]`` that it reads ``slot``, then reads the front word ``ctl[front_at]``
+    again. When that still is ``front`` (the word the slot was chosen by), the slot is the
+    reader's until :func:`release`: a writer stores its own flag before it reads the
+    announcement, and keeps out of an announced slot. Otherwise the writer moved on meanwhile:
+    the announcement is withdrawn (``NO_SLOT``) and False returned (choose from the new front).
+    Both subscribers, stream and mesh, claim their slots this way.
+    """
+    ctl[at] = slot
+    memory_barrier()
+    if int(ctl[front_at]) == front:
+        return True
+    ctl[at] = NO_SLOT
+    return False
+
+
+def release(ctl: torch.Tensor, at: int) -> None:
+    """Ends a :func:`claim`: the reads of the slot are ordered before the store that frees it."""
+    memory_barrier()
+    ctl[at] = NO_SLOT
+
+
 @dataclass(frozen=True)
 class StreamKeys:
     """The region and signal names of one stream (``wsync.<name>.*``)."""
@@ -194,6 +219,20 @@ class StreamKeys:
             deltas=(p + "delta0", p + "delta1"),
             doorbell=p + "version",
         )
+
+
+async def read_words(transport: Transport, peer: str, key: str, words: int, *,
+                     timeout: float | None = None) -> torch.Tensor:
+    """The first ``words`` int64 control words of ``peer``'s region ``key``, read now
+    (one-sided: the peer does nothing).
+
+    Raises:
+        TransportError: they cannot be read (the peer left, or did not answer within
+            ``timeout``: default, the Transport's).
+    """
+    out = torch.empty(words, dtype=torch.int64)
+    await transport.get(out, peer, key=key, timeout=timeout)
+    return out
 
 
 def withdraw(transport: Transport, keys: Iterable[str]) -> None:

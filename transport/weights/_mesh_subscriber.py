@@ -1,4 +1,11 @@
-"""``MeshSubscriber``: one generator rank's side of a mesh stream (see ``_mesh_control``)."""
+"""``MeshSubscriber``: one generator rank's side of a mesh stream (see ``_mesh_control``).
+
+The subscriber sequences its parts: :mod:`._mesh_replica` (its replica and the trainer ranks as
+the store lists them, the plan), :mod:`._mesh_commit` (the leader's commit),
+:mod:`._mesh_delta_intake` (the delta areas beside its slots). What stays here is its own: the
+slots and control block, reading a committed slot, and pulling from the trainer ranks'
+snapshots.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +13,39 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from .._errors import ClosedError, CommitError, TransferTimeoutError, TransportError
-from ..plan import (
-    MAX_LAYOUT_BYTES,
-    GeneratorRank,
-    MeshLayoutError,
-    Planner,
-    RankLayout,
-    RankPlan,
-    Replica,
-    ReplicaPlan,
-    decode_trainer,
-    encode_rank,
-)
-from ._binding import byte_runs, slot_layout, snapshot_layout
-from ._codec.format import area_table
-from ._codec.runs import Materializer
-from ._control import decode_front, encode_front, memory_barrier, withdraw
+from ..plan import GeneratorRank, MeshLayoutError, RankLayout, encode_rank
+from ._binding import slot_layout
+from ._control import claim, decode_front, encode_front, memory_barrier, release, withdraw
 from ._lifecycle import Lifecycle
+from ._mesh_commit import Committer
 from ._mesh_control import (
     APPLIED,
     COMMIT,
     CTL_WORDS,
     FRONT,
     GEN0,
-    MAT0,
-    PROPOSED,
     READING,
     SNAPVER0,
-    TCTL_WORDS,
     MeshKeys,
-    ctl_words_for,
     done_word,
     slot_of,
     slot_version,
 )
-from ._mesh_peers import MeshPeers
+from ._mesh_delta_intake import SlotDeltas
+from ._mesh_replica import ReplicaNow, ReplicaView
 from ._polling import PENDING, Pending, even, poll, seqlock_read
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .. import Peer, Transport
+    from .. import Transport
+
 
 log = logging.getLogger(__name__)
 
@@ -119,17 +111,12 @@ class MeshSubscriber(Lifecycle):
         self._offsets, self._total = slot_layout(layout)
         self._ctl: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []
-        self._members = MeshPeers(transport, self.keys)
-        # The trainer layout's planner, keyed by the trainer rank it was read from (name, incarnation).
-        self._trainer: tuple[tuple[str, str], Planner] | None = None
-        self._plan: ReplicaPlan | None = None
+        self._view = ReplicaView(transport, name, replica=replica, rank=rank, size=size, layout=layout,
+                                 offsets=self._offsets)
+        self._committer = Committer(self._view)
+        self._deltas = SlotDeltas(transport, self.keys, delta)
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
-        self._distrusted: int | None = None  # the last committed version found past the trainers' (logged)
         self._behind_since: float | None = None
-        self._delta = delta
-        self._materializer: Materializer | None = None  # the delta areas, once the plan is known
-        self._materialized: tuple[int, int] | None = None  # (version, slot) last made whole here
-        self.last_delta: tuple[int, int] = (0, 0)  # of the last version read: (trainer ranks' deltas, units)
 
     async def start(self) -> None:
         """Registers the slots, the control block and this rank's layout.
@@ -177,6 +164,11 @@ class MeshSubscriber(Lifecycle):
         """The version this rank applied last (None: none yet)."""
         v = int(self._c[APPLIED])
         return v - 1 if v > 0 else None
+
+    @property
+    def last_delta(self) -> tuple[int, int]:
+        """Of the last version read: (trainer ranks whose deltas were applied, units applied)."""
+        return self._deltas.last
 
     # -- apply -----------------------------------------------------------------------------
 
@@ -246,13 +238,10 @@ class MeshSubscriber(Lifecycle):
             if int(ctl[APPLIED]) == v + 1 and not again:
                 yield v, None
                 return
-            ctl[READING] = s  # trainer ranks skip this slot from now on...
-            memory_barrier()
-            if int(ctl[COMMIT]) == encode_front(v, s):  # ...unless a newer commit moved on meanwhile
+            if claim(ctl, READING, s, COMMIT, encode_front(v, s)):  # trainer ranks skip this slot from now on
                 break
-            ctl[READING] = -1
         try:
-            self._materialize(v, s)
+            self._deltas.materialize(ctl, v, s)
             slot = self._slots[s]
             views = {}
             for lt in self.layout.tensors:
@@ -262,120 +251,17 @@ class MeshSubscriber(Lifecycle):
             memory_barrier()
             ctl[APPLIED] = v + 1
         finally:
-            memory_barrier()
-            ctl[READING] = -1
-
-    def _materialize(self, v: int, s: int) -> None:
-        """Applies the deltas of version ``v`` waiting for slot ``s`` (held for reading) into
-        it, once: the slot then holds all of ``v``."""
-        m = self._materializer
-        if m is None or self._materialized == (v, s):
-            return
-        ctl = self._c
-        ctl[MAT0 + s] = 0  # written here now: no delta may build on it
-        memory_barrier()
-        m.materialize(v, s)
-        self.last_delta = (m.sources_delta, m.applied_units)
-        self._materialized = (v, s)
-        ctl[MAT0 + s] = v + 1
-        memory_barrier()
-
-    def _make_areas(self, planner: Planner, mine: RankPlan) -> None:
-        """Registers the delta areas and their table, sized by what each trainer rank sends
-        here under the plan (once)."""
-        if not self._delta or self._materializer is not None or not self._slots:
-            return
-        runs = self._runs_from(planner, mine)
-        if not runs or any(bool((r & 1).any()) for r in runs.values()):
-            self._delta = False  # nothing fed here, or odd-sized runs (one-byte elements): dense only
-            return
-        table, nbytes = area_table({t: int(r[:, 2].sum()) for t, r in runs.items()})
-        areas = [self.t.empty(k, nbytes, torch.uint8) for k in self.keys.deltas]
-        tab = self.t.empty(self.keys.dtab, max(1, table.size) * 8, torch.uint8, writable=False)
-        tab.view(torch.int64)[: table.size].copy_(torch.from_numpy(table.reshape(-1)))
-        self._materializer = Materializer(self._slots, areas, {int(t): (int(o), int(c)) for t, o, c in table}, runs)
-
-    def _runs_from(self, planner: Planner, mine: RankPlan) -> dict[int, np.ndarray]:
-        """Trainer rank -> its byte runs into this rank under the plan (``(snapshot offset,
-        slot offset, nbytes)`` rows)."""
-        local = {lt.name: lt for lt in self.layout.tensors}
-        return {t: byte_runs(planner, (m for m in mine.moves if m.src == t), local,
-                             snapshot_layout(planner.trainer, t)[1], self._offsets) for t in mine.sources()}
+            release(ctl, READING)
 
     # -- the replica ----------------------------------------------------------------------
 
-    async def _replica_now(self) -> _Replica:
-        """One look at the store: this replica's ranks, its plan (made here from the published
-        layouts, reused while they are unchanged) and the trainer ranks.
-
-        The trainer layout is read once per trainer incarnation. When no trainer rank is listed
-        (they all left: exited, crashed, restarting) or its layout cannot be read any more, the
-        one read last is used: what trainer ranks completed into the slots before they left
-        can still be committed. ``trainers`` then lists only those still listed.
-
-        Raises:
-            CommitError: a rank of the replica is not listed; or no trainer rank is listed (or
-                its layout cannot be read) and none was ever seen here.
-        """
-        members = await self._members.scan()
-        if members.trainers:
-            await self._read_trainer_layout(members.trainers[min(members.trainers)])
-        if self._trainer is None:
-            raise CommitError(f"{self.replica}/{self.rank}: no trainer rank of stream {self.name!r} in the store")
-        planner = self._trainer[1]
-        ranks = {rl.rank: n for n, (_, rl) in members.generators.items() if rl.replica == self.replica}
-        missing = [r for r in range(self.size) if r not in ranks]
-        if missing:
-            raise CommitError(f"replica {self.replica}: ranks {missing} are not in the store")
-        layouts = tuple(self.layout if r == self.rank else members.generators[ranks[r]][1].layout
-                        for r in range(self.size))
-        self._plan = planner.plan_replica(Replica(self.replica, layouts), self._plan)
-        self._make_areas(planner, self._plan.ranks[self.rank])
-        return _Replica(ranks, list(self._plan.ranks), {r: p.name for r, p in members.trainers.items()}, planner)
-
-    async def _read_trainer_layout(self, source: Peer) -> None:
-        """Reads ``source``'s trainer layout unless it is the one read last. A trainer rank that
-        is gone by now (its record still listed after a crash) leaves the one read last in place.
-
-        Raises:
-            CommitError: it publishes no layout, or one of a bad size, or it cannot be read and
-                none was read before.
-        """
-        if self._trainer is not None and self._trainer[0] == (source.name, source.incarnation):
-            return
-        if self.keys.trainer not in source.regions:
-            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes no layout")
-        nbytes = source.regions[self.keys.trainer].nbytes
-        if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
-            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name} publishes a {nbytes}-byte layout")
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        try:
-            await self.t.get(raw, source.name, key=self.keys.trainer)
-        except ClosedError:
-            raise
-        except TransportError as exc:
-            if self._trainer is not None:
-                log.info("%s/%s: trainer %s's layout cannot be read (%s): using the one read before", self.replica,
-                         self.rank, source.name, exc)
-                return
-            raise CommitError(f"{self.replica}/{self.rank}: trainer {source.name}'s layout cannot be read: "
-                              f"{exc}") from exc
-        self._trainer = ((source.name, source.incarnation), Planner(decode_trainer(raw.numpy().tobytes())))
-
-    async def _ctl_of(self, peer: str, words: int) -> torch.Tensor:
-        """The first ``words`` control words of ``peer`` (a rank of this replica)."""
-        if peer == self.t.name:
-            return self._c[:words].clone()
-        out = torch.empty(words, dtype=torch.int64)
-        await self.t.get(out, peer, key=self.keys.ctl)
-        return out
-
-    async def _write(self, peer: str, word: int, value: int) -> None:
-        if peer == self.t.name:
-            self._c[word] = value
-            memory_barrier()
-            return
-        await self.t.put(torch.tensor([value], dtype=torch.int64), peer, key=self.keys.ctl, offset=word * 8)
+    async def _replica_now(self) -> ReplicaNow:
+        """One look at the store (:meth:`ReplicaView.now`); the delta areas are made once its
+        plan is known."""
+        now = await self._view.now()
+        if self._deltas.awaiting_plan and self._slots:
+            self._deltas.make(self._slots, self._view.runs(now.planner, now.plans[self.rank]))
+        return now
 
     async def commit(self, *, timeout: float | None = None) -> int | None:
         """Leader only (rank 0): commits the newest version that every rank of the replica holds
@@ -406,72 +292,9 @@ class MeshSubscriber(Lifecycle):
         limit = self.timeout if timeout is None else timeout
         try:
             with anyio.fail_after(limit):
-                return await self._commit()
+                return await self._committer.commit(await self._replica_now(), self._c)
         except TimeoutError as exc:
             raise TransferTimeoutError(f"replica {self.replica}: commit not done within {limit:g}s") from exc
-
-    async def _commit(self) -> int | None:
-        now = await self._replica_now()
-        peers, plans = now.ranks, now.plans
-        current = self.committed()
-        words = {r: ctl_words_for(plans[r].sources()) for r in range(self.size)}
-
-        async def ctls() -> dict[int, torch.Tensor]:
-            return {r: await self._ctl_of(peers[r], words[r]) for r in range(self.size)}
-
-        newest = await self._trainers_newest(now, {t for r in range(self.size) for t in plans[r].sources()})
-
-        def complete(ctls: Mapping[int, torch.Tensor], slot: int) -> int | None:
-            """The version every rank holds in full in ``slot`` (ranks fed by nobody aside), if
-            no trainer rank's own read-only control block says it is from the future (any peer
-            can write DONE words: a scribbled 2**60 must not wedge the replica)."""
-            versions = {slot_version(ctls[r], slot, plans[r].sources()) for r in range(self.size)
-                        if plans[r].sources()}
-            v = versions.pop() if len(versions) == 1 else None
-            return v if v is not None and (newest is None or v <= newest) else None
-
-        # Our COMMIT word is writable by any peer too: a committed version no trainer rank has
-        # snapshotted (a scribbled 2**60) holds back no version they vouch for.
-        trusted = current if current is None or newest is None or current <= newest else None
-        if trusted is None and current is not None and current != self._distrusted:
-            self._distrusted = current
-            log.warning("%s/%s: committed version %d is past what the trainer ranks have published (%d): "
-                        "not trusted; the newest version complete at every rank replaces it", self.replica,
-                        self.rank, current, newest)
-        seen = await ctls()
-        best = max((v for v in (complete(seen, 0), complete(seen, 1)) if v is not None), default=None)
-        if best is None or (trusted is not None and best <= trusted):
-            return current
-        s = slot_of(best)
-        word = encode_front(best, s)
-        for r in range(self.size):
-            await self._write(peers[r], PROPOSED, word)
-        if complete(await ctls(), s) != best:  # look again (two-flag handshake)
-            back = encode_front(trusted, slot_of(trusted)) if trusted is not None else 0
-            for r in range(self.size):  # a trainer rank started writing that slot: not this time
-                await self._write(peers[r], PROPOSED, back)
-            return current
-        for r in range(self.size):
-            await self._write(peers[r], COMMIT, word)
-        return best
-
-    async def _trainers_newest(self, now: _Replica, sources: set[int]) -> int | None:
-        """The newest version any trainer rank of ``sources`` has snapshotted (its own SNAPVER
-        words, which only it can write); None when none of them can be read."""
-        newest = None
-        for t in sorted(sources):
-            peer = now.trainers.get(t)
-            if peer is None:
-                continue
-            tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
-            try:
-                await self.t.get(tctl, peer, key=self.keys.tctl)
-            except TransportError as exc:
-                log.debug("%s/%s: cannot read trainer rank %d's control block: %s", self.replica, self.rank, t, exc)
-                continue
-            v = max(int(tctl[SNAPVER0]), int(tctl[SNAPVER0 + 1])) - 1
-            newest = v if newest is None else max(newest, v)
-        return newest
 
     async def wait_committed(self, at_least: int, *, timeout: float | None = None) -> int:
         """Waits until the replica has committed ``at_least`` or a later version here (ranks
@@ -491,7 +314,7 @@ class MeshSubscriber(Lifecycle):
         Cancellation: nothing changes (it only reads).
         """
         limit = self.timeout if timeout is None else timeout
-        if self._delta and self._materializer is None:
+        if self._deltas.awaiting_plan:
             try:  # the delta areas need the plan: one look now
                 await self._replica_now()
             except ClosedError:
@@ -536,9 +359,8 @@ class MeshSubscriber(Lifecycle):
             return None
         fronts = []
         for t in sources:
-            tctl = torch.empty(TCTL_WORDS, dtype=torch.int64)
             try:
-                await self.t.get(tctl, trainer_ranks[t], key=self.keys.tctl)
+                tctl = await self._view.trainer_words(trainer_ranks[t])
             except ClosedError:
                 raise
             except TransportError as exc:  # listed, but gone (a crash): nothing to fetch from it
@@ -607,10 +429,7 @@ class MeshSubscriber(Lifecycle):
         if any(t not in trainer_ranks for t in sources):
             raise CommitError(f"{self.replica}/{self.rank}: trainer ranks "
                               f"{[t for t in sources if t not in trainer_ranks]} are not in the store")
-        tctls = {}
-        for t in sources:
-            tctls[t] = torch.empty(TCTL_WORDS, dtype=torch.int64)
-            await self.t.get(tctls[t], trainer_ranks[t], key=self.keys.tctl)
+        tctls = {t: await self._view.trainer_words(trainer_ranks[t]) for t in sources}
         common = set.intersection(*({int(c[SNAPVER0 + s]) - 1 for s in (0, 1)} for c in tctls.values())) - {-1}
         if not common or (version is not None and version not in common):
             return None
@@ -620,25 +439,21 @@ class MeshSubscriber(Lifecycle):
         if int(ctl[READING]) == s:
             return None  # being read here (another task): try again
         ctl[READING] = s  # trainer ranks stay out of this slot while it is filled here
-        ctl[MAT0 + s] = 0
+        self._deltas.writing(ctl, s)
         memory_barrier()
         try:
             if any(int(ctl[done_word(s, t)]) < 0 for t in sources):
                 return None  # a trainer rank is writing it right now: try again
-            for t, runs in self._runs_from(now.planner, mine).items():
+            for t, runs in self._view.runs(now.planner, mine).items():
                 if not await self._read_snapshot(trainer_ranks[t], tctls[t], v, runs):
                     return None  # being written, or overwritten while read: try again
-            if self._materializer is not None:
-                self._materializer.clear(s)  # its bytes are all of v now: no delta waits for it
+            self._deltas.clear(s)  # its bytes are all of v now: no delta waits for it
             for t in sources:
                 ctl[done_word(s, t)] = v + 1
-            self._materialized = (v, s)
-            ctl[MAT0 + s] = v + 1
-            memory_barrier()
+            self._deltas.whole(ctl, v, s)
             return v
         finally:
             ctl[READING] = -1
-
 
     async def _read_snapshot(self, peer: str, seen: torch.Tensor, version: int, runs: np.ndarray) -> bool:
         """Reads ``runs`` of trainer rank ``peer``'s snapshot of ``version`` into this rank's
@@ -652,8 +467,7 @@ class MeshSubscriber(Lifecycle):
         s = slot_of(version)
 
         async def stamp() -> tuple[int, int]:
-            after = torch.empty(TCTL_WORDS, dtype=torch.int64)
-            await self.t.get(after, peer, key=self.keys.tctl)
+            after = await self._view.trainer_words(peer)
             return int(after[GEN0 + s]), int(after[SNAPVER0 + s])
 
         async def read() -> bool:
@@ -664,13 +478,3 @@ class MeshSubscriber(Lifecycle):
         got = await seqlock_read(stamp, read, stable=lambda g: even(g[0]) and g[1] == version + 1,
                                  seen=(int(seen[GEN0 + s]), int(seen[SNAPVER0 + s])))
         return got is not PENDING
-
-
-@dataclass(frozen=True)
-class _Replica:
-    """This replica as the store lists it now (see ``MeshSubscriber._replica_now``)."""
-
-    ranks: dict[int, str]  # rank of the replica -> peer name
-    plans: list[RankPlan]  # per rank of the replica
-    trainers: dict[int, str]  # trainer rank -> peer name
-    planner: Planner  # of the trainer layout

@@ -2,55 +2,43 @@
 
 A subscriber registers two staging slots (three with ``zero_copy``) and a control block; the
 publisher writes complete versions into them. ``apply()`` claims the newest complete slot with
-the two-flag handshake (see :mod:`transport.weights._control`) and copies it into the model (host
-tensors: a memcpy split across the available cores, :mod:`._copy`; CUDA: one ``_tensor_kernels.unpack``;
-plus a dequantisation per fp8 tensor), or re-points the model's tensors at it. ``apply_async()``
-runs the same in a worker thread. ``pull()`` reads the publisher's snapshot one-sidedly under its
-seqlock.
+the two-flag handshake (see :mod:`transport.weights._control`) and writes it into the model
+(:mod:`._target`: copied, or the model's tensors re-pointed at it), or applies the delta it
+holds (:mod:`._delta_intake`). ``apply_async()`` runs the same in a worker thread. ``pull()``
+reads the publisher's snapshot one-sidedly under its seqlock.
 
 Any peer may write a subscriber's control block, so a version past the newest one the
 publisher's own (read-only) control block has vouched for is checked against that block before
-it is applied (:meth:`Subscriber._vouched`): through this process's mapping of it when the
-publisher is on this host (:class:`~._control.LocalBlock`: no network, and still readable after
-the publisher left), else over the network (the asynchronous calls only). A version the block
-does not cover is refused; one that cannot be checked (the publisher has gone or does not
-answer, or, for the synchronous ``apply()``, lives on another host) is applied as it is, and
-marked unasked: an unasked live version never holds back another version.
+it is applied, and one the block does not cover is refused (:mod:`._trust`, which also owns the
+live version). The subscriber sequences these parts: it asks the trust, claims the slot, has the
+version written, and tells the trust what is live.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
-from .. import _cuda, _tensor_kernels
+from .. import _cuda
 from .._errors import (
     BackendUnavailableError,
     ClosedError,
     DeltaRefusedError,
-    LayoutMismatchError,
     MalformedLayoutError,
     TransferTimeoutError,
     TransportError,
 )
-from .._tensors import dtype_name
-from ._apply import ApplyPlan, dequantize_into, host_unpack
-from ._codec.apply import DeltaApplier
-from ._codec.checksum import deltable
-from ._codec.format import index_bytes
 from ._control import (
     APPLIED,
     CTL_WORDS,
     DELTA,
-    DIFFING,
     FILLING,
     FRONT,
     GEN0,
@@ -58,39 +46,27 @@ from ._control import (
     NO_SLOT,
     READING,
     TRYING,
-    LocalBlock,
     StreamKeys,
+    claim,
     decode_front,
     memory_barrier,
-    publisher_latest,
+    read_words,
+    release,
     withdraw,
 )
 from ._copy import available_threads
-from ._layout import MAX_LAYOUT_BYTES, Entry, Layout, tensors_of
+from ._delta_intake import DeltaIntake
+from ._layout import MAX_LAYOUT_BYTES, Layout, tensors_of
 from ._lifecycle import Lifecycle
 from ._polling import PENDING, Pending, even, poll, seqlock_read
+from ._target import Target
+from ._trust import Trust, Vouch
 
 if TYPE_CHECKING:
     from .. import Transport
+    from ._codec.apply import DeltaApplier
 
 log = logging.getLogger(__name__)
-SHOWN_NAMES = 5  # names listed in a mismatch message before "and N more"
-# How long the asynchronous calls wait for the publisher's control block over the network before
-# they take the publisher as not answering (the read takes a millisecond when it answers).
-ASK_S = 2.0
-
-
-class _Vouch(enum.Enum):
-    """What the publisher's control block says of a version (see ``Subscriber._vouched``)."""
-
-    YES = "vouched"  # it has published (or begun to push) that version
-    NO = "refused"  # read now, it has not: somebody else wrote our front word
-    UNASKED = "unasked"  # it cannot be read now (the publisher left, or is not reachable this way)
-
-
-def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:SHOWN_NAMES])
-    return shown + (f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
 
 
 class Subscriber(Lifecycle):
@@ -171,28 +147,18 @@ class Subscriber(Lifecycle):
         self._rename = rename
         self._strict = strict
         self._keys = StreamKeys.of(name)
-        self._applied: int | None = None
-        self._pub_latest = 0  # the newest version the publisher's own control block vouched for
-        self._pub_diffs = True  # its block's DIFFING word, last read: deltas may come
-        self._refused: int | None = None  # the last unvouched version logged
-        self._unasked_logged: int | None = None  # the last version taken unasked that was logged
-        self._block: LocalBlock | None = None  # the publisher's control block mapped here (same host)
-        self._unasked = False  # the live version was applied without the publisher's word on it
-        self._live_word = 0  # the front word the live version came from (0: pulled, or none)
+        self._trust = Trust(transport, publisher, name)  # the live version, and the publisher's word on versions
         self._apply_lock = threading.Lock()
         self._threads = available_threads()
         self._started = False
         self._want_delta = delta
-        self._delta: DeltaApplier | None = None  # set by start when this subscriber takes deltas
-        self._indexes: list[torch.Tensor] = []
-        self._refused_word = 0  # the front word of the last delta refused (not tried again)
-        self._refusals = 0
+        self._deltas: DeltaIntake | None = None  # set by start when this subscriber takes deltas
         self._last_apply_s: float | None = None
 
     @property
     def version(self) -> int | None:
         """The version the local weights hold (None before the first apply/pull)."""
-        return self._applied
+        return self._trust.live
 
     @property
     def staging_bytes(self) -> int:
@@ -209,120 +175,15 @@ class Subscriber(Lifecycle):
         """(version, slot) of our FRONT word; None for nothing, or for a slot we do not have."""
         return decode_front(int(self._ctl[FRONT]), len(self._slots))
 
-    def _newer(self, word: int, front: tuple[int, int]) -> bool:
-        """Whether the version of ``front`` (our front word ``word``) should replace the live
-        one: it is newer, or the live one was taken unasked and this is another word (so a
-        version nobody could vouch for never holds back the publisher's next one)."""
-        if self._applied is None or front[0] > self._applied:
-            return True
-        return self._unasked and word != self._live_word
+    @property
+    def _delta(self) -> DeltaApplier | None:
+        """The delta applier (None: this subscriber takes dense versions only)."""
+        return None if self._deltas is None else self._deltas.applier
 
-    def _judge(self, version: int, words: torch.Tensor, authoritative: bool) -> _Vouch:
-        """What the publisher's control block ``words`` says of ``version``.
-
-        ``authoritative``: the block is the current publisher's (read now over the network, or
-        through a mapping of a block it still publishes): a version past it is refused, and a
-        live version past it is forgotten (written by a third peer, or the publisher restarted
-        since), so that the publisher's next version is applied. Otherwise the block is what a
-        publisher that has gone wrote last: it still vouches for what it covers, and cannot
-        refuse the rest."""
-        latest = publisher_latest(words)
-        self._pub_latest = latest if authoritative else max(self._pub_latest, latest)
-        self._pub_diffs = int(words[DIFFING]) != 0
-        if self._applied is not None and self._applied > self._pub_latest and authoritative:
-            log.warning("subscriber %s: live version %d of %r is past what %s has published (%d): not "
-                        "trusted; the next version it publishes is applied", self.t.name, self._applied,
-                        self.name, self.publisher, self._pub_latest)
-            self._applied = None
-            self._unasked = False
-        elif self._unasked and self._applied is not None and self._applied <= self._pub_latest:
-            self._unasked = False  # vouched for after all
-        if version <= self._pub_latest:
-            return _Vouch.YES
-        if not authoritative:
-            return _Vouch.UNASKED
-        if version != self._refused:
-            self._refused = version
-            log.warning("subscriber %s: version %d in %r's front word is past what %s has published (%d): "
-                        "someone else wrote it; ignored", self.t.name, version, self.name, self.publisher,
-                        self._pub_latest)
-        return _Vouch.NO
-
-    def _past_vouch(self, version: int) -> bool:
-        """Whether ``version``, or the live version, is past the newest one vouched for (the
-        publisher's block must be read again)."""
-        return version > self._pub_latest or (self._applied is not None and self._applied > self._pub_latest)
-
-    def _vouch_here(self, version: int) -> _Vouch:
-        """:meth:`_vouched` without the network, on any thread: the last word seen, then the
-        publisher's block through the mapping here (same host); UNASKED where there is none."""
-        if not self._past_vouch(version):
-            return _Vouch.YES
-        block = self._block
-        words = block.read() if block is not None else None
-        if words is None or block is None:
-            return self._take_unasked(version, "its control block cannot be read here without the network")
-        if (verdict := self._judge(version, words, block.current())) is _Vouch.UNASKED:
-            return self._take_unasked(version, "it no longer publishes the control block mapped here")
-        return verdict
-
-    async def _vouched(self, version: int) -> _Vouch:
-        """Whether the publisher's own control block (only it writes it) vouches for
-        ``version``: any peer can write our FRONT, so a version past what the publisher has
-        begun to push is refused, and never becomes the live one (see :meth:`_judge`).
-
-        The block is read through the mapping here while the publisher still publishes it,
-        else over the network (at most ``ASK_S`` seconds), else through the mapping of the block
-        a publisher that left wrote last. When none can be read (the publisher has exited,
-        crashed, is restarting or does not answer, and is not on this host), the version is
-        UNASKED: taken as it is, as the synchronous :meth:`apply` takes it. Never raises for the
-        publisher (only ClosedError, for our own Transport)."""
-        if not self._past_vouch(version):
-            return _Vouch.YES
-        block = self._block
-        if block is not None and block.current() and (words := block.read()) is not None:
-            return self._judge(version, words, True)
-        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
-        why = ""
-        try:
-            await self.t.get(ctl, self.publisher, key=self._keys.pubctl, timeout=min(self.t.timeout, ASK_S))
-        except ClosedError:
-            raise
-        except TransportError as exc:  # gone, restarting, not answering
-            why = f"{type(exc).__name__}: {exc}"
-        else:
-            if block is not None:
-                await self._map_block()  # a publisher back on this host: its new block
-            return self._judge(version, ctl, True)
-        if block is not None and (words := block.read()) is not None:
-            if (verdict := self._judge(version, words, False)) is not _Vouch.UNASKED:
-                return verdict  # what the publisher wrote last covers it
-        return self._take_unasked(version, why)
-
-    def _take_unasked(self, version: int, why: str) -> _Vouch:
-        """UNASKED (logged once per version) for a version past the newest one vouched for."""
-        if version <= self._pub_latest:
-            return _Vouch.YES  # (the block was to be read for the live version's sake)
-        if version != self._unasked_logged:
-            self._unasked_logged = version
-            log.info("subscriber %s: cannot ask %s whether it published version %d of %r (%s): taken as it "
-                     "is", self.t.name, self.publisher, version, self.name, why)
-        return _Vouch.UNASKED
-
-    async def _map_block(self) -> None:
-        """Maps the control block of the publisher now in the store (when it is on this host),
-        unless the one mapped is still current. Keeps the old one when the new one cannot be
-        mapped: what a publisher that left wrote last still vouches for what it covers."""
-        if self._block is not None and self._block.current():
-            return
-        try:
-            peer = await self.t.lookup(self.publisher)
-        except ClosedError:
-            raise
-        except TransportError:
-            return
-        if peer is not None:
-            self._block = LocalBlock.of(self.t, peer, self._keys.pubctl, CTL_WORDS) or self._block
+    @property
+    def _indexes(self) -> list[torch.Tensor]:
+        """The delta index beside slot 0 and 1 (none without deltas)."""
+        return [] if self._deltas is None else self._deltas.indexes
 
     async def start(self, *, timeout: float | None = None) -> None:
         """Fetches the publisher's layout, checks it against the local tensors, and subscribes
@@ -342,7 +203,7 @@ class Subscriber(Lifecycle):
         """
         t, k = self.t, self._keys
         peer = await t.peer(self.publisher, regions=[k.layout, k.pubctl], timeout=timeout)
-        self._block = LocalBlock.of(t, peer, k.pubctl, CTL_WORDS)
+        self._trust.map(peer)
         nbytes = peer.regions[k.layout].nbytes
         if not 0 < nbytes <= MAX_LAYOUT_BYTES:  # sized from a record: checked before anything is allocated
             raise MalformedLayoutError(f"{self.publisher} publishes a {nbytes}-byte layout of {self.name!r} "
@@ -350,46 +211,26 @@ class Subscriber(Lifecycle):
         raw = torch.empty(nbytes, dtype=torch.uint8)
         await t.get(raw, self.publisher, key=k.layout)
         self.layout = Layout.decode(raw.numpy().tobytes())
-        self._plan = self._match(self.layout)
-        self._apply_plan = ApplyPlan.of(self._plan)
-        # Host slots into host tensors: copies split across the cores (else _tensor_kernels.unpack).
-        self._host = self.device.type == "cpu" and all(not dst.is_cuda for _, dst in self._plan)
-        # CUDA devices an apply queues work on (apply_async queues it on the caller's streams).
-        self._devices = sorted({dst.device.index for _, dst in self._plan if dst.is_cuda}
-                               | ({self.device.index} if self.device.type == "cuda" else set()))
-        # Devices whose queued copies read a device slot in apply() (a host slot is consumed by
-        # the time copy_ returns): apply() waits for them before it lets the slot go.
-        self._gpus = sorted({dst.device.index for _, dst in self._plan if dst.is_cuda} | {self.device.index}) \
-            if self.device.type == "cuda" else []
+        self._target = Target.match(self._local, self.layout, rename=self._rename, strict=self._strict,
+                                    who=t.name, where=f"{self.publisher}'s layout of {self.name!r}",
+                                    device=self.device, threads=self._threads)
         ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
         ctl[READING] = NO_SLOT
         ctl[TRYING] = NO_SLOT
         ctl[APPLIED] = NO_SLOT
         ctl[LAYOUT_ID] = self.layout.layout_id
-        self._delta = self._delta_applier() if self._want_delta else None
-        ctl[DELTA] = int(self._delta is not None)
+        self._deltas = DeltaIntake.of(self.layout, self._target, zero_copy=self.zero_copy, threads=self._threads) \
+            if self._want_delta else None
+        ctl[DELTA] = int(self._deltas is not None)
         self._ctl = t.empty(k.ctl, CTL_WORDS, torch.int64)
         self._ctl.copy_(ctl)
-        if self._delta is not None:
-            self._indexes = [t.empty(key, index_bytes(self.layout) // 8, torch.int64) for key in k.deltas]
+        if self._deltas is not None:
+            self._deltas.register(t, k.deltas, self.layout)
         # slot1 last: publishers treat a peer as subscribed once it is registered.
         order = (0, 2, 1) if self.zero_copy else (0, 1)
         slots = {i: self._new_slot(k.slots[i]) for i in order}
         self._slots = [slots[i] for i in sorted(slots)]
         self._started = True
-
-    def _delta_applier(self) -> DeltaApplier | None:
-        """The delta applier, when every tensor that can travel as a delta lands as it is in a
-        contiguous host tensor of its wire dtype (a conversion has no bits to patch)."""
-        if self.zero_copy or not self._host:
-            return None
-        local: dict[int, torch.Tensor] = {}
-        index = {e.name: i for i, e in enumerate(self.layout.entries)}
-        for e, dst in self._plan:
-            if deltable(e) and (dst.is_cuda or not dst.is_contiguous() or dtype_name(dst.dtype) != e.wire_dtype):
-                return None
-            local[index[e.name]] = dst
-        return DeltaApplier(self.layout, [local.get(i) for i in range(len(self.layout.entries))], self._threads)
 
     @property
     def last_apply_s(self) -> float | None:
@@ -401,7 +242,7 @@ class Subscriber(Lifecycle):
     def refused_deltas(self) -> int:
         """How many delta versions this subscriber refused (their base was not its live
         weights, or they failed a check); each left the live weights as they were."""
-        return self._refusals
+        return 0 if self._deltas is None else self._deltas.refusals
 
     def _new_slot(self, key: str) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -410,47 +251,6 @@ class Subscriber(Lifecycle):
         self.t.register(key, slot)
         return slot
 
-    def _match(self, layout: Layout) -> list[tuple[Entry, torch.Tensor]]:
-        """The (entry, local tensor) pairs; checks shapes, and names both ways (see ``strict``)."""
-        matched: list[tuple[Entry, torch.Tensor]] = []
-        not_received: list[str] = []
-        received: set[str] = set()
-        for e in layout.entries:
-            local_name = self._rename(e.name) if self._rename is not None else e.name
-            if local_name is None:
-                continue  # left out on purpose
-            dst = self._local.get(local_name)
-            if dst is None:
-                not_received.append(e.name if local_name == e.name else f"{e.name} -> {local_name}")
-                continue
-            if tuple(dst.shape) != e.shape:
-                raise LayoutMismatchError(
-                    f"{local_name!r}: local shape {tuple(dst.shape)} but the publisher sends {e.shape}"
-                )
-            matched.append((e, dst))
-            received.add(local_name)
-        not_sent = [n for n in self._local if n not in received]
-        where = f"{self.publisher}'s layout of {self.name!r}"
-        if self._strict and (not_received or not_sent):
-            parts = []
-            if not_received:
-                parts.append(f"{len(not_received)} tensor(s) it sends have no local counterpart: "
-                             f"{_names(not_received)}")
-            if not_sent:
-                parts.append(f"{len(not_sent)} local tensor(s) are not sent: {_names(not_sent)}")
-            raise LayoutMismatchError(
-                f"{self.t.name}: the local tensors do not match {where}: {'; '.join(parts)} (map names with "
-                f"rename=, or pass strict=False to leave them unsynced)",
-                not_received=not_received, not_sent=not_sent,
-            )
-        if not_sent:
-            log.warning("subscriber %s: %d local tensor(s) are not in %s and stay unsynced (strict=False): %s",
-                        self.t.name, len(not_sent), where, _names(not_sent))
-        if not_received:
-            log.info("subscriber %s: ignoring %d tensor(s) of %s with no local counterpart (strict=False): %s",
-                     self.t.name, len(not_received), where, _names(not_received))
-        return matched
-
     async def aclose(self) -> None:
         """Unsubscribes (withdraws the slots). The local weights stay as they are. Idempotent.
 
@@ -458,44 +258,23 @@ class Subscriber(Lifecycle):
         """
         if self._started:
             self._started = False
-            self._block = None  # (its mapping of the publisher's block goes with it)
-            if self._delta is not None:
-                self._delta.close()
+            self._trust.unmap()  # (its mapping of the publisher's block goes with it)
+            if self._deltas is not None:
+                self._deltas.applier.close()
             k = self._keys
             withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], *k.deltas, k.ctl)
                               if key in self.t.regions])
 
     def _unpack(self, buf: torch.Tensor) -> None:
-        """Copies a whole version from ``buf`` (a slot or a pulled copy) into the local tensors.
-
-        CUDA work is queued on the current streams of the devices involved (a device ``buf``:
-        one batched-copy launch for the same-dtype tensors on its device); host-to-host copies
-        are done when this returns.
-        """
-        plan = self._apply_plan
-        with torch.no_grad():
-            if self._host:
-                if self._delta is not None:
-                    self._delta.before_dense()
-                host_unpack(buf, plan.copies, plan.converted, self._threads)
-                if self._delta is not None:
-                    self._delta.dense_applied(self._pub_diffs)
-                return
-            _tensor_kernels.unpack(buf, plan.copies.dsts, plan.copies.offsets, plan.copies.dtypes)
-            dequantize_into(buf, plan.converted)
-
-    def _repoint(self, slot: torch.Tensor) -> None:
-        """Re-points the local tensors at ``slot``; those that need a conversion are copied."""
-        plan = self._apply_plan
-        storage = slot.untyped_storage()
-        with torch.no_grad():
-            for e, dst, strides in plan.repoint:
-                dst.set_(storage, e.offset // dst.element_size(), e.shape, strides)
-            if self._host:
-                host_unpack(slot, plan.zc_copies, plan.converted, self._threads)
-                return
-            _tensor_kernels.unpack(slot, plan.zc_copies.dsts, plan.zc_copies.offsets, plan.zc_copies.dtypes)
-            dequantize_into(slot, plan.converted)
+        """Copies a whole version from ``buf`` (a slot or a pulled copy) into the local tensors
+        (:meth:`Target.unpack`); with deltas, around the applier's checksums of the live
+        weights (stopped before, begun again after, when the publisher says deltas may come)."""
+        deltas = self._deltas
+        if deltas is not None:
+            deltas.applier.before_dense()
+        self._target.unpack(buf)
+        if deltas is not None:
+            deltas.applier.dense_applied(self._trust.diffs)
 
     def apply(self) -> int | None:
         """Makes the newest complete version live, if newer than the live one, on the calling
@@ -527,7 +306,7 @@ class Subscriber(Lifecycle):
         """
         if not self._started:
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
-        return self._apply_newest(self._vouch_here)
+        return self._apply_newest(self._trust.here)
 
     async def apply_async(self) -> int | None:
         """:meth:`apply` with the copy in a worker thread: the event loop keeps running.
@@ -564,16 +343,16 @@ class Subscriber(Lifecycle):
             raise TransportError("subscriber not started; use `async with Subscriber(...)`")
         word = int(self._ctl[FRONT])
         front = decode_front(word, len(self._slots))
-        verdict = _Vouch.NO
-        if front is not None and self._newer(word, front):
-            verdict = await self._vouched(front[0])
-        if front is None or verdict is _Vouch.NO:
+        verdict = Vouch.NO
+        if front is not None and self._trust.newer(word, front[0]):
+            verdict = await self._trust.ask(front[0])
+        if front is None or verdict is Vouch.NO:
             await anyio.lowlevel.checkpoint()
             return None
         version = front[0]
 
-        def vouch(v: int) -> _Vouch:  # a newer front meanwhile is checked without the network
-            return verdict if v == version else self._vouch_here(v)
+        def vouch(v: int) -> Vouch:  # a newer front meanwhile is checked without the network
+            return verdict if v == version else self._trust.here(v)
 
         # The copies go on the caller's current streams, after its queued work, as apply()'s do.
         applied = await self._in_thread(self._apply_newest, vouch)
@@ -584,7 +363,7 @@ class Subscriber(Lifecycle):
         """Runs ``fn`` in a worker thread (not abandoned on cancellation) with the caller's
         current CUDA streams as its own: its copies queue after the caller's work, as they
         would on the caller's thread."""
-        streams = [torch.cuda.current_stream(d) for d in self._devices]
+        streams = [torch.cuda.current_stream(d) for d in self._target.devices]
 
         def run() -> int | None:
             with contextlib.ExitStack() as stack:
@@ -594,76 +373,58 @@ class Subscriber(Lifecycle):
 
         return await anyio.to_thread.run_sync(run)
 
-    def _apply_newest(self, vouch: Callable[[int], _Vouch]) -> int | None:
+    def _apply_newest(self, vouch: Callable[[int], Vouch]) -> int | None:
         """Claims the newest complete slot (two-flag handshake), makes it live, releases it.
         A front naming a slot we lack, or a version ``vouch`` refuses, is not applied."""
-        claim = TRYING if self.zero_copy else READING
+        at = TRYING if self.zero_copy else READING
         with self._apply_lock:
             ctl = self._ctl
             while True:
                 word = int(ctl[FRONT])
                 front = decode_front(word, len(self._slots))
-                if front is None or not self._newer(word, front):
+                if front is None or not self._trust.newer(word, front[0]):
                     return None
-                if word == self._refused_word:
+                if self._deltas is not None and self._deltas.refused(word):
                     return None  # refused already: pull() or the next version
                 verdict = vouch(front[0])
-                if verdict is _Vouch.NO:
+                if verdict is Vouch.NO:
                     return None
-                ctl[claim] = front[1]
-                memory_barrier()
-                if int(ctl[FRONT]) == word:  # the publisher had not moved on: the slot is ours
+                if claim(ctl, at, front[1], FRONT, word):  # the publisher had not moved on: the slot is ours
                     break
-                ctl[claim] = NO_SLOT
+            version, slot = front
             t0 = time.perf_counter()
             try:
                 if self.zero_copy:
-                    self._repoint(self._slots[front[1]])
-                elif self._is_delta(front):
-                    if not self._apply_delta(front, word):
+                    self._target.repoint(self._slots[slot])
+                elif self._deltas is not None and self._deltas.holds(version, slot):
+                    if (refusal := self._deltas.take(self._slots[slot], slot, version, word)) is not None:
+                        self._refused_delta(version, refusal)
                         return None
                 else:
-                    self._unpack(self._slots[front[1]])
-                    for d in self._gpus:  # the slot is released below: the device copies must be done
+                    self._unpack(self._slots[slot])
+                    for d in self._target.gpus:  # the slot is released below: the device copies must be done
                         torch.cuda.current_stream(d).synchronize()
             finally:
-                memory_barrier()
                 if self.zero_copy:
-                    ctl[READING] = front[1]  # the tensors live there now; the old slot is free
+                    memory_barrier()
+                    ctl[READING] = slot  # the tensors live there now; the old slot is free
                     memory_barrier()
                     ctl[TRYING] = NO_SLOT
                 else:
-                    ctl[READING] = NO_SLOT
-            ctl[APPLIED] = front[0]
-            self._applied = front[0]
-            self._live_word = word
-            self._unasked = verdict is _Vouch.UNASKED
+                    release(ctl, READING)
+            ctl[APPLIED] = version
+            self._trust.made_live(version, word, verdict)
             self._last_apply_s = time.perf_counter() - t0
-            return front[0]
+            return version
 
-    def _is_delta(self, front: tuple[int, int]) -> bool:
-        """Whether the slot of ``front`` holds a delta (its header names that version)."""
-        if self._delta is None or front[1] >= len(self._indexes):
-            return False
-        head = DeltaApplier.header_of(self._indexes[front[1]])
-        return head is not None and head[0] == front[0]
-
-    def _apply_delta(self, front: tuple[int, int], word: int) -> bool:
-        """Applies the delta in the slot of ``front``, or refuses it whole (and remembers the
-        front word, so it is not tried again). The caller holds the claim on the slot."""
-        assert self._delta is not None
-        try:
-            self._delta.apply(self._slots[front[1]], self._indexes[front[1]], front[0])
-        except DeltaRefusedError as exc:
-            self._refused_word = word
-            self._refusals += 1
-            # Our APPLIED word may have been scribbled over (that is how a wrong base is
-            # chosen): say again what we hold, so the publisher's next version comes dense.
-            self._ctl[APPLIED] = NO_SLOT if self._applied is None else self._applied
-            log.warning("subscriber %s: delta version %d of %r refused, live weights stay on %s: %s", self.t.name,
-                        front[0], self.name, self._applied, exc)
-            return False
-        return True
+    def _refused_delta(self, version: int, exc: DeltaRefusedError) -> None:
+        """Says again which version is live after the delta of ``version`` was refused."""
+        live = self._trust.live
+        # Our APPLIED word may have been scribbled over (that is how a wrong base is
+        # chosen): say again what we hold, so the publisher's next version comes dense.
+        self._ctl[APPLIED] = NO_SLOT if live is None else live
+        log.warning("subscriber %s: delta version %d of %r refused, live weights stay on %s: %s", self.t.name,
+                    version, self.name, live, exc)
 
     async def wait_version(self, version: int, *, timeout: float | None = None) -> int:
         """Waits until a version ≥ ``version`` is complete here, applies it, returns it.
@@ -682,26 +443,25 @@ class Subscriber(Lifecycle):
         Cancellation: safe; a version is either applied whole or not at all.
         """
         timeout = self.t.timeout if timeout is None else timeout
+        trust = self._trust
         with anyio.move_on_after(timeout):
             while True:
-                if self._applied is not None and self._applied >= version \
-                        and await self._vouched(self._applied) is not _Vouch.NO:
-                    return self._applied
+                if trust.live is not None and trust.live >= version and await trust.ask(trust.live) is not Vouch.NO:
+                    return trust.live
                 latest = self.latest
                 if latest is not None and latest >= version and await self.apply_async() is not None:
                     continue
-                if self._refused_word and self._refused_word == int(self._ctl[FRONT]) and latest is not None \
+                if self._deltas is not None and self._deltas.refused(int(self._ctl[FRONT])) and latest is not None \
                         and latest >= version and await self._pull_refused(timeout):
                     continue
                 try:  # the doorbell wakes us; polling covers an unacknowledged one
                     await self.t.wait_signal(self._keys.doorbell, at_least=version, timeout=0.05)
                 except TransferTimeoutError:
                     pass
-        if self._applied is not None and self._applied >= version \
-                and (self._unasked or self._applied <= self._pub_latest):
-            return self._applied  # the timeout fell during the copy
+        if (live := trust.live_at_least(version)) is not None:
+            return live  # the timeout fell during the copy
         raise TransferTimeoutError(f"{self.t.name}: version {version} of {self.name!r} did not arrive within "
-                                   f"{timeout:g}s (live: {self._applied})")
+                                   f"{timeout:g}s (live: {trust.live})")
 
     async def _pull_refused(self, timeout: float) -> bool:
         """Catches up from the snapshot after a refused delta; False when the publisher cannot
@@ -733,29 +493,27 @@ class Subscriber(Lifecycle):
         """
         t, k = self.t, self._keys
         timeout = t.timeout if timeout is None else timeout
-        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
         buf: torch.Tensor | None = None
 
         async def attempt() -> int | Pending | None:
-            await t.get(ctl, self.publisher, key=k.pubctl)
+            ctl = await read_words(t, self.publisher, k.pubctl, CTL_WORDS)
             front = decode_front(int(ctl[FRONT]))
             filling = int(ctl[FILLING])  # a newer version whose snapshot is still being filled
             if front is None:
-                return PENDING if filling else self._applied  # (filling: the first snapshot)
+                return PENDING if filling else self._trust.live  # (filling: the first snapshot)
             version, slot = front
-            self._pub_latest = publisher_latest(ctl)
-            self._pub_diffs = int(ctl[DIFFING]) != 0
-            if self._applied is not None and max(version, filling) == self._applied:
-                return self._applied
+            self._trust.heard(ctl)
+            live = self._trust.live
+            if live is not None and max(version, filling) == live:
+                return live
             # Past the publisher's own version (a third peer's word, or a restarted
             # publisher): the publisher's current version replaces it.
-            reset = self._applied is not None and self._applied > max(version, filling)
+            reset = live is not None and live > max(version, filling)
             if filling > version:  # wait for it rather than take the older one
                 return PENDING
 
             async def generation() -> int:
-                await t.get(ctl, self.publisher, key=k.pubctl)
-                return int(ctl[GEN0 + slot])
+                return int((await read_words(t, self.publisher, k.pubctl, CTL_WORDS))[GEN0 + slot])
 
             async def read() -> torch.Tensor:
                 nonlocal buf
@@ -776,11 +534,11 @@ class Subscriber(Lifecycle):
         """Copies a pulled version into the local tensors, unless a newer one is live by now
         (``reset``: the live one is not the publisher's, so the pulled one replaces it)."""
         with self._apply_lock:
-            if self._applied is not None and version <= self._applied and not reset:
-                return self._applied
+            live = self._trust.live
+            if live is not None and version <= live and not reset:
+                return live
             self._unpack(buf)
-            self._applied = version
-            self._unasked, self._live_word = False, 0  # the publisher's own copy
+            self._trust.made_live(version, 0, Vouch.YES)  # the publisher's own copy
             if self._started:
                 self._ctl[APPLIED] = version
             return version
