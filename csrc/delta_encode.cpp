@@ -46,27 +46,18 @@ struct Emitter {
   uint64_t count = 0;
   uint64_t sum_old = 0;  // mix() of the base values at the changed positions (all of them)
   uint64_t sum_new = 0;  // mix() of the fresh values there: new checksum = base's - old + new
-  uint64_t next_check = kCheckEvery;
+  uint64_t next_check = kCheckEvery;  // where the vector loops' check() starts
   uint64_t varlen = 0;
   uint64_t last = 0;  // the previous position + 1
   bool vover = false;
   bool varover = false;
 
+  // The scalar tail's form: one changed element at pos (its fresh value at elem).
   inline void one(uint64_t pos, const uint8_t* elem) {
-    if (es == 2) {
-      one_of<2>(pos, elem);
-    } else {
-      one_of<4>(pos, elem);
-    }
-  }
-
-  // one() with the element size known at compile time (the vector loops' form: no branch on it).
-  template <int ES>
-  inline void one_of(uint64_t pos, const uint8_t* elem) {
-    sum_old += mix(load_elem(base + pos * ES, ES), pos);
-    sum_new += mix(load_elem(elem, ES), pos);
+    sum_old += mix(load_elem(base + pos * es, es), pos);
+    sum_new += mix(load_elem(elem, es), pos);
     if (count < vmax && !vover) {
-      std::memcpy(vals + count * ES, elem, ES);
+      std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
     } else {
       vover = true;
     }
@@ -84,22 +75,44 @@ struct Emitter {
     last = pos + 1;
   }
 
-  // ``bits`` flags the changed elements among the ``lanes`` at index ``i`` (elements at fresh).
+  // The batched paths' look at the running density, at element i with so_far changes before it,
+  // once every kCheckEvery elements (*next: when next). Far past the crossover already (a quarter
+  // more changes than the budget allows at this point), the tensor goes dense: stop encoding and
+  // only count (and hash) from here.
+  inline void check(uint64_t i, uint64_t so_far, uint64_t* next) {
+    if (i < *next || vover) return;
+    *next = i + kCheckEvery;
+    const double budget = 1.25 * static_cast<double>(vmax) * static_cast<double>(i) / static_cast<double>(n);
+    if (i >= n / 16 && static_cast<double>(so_far) > budget) vover = true;
+  }
+
+  // The batched paths' values: the k packed fresh values of a batch into the payload while they fit.
   template <int ES>
-  inline void many(uint64_t bits, uint64_t i, const uint8_t* fresh) {
-    if (i >= next_check && !vover) {
-      // Far past the crossover already (a quarter more changes than the budget allows at this
-      // point): the tensor goes dense, so stop encoding and only count.
-      next_check = i + kCheckEvery;
-      if (i >= n / 16 && static_cast<double>(count) > 1.25 * static_cast<double>(vmax) * static_cast<double>(i) /
-                                                          static_cast<double>(n))
-        vover = true;
+  inline void take(const uint8_t* fresh, uint64_t k) {
+    if (!vover && count + k <= vmax) {
+      std::memcpy(vals + count * ES, fresh, k * ES);
+    } else {
+      vover = true;
     }
-    while (bits) {
-      int t = __builtin_ctzll(bits);
-      one_of<ES>(i + t, fresh + (i + t) * ES);
-      bits &= bits - 1;
+    count += k;
+  }
+
+  // Whether the varints of a group of up to 16 positions have room for a vector form (which
+  // stores up to 32 bytes past varlen); gives them up (varover) when not, or once they are
+  // longer than the bitmask would be. The rule is per group, as both batched paths apply it.
+  inline bool room16() {
+    if (varover) return false;
+    if (varlen + 2 * 16 + 10 > varcap || varlen > n / 8) {
+      varover = true;
+      return false;
     }
+    return true;
+  }
+
+  // The varints of ``lanes`` packed positions (p, relative to start) one by one: a group whose
+  // gaps the vector forms do not take.
+  inline void gaps(const uint32_t* p, unsigned lanes, uint64_t start) {
+    for (unsigned j = 0; j < lanes; ++j) gap(start + p[j]);
   }
 };
 
@@ -142,65 +155,14 @@ uint64_t run_scalar(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n, 
 
 #ifdef TRANSPORT_DELTA_X86
 
-// 32 bytes a step: 16 bf16/fp16 or 8 fp32 elements.
-template <int ES>
-__attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n,
-                                                  uint64_t first, Emitter* em) {
-  constexpr uint64_t kLanes = 32 / ES;
-  const uint64_t body = n / kLanes * kLanes;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i step8 = _mm256_set1_epi32(static_cast<int>(8u * kIndexMul));
-  const __m256i stepk = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(kLanes) * kIndexMul));
-  __m256i h0 = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
-                                                   lane),
-                                  _mm256_set1_epi32(static_cast<int>(kIndexMul)));
-  __m256i acc = _mm256_setzero_si256();
-  const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 32 == 0 && n * ES >= kStreamMin;
-  for (uint64_t i = 0; i < body; i += kLanes) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * ES));
-    if (s != nullptr) {
-      if (stream) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i * ES), a);
-      }
-    }
-    if (em == nullptr) {  // with a base, only the changes are hashed (by the emitter)
-      if constexpr (ES == 2) {
-        __m256i h1 = _mm256_add_epi32(h0, step8);
-        acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), h0));
-        acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)), h1));
-      } else {
-        acc = add8_avx2(acc, mix8_avx2(a, h0));
-      }
-      h0 = _mm256_add_epi32(h0, stepk);
-    }
-    if (em != nullptr) {
-      __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ES));
-      uint32_t ne;
-      if constexpr (ES == 2) {
-        __m256i eq = _mm256_cmpeq_epi16(a, c);
-        ne = ~static_cast<uint32_t>(_mm_movemask_epi8(
-                 _mm_packs_epi16(_mm256_castsi256_si128(eq), _mm256_extracti128_si256(eq, 1)))) & 0xFFFFu;
-        uint16_t m16 = static_cast<uint16_t>(ne);
-        std::memcpy(em->mask + i / 8, &m16, 2);
-      } else {
-        ne = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, c)))) & 0xFFu;
-        em->mask[i / 8] = static_cast<uint8_t>(ne);
-      }
-      if (ne) em->many<ES>(ne, i, f);
-    }
-  }
-  if (stream) _mm_sfence();
-  uint64_t sum = hsum_avx2(acc);
-  return rest(f, b, s, body, n, ES, first, em, sum);
-}
-
-TRANSPORT_AVX512_BEGIN
-
-// The changed elements of a run of blocks, packed: fresh and base values and their indices
-// (from the batch's first block, at ``start``), with a vector's slack past kCap for the
-// full-width stores.
+// The changed elements of a run of steps, packed by a batched vector path: fresh and base values
+// and their indices (from the batch's first step, at ``start``), with a vector's slack past kCap
+// for the full-width stores (AVX2 packs 16-bit elements as (fresh, base) pairs into ``base``, and
+// its flush packs their fresh halves into ``fresh``). A flush hashes them and makes their varints
+// a group of 16 at a time, so that work costs per changed element, not per step; the compare
+// loops pack them without a branch on whether a step changed: at the densities deltas pay (a
+// few percent) about half the steps hold a change, at random, so a branch would mispredict
+// every other step (AVX2 takes one where changes are far sparser; see run_avx2).
 struct Batch {
   static constexpr uint64_t kCap = 4096;
   alignas(64) uint8_t fresh[(kCap + 32) * 4];
@@ -210,27 +172,287 @@ struct Batch {
   uint64_t start = 0;
 };
 
-// Appends the LEB128 gaps of 16 changed positions (``live`` lanes of ``pos``, relative to
-// ``start``) to the emitter's varints. Gaps under 2**14 (one or two bytes) are built in the
-// lanes and packed by one byte compress; a group with a longer gap goes one by one.
-__attribute__((target(TRANSPORT_AVX512))) inline void varints16(Emitter* em, __m512i pos, __mmask16 live,
-                                                               uint64_t start) {
-  if (em->varover) return;
-  const uint64_t first = start + static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128(pos)));
-  const unsigned lanes = static_cast<unsigned>(__builtin_popcount(live));
-  if (em->varlen + 2 * 16 + 10 > em->varcap || em->varlen > em->n / 8) {  // or past the bitmask's size
-    em->varover = true;
+// Elements a batched path steps: 64 bytes on both, so that they check the density, flush and
+// group the varints at the same elements, and their outputs agree even where the capacity runs
+// out mid-tensor.
+template <int ES>
+constexpr uint64_t kStep = 64 / ES;
+
+// Whether the batch is flushed after the step at i (holding fill changes from start): full, or
+// its indices (from start, 32 bits) about to run out: a tensor past 2**31 elements.
+template <int ES>
+inline bool flush_due(uint64_t fill, uint64_t i, uint64_t start) {
+  return fill + kStep<ES> > Batch::kCap || i + kStep<ES> - start >= (uint64_t{1} << 31);
+}
+
+// AVX2 has no compress: its packs look up, by an 8-bit mask of lanes, the kept lanes' indices
+// first (vpermd's operand; with the lanes' first index added, the kept indices themselves), and
+// the pshufb operand that packs the varints of 8 gaps under 2**14 held as two bytes each (bit j:
+// lane j takes both bytes, else its low one).
+struct PackTables {
+  alignas(32) uint32_t lanes[256][8];
+  alignas(16) uint8_t varint[256][16];
+};
+
+constexpr PackTables make_pack_tables() {
+  PackTables t{};
+  for (unsigned m = 0; m < 256; ++m) {
+    unsigned k = 0, v = 0;
+    for (unsigned j = 0; j < 8; ++j) {
+      const bool on = (m >> j & 1) != 0;
+      if (on) t.lanes[m][k++] = j;
+      t.varint[m][v++] = static_cast<uint8_t>(2 * j);
+      if (on) t.varint[m][v++] = static_cast<uint8_t>(2 * j + 1);
+    }
+    for (; v < 16; ++v) t.varint[m][v] = 0x80;  // pshufb: a zero byte
+  }
+  return t;
+}
+
+constexpr PackTables kPack = make_pack_tables();
+
+// Packs the changed lanes among 8 (bits m) into the batch at fill: 32-bit values x (fresh, or
+// for 16-bit elements fresh | base << 16) at vals, base values y at base (unless null) and the
+// indices (rel: the first lane's index from the batch's start, in every lane). Full-width
+// stores into the slack; returns the new fill.
+__attribute__((target("avx2"))) inline uint64_t pack8(uint32_t* index, uint32_t* vals, uint32_t* base, uint64_t fill,
+                                                      unsigned m, __m256i rel, __m256i x, __m256i y) {
+  const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.lanes[m]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(vals + fill), _mm256_permutevar8x32_epi32(x, lanes));
+  if (base != nullptr) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + fill), _mm256_permutevar8x32_epi32(y, lanes));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(index + fill), _mm256_add_epi32(rel, lanes));
+  return fill + static_cast<uint64_t>(__builtin_popcount(m));
+}
+
+// Appends the LEB128 gaps of a group of packed positions (p, relative to start; ``lanes`` of
+// them, live0/live1 flag them in pos0/pos1, the group's first and last 8) to the emitter's
+// varints: varints16's form for AVX2. Gaps under 2**14 are built as two bytes in the lanes and
+// packed 8 at a time by one table pshufb; a group with a longer gap goes one by one.
+__attribute__((target("avx2"))) inline void varints16_avx2(Emitter* em, const uint32_t* p, unsigned lanes,
+                                                           uint64_t start, __m256i pos0, __m256i pos1, __m256i live0,
+                                                           __m256i live1) {
+  if (!em->room16()) return;
+  // Lane j's predecessor is lane j - 1; lane 0's is the last position emitted (as an index from
+  // start: mod 2**32, exact whenever the gap itself is below 2**32, checked below).
+  const __m256i up = _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6);
+  const __m256i last = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(em->last - 1 - start)));
+  const __m256i prev0 = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(pos0, up), last, 1);
+  const __m256i prev1 = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(pos1, up),
+                                           _mm256_permutevar8x32_epi32(pos0, _mm256_set1_epi32(7)), 1);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i gap0 = _mm256_sub_epi32(_mm256_sub_epi32(pos0, prev0), one);
+  const __m256i gap1 = _mm256_sub_epi32(_mm256_sub_epi32(pos1, prev1), one);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i small0 = _mm256_cmpeq_epi32(_mm256_srli_epi32(gap0, 14), zero);
+  const __m256i small1 = _mm256_cmpeq_epi32(_mm256_srli_epi32(gap1, 14), zero);
+  const __m256i big = _mm256_or_si256(_mm256_andnot_si256(small0, live0), _mm256_andnot_si256(small1, live1));
+  if (start + p[0] - em->last >= (uint64_t{1} << 14) || !_mm256_testz_si256(big, big)) {
+    em->gaps(p, lanes, start);
     return;
   }
+  // Under 2**14 now (a signed compare is exact): the low byte with its continuation bit, the
+  // high one (zero for a one-byte gap) above it, in 16 bits.
+  const __m256i two0 = _mm256_and_si256(_mm256_cmpgt_epi32(gap0, _mm256_set1_epi32(0x7f)), live0);
+  const __m256i two1 = _mm256_and_si256(_mm256_cmpgt_epi32(gap1, _mm256_set1_epi32(0x7f)), live1);
+  const __m256i lo7 = _mm256_set1_epi32(0x7f), hi7 = _mm256_set1_epi32(0x7f00), cont = _mm256_set1_epi32(0x80);
+  const __m256i w0 = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(gap0, lo7),
+                                                     _mm256_and_si256(_mm256_slli_epi32(gap0, 1), hi7)),
+                                     _mm256_and_si256(two0, cont));
+  const __m256i w1 = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(gap1, lo7),
+                                                     _mm256_and_si256(_mm256_slli_epi32(gap1, 1), hi7)),
+                                     _mm256_and_si256(two1, cont));
+  const unsigned t0 = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(two0)));
+  const unsigned t1 = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(two1)));
+  // Dead lanes (past ``lanes``) pack to one byte each after the live ones, into room16's room.
+  uint8_t* out = em->var + em->varlen;
+  const unsigned n0 = std::min(lanes, 8u) + static_cast<unsigned>(__builtin_popcount(t0));
+  const unsigned n1 = (lanes > 8 ? lanes - 8 : 0) + static_cast<unsigned>(__builtin_popcount(t1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_shuffle_epi8(_mm_packus_epi32(_mm256_castsi256_si128(w0), _mm256_extracti128_si256(w0, 1)),
+                                    _mm_load_si128(reinterpret_cast<const __m128i*>(kPack.varint[t0]))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + n0),
+                   _mm_shuffle_epi8(_mm_packus_epi32(_mm256_castsi256_si128(w1), _mm256_extracti128_si256(w1, 1)),
+                                    _mm_load_si128(reinterpret_cast<const __m128i*>(kPack.varint[t1]))));
+  em->varlen += n0 + n1;
+  em->last = start + p[lanes - 1] + 1;
+}
+
+// Hashes the batch into the running sums (fresh terms into acc, base terms into old), moves its
+// fresh values into the payload while they fit and its positions into the varints, then empties
+// it: flush_avx512's form for AVX2, 16 a group in two vectors of 8 (lanes past the fill, stale
+// slack, masked off).
+template <int ES>
+__attribute__((target("avx2"))) void flush_avx2(Batch& batch, Emitter* em, __m256i* acc, __m256i* old) {
+  const uint64_t k = batch.fill;
+  if (k == 0) return;
+  const __m256i at = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(batch.start)));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mul = _mm256_set1_epi32(static_cast<int>(kIndexMul));
+  for (uint64_t j = 0; j < k; j += 16) {
+    const unsigned lanes = static_cast<unsigned>(std::min<uint64_t>(16, k - j));
+    __m256i pos[2], live[2];
+    for (unsigned h = 0; h < 2; ++h) {
+      const uint64_t o = j + 8 * h;
+      pos[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(batch.index + o));
+      live[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes) - static_cast<int>(8 * h)), lane);
+      const __m256i key = _mm256_mullo_epi32(_mm256_add_epi32(pos[h], at), mul);
+      __m256i x, y;
+      if constexpr (ES == 2) {  // pairs (see run_avx2); take() wants the fresh values packed
+        const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(batch.base + o * 4));
+        x = _mm256_and_si256(pair, _mm256_set1_epi32(0xFFFF));
+        y = _mm256_srli_epi32(pair, 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(batch.fresh + o * 2),
+                         _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+      } else {
+        x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(batch.fresh + o * 4));
+        y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(batch.base + o * 4));
+      }
+      *acc = add8_avx2(*acc, _mm256_and_si256(mix8_avx2(x, key), live[h]));
+      *old = add8_avx2(*old, _mm256_and_si256(mix8_avx2(y, key), live[h]));
+    }
+    varints16_avx2(em, batch.index + j, lanes, batch.start, pos[0], pos[1], live[0], live[1]);
+  }
+  em->take<ES>(batch.fresh, k);
+  batch.fill = 0;
+}
+
+// 64 bytes a step (kStep): 32 bf16/fp16 or 16 fp32 elements, in two vectors.
+template <int ES>
+__attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_t* b, uint8_t* s, uint64_t n,
+                                                  uint64_t first, Emitter* em) {
+  constexpr uint64_t kLanes = kStep<ES>;
+  constexpr uint64_t kHalf = 32 / ES;  // elements in one vector
+  const uint64_t body = n / kLanes * kLanes;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int>(8u * kIndexMul));
+  const __m256i stepk = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(kHalf) * kIndexMul));
+  __m256i h0 = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first))),
+                                                   lane),
+                                  _mm256_set1_epi32(static_cast<int>(kIndexMul)));
+  __m256i acc = _mm256_setzero_si256();
+  __m256i old = _mm256_setzero_si256();  // checksum terms of the base values at the changes
+  Batch batch;  // on the stack (40 KB): a thread_local costs a call per access in a shared library
+  uint64_t fill = 0, start = 0;  // start: the index of the batch's first step
+  uint8_t* const mask = em != nullptr ? em->mask : nullptr;
+  uint64_t next_check = em != nullptr ? em->next_check : 0;
+  bool sparse = false;  // whether a branch skips unchanged steps (below)
+  uint64_t next_mode = 0, seen = 0;  // the next look at the changes, and their count at the last
+  const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 32 == 0 && n * ES >= kStreamMin;
+  for (uint64_t i = 0; i < body; i += kLanes) {
+    const __m256i a[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * ES)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + i * ES + 32))};
+    if (em != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(f + i * ES + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + i * ES + kPrefetch), _MM_HINT_T0);
+    }
+    if (s != nullptr) {
+      for (unsigned h = 0; h < 2; ++h) {
+        if (stream) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(s + i * ES + 32 * h), a[h]);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i * ES + 32 * h), a[h]);
+        }
+      }
+    }
+    if (em == nullptr) {  // with a base, only the changes are hashed (in the flushes)
+      for (unsigned h = 0; h < 2; ++h) {
+        if constexpr (ES == 2) {
+          __m256i h1 = _mm256_add_epi32(h0, step8);
+          acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a[h])), h0));
+          acc = add8_avx2(acc, mix8_avx2(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(a[h], 1)), h1));
+        } else {
+          acc = add8_avx2(acc, mix8_avx2(a[h], h0));
+        }
+        h0 = _mm256_add_epi32(h0, stepk);
+      }
+      continue;
+    }
+    const __m256i c[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ES)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ES + 32))};
+    uint32_t ne;
+    if constexpr (ES == 2) {
+      // The 16-bit compares narrowed to bytes: packs interleaves the two vectors' 128-bit
+      // halves, the 64-bit permute puts them back in element order.
+      const __m256i eq = _mm256_permute4x64_epi64(
+          _mm256_packs_epi16(_mm256_cmpeq_epi16(a[0], c[0]), _mm256_cmpeq_epi16(a[1], c[1])), 0xD8);
+      ne = ~static_cast<uint32_t>(_mm256_movemask_epi8(eq));
+      std::memcpy(mask + i / 8, &ne, 4);
+    } else {
+      const __m256 eq0 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(a[0], c[0]));
+      const __m256 eq1 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(a[1], c[1]));
+      ne = ~static_cast<uint32_t>(_mm256_movemask_ps(eq0) | _mm256_movemask_ps(eq1) << 8) & 0xFFFFu;
+      const uint16_t m16 = static_cast<uint16_t>(ne);
+      std::memcpy(mask + i / 8, &m16, 2);
+    }
+    em->check(i, em->count + fill, &next_check);
+    // Where a quarter or less of the steps changed over the last kCheckEvery elements, a
+    // branch skips the packs of an unchanged step: it mispredicts seldom there, and the packs
+    // (about as long as the compare) would only write slack. Elsewhere no branch (see Batch).
+    if (i >= next_mode) {
+      const uint64_t now = em->count + fill;
+      sparse = (now - seen) * 4 * kLanes <= kCheckEvery;  // changes bound the changed steps
+      seen = now;
+      next_mode = i + kCheckEvery;
+    }
+    // The changed lanes, 8 at a time, packed into the batch. 16-bit elements go as (fresh, base)
+    // pairs in 32 bits, into the base array: one vpermd packs both.
+    if (ne != 0 || !sparse) {
+      uint32_t* const index = batch.index;
+      uint32_t* const vals = reinterpret_cast<uint32_t*>(ES == 2 ? batch.base : batch.fresh);
+      uint32_t* const base = ES == 2 ? nullptr : reinterpret_cast<uint32_t*>(batch.base);
+      for (unsigned g = 0; g < kLanes / 8; ++g) {
+        const unsigned m = ne >> (8 * g) & 0xFFu;
+        const __m256i at = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i - start + 8 * g)));
+        if constexpr (ES == 2) {
+          // The unpacks pair elements 0-3 and 8-11 (lo), 4-7 and 12-15 (hi), a 128-bit half
+          // each; the 128-bit permutes gather 0-7 (g even) or 8-15.
+          const __m256i lo = _mm256_unpacklo_epi16(a[g / 2], c[g / 2]);
+          const __m256i hi = _mm256_unpackhi_epi16(a[g / 2], c[g / 2]);
+          const __m256i pairs = g % 2 == 0 ? _mm256_permute2x128_si256(lo, hi, 0x20)
+                                           : _mm256_permute2x128_si256(lo, hi, 0x31);
+          fill = pack8(index, vals, base, fill, m, at, pairs, pairs);
+        } else {
+          fill = pack8(index, vals, base, fill, m, at, a[g], c[g]);
+        }
+      }
+    }
+    if (flush_due<ES>(fill, i, start)) {
+      batch.fill = fill;
+      batch.start = start;
+      flush_avx2<ES>(batch, em, &acc, &old);
+      fill = 0;
+      start = i + kLanes;
+    }
+  }
+  if (stream) _mm_sfence();
+  if (em == nullptr) return rest(f, b, s, body, n, ES, first, em, hsum_avx2(acc));
+  batch.fill = fill;  // with a base: acc holds the fresh terms of the changed lanes
+  batch.start = start;
+  flush_avx2<ES>(batch, em, &acc, &old);
+  em->sum_old += hsum_avx2(old);
+  em->sum_new += hsum_avx2(acc);
+  return rest(f, b, s, body, n, ES, first, em, 0);
+}
+
+TRANSPORT_AVX512_BEGIN
+
+// Appends the LEB128 gaps of 16 changed positions (``live`` lanes of ``pos``, packed at p,
+// relative to ``start``) to the emitter's varints. Gaps under 2**14 (one or two bytes) are built
+// in the lanes and packed by one byte compress; a group with a longer gap goes one by one.
+__attribute__((target(TRANSPORT_AVX512))) inline void varints16(Emitter* em, const uint32_t* p, __m512i pos,
+                                                               __mmask16 live, uint64_t start) {
+  if (!em->room16()) return;
+  const unsigned lanes = static_cast<unsigned>(__builtin_popcount(live));
   // Lane j's predecessor is lane j - 1; lane 0's is the last position emitted (as an index
   // from start: mod 2**32, exact whenever the gap itself is below 2**32, checked below).
   const __m512i prev = _mm512_alignr_epi32(pos, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(
                                                      em->last - 1 - start))), 15);
   const __m512i gap = _mm512_maskz_sub_epi32(live, _mm512_sub_epi32(pos, prev), _mm512_set1_epi32(1));
-  if (first - em->last >= (uint64_t{1} << 14) || _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(1 << 14))) {
-    alignas(64) uint32_t p[16];
-    _mm512_store_si512(p, pos);
-    for (unsigned j = 0; j < lanes; ++j) em->gap(start + p[j]);
+  if (start + p[0] - em->last >= (uint64_t{1} << 14) ||
+      _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(1 << 14))) {
+    em->gaps(p, lanes, start);
     return;
   }
   const __mmask16 two = _mm512_mask_cmpge_epu32_mask(live, gap, _mm512_set1_epi32(0x80));
@@ -241,8 +463,6 @@ __attribute__((target(TRANSPORT_AVX512))) inline void varints16(Emitter* em, __m
   const uint32_t keep = static_cast<uint32_t>(_pdep_u32(live, 0x55555555u) | _pdep_u32(two, 0xAAAAAAAAu));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(em->var + em->varlen), _mm256_maskz_compress_epi8(keep, words));
   em->varlen += static_cast<uint64_t>(__builtin_popcount(keep));
-  alignas(64) uint32_t p[16];
-  _mm512_store_si512(p, pos);
   em->last = start + p[lanes - 1] + 1;
 }
 
@@ -268,22 +488,17 @@ __attribute__((target(TRANSPORT_AVX512))) void flush_avx512(Batch& batch, Emitte
     }
     *acc = add16_avx512(*acc, _mm512_maskz_mov_epi32(live, mix16_avx512(x, key)));
     *old = add16_avx512(*old, _mm512_maskz_mov_epi32(live, mix16_avx512(y, key)));
-    varints16(em, pos, live, batch.start);
+    varints16(em, batch.index + j, pos, live, batch.start);
   }
-  if (!em->vover && em->count + k <= em->vmax) {
-    std::memcpy(em->vals + em->count * ES, batch.fresh, k * ES);
-  } else {
-    em->vover = true;
-  }
-  em->count += k;
+  em->take<ES>(batch.fresh, k);
   batch.fill = 0;
 }
 
-// 64 bytes a step: 32 bf16/fp16 or 16 fp32 elements.
+// 64 bytes a step (kStep): 32 bf16/fp16 or 16 fp32 elements.
 template <int ES>
 __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, const uint8_t* b, uint8_t* s,
                                                                uint64_t n, uint64_t first, Emitter* em) {
-  constexpr uint64_t kLanes = 64 / ES;
+  constexpr uint64_t kLanes = kStep<ES>;
   const uint64_t body = n / kLanes * kLanes;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step16 = _mm512_set1_epi32(static_cast<int>(16u * kIndexMul));
@@ -339,16 +554,10 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
       std::memcpy(mask + i / 8, &m, 2);
       ne = m;
     }
-    // No branch on whether the block changed: at the densities deltas pay (a few percent)
-    // about half the blocks hold a change, at random, so a branch would mispredict every other
-    // block; the compresses below pack nothing for an unchanged one.
+    // No branch on whether the step changed (see Batch): the compresses below pack nothing for
+    // an unchanged one.
     const uint64_t k = static_cast<uint64_t>(__builtin_popcountll(ne));
-    if (i >= next_check && !em->vover) {
-      next_check = i + kCheckEvery;
-      if (i >= n / 16 && static_cast<double>(em->count + fill) >
-                             1.25 * static_cast<double>(em->vmax) * static_cast<double>(i) / static_cast<double>(n))
-        em->vover = true;  // far past the crossover: dense; only count and hash from here
-    }
+    em->check(i, em->count + fill, &next_check);
     // The changed lanes' fresh and base values and indices are packed into the batch
     // (register compresses, full-width stores into slack); they are hashed and their varints
     // made 16 at a time when it fills, so that work costs per changed element, not per block.
@@ -367,8 +576,7 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
       _mm512_storeu_si512(bindex + fill, _mm512_maskz_compress_epi32(m0, ib));
     }
     fill += k;
-    // Full, or its indices (from start, 32 bits) about to run out: a tensor past 2**31 elements.
-    if (fill + kLanes > Batch::kCap || i + kLanes - start >= (uint64_t{1} << 31)) {
+    if (flush_due<ES>(fill, i, start)) {
       batch.fill = fill;
       batch.start = start;
       flush_avx512<ES>(batch, em, &acc, &old);
