@@ -19,6 +19,7 @@ namespace {
 
 constexpr uint64_t kStreamMin = 1 << 20;  // bytes of snapshot from which stores stream
 constexpr uint64_t kCheckEvery = 1 << 16;  // elements between two looks at the running density
+constexpr uint64_t kModeEvery = 1 << 12;  // elements between two choices of how AVX2 packs (run_avx2)
 
 // Scratch that grows and is kept per thread: the encoders run on the publisher's copy threads.
 uint8_t* scratch(int which, uint64_t nbytes) {
@@ -337,7 +338,7 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
   uint64_t fill = 0, start = 0;  // start: the index of the batch's first step
   uint8_t* const mask = em != nullptr ? em->mask : nullptr;
   uint64_t next_check = em != nullptr ? em->next_check : 0;
-  bool sparse = false;  // whether a branch skips unchanged steps (below)
+  uint32_t every = ~0u;  // all ones: every step packs; 0: a branch skips unchanged ones (below)
   uint64_t next_mode = 0, seen = 0;  // the next look at the changes, and their count at the last
   const bool stream = s != nullptr && reinterpret_cast<uintptr_t>(s) % 32 == 0 && n * ES >= kStreamMin;
   for (uint64_t i = 0; i < body; i += kLanes) {
@@ -387,18 +388,20 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
       std::memcpy(mask + i / 8, &m16, 2);
     }
     em->check(i, em->count + fill, &next_check);
-    // Where a quarter or less of the steps changed over the last kCheckEvery elements, a
-    // branch skips the packs of an unchanged step: it mispredicts seldom there, and the packs
-    // (about as long as the compare) would only write slack. Elsewhere no branch (see Batch).
+    // Where a quarter or less of the steps changed over the last kModeEvery elements (and over
+    // the first ones), a branch skips the packs of an unchanged step: it mispredicts seldom
+    // there, and the packs (longer than the compare) would only write slack. Elsewhere every
+    // step packs, without a branch (see Batch): out of cache, a branch that mispredicts about
+    // every other step costs more than the packs it saves (in cache, less: measure out of it).
     if (i >= next_mode) {
       const uint64_t now = em->count + fill;
-      sparse = (now - seen) * 4 * kLanes <= kCheckEvery;  // changes bound the changed steps
+      every = (now - seen) * 4 * kLanes <= kModeEvery ? 0 : ~0u;  // changes bound the changed steps
       seen = now;
-      next_mode = i + kCheckEvery;
+      next_mode = i + kModeEvery;
     }
     // The changed lanes, 8 at a time, packed into the batch. 16-bit elements go as (fresh, base)
     // pairs in 32 bits, into the base array: one vpermd packs both.
-    if (ne != 0 || !sparse) {
+    if ((ne | every) != 0) {  // one branch: written as two, the compiler tests ne first
       uint32_t* const index = batch.index;
       uint32_t* const vals = reinterpret_cast<uint32_t*>(ES == 2 ? batch.base : batch.fresh);
       uint32_t* const base = ES == 2 ? nullptr : reinterpret_cast<uint32_t*>(batch.base);
