@@ -1,5 +1,6 @@
 """The flow-level network simulator (transport.plan._netsim): hand-computed cases, a textbook
-reference implementation on random instances, input validation and a cluster-sized run."""
+reference implementation on random instances (flows of one hop, and relayed flows: paths and
+trees of hops at one rate), input validation and a cluster-sized run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from transport.plan._netsim import Network, SimResult, simulate
+from transport.plan._netsim import Network, SimResult, simulate, simulate_hops
 
 NET = Network()  # 8 GPUs per node, 400 Gbit/s NICs, 3600 Gbit/s NVLink
 NIC = 400e9 / 8  # bytes/s
@@ -125,7 +126,7 @@ def test_no_flows_gives_zeros() -> None:
 def test_as_dict_is_json_ready() -> None:
     r = simulate([0, 1], [8, 9], [B, 2 * B], NET)
     d = r.as_dict()
-    assert list(d) == [f.name for f in dataclasses.fields(SimResult)]
+    assert list(d) == [f.name for f in dataclasses.fields(SimResult) if f.name != "per_gpu"]  # per GPU: Python only
     assert d["makespan_s"] == r.makespan_s and d["busiest_resource"] == r.busiest_resource
     assert json.loads(json.dumps(d)) == d
 
@@ -252,3 +253,133 @@ def test_cluster_scale_256_by_128() -> None:
     assert r.bytes_total == r.bytes_over_nics == int(sizes.sum())
     assert 0 < r.floor_s <= r.makespan_s * (1 + 1e-12)
     assert 1 <= r.events <= r.flows
+
+
+# ---- relayed flows: one flow over several hops, at one rate --------------------------------------
+
+
+def test_a_relay_forwards_at_the_rate_it_receives() -> None:
+    # 0 -> 8 over NICs, 8 -> 9 and 8 -> 10 over NVLink: one flow, the NIC sets its rate.
+    r = simulate_hops([0, 0, 0], [0, 8, 8], [8, 9, 10], [B], NET)
+    assert r.makespan_s == pytest.approx(B / NIC, rel=1e-12)
+    assert r.flows == 1
+    assert (r.bytes_over_nics, r.bytes_over_nvlink, r.bytes_total) == (B, 2 * B, 3 * B)
+    assert r.per_gpu.nic_out[0] == r.per_gpu.nic_in[8] == B
+    assert r.per_gpu.nvlink_out[8] == 2 * B  # a relay's egress carries one copy per GPU it feeds
+    assert r.per_gpu.nvlink_in[9] == r.per_gpu.nvlink_in[10] == B
+    assert sum(r.per_gpu.nic_in) == B
+
+
+def test_a_relay_whose_nvlink_is_the_bottleneck_slows_its_whole_flow() -> None:
+    # NVLink as slow as a NIC: the relay forwards to three GPUs, so its NVLink egress carries
+    # three times the flow's rate: C/3, and the NIC leg waits for it (cut-through, no buffer).
+    net = Network(nvlink_gbps=400.0)
+    r = simulate_hops([0] * 4, [0, 8, 8, 8], [8, 9, 10, 11], [B], net)
+    assert r.makespan_s == pytest.approx(3 * B / NIC, rel=1e-12)
+    assert r.floor_s == pytest.approx(3 * B / NIC, rel=1e-12)
+    assert r.busiest_resource == "gpu 8 NVLink egress"
+
+
+def test_a_chain_carries_one_copy_per_hop_at_one_rate() -> None:
+    # Trainer GPU 0 -> host 1 (GPU 8) -> host 2 (GPU 16) -> host 3 (GPU 24), beside a direct flow
+    # 1 -> 16 that shares GPU 16's ingress: both get C/2 until the direct one ends.
+    r = simulate_hops([0, 0, 0, 1], [0, 8, 16, 1], [8, 16, 24, 16], [B, B], NET)
+    assert r.makespan_s == pytest.approx(2 * B / NIC, rel=1e-12)
+    assert r.events == 1
+    assert r.per_gpu.nic_out[:2] == (B, B)
+    assert (r.per_gpu.nic_out[8], r.per_gpu.nic_out[16], r.per_gpu.nic_out[24]) == (B, B, 0)
+    assert r.per_gpu.nic_in[16] == 2 * B
+
+
+def test_one_hop_flows_time_as_simulate_does() -> None:
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 24, 60)
+    dst = rng.integers(0, 24, 60)
+    sizes = rng.choice([0, 10**6, 3 * 10**6, 7 * 10**6], 60)
+    pairs: dict[tuple[int, int], int] = defaultdict(int)
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+        if n:
+            pairs[(s, d)] += n
+    ps = sorted(pairs)
+    hops = simulate_hops(np.arange(len(ps)), [s for s, _ in ps], [d for _, d in ps], [pairs[p] for p in ps], NET)
+    assert hops == simulate(src, dst, sizes, NET)
+
+
+def test_bad_hops_raise() -> None:
+    with pytest.raises(ValueError, match="one length"):
+        simulate_hops([0, 0], [0], [8, 9], [B], NET)
+    with pytest.raises(ValueError, match="below len"):
+        simulate_hops([0, 1], [0, 0], [8, 9], [B], NET)
+    with pytest.raises(ValueError, match="flow must be >= 0"):
+        simulate_hops([-1], [0], [8], [B], NET)
+
+
+def _reference_hops(flows: list[list[tuple[int, int]]], nbytes: list[int], net: Network) -> float:
+    """Max-min sharing of flows over several hops, the plain way: a flow puts its rate on both
+    ends of every hop (once per hop), fix the flows of the resource with the smallest fair share
+    (capacity left over the hop count of its unfixed flows), advance to the next completions."""
+    g = net.gpus_per_node
+    use: list[dict[tuple[str, int], int]] = []
+    for hops in flows:
+        u: dict[tuple[str, int], int] = defaultdict(int)
+        for s, d in hops:
+            if s == d:
+                continue
+            kind = "nvl" if s // g == d // g else "nic"
+            u[(f"{kind}-out", s)] += 1
+            u[(f"{kind}-in", d)] += 1
+        use.append(dict(u))
+    rem = {i: float(n) for i, n in enumerate(nbytes) if n and use[i]}
+    cap = {r: (net.nvlink_gbps if r[0].startswith("nvl") else net.nic_gbps) * 1e9 / 8 for u in use for r in u}
+    t = 0.0
+    while rem:
+        left, rate, unfixed = dict(cap), {}, set(rem)
+        while unfixed:
+            weight: dict[tuple[str, int], int] = defaultdict(int)
+            for f in sorted(unfixed):
+                for r, w in use[f].items():
+                    weight[r] += w
+            bottleneck = min(weight, key=lambda r: left[r] / weight[r])
+            share = left[bottleneck] / weight[bottleneck]
+            for f in [f for f in sorted(unfixed) if bottleneck in use[f]]:
+                rate[f] = share
+                unfixed.discard(f)
+                for r, w in use[f].items():
+                    left[r] -= share * w
+        until = {f: rem[f] / rate[f] for f in rem}
+        first = min(until.values())
+        done = [f for f in rem if until[f] <= first + 1e-9 * (t + first)]
+        dt = max(until[f] for f in done)
+        t += dt
+        for f in done:
+            del rem[f]
+        for f in rem:
+            rem[f] -= rate[f] * dt
+    return t
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_relayed_flows_match_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    net = Network(gpus_per_node=int(rng.integers(2, 5)), nic_gbps=float(rng.choice([100, 400])),
+                  nvlink_gbps=float(rng.choice([200, 3600])))
+    n_gpus = int(rng.integers(4, 16))
+    flows: list[list[tuple[int, int]]] = []
+    for _ in range(int(rng.integers(1, 25))):
+        at = [int(rng.integers(0, n_gpus))]  # a random tree: each hop leaves a GPU already reached
+        hops = []
+        for _ in range(int(rng.integers(1, 6))):
+            s = at[int(rng.integers(0, len(at)))]
+            d = int(rng.integers(0, n_gpus))
+            hops.append((s, d))
+            at.append(d)
+        flows.append(hops)
+    sizes = (rng.integers(0, 1000, len(flows)) if seed % 2 else rng.choice([0, 100, 300, 700], len(flows))).tolist()
+    f = [i for i, hops in enumerate(flows) for _ in hops]
+    r = simulate_hops(f, [s for hops in flows for s, _ in hops], [d for hops in flows for _, d in hops], sizes, net)
+    assert r.makespan_s == pytest.approx(_reference_hops(flows, sizes, net), rel=1e-9)
+    assert r.floor_s <= r.makespan_s * (1 + 1e-12)
+    hop_bytes = sum(n * len(hops) for n, hops in zip(sizes, flows, strict=True))
+    assert r.bytes_total == hop_bytes == r.bytes_local + r.bytes_over_nics + r.bytes_over_nvlink
+    assert sum(r.per_gpu.nic_out) == sum(r.per_gpu.nic_in) == r.bytes_over_nics
+    assert sum(r.per_gpu.nvlink_out) == sum(r.per_gpu.nvlink_in) == r.bytes_over_nvlink

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .._errors import MeshLayoutError
 from ._netsim import Network
+from ._relays import Relays
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--nvlink-gbps", type=float, default=3600.0, help="NVLink per GPU, each direction (Gbit/s)")
     s.add_argument("--trainer-dtype", default="bfloat16")
     s.add_argument("--generator-dtype", default="bfloat16", help="e.g. float8_e4m3fn (cast at the source)")
+    s.add_argument("--relays", choices=[r.value for r in Relays], default=Relays.OFF.value,
+                   help="also simulate relay GPUs in each generator host (host), a chain of hosts (chain), "
+                        "or both and choose the fastest (auto); off: the direct plan only")
     s.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args(argv)
 
@@ -34,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         network = Network(args.gpus_per_node, args.nic_gbps, args.nvlink_gbps)
         report = run(args.model, args.trainer, args.generator, network, trainer_dtype=args.trainer_dtype,
-                     generator_dtype=args.generator_dtype)
+                     generator_dtype=args.generator_dtype, relays=Relays(args.relays))
     except (MeshLayoutError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

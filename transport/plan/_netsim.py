@@ -14,6 +14,13 @@ The model, and what it leaves out:
 * A flow from a GPU to itself is a local copy: it takes no time and no resource; its bytes are
   reported as ``bytes_local`` (and counted in ``bytes_total``).
 * Flows with the same ``(src, dst)`` are one connection: they are merged (bytes summed) first.
+* A flow may also be a path or a tree of *hops* (:func:`simulate_hops`): a relay GPU forwards
+  what it receives to further GPUs. Every hop of a flow carries all of its bytes at the flow's
+  one rate, and each hop loads its own two ends (so a GPU that forwards to ``m`` GPUs puts ``m``
+  times the rate on its egress). That is cut-through forwarding in a fluid model: a relay sends a
+  byte on as it arrives, adds no store-and-forward delay, and no hop runs ahead of or behind the
+  others (no buffering lets a fast leg finish early or a slow one lag). Pipeline fill, one chunk
+  per hop, is left out with the other latencies.
 * All flows start at ``t = 0`` and share every resource max-min fairly (progressive filling, or
   water-filling); whenever flows finish, the rates of the others are recomputed (event-driven).
 * Rates are fluid: no packets, no latency, no per-message overhead, no congestion control, no
@@ -21,18 +28,19 @@ The model, and what it leaves out:
   idealised, close to lower-bound, estimate of what a well-behaved fabric achieves; real runs are
   slower by their per-transfer latencies and protocol overheads.
 
-``floor_s``, the bound no schedule can beat, is the largest ``bytes through a resource / its
-capacity`` over all resources. Max-min sharing reaches it exactly when the busiest resource is
-busy all the time (a balanced all-to-all); the gap ``makespan_s - floor_s`` is what fair
-sharing of an unbalanced plan loses to an ideal schedule.
+``floor_s``, the bound no schedule of these flows can beat, is the largest ``bytes through a
+resource / its capacity`` over all resources (NVLink hops counted against NVLink capacity).
+Max-min sharing reaches it exactly when the busiest resource is busy all the time (a balanced
+all-to-all); the gap ``makespan_s - floor_s`` is what fair sharing of an unbalanced plan loses
+to an ideal schedule.
 
 Cost: one max-min computation per event (the flows that finish together, within ``rtol`` of the
-event time), vectorised over the flows still running. A planner's plan has few distinct sizes and
-takes few events: 256 x 128 = 32,768 flows of real plans take 2 to ~750 events and under half a
-second, 196,608 flows a fraction of a second. Flows of all-different sizes are the worst case:
-one event each, so time grows with the square of the flows (random sizes, on a busy 2-core
-machine: 256 x 128 in ~25 s, 128 x 128, where both sides saturate, in ~1 min); ``rtol=1e-3``
-cuts that to 5-15 s and moves the makespan by ~0.15%.
+event time), vectorised over the (flow, resource) pairs still running; a relayed flow costs one
+pair per resource it crosses. A planner's plan has few distinct sizes and takes few events:
+256 x 128 = 32,768 flows of real plans take 2 to ~750 events and under a second. Flows of
+all-different sizes are the worst case: one event each, so time grows with the square of the
+flows (random sizes, on a busy 2-core machine: 256 x 128 in about a minute); ``rtol=1e-3`` cuts
+that to ~10 s and moves the makespan by ~0.15%.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Network", "SimResult", "simulate"]
+__all__ = ["GpuBytes", "Network", "SimResult", "simulate", "simulate_hops"]
 
 #: The four resources of a GPU, in the order of their blocks of resource ids (``kind * N + gpu``).
 _KINDS = ("NIC egress", "NIC ingress", "NVLink egress", "NVLink ingress")
@@ -92,8 +100,20 @@ class Network:
 
 
 @dataclass(frozen=True)
+class GpuBytes:
+    """Bytes through each GPU's four resources, as tuples indexed by GPU id (``0 .. N-1``, N one
+    more than the highest GPU a hop names; zeros where nothing passes)."""
+
+    nic_out: tuple[int, ...] = ()
+    nic_in: tuple[int, ...] = ()
+    nvlink_out: tuple[int, ...] = ()
+    nvlink_in: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class SimResult:
-    """What :func:`simulate` found. Byte counts are after merging flows of one ``(src, dst)``.
+    """What :func:`simulate` found. Byte counts are after merging flows of one ``(src, dst)``;
+    for :func:`simulate_hops` they count every hop (a relayed byte counts once per hop).
 
     Attributes:
         makespan_s: when the last flow finishes under max-min fair sharing (s).
@@ -102,7 +122,8 @@ class SimResult:
         bytes_over_nics: bytes between GPUs of different nodes.
         bytes_over_nvlink: bytes between different GPUs of one node.
         bytes_local: bytes a GPU sends to itself (no time, no resource).
-        flows: distinct ``(src, dst)`` pairs that carry bytes, local copies included.
+        flows: distinct ``(src, dst)`` pairs that carry bytes, local copies included (for
+            :func:`simulate_hops`: the flows that carry bytes over at least one hop).
         events: max-min rate computations (one per set of flows finishing together).
         nic_out_bytes_max: the most bytes one GPU sends over its NIC.
         nic_out_bytes_min_nonzero: the fewest, over the GPUs that send over their NIC at all.
@@ -110,6 +131,8 @@ class SimResult:
         nic_in_bytes_min_nonzero: the fewest, over the GPUs that receive over their NIC at all.
         busiest_resource: the resource that sets ``floor_s``, e.g. ``"gpu 12 NIC egress"``
             (``"none"`` when nothing crosses a NIC or NVLink).
+        per_gpu: the bytes through every GPU's NIC and NVLink, each direction (left out of
+            :meth:`as_dict`, which stays a fixed set of numbers).
     """
 
     makespan_s: float
@@ -125,14 +148,15 @@ class SimResult:
     nic_in_bytes_max: int
     nic_in_bytes_min_nonzero: int
     busiest_resource: str
+    per_gpu: GpuBytes = dataclasses.field(default=GpuBytes(), repr=False)
 
     def as_dict(self) -> dict[str, float | int | str]:
-        """The fields as a JSON-ready dict, in declaration order.
+        """The scalar fields as a JSON-ready dict, in declaration order (``per_gpu`` left out).
 
         Returns:
-            ``{field name: value}`` for every field.
+            ``{field name: value}`` for every field but ``per_gpu``.
         """
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "per_gpu"}
 
 
 def simulate(src: npt.ArrayLike, dst: npt.ArrayLike, nbytes: npt.ArrayLike, network: Network, *,
@@ -161,48 +185,109 @@ def simulate(src: npt.ArrayLike, dst: npt.ArrayLike, nbytes: npt.ArrayLike, netw
         ValueError: inputs that are not 1-D or not of one length, a negative GPU id or size, or an
             ``rtol`` that is negative or not finite.
     """
-    if not isinstance(network, Network):
-        raise TypeError(f"network must be a Network, got {type(network).__name__}")
-    if not (math.isfinite(rtol) and rtol >= 0):
-        raise ValueError(f"rtol must be a finite number >= 0, got {rtol!r}")
+    _check(network, rtol)
     s = _integers("src", src)
     d = _integers("dst", dst)
     b = _integers("nbytes", nbytes)
     if not (s.size == d.size == b.size):
         raise ValueError(f"src, dst and nbytes must have one length, got {s.size}, {d.size} and {b.size}")
     s, d, b = _merge(s, d, b)
+    return _simulate(np.arange(s.size, dtype=np.int64), s, d, b, network, rtol)
 
+
+def simulate_hops(flow: npt.ArrayLike, src: npt.ArrayLike, dst: npt.ArrayLike, nbytes: npt.ArrayLike,
+                  network: Network, *, rtol: float = 1e-9) -> SimResult:
+    """Times flows that each cross one or more hops (a relay's path or tree), all starting at once.
+
+    Hop ``i`` carries flow ``flow[i]`` from GPU ``src[i]`` to GPU ``dst[i]``; every hop of a flow
+    carries all of its ``nbytes[flow]`` at the flow's one rate (cut-through, see the module
+    docstring), and a hop listed twice carries them twice. Each flow is one connection: unlike
+    :func:`simulate`, nothing is merged. A hop from a GPU to itself is a local copy (no time, no
+    resource); flows of zero bytes, and hops of such flows, are ignored.
+
+    Args:
+        flow: the flow of each hop (1-D integers in ``0 .. len(nbytes) - 1``).
+        src: the GPU each hop leaves (1-D integers >= 0, as long as ``flow``).
+        dst: the GPU each hop reaches (1-D integers >= 0, as long as ``flow``).
+        nbytes: bytes of each flow (1-D integers >= 0).
+        network: the cluster.
+        rtol: as for :func:`simulate`.
+
+    Returns:
+        The makespan, the floor (relay hops counted on every resource they cross, NVLink against
+        NVLink capacity) and the byte counts per hop.
+
+    Raises:
+        TypeError: an input does not hold integers, or ``network`` is not a :class:`Network`.
+        ValueError: inputs that are not 1-D, hop arrays not of one length, a flow id out of range,
+            a negative GPU id or size, or a bad ``rtol``.
+    """
+    _check(network, rtol)
+    f = _integers("flow", flow)
+    s = _integers("src", src)
+    d = _integers("dst", dst)
+    b = _integers("nbytes", nbytes)
+    if not (f.size == s.size == d.size):
+        raise ValueError(f"flow, src and dst must have one length, got {f.size}, {s.size} and {d.size}")
+    if f.size and int(f.max()) >= b.size:
+        raise ValueError(f"flow ids must be below len(nbytes) = {b.size}, got {int(f.max())}")
+    return _simulate(f, s, d, b, network, rtol)
+
+
+def _check(network: Network, rtol: float) -> None:
+    if not isinstance(network, Network):
+        raise TypeError(f"network must be a Network, got {type(network).__name__}")
+    if not (math.isfinite(rtol) and rtol >= 0):
+        raise ValueError(f"rtol must be a finite number >= 0, got {rtol!r}")
+
+
+def _simulate(f: IntArray, s: IntArray, d: IntArray, b: IntArray, network: Network, rtol: float) -> SimResult:
+    """The hops (flow ``f``, ``s`` -> ``d``) of flows of ``b`` bytes, validated."""
+    keep = b[f] > 0
+    f, s, d = f[keep], s[keep], d[keep]
+    n = int(max(s.max(), d.max())) + 1 if s.size else 0
+    hop_bytes = b[f]
     local = s == d
     g = network.gpus_per_node
     nvlink = (s // g == d // g) & ~local
-    bytes_local = int(b[local].sum())
-    bytes_over_nvlink = int(b[nvlink].sum())
-    bytes_over_nics = int(b[~local & ~nvlink].sum())
-    flows = int(s.size)
+    bytes_local = int(hop_bytes[local].sum())
+    bytes_over_nvlink = int(hop_bytes[nvlink].sum())
+    bytes_over_nics = int(hop_bytes[~local & ~nvlink].sum())
+    flows = int(np.unique(f).size)
 
-    s, d, b, nvlink = s[~local], d[~local], b[~local], nvlink[~local]
+    f, s, d, nvlink = f[~local], s[~local], d[~local], nvlink[~local]
     if s.size == 0:
-        return SimResult(0.0, 0.0, bytes_local, 0, 0, bytes_local, flows, 0, 0, 0, 0, 0, "none")
+        zeros = (0,) * n
+        return SimResult(0.0, 0.0, bytes_local, 0, 0, bytes_local, flows, 0, 0, 0, 0, 0, "none",
+                         GpuBytes(zeros, zeros, zeros, zeros))
 
-    # Resource ids kind * n + gpu (_KINDS), renumbered densely over the resources in use.
-    n = int(max(s.max(), d.max())) + 1
+    # Resource ids kind * n + gpu (_KINDS), renumbered densely over the resources in use; one
+    # entry per (flow, resource) with the number of its hops through that resource as weight.
     r_out = np.where(nvlink, 2 * n + s, s)
     r_in = np.where(nvlink, 3 * n + d, n + d)
     ids, inverse = np.unique(np.concatenate([r_out, r_in]), return_inverse=True)
-    inverse = inverse.reshape(-1)
-    r0, r1 = inverse[: s.size].astype(np.int64), inverse[s.size:].astype(np.int64)
+    inverse = inverse.reshape(-1).astype(np.int64)
+    active, flow_of_hop = np.unique(f, return_inverse=True)  # flows renumbered 0 .. F-1
+    flow_of_hop = flow_of_hop.reshape(-1).astype(np.int64)
+    pair, weight = np.unique(np.concatenate([flow_of_hop, flow_of_hop]) * ids.size + inverse, return_counts=True)
+    ef, er = pair // ids.size, pair % ids.size  # sorted by flow
+    rem = b[active]
     cap = np.where(ids < 2 * n, network.nic_bytes_per_s, network.nvlink_bytes_per_s)
 
     load = np.zeros(ids.size, np.int64)  # exact bytes through each resource
-    np.add.at(load, r0, b)
-    np.add.at(load, r1, b)
+    np.add.at(load, er, weight * rem[ef])
     busy = load / cap
     busiest = int(np.argmax(busy))
     kind, gpu = divmod(int(ids[busiest]), n)
-    nic_out = load[ids < n]
-    nic_in = load[(ids >= n) & (ids < 2 * n)]
+    per_kind = []
+    for k in range(len(_KINDS)):
+        full = np.zeros(n, np.int64)
+        mine = (ids >= k * n) & (ids < (k + 1) * n)
+        full[ids[mine] - k * n] = load[mine]
+        per_kind.append(full)
+    nic_out, nic_in = load[ids < n], load[(ids >= n) & (ids < 2 * n)]
 
-    makespan, events = _run(r0, r1, cap, b.astype(np.float64), rtol)
+    makespan, events = _run(ef, er, weight.astype(np.float64), cap, rem.astype(np.float64), rtol)
     return SimResult(
         makespan_s=makespan,
         floor_s=float(busy[busiest]),
@@ -217,6 +302,7 @@ def simulate(src: npt.ArrayLike, dst: npt.ArrayLike, nbytes: npt.ArrayLike, netw
         nic_in_bytes_max=int(nic_in.max()) if nic_in.size else 0,
         nic_in_bytes_min_nonzero=int(nic_in.min()) if nic_in.size else 0,
         busiest_resource=f"gpu {gpu} {_KINDS[kind]}",
+        per_gpu=GpuBytes(*(tuple(int(x) for x in a) for a in per_kind)),
     )
 
 
@@ -259,18 +345,22 @@ def _merge(s: IntArray, d: IntArray, b: IntArray) -> tuple[IntArray, IntArray, I
     return s[starts], d[starts], np.add.reduceat(b, starts)
 
 
-def _run(r0: IntArray, r1: IntArray, cap: FloatArray, rem: FloatArray, rtol: float) -> tuple[float, int]:
+
+
+def _run(ef: IntArray, er: IntArray, ew: FloatArray, cap: FloatArray, rem: FloatArray,
+         rtol: float) -> tuple[float, int]:
     """The event loop: max-min rates, advance to the next completions, drop them, repeat.
 
-    Flow ``f`` uses resources ``r0[f]`` and ``r1[f]`` (distinct) of capacities ``cap`` and has
-    ``rem[f] > 0`` bytes. Returns ``(makespan, events)``.
+    Flow ``f`` (``0 .. F-1``, ``rem[f] > 0`` bytes) puts ``ew[e] * rate`` on resource ``er[e]``
+    for each entry ``e`` with ``ef[e] == f`` (entries sorted by flow, every flow has one);
+    ``cap`` holds the capacities. Returns ``(makespan, events)``.
     """
     t = 0.0
     events = 0
     rate = np.zeros(rem.size)
     kept: npt.NDArray[np.bool_] | None = None  # flows whose rate the next computation keeps
     while rem.size:
-        _max_min_rates(r0, r1, cap, rate, kept)
+        _max_min_rates(ef, er, ew, cap, rate, kept)
         events += 1
         if not (rate > 0).all() or not np.isfinite(rate).all():  # unreachable with positive capacities
             raise RuntimeError("netsim: a flow got no bandwidth; the model is inconsistent")
@@ -286,50 +376,58 @@ def _run(r0: IntArray, r1: IntArray, cap: FloatArray, rem: FloatArray, rtol: flo
         level = float(rate[done].min())
         going = ~done
         rem = rem[going] - rate[going] * dt  # > 0: these were due after dt
-        r0, r1, rate = r0[going], r1[going], rate[going]
+        rate = rate[going]
+        stays = going[ef]
+        ef, er, ew = (np.cumsum(going) - 1)[ef[stays]], er[stays], ew[stays]
         kept = rate < level
     return t, events
 
 
-def _max_min_rates(r0: IntArray, r1: IntArray, cap: FloatArray, rate: FloatArray,
+def _max_min_rates(ef: IntArray, er: IntArray, ew: FloatArray, cap: FloatArray, rate: FloatArray,
                    kept: npt.NDArray[np.bool_] | None) -> None:
-    """Max-min fair rates of the flows (``r0[f]``, ``r1[f]``), written into ``rate``.
+    """Max-min fair rates of the flows (entries ``ef``, ``er``, ``ew`` as in :func:`_run`),
+    written into ``rate``.
 
     Flows where ``kept`` is true keep the rate they have (the caller guarantees that they keep
     it in the max-min allocation); the others are filled in.
 
     Progressive filling, in parallel rounds: a resource's fair share is its capacity left over
-    the flows through it that are not yet fixed. A resource whose share is no larger than that of
-    every resource it shares a flow with saturates at that share before any of its flows is
-    fixed elsewhere (shares only grow as flows are fixed below them), so all such resources fix
-    their flows in one round. The resource of the smallest share always qualifies, so every round
-    fixes at least one flow.
+    the weights of the flows through it that are not yet fixed. A resource whose share is no
+    larger than that of every resource it shares a flow with saturates at that share before any
+    of its flows is fixed elsewhere (shares only grow as flows are fixed below them), so all such
+    resources fix their flows in one round. The resource of the smallest share always qualifies,
+    so every round fixes at least one flow.
     """
     n_res = cap.size
     left = cap.copy()
     if kept is not None and kept.any():
-        kr = rate[kept]
-        left -= np.bincount(r0[kept], kr, minlength=n_res) + np.bincount(r1[kept], kr, minlength=n_res)
-        todo = np.flatnonzero(~kept)
+        ke = kept[ef]
+        left -= np.bincount(er[ke], ew[ke] * rate[ef[ke]], minlength=n_res)
+        ke = ~ke
+        uf, ur, uw = ef[ke], er[ke], ew[ke]
     else:
-        todo = np.arange(r0.size)
-    u0, u1 = r0[todo], r1[todo]
-    count = np.bincount(u0, minlength=n_res) + np.bincount(u1, minlength=n_res)
+        uf, ur, uw = ef, er, ew
+    wsum = np.bincount(ur, uw, minlength=n_res)
+    first = np.flatnonzero(np.concatenate(([True], uf[1:] != uf[:-1])))  # each flow's first entry
+    runs = np.diff(np.append(first, uf.size))  # and its number of entries
     with np.errstate(divide="ignore", invalid="ignore"):  # resources with no flow left: unused
-        while todo.size:
-            share = left / count
-            a, c = share[u0], share[u1]
-            # A flow blocks its end of the larger share: that end cannot saturate first.
-            blocked = np.bincount(u0[c < a], minlength=n_res) + np.bincount(u1[a < c], minlength=n_res)
-            ready = blocked == 0
-            at0, at1 = ready[u0], ready[u1]
-            fix = at0 | at1
+        while uf.size:
+            share = left / wsum
+            es = share[ur]
+            lowest = np.minimum.reduceat(es, first)  # each flow's smallest share
+            at_lowest = np.repeat(lowest, runs)
+            # A flow blocks every resource of a larger share than its smallest: those cannot
+            # saturate first.
+            blocked = np.bincount(ur[es > at_lowest], minlength=n_res)
+            fix = np.logical_or.reduceat(blocked[ur] == 0, first)
             if not fix.any():  # unreachable: the smallest share is always ready
                 raise RuntimeError("netsim: progressive filling made no progress")
-            r = np.minimum(np.where(at0, a, np.inf), np.where(at1, c, np.inf))[fix]
-            rate[todo[fix]] = r
-            f0, f1 = u0[fix], u1[fix]
-            left -= np.bincount(f0, r, minlength=n_res) + np.bincount(f1, r, minlength=n_res)
-            count -= np.bincount(f0, minlength=n_res) + np.bincount(f1, minlength=n_res)
-            rest = ~fix
-            todo, u0, u1 = todo[rest], u0[rest], u1[rest]
+            rate[uf[first[fix]]] = lowest[fix]
+            fixed = np.repeat(fix, runs)
+            fr, fw = ur[fixed], uw[fixed]
+            left -= np.bincount(fr, fw * at_lowest[fixed], minlength=n_res)
+            wsum -= np.bincount(fr, fw, minlength=n_res)
+            rest = ~fixed
+            uf, ur, uw = uf[rest], ur[rest], uw[rest]
+            runs = runs[~fix]
+            first = np.cumsum(runs) - runs

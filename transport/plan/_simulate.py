@@ -7,6 +7,13 @@ share no node unless T is not a multiple of it). Layouts are *stacked* (every la
 and every expert, one virtual tensor), which changes nothing about which bytes go where and keeps
 a 1T-parameter model to a few hundred tensors.
 
+Relays (``relays``, see :mod:`._relays`): besides the direct plan, the same plan routed through
+relay GPUs on each generator host (``host``), along a chain of hosts (``chain``), or all three
+with the fastest chosen (``auto``: a fan-out with more relaying is taken only when its simulated
+makespan is at least :data:`PAYS` below the one with less; ties go to fewer hops, since a relay
+that fails costs its dependants a timeout). Each fan-out reports its own floor: the most loaded
+resource of *its* routes, NIC or NVLink, over that resource's rate.
+
 The naive plan, for comparison, is what frameworks do today, modelled generously: the trainer
 ranks all-gather the full weights (a ring: every rank sends ``(T-1)/T`` of the model to its
 neighbour), then trainer rank 0 broadcasts the whole model, at the generator's dtype, along a
@@ -24,10 +31,11 @@ import numpy as np
 
 from .._errors import MeshLayoutError
 from ._fp8 import FP8_DTYPE, fp8_generator_rank, fp8_trainer_layout
-from ._layouts import ITEMSIZE, Replica
+from ._layouts import ITEMSIZE, Replica, TrainerLayout
 from ._models import ModelConfig, builtin_model, checkpoint_tensors, model_config, trainer_layout
-from ._netsim import Network, SimResult, simulate
-from ._planner import Planner
+from ._netsim import Network, SimResult, simulate, simulate_hops
+from ._planner import Plan, Planner
+from ._relays import Fanout, Relays, hop_arrays, needs_of, routes
 from ._vllm import generator_replica
 
 #: Published end-to-end figures to put beside a simulation: (model, trainer GPUs, generator GPUs).
@@ -35,6 +43,10 @@ PUBLISHED: dict[tuple[str, int, int], str] = {
     ("kimi-k2", 256, 128): "1.3 s: Perplexity, Kimi-K2 (1T) from 256 BF16 training GPUs to 128 FP8 inference GPUs, "
                            "static schedule of one-sided RDMA writes",
 }
+
+
+#: A fan-out with more relaying (direct -> host -> chain) must be this much faster to be chosen.
+PAYS = 0.01
 
 
 @dataclass(frozen=True)
@@ -59,28 +71,49 @@ def parse_generator(spec: str) -> GeneratorSpec:
     return GeneratorSpec(values["tp"], values["ep"], values["replicas"])
 
 
-def _model(name: str) -> tuple[str, ModelConfig]:
+def _model(name: str | ModelConfig) -> tuple[str, ModelConfig]:
+    if isinstance(name, ModelConfig):
+        return name.model_type, name
     try:
         return name, builtin_model(name)
     except MeshLayoutError:
         return name, model_config(name)  # a config.json path
 
 
-def run(model: str, trainer_spec: str, generator_spec: str, network: Network, *, trainer_dtype: str = "bfloat16",
-        generator_dtype: str = "bfloat16") -> dict[str, Any]:
+def job_layouts(cfg: ModelConfig, trainer_spec: str, gen: GeneratorSpec, *, trainer_dtype: str = "bfloat16",
+                generator_dtype: str = "bfloat16") -> tuple[TrainerLayout, list[Replica]]:
+    """The stacked trainer layout and the generator replicas (``replica0`` ...) of a job.
+
+    Raises:
+        MeshLayoutError: a spec that does not fit the model.
+    """
+    trainer = trainer_layout(cfg, trainer_spec, dtype=trainer_dtype, stacked=True)
+    replicas = [generator_replica(cfg, f"replica{r}", tp=gen.tp, ep=gen.ep, dtype=generator_dtype, stacked=True)
+                for r in range(gen.replicas)]
+    if generator_dtype == FP8_DTYPE:  # block scales are planned and sent like any other tensor
+        trainer = fp8_trainer_layout(trainer)
+        replicas = [Replica(rep.id, tuple(fp8_generator_rank(g, trainer) for g in rep.ranks)) for rep in replicas]
+    return trainer, replicas
+
+
+def run(model: str | ModelConfig, trainer_spec: str, generator_spec: str, network: Network, *,
+        trainer_dtype: str = "bfloat16", generator_dtype: str = "bfloat16", relays: Relays = Relays.OFF,
+        ) -> dict[str, Any]:
     """Plans and simulates one job.
 
     Args:
-        model: a built-in model name or a path to a Hugging Face ``config.json``.
+        model: a built-in model name, a path to a Hugging Face ``config.json``, or a config.
         trainer_spec: e.g. ``fsdp=256`` or ``fsdp=32,tp=8`` (see ``trainer_layout``).
         generator_spec: e.g. ``tp=8,ep=8,replicas=16``.
         network: the cluster's network model.
         trainer_dtype: the trainer's parameter dtype.
         generator_dtype: the generator's weight dtype (casts happen at the source).
+        relays: the fan-outs to simulate beside the direct plan (see :class:`Relays`).
 
     Returns:
-        A JSON-ready report: bytes, makespan, floor, per-NIC extremes, the naive plan's figures,
-        planning time, and a published figure when one exists for this job.
+        A JSON-ready report: bytes, makespan, floor, per-NIC extremes (all of the direct plan),
+        the naive plan's figures, planning time, a published figure when one exists for this job,
+        and unless ``relays`` is off, ``relays``: every fan-out simulated, the one chosen and why.
 
     Raises:
         MeshLayoutError: an unknown model or a spec that does not fit the model.
@@ -88,12 +121,8 @@ def run(model: str, trainer_spec: str, generator_spec: str, network: Network, *,
     name, cfg = _model(model)
     gen = parse_generator(generator_spec)
     t0 = time.perf_counter()
-    trainer = trainer_layout(cfg, trainer_spec, dtype=trainer_dtype, stacked=True)
-    replicas = [generator_replica(cfg, f"replica{r}", tp=gen.tp, ep=gen.ep, dtype=generator_dtype, stacked=True)
-                for r in range(gen.replicas)]
-    if generator_dtype == FP8_DTYPE:  # block scales are planned and sent like any other tensor
-        trainer = fp8_trainer_layout(trainer)
-        replicas = [Replica(rep.id, tuple(fp8_generator_rank(g, trainer) for g in rep.ranks)) for rep in replicas]
+    trainer, replicas = job_layouts(cfg, trainer_spec, gen, trainer_dtype=trainer_dtype,
+                                    generator_dtype=generator_dtype)
     t_layout = time.perf_counter() - t0
     planner = Planner(trainer)
     plan = planner.plan(replicas)
@@ -126,7 +155,75 @@ def run(model: str, trainer_spec: str, generator_spec: str, network: Network, *,
     published = PUBLISHED.get((name, n_trainers, n_gen))
     if published is not None:
         report["published"] = published
+    if relays is not Relays.OFF:
+        report["relays"] = _relayed(plan, replicas, n_trainers, network, relays, mesh)
     return report
+
+
+def _relayed(plan: Plan, replicas: list[Replica], n_trainers: int, network: Network, relays: Relays,
+             direct: SimResult) -> dict[str, Any]:
+    """Every fan-out of ``relays`` simulated, and the one chosen with the reason."""
+    t0 = time.perf_counter()
+    needs = needs_of(plan, replicas, n_trainers)
+    t_needs = time.perf_counter() - t0
+    n_gpus = n_trainers + len(needs)
+    results: dict[Fanout, SimResult] = {}
+    out: dict[str, Any] = {}
+    for fanout in relays.fanouts:
+        if fanout is Fanout.DIRECT:
+            results[fanout] = direct
+            out[fanout.value] = _fanout_figures(direct, n_trainers, n_gpus)
+            continue
+        t0 = time.perf_counter()
+        r = results[fanout] = simulate_hops(*hop_arrays(routes(needs, fanout, network.gpus_per_node)), network)
+        out[fanout.value] = {**_fanout_figures(r, n_trainers, n_gpus),
+                             "route_and_simulate_s": round(time.perf_counter() - t0, 3)}
+    chosen, reason = choose({f: r.makespan_s for f, r in results.items()})
+    return {"asked": relays.value, "chosen": chosen.value, "reason": reason, "needs_s": round(t_needs, 3),
+            "fanouts": out}
+
+
+def _fanout_figures(r: SimResult, n_trainers: int, n_gpus: int) -> dict[str, Any]:
+    """A fan-out's makespan, floor, busiest resource, and bytes over the trainer and generator
+    sides' NICs and over NVLink."""
+    per = r.per_gpu
+    side = {"trainer": range(min(n_trainers, len(per.nic_out))),
+            "generator": range(n_trainers, min(n_gpus, len(per.nic_out)))}
+    return {
+        "makespan_s": r.makespan_s, "floor_s": r.floor_s,
+        "makespan_over_floor": r.makespan_s / r.floor_s if r.floor_s else 1.0,
+        "busiest_resource": r.busiest_resource,
+        "bytes_over_nics": r.bytes_over_nics, "bytes_over_nvlink": r.bytes_over_nvlink,
+        "trainer_nic_out_bytes_max": max((per.nic_out[g] for g in side["trainer"]), default=0),
+        "generator_nic_in_bytes_max": max((per.nic_in[g] for g in side["generator"]), default=0),
+        "generator_nic_out_bytes_max": max((per.nic_out[g] for g in side["generator"]), default=0),
+        "nvlink_out_bytes_max": max(per.nvlink_out, default=0),
+        "flows": r.flows, "events": r.events,
+    }
+
+
+def choose(makespans: dict[Fanout, float]) -> tuple[Fanout, str]:
+    """The fan-out to use and why: direct, unless one with more relaying (host, then chain) is
+    at least :data:`PAYS` faster than the best so far.
+
+    Args:
+        makespans: the simulated makespan of each fan-out (direct among them).
+
+    Returns:
+        The fan-out and a sentence that gives the figures.
+    """
+    best = Fanout.DIRECT
+    notes = []
+    for f in (Fanout.HOST, Fanout.CHAIN):
+        if f not in makespans:
+            continue
+        t, t_best = makespans[f], makespans[best]
+        if t < t_best * (1 - PAYS):
+            notes.append(f"{f.value} {t:.3f} s is {t_best / t:.2f}x faster than {best.value} {t_best:.3f} s")
+            best = f
+        else:
+            notes.append(f"{f.value} {t:.3f} s is not {PAYS:.0%} faster than {best.value} {t_best:.3f} s")
+    return best, "; ".join(notes) if notes else "no relays asked"
 
 
 def _naive(cfg: ModelConfig, n_trainers: int, gen: GeneratorSpec, network: Network, trainer_dtype: str,
@@ -172,4 +269,19 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if "published" in r:
         lines.append(f"published for this job: {r['published']}")
+    if "relays" in r:
+        lines.extend(_format_relays(r["relays"]))
     return "\n".join(lines)
+
+
+def _format_relays(rel: dict[str, Any]) -> list[str]:
+    gb = 1e9
+    lines = [f"relays ({rel['asked']}): {rel['chosen']} chosen: {rel['reason']}",
+             f"  {'fan-out':<8}{'makespan_s':>11}{'floor_s':>9}{'ratio':>7}  {'busiest':<24}"
+             f"{'train out':>10}{'gen in':>9}{'gen out':>9}{'NVLink out':>11}  (max GB per GPU)"]
+    for name, f in rel["fanouts"].items():
+        lines.append(f"  {name:<8}{f['makespan_s']:>11.3f}{f['floor_s']:>9.3f}{f['makespan_over_floor']:>7.3f}  "
+                     f"{f['busiest_resource']:<24}{f['trainer_nic_out_bytes_max'] / gb:>10.2f}"
+                     f"{f['generator_nic_in_bytes_max'] / gb:>9.2f}{f['generator_nic_out_bytes_max'] / gb:>9.2f}"
+                     f"{f['nvlink_out_bytes_max'] / gb:>11.2f}")
+    return lines
