@@ -33,25 +33,31 @@ packed slots; nothing else grows with the model or the number of subscribers.
 Delta sync (``delta=True``, the default for host state): a version that changed little goes to
 a subscriber holding exactly the previous one as the new values of the changed elements only,
 checked against per-tensor checksums before anything is written and applied inside the same
-slot handshake (``_delta``; README, "Delta sync").
+slot handshake (``_codec``; README, "Delta sync").
 
 Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
-words, the CPU memory barrier), ``_publisher`` (``Publisher``), ``_snapshots`` (its two packed
-snapshots that ``pull`` reads, and their background fill), ``_report`` (what a publish
-reports), ``_subscriber`` (``Subscriber``), ``_trust`` (the publisher's word on the versions
-it is offered, and the live version), ``_target`` (the local tensors a version is written
-into), ``_delta_intake`` (its delta versions), ``_apply`` (how a slot becomes the local weights),
-``_delta`` (the diff, the encodings, the checked scatter), ``_copy`` (host copies split across
-the cores), ``_polling`` (the one poll loop and the one seqlock read every wait on a peer's
-control words goes through).
+words, the CPU memory barrier, the slot claim), ``_lifecycle`` (start/aclose), ``_warm`` (one
+``warm()`` for both publishers), ``_report`` (what a publish reports).
+The stream publisher: ``_publisher`` (``Publisher``: the publish as a sequence of phases) over
+``_roster`` (whom it serves, who left or died), ``_pipeline`` (``VersionPipeline``: sample or
+pack, diff, complete the snapshot, the background passes; the one writer of the snapshots),
+``_snapshots`` (its two packed snapshots that ``pull`` reads, and their background fill),
+``_push`` (one version into one subscriber), ``_delta_feed`` (a delta version's parts as the
+diff hands them out) and ``_doorbells``.
+The stream subscriber: ``_subscriber`` (``Subscriber``) over ``_trust`` (the publisher's word on
+the versions it is offered, and the live version), ``_target`` (the local tensors a version is
+written into), ``_delta_intake`` (its delta versions) and ``_apply`` (how a slot becomes the
+local weights).
 Mesh sync: ``_mesh_publisher`` (``MeshPublisher``), ``_mesh_subscriber`` (``MeshSubscriber``;
 its replica and plan ``_mesh_replica``, the leader's commit ``_mesh_commit``, its delta areas
 ``_mesh_delta_intake``), ``_mesh_control`` (its regions and control words), ``_binding`` (the
-plan's moves bound to byte offsets of the snapshots and slots), ``_mesh_peers`` (who takes part), ``_mesh_fp8`` (FP8
-block scales made at the source), ``_mesh_delta`` (delta sync of a mesh stream: the in-place diff,
-the cut along each generator rank's runs, the checked apply into its slot). Every class here is
-an async context manager and has
-``aclose()``.
+plan's moves bound to byte offsets of the snapshots and slots), ``_mesh_peers`` (who takes
+part), ``_mesh_fp8`` (FP8 block scales made at the source).
+Both: ``_codec`` (the delta codec, no I/O: both wire forms, checksums, the encoder, the one
+checked apply of sparse patches, the crossover policy, the mesh form's runs), ``_copy`` (host
+copies split across the cores), ``_polling`` (the one poll loop and the one seqlock read every
+wait on a peer's control words goes through). Every class here is an async context manager and
+has ``aclose()``.
 Packing and device unpacking use the batched gather/scatter of ``transport._tensor_kernels``.
 """
 
