@@ -15,8 +15,10 @@ from transport.weights._codec.patch import Patch, Scratch, apply_patches
 N = 50_000
 
 
-def _case(seed: int, dtype: torch.dtype, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Patch]:
-    """(live base, fresh, payload, patch) for a tensor of which ``fraction`` changed."""
+def _case(seed: int, dtype: torch.dtype, fraction: float,
+          terms: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Patch]:
+    """(live base, fresh, payload, patch) for a tensor of which ``fraction`` changed (``terms``:
+    the patch gives the base values' checksum terms, as the stream form's header does)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(N, generator=g).to(dtype)
     fresh = base.clone()
@@ -31,21 +33,23 @@ def _case(seed: int, dtype: torch.dtype, fraction: float) -> tuple[torch.Tensor,
     assert (held - r.sum_old + r.sum_new) & MASK64 == new_sum
     live = base.clone()
     patch = Patch(f"t{seed}", live.data_ptr(), N, es, out.data_ptr(), r.payload_bytes, r.pos_bytes, Kind(r.kind),
-                  r.changed, held, new_sum)
+                  r.changed, held, new_sum, r.sum_old if terms else None)
     return live, fresh, out, patch
 
 
-def _cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Patch]]:
-    return [_case(1, torch.bfloat16, 0.01), _case(2, torch.float32, 0.3), _case(3, torch.bfloat16, 0.002)]
+def _cases(terms: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Patch]]:
+    return [_case(1, torch.bfloat16, 0.01, terms), _case(2, torch.float32, 0.3, terms),
+            _case(3, torch.bfloat16, 0.002, terms)]
 
 
 # scratch for none of them (every patch checked first), for the first only (some of each), for all
 SCRATCH = {"checked-first": 0, "mixed": 1, "one-pass": 3}
 
 
+@pytest.mark.parametrize("terms", [False, True], ids=["read", "given"])
 @pytest.mark.parametrize("mode", list(SCRATCH))
-def test_every_patch_lands_bit_for_bit(mode):
-    cases = _cases()
+def test_every_patch_lands_bit_for_bit(mode, terms):
+    cases = _cases(terms)
     scratch = Scratch(sum(c[3].scratch_bytes for c in cases[: SCRATCH[mode]]))
     apply_patches([c[3] for c in cases], 2, scratch)
     for live, fresh, _, _ in cases:
@@ -53,14 +57,18 @@ def test_every_patch_lands_bit_for_bit(mode):
 
 
 @pytest.mark.parametrize("mode", list(SCRATCH))
-@pytest.mark.parametrize("poison", ["checksum", "positions"])
+@pytest.mark.parametrize("poison", ["checksum", "positions", "terms"])
 def test_a_failing_patch_leaves_every_memory_as_it_was(mode, poison):
-    """The last patch fails (a wrong promised checksum, or positions past the tensor's end):
-    the others, stored in the same pass or not, are undone or never stored."""
-    cases = _cases()
+    """The last patch fails (a wrong promised checksum, positions past the tensor's end, or
+    base terms that are not the base's): the others, stored in the same pass or not, are
+    undone or never stored."""
+    cases = _cases(terms=poison == "terms")
     live, _, payload, bad = cases[-1]
     if poison == "checksum":
         bad = Patch(**{**bad.__dict__, "new_sum": (bad.new_sum + 1) & MASK64})
+    elif poison == "terms":  # the sender's word on the values it replaces is wrong
+        assert bad.old_terms is not None
+        bad = Patch(**{**bad.__dict__, "old_terms": (bad.old_terms + 1) & MASK64})
     else:  # a patch that claims a tensor of 10 elements: its positions fall outside it
         bad = Patch(**{**bad.__dict__, "numel": 10})
     cases[-1] = (live, cases[-1][1], payload, bad)

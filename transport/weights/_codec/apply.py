@@ -128,7 +128,7 @@ class DeltaApplier:
         for i, e in enumerate(entries):
             w = HEADER_WORDS + ENTRY_WORDS * i
             kind_word, changed, pos_bytes, payload_bytes = words[w:w + 4]
-            base_sum, new_sum = unsigned(words[w + 4]), unsigned(words[w + 5])
+            base_sum, new_sum, old_terms = (unsigned(x) for x in words[w + 4:w + 7])
             if kind_word not in (0, 1, 2, 3):
                 raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
             kind = Kind(kind_word)
@@ -161,7 +161,8 @@ class DeltaApplier:
                                         f"fit a {e.nbytes}-byte tensor")
             # (the live tensor has the wire dtype: a tensor that takes deltas is received as is)
             patches.append(Patch(repr(e.name), live.data_ptr(), e.numel, dtype_from_name(e.wire_dtype).itemsize,
-                                 base_ptr + e.offset, payload_bytes, pos_bytes, kind, changed, held, new_sum))
+                                 base_ptr + e.offset, payload_bytes, pos_bytes, kind, changed, held, new_sum,
+                                 old_terms))
         apply_patches(patches, self._threads, self._scratch)
         # Every sparse tensor is patched: the dense ones are copied (no check can fail now).
         batch = HostCopies()

@@ -6,8 +6,9 @@ Each patch names memory that holds exactly its base (the caller checked the base
 the checksum that memory must have after. The patches that fit the scratch are checked and
 stored in one pass (each value read once: what is stored is what the checksum verifies), with
 the values they replace saved so that every store is undone if any patch fails; the others are
-checked first, reading the payload and the values it replaces without storing, and stored only
-once every patch passed. No I/O: the payloads are in local memory (a slot, a delta area).
+checked first without storing (the payload, and the values it replaces unless the sender gave
+their checksum terms), and stored only once every patch passed. No I/O: the payloads are in
+local memory (a slot, a delta area).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Patch:
         count: the changed elements.
         held: the checksum of the memory at ``dst`` now (the base's).
         new_sum: the checksum it must have once patched.
+        old_terms: the checksum terms of the base values at its positions, when its sender
+            says (the stream form's header does): a patch checked first then reads only its
+            payload, not the memory at its positions (a cache miss a change). None: they are
+            read there.
         what: what it patches, for errors ("tensor", "slot").
     """
 
@@ -60,6 +65,7 @@ class Patch:
     count: int
     held: int
     new_sum: int
+    old_terms: int | None = None
     what: str = "tensor"
 
     @property
@@ -147,7 +153,9 @@ def apply_patches(patches: Sequence[Patch], threads: int, scratch: Scratch) -> N
 
 
 def _check(patches: Sequence[Patch], threads: int) -> None:
-    """Checks ``patches`` without storing: O(changed), the payload and the values it replaces.
+    """Checks ``patches`` without storing: O(changed), the payload (and the values it replaces
+    where the patch does not give their terms: the memory holds the base, its checksum is
+    ``held``, so the base values' terms are what the sender says they are or it fails).
 
     Raises:
         DeltaRefusedError: one fails.
@@ -157,7 +165,8 @@ def _check(patches: Sequence[Patch], threads: int) -> None:
     for j, p in enumerate(patches):
 
         def check(j: int = j, p: Patch = p) -> None:
-            verdicts[j] = native.scatter(p.dst, p.numel, p.es, p.payload, p.payload_bytes, int(p.kind), p.count,
+            dst = p.dst if p.old_terms is None else 0  # (0: only the payload is read)
+            verdicts[j] = native.scatter(dst, p.numel, p.es, p.payload, p.payload_bytes, int(p.kind), p.count,
                                          p.pos_bytes, False)
 
         batch.add(p.cost, check)
@@ -165,7 +174,7 @@ def _check(patches: Sequence[Patch], threads: int) -> None:
     for p, (refusal, old, new) in zip(patches, verdicts, strict=True):
         if refusal != native.Refusal.OK:
             raise DeltaRefusedError(f"{p.name}: payload refused ({refusal.name})")
-        if not p.patched(old, new):
+        if not p.patched(old if p.old_terms is None else p.old_terms, new):
             raise DeltaRefusedError(f"{p.name}: the patched {p.what} would not have the new checksum")
 
 
@@ -196,7 +205,8 @@ def _apply_one_pass(work: Sequence[tuple[Patch, int]], need: int, threads: int, 
     for (p, _), (refusal, old, new, _stored) in zip(work, done, strict=True):
         if refusal != native.Refusal.OK:
             why = f"{p.name}: payload refused ({refusal.name})"
-        elif not p.patched(old, new):
+        elif not p.patched(old, new) or (p.old_terms is not None and old != p.old_terms):
+            # (given terms that are not those of the values replaced: refused in every mode)
             why = f"{p.name}: the patched {p.what} does not have the new checksum"
         if why is not None:
             break
