@@ -125,8 +125,9 @@ class DeviceBounce(Bounce):
     allocated for: the caching allocator may hand out memory that work queued there still
     uses. It is not a transfer's ready event (the tensor is host memory; the buffer did not
     exist when the transfer started). The copies between the tensor and the buffer are
-    synchronous (``copy_`` without ``non_blocking``), on a worker thread: a loaded piece is on
-    the device when :meth:`load` returns, and a stored one in the tensor when :meth:`store` does.
+    synchronous (``copy_`` without ``non_blocking``), on a worker thread but on that stream: a
+    loaded piece is on the device when :meth:`load` returns, and a stored one in the tensor
+    when :meth:`store` does.
     """
 
     def __init__(self, local: LocalBuffer, nbytes: int, gpu: torch.Tensor) -> None:
@@ -134,15 +135,23 @@ class DeviceBounce(Bounce):
         self._host = _tensor_kernels.as_bytes(local.tensor)
         self._gpu = gpu
         self._ready = _cuda.ready_event(gpu)
+        # The stream the buffer was allocated for: the copies run on it (from the worker
+        # thread, whose own current stream is the default one), after the work queued there
+        # that may still use the recycled memory.
+        self._stream = torch.cuda.current_stream(gpu.device)
 
     def buffer(self, size: int) -> LocalBuffer:
         return LocalBuffer(self._gpu[:size].view(self.local.tensor.dtype), MemoryKind.CUDA, self._ready)
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src)
+
     async def load(self, pos: int, size: int) -> None:
-        await anyio.to_thread.run_sync(self._gpu[:size].copy_, self._host[pos : pos + size])
+        await anyio.to_thread.run_sync(self._copy, self._gpu[:size], self._host[pos : pos + size])
 
     async def store(self, pos: int, size: int) -> None:
-        await anyio.to_thread.run_sync(self._host[pos : pos + size].copy_, self._gpu[:size])
+        await anyio.to_thread.run_sync(self._copy, self._host[pos : pos + size], self._gpu[:size])
 
 
 @contextlib.asynccontextmanager

@@ -78,3 +78,53 @@ def test_a_failing_patch_leaves_every_memory_as_it_was(mode, poison):
         apply_patches([c[3] for c in cases], 2, scratch)
     for (now, *_), was in zip(cases, before, strict=True):
         assert torch.equal(now.view(torch.uint8), was.view(torch.uint8))
+
+
+def _chain(poison: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Patch], list[torch.Tensor]]:
+    """(live base, mid, fresh, [A, B], payloads): A turns base into mid, B mid into fresh, both
+    on the same memory, and B changes many elements A changed (``poison``: B promises a wrong
+    checksum)."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(N, generator=g).to(torch.bfloat16)
+    mid, fresh = base.clone(), base.clone()
+    at = torch.randperm(N, generator=g)[: N // 50]
+    mid[at] += 1.0
+    fresh.copy_(mid)
+    fresh[at[: len(at) // 2]] += 1.0  # half of A's positions again
+    fresh[torch.randperm(N, generator=g)[: N // 100]] -= 1.0
+    live = base.clone()
+    patches, payloads = [], []
+    for old, new in ((base, mid), (mid, fresh)):
+        out = torch.zeros(N * 2, dtype=torch.uint8)
+        r = native.encode(new.data_ptr(), old.data_ptr(), 0, N, 2, out.data_ptr(), out.numel())
+        new_sum = native.checksum(new.data_ptr(), N, 2)
+        if poison and new is fresh:
+            new_sum = (new_sum + 1) & MASK64
+        patches.append(Patch(f"p{len(patches)}", live.data_ptr(), N, 2, out.data_ptr(), r.payload_bytes, r.pos_bytes,
+                             Kind(r.kind), r.changed, native.checksum(old.data_ptr(), N, 2), new_sum))
+        payloads.append(out)
+    return live, mid, fresh, patches, payloads
+
+
+@pytest.mark.parametrize("mode", ["checked-first", "one-pass"])
+def test_patches_of_one_memory_go_in_order_and_are_undone_last_first(mode):
+    """Patches of the same memory (a mesh slot that every trainer rank patches, tied tensors)
+    are applied one after the other in the order given, and when the last fails every value is
+    restored: undone in the reverse order, the stores of the first are not left behind where
+    the second stored over them."""
+    live, _, fresh, patches, _keep = _chain(poison=False)
+    big = sum(p.scratch_bytes for p in patches)
+    scratch = Scratch(0 if mode == "checked-first" else big)
+    if mode == "checked-first":
+        # Checked first, each against the memory as it is now: the second one's base is the
+        # first one's result, which is not there yet, so the two are refused together.
+        with pytest.raises(DeltaRefusedError, match="p1"):
+            apply_patches(patches, 2, scratch)
+        return
+    apply_patches(patches, 2, scratch)
+    assert torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
+    live, _, _, patches, _keep = _chain(poison=True)
+    before = live.clone()
+    with pytest.raises(DeltaRefusedError, match="p1"):
+        apply_patches(patches, 2, Scratch(big))
+    assert torch.equal(live.view(torch.uint8), before.view(torch.uint8))

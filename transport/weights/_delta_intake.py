@@ -11,6 +11,8 @@ word, so that it is not tried again: ``pull()`` or the next dense version catche
 
 from __future__ import annotations
 
+import itertools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +27,8 @@ from ._layout import Layout
 if TYPE_CHECKING:
     from .. import Transport
     from ._target import Target
+
+log = logging.getLogger(__name__)
 
 
 class DeltaIntake:
@@ -44,16 +48,25 @@ class DeltaIntake:
     def of(cls, layout: Layout, target: Target, *, zero_copy: bool, threads: int) -> DeltaIntake | None:
         """The intake, when the slots are copied (not ``zero_copy``) from host memory and
         every tensor that can travel as a delta lands as it is in a contiguous host tensor of
-        its wire dtype (a conversion has no bits to patch); None when the subscriber takes
-        dense versions only."""
+        its wire dtype (a conversion has no bits to patch), no two of them in the same memory;
+        None when the subscriber takes dense versions only."""
         if zero_copy or not target.host:
             return None
         local: dict[int, torch.Tensor] = {}
         index = {e.name: i for i, e in enumerate(layout.entries)}
+        spans: list[tuple[int, int]] = []
         for e, dst in target.matched:
             if deltable(e) and (dst.is_cuda or not dst.is_contiguous() or dtype_name(dst.dtype) != e.wire_dtype):
                 return None
+            if deltable(e):
+                spans.append((dst.data_ptr(), dst.data_ptr() + dst.numel() * dst.element_size()))
             local[index[e.name]] = dst
+        spans.sort()
+        if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+            # Tied tensors (two names, one memory): a delta of each would be checked against
+            # the other's stores and refused every version; such a subscriber takes them dense.
+            log.info("subscriber: two tensors that can travel as deltas share memory (tied weights): dense only")
+            return None
         return cls(DeltaApplier(layout, [local.get(i) for i in range(len(layout.entries))], threads))
 
     def register(self, transport: Transport, keys: tuple[str, str], layout: Layout) -> None:

@@ -176,6 +176,7 @@ class VersionPipeline:
         """Phase 3 (before any subscriber's front names ``v``: they check): the latest version,
         whether subscribers should ready a delta's base (``DIFFING``), and, for a delta
         version, that its snapshot is being completed (``pull`` waits for it)."""
+        v.announced_at = time.perf_counter()
         ctl = self.snapshots.ctl
         ctl[LATEST] = v.number
         if v.sample is not None and v.sample[2]:
@@ -184,7 +185,7 @@ class VersionPipeline:
         if v.feed is not None:
             ctl[FILLING] = v.number
         memory_barrier()
-        v.announced_at = v.diffed_at = time.perf_counter()
+        v.diffed_at = time.perf_counter()
 
     async def diff(self, v: Version) -> None:
         """Phase 4 (beside the pushes; nothing for a dense version): diffs ``v`` against the
@@ -219,19 +220,25 @@ class VersionPipeline:
             await anyio.to_thread.run_sync(delta.fill_copies, v.snap, dv)
             if rings is None:
                 await anyio.to_thread.run_sync(delta.fill_patches, v.snap, dv)
-                snapshots.finish(v.slot, v.number, True)
+                self._finish(v)
                 delta.commit(v.slot, v.number, v.sums)
             else:
                 snapshots.complete_in_background(rings, v.slot, v.number, functools.partial(delta.fill_patches,
                                                                                             v.snap, dv),
                                                  rings_pending, functools.partial(delta.commit, v.slot, v.number,
                                                                                   v.sums))
+                v.ended = True  # (the background task ends it)
         elif holder is not None and snapshots.direct and rings is not None:
             # No one writes the holder's slot before our next publish.
             snapshots.fill_in_background(rings, holder[0], holder[1], v.slot, v.number, rings_pending)
+            v.ended = True  # (the background task ends it)
         else:
             await anyio.to_thread.run_sync(snapshots.fill_direct, v.slot)
-            snapshots.finish(v.slot, v.number, True)
+            self._finish(v)
+
+    def _finish(self, v: Version) -> None:
+        """Ends ``v``'s write here, complete: its snapshot is the front for pullers."""
+        self.snapshots.finish(v.slot, v.number, True)
         v.ended = True
 
     def end(self, v: Version) -> None:
@@ -277,12 +284,16 @@ class VersionPipeline:
                           kinds={"dense": len(self.layout.entries)}, sampled=sample is not None,
                           crossover=delta.crossover if sample is not None else 0.0 if v.chosen else None)
 
+    def stop(self) -> None:
+        """Stops the background pass (it takes no more pieces); :meth:`aclose` waits for it."""
+        if self._learning is not None:
+            self._learning[2].stop()
+
     async def aclose(self) -> None:
         """Stops the background pass and waits (at most ``PAUSE_S``) for its thread: its piece
         in flight ends in milliseconds, and a thread left in native code when the interpreter
         exits would abort the process. Cancellation: shielded."""
-        if self._learning is not None:
-            self._learning[2].stop()
+        self.stop()
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             with anyio.CancelScope(shield=True):

@@ -229,6 +229,7 @@ class Publisher(Lifecycle):
         self._started = False
         rings, self._rings = self._rings, None
         self._doorbells.close()
+        self._pipeline.stop()  # first: whatever withdrawing raises, the pass takes no more pieces
         try:
             withdraw(self.t, [self._keys.pubctl, *self._keys.snapshots, self._keys.layout])
             await self._pipeline.aclose()

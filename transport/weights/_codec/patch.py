@@ -13,6 +13,7 @@ local memory (a slot, a delta area).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -126,6 +127,11 @@ def apply_patches(patches: Sequence[Patch], threads: int, scratch: Scratch) -> N
         DeltaRefusedError: a payload fails a bounds or integrity check, or a patched memory
             would not have its new checksum; every memory is as it was.
     """
+    if _overlapping(patches):
+        # Patches of one memory (a mesh slot that every trainer rank patches; tied tensors)
+        # go one after the other, in order, and are undone in the reverse order: a store never
+        # races another, and every value saved is restored last-in first-out.
+        threads = 1
     one_pass: list[tuple[Patch, int]] = []
     checked_first: list[Patch] = []
     need = 0
@@ -181,7 +187,7 @@ def _check(patches: Sequence[Patch], threads: int) -> None:
 def _apply_one_pass(work: Sequence[tuple[Patch, int]], need: int, threads: int, scratch: Scratch) -> None:
     """Checks and stores each of ``work`` (a patch and its scratch offset) in one pass across
     the copy threads, then verifies each patched memory's checksum; undoes every store made if
-    one fails.
+    one fails (last patch first).
 
     Raises:
         DeltaRefusedError: a patch fails; every memory is as it was.
@@ -212,11 +218,17 @@ def _apply_one_pass(work: Sequence[tuple[Patch, int]], need: int, threads: int, 
             break
     if why is None:
         return
-    for (p, at), (_, _, _, stored) in zip(work, done, strict=True):
+    for (p, at), (_, _, _, stored) in reversed(list(zip(work, done, strict=True))):
         if stored:
             native.undo(p.dst, p.numel, p.es, int(p.kind), base + at, p.pos_bytes, stored,
                         base + at + _align8(p.pos_bytes))
     raise DeltaRefusedError(why)
+
+
+def _overlapping(patches: Sequence[Patch]) -> bool:
+    """Whether two of ``patches`` patch memory that overlaps."""
+    spans = sorted((p.dst, p.dst + p.numel * p.es) for p in patches)
+    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
 def _align8(n: int) -> int:

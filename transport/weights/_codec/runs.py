@@ -315,8 +315,9 @@ class Materializer:
                                         f"version {version} (checksum {held:#x}, the delta expects {base_sum:#x})")
             ranks.append(t)
             payloads.append(area[off + HEAD_BYTES : off + HEAD_BYTES + payload_bytes].clone())
-            patches.append(Patch(f"trainer rank {t}", buf.data_ptr(), units, 2, payloads[-1].data_ptr(),
-                                 payload_bytes, pos_bytes, Kind.VARINT, count, held, new_sum, what="slot"))
+            patches.append(Patch(f"trainer rank {t} (version {version})", buf.data_ptr(), units, 2,
+                                 payloads[-1].data_ptr(), payload_bytes, pos_bytes, Kind.VARINT, count, held, new_sum,
+                                 what="slot"))
         # Positions are units of the slot: each trainer rank's checksum is over its own runs there.
         apply_patches(patches, self._threads, self._scratch)
         self.applied_units = sum(p.count for p in patches)
