@@ -186,6 +186,20 @@ inline bool flush_due(uint64_t fill, uint64_t i, uint64_t start) {
   return fill + kStep<ES> > Batch::kCap || i + kStep<ES> - start >= (uint64_t{1} << 31);
 }
 
+// After the step at i: when the batch (fill changes from start) is due, hands it to flush, the
+// vector path's (rare: every few thousand changes, so through a pointer), and begins the next
+// batch after that step.
+template <int ES, class V>
+inline void flush_when_due(Batch& batch, uint64_t& fill, uint64_t& start, uint64_t i, Emitter* em, V* acc, V* old,
+                           void (*flush)(Batch&, Emitter*, V*, V*)) {
+  if (!flush_due<ES>(fill, i, start)) return;
+  batch.fill = fill;
+  batch.start = start;
+  flush(batch, em, acc, old);
+  fill = 0;
+  start = i + kStep<ES>;
+}
+
 // AVX2 has no compress: its packs look up, by an 8-bit mask of lanes, the kept lanes' indices
 // first (vpermd's operand; with the lanes' first index added, the kept indices themselves), and
 // the pshufb operand that packs the varints of 8 gaps under 2**14 held as two bytes each (bit j:
@@ -421,13 +435,7 @@ __attribute__((target("avx2"))) uint64_t run_avx2(const uint8_t* f, const uint8_
         }
       }
     }
-    if (flush_due<ES>(fill, i, start)) {
-      batch.fill = fill;
-      batch.start = start;
-      flush_avx2<ES>(batch, em, &acc, &old);
-      fill = 0;
-      start = i + kLanes;
-    }
+    flush_when_due<ES>(batch, fill, start, i, em, &acc, &old, &flush_avx2<ES>);
   }
   if (stream) _mm_sfence();
   if (em == nullptr) return rest(f, b, s, body, n, ES, first, em, hsum_avx2(acc));
@@ -579,13 +587,7 @@ __attribute__((target(TRANSPORT_AVX512))) uint64_t run_avx512(const uint8_t* f, 
       _mm512_storeu_si512(bindex + fill, _mm512_maskz_compress_epi32(m0, ib));
     }
     fill += k;
-    if (flush_due<ES>(fill, i, start)) {
-      batch.fill = fill;
-      batch.start = start;
-      flush_avx512<ES>(batch, em, &acc, &old);
-      fill = 0;
-      start = i + kLanes;
-    }
+    flush_when_due<ES>(batch, fill, start, i, em, &acc, &old, &flush_avx512<ES>);
   }
   batch.fill = fill;
   batch.start = start;

@@ -173,42 +173,13 @@ def test_bad_types_and_settings_raise() -> None:
 
 
 def _reference_makespan(src: list[int], dst: list[int], nbytes: list[int], net: Network) -> float:
-    """Event-driven max-min sharing written the plain way: merge, then repeatedly fix the flows of
-    the single resource with the smallest fair share, advance to the next completions."""
+    """Event-driven max-min sharing written the plain way: merge the pairs, then share as
+    :func:`_reference_hops` does (each flow one hop)."""
     merged: dict[tuple[int, int], int] = defaultdict(int)
     for s, d, n in zip(src, dst, nbytes, strict=True):
         if n and s != d:
             merged[(s, d)] += n
-    g = net.gpus_per_node
-    ends = {(s, d): (("nvl-out", s), ("nvl-in", d)) if s // g == d // g else (("nic-out", s), ("nic-in", d))
-            for s, d in merged}
-    cap = {r: (net.nvlink_gbps if r[0].startswith("nvl") else net.nic_gbps) * 1e9 / 8 for e in ends.values() for r in e}
-    rem = {f: float(n) for f, n in merged.items()}
-    t = 0.0
-    while rem:
-        left, rate, unfixed = dict(cap), {}, set(rem)
-        while unfixed:
-            users: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
-            for f in sorted(unfixed):
-                for r in ends[f]:
-                    users[r].append(f)
-            bottleneck = min(users, key=lambda r: left[r] / len(users[r]))
-            share = left[bottleneck] / len(users[bottleneck])
-            for f in users[bottleneck]:
-                rate[f] = share
-                unfixed.discard(f)
-                for r in ends[f]:
-                    left[r] -= share
-        until = {f: rem[f] / rate[f] for f in rem}
-        first = min(until.values())
-        done = [f for f in rem if until[f] <= first + 1e-9 * (t + first)]
-        dt = max(until[f] for f in done)
-        t += dt
-        for f in done:
-            del rem[f]
-        for f in rem:
-            rem[f] -= rate[f] * dt
-    return t
+    return _reference_hops([[f] for f in merged], list(merged.values()), net)
 
 
 @pytest.mark.parametrize("seed", range(40))
