@@ -126,7 +126,7 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
         return {n: f[n][tuple(slice(lo, hi) for lo, hi in boxes[n])].contiguous() for n in boxes}
 
     live = shards(0)
-    reports, incomplete, changed, warmed = [], [], [], []
+    reports, incomplete, changed, warmed, departed = [], [], [], [], []
     pub = MeshPublisher(t, "m", live, lay, rank=rank, deadline=spec.get("deadline", 10.0),
                         delta=spec.get("delta", "auto"))
     await pub.start()
@@ -157,8 +157,9 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
         reports.append({k: [r.status.name, r.error, r.delta, r.nbytes] for k, r in rep.results.items()})
         incomplete.append(list(rep.incomplete))
         changed.append(rep.changed)
+        departed.append({"left": list(rep.left), "dead": sorted(rep.dead)})
         await t.signal("ctl", f"{spec['name']}.done", v + 1)
-    return {"reports": reports, "incomplete": incomplete, "changed": changed, "warmed": warmed}
+    return {"reports": reports, "incomplete": incomplete, "changed": changed, "warmed": warmed, "departed": departed}
 
 
 async def generator(spec: dict, t: transport.Transport) -> dict:

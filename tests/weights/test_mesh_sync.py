@@ -147,6 +147,11 @@ async def test_a_killed_generator_rank_fails_only_its_replica_then_pulls_and_rej
         results = {p.name: await p.result(timeout=120) for p in [*trainers, *gens.values()]}
     # While A1 is dead, replica A is incomplete and not served; B is.
     assert results["t0"]["incomplete"][1] == ["A"] and set(results["t0"]["reports"][1]) == {"B/0"}
+    # Every trainer rank reports A1's death once, at the first publish after it (A0, alive in
+    # the incomplete replica, has not left); its restart under the name is served as new.
+    for r in ("t0", "t1"):
+        assert results[r]["departed"] == [{"left": [], "dead": []}, {"left": [], "dead": ["A1"]}] + \
+            [{"left": [], "dead": []}] * (n - 2), (r, results[r]["departed"])
     # Warmed: every rank's two slots; nothing new; A0 and the restarted A1 again (replica A
     # was not served while A1 was dead); then nothing new.
     for r in ("t0", "t1"):

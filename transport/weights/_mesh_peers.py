@@ -10,7 +10,7 @@ logged once and left out of the scan; it never fails the scan for the others.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MeshMembers:
-    """One look at the store: trainer rank -> its peer, and generator peer name -> (its peer,
-    its layout)."""
+    """One look at the store: trainer rank -> its peer, generator peer name -> (its peer, its
+    layout), and every peer listed as looked up (None: its record is left by an exited process,
+    or unreadable)."""
 
     trainers: dict[int, Peer]
     generators: dict[str, tuple[Peer, RankLayout]]
+    listed: dict[str, Peer | None] = field(default_factory=dict)
 
 
 class MeshPeers:
@@ -62,10 +64,11 @@ class MeshPeers:
         self._failed = {n: v for n, v in self._failed.items() if n in listed}
         trainers: dict[int, Peer] = {}
         generators: dict[str, tuple[Peer, RankLayout]] = {}
+        looked: dict[str, Peer | None] = {}
         for n in sorted(listed):
             peer: Peer | None = None
             try:
-                peer = await self.t.lookup(n)
+                peer = looked[n] = await self.t.lookup(n)
                 if peer is None or self._backing_off(peer):
                     continue
                 rank = await self._trainer_rank(peer)
@@ -78,7 +81,7 @@ class MeshPeers:
                 raise
             except TransportError as exc:
                 self._refuse(n, peer.incarnation if peer is not None else "", exc)
-        return MeshMembers(trainers, generators)
+        return MeshMembers(trainers, generators, looked)
 
     def _backing_off(self, peer: Peer) -> bool:
         failed = self._failed.get(peer.name)

@@ -49,6 +49,7 @@ from ._mesh_control import (
 from ._mesh_fp8 import BlockQuantizer
 from ._mesh_peers import MeshMembers, MeshPeers
 from ._report import SyncResult, SyncStatus
+from ._roster import Departures
 from ._warm import WarmTarget, warm_pushes
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ class MeshPublishReport:
         changed: with delta sync, the fraction of this rank's 2-byte units that changed since
             the version its snapshot held (None: not diffed: no base yet, delta sync off, or
             more than the crossover changed).
+        left: generator ranks of the stream (peer names) seen at the last publish that have
+            left since (their Transport closed, or they no longer take part), each reported
+            once; sorted.
+        dead: generator ranks seen at the last publish whose process died since (peer name ->
+            why), each reported once. Their replicas are ``incomplete`` until they return.
     """
 
     version: int
@@ -83,6 +89,8 @@ class MeshPublishReport:
     push_s: float = 0.0
     total_s: float = 0.0
     changed: float | None = None
+    left: tuple[str, ...] = ()
+    dead: dict[str, str] = field(default_factory=dict)
 
 
 def slot_busy(header: torch.Tensor, slot: int) -> str | None:
@@ -156,6 +164,7 @@ class MeshPublisher(Lifecycle):
         self._live = self._check_shards(shards)
         self._quant = BlockQuantizer(transport, self.keys, layout, rank)
         self._members = MeshPeers(transport, self.keys)
+        self._departures = Departures(transport.name, "generator rank")  # the ranks seen, and who of them went
         self._snaps: list[torch.Tensor] = []
         self._tctl: torch.Tensor | None = None
         self._layout_bytes: torch.Tensor | None = None
@@ -275,15 +284,18 @@ class MeshPublisher(Lifecycle):
             self._version = version
             t1 = time.perf_counter()
             work, incomplete, refused = self._discover(members)
+            present = {n: p for n, (p, _) in members.generators.items()}  # (fed or not: a replica incomplete)
+            left, dead = self._departures.since(present, members.listed)
             t2 = time.perf_counter()
             results: dict[str, SyncResult] = {}
             async with anyio.create_task_group() as tg:
                 for label, peer, plan_moves in work:
                     tg.start_soon(self._push_one, label, peer, plan_moves, version, t0, results)
             t3 = time.perf_counter()
+            self._departures.served(present, members.listed, dead)
         changed = self._change.density if self._change is not None else None
         return MeshPublishReport(version, results, incomplete, refused, t1 - t_scan, (t_scan - t0) + (t2 - t1),
-                                 t3 - t2, t3 - t0, changed)
+                                 t3 - t2, t3 - t0, changed, left, {n: why for (n, _), why in dead.items()})
 
     async def warm(self) -> int:
         """Readies the pushes to generator ranks this rank has not pushed to or warmed yet, so
