@@ -51,9 +51,15 @@ class Version:
         slot: the snapshot it is written into.
         front: (version, slot) of the snapshot in front when it began (None: none yet).
         snap: that snapshot's buffer.
+        learning: the background checksum pass :meth:`VersionPipeline.settle` paused for it
+            ((slot, version, pass) of the dense snapshot it covers), if any.
         feed: its delta encodings as the diff hands them out (None: it goes dense to all).
         chosen: its crossover per subscriber that takes deltas (0.0: dense to it).
-        diffed_at: when its diff ended (``time.perf_counter()``; its announcement, undiffed).
+        announced_at: when :meth:`VersionPipeline.announce` began (``time.perf_counter()``).
+        diffed_at: when its diff ended (its announcement's end, undiffed).
+        sample: the sample of its change (predicts dense, changed, sampled), if taken.
+        dv: its delta version once diffed; sums: its tensors' checksums then.
+        ended: its snapshot's write was ended (or handed to a background task that ends it).
     """
 
     number: int
@@ -68,7 +74,7 @@ class Version:
     sample: tuple[bool, int, int] | None = None
     dv: DeltaVersion | None = None
     sums: list[int] = field(default_factory=list)
-    ended: bool = False  # its snapshot's write was ended (or handed to a background task)
+    ended: bool = False
 
     @property
     def diff_s(self) -> float:
