@@ -11,7 +11,6 @@ word, so that it is not tried again: ``pull()`` or the next dense version catche
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ from .._tensors import dtype_name
 from ._codec.apply import DeltaApplier
 from ._codec.checksum import deltable
 from ._codec.format import index_bytes
+from ._codec.patch import overlapping
 from ._layout import Layout
 
 if TYPE_CHECKING:
@@ -61,8 +61,7 @@ class DeltaIntake:
             if deltable(e):
                 spans.append((dst.data_ptr(), dst.data_ptr() + dst.numel() * dst.element_size()))
             local[index[e.name]] = dst
-        spans.sort()
-        if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+        if overlapping(spans):
             # Tied tensors (two names, one memory): a delta of each would be checked against
             # the other's stores and refused every version; such a subscriber takes them dense.
             log.info("subscriber: two tensors that can travel as deltas share memory (tied weights): dense only")

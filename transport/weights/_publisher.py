@@ -361,13 +361,13 @@ class Publisher(Lifecycle):
             await pipeline.settle()
             t0 = time.perf_counter()
             v = pipeline.begin(version)
+            takers = self._pushes.takers()  # as the last pushes found them
             try:
                 # The subscribers are looked up while the version is sampled, or packed.
-                scan, t_packed = await _both(self._roster.scan,
-                                             functools.partial(pipeline.prepare, v, self._pushes.takers()))
+                scan, t_packed = await _both(self._roster.scan, functools.partial(pipeline.prepare, v, takers))
                 results = {name: SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0, why)
                            for (name, _), why in scan.dead.items()}
-                pipeline.announce(v, self._pushes.takers())
+                pipeline.announce(v, takers)
                 async with anyio.create_task_group() as tg:
                     for peer in scan.serve.values():
                         tg.start_soon(self._serve, peer, v, t0, results)

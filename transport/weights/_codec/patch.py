@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +127,7 @@ def apply_patches(patches: Sequence[Patch], threads: int, scratch: Scratch) -> N
         DeltaRefusedError: a payload fails a bounds or integrity check, or a patched memory
             would not have its new checksum; every memory is as it was.
     """
-    if _overlapping(patches):
+    if overlapping((p.dst, p.dst + p.numel * p.es) for p in patches):
         # Patches of one memory (a mesh slot that every trainer rank patches; tied tensors)
         # go one after the other, in order, and are undone in the reverse order: a store never
         # races another, and every value saved is restored last-in first-out.
@@ -225,10 +225,9 @@ def _apply_one_pass(work: Sequence[tuple[Patch, int]], need: int, threads: int, 
     raise DeltaRefusedError(why)
 
 
-def _overlapping(patches: Sequence[Patch]) -> bool:
-    """Whether two of ``patches`` patch memory that overlaps."""
-    spans = sorted((p.dst, p.dst + p.numel * p.es) for p in patches)
-    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+def overlapping(spans: Iterable[tuple[int, int]]) -> bool:
+    """Whether two of the address ranges ``spans`` (``[start, end)``) overlap."""
+    return any(b[0] < a[1] for a, b in itertools.pairwise(sorted(spans)))
 
 
 def _align8(n: int) -> int:
