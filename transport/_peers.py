@@ -83,6 +83,13 @@ class Peer:
     def regions(self) -> Mapping[str, RegionRecord]:
         return self._record.regions
 
+    @property
+    def host(self) -> str:
+        """Names the peer's host (and PID namespace): peers with equal ``host`` may reach each
+        other's memory without the network (``ipc``). Opaque; compare it, do not parse it."""
+        h = self._record.host
+        return f"{h.hostname}/{h.boot_id}/{h.pid_ns}"
+
     def __repr__(self) -> str:
         return (
             f"Peer({self.name!r}, incarnation={self.incarnation!r}, backends={self.backends}, "

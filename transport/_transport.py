@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -164,6 +164,7 @@ class Transport:
         stack.callback(self._close_cuda)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)
+        self._tasks = tg  # the agent, heartbeats, transfers' staged runs, services (_run_service)
         self._directory = PeerDirectory(me, self._store, self._auth, self._flight, self._heartbeat_s, self._lease_s)
         stack.callback(self._directory.close)
         ctx = BackendContext(self.name, self.incarnation, me.pid, me.host, tg, self._copier, self.timeout,
@@ -232,6 +233,28 @@ class Transport:
         # Every transfer has settled: if a failure was dumped meanwhile, the last dump shows how
         # what it caught in flight ended.
         self._flight.dump_if_changed("closing")
+
+    def _run_service(self, service: Callable[[], Awaitable[None]]) -> anyio.CancelScope:
+        """Runs ``service`` in this Transport's task group until the returned scope is cancelled
+        or the Transport closes (what it raises is logged, not raised): background work of a
+        layer above (a weight-sync relay) that lives as long as the Transport, not as the task
+        that started it.
+
+        Raises:
+            ClosedError: the Transport is not open.
+        """
+        self._check_open(notice=False)
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                try:
+                    await service()
+                except Exception:  # nobody waits for a service: logged
+                    log.exception("transport %s: service %r failed", self.name, service)
+
+        self._tasks.start_soon(run)
+        return scope
 
     def _close_backends(self) -> None:
         for b in self._backends:
