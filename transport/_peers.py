@@ -87,14 +87,18 @@ class Peer:
     def host(self) -> str:
         """Names the peer's host (and PID namespace): peers with equal ``host`` may reach each
         other's memory without the network (``ipc``). Opaque; compare it, do not parse it."""
-        h = self._record.host
-        return f"{h.hostname}/{h.boot_id}/{h.pid_ns}"
+        return host_key(self._record.host)
 
     def __repr__(self) -> str:
         return (
             f"Peer({self.name!r}, incarnation={self.incarnation!r}, backends={self.backends}, "
             f"regions={len(self.regions)})"
         )
+
+
+def host_key(host: HostId) -> str:
+    """The opaque text :attr:`Peer.host` names ``host`` by."""
+    return f"{host.hostname}/{host.boot_id}/{host.pid_ns}"
 
 
 _GOOD_NAMES: set[str] = set()  # names that passed check_name (bounded: cleared when full)
@@ -241,12 +245,13 @@ class PeerDirectory:
                         self.me.name, old.name, old.host.hostname)
 
     def publish(self, seq: int, agent: tuple[str, int], backends: Mapping[str, bytes],
-                regions: Mapping[str, RegionRecord]) -> None:
+                regions: Mapping[str, RegionRecord], agents: Sequence[tuple[str, int]] = ()) -> None:
         """Signs and writes our record (revision ``seq``), bound to its key, our name and our
-        incarnation."""
+        incarnation. ``agents``: every address the agent listens on, ``agent`` first."""
         me = self.me
         record = PeerRecord(name=me.name, incarnation=me.incarnation, seq=seq, pid=me.pid, pid_start=me.pid_start,
-                            host=me.host, agent=agent, backends=backends, regions=regions)
+                            host=me.host, agent=agent, backends=backends, regions=regions,
+                            agents=tuple(agents) if len(agents) > 1 else ())
         key = PEER_PREFIX + me.name
         self._store.set(key, self._auth.sign_record(record.encode(), key=key, name=me.name,
                                                     incarnation=me.incarnation))

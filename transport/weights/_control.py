@@ -205,6 +205,9 @@ class StreamKeys:
     slots: tuple[str, str, str]  # subscriber: slots 0 and 1; slot 2 for zero-copy subscribers only
     deltas: tuple[str, str]  # subscriber: the delta header of slot 0 and 1 (subscribers that take deltas)
     doorbell: str  # subscriber: the signal rung with each complete version
+    relay: str  # subscriber: its relay block (subscribers that take part in relays; ._relay_block)
+    relay_wake: str  # subscriber: the signal rung with each relay order
+    relay_ack: str  # publisher: the signal a member rings once it acknowledged an order
 
     @classmethod
     def of(cls, name: str) -> StreamKeys:
@@ -218,6 +221,9 @@ class StreamKeys:
             slots=(p + "slot0", p + "slot1", p + "slot2"),
             deltas=(p + "delta0", p + "delta1"),
             doorbell=p + "version",
+            relay=p + "relay",
+            relay_wake=p + "relaywake",
+            relay_ack=p + "relayack",
         )
 
 

@@ -32,6 +32,7 @@ from ._layout import build_layout, describe, tensors_of
 from ._lifecycle import Lifecycle
 from ._pipeline import Version, VersionPipeline
 from ._push import Pushes
+from ._relays import Relays
 from ._report import PublishReport, SyncResult, SyncStatus
 from ._roster import Roster
 from ._warm import WarmTarget, warm_pushes
@@ -119,6 +120,14 @@ class Publisher(Lifecycle):
             at all (the version goes dense to it, undiffed) where no delta would pay, e.g. a
             same-host link as fast as the memory pass that finds the change. A delta stream is
             never meant to be slower than dense.
+        relays: per-host relays (:mod:`._relays`): where two or more subscribers that take
+            part (``Subscriber(relay=True)``, the default for host slots) share a host other
+            than this one, the version crosses the link to that host once, into one of them
+            (the first by name that did not fail lately), and the others copy it from there
+            over shared memory as its parts land. A relay that fails or stalls costs its host's
+            other subscribers at most the deadline, after which they are pushed to directly;
+            subscribers on other hosts never wait for it. Each result says whom a subscriber
+            copied from (``SyncResult.relayed_by``). False pushes to every subscriber directly.
 
     Raises:
         ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive,
@@ -142,6 +151,7 @@ class Publisher(Lifecycle):
         fp8: Callable[[str, torch.Tensor], bool] | None = None,
         delta: bool | str = "auto",
         delta_crossover: float | None = None,
+        relays: bool = True,
     ) -> None:
         if max_inflight is not None:
             warnings.warn("Publisher(max_inflight=...) is ignored: each subscriber gets a version as one prepared "
@@ -178,6 +188,7 @@ class Publisher(Lifecycle):
         # "auto": no deltas to subscribers reached over a same-host link
         self._pushes = Pushes(transport, name, self._keys, self.layout, self._pipeline.snapshots.source,
                               self._pipeline.crossover, self.deadline, index_bytes(self.layout), delta is True)
+        self._relays = Relays(transport, self._keys, self.layout, self._pushes, self.deadline) if relays else None
 
     @property
     def staging_bytes(self) -> int:
@@ -368,9 +379,12 @@ class Publisher(Lifecycle):
                 results = {name: SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0, why)
                            for (name, _), why in scan.dead.items()}
                 pipeline.announce(v, takers)
+                groups, alone = self._relays.groups(scan.serve) if self._relays else ([], list(scan.serve.values()))
                 async with anyio.create_task_group() as tg:
-                    for peer in scan.serve.values():
+                    for peer in alone:
                         tg.start_soon(self._serve, peer, v, t0, results)
+                    for group in groups:
+                        tg.start_soon(self._serve_host, group, v, t0, results)
                     await pipeline.diff(v)
                 t_pushed = time.perf_counter()
                 await pipeline.complete(v, self._pushes.holder(results, scan.serve), self._rings,
@@ -381,6 +395,8 @@ class Publisher(Lifecycle):
             pipeline.after(v, self._pushes.takers(scan.serve), self._rings)
             serving = self._roster.served(scan)
             self._pushes.forget(serving)
+            if self._relays is not None:
+                self._relays.forget(serving)
             pipeline.forget(serving)
             end = time.perf_counter()
             # A delta version's diff ran after the lookup, its pushes beside it: pack_s counts it,
@@ -392,8 +408,27 @@ class Publisher(Lifecycle):
 
     async def _serve(self, peer: Peer, v: Version, t0: float, results: dict[str, SyncResult]) -> None:
         """Pushes version ``v`` to ``peer`` (:meth:`Pushes.push`), records its result, and rings
-        its doorbell once it is complete."""
+        its doorbell once it is complete. A subscriber still following a relay's order is asked
+        to stop first (its slots are not written until it has)."""
+        if self._relays is not None and not await self._relays.fenced(peer):
+            self._done(v, results, peer, self._relays.unfenced(peer, v.number, t0), False)
+            return
         result, lost = await self._pushes.push(peer, v.number, v.snap, t0, v.feed, v.chosen)
+        self._done(v, results, peer, result, lost)
+
+    async def _serve_host(self, group: list[Peer], v: Version, t0: float, results: dict[str, SyncResult]) -> None:
+        """Pushes version ``v`` to a host's subscribers through one of them (:meth:`Relays.serve`)."""
+        assert self._relays is not None
+        await self._relays.serve(group, v.number, v.snap, t0, v.feed, v.chosen,
+                                 functools.partial(self._done, v, results),
+                                 functools.partial(self._serve_direct, v, t0, results))
+
+    async def _serve_direct(self, v: Version, t0: float, results: dict[str, SyncResult], peer: Peer) -> None:
+        result, lost = await self._pushes.push(peer, v.number, v.snap, t0, v.feed, v.chosen)
+        self._done(v, results, peer, result, lost)
+
+    def _done(self, v: Version, results: dict[str, SyncResult], peer: Peer, result: SyncResult, lost: bool) -> None:
+        """Records ``peer``'s result, and rings its doorbell once it is complete."""
         results[peer.name] = result
         if lost:  # that incarnation is gone for good: reported once
             self._roster.lost(peer.name, peer.incarnation)

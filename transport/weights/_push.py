@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
@@ -26,6 +27,26 @@ if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transfer, Transport
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Look:
+    """A subscriber's control block as read before a push, and the slot chosen to write."""
+
+    ctl: torch.Tensor
+    nslots: int
+    back: int
+
+
+class Log(Protocol):
+    """Where a push into a relay logs each part once it is in the relay's memory
+    (:class:`._relays.RelayLog`)."""
+
+    async def begin(self) -> None: ...
+
+    def follow(self, handle: Transfer, rows: list[tuple[int, int]]) -> None: ...
+
+    async def end(self, delta: bool, nbytes: int) -> None: ...
 
 
 class Pushes:
@@ -50,7 +71,7 @@ class Pushes:
         self.t, self.stream, self._keys, self.layout = transport, stream, keys, layout
         self._source, self._crossover, self.deadline = source, crossover, deadline
         self._index_bytes, self._delta_everywhere = index_bytes, delta_everywhere
-        # (subscriber, incarnation, its slot, our snapshot's address) -> the prepared push
+        # (subscriber, incarnation, its slot, our snapshot's address, bucket or -1: all) -> the prepared push
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self.landed: dict[str, tuple[int, bool]] = {}
@@ -84,12 +105,14 @@ class Pushes:
             self._crossover.forget(name)
 
     async def push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None = None,
-                   chosen: Mapping[str, float] | None = None) -> tuple[SyncResult, bool]:
+                   chosen: Mapping[str, float] | None = None, log: Log | None = None,
+                   look: Look | None = None) -> tuple[SyncResult, bool]:
         """Pushes ``version`` into ``peer``'s free slot and makes it the front there (not the
         doorbell: the caller rings it), within the deadline: as a delta where ``feed`` is one
         (a delta version), ``peer`` holds its base and ``chosen`` (its crossover for this
         version) admits the version's sampled change; else dense, from the live tensors and
-        ``snap``.
+        ``snap``. With ``log``, ``peer`` relays the version to its host (:meth:`write`).
+        ``look``: its control block as just read (:meth:`look`; read here when None).
 
         Returns:
             Its :class:`SyncResult` (``t0``: when the publish began), and whether the peer was
@@ -110,7 +133,7 @@ class Pushes:
 
             clock()
             try:
-                await self._push(peer, version, snap, handles, moved, feed, chosen or {}, clock)
+                await self._push(peer, version, snap, handles, moved, feed, chosen or {}, clock, log, look)
                 status, error = SyncStatus.DONE, None
             except TransportError as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -123,24 +146,26 @@ class Pushes:
             log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
         return SyncResult(sub, version, status, moved[0], seconds, error, delta=bool(moved[1])), lost
 
-    def prepared(self, peer: Peer, slot: int, snap: torch.Tensor) -> PreparedTransfer:
+    def prepared(self, peer: Peer, slot: int, snap: torch.Tensor, bucket: int = -1) -> PreparedTransfer:
         """The prepared put of every bucket (from the live tensors, or the snapshot ``snap``)
-        into ``peer``'s slot ``slot``: made once per subscriber incarnation, slot and snapshot."""
-        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr())
+        into ``peer``'s slot ``slot``, or of bucket ``bucket`` alone: made once per subscriber
+        incarnation, slot, snapshot (and bucket)."""
+        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr(), bucket)
         prepared = self._batches.get(cache_key)
         if prepared is None:  # (those of subscribers no longer served are dropped by forget)
             key = self._keys.slots[slot]
-            items = [(self._source(snap, start, end), key, start) for start, end in self.layout.buckets]
+            buckets = self.layout.buckets if bucket < 0 else self.layout.buckets[bucket:bucket + 1]
+            items = [(self._source(snap, start, end), key, start) for start, end in buckets]
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
         return prepared
 
     def drop(self, peer: Peer, slot: int, snap: torch.Tensor) -> None:
         """Forgets the prepared put into ``peer``'s slot ``slot`` (its warm failed)."""
-        self._batches.pop((peer.name, peer.incarnation, slot, snap.data_ptr()), None)
+        self._batches.pop((peer.name, peer.incarnation, slot, snap.data_ptr(), -1), None)
 
     def warmed(self) -> set[tuple[str, str, int]]:
         """The (subscriber, incarnation, slot)s that have a prepared put: pushed to or warmed."""
-        return {c[:3] for c in self._batches}
+        return {c[:3] for c in self._batches if c[4] < 0}
 
     def _holds_base(self, peer: Peer, ctl: torch.Tensor, nslots: int, back: int, base: int) -> bool:
         """Whether ``peer`` (its control block read into ``ctl``) takes deltas, has applied
@@ -151,8 +176,14 @@ class Pushes:
         return (nslots == 2 and int(ctl[DELTA]) == 1 and index is not None and index.nbytes == self._index_bytes
                 and int(ctl[APPLIED]) == base and front is not None and front[0] == base)
 
-    async def _push(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer], moved: list[int],
-                    feed: DeltaFeed | None, chosen: Mapping[str, float], clock: Callable[[], None]) -> None:
+    async def look(self, peer: Peer) -> Look:
+        """Reads ``peer``'s control block and finds the slot a version may be written into
+        (waits while every slot is taken: bound it with the caller's cancel scope).
+
+        Raises:
+            LayoutMismatchError: its slots or its layout are not this publisher's.
+            TransportError: its block cannot be read (it left, or did not answer).
+        """
         t, k, sub = self.t, self._keys, peer.name
         slot_bytes = peer.regions[k.slots[0]].nbytes
         if slot_bytes != self.layout.total:
@@ -167,7 +198,7 @@ class Pushes:
         self.takes_delta[sub] = int(ctl[DELTA]) == 1 and (self._delta_everywhere
                                                            or not self._memory_link.get(sub, False))
         back = free_slot(ctl, nslots)
-        if back is None:  # it is applying or living in them: look again (within _push's deadline)
+        if back is None:  # it is applying or living in them: look again (within the caller's deadline)
 
             async def freed() -> int | Pending:
                 await t.get(ctl, sub, key=k.ctl)
@@ -175,14 +206,41 @@ class Pushes:
                 return PENDING if slot is None else slot
 
             back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
-        if feed is not None and self.takes_delta[sub] and 0 < chosen.get(sub, 0.0) >= feed.fraction and \
-                self._holds_base(peer, ctl, nslots, back, feed.base):
+        return Look(ctl, nslots, back)
+
+    def wants_delta(self, peer: Peer, look: Look, feed: DeltaFeed | None, chosen: Mapping[str, float]) -> bool:
+        """Whether a version of ``feed`` (None: a dense version) goes to ``peer`` as a delta: it
+        takes deltas over its path, holds the base, and its crossover admits the sampled change."""
+        return feed is not None and self.takes_delta[peer.name] and 0 < chosen.get(peer.name, 0.0) >= feed.fraction \
+            and self._holds_base(peer, look.ctl, look.nslots, look.back, feed.base)
+
+    async def _push(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer], moved: list[int],
+                    feed: DeltaFeed | None, chosen: Mapping[str, float], clock: Callable[[], None],
+                    log: Log | None = None, look: Look | None = None) -> None:
+        look = look or await self.look(peer)
+        await self.write(peer, look, snap, handles, moved, feed if self.wants_delta(peer, look, feed, chosen) else None,
+                         clock, log)
+        await self.commit(peer, look.back, version)
+
+    async def write(self, peer: Peer, look: Look, snap: torch.Tensor, handles: list[Transfer], moved: list[int],
+                    feed: DeltaFeed | None, clock: Callable[[], None], log: Log | None = None) -> None:
+        """Writes a version into ``peer``'s slot ``look.back``: the parts of ``feed`` (a delta
+        it holds the base of) as the diff hands them out, else dense. With ``log`` (``peer``
+        relays the version to its host), each part is logged once it is in ``peer``'s memory,
+        and how the version ended. ``moved``: set to [bytes written, whether as a delta]."""
+        t, k, sub, back = self.t, self._keys, peer.name, look.back
+        ctl = look.ctl
+        if log is not None:
+            await log.begin()
+        if feed is not None:
             # Only what changed since the base it holds: each part of the encodings as the diff
             # hands it out (the rest is diffed meanwhile), then the header beside the slot.
             index = 0
             while (part := await feed.part(index)) is not None:
                 handles.append(t.put_many(sub, [(src, k.slots[back], offset) for src, offset in part],
                                           timeout=self.deadline))
+                if log is not None:
+                    log.follow(handles[-1], [(offset, src.nbytes) for src, offset in part])
                 index += 1
             clock()
             dv = await feed.done()
@@ -201,14 +259,21 @@ class Pushes:
                 # again): cleared first, so the dense bytes are never read as a delta.
                 await t.put(torch.zeros(1, dtype=torch.int64), sub, key=k.deltas[back], offset=0,
                             timeout=self.deadline)
-            # The whole version as one prepared transfer into that slot: its segment list
-            # (coalesced, checked, and packed into each backend's native list) is built the
-            # first time and reused every later version with this subscriber, slot and snapshot.
             pushed = time.perf_counter()  # (a small push completes inside start())
-            handles.append(self.prepared(peer, back, snap).start(timeout=self.deadline))
+            if log is None:
+                # The whole version as one prepared transfer into that slot: its segment list
+                # (coalesced, checked, and packed into each backend's native list) is built the
+                # first time and reused every later version with this subscriber, slot and snapshot.
+                handles.append(self.prepared(peer, back, snap).start(timeout=self.deadline))
+            else:  # bucket by bucket, each logged once it landed: its host's members follow
+                for b, (start, end) in enumerate(self.layout.buckets):
+                    handles.append(self.prepared(peer, back, snap, b).start(timeout=self.deadline))
+                    log.follow(handles[-1], [(start, end - start)])
             nbytes = self.layout.total
         for h in handles:
             await h
+        if log is not None:
+            await log.end(bool(moved[1]), nbytes)
         moved[0] = nbytes
         if not moved[1]:
             self._crossover.pushed_dense(sub, time.perf_counter() - pushed)
@@ -217,6 +282,12 @@ class Pushes:
         # Reached one-sidedly (every backend that carried it): its slot can be read back for the
         # snapshot fill without its application taking part.
         self.landed[sub] = (back, all(h.one_sided is True for h in handles))
-        # Every byte is in its memory (puts complete only then): now make the slot the front.
-        front = torch.tensor([encode_front(version, back)], dtype=torch.int64)
-        await t.put(front, sub, key=k.ctl, offset=FRONT * 8)
+
+    async def commit(self, peer: Peer, slot: int, version: int) -> None:
+        """Makes ``peer``'s slot ``slot`` (every byte of ``version`` is in it) its front."""
+        front = torch.tensor([encode_front(version, slot)], dtype=torch.int64)
+        await self.t.put(front, peer.name, key=self._keys.ctl, offset=FRONT * 8)
+
+    def relayed(self, peer: Peer, slot: int) -> None:
+        """``peer`` got a version into ``slot`` from its host's relay (its own copies)."""
+        self.landed[peer.name] = (slot, False)

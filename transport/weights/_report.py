@@ -26,6 +26,7 @@ class SyncResult:
     seconds: float  # from the start of the publish until this subscriber was complete (or given up)
     error: str | None = None
     delta: bool = False  # it got the version as a delta against the version it held
+    relayed_by: str | None = None  # the subscriber on its host it copied the version from (None: pushed to it)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ from ._delta_intake import DeltaIntake
 from ._layout import MAX_LAYOUT_BYTES, Layout, tensors_of
 from ._lifecycle import Lifecycle
 from ._polling import PENDING, Pending, even, poll, seqlock_read
+from ._relay_block import block_words
+from ._relay_member import RelayMember
 from ._target import Target
 from ._trust import Trust, Vouch
 
@@ -106,6 +108,12 @@ class Subscriber(Lifecycle):
             device: the publisher writes straight into GPU memory (``ipc`` on one host,
             ``nccl`` across hosts; not ``ucx``/``tcp``), ``apply()`` is a device copy, or with
             ``zero_copy`` a re-point of the GPU tensors.
+        relay: take part in per-host relays (host slots in copy mode only; see
+            ``Publisher(relays=...)``): where the publisher is on another host and other
+            subscribers share this one, a version may arrive through one of them (this one may
+            be it): it copies the version into its slot over shared memory as the parts land,
+            in a task of its Transport, from ``start`` to ``aclose``. The version is applied
+            exactly as a pushed one. False: every version is pushed to it directly.
 
     Raises:
         ValueError: ``zero_copy`` with tensors that are not on ``device``; a ``device`` that is
@@ -127,6 +135,7 @@ class Subscriber(Lifecycle):
         zero_copy: bool = False,
         device: str | torch.device = "cpu",
         delta: bool = True,
+        relay: bool = True,
     ) -> None:
         self.t = transport
         self.zero_copy = zero_copy
@@ -152,6 +161,9 @@ class Subscriber(Lifecycle):
         self._threads = available_threads()
         self._started = False
         self._want_delta = delta
+        self._want_relay = relay and self.device.type == "cpu" and not zero_copy
+        self._relay: RelayMember | None = None  # follows relay orders (set by start when it takes part)
+        self._relay_scope: anyio.CancelScope | None = None
         self._deltas: DeltaIntake | None = None  # set by start when this subscriber takes deltas
         self._last_apply_s: float | None = None
 
@@ -226,10 +238,14 @@ class Subscriber(Lifecycle):
         self._ctl.copy_(ctl)
         if self._deltas is not None:
             self._deltas.register(t, k.deltas, self.layout)
+        block = t.empty(k.relay, block_words(self.layout), torch.int64) if self._want_relay else None
         # slot1 last: publishers treat a peer as subscribed once it is registered.
         order = (0, 2, 1) if self.zero_copy else (0, 1)
         slots = {i: self._new_slot(k.slots[i]) for i in order}
         self._slots = [slots[i] for i in sorted(slots)]
+        if block is not None:
+            self._relay = RelayMember(t, k, self.layout, block, self._slots, self._indexes, self.publisher)
+            self._relay_scope = t._run_service(self._relay.run)
         self._started = True
 
     @property
@@ -259,10 +275,12 @@ class Subscriber(Lifecycle):
         if self._started:
             self._started = False
             self._trust.unmap()  # (its mapping of the publisher's block goes with it)
+            if self._relay_scope is not None:
+                self._relay_scope.cancel()
             if self._deltas is not None:
                 self._deltas.applier.close()
             k = self._keys
-            withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], *k.deltas, k.ctl)
+            withdraw(self.t, [key for key in (k.slots[1], k.slots[2], k.slots[0], *k.deltas, k.relay, k.ctl)
                               if key in self.t.regions])
 
     def _unpack(self, buf: torch.Tensor) -> None:

@@ -1,0 +1,68 @@
+"""A generator process for relay tests: ``python -m tests.peers.relay_peer '<json spec>'``.
+
+Run it on a "host" of its own (``unshare --uts`` with a hostname, inside a network namespace or
+not): it subscribes with ``relay=True`` (or the spec's ``relay``), then applies every version
+that arrives until the signal "stop", and checks each live version whole: the publisher fills
+every element of version v with ``value(v)``, so a torn or mixed version (bytes of two
+versions, or of none) is seen. Prints one JSON line per version made live
+(``{"live": v, "at": time.time(), "torn": bool}``) and, at the end, a summary with the number
+of relay orders it followed; it writes nothing else to stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import trio
+
+import transport
+from transport.weights import Subscriber
+
+
+def value(version: int) -> float:
+    """What every element of ``version`` holds (exact in bf16 for versions up to 256)."""
+    return float(version % 256)
+
+
+def model(shapes: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(s, dtype=getattr(torch, d)) for k, (s, d) in shapes.items()}
+
+
+def whole(local: dict[str, torch.Tensor], version: int) -> bool:
+    want = value(version)
+    return all(bool((t == want).all()) for t in local.values())
+
+
+async def main(spec: dict) -> None:
+    local = model(spec["shapes"])
+    async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"),
+                                   listen=spec.get("listen"), timeout=30,
+                                   flight_dir=spec.get("flight")) as t:
+        async with Subscriber(t, local, publisher=spec["publisher"], relay=spec.get("relay", True),
+                              delta=spec.get("delta", True)) as sub:
+            await t.signal(spec["publisher"], f"ready.{spec['name']}", 1)
+            torn = 0
+            while t.signal_value("stop") is None:
+                v = await sub.apply_async()
+                if v is None:
+                    try:
+                        await t.wait_signal(f"wsync.{sub.name}.version", at_least=(sub.version or 0) + 1,
+                                            timeout=0.05)
+                    except transport.TransferTimeoutError:
+                        pass
+                    continue
+                ok = whole(local, v)
+                torn += not ok
+                print(json.dumps({"live": v, "at": time.time(), "torn": not ok}), flush=True)
+            followed = sub._relay.followed if sub._relay is not None else 0
+            print(json.dumps({"summary": True, "torn": torn, "followed": followed, "version": sub.version,
+                              "refused_deltas": sub.refused_deltas}), flush=True)
+            if spec.get("flight"):
+                t.dump_flight_record("relay peer done")
+
+
+if __name__ == "__main__":
+    trio.run(main, json.loads(sys.argv[1]))

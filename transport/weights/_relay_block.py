@@ -1,0 +1,129 @@
+"""The relay block of a stream subscriber: the control words of per-host relays, no I/O.
+
+A subscriber that takes part in relays (``Subscriber(relay=True)``, host slots in copy mode)
+registers one int64 region, ``StreamKeys.relay``, with two halves:
+
+* as a **relay** (``S_*``, written by the publisher): the log of the version the publisher is
+  pushing into this subscriber for its host. ``S_EPOCH`` names the order the log belongs to,
+  rows at ``ROWS`` are the ``(slot offset, nbytes)`` ranges of the relay's slot that are
+  complete (each written only after its bytes are in the relay's memory), ``S_COUNT`` how many
+  rows are valid, ``S_END`` how the version ended in the relay (:class:`End`).
+* as a **member** (``M_*``): the publisher's order to copy version ``M_VERSION`` from relay
+  ``M_NAME``'s slot ``M_SRC`` into this subscriber's slot ``M_DST`` as its rows complete, and
+  the member's acknowledgement (``M_ACK_EPOCH``, ``M_ACK``: :class:`Ack`). ``M_TAKEOVER``
+  asks the member to stop copying (the publisher then pushes to it directly).
+
+The publisher never writes a member's slots while an order to it is not acknowledged, and
+makes a member's slot its front only after the member acknowledged ``DONE`` for the very
+order of that publish; the member copies only rows of the order's epoch. So a relay that
+stalls or dies, or a member that resumes after a stop, can leave nothing half-written that a
+subscriber applies.
+
+Every word here can be written by any peer: a member checks every field it reads (slot
+indices, row ranges against its slot, the name's length) and refuses an order that does not
+fit; the transport's own bounds checks guard every copy as well.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .._errors import TransportError
+from ._layout import Layout
+
+# The relay's half (written by the publisher into the relay's block).
+S_EPOCH, S_COUNT, S_END = 0, 1, 2
+# The member's half (the order: written by the publisher; the ack: by the member).
+M_EPOCH, M_VERSION, M_SRC, M_DST, M_KIND, M_TAKEOVER, M_ACK_EPOCH, M_ACK = 8, 9, 10, 11, 12, 13, 14, 15
+M_NAME_LEN, M_NAME = 16, 17
+NAME_WORDS = 32  # 256 bytes: the longest peer name
+ROWS = M_NAME + NAME_WORDS  # (offset, nbytes) rows from here on
+
+
+class End(enum.IntEnum):
+    """``S_END``: how the version ended in the relay (0 while it is being pushed)."""
+
+    PUSHING = 0
+    DENSE = 1  # every byte of the slot is in the logged rows
+    DELTA = 2  # the rows hold the encodings; the relay's delta header of that slot is complete
+    FAILED = -1  # the push into the relay failed: no more rows will come
+
+
+class Ack(enum.IntEnum):
+    """``M_ACK``: how a member ended the order ``M_ACK_EPOCH``."""
+
+    DONE = 1  # every row is in its slot (and the delta header, for a delta): ready to be the front
+    STOPPED = 2  # it stopped on ``M_TAKEOVER``
+    FAILED = 3  # the relay failed, or the order did not fit: nothing of it may be used
+
+
+def rows_capacity(layout: Layout) -> int:
+    """How many rows a relay log of ``layout`` holds: a dense version logs one per bucket, a
+    delta version one per tensor (an encoding, or the tensor dense) and its dense buckets."""
+    return len(layout.buckets) + len(layout.entries) + 8
+
+
+def block_words(layout: Layout) -> int:
+    """The size of a subscriber's relay block for ``layout``, in int64 words."""
+    return ROWS + 2 * rows_capacity(layout)
+
+
+@dataclass(frozen=True)
+class Order:
+    """The publisher's order to a member: copy ``version`` from ``relay``'s slot ``src`` into
+    the member's slot ``dst`` as the relay's log of ``epoch`` grows."""
+
+    epoch: int
+    version: int
+    relay: str
+    src: int
+    dst: int
+
+    def words(self) -> torch.Tensor:
+        """The order as the member's words ``M_EPOCH`` .. the name's end (its acknowledgement
+        words are left out of the write: they are the member's)."""
+        name = self.relay.encode()
+        if len(name) > 8 * NAME_WORDS:
+            raise TransportError(f"relay name {self.relay!r} is over {8 * NAME_WORDS} bytes")
+        out = torch.zeros(ROWS - M_EPOCH, dtype=torch.int64)
+        out[0], out[M_VERSION - M_EPOCH], out[M_SRC - M_EPOCH], out[M_DST - M_EPOCH] = (
+            self.epoch, self.version, self.src, self.dst)
+        out[M_TAKEOVER - M_EPOCH] = 0
+        out[M_ACK_EPOCH - M_EPOCH], out[M_ACK - M_EPOCH] = -1, 0  # (not written: see order_spans)
+        out[M_NAME_LEN - M_EPOCH] = len(name)
+        raw = out[M_NAME - M_EPOCH:].view(torch.uint8)
+        raw[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+        return out
+
+    @classmethod
+    def read(cls, block: torch.Tensor, nslots: int) -> Order | None:
+        """The order in a member's own block, or None when its fields do not fit (a slot past
+        ``nslots``, a name of a bad length or not UTF-8)."""
+        n = int(block[M_NAME_LEN])
+        src, dst = int(block[M_SRC]), int(block[M_DST])
+        if not (0 < n <= 8 * NAME_WORDS and 0 <= src < nslots and 0 <= dst < nslots):
+            return None
+        try:
+            name = bytes(block[M_NAME:M_NAME + NAME_WORDS].view(torch.uint8)[:n].numpy()).decode()
+        except UnicodeDecodeError:
+            return None
+        return cls(int(block[M_EPOCH]), int(block[M_VERSION]), name, src, dst)
+
+
+def order_spans(order: Order) -> list[tuple[torch.Tensor, int]]:
+    """The (words, byte offset in the block) writes that place ``order`` in a member's block:
+    everything but the member's acknowledgement words, which the publisher never writes."""
+    w = order.words()
+    return [(w[:M_ACK_EPOCH - M_EPOCH], 8 * M_EPOCH), (w[M_NAME_LEN - M_EPOCH:], 8 * M_NAME_LEN)]
+
+
+def check_rows(rows: torch.Tensor, slot_bytes: int) -> bool:
+    """Whether ``(offset, nbytes)`` rows (int64 ``[n, 2]``) all lie inside a slot of
+    ``slot_bytes`` (non-negative, non-empty)."""
+    if rows.numel() == 0:
+        return True
+    off, n = rows[:, 0], rows[:, 1]
+    return bool(((off >= 0) & (n > 0) & (off <= slot_bytes - n)).all())

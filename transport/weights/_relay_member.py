@@ -1,0 +1,174 @@
+"""A subscriber's part in per-host relays (:class:`RelayMember`): it follows the publisher's
+orders in its relay block (:mod:`._relay_block`), copying a version from its host's relay's
+slot into its own free slot as the relay's log grows, and acknowledges each order.
+
+It runs as a service of the subscriber's Transport (:meth:`Transport._run_service`), from
+``start`` to ``aclose``, woken by the publisher's signal (and looking every ``IDLE_LOOK_S``
+seconds besides). It never makes a slot its front: the publisher does, once it has seen the
+``DONE`` acknowledgement of that very order. It copies only rows of its order's epoch, checked
+against its slot's size, stops at the publisher's ``M_TAKEOVER`` before the next row, and gives
+up (``FAILED``) when the relay's log moves to another epoch, ends in failure, or does not grow
+for ``STALL_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from .._errors import TransferTimeoutError, TransportError
+from ._control import memory_barrier
+from ._relay_block import (
+    M_ACK,
+    M_ACK_EPOCH,
+    M_EPOCH,
+    M_TAKEOVER,
+    ROWS,
+    S_COUNT,
+    S_END,
+    S_EPOCH,
+    Ack,
+    End,
+    Order,
+    check_rows,
+    rows_capacity,
+)
+
+if TYPE_CHECKING:
+    from .. import Peer, Transport
+    from ._control import StreamKeys
+    from ._layout import Layout
+
+log = logging.getLogger(__name__)
+
+IDLE_LOOK_S = 0.5  # between two looks at the block when no signal came
+STALL_S = 60.0  # a relay log that does not grow for this long is given up on
+FIRST_WAIT_S, LONGEST_WAIT_S = 0.0005, 0.005  # the backoff between two looks at the relay's log
+
+
+class RelayMember:
+    """Follows the relay orders in one subscriber's relay block.
+
+    Args:
+        transport: the subscriber's Transport.
+        keys: the stream's region names.
+        layout: the stream's packed layout.
+        block: the subscriber's relay block (registered, int64).
+        slots: its slots.
+        headers: its delta header beside each slot (empty: it takes no deltas).
+        publisher: the publisher's name (told of each acknowledgement).
+    """
+
+    def __init__(self, transport: Transport, keys: StreamKeys, layout: Layout, block: torch.Tensor,
+                 slots: list[torch.Tensor], headers: list[torch.Tensor], publisher: str) -> None:
+        self.t, self._keys, self.layout, self._block = transport, keys, layout, block
+        self._slots, self._headers, self.publisher = slots, headers, publisher
+        self._capacity = rows_capacity(layout)
+        self._relays: dict[str, Peer] = {}  # relay name -> as looked up (its incarnation's regions)
+        self.followed = 0  # orders acknowledged DONE
+
+    async def run(self) -> None:
+        """Follows orders until cancelled."""
+        woken = 0
+        while True:
+            try:
+                woken = await self.t.wait_signal(self._keys.relay_wake, at_least=woken + 1, timeout=IDLE_LOOK_S)
+            except TransferTimeoutError:
+                pass
+            block = self._block
+            epoch = int(block[M_EPOCH])
+            if epoch <= 0 or int(block[M_ACK_EPOCH]) == epoch:
+                continue
+            order = Order.read(block, len(self._slots))
+            ack = Ack.FAILED
+            if order is None:
+                log.warning("subscriber %s: a relay order of %r that does not fit (refused)", self.t.name,
+                            self._keys.relay)
+            else:
+                try:
+                    ack = await self._follow(order)
+                except TransportError as exc:
+                    log.info("subscriber %s: cannot copy version %d from relay %s: %s", self.t.name, order.version,
+                             order.relay, exc)
+                self.t._flight.event("relayed", order.relay, f"version {order.version} from its slot {order.src} "
+                                                             f"into slot {order.dst}: {ack.name}")
+            # The acknowledgement: its state first, then the epoch it is for.
+            block[M_ACK] = int(ack)
+            memory_barrier()
+            block[M_ACK_EPOCH] = epoch
+            if ack is Ack.DONE:
+                self.followed += 1
+            try:
+                await self.t.signal(self.publisher, self._keys.relay_ack, time.time_ns(), timeout=2.0)
+            except TransportError:  # the publisher reads the words anyway
+                pass
+
+    async def _relay(self, name: str) -> Peer:
+        """The relay as looked up (again when it restarted or was not seen yet)."""
+        peer = self._relays.get(name)
+        if peer is None or self._keys.relay not in peer.regions:
+            peer = await self.t.peer(name, regions=[self._keys.relay, self._keys.slots[1]], timeout=5.0)
+            if len(self._relays) > 64:
+                self._relays.clear()
+            self._relays[name] = peer
+        return peer
+
+    async def _follow(self, order: Order) -> Ack:
+        """Copies ``order``'s version into its slot as the relay's log grows; how it ended."""
+        t, k = self.t, self._keys
+        relay = await self._relay(order.relay)
+        if relay.regions[k.slots[order.src]].nbytes != self.layout.total:
+            return Ack.FAILED
+        slot = self._slots[order.dst]
+        head = torch.zeros(3, dtype=torch.int64)
+        copied, wait, grew = 0, FIRST_WAIT_S, time.monotonic()
+        while True:
+            if int(self._block[M_TAKEOVER]) == order.epoch:
+                return Ack.STOPPED
+            await t.get(head, relay, key=k.relay, offset=8 * S_EPOCH)
+            if int(head[S_EPOCH]) != order.epoch:
+                return Ack.FAILED  # the relay's log is another order's now
+            count, end = int(head[S_COUNT]), int(head[S_END])
+            if not copied <= count <= self._capacity:
+                return Ack.FAILED
+            if count > copied:
+                rows = torch.empty(2 * (count - copied), dtype=torch.int64)
+                await t.get(rows, relay, key=k.relay, offset=8 * (ROWS + 2 * copied))
+                rows = rows.reshape(-1, 2)
+                if not check_rows(rows, self.layout.total):
+                    return Ack.FAILED
+                items = [(slot[o:o + n], k.slots[order.src], o) for o, n in rows.tolist()]
+                await t.get_many(relay, items)
+                copied, wait, grew = count, FIRST_WAIT_S, time.monotonic()
+                continue
+            if end == End.FAILED:
+                return Ack.FAILED
+            if end in (End.DENSE, End.DELTA):
+                # END is written after the last row: one more look at the count (above) saw it all.
+                memory_barrier()
+                await t.get(head, relay, key=k.relay, offset=8 * S_EPOCH)
+                if int(head[S_COUNT]) != copied or int(head[S_EPOCH]) != order.epoch:
+                    continue
+                return await self._finish(order, relay, end == End.DELTA)
+            if time.monotonic() - grew > STALL_S:
+                return Ack.FAILED
+            await anyio.sleep(wait)
+            wait = min(2 * wait, LONGEST_WAIT_S)
+
+    async def _finish(self, order: Order, relay: Peer, delta: bool) -> Ack:
+        """The slot holds every row: its delta header (the relay's, for a delta; cleared for a
+        dense version, so the bytes are never read as a delta)."""
+        if not self._headers:
+            return Ack.FAILED if delta else Ack.DONE
+        header = self._headers[order.dst]
+        if delta:
+            if relay.regions[self._keys.deltas[order.src]].nbytes != header.nbytes:
+                return Ack.FAILED
+            await self.t.get(header, relay, key=self._keys.deltas[order.src])
+        else:
+            header[:1].zero_()
+        return Ack.DONE

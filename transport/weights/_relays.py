@@ -1,0 +1,351 @@
+"""Per-host relays of a stream publisher (:class:`Relays`): each version crosses the link to a
+generator host once, into one subscriber there (the host's relay), and the host's other
+subscribers (its members) copy it from the relay's slot over shared memory as its parts land.
+
+How one version goes to a host whose subscribers take part (``Subscriber(relay=True)``; two
+or more of them, on a host other than the publisher's, reached from each other over ``ipc``):
+
+1. The relay is the first of them by name that did not fail as a relay lately (one that
+   failed goes last for ``ROTATE_S`` seconds: the next by name takes over).
+2. Each member gets an order in its relay block (:mod:`._relay_block`): copy the version from
+   the relay's slot ``src`` into its own free slot ``dst``, following the relay's log of this
+   order's epoch; a signal wakes it.
+3. The version is pushed into the relay as it would be to any subscriber (dense bucket by
+   bucket, or a delta's parts as the diff hands them out), and each part is logged in the
+   relay's block once it is in the relay's memory: the members copy each logged part at
+   once (cut-through), so a relay adds about one part of latency.
+4. A member acknowledges ``DONE`` once every part (and a delta's header) is in its slot; only
+   then, and only for that very order, does the publisher make the slot its front.
+
+Faults: when the push into the relay fails or stalls past the deadline, its members are asked
+to stop (``M_TAKEOVER``) and, once they acknowledged, are pushed to directly; a member that
+does not acknowledge is a straggler and its slots are not written (next publish asks again
+first). Subscribers on other hosts are never waited for. A relay that failed is rotated out.
+The flight recorder records each relayed version (``relay``) and each fallback
+(``relay-failed``) under the relay's name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from .._errors import PeerLostError, TransferTimeoutError, TransportError
+from .._host import host_id
+from .._peers import host_key
+from ._relay_block import (
+    M_ACK_EPOCH,
+    M_TAKEOVER,
+    ROWS,
+    S_COUNT,
+    S_END,
+    Ack,
+    End,
+    Order,
+    block_words,
+    order_spans,
+    rows_capacity,
+)
+from ._report import SyncResult, SyncStatus
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from .. import Peer, Transfer, Transport
+    from ._control import StreamKeys
+    from ._delta_feed import DeltaFeed
+    from ._layout import Layout
+    from ._push import Look, Pushes
+
+log = logging.getLogger(__name__)
+
+ROTATE_S = 60.0  # a relay that failed goes last for this long
+ACK_LOOK_S = 0.02  # the longest a member's acknowledgement waits unseen (a signal says it sooner)
+
+
+class RelayLog:
+    """The log of one order in a relay's block: the ranges of its slot that are complete.
+
+    Args:
+        transport: the publisher's Transport.
+        relay: the relay's name.
+        key: its relay block's region name.
+        epoch: the order's epoch.
+        capacity: rows the block holds.
+        timeout: seconds each write may take.
+        tg: where the parts are followed (open while the push runs).
+    """
+
+    def __init__(self, transport: Transport, relay: str, key: str, epoch: int, capacity: int, timeout: float,
+                 tg: TaskGroup) -> None:
+        self.t, self.relay, self.key, self.epoch = transport, relay, key, epoch
+        self._capacity, self._timeout, self._tg = capacity, timeout, tg
+        self._count = 0
+        self._send, self._recv = anyio.create_memory_object_stream[tuple["Transfer", list[tuple[int, int]]]](math.inf)
+        self._pumped = anyio.Event()
+        self.error: TransportError | None = None
+        self.ended: tuple[int, bool] | None = None  # (bytes, as a delta) once every part is in the relay
+
+    async def begin(self) -> None:
+        """Starts this epoch's log (no rows, not ended) and the task that follows the parts."""
+        words = torch.tensor([self.epoch, 0, int(End.PUSHING)], dtype=torch.int64)
+        await self.t.put(words, self.relay, key=self.key, offset=0, timeout=self._timeout)
+        self._tg.start_soon(self._pump)
+
+    def follow(self, handle: Transfer, rows: list[tuple[int, int]]) -> None:
+        """Logs ``rows`` (slot offset, nbytes) once ``handle`` (the put of their bytes) completed,
+        in the order given."""
+        self._send.send_nowait((handle, rows))
+
+    async def _pump(self) -> None:
+        try:
+            async with self._recv:
+                async for handle, rows in self._recv:
+                    await handle  # its bytes are in the relay's memory (what it raises, the push raises too)
+                    if self._count + len(rows) > self._capacity:
+                        raise TransportError(f"the relay log of {self.relay} holds {self._capacity} rows")
+                    table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
+                    await self.t.put(table, self.relay, key=self.key, offset=8 * (ROWS + 2 * self._count),
+                                     timeout=self._timeout)
+                    self._count += len(rows)
+                    await self.t.put(torch.tensor([self._count], dtype=torch.int64), self.relay, key=self.key,
+                                     offset=8 * S_COUNT, timeout=self._timeout)
+        except TransportError as exc:
+            self.error = exc
+        finally:
+            self._pumped.set()
+
+    async def end(self, delta: bool, nbytes: int) -> None:
+        """Every part is in the relay (``nbytes`` in all, ``delta``: a delta's encodings and
+        header): logs the rest, then how the version ended.
+
+        Raises:
+            TransportError: a part or a log write failed.
+        """
+        self._send.close()
+        await self._pumped.wait()
+        if self.error is not None:
+            raise self.error
+        self.ended = (nbytes, delta)
+        end = torch.tensor([int(End.DELTA if delta else End.DENSE)], dtype=torch.int64)
+        await self.t.put(end, self.relay, key=self.key, offset=8 * S_END, timeout=self._timeout)
+
+    async def fail(self) -> None:
+        """Tells the members no more rows will come (best effort: the relay may be gone)."""
+        self._send.close()
+        with anyio.move_on_after(1.0):
+            try:
+                await self.t.put(torch.tensor([int(End.FAILED)], dtype=torch.int64), self.relay, key=self.key,
+                                 offset=8 * S_END, timeout=1.0)
+            except TransportError:
+                pass
+
+
+class Relays:
+    """Chooses the relays of each version and serves the hosts that have one.
+
+    Args:
+        transport: the publisher's Transport.
+        keys: the stream's region names.
+        layout: its packed layout.
+        pushes: the publisher's pushes (into the relays, and directly to members that fall back).
+        deadline: seconds a push may take.
+    """
+
+    def __init__(self, transport: Transport, keys: StreamKeys, layout: Layout, pushes: Pushes,
+                 deadline: float) -> None:
+        self.t, self._keys, self.layout, self._pushes, self.deadline = transport, keys, layout, pushes, deadline
+        self._host = host_key(host_id())
+        self._words = block_words(layout)
+        self._capacity = rows_capacity(layout)
+        # member name -> (incarnation, epoch) of an order it has not acknowledged: its slots are not
+        # written until it has (it may still be copying into one)
+        self._unacked: dict[str, tuple[str, int]] = {}
+        self._failed: dict[str, float] = {}  # relay name -> until when it goes last
+
+    def groups(self, serve: Mapping[str, Peer]) -> tuple[list[list[Peer]], list[Peer]]:
+        """Splits the subscribers to serve into host groups that get a relay (two or more that
+        take part, on one host other than ours, reaching each other over ``ipc``) and the rest.
+        Members not acknowledged yet go with their host all the same (they are asked first)."""
+        hosts: dict[str, list[Peer]] = {}
+        alone: list[Peer] = []
+        for peer in serve.values():
+            region = peer.regions.get(self._keys.relay)
+            if (region is None or region.nbytes != 8 * self._words or "ipc" not in peer.backends
+                    or peer.host == self._host or self._keys.slots[2] in peer.regions):
+                alone.append(peer)
+            else:
+                hosts.setdefault(peer.host, []).append(peer)
+        groups = []
+        for members in hosts.values():
+            if len(members) >= 2:
+                groups.append(sorted(members, key=lambda p: p.name))
+            else:
+                alone.extend(members)
+        return groups, alone
+
+    def forget(self, serving: set[tuple[str, str]]) -> None:
+        """Drops what is kept for subscribers no longer served."""
+        for name in [n for n, (inc, _) in self._unacked.items() if (n, inc) not in serving]:
+            del self._unacked[name]
+        now = time.monotonic()
+        for name in [n for n, until in self._failed.items() if until < now]:
+            del self._failed[name]
+
+    def _candidates(self, group: list[Peer]) -> list[Peer]:
+        """The group in the order relays are tried: by name, those that failed lately last."""
+        now = time.monotonic()
+        return sorted(group, key=lambda p: (self._failed.get(p.name, 0.0) > now, p.name))
+
+    async def fenced(self, peer: Peer) -> bool:
+        """Whether ``peer``'s slots may be written: it has no order it has not acknowledged (one
+        it has is taken over first: it is asked to stop, and waited for within the deadline)."""
+        pending = self._unacked.get(peer.name)
+        if pending is None or pending[0] != peer.incarnation:
+            self._unacked.pop(peer.name, None)
+            return True
+        ack = await self._take_over(peer, pending[1])
+        return ack is not None
+
+    async def _take_over(self, peer: Peer, epoch: int) -> Ack | None:
+        """Asks ``peer`` to stop following order ``epoch``; its acknowledgement (None: none
+        within the deadline; it stays unacknowledged)."""
+        try:
+            await self.t.put(torch.tensor([epoch], dtype=torch.int64), peer.name, key=self._keys.relay,
+                             offset=8 * M_TAKEOVER, timeout=self.deadline)
+            with anyio.move_on_after(self.deadline):
+                return await self._acked(peer, epoch, lambda: False)
+        except TransportError as exc:
+            log.info("publisher %s: %s cannot be asked to stop following its relay: %s", self.t.name, peer.name, exc)
+        return None
+
+    async def _acked(self, peer: Peer, epoch: int, give_up: Callable[[], bool]) -> Ack | None:
+        """Waits for ``peer``'s acknowledgement of order ``epoch``; None once ``give_up()``
+        says so (the caller then takes it over). Bounded by the caller's cancel scope."""
+        words = torch.zeros(2, dtype=torch.int64)
+        seen = self.t.signal_value(self._keys.relay_ack) or 0
+        while True:
+            await self.t.get(words, peer.name, key=self._keys.relay, offset=8 * M_ACK_EPOCH)
+            if int(words[0]) == epoch and int(words[1]) in (a.value for a in Ack):
+                self._unacked.pop(peer.name, None)
+                return Ack(int(words[1]))
+            if give_up():
+                return None
+            try:
+                seen = await self.t.wait_signal(self._keys.relay_ack, at_least=seen + 1, timeout=ACK_LOOK_S)
+            except TransferTimeoutError:
+                pass
+
+    async def serve(self, group: list[Peer], version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None,
+                    chosen: Mapping[str, float], done: Callable[[Peer, SyncResult, bool], None],
+                    direct: Callable[[Peer], Awaitable[None]]) -> None:
+        """Serves one host group: its relay, and each member through it (or directly, when it
+        cannot follow). ``done(peer, result, lost)`` is told each subscriber's result;
+        ``direct(peer)`` pushes to one directly (and tells ``done`` itself)."""
+        looks: dict[str, Look] = {}
+        fallback: list[Peer] = []
+
+        async def look(peer: Peer) -> None:
+            if not await self.fenced(peer):
+                done(peer, self.unfenced(peer, version, t0), False)
+                return
+            with anyio.move_on_after(self.deadline):
+                try:
+                    looks[peer.name] = await self._pushes.look(peer)
+                    return
+                except TransportError:
+                    pass
+            fallback.append(peer)  # its own push says why (it looks again)
+
+        async with anyio.create_task_group() as tg:
+            for peer in group:
+                tg.start_soon(look, peer)
+        relay = next((p for p in self._candidates(group) if p.name in looks), None)
+        members: list[Peer] = []
+        if relay is not None:
+            kind = self._pushes.wants_delta(relay, looks[relay.name], feed, chosen)
+            for peer in group:
+                if peer is relay or peer.name not in looks:
+                    continue
+                if self._pushes.wants_delta(peer, looks[peer.name], feed, chosen) == kind:
+                    members.append(peer)
+                else:
+                    fallback.append(peer)
+        if relay is None or not members:  # nobody to relay to: each as any subscriber
+            async with anyio.create_task_group() as tg:
+                for peer in group:
+                    if peer.name in looks or peer in fallback:
+                        tg.start_soon(direct, peer)
+            return
+        epoch = secrets.randbits(62) + 1
+        names = ", ".join(m.name for m in members)
+        self.t._flight.event("relay", relay.name, f"version {version} (epoch {epoch}) to {names}")
+        log.debug("publisher %s: version %d through %s to %s", self.t.name, version, relay.name, names)
+        relay_failed = anyio.Event()
+
+        async def push_relay(rlog: RelayLog) -> None:
+            result, lost = await self._pushes.push(relay, version, snap, t0, feed, chosen, log=rlog,
+                                                   look=looks[relay.name])
+            done(relay, result, lost)
+            if result.status != SyncStatus.DONE:
+                await rlog.fail()
+                self._failed[relay.name] = time.monotonic() + ROTATE_S
+                self.t._flight.event("relay-failed", relay.name, f"version {version}: {result.error}")
+                relay_failed.set()
+
+        async def member(peer: Peer, rlog: RelayLog) -> None:
+            order = Order(epoch, version, relay.name, looks[relay.name].back, looks[peer.name].back)
+            result: SyncResult | None = None
+            try:
+                for words, offset in order_spans(order):
+                    await self.t.put(words, peer.name, key=self._keys.relay, offset=offset, timeout=self.deadline)
+                self._unacked[peer.name] = (peer.incarnation, epoch)
+                await self.t.signal(peer.name, self._keys.relay_wake, time.time_ns(), timeout=self.deadline)
+                ack: Ack | None = None
+                with anyio.move_on_after(self.deadline):
+                    ack = await self._acked(peer, epoch, relay_failed.is_set)
+                if ack is None:  # the relay failed or stalled: ask the member to stop, then push to it
+                    ack = await self._take_over(peer, epoch)
+                if ack is None:
+                    result = SyncResult(peer.name, version, SyncStatus.STRAGGLER, 0, time.perf_counter() - t0,
+                                        f"still following relay {relay.name} after the {self.deadline:g}s deadline")
+                elif ack is Ack.DONE and rlog.ended is not None:
+                    await self._pushes.commit(peer, order.dst, version)
+                    self._pushes.relayed(peer, order.dst)
+                    nbytes, delta = rlog.ended
+                    result = SyncResult(peer.name, version, SyncStatus.DONE, nbytes, time.perf_counter() - t0,
+                                        delta=delta, relayed_by=relay.name)
+            except TransportError as exc:
+                result = SyncResult(peer.name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0,
+                                    f"{type(exc).__name__}: {exc}")
+                if isinstance(exc, PeerLostError):
+                    done(peer, result, True)
+                    return
+            if result is None:  # it stopped, or could not follow: pushed to directly
+                self.t._flight.event("relay-fallback", peer.name, f"version {version}: pushed directly, not "
+                                                                  f"through {relay.name}")
+                await direct(peer)
+            else:
+                done(peer, result, False)
+
+        async with anyio.create_task_group() as tg:
+            rlog = RelayLog(self.t, relay.name, self._keys.relay, epoch, self._capacity, self.deadline, tg)
+            tg.start_soon(push_relay, rlog)
+            for peer in members:
+                tg.start_soon(member, peer, rlog)
+            for peer in fallback:
+                tg.start_soon(direct, peer)
+
+    def unfenced(self, peer: Peer, version: int, t0: float) -> SyncResult:
+        """The result of a subscriber whose slots cannot be written: it did not acknowledge
+        being asked to stop following its relay's order (it may still copy into a slot)."""
+        return SyncResult(peer.name, version, SyncStatus.STRAGGLER, 0, time.perf_counter() - t0,
+                          "it did not stop following its relay's order within the deadline (its slots are not "
+                          "written until it does)")
