@@ -1,6 +1,8 @@
 """The agent: each Transport's background server (connections to other agents: ``_channel``).
 
-Every Transport listens on one TCP port (published in its peer record). Connections carry
+Every Transport listens on one TCP port, or one per address it is given (one per NIC: the
+``tcp`` backend stripes large transfers over them), all published in its peer record and all
+served alike. Connections carry
 frames (see :mod:`transport._wire`): HELLO once, then PUT / GET / SIGNAL requests, each answered
 by OK / DATA / ERR with the same request id. Requests are pipelined: many may be outstanding
 on one connection, and a reader task matches replies to them.
@@ -79,7 +81,16 @@ from ._sockets import (
     tune_socket,
     wait_for_bytes,
 )
-from ._wire import PRE_AUTH_META, ErrCode, FrameKind, SignalRequest, encode_frame, error_to_frame, kind_name
+from ._wire import (
+    MAX_AGENT_ADDRESSES,
+    PRE_AUTH_META,
+    ErrCode,
+    FrameKind,
+    SignalRequest,
+    encode_frame,
+    error_to_frame,
+    kind_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +199,10 @@ def _env_limit(name: str, default: float) -> float:
 @dataclass
 class AgentServer:
     """Accepts agent connections for the endpoint ``name`` (``incarnation``), authenticates
-    them, and dispatches their requests to ``routes``; the limits are the module docstring's.
+    them, and dispatches their requests to ``routes``; the limits are the module docstring's
+    (for all its listening addresses together).
+
+    It listens on ``host:port`` and on every address of ``more`` (one per further NIC).
 
     Raises:
         ValueError: a limit (or its environment variable) is not a positive number.
@@ -208,6 +222,7 @@ class AgentServer:
     max_conns_per_peer: int = field(
         default_factory=lambda: int(_env_limit(MAX_CONNS_PER_PEER_ENV, DEFAULT_MAX_CONNS_PER_PEER)))
     idle_timeout: float = field(default_factory=lambda: _env_limit(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT))
+    more: Sequence[tuple[str, int]] = ()
 
     def __post_init__(self) -> None:
         if not (self.max_conns >= 1 and self.max_preauth >= 1 and self.max_conns_per_peer >= 1
@@ -215,13 +230,17 @@ class AgentServer:
             raise ValueError(f"agent limits must be positive, got max_conns={self.max_conns!r}, "
                              f"max_preauth={self.max_preauth!r}, handshake_timeout={self.handshake_timeout!r}, "
                              f"max_conns_per_peer={self.max_conns_per_peer!r}, idle_timeout={self.idle_timeout!r}")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._lsock = socket.socket(family, socket.SOCK_STREAM)
-        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._lsock.bind((self.host, self.port))
-        self._lsock.listen(128)
-        self._lsock.setblocking(False)
-        self.port = self._lsock.getsockname()[1]
+        self._lsocks: list[socket.socket] = []
+        try:
+            for host, port in [(self.host, self.port), *self.more]:
+                self._lsocks.append(_listening(host, port))
+        except BaseException:
+            for s in self._lsocks:
+                s.close()
+            raise
+        self.port = self._lsocks[0].getsockname()[1]
+        self._addresses = tuple((host, s.getsockname()[1])
+                                for (host, _), s in zip([(self.host, 0), *self.more], self._lsocks, strict=True))
         self._conns: dict[socket.socket, anyio.CancelScope] = {}  # every open connection's task
         self._waiting: dict[socket.socket, float] = {}  # those still waiting for HELLO -> accepted when, oldest first
         self._serving: dict[socket.socket, Conn] = {}  # those past HELLO that may be closed to make room
@@ -232,7 +251,13 @@ class AgentServer:
 
     @property
     def address(self) -> tuple[str, int]:
+        """The first address it listens on (where control connections go)."""
         return (self.host, self.port)
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        """Every address it listens on, :attr:`address` first."""
+        return self._addresses
 
     @property
     def max_watch(self) -> int:
@@ -240,15 +265,23 @@ class AgentServer:
         return max(1, self.max_conns // 2)
 
     async def serve(self, tg: TaskGroup, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Accepts connections until cancelled (or :meth:`close`), serving each in a task of
-        ``tg``; no accept error and nothing a connection does ends it. Cancelling it closes the
-        listening socket and every connection."""
+        """Accepts connections on every listening address until cancelled (or :meth:`close`),
+        serving each in a task of ``tg``; no accept error and nothing a connection does ends
+        it. Cancelling it closes the listening sockets and every connection."""
         task_status.started()
         try:
-            while self._lsock.fileno() >= 0:
-                await anyio.wait_readable(self._lsock)
+            async with anyio.create_task_group() as accepting:
+                for lsock in self._lsocks:
+                    accepting.start_soon(self._accept_loop, tg, lsock)
+        finally:
+            self.close()
+
+    async def _accept_loop(self, tg: TaskGroup, lsock: socket.socket) -> None:
+        try:
+            while lsock.fileno() >= 0:
+                await anyio.wait_readable(lsock)
                 try:
-                    sock, addr = self._lsock.accept()
+                    sock, addr = lsock.accept()
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as exc:
@@ -264,11 +297,9 @@ class AgentServer:
                 self._admit(tg, sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
         except anyio.ClosedResourceError:
             pass  # closed under us
-        finally:
-            self.close()
 
     def close(self) -> None:
-        for s in [self._lsock, *self._conns]:
+        for s in [*self._lsocks, *self._conns]:
             close_socket(s)
         self._conns.clear()
         self._waiting.clear()
@@ -496,16 +527,77 @@ def _has_bytes_waiting(sock: socket.socket) -> bool:
         return False
 
 
-def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:
-    """Where an agent listens: ``listen`` (``HOST`` or ``HOST:PORT``) if given, else the local
-    address that reaches a ``tcp://`` store (any port), else 127.0.0.1."""
+def parse_listen(listen: str | Sequence[str] | None) -> list[tuple[str, int]] | None:
+    """The addresses ``listen`` names (None: none given): a comma-separated str or a sequence of
+    str, each item ``HOST``, ``HOST:PORT``, ``[V6]:PORT`` or a bare IPv6 address (port 0: any).
+
+    Raises:
+        ValueError: an empty item, a port that is not an integer in 0..65535, an address named
+            twice, or more than MAX_AGENT_ADDRESSES addresses.
+        TypeError: ``listen`` is neither a str nor a sequence of str.
+    """
+    if listen is None or listen == "":
+        return None
+    if isinstance(listen, str):
+        items = listen.split(",")
+    elif isinstance(listen, Sequence) and all(isinstance(i, str) for i in listen):
+        items = list(listen)
+    else:
+        raise TypeError(f"listen is a str or a sequence of str, got {type(listen).__name__}")
+    out: list[tuple[str, int]] = []
+    for raw in items:
+        item = raw.strip()
+        if item.startswith("["):
+            host, sep, port = item[1:].partition("]")
+            if not sep or (port and not port.startswith(":")):
+                raise ValueError(f"listen address {raw!r}: expected [V6] or [V6]:PORT")
+            port = port[1:]
+        elif item.count(":") == 1:
+            host, _, port = item.partition(":")
+        else:
+            host, port = item, ""
+        if not host:
+            raise ValueError(f"listen address {raw!r} names no host (listen={listen!r})")
+        if not (port or "0").isdigit() or not 0 <= int(port or 0) < 65536:
+            raise ValueError(f"listen address {raw!r}: the port must be an integer in 0..65535")
+        address = (host, int(port or 0))
+        if address in out:
+            raise ValueError(f"listen names {raw.strip()!r} twice")
+        out.append(address)
+    if len(out) > MAX_AGENT_ADDRESSES:
+        raise ValueError(f"listen names {len(out)} addresses, at most {MAX_AGENT_ADDRESSES}")
+    return out
+
+
+def listen_addresses(listen: Sequence[tuple[str, int]] | None, store_url: str) -> list[tuple[str, int]]:
+    """Where an agent listens: the addresses ``listen`` names (see :func:`parse_listen`) if
+    any, else the local address that reaches a ``tcp://`` store (any port), else 127.0.0.1."""
     if listen:
-        host, _, port = listen.rpartition(":") if ":" in listen else (listen, "", "0")
-        return host.strip("[]"), int(port or 0)
+        return list(listen)
     parsed = urllib.parse.urlparse(store_url)
     if parsed.scheme == "tcp" and parsed.hostname:
-        return local_address_towards(parsed.hostname, parsed.port or 1), 0
-    return "127.0.0.1", 0
+        return [(local_address_towards(parsed.hostname, parsed.port or 1), 0)]
+    return [("127.0.0.1", 0)]
+
+
+def listen_address(listen: str | None, store_url: str) -> tuple[str, int]:
+    """The first of :func:`listen_addresses` (``listen`` as :func:`parse_listen` takes it)."""
+    return listen_addresses(parse_listen(listen), store_url)[0]
+
+
+def _listening(host: str, port: int) -> socket.socket:
+    """A non-blocking socket listening on ``host:port``. Raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def local_address_towards(host: str, port: int) -> str:

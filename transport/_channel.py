@@ -19,8 +19,10 @@ from ._auth import Authenticator
 from ._errors import ClosedError, PeerLostError, TransferTimeoutError, TransportError, WireError
 from ._sockets import (
     CONNECTION_ENDED,
+    abort_socket,
     close_socket,
     connect,
+    delivery_progress,
     discard,
     payload_parts,
     read_frame_head,
@@ -160,6 +162,32 @@ class Channel:
     @property
     def broken(self) -> bool:
         return self._broken is not None
+
+    @property
+    def local_address(self) -> str:
+        """The local IP address the connection leaves from ("" once closed)."""
+        try:
+            return str(self._sock.getsockname()[0])
+        except OSError:
+            return ""
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent (or being sent) whose replies have not arrived."""
+        return len(self._replies)
+
+    def progress(self) -> int | None:
+        """Bytes the connection has delivered so far, both ways (see
+        ``_sockets.delivery_progress``): unchanged over a while with requests outstanding,
+        the link is stalled. None where the kernel does not tell."""
+        return delivery_progress(self._sock)
+
+    def abort(self, reason: BaseException) -> None:
+        """Closes the connection at once, dropping what the kernel has not sent yet (a
+        reset), and fails every outstanding request with ``reason`` (see :meth:`close`): for a
+        connection given up on (its link stalled), whose queued bytes must not land later."""
+        abort_socket(self._sock)
+        self.close(reason)
 
     @property
     def successor(self) -> Channel | None:

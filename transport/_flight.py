@@ -12,6 +12,7 @@ which operation stalled (see :func:`analyze`).
 from __future__ import annotations
 
 import collections
+import contextvars
 import enum
 import itertools
 import json
@@ -61,6 +62,9 @@ class OpRecord:
     transitions: list[tuple[str, float]] = field(default_factory=list)
     error_type: str | None = None
     error: str | None = None
+    # The lanes that carried it, where a backend spread it over several (tcp striping over
+    # NICs): lane ("local address>remote address:port") -> bytes it delivered.
+    lanes: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,7 +72,21 @@ class OpRecord:
             "backend": self.backend, "state": self.state.value, "started": self.started,
             "transitions": [[s, round(t, 6)] for s, t in self.transitions],
             "error_type": self.error_type, "error": self.error,
+            **({"lanes": dict(self.lanes)} if self.lanes else {}),
         }
+
+
+# The operation the running task moves bytes for (the transfer engine sets it in each
+# transfer's task): a backend notes on it what only the backend knows (carried_by).
+current_op: contextvars.ContextVar[OpRecord | None] = contextvars.ContextVar("transport_flight_op", default=None)
+
+
+def carried_by(lane: str, nbytes: int) -> None:
+    """Notes on the running task's operation record (if any) that ``lane`` delivered ``nbytes``
+    more of it."""
+    rec = current_op.get()
+    if rec is not None:
+        rec.lanes[lane] = rec.lanes.get(lane, 0) + nbytes
 
 
 _Done = tuple[int, str, str, str, int, str, float, float]  # seq, op, peer, key, nbytes, backend, started, ended

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -215,6 +216,35 @@ async def read_frame_head(sock: socket.socket, max_meta: int = MAX_META, *, idle
     hdr = decode_header(await recv_exactly(sock, FRAME_HEADER.size, idle, activity), max_meta)
     meta = decode_meta(await recv_exactly(sock, hdr.meta_len, stall, activity))
     return hdr.kind, hdr.request_id, meta, hdr.payload_len
+
+
+_TCP_INFO_BYTES = 136  # struct tcp_info up to tcpi_bytes_received (Linux >= 4.1)
+_TCP_INFO_ACKED = 120  # offset of tcpi_bytes_acked (u64); tcpi_bytes_received follows
+
+
+def delivery_progress(sock: socket.socket) -> int | None:
+    """How many bytes this TCP connection has had acknowledged by its peer plus received from
+    it (``TCP_INFO``): it grows while the link delivers in either direction, even when no
+    system call moves a byte (a send buffer draining, a reply on its way). None where the
+    kernel does not tell (not Linux, or the socket is closed)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except (OSError, AttributeError, ValueError):
+        return None
+    if len(info) < _TCP_INFO_BYTES:
+        return None
+    acked, received = int.from_bytes(info[120:128], "little"), int.from_bytes(info[128:136], "little")
+    return acked + received
+
+
+def abort_socket(sock: socket.socket) -> None:
+    """Closes ``sock`` discarding what it has not sent (``SO_LINGER`` 0: a reset, not a
+    graceful end), so that none of its queued bytes reaches the peer later, e.g. once a cut
+    link comes back."""
+    if sock.fileno() >= 0:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    close_socket(sock)
 
 
 def close_socket(sock: socket.socket) -> None:

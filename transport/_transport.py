@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import torch
 
-from ._agent import AgentServer, listen_address
+from ._agent import AgentServer, listen_addresses, parse_listen
 from ._auth import Authenticator
 from ._channel import ChannelPool, hello
 from ._cuda_copier import CudaCopier
@@ -68,8 +68,11 @@ class Transport:
         backends: preference order, e.g. ``("ipc", "tcp")``; None means every available one in
             the default order (ipc, ucx, tcp). Naming an unavailable backend raises.
         timeout: default seconds for every operation; nothing waits longer.
-        listen: ``HOST`` or ``HOST:PORT`` for this endpoint's agent (``$TRANSPORT_LISTEN``);
-            by default the address that reaches a ``tcp://`` store, else 127.0.0.1.
+        listen: where this endpoint's agent listens (``$TRANSPORT_LISTEN``): ``HOST`` or
+            ``HOST:PORT``, or several, one per NIC, as a comma-separated str or a sequence of
+            str (``"10.1.1.2,10.1.2.2"``); all are published, and the ``tcp`` backend stripes
+            large transfers over them (one address: no striping). By default the address that
+            reaches a ``tcp://`` store, else 127.0.0.1.
         copy_threads: native threads that run same-host copies.
         token: shared secret (or ``$TRANSPORT_TOKEN``): records and connections without it
             are refused (HMAC-SHA256; see the README's trust model).
@@ -96,7 +99,7 @@ class Transport:
         backends: Sequence[str] | None = None,
         timeout: float = 60.0,
         *,
-        listen: str | None = None,
+        listen: str | Sequence[str] | None = None,
         copy_threads: int = 2,
         token: str | bytes | None = None,
         heartbeat: float = 1.0,
@@ -115,7 +118,7 @@ class Transport:
         self.incarnation = secrets.token_hex(8)
         self._store_url = store
         self._requested = tuple(backends) if backends is not None else None
-        self._listen = listen or os.environ.get(LISTEN_ENV)
+        self._listen = parse_listen(listen or os.environ.get(LISTEN_ENV))
         self._copy_threads = copy_threads
         self._lanes = lanes
         self._heartbeat_s, self._lease_s = float(heartbeat), float(lease)
@@ -183,8 +186,8 @@ class Transport:
                                          self._cuda_copier, self.timeout)
         self._signals = Signals(self.name, self._directory, self._transfers, self._control, self._flight)
         routes = Routes(self.name, self._regions, self._backends, self._signals)
-        host, port = listen_address(self._listen, self._store.url)
-        self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port)
+        (host, port), *more = listen_addresses(self._listen, self._store.url)
+        self._agent = AgentServer(self.name, self.incarnation, self._auth, routes, host, port, more=more)
         tg.start_soon(self._agent.serve, tg)
         await self._directory.claim()
         self._state = "open"
@@ -300,7 +303,8 @@ class Transport:
     def _publish(self) -> None:
         self._seq += 1
         descriptors = {b.name: b.endpoint_descriptor() for b in self._backends}
-        self._directory.publish(self._seq, self._agent.address, descriptors, self._regions.records(self._backends))
+        self._directory.publish(self._seq, self._agent.address, descriptors, self._regions.records(self._backends),
+                                agents=self._agent.addresses)
         for b in self._backends:
             b.published(self._seq)
 

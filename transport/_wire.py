@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import ipaddress
 import json
 import re
 import struct
@@ -54,6 +55,7 @@ RECORD_VERSION = 1
 
 MAX_RECORD_BYTES = 16 << 20  # a peer record larger than this is refused unread (stores check it too)
 MAX_RECORD_DEPTH = 16  # a record nests 4 levels (record, regions, region, descriptors)
+MAX_AGENT_ADDRESSES = 16  # addresses one agent listens on (one per NIC) and a record may list
 MAX_META_DEPTH = 32  # frame metadata is flat; backends' requests nest a little
 
 
@@ -136,7 +138,14 @@ class HostId:
 
 @dataclass(frozen=True)
 class PeerRecord:
-    """Everything a peer publishes about itself. ``seq`` grows with every re-publish."""
+    """Everything a peer publishes about itself. ``seq`` grows with every re-publish.
+
+    ``agent`` is where its agent listens (control connections, the ``tcp`` backend); an agent
+    that listens on several addresses (one per NIC) lists them all in ``agents``, ``agent``
+    first, and the ``tcp`` backend stripes large transfers over them. A record with one address
+    (or from a version that knew only one) has ``agents == ()``: :attr:`addresses` is the one
+    to use.
+    """
 
     name: str
     incarnation: str
@@ -147,6 +156,12 @@ class PeerRecord:
     agent: tuple[str, int]
     backends: Mapping[str, bytes]
     regions: Mapping[str, RegionRecord]
+    agents: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        """Every address the peer's agent listens on, :attr:`agent` first."""
+        return self.agents or (self.agent,)
 
     def encode(self) -> bytes:
         doc = {
@@ -159,6 +174,7 @@ class PeerRecord:
             "pid_start": self.pid_start,
             "host": [self.host.hostname, self.host.boot_id, self.host.pid_ns],
             "agent": [self.agent[0], self.agent[1]],
+            **({"agents": [[h, p] for h, p in self.agents]} if len(self.agents) > 1 else {}),
             "backends": {k: _b64(v) for k, v in self.backends.items()},
             "regions": [
                 {
@@ -214,9 +230,49 @@ class PeerRecord:
                 agent=(str(agent[0]), int(agent[1])),
                 backends={k: _unb64(v) for k, v in _typed(doc, "backends", dict).items()},
                 regions=regions,
+                agents=_agent_addresses(doc["agents"], (str(agent[0]), int(agent[1]))) if "agents" in doc else (),
             )
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise WireError(f"malformed peer record: {exc}") from exc
+
+
+_MAX_HOST_CHARS = 253  # a DNS name's longest spelling (an IP literal is shorter)
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def check_agent_address(host: object, port: object) -> tuple[str, int]:
+    """``(host, port)`` if it can be an agent's address: an IP literal or a DNS name of at most
+    253 characters, and a port in 1..65535; else raises ValueError (a record's field: the
+    caller makes it a WireError)."""
+    if not isinstance(host, str) or not 0 < len(host) <= _MAX_HOST_CHARS:
+        raise ValueError(f"an agent address's host is a str of 1 to {_MAX_HOST_CHARS} characters, "
+                         f"got {repr(host)[:80]}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOST_NAME.fullmatch(host):
+            raise ValueError(f"an agent address's host is an IP address or a DNS name, got {host[:80]!r}") from None
+    if type(port) is not int or not 0 < port < 65536:
+        raise ValueError(f"an agent address's port is in 1..65535, got {repr(port)[:80]}")
+    return host, port
+
+
+def _agent_addresses(items: Any, agent: tuple[str, int]) -> tuple[tuple[str, int], ...]:
+    """A record's ``agents``: a list of 2 to MAX_AGENT_ADDRESSES distinct ``[host, port]``,
+    each checked (:func:`check_agent_address`), the first one the record's ``agent``."""
+    if not isinstance(items, list) or not 1 < len(items) <= MAX_AGENT_ADDRESSES:
+        raise ValueError(f"field 'agents' must list 2 to {MAX_AGENT_ADDRESSES} addresses, "
+                         f"got {len(items) if isinstance(items, list) else type(items).__name__}")
+    out = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError("an agent address is [host, port]")
+        out.append(check_agent_address(item[0], item[1]))
+    if len(set(out)) != len(out):
+        raise ValueError("field 'agents' lists an address twice")
+    if out[0] != agent:
+        raise ValueError(f"field 'agents' must start with the record's agent {agent[0]}:{agent[1]}")
+    return tuple(out)
 
 
 _ITEMSIZES = (1, 2, 4, 8, 16)  # every torch dtype's (this module does not import torch)

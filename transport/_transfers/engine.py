@@ -36,7 +36,7 @@ from .._errors import (
     TransportError,
     TransportInternalError,
 )
-from .._flight import FlightRecorder, OpState
+from .._flight import FlightRecorder, OpState, current_op
 from .._peers import PeerDirectory
 from .._pieces import Ready
 from .._regions import check
@@ -434,6 +434,7 @@ class TransferEngine:
                    spans: Sequence[tuple[str, int]] = ()) -> None:
         """Runs ``work`` for ``xfer`` under its deadline and settles it; ``spans``: the (key,
         first byte) it was added to the ordering index under (default: its own key and offset)."""
+        current_op.set(xfer._rec)  # (this task's context only) backends note on it what carried it
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + timeout) as scope:
                 xfer._running_in(scope)

@@ -54,6 +54,7 @@ from ..._wire import PeerRecord, RegionRecord, TransferOp
 from .._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
 from ._frames import MAX_RUN_GROUPS, MAX_STAGED_BYTES, RangeRequest, RunsRequest, TcpFrame
 from ._serve import serve_range, serve_runs
+from ._stripe import STRIPE_CHUNK, Stripes
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class TcpBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth)
+        # Large transfers to a peer that listens on several addresses: one lane per address.
+        self._stripes = Stripes(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth, ctx.timeout)
         self._lanes: dict[str, tuple[str, list[DirectLane]]] = {}  # peer -> (its incarnation, direct lanes)
         self._opening: dict[str, object] = {}  # peer -> the attempt opening a lane to it now
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
@@ -119,6 +122,9 @@ class TcpBackend(Backend):
         await self._after_unsettled(remote.peer.name, remote.region.key, remote.offset, remote.nbytes)
         if await self._by_lane(True, local, remote):
             return
+        if Stripes.applies(remote.peer, remote.nbytes):
+            await self._striped(True, local, remote)
+            return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
         await chan.request(TcpFrame.PUT, self._request(local, remote).to_meta(), payload=local.view)
 
@@ -126,8 +132,31 @@ class TcpBackend(Backend):
         await self._after_unsettled(remote.peer.name, remote.region.key, remote.offset, remote.nbytes)
         if await self._by_lane(False, local, remote):
             return
+        if Stripes.applies(remote.peer, remote.nbytes):
+            await self._striped(False, local, remote)
+            return
         chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
         await chan.request(TcpFrame.GET, self._request(local, remote).to_meta(), into=local.view)
+
+    async def _striped(self, put: bool, local: LocalBuffer, remote: RemoteTarget) -> None:
+        """One range cut into chunks of ``STRIPE_CHUNK`` bytes (PUT / GET frames of their own),
+        spread over the lanes to the peer's addresses (:class:`Stripes`)."""
+        key, dtype, view = remote.region.key, dtype_name(local.tensor.dtype), local.view
+
+        async def send(chan: Any, piece: tuple[int, int]) -> None:
+            pos, size = piece
+            meta = RangeRequest(key, dtype, remote.offset + pos, size).to_meta()
+            if put:
+                await chan.request(TcpFrame.PUT, meta, payload=view[pos : pos + size])
+            else:
+                await chan.request(TcpFrame.GET, meta, into=view[pos : pos + size])
+
+        await self._stripes.run(remote.peer, _pieces.cut(remote.nbytes, STRIPE_CHUNK), lambda p: p[1], send)
+
+    def lane_stats(self, peer: str) -> list[dict[str, Any]]:
+        """The striping lanes to ``peer`` and what each delivered (see ``Stripes.stats``); empty
+        when nothing was striped to it."""
+        return self._stripes.stats(peer)
 
     async def _by_lane(self, put: bool, local: LocalBuffer, remote: RemoteTarget) -> bool:
         """Moves one range by the direct lane when it can take it (size, key, lane open and
@@ -160,28 +189,41 @@ class TcpBackend(Backend):
         names = [(region.key, dtype_name(r.local.tensor.dtype)) for r, region in lists]
         cost = np.array([len(k.encode()) + len(d.encode()) + 32 for k, d in names], dtype=np.int64)
         addresses = np.array([r.local.address for r, _ in lists], dtype=np.int64)
-        frames: list[_RunsFrame] = []
-        for staged in (True, False):
-            parts = [(i, r.array[(r.array[:, 2] <= _STAGE_RUN_MAX) == staged]) for i, (r, _) in enumerate(lists)]
-            parts = [(i, rows) for i, rows in parts if len(rows)]
-            if not parts:
-                continue
-            rows = np.concatenate([rows for _, rows in parts])
-            owner = np.concatenate([np.full(len(rows), i, dtype=np.int64) for i, rows in parts])
-            for chunk, whose in _frames(rows, owner, cost, staged):
-                starts = np.flatnonzero(np.diff(whose, prepend=-1))
-                counts = np.diff(starts, append=len(whose)).tolist()
-                groups = tuple((*names[i], n) for i, n in zip(whose[starts].tolist(), counts, strict=True))
-                table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
-                meta = RunsRequest(groups, staged).to_meta()
-                if staged:  # (staging offset, local address, nbytes): the copy job, less the buffer's address
-                    at = np.cumsum(chunk[:, 2]) - chunk[:, 2]
-                    frames.append(_RunsFrame(meta, table, np.stack([at, chunk[:, 0] + addresses[whose], chunk[:, 2]],
-                                                                   axis=1), int(chunk[:, 2].sum()), []))
-                else:
-                    views = {i: lists[i][0].local.view for i in set(whose.tolist())}
-                    cuts = [views[i][a : a + n] for (a, _, n), i in zip(chunk.tolist(), whose.tolist(), strict=True)]
-                    frames.append(_RunsFrame(meta, table, None, 0, cuts))
+
+        def build(most: int | None) -> list[_RunsFrame]:
+            """The frames, each in-place frame at most about ``most`` bytes where given (runs
+            cut to fit: chunks to stripe), else as large as the frame limits allow."""
+            frames: list[_RunsFrame] = []
+            for staged in (True, False):
+                parts = [(i, r.array[(r.array[:, 2] <= _STAGE_RUN_MAX) == staged]) for i, (r, _) in enumerate(lists)]
+                parts = [(i, rows) for i, rows in parts if len(rows)]
+                if not parts:
+                    continue
+                rows = np.concatenate([rows for _, rows in parts])
+                owner = np.concatenate([np.full(len(rows), i, dtype=np.int64) for i, rows in parts])
+                if most is not None and not staged:
+                    rows, owner = _split_runs(rows, owner, most)
+                for chunk, whose in _frames(rows, owner, cost, staged, None if staged else most):
+                    starts = np.flatnonzero(np.diff(whose, prepend=-1))
+                    counts = np.diff(starts, append=len(whose)).tolist()
+                    groups = tuple((*names[i], n) for i, n in zip(whose[starts].tolist(), counts, strict=True))
+                    table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
+                    meta = RunsRequest(groups, staged).to_meta()
+                    nbytes = int(chunk[:, 2].sum())
+                    if staged:  # (staging offset, local address, nbytes): the copy job, less the buffer's address
+                        at = np.cumsum(chunk[:, 2]) - chunk[:, 2]
+                        job = np.stack([at, chunk[:, 0] + addresses[whose], chunk[:, 2]], axis=1)
+                        frames.append(_RunsFrame(meta, table, job, nbytes, []))
+                    else:
+                        views = {i: lists[i][0].local.view for i in set(whose.tolist())}
+                        cuts = [views[i][a : a + n]
+                                for (a, _, n), i in zip(chunk.tolist(), whose.tolist(), strict=True)]
+                        frames.append(_RunsFrame(meta, table, None, nbytes, cuts))
+            return frames
+
+        frames = build(None)
+        striped: list[list[_RunsFrame]] = []  # built on the first striped start
+        total = sum(int(r.array[:, 2].sum()) for r, _ in lists)
         stages = self._stages
         put = op == TransferOp.PUT
 
@@ -206,6 +248,11 @@ class TcpBackend(Backend):
         async def run(ready: Ready) -> None:
             for key, (lo, hi) in spans.items():
                 await self._after_unsettled(peer.name, key, lo, hi - lo)
+            if Stripes.applies(peer, total):  # the frames spread over the lanes to the peer's addresses
+                if not striped:
+                    striped.append(build(STRIPE_CHUNK))
+                await self._stripes.run(peer, striped[0], lambda f: f.nbytes, frame)
+                return
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             await _pieces.run(frames, functools.partial(frame, chan), None)  # every frame pipelined at once
 
@@ -385,6 +432,7 @@ class TcpBackend(Backend):
 
     def forget_peer(self, peer: str) -> None:
         self._pool.forget_peer(peer)
+        self._stripes.forget_peer(peer)
         self._drop_lane(peer)
         self._failed.pop(peer, None)
         self._opening.pop(peer, None)  # a lane still being opened to it is dropped when it is
@@ -446,6 +494,7 @@ class TcpBackend(Backend):
 
     def close(self) -> None:
         self._pool.close()
+        self._stripes.close()
         for peer in list(self._lanes):
             self._drop_lane(peer)
         if self._direct is not None:  # ends the direct-lane connections and joins their threads
@@ -467,7 +516,8 @@ class _Unsettled:
 @dataclasses.dataclass(frozen=True)
 class _RunsFrame:
     """One PUTR / GETR frame of a prepared array of runs: staged (``copies``: the rows of its
-    native copy job, staging offsets in the first column) or in place (``views``)."""
+    native copy job, staging offsets in the first column) or in place (``views``); ``nbytes``:
+    its data bytes."""
 
     meta: dict[str, Any]
     table: memoryview
@@ -476,13 +526,30 @@ class _RunsFrame:
     views: list[memoryview]
 
 
-def _frames(runs: np.ndarray, owner: np.ndarray, cost: np.ndarray,
-            staged: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+def _split_runs(runs: np.ndarray, owner: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """``runs`` (and their ``owner``) with every run longer than ``most`` bytes cut into runs
+    of ``most`` (a multiple of every element size) and the rest."""
+    pieces = (runs[:, 2] + most - 1) // most
+    if (pieces <= 1).all():
+        return runs, owner
+    which = np.repeat(np.arange(len(runs)), pieces)
+    nth = np.arange(len(which)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    out = runs[which].copy()
+    out[:, 0] += nth * most
+    out[:, 1] += nth * most
+    out[:, 2] = np.minimum(most, runs[which, 2] - nth * most)
+    return out, owner[which]
+
+
+def _frames(runs: np.ndarray, owner: np.ndarray, cost: np.ndarray, staged: bool,
+            most: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """``runs`` (``owner[i]``: the index of the list run ``i`` came from) cut into frames of at
     most ``_FRAME_RUNS`` runs, at most MAX_RUN_GROUPS groups, a group table of at most
-    ``_FRAME_META`` bytes (``cost``: a list's bytes in it) and, staged, at most MAX_STAGED_BYTES
-    of data (every staged run is at most ``_STAGE_RUN_MAX``). A list cut by a frame boundary
-    starts a group again in the next frame, hence the one group (and one cost) of slack."""
+    ``_FRAME_META`` bytes (``cost``: a list's bytes in it), staged, at most MAX_STAGED_BYTES
+    of data (every staged run is at most ``_STAGE_RUN_MAX``), and with ``most`` (runs of at
+    most that), a new frame where the bytes before a run cross a multiple of ``most`` (a frame
+    then holds less than ``2 * most``). A list cut by a frame boundary starts a group again in
+    the next frame, hence the one group (and one cost) of slack."""
     count = np.arange(len(runs)) // _FRAME_RUNS
     new = np.diff(owner, prepend=-1) != 0
     groups = (np.cumsum(new) - 1) // (MAX_RUN_GROUPS - 1)
@@ -491,6 +558,9 @@ def _frames(runs: np.ndarray, owner: np.ndarray, cost: np.ndarray,
     if staged:
         before = np.cumsum(runs[:, 2]) - runs[:, 2]
         edges |= np.diff(before // (MAX_STAGED_BYTES - _STAGE_RUN_MAX)) != 0
+    if most is not None:
+        before = np.cumsum(runs[:, 2]) - runs[:, 2]
+        edges |= np.diff(before // most) != 0
     cuts = np.flatnonzero(edges) + 1
     return list(zip(np.split(runs, cuts), np.split(owner, cuts), strict=True))
 

@@ -1,0 +1,303 @@
+"""Striping over NICs: a large ``tcp`` transfer to a peer whose agent listens on several
+addresses (one per NIC, ``PeerRecord.addresses``) is cut into chunks and spread over one *lane*
+per address, each lane its own agent connection.
+
+* **Pairing.** A lane connects to one of the peer's addresses and leaves by the local address
+  the kernel routes it from: where each NIC is on a subnet of its own (NIC ``i`` of one host
+  reaches NIC ``i`` of another), lane ``i`` pairs local NIC ``i`` with the peer's NIC ``i``. An
+  address that cannot be reached (no route, refused, no answer within ``LANE_CONNECT_S``) gives
+  no lane for ``LANE_RETRY_S``.
+* **Proportion.** Every lane keeps ``LANE_DEPTH`` chunks in flight and takes the next one as
+  soon as one is delivered, so each lane carries what it delivers: a lane twice as fast carries
+  twice the bytes. Each lane's rate (an EWMA of its bytes/s) is kept for its stats.
+* **Failure.** A lane whose connection breaks, or that delivers nothing for ``stall_s`` seconds
+  (``TCP_INFO``: no byte acknowledged or received) while another lane still delivers, is given
+  up: its connection is reset (so none of its queued bytes lands later), its chunks go to the
+  other lanes, and it is not tried again for ``LANE_RETRY_S``. When every lane broke, the
+  transfer fails with :class:`PeerLostError`; when every lane stalls at once (the peer itself
+  stopped), none is given up and the transfer ends at its deadline, as on one connection.
+* **Records.** Each chunk delivered is noted on the transfer's flight record (its ``lanes``:
+  lane -> bytes), and in the lane's counters (:meth:`Stripes.stats`).
+
+Small transfers never come here (``STRIPE_MIN_BYTES``): they keep the one connection (or the
+direct lane) and its latency.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..._auth import Authenticator
+from ..._channel import Channel
+from ..._errors import PeerLostError, TransportError
+from ..._flight import carried_by
+from ..._wire import PeerRecord
+
+log = logging.getLogger(__name__)
+
+STRIPE_MIN_BYTES = 8 << 20  # a transfer (or prepared start) smaller than this stays on one connection
+STRIPE_CHUNK = 4 << 20  # bytes per chunk (a multiple of every element size)
+LANE_DEPTH = 2  # chunks in flight per lane: the next is on the wire while the last one's reply comes back
+LANE_STALL_S = 3.0  # a lane that delivers nothing this long, while another does, is given up
+LANE_RETRY_S = 30.0  # a lane given up (or that could not connect) is not tried again for this long
+LANE_CONNECT_S = 5.0  # connecting a lane and its HELLO, at most
+_WATCH_EVERY_S = 0.25
+_RATE_WEIGHT = 0.3  # the EWMA's weight of the newest chunk
+
+_C = TypeVar("_C")
+
+
+@dataclasses.dataclass(eq=False)
+class Lane:
+    """One connection to one of a peer's addresses, and what it delivered."""
+
+    remote: tuple[str, int]
+    chan: Channel | None = None
+    local: str = ""  # the local address it leaves from (once connected)
+    failed_at: float = -math.inf  # when it was last given up (or failed to connect)
+    why: str = ""
+    delivered: int = 0  # bytes, over every transfer
+    chunks: int = 0
+    failures: int = 0
+    rate: float = 0.0  # bytes/s, an EWMA over its chunks
+    last_done: float = 0.0  # when its last chunk was delivered
+    seen: int | None = None  # its connection's delivery counter at the last look
+    seen_at: float = 0.0  # when that counter last moved (or the lane had nothing outstanding)
+    opening: anyio.Lock = dataclasses.field(default_factory=anyio.Lock)
+
+    @property
+    def label(self) -> str:
+        """``local>host:port``, as flight records name it."""
+        return f"{self.local or '?'}>{self.remote[0]}:{self.remote[1]}"
+
+    def usable(self, now: float) -> bool:
+        return now - self.failed_at > LANE_RETRY_S
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lane": self.label, "bytes": self.delivered, "chunks": self.chunks, "failures": self.failures,
+                "rate_bytes_s": round(self.rate), "up": self.failed_at == -math.inf or self.usable(time.monotonic()),
+                "why": self.why}
+
+
+class _Run(Generic[_C]):
+    """The chunks of one striped transfer: those waiting, and how many are on the wire."""
+
+    def __init__(self, chunks: Sequence[_C]) -> None:
+        self.todo: collections.deque[_C] = collections.deque(chunks)
+        self.inflight = 0
+        self.error: TransportError | None = None
+        self.lost: list[str] = []  # why lanes of this run were given up
+        self.started = time.monotonic()
+        self._changed = anyio.Event()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_change(self) -> None:
+        await self._changed.wait()
+
+
+class Stripes:
+    """The lanes of one ``tcp`` backend to every peer that advertises several addresses.
+
+    Args:
+        tg: where lane connections' reply readers run.
+        hello: the HELLO fields of a data connection (``_channel.hello``).
+        auth: this endpoint's authenticator.
+        timeout: the Transport's default timeout (the stall limit is at most a quarter of it).
+    """
+
+    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator, timeout: float) -> None:
+        self._tg = tg
+        self._hello = dict(hello)
+        self._auth = auth
+        self.stall_s = min(LANE_STALL_S, timeout / 4)
+        self._peers: dict[str, tuple[str, tuple[tuple[str, int], ...], list[Lane]]] = {}
+
+    @staticmethod
+    def applies(peer: PeerRecord, nbytes: int) -> bool:
+        """Whether a transfer of ``nbytes`` to ``peer`` is striped."""
+        return nbytes >= STRIPE_MIN_BYTES and len(peer.addresses) > 1
+
+    def lanes(self, peer: PeerRecord) -> list[Lane]:
+        """The lanes to ``peer``'s incarnation, one per address it advertises."""
+        cached = self._peers.get(peer.name)
+        if cached is None or cached[0] != peer.incarnation or cached[1] != peer.addresses:
+            self.forget_peer(peer.name)
+            cached = self._peers[peer.name] = (peer.incarnation, peer.addresses, [Lane(a) for a in peer.addresses])
+        return cached[2]
+
+    def stats(self, peer: str) -> list[dict[str, Any]]:
+        """Each lane to ``peer``: ``lane``, ``bytes``, ``chunks``, ``failures``, ``rate_bytes_s``,
+        ``up`` and ``why`` (its last failure)."""
+        cached = self._peers.get(peer)
+        return [lane.as_dict() for lane in cached[2]] if cached is not None else []
+
+    async def run(self, peer: PeerRecord, chunks: Sequence[_C], size: Callable[[_C], int],
+                  send: Callable[[Channel, _C], Awaitable[None]]) -> None:
+        """Moves every chunk with ``send(channel, chunk)`` over the lanes to ``peer`` (those not
+        given up in the last ``LANE_RETRY_S``; every one when none is left), each lane taking
+        the next chunk as it delivers one. A chunk whose lane broke or stalled is sent again
+        on another (``send`` must be repeatable: it writes the same bytes to the same place).
+
+        Raises:
+            PeerLostError: every lane broke (the message says how each did); the chunks that
+                were delivered stay delivered.
+            TransportError: what ``send`` raised other than a broken lane (a refusal); the
+                chunks on the wire then are waited for, no new one is sent.
+
+        Cancellation (or the caller's deadline): the chunks on the wire are left as
+        ``Channel.request`` leaves a cancelled request (a frame started is finished, its reply
+        no longer waited for); none is started after.
+        """
+        lanes = self.lanes(peer)
+        run: _Run[_C] = _Run(chunks)
+        usable = [lane for lane in lanes if lane.usable(run.started)] or lanes
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(self._watch, peer.name, usable, run)
+            async with anyio.create_task_group() as senders:
+                for lane in usable:
+                    for _ in range(LANE_DEPTH):
+                        senders.start_soon(self._work, peer, lane, run, size, send)
+            watching.cancel_scope.cancel()
+        if run.error is not None:
+            raise run.error
+        if run.todo:
+            raise PeerLostError(f"every lane to {peer.name} failed with {len(run.todo)} of {len(chunks)} chunks "
+                                f"left: {'; '.join(run.lost) or 'no lane could connect'}")
+
+    async def _work(self, peer: PeerRecord, lane: Lane, run: _Run[_C], size: Callable[[_C], int],
+                    send: Callable[[Channel, _C], Awaitable[None]]) -> None:
+        """One of ``lane``'s ``LANE_DEPTH`` senders: takes chunks until none is left (or the
+        lane fails: its chunk goes back for the others)."""
+        try:
+            chan = await self._open(peer, lane, run)
+            if chan is None:
+                return
+            while run.error is None and not chan.broken:
+                if not run.todo:
+                    if not run.inflight:
+                        return
+                    await run.wait_change()
+                    continue
+                chunk = run.todo.popleft()
+                run.inflight += 1
+                started = time.monotonic()
+                try:
+                    await send(chan, chunk)
+                except PeerLostError as exc:  # the lane broke, or was given up: another one sends it
+                    run.todo.appendleft(chunk)
+                    self._fail(peer.name, lane, f"{lane.label}: {exc}", run)
+                    return
+                except TransportError as exc:  # refused (or past the deadline): the transfer's error
+                    if run.error is None:
+                        run.error = exc
+                    return
+                finally:
+                    run.inflight -= 1
+                    run.changed()
+                self._delivered(lane, size(chunk), started)
+        finally:
+            run.changed()
+
+    def _delivered(self, lane: Lane, nbytes: int, started: float) -> None:
+        now = time.monotonic()
+        took = now - max(started, lane.last_done)  # (its chunks overlap: count each second once)
+        lane.last_done = now
+        if took > 0:
+            rate = nbytes / took
+            lane.rate = rate if not lane.rate else (1 - _RATE_WEIGHT) * lane.rate + _RATE_WEIGHT * rate
+        lane.delivered += nbytes
+        lane.chunks += 1
+        carried_by(lane.label, nbytes)
+
+    async def _open(self, peer: PeerRecord, lane: Lane, run: _Run[Any]) -> Channel | None:
+        """``lane``'s connection, opened now if it has none that works; None when it cannot
+        connect (it is then not tried again for ``LANE_RETRY_S``)."""
+        async with lane.opening:
+            chan = lane.chan
+            if chan is not None and not chan.broken and not chan.idle_expired:
+                return chan
+            if chan is not None:
+                chan.close()
+                lane.chan = None
+            if lane.failed_at >= run.started:
+                return None  # (another sender of this lane failed on it during this run)
+            try:
+                with anyio.fail_after(LANE_CONNECT_S):
+                    chan = await Channel.open(self._tg, lane.remote, peer=peer.name,
+                                              peer_incarnation=peer.incarnation, hello=self._hello, auth=self._auth)
+            except (TransportError, TimeoutError, OSError) as exc:
+                lane.failed_at, lane.why = time.monotonic(), f"{exc or type(exc).__name__} (connect)"
+                lane.failures += 1
+                run.lost.append(f"{lane.remote[0]}:{lane.remote[1]}: {lane.why}")
+                log.info("tcp: no lane to %s at %s:%d (%s); not tried again for %gs", peer.name, *lane.remote,
+                         exc or type(exc).__name__, LANE_RETRY_S)
+                return None
+            lane.chan, lane.local = chan, chan.local_address
+            lane.seen, lane.seen_at = None, time.monotonic()
+            if lane.failed_at > -math.inf:
+                log.info("tcp: lane %s to %s is back", lane.label, peer.name)
+            lane.failed_at, lane.why = -math.inf, ""
+            return chan
+
+    def _fail(self, peer: str, lane: Lane, why: str, run: _Run[Any] | None = None) -> None:
+        """Gives ``lane`` up: its connection is reset, and it is not tried again for
+        ``LANE_RETRY_S``."""
+        if run is not None and why not in run.lost:
+            run.lost.append(why)
+        if lane.chan is None or (lane.chan.broken and lane.failed_at > -math.inf):
+            return  # (already given up: its other senders report the same)
+        lane.failed_at, lane.why = time.monotonic(), why
+        lane.failures += 1
+        log.warning("tcp: lane %s to %s failed (%s); its chunks go to the other lanes, and it is tried again in "
+                    "%gs", lane.label, peer, why, LANE_RETRY_S)
+        lane.chan.abort(PeerLostError(f"lane {lane.label} to {peer} given up: {why}"))
+
+    async def _watch(self, peer: str, lanes: Sequence[Lane], run: _Run[Any]) -> None:
+        """Gives up a lane that delivered nothing for ``stall_s`` while it had chunks on the
+        wire and another lane did not stall (a cut link), never every lane at once (a stopped
+        peer: the deadline decides)."""
+        while True:
+            await anyio.sleep(_WATCH_EVERY_S)
+            now = time.monotonic()
+            stalled, fine = [], 0
+            for lane in lanes:
+                chan = lane.chan
+                if chan is None or chan.broken:
+                    continue
+                seen = chan.progress()
+                if not chan.outstanding or seen is None or seen != lane.seen:
+                    lane.seen, lane.seen_at = seen, now
+                if now - lane.seen_at > self.stall_s:
+                    stalled.append(lane)
+                else:
+                    fine += 1
+            if fine:
+                for lane in stalled:
+                    self._fail(peer, lane, f"{lane.label}: delivered nothing for {now - lane.seen_at:.1f}s", run)
+
+    def forget_peer(self, peer: str) -> None:
+        """Drops the lanes to ``peer`` (it left, restarted or was lost): replies already on
+        their way are still read (``Channel.release``)."""
+        cached = self._peers.pop(peer, None)
+        for lane in cached[2] if cached is not None else ():
+            if lane.chan is not None:
+                lane.chan.release(PeerLostError(f"lane {lane.label} released: {peer} is gone"))
+
+    def close(self) -> None:
+        for _, _, lanes in self._peers.values():
+            for lane in lanes:
+                if lane.chan is not None:
+                    lane.chan.close()
+        self._peers.clear()
