@@ -2,15 +2,16 @@
 
 Run it on a "host" of its own (``unshare --uts`` with a hostname, inside a network namespace or
 not): it subscribes with ``relay=True`` (or the spec's ``relay``), then applies every version
-that arrives until the signal "stop", and checks each live version whole: the publisher fills
-every element of version v with ``value(v)``, so a torn or mixed version (bytes of two
-versions, or of none) is seen. Prints one JSON line per version made live
-(``{"live": v, "at": time.time(), "torn": bool}``) and, at the end, a summary with the number
-of relay orders it followed; it writes nothing else to stdout.
+that arrives until the signal "stop", and prints one JSON line per version made live:
+``{"live": v, "at": time.time(), "sha": ...}``, the sha256 of its live weights (the trainer
+prints the digest of the state it published as v: a torn or mixed version, bytes of two versions
+or of none, has another digest). At the end, a summary with the number of relay orders it
+followed; it writes nothing else to stdout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -22,18 +23,18 @@ import transport
 from transport.weights import Subscriber
 
 
-def value(version: int) -> float:
-    """What every element of ``version`` holds (exact in bf16 for versions up to 256)."""
-    return float(version % 256)
-
-
 def model(shapes: dict) -> dict[str, torch.Tensor]:
+    """The state dict of ``shapes`` (name -> [shape, dtype name]), zeros."""
     return {k: torch.zeros(s, dtype=getattr(torch, d)) for k, (s, d) in shapes.items()}
 
 
-def whole(local: dict[str, torch.Tensor], version: int) -> bool:
-    want = value(version)
-    return all(bool((t == want).all()) for t in local.values())
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of every tensor's bytes, by name."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 async def main(spec: dict) -> None:
@@ -44,7 +45,6 @@ async def main(spec: dict) -> None:
         async with Subscriber(t, local, publisher=spec["publisher"], relay=spec.get("relay", True),
                               delta=spec.get("delta", True)) as sub:
             await t.signal(spec["publisher"], f"ready.{spec['name']}", 1)
-            torn = 0
             while t.signal_value("stop") is None:
                 v = await sub.apply_async()
                 if v is None:
@@ -54,11 +54,9 @@ async def main(spec: dict) -> None:
                     except transport.TransferTimeoutError:
                         pass
                     continue
-                ok = whole(local, v)
-                torn += not ok
-                print(json.dumps({"live": v, "at": time.time(), "torn": not ok}), flush=True)
+                print(json.dumps({"live": v, "at": time.time(), "sha": digest(local)}), flush=True)
             followed = sub._relay.followed if sub._relay is not None else 0
-            print(json.dumps({"summary": True, "torn": torn, "followed": followed, "version": sub.version,
+            print(json.dumps({"summary": True, "followed": followed, "version": sub.version,
                               "refused_deltas": sub.refused_deltas}), flush=True)
             if spec.get("flight"):
                 t.dump_flight_record("relay peer done")

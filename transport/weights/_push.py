@@ -105,13 +105,13 @@ class Pushes:
             self._crossover.forget(name)
 
     async def push(self, peer: Peer, version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None = None,
-                   chosen: Mapping[str, float] | None = None, log: Log | None = None,
+                   chosen: Mapping[str, float] | None = None, relay_log: Log | None = None,
                    look: Look | None = None) -> tuple[SyncResult, bool]:
         """Pushes ``version`` into ``peer``'s free slot and makes it the front there (not the
         doorbell: the caller rings it), within the deadline: as a delta where ``feed`` is one
         (a delta version), ``peer`` holds its base and ``chosen`` (its crossover for this
         version) admits the version's sampled change; else dense, from the live tensors and
-        ``snap``. With ``log``, ``peer`` relays the version to its host (:meth:`write`).
+        ``snap``. With ``relay_log``, ``peer`` relays the version to its host (:meth:`write`).
         ``look``: its control block as just read (:meth:`look`; read here when None).
 
         Returns:
@@ -133,7 +133,7 @@ class Pushes:
 
             clock()
             try:
-                await self._push(peer, version, snap, handles, moved, feed, chosen or {}, clock, log, look)
+                await self._push(peer, version, snap, handles, moved, feed, chosen or {}, clock, relay_log, look)
                 status, error = SyncStatus.DONE, None
             except TransportError as exc:
                 status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -216,22 +216,22 @@ class Pushes:
 
     async def _push(self, peer: Peer, version: int, snap: torch.Tensor, handles: list[Transfer], moved: list[int],
                     feed: DeltaFeed | None, chosen: Mapping[str, float], clock: Callable[[], None],
-                    log: Log | None = None, look: Look | None = None) -> None:
+                    relay_log: Log | None = None, look: Look | None = None) -> None:
         look = look or await self.look(peer)
         await self.write(peer, look, snap, handles, moved, feed if self.wants_delta(peer, look, feed, chosen) else None,
-                         clock, log)
+                         clock, relay_log)
         await self.commit(peer, look.back, version)
 
     async def write(self, peer: Peer, look: Look, snap: torch.Tensor, handles: list[Transfer], moved: list[int],
-                    feed: DeltaFeed | None, clock: Callable[[], None], log: Log | None = None) -> None:
+                    feed: DeltaFeed | None, clock: Callable[[], None], relay_log: Log | None = None) -> None:
         """Writes a version into ``peer``'s slot ``look.back``: the parts of ``feed`` (a delta
-        it holds the base of) as the diff hands them out, else dense. With ``log`` (``peer``
+        it holds the base of) as the diff hands them out, else dense. With ``relay_log`` (``peer``
         relays the version to its host), each part is logged once it is in ``peer``'s memory,
         and how the version ended. ``moved``: set to [bytes written, whether as a delta]."""
         t, k, sub, back = self.t, self._keys, peer.name, look.back
         ctl = look.ctl
-        if log is not None:
-            await log.begin()
+        if relay_log is not None:
+            await relay_log.begin()
         if feed is not None:
             # Only what changed since the base it holds: each part of the encodings as the diff
             # hands it out (the rest is diffed meanwhile), then the header beside the slot.
@@ -239,8 +239,8 @@ class Pushes:
             while (part := await feed.part(index)) is not None:
                 handles.append(t.put_many(sub, [(src, k.slots[back], offset) for src, offset in part],
                                           timeout=self.deadline))
-                if log is not None:
-                    log.follow(handles[-1], [(offset, src.nbytes) for src, offset in part])
+                if relay_log is not None:
+                    relay_log.follow(handles[-1], [(offset, src.nbytes) for src, offset in part])
                 index += 1
             clock()
             dv = await feed.done()
@@ -260,7 +260,7 @@ class Pushes:
                 await t.put(torch.zeros(1, dtype=torch.int64), sub, key=k.deltas[back], offset=0,
                             timeout=self.deadline)
             pushed = time.perf_counter()  # (a small push completes inside start())
-            if log is None:
+            if relay_log is None:
                 # The whole version as one prepared transfer into that slot: its segment list
                 # (coalesced, checked, and packed into each backend's native list) is built the
                 # first time and reused every later version with this subscriber, slot and snapshot.
@@ -268,12 +268,12 @@ class Pushes:
             else:  # bucket by bucket, each logged once it landed: its host's members follow
                 for b, (start, end) in enumerate(self.layout.buckets):
                     handles.append(self.prepared(peer, back, snap, b).start(timeout=self.deadline))
-                    log.follow(handles[-1], [(start, end - start)])
+                    relay_log.follow(handles[-1], [(start, end - start)])
             nbytes = self.layout.total
         for h in handles:
             await h
-        if log is not None:
-            await log.end(bool(moved[1]), nbytes)
+        if relay_log is not None:
+            await relay_log.end(bool(moved[1]), nbytes)
         moved[0] = nbytes
         if not moved[1]:
             self._crossover.pushed_dense(sub, time.perf_counter() - pushed)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import TransferTimeoutError, TransportError
+from .._errors import ClosedError, TransferTimeoutError, TransportError
 from ._control import memory_barrier
 from ._relay_block import (
     M_ACK,
@@ -72,7 +72,13 @@ class RelayMember:
         self.followed = 0  # orders acknowledged DONE
 
     async def run(self) -> None:
-        """Follows orders until cancelled."""
+        """Follows orders until cancelled, or until the Transport closes."""
+        try:
+            await self._run()
+        except ClosedError:
+            return
+
+    async def _run(self) -> None:
         woken = 0
         while True:
             try:
@@ -91,6 +97,8 @@ class RelayMember:
             else:
                 try:
                     ack = await self._follow(order)
+                except ClosedError:
+                    raise
                 except TransportError as exc:
                     log.info("subscriber %s: cannot copy version %d from relay %s: %s", self.t.name, order.version,
                              order.relay, exc)
@@ -104,6 +112,8 @@ class RelayMember:
                 self.followed += 1
             try:
                 await self.t.signal(self.publisher, self._keys.relay_ack, time.time_ns(), timeout=2.0)
+            except ClosedError:
+                raise
             except TransportError:  # the publisher reads the words anyway
                 pass
 

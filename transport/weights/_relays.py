@@ -291,7 +291,7 @@ class Relays:
         relay_failed = anyio.Event()
 
         async def push_relay(rlog: RelayLog) -> None:
-            result, lost = await self._pushes.push(relay, version, snap, t0, feed, chosen, log=rlog,
+            result, lost = await self._pushes.push(relay, version, snap, t0, feed, chosen, relay_log=rlog,
                                                    look=looks[relay.name])
             done(relay, result, lost)
             if result.status != SyncStatus.DONE:
