@@ -1,0 +1,236 @@
+"""The fan-out benchmark's figures: per-method rows from the processes' records, the floor, the
+issue's targets, and the table and Markdown report."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ..common.machine import library_line
+
+HOSTS = 2
+TARGET_FLOOR = 1.15  # relays at most this times the floor
+TARGET_DIRECT = 2.5  # relays at least this many times faster than direct
+TARGET_STRIPED = 1.8  # two striped links at least this many times one
+TARGET_NORMAL = 1.15  # a fault run's other host: at most this times the relays' median
+
+
+def _first_live(lives: list[dict[str, Any]], v: int) -> dict[str, Any] | None:
+    """The record of the first version >= ``v`` a generator had live."""
+    return next((r for r in lives if r["version"] >= v), None)
+
+
+def _spread(times: list[float]) -> dict[str, Any]:
+    return {"times_s": times, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def weights_rows(method: str, trainer: dict[str, Any], gens: dict[str, dict[str, Any]], names: dict[str, list[str]],
+                 warmup: int, fault: dict[str, Any] | None) -> dict[str, Any]:
+    """A ``transport.weights`` method's figures: per timed version, when each generator was live
+    (seconds from the publish's start) and the slowest; the publish reports' per-subscriber
+    results; torn tensors seen (must be 0)."""
+    every = [n for h in sorted(names) for n in names[h]]
+    per_sub: dict[str, list[float | None]] = {n: [] for n in every}
+    times, torn, missing = [], 0, []
+    timed = [r for r in trainer["versions"] if r["version"] > warmup]
+    for row in timed:
+        worst = 0.0
+        for n in every:
+            live = _first_live(gens.get(n, {}).get("lives", []), row["version"])
+            if live is None:
+                per_sub[n].append(None)
+                missing.append(f"{n}@v{row['version']}")
+                continue
+            s = live["at"] - row["t0"]
+            per_sub[n].append(s)
+            torn += live["torn_tensors"]
+            if not (fault and n == fault["victim"]):
+                worst = max(worst, s)
+        times.append(worst)
+    out: dict[str, Any] = {**_spread(times), "per_sub": per_sub, "torn_tensors": torn, "missing": missing,
+                           "publish_s": [r["publish_s"] for r in timed],
+                           "results": [r["results"] for r in timed],
+                           "relayed_by": {n: r.get("relayed_by") for n, r in timed[-1]["results"].items()},
+                           "hostnames": sorted({g.get("hostname", "?") for g in gens.values()})}
+    out["publisher_kwargs"] = trainer.get("publisher_kwargs")
+    if fault:
+        row = timed[-1]
+        out["fault"] = {"signal": fault["signal"], "victim": fault["victim"],
+                        "planned_after_s": fault["after_s"],
+                        "injected_after_s": (row["injected_at"] - row["t0"]) if "injected_at" in row else None,
+                        "live_s": {n: per_sub[n][-1] for n in every}, "results": row["results"],
+                        "hosts": {h: names[h] for h in names}}
+    return out
+
+
+def gloo_rows(rows: list[dict[str, Any]], names: list[str], warmup: int) -> dict[str, Any]:
+    """The gloo broadcast's figures: per timed version, when each rank's broadcast returned,
+    from rank 0's start (after the barrier)."""
+    per_sub: dict[str, list[float]] = {n: [] for n in names[1:]}
+    times, torn = [], 0
+    for i, r0 in enumerate(rows[0]["rows"]):
+        if r0["version"] <= warmup:
+            continue
+        worst = 0.0
+        for rank, n in enumerate(names[1:], start=1):
+            r = rows[rank]["rows"][i]
+            per_sub[n].append(r["at"] - r0["t0"])
+            torn += r["torn_tensors"]
+            worst = max(worst, r["at"] - r0["t0"])
+        times.append(worst)
+    return {**_spread(times), "per_sub": per_sub, "torn_tensors": torn, "missing": []}
+
+
+def floor(args: Any, refs: dict[str, Any]) -> dict[str, Any]:
+    """One copy per host across T's link: at the shaped rate, and at the plain stream's goodput
+    (and across two links, where measured)."""
+    copies = HOSTS * args.state_bytes
+    out = {"copies_bytes": copies, "rate_s": copies * 8 / (args.rate_mbit * 1e6),
+           "stream_s": copies / refs["one_link"]["median_bytes_per_s"]}
+    if "two_links" in refs:
+        out["two_links_rate_s"] = out["rate_s"] / 2
+        out["two_links_stream_s"] = copies / refs["two_links"]["median_bytes_per_s"]
+    return out
+
+
+def refs_line(refs: dict[str, Any], args: Any) -> str:
+    parts = [f"{k.replace('_', ' ')}: {v['median_bytes_per_s'] * 8 / 1e6:.0f} Mbit/s "
+             f"({', '.join(f'{x * 8 / 1e6:.0f}' for x in v['bytes_per_s'])})" for k, v in refs.items()]
+    return f"plain socket stream, {args.state_bytes / 1e6:.0f} MB per link, shaped {args.rate_mbit:g} Mbit/s: " \
+        + "; ".join(parts)
+
+
+def method_line(method: str, r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{method}: FAILED ({r['error'].splitlines()[0][:300]})"
+    return f"{method}: median {r['median_s']:.2f} s (min {r['min_s']:.2f}, max {r['max_s']:.2f}; " \
+        f"{', '.join(f'{t:.2f}' for t in r['times_s'])}), torn tensors {r['torn_tensors']}, " \
+        f"missing {len(r['missing'])}, wall {r['wall_s']:.0f} s"
+
+
+def _check(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("holds" if ok else "MISSED")
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets against this run's figures (None where a method did not run)."""
+    m, fl = result["methods"], result["floor"]
+    ok = {k: v for k, v in m.items() if "error" not in v}
+
+    def med(k: str) -> float | None:
+        return ok[k]["median_s"] if k in ok and k not in ("stop", "kill") else None
+
+    relays, direct, gloo, striped = med("relays"), med("direct"), med("gloo"), med("striped")
+    targets: list[dict[str, Any]] = [
+        {"target": f"relays <= {TARGET_FLOOR}x floor (shaped rate)",
+         "value": None if relays is None else relays / fl["rate_s"],
+         "holds": None if relays is None else relays <= TARGET_FLOOR * fl["rate_s"]},
+        {"target": f"relays >= {TARGET_DIRECT}x faster than direct",
+         "value": None if None in (relays, direct) else direct / relays,
+         "holds": None if None in (relays, direct) else direct / relays >= TARGET_DIRECT},
+        {"target": "relays faster than gloo broadcast",
+         "value": None if None in (relays, gloo) else gloo / relays,
+         "holds": None if None in (relays, gloo) else relays < gloo},
+        {"target": f"two striped links >= {TARGET_STRIPED}x one (striped vs relays)",
+         "value": None if None in (relays, striped) else relays / striped,
+         "holds": None if None in (relays, striped) else relays / striped >= TARGET_STRIPED},
+    ]
+    one_copy_s = result["args"]["state_bytes"] / result["refs"]["one_link"]["median_bytes_per_s"]
+    for k in [k for k in ("stop", "kill") if k in result["args"]["methods"]]:
+        f = ok.get(k, {}).get("fault")
+        if f is None:
+            targets.append({"target": f"{k}: host B live in normal time, host A's others within the timeout "
+                            "plus one direct push", "value": None, "holds": None})
+            continue
+        b = [s for n in f["hosts"]["B"] if (s := f["live_s"][n]) is not None]
+        b_ok = None if relays is None else (len(b) == len(f["hosts"]["B"]) and max(b) <= TARGET_NORMAL * relays)
+        others = [n for n in f["hosts"]["A"] if n != f["victim"]]
+        a = [f["live_s"][n] for n in others]
+        timeout = result["args"]["relay_timeout"]
+        bound = None if timeout is None else (f["injected_after_s"] or 0) + timeout + len(others) * one_copy_s
+        a_ok = None if bound is None else all(s is not None for s in a) and max(a, default=0) <= bound
+        targets.append({"target": f"{k}: host B's subscribers <= {TARGET_NORMAL}x the relays' median",
+                        "value": None if not b or relays is None else max(b) / relays, "holds": b_ok})
+        limit = "relay_timeout unknown" if bound is None else f"{bound:.2f} s"
+        targets.append({"target": f"{k}: host A's other subscribers <= fault time + relay_timeout + "
+                        f"{len(others)} direct copies ({limit})",
+                        "value": None if None in a else max(a, default=0), "holds": a_ok})
+    return {"targets": targets}
+
+
+def _row(name: str, r: dict[str, Any], fl: dict[str, Any], direct: float | None) -> str:
+    if "error" in r:
+        return f"| {name} | failed: {r['error'].splitlines()[0][:160]} | | | | | |"
+    med = r["median_s"]
+    floor_s = fl["two_links_rate_s"] if name == "striped" and "two_links_rate_s" in fl else fl["rate_s"]
+    stream_s = fl["two_links_stream_s"] if name == "striped" and "two_links_stream_s" in fl else fl["stream_s"]
+    vs_direct = f"{direct / med:.2f}" if direct else "-"
+    live = "yes" if not r["missing"] else f"no: {', '.join(r['missing'])}"
+    return (f"| {name} | {med:.2f} | {r['min_s']:.2f}-{r['max_s']:.2f} | {med / floor_s:.2f} | {med / stream_s:.2f} | "
+            f"{vs_direct} | {live}, torn {r['torn_tensors']} |")
+
+
+def table(result: dict[str, Any]) -> str:
+    """The results as the text the benchmark prints (Markdown tables)."""
+    m, fl, a = result["methods"], result["floor"], result["args"]
+    direct = m.get("direct", {}).get("median_s")
+    lines = [f"Floor: {a['state_bytes'] * HOSTS / 1e6:.0f} MB across T's link: {fl['rate_s']:.2f} s at "
+             f"{a['rate_mbit']:g} Mbit/s, {fl['stream_s']:.2f} s at the measured stream"
+             + (f"; two links {fl['two_links_rate_s']:.2f} s / {fl['two_links_stream_s']:.2f} s"
+                if "two_links_rate_s" in fl else ""), "",
+             "| method | median s | min-max s | x floor (rate) | x floor (stream) | direct / method | every subscriber "
+             "live |", "|---|---|---|---|---|---|---|"]
+    if "floor" in a["methods"]:
+        lines.append(f"| floor | {fl['rate_s']:.2f} | (stream {fl['stream_s']:.2f}) | 1.00 | "
+                     f"{fl['rate_s'] / fl['stream_s']:.2f} | {direct / fl['rate_s'] if direct else 0:.2f} | - |")
+    for name in ("direct", "relays", "striped", "gloo"):
+        if name in m:
+            lines.append(_row(name, m[name], fl, direct))
+    kwargs = [f"{n}: Publisher({', '.join(f'{k}={v!r}' for k, v in m[n]['publisher_kwargs'].items())})"
+              for n in ("direct", "relays", "striped") if m.get(n, {}).get("publisher_kwargs") is not None]
+    if kwargs:
+        lines += ["", "Switches passed: " + "; ".join(kwargs) + " (with delta=False)."]
+    for name in ("stop", "kill"):
+        if name not in m:
+            continue
+        r = m[name]
+        lines += ["", f"Fault run `{name}`:"]
+        if "error" in r:
+            lines.append(f"failed: {r['error']}")
+            continue
+        f = r["fault"]
+        inj = "not injected (the version finished first)" if f["injected_after_s"] is None \
+            else f"{f['signal']} to {f['victim']} at {f['injected_after_s']:.2f} s"
+        lines += [f"{inj}; per subscriber: live s from the publish's start / the publish report's result", "",
+                  "| subscriber | live s | status | seconds | relayed_by | error |", "|---|---|---|---|---|---|"]
+        for n, s in f["live_s"].items():
+            res = f["results"].get(n, {})
+            lines.append(f"| {n} | {'-' if s is None else f'{s:.2f}'} | {res.get('status', '-')} | "
+                         f"{res.get('seconds', 0):.2f} | {res.get('relayed_by')} | {(res.get('error') or '')[:120]} |")
+    lines += ["", "Targets (issue):", ""]
+    for t in result["summary"]["targets"]:
+        v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"- {t['target']}: {v} -> {_check(t['holds'])}")
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    mach, a = result["machine"], result["args"]
+    head = [f"# Fan-out: T -> 2 hosts x {a['per_host']} generators over shaped links ({result['date']})", "",
+            f"Machine: {mach['cpu']}, {mach['nproc']} cores, {mach['memory_gib']} GiB, no GPU; {result['platform']}; "
+            f"torch {mach['torch']}. {library_line(result['library'])}", "",
+            f"Command: `{result['command']}`. Methods run: {', '.join(a['methods'])}.", "",
+            f"Fabric: hosts T, A, B as network namespaces, two NICs each (veth into one switch bridge per NIC), "
+            f"every link tbf-shaped to {a['rate_mbit']:g} Mbit/s each way; state {a['state_bytes'] / 1e6:.0f} MB "
+            f"bf16, Llama-shaped; {a['warmup']} untimed + {a['reps']} timed versions per method; time = from the "
+            "publish's start (gloo: rank 0's start after a barrier) until the last subscriber's wait returned, "
+            "all clocks on this one machine.", "",
+            refs_line(result["refs"], _Args(a)) + ".", "",
+            f"Other load during the run: {result['load']}.", ""]
+    head += [f"Note: {n}" for n in a.get("note", [])]
+    return "\n".join([*head, "", table(result), ""])
+
+
+class _Args:
+    def __init__(self, a: dict[str, Any]) -> None:
+        self.state_bytes, self.rate_mbit = a["state_bytes"], a["rate_mbit"]
