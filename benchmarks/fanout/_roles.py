@@ -4,7 +4,8 @@
 * ``trainer``: a ``transport.weights.Publisher`` (dense versions, ``delta=False``) that
   publishes ``versions`` stamped versions once every generator said ready, and after each waits
   until every generator (but a fault's victim) signalled it live; it records each publish's
-  start (``time.time()``), its report, and, in a fault run, when it stopped or killed the victim.
+  start (``time.time()``), its report, and, in a fault run, when it stopped or killed the victim
+  (during the last version; the harness kills the victim once the others are done).
 * ``generator``: a ``Subscriber`` that waits for versions 1..N, records when each
   ``wait_version`` returned (``time.time()``: every process runs on this one machine, so the
   clocks are one) and whether every tensor carries the version's stamp, and signals the trainer.
@@ -118,12 +119,9 @@ async def trainer(spec: dict[str, Any]) -> None:
                     await t.wait_signal(f"live.{g}", at_least=v, timeout=spec["version_timeout"])
                 row["all_live"] = time.time()
                 versions.append(row)
-            if fault is not None and fault["signal"] == "SIGSTOP":
-                os.kill(fault["pid"], signal.SIGCONT)  # let it leave cleanly (what it does then is not timed)
             for g in gens:
-                if fault is not None and g == fault["victim"] and fault["signal"] == "SIGKILL":
-                    continue
-                await t.signal(g, "stop", 1, timeout=spec["start_timeout"])
+                if fault is None or g != fault["victim"]:  # the harness kills the victim
+                    await t.signal(g, "stop", 1, timeout=spec["start_timeout"])
     _write(spec, record)
 
 

@@ -167,8 +167,8 @@ def weights_method(fab: Any, tmp: Path, args: argparse.Namespace, method: str,
             victim = names["A"][0]
             spec["fault"] = {**fault, "victim": victim, "pid": procs.procs[victim].pid}
         procs.start("T", "trainer", "trainer", spec)
-        allow = [spec["fault"]["victim"]] if fault else []
-        procs.wait(["trainer", *gens], args.run_timeout, allow_fail=allow)
+        victim = spec["fault"]["victim"] if fault else None
+        procs.wait(["trainer", *[g for g in gens if g != victim]], args.run_timeout)
         trainer = read(tmp / "trainer.json")
         gen = {n: read(tmp / f"{n}.json") for n in gens if (tmp / f"{n}.json").exists()}
     finally:
