@@ -92,17 +92,22 @@ class RelayLog:
         self._pumped = anyio.Event()
         self.error: TransportError | None = None
         self.ended: tuple[int, bool] | None = None  # (bytes, as a delta) once every part is in the relay
+        self.begun = anyio.Event()  # set once this epoch's log is in the relay's block
 
     async def begin(self) -> None:
         """Starts this epoch's log (no rows, not ended) and the task that follows the parts."""
         words = torch.tensor([self.epoch, 0, int(End.PUSHING)], dtype=torch.int64)
         await self.t.put(words, self.relay, key=self.key, offset=0, timeout=self._timeout)
+        self.begun.set()
         self._tg.start_soon(self._pump)
 
     def follow(self, handle: Transfer, rows: list[tuple[int, int]]) -> None:
         """Logs ``rows`` (slot offset, nbytes) once ``handle`` (the put of their bytes) completed,
-        in the order given."""
-        self._send.send_nowait((handle, rows))
+        in the order given. Once a part failed nothing more is logged (the push raises it)."""
+        try:
+            self._send.send_nowait((handle, rows))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
 
     async def _pump(self) -> None:
         try:
@@ -303,6 +308,18 @@ class Relays:
         async def member(peer: Peer, rlog: RelayLog) -> None:
             order = Order(epoch, version, relay.name, looks[relay.name].back, looks[peer.name].back)
             result: SyncResult | None = None
+            # The order goes out once the relay's log is of its epoch (a member that looked
+            # before would take the old log for a failed relay).
+            async with anyio.create_task_group() as wait:
+                async def until(event: anyio.Event) -> None:
+                    await event.wait()
+                    wait.cancel_scope.cancel()
+
+                wait.start_soon(until, rlog.begun)
+                wait.start_soon(until, relay_failed)
+            if not rlog.begun.is_set():
+                await direct(peer)
+                return
             try:
                 for words, offset in order_spans(order):
                     await self.t.put(words, peer.name, key=self._keys.relay, offset=offset, timeout=self.deadline)
