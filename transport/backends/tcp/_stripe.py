@@ -9,7 +9,8 @@ per address, each lane its own agent connection.
   no lane for ``LANE_RETRY_S``.
 * **Proportion.** Every lane keeps ``LANE_DEPTH`` chunks in flight and takes the next one as
   soon as one is delivered, so each lane carries what it delivers: a lane twice as fast carries
-  twice the bytes. Each lane's rate (an EWMA of its bytes/s) is kept for its stats.
+  twice the bytes. Each lane's rate (an EWMA of its bytes/s) decides the end: a lane leaves the
+  last chunks to the others when they would deliver all that is left before it delivered one.
 * **Failure.** A lane whose connection breaks, or that delivers nothing for ``stall_s`` seconds
   (``TCP_INFO``: no byte acknowledged or received) while another lane still delivers, is given
   up: its connection is reset (so none of its queued bytes lands later), its chunks go to the
@@ -69,6 +70,7 @@ class Lane:
     chunks: int = 0
     failures: int = 0
     rate: float = 0.0  # bytes/s, an EWMA over its chunks
+    pending: int = 0  # bytes of its chunks on the wire now
     last_done: float = 0.0  # when its last chunk was delivered
     seen: int | None = None  # its connection's delivery counter at the last look
     seen_at: float = 0.0  # when that counter last moved (or the lane had nothing outstanding)
@@ -91,8 +93,11 @@ class Lane:
 class _Run(Generic[_C]):
     """The chunks of one striped transfer: those waiting, and how many are on the wire."""
 
-    def __init__(self, chunks: Sequence[_C]) -> None:
+    def __init__(self, chunks: Sequence[_C], size: Callable[[_C], int], lanes: Sequence[Lane]) -> None:
         self.todo: collections.deque[_C] = collections.deque(chunks)
+        self.size = size
+        self.lanes = lanes
+        self.todo_bytes = sum(size(c) for c in chunks)
         self.inflight = 0
         self.error: TransportError | None = None
         self.lost: list[str] = []  # why lanes of this run were given up
@@ -161,8 +166,9 @@ class Stripes:
         no longer waited for); none is started after.
         """
         lanes = self.lanes(peer)
-        run: _Run[_C] = _Run(chunks)
-        usable = [lane for lane in lanes if lane.usable(run.started)] or lanes
+        now = time.monotonic()
+        run: _Run[_C] = _Run(chunks, size, [lane for lane in lanes if lane.usable(now)] or lanes)
+        usable = run.lanes
         async with anyio.create_task_group() as watching:
             watching.start_soon(self._watch, peer.name, usable, run)
             async with anyio.create_task_group() as senders:
@@ -190,13 +196,20 @@ class Stripes:
                         return
                     await run.wait_change()
                     continue
+                n = size(run.todo[0])
+                if not self._worth_taking(lane, run, n):
+                    await run.wait_change()
+                    continue
                 chunk = run.todo.popleft()
+                run.todo_bytes -= n
                 run.inflight += 1
+                lane.pending += n
                 started = time.monotonic()
                 try:
                     await send(chan, chunk)
                 except PeerLostError as exc:  # the lane broke, or was given up: another one sends it
                     run.todo.appendleft(chunk)
+                    run.todo_bytes += n
                     self._fail(peer.name, lane, f"{lane.label}: {exc}", run)
                     return
                 except TransportError as exc:  # refused (or past the deadline): the transfer's error
@@ -204,11 +217,29 @@ class Stripes:
                         run.error = exc
                     return
                 finally:
+                    lane.pending -= n
                     run.inflight -= 1
                     run.changed()
-                self._delivered(lane, size(chunk), started)
+                self._delivered(lane, n, started)
         finally:
             run.changed()
+
+    @staticmethod
+    def _worth_taking(lane: Lane, run: _Run[Any], nbytes: int) -> bool:
+        """Whether ``lane`` should take the next chunk (``nbytes``): yes unless the run's other
+        live lanes, at their measured rates, would deliver everything left (their chunks on the
+        wire, and every waiting chunk, this one included) before ``lane`` delivered this one.
+        So a slow lane carries its share while much is left, and leaves the last chunks to the
+        faster ones instead of finishing the transfer late. It is asked again at every change
+        (a chunk delivered, a lane given up)."""
+        if not lane.rate:
+            return True
+        others = [other for other in run.lanes if other is not lane and other.rate and other.chan is not None
+                  and not other.chan.broken]
+        rate = sum(other.rate for other in others)
+        if not rate:
+            return True
+        return nbytes / lane.rate <= (sum(other.pending for other in others) + run.todo_bytes) / rate
 
     def _delivered(self, lane: Lane, nbytes: int, started: float) -> None:
         now = time.monotonic()
