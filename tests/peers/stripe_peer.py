@@ -3,7 +3,7 @@
 
 Spec: ``role`` ("target" or "initiator"), ``name``, ``peer`` (the other's name), ``store``,
 ``listen`` (this end's addresses, comma-separated), ``nbytes``, ``seed`` (the bytes are
-``torch.randint`` of that seed), ``timeout``.
+``torch.randint`` of that seed), ``timeout``, optionally ``backends`` (default ``["tcp"]``).
 
 * target: registers ``w`` (``nbytes`` zero bytes), signals the initiator "ready", then polls its
   region until it holds exactly the initiator's bytes (no message needed: the link that would
@@ -34,8 +34,8 @@ def payload(nbytes: int, seed: int) -> torch.Tensor:
 
 async def target(spec: dict) -> dict:
     expected = payload(spec["nbytes"], spec["seed"])
-    async with transport.Transport(spec["name"], store=spec["store"], backends=("tcp",), listen=spec["listen"],
-                                   timeout=spec["timeout"]) as t:
+    async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends", ("tcp",)),
+                                   listen=spec["listen"], timeout=spec["timeout"]) as t:
         w = torch.zeros(spec["nbytes"], dtype=torch.uint8)
         t.register("w", w)
         await t.peer(spec["peer"])
@@ -54,8 +54,8 @@ async def target(spec: dict) -> dict:
 
 async def initiator(spec: dict) -> dict:
     src = payload(spec["nbytes"], spec["seed"])
-    async with transport.Transport(spec["name"], store=spec["store"], backends=("tcp",), listen=spec["listen"],
-                                   timeout=spec["timeout"]) as t:
+    async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends", ("tcp",)),
+                                   listen=spec["listen"], timeout=spec["timeout"]) as t:
         await t.wait_signal("ready", timeout=spec["timeout"])
         await t.peer(spec["peer"], regions=["w"])
         times: list[float] = []
@@ -75,9 +75,10 @@ async def initiator(spec: dict) -> dict:
             await t.signal(spec["peer"], "done", 1)
         records = t._flight.snapshot("stripe_peer")["records"]
         puts = [r for r in records if r["op"] == "put"]
-        tcp = next(b for b in t._backends if b.name == "tcp")
+        tcp = next((b for b in t._backends if b.name == "tcp"), None)
         return {"seconds": times, "error": error, "lanes": puts[-1].get("lanes", {}) if puts else {},
-                "stats": tcp.lane_stats(spec["peer"])}
+                "backend": puts[-1].get("backend") if puts else None,
+                "stats": tcp.lane_stats(spec["peer"]) if tcp is not None else []}
 
 
 def main() -> None:
