@@ -28,8 +28,9 @@ the time of a version being from the publish's start until the last generator's
 * ``gloo``: ``torch.distributed`` gloo, 7 ranks, T rank 0, bucketed ``broadcast`` (``--bucket-mib``);
 * ``floor``: computed: 2 copies across T's link at the shaped rate, and at the measured stream;
 * ``stop`` / ``kill``: ``relays`` with host A's relay ``SIGSTOP``ped / ``SIGKILL``ed
-  ``--fault-after`` of the relays' median into the version: when each subscriber was live, and
-  the publish report's result for each.
+  ``--fault-after`` of the relays' median into the version, the publisher's deadline (what a
+  failed relay may cost its host, by the library's rule) ``--fault-deadline``: when each
+  subscriber was live, and the publish report's result for each.
 
 It prints the table with ratios against the floor and against direct, and whether each of the
 issue's targets holds (a method that failed is reported, and the exit code is 1). Needs root.

@@ -146,14 +146,16 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         b_ok = None if relays is None else (len(b) == len(f["hosts"]["B"]) and max(b) <= TARGET_NORMAL * relays)
         others = [n for n in f["hosts"]["A"] if n != f["victim"]]
         a = [f["live_s"][n] for n in others]
+        # What a failed relay may cost its host: the relay timeout where the library has one, else the
+        # publisher's deadline (the library's rule); then the members' copies pushed directly.
         timeout = result["args"]["relay_timeout"]
-        bound = None if timeout is None else (f["injected_after_s"] or 0) + timeout + len(others) * one_copy_s
-        a_ok = None if bound is None else all(s is not None for s in a) and max(a, default=0) <= bound
+        timeout = result["args"]["fault_deadline"] if timeout is None else timeout
+        bound = timeout + len(others) * one_copy_s
+        a_ok = all(s is not None for s in a) and max(a, default=0) <= bound
         targets.append({"target": f"{k}: host B's subscribers <= {TARGET_NORMAL}x the relays' median",
                         "value": None if not b or relays is None else max(b) / relays, "holds": b_ok})
-        limit = "relay_timeout unknown" if bound is None else f"{bound:.2f} s"
-        targets.append({"target": f"{k}: host A's other subscribers <= fault time + relay_timeout + "
-                        f"{len(others)} direct copies ({limit})",
+        targets.append({"target": f"{k}: host A's other subscribers <= the timeout ({timeout:g} s) + "
+                        f"{len(others)} direct copies ({bound:.2f} s)",
                         "value": None if None in a else max(a, default=0), "holds": a_ok})
     return {"targets": targets}
 

@@ -53,8 +53,8 @@ def _state(spec: dict[str, Any], seed: int | None) -> dict[str, Any]:
 # ---- transport.weights ----------------------------------------------------------------------
 
 def publisher_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    """What the method asks of the Publisher: relays on (``relays=True`` and ``relay_timeout``)
-    or off. Off is said explicitly where this library's Publisher has the switch (a library
+    """What the method asks of the Publisher: relays on (``relays=True``, and ``relay_timeout``
+    where the run gives one) or off. Off is said explicitly where this library's Publisher has the switch (a library
     without relays pushes directly anyway); on is always said, so a library without relays
     fails with TypeError rather than measuring direct pushes under the name of relays."""
     from transport.weights import Publisher

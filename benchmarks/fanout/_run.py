@@ -161,7 +161,8 @@ def weights_method(fab: Any, tmp: Path, args: argparse.Namespace, method: str,
                 procs.start(host, name, "generator", {**common, "name": name, "listen": listen(host),
                                                       "backends": ["ipc", "tcp"], "out": str(tmp / f"{name}.json")})
         gens = [n for h in HOSTS for n in names[h]]
-        spec = {**common, "generators": gens, "listen": listen("T"), "backends": ["tcp"], "deadline": args.deadline,
+        deadline = args.fault_deadline if fault else args.deadline
+        spec = {**common, "generators": gens, "listen": listen("T"), "backends": ["tcp"], "deadline": deadline,
                 "out": str(tmp / "trainer.json")}
         if fault:
             victim = names["A"][0]
@@ -237,7 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "load": other_load(cpu0, CpuSample.take()), "platform": platform.platform(),
             "args": {"rate_mbit": args.rate_mbit, "state_bytes": args.state_bytes, "per_host": args.per_host,
                      "reps": args.reps, "warmup": args.warmup, "methods": list(args.methods),
-                     "relay_timeout": args.relay_timeout, "deadline": args.deadline, "bucket_bytes": args.bucket_bytes,
+                     "relay_timeout": args.relay_timeout, "deadline": args.deadline,
+                     "fault_deadline": args.fault_deadline, "bucket_bytes": args.bucket_bytes,
                      "fault_after": args.fault_after, "note": args.note},
             "refs": refs, "floor": _report.floor(args, refs), "methods": methods}
 
@@ -245,10 +247,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _mk(tmp: Path, name: str) -> str:
     (tmp / name).mkdir()
     return name
-
-
-def _seconds_or_none(text: str) -> float | None:
-    return None if text.lower() == "none" else float(text)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -262,10 +260,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--per-host", type=int, default=3, help="generator processes per host (default 3)")
     p.add_argument("--reps", type=int, default=3, help="timed versions per method (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed versions first (default 1)")
-    p.add_argument("--relay-timeout", type=_seconds_or_none, default=5.0,
-                   help="Publisher(relay_timeout=...) of the relay methods (default 5; 'none': not passed, the "
-                        "library's default)")
+    p.add_argument("--relay-timeout", type=float, default=None,
+                   help="Publisher(relay_timeout=...) of the relay methods (default: not passed; the library "
+                        "bounds a failed relay by the deadline)")
     p.add_argument("--deadline", type=float, default=60.0, help="Publisher(deadline=...) (default 60)")
+    p.add_argument("--fault-deadline", type=float, default=10.0,
+                   help="Publisher(deadline=...) of the fault runs: what a failed relay may cost (default 10)")
     p.add_argument("--fault-after", type=float, default=0.4,
                    help="the fault runs' signal comes this fraction of the relays' median time into the version")
     p.add_argument("--bucket-mib", type=float, default=64.0, help="gloo broadcast bucket (default 64 MiB)")
