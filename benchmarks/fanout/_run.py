@@ -103,6 +103,22 @@ class Procs:
             p.wait(timeout=30)
 
 
+def nic_bytes(fab: Any) -> dict[str, dict[str, int]]:
+    """Every host NIC's byte counters (``host/ethN`` -> rx, tx), read in its namespace."""
+    out = {}
+    for host in ("T", *HOSTS):
+        for nic in range(fab.hosts[host]):
+            dev = fab.dev(host, nic)
+            rx, tx = fab.run(host, ["cat", f"/sys/class/net/{dev}/statistics/rx_bytes",
+                                    f"/sys/class/net/{dev}/statistics/tx_bytes"]).split()
+            out[f"{host}/{dev}"] = {"rx": int(rx), "tx": int(tx)}
+    return out
+
+
+def nic_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {k: {d: after[k][d] - before[k][d] for d in ("rx", "tx")} for k in after}
+
+
 def read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
@@ -215,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(_report.refs_line(refs, args), flush=True)
             for method in [m for m in METHODS if m in args.methods and m != "floor"]:
                 t0 = time.monotonic()
+                counters = nic_bytes(fab)
                 try:
                     d = tmp / _mk(tmp, method)
                     if method == "gloo":
@@ -229,6 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as exc:  # noqa: BLE001 - a method that cannot run is reported, the rest go on
                     methods[method] = {"error": f"{type(exc).__name__}: {exc}"}
                 methods[method]["wall_s"] = time.monotonic() - t0
+                methods[method]["nic_bytes"] = nic_delta(counters, nic_bytes(fab))
                 print(_report.method_line(method, methods[method]), flush=True)
     finally:
         if not args.keep:
