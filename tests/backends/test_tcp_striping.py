@@ -121,6 +121,23 @@ async def test_link_cut_mid_transfer_moves_bytes_to_the_other_lane(pair, nic):
 
 
 @netns
+async def test_an_address_that_cannot_be_reached_gives_no_lane(tmp_path):
+    with Fabric({"T": 1, "R": 2}, rate_mbit=RATE_MBIT) as fab:  # T has no NIC on R's second subnet
+        pair = Pair(fab, f"file://{tmp_path / 'store'}", tmp_path)
+        target = pair.start("target", "R")
+        init = pair.start("initiator", "T")
+        with anyio.fail_after(WAIT_S):
+            result = await _result(init)
+            landed = await _result(target)
+    assert result["error"] is None, (result, pair.logged())
+    assert landed["exact"]
+    assert _nics(result["lanes"]) == {(fab.addr("T", 0), fab.addr("R", 0))}, result["lanes"]
+    dropped = [s for s in result["stats"] if f">{fab.addr('R', 1)}:" in s["lane"]]
+    assert len(dropped) == 1 and dropped[0]["failures"] == 1 and dropped[0]["bytes"] == 0, result["stats"]
+    assert "(connect)" in dropped[0]["why"], dropped
+
+
+@netns
 async def test_every_link_cut_fails_typed_within_the_timeout(pair):
     fab = pair.fab
     timeout = 10.0
@@ -224,3 +241,28 @@ async def test_one_listen_address_means_no_striping(tmp_path):
         await a.put(src, "b", key="w")  # b listens on two: striped, one lane each
         lanes = a._flight.snapshot("t")["records"][-1]["lanes"]
         assert len(lanes) == 2 and sum(lanes.values()) == 32 << 20, lanes
+
+
+# -- the end of a striped transfer ------------------------------------------------------------
+
+
+class _OpenChannel:
+    broken = False
+
+
+def test_a_slow_lane_leaves_the_last_chunks_to_a_fast_one():
+    from transport.backends.tcp._stripe import STRIPE_CHUNK, Lane, Stripes, _Run
+
+    fast, slow = Lane(("10.0.0.1", 1), rate=4e8, chan=_OpenChannel()), Lane(("10.0.1.1", 1), rate=1e8,
+                                                                              chan=_OpenChannel())
+    lanes = [fast, slow]
+    run = _Run([STRIPE_CHUNK] * 40, lambda n: n, lanes)
+    run.inflight, fast.pending = 2, 2 * STRIPE_CHUNK
+    assert Stripes._worth_taking(slow, run, STRIPE_CHUNK)  # much left: the slow lane carries its share
+    run = _Run([STRIPE_CHUNK], lambda n: n, lanes)
+    run.inflight = 2
+    assert not Stripes._worth_taking(slow, run, STRIPE_CHUNK)  # the fast one delivers the last sooner
+    assert Stripes._worth_taking(fast, run, STRIPE_CHUNK)
+    run.inflight, fast.pending = 0, 0
+    assert Stripes._worth_taking(slow, run, STRIPE_CHUNK)  # nothing on the wire: no change to wait for
+    assert Stripes._worth_taking(Lane(("10.0.2.1", 1)), run, STRIPE_CHUNK)  # no rate measured yet

@@ -3,6 +3,8 @@ dependency beyond the standard library and the native extension.
 
 * ``_backend.py``: the backend and its initiator side (frames, the direct lane to a peer's native
   server for ranges of at most 16 MiB, prepared run tables);
+* ``_stripe.py``: striping over NICs, large transfers to a peer that listens on several
+  addresses spread over one lane (connection) per address, with failover between lanes;
 * ``_serve.py``: the target side (``serve_frame``: one range, run tables, staged replies);
 * ``_frames.py``: its frame kinds in the agent's protocol and the requests they carry.
 """

@@ -16,6 +16,10 @@ whenever it is writable, then reading the reply): a slow or stalled peer never b
 Anything the lane cannot do (too big, lane not open yet or busy, a refusal, a broken
 connection) takes the checked path above, which reports the precise error.
 
+Transfers of ``STRIPE_MIN_BYTES`` or more to a peer whose agent listens on several addresses
+(one per NIC) take no single connection: their chunks (PUT / GET frames, or a prepared start's
+run frames) are spread over one lane per address (:mod:`._stripe`).
+
 Both sides are this backend's, behind the backend interface's target-side hook: :class:`TcpBackend`
 is the initiator, and on the target its :meth:`~TcpBackend.serve_frame` serves the PUT / GET /
 PUTR / GETR frames the agent hands it (their serving: :mod:`._tcp_serve`), its :meth:`~TcpBackend.adopt_lane` takes

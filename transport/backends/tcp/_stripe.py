@@ -228,18 +228,19 @@ class Stripes:
     def _worth_taking(lane: Lane, run: _Run[Any], nbytes: int) -> bool:
         """Whether ``lane`` should take the next chunk (``nbytes``): yes unless the run's other
         live lanes, at their measured rates, would deliver everything left (their chunks on the
-        wire, and every waiting chunk, this one included) before ``lane`` delivered this one.
-        So a slow lane carries its share while much is left, and leaves the last chunks to the
-        faster ones instead of finishing the transfer late. It is asked again at every change
-        (a chunk delivered, a lane given up)."""
-        if not lane.rate:
+        wire, and every waiting chunk, this one included) before ``lane`` delivered this one
+        after its own chunks on the wire. So a slow lane carries its share while much is left,
+        and leaves the last chunks to the faster ones instead of finishing the transfer late.
+        It is asked again at every change (a chunk delivered, a lane given up); with nothing of
+        the run on the wire (no change to wait for) the answer is yes."""
+        if not lane.rate or not run.inflight:
             return True
         others = [other for other in run.lanes if other is not lane and other.rate and other.chan is not None
                   and not other.chan.broken]
         rate = sum(other.rate for other in others)
         if not rate:
             return True
-        return nbytes / lane.rate <= (sum(other.pending for other in others) + run.todo_bytes) / rate
+        return (lane.pending + nbytes) / lane.rate <= (sum(other.pending for other in others) + run.todo_bytes) / rate
 
     def _delivered(self, lane: Lane, nbytes: int, started: float) -> None:
         now = time.monotonic()
