@@ -18,7 +18,8 @@ or more of them, on a host other than the publisher's, reached from each other o
    then, and only for that very order, does the publisher make the slot its front.
 
 Faults: when the push into the relay fails or stalls past the deadline, its members are asked
-to stop (``M_TAKEOVER``) and, once they acknowledged, are pushed to directly; a member that
+to stop (``M_TAKEOVER``) and, once they acknowledged, are served again within the same
+publish, through the next relay by name (one member alone: pushed to directly); a member that
 does not acknowledge is a straggler and its slots are not written (next publish asks again
 first). Subscribers on other hosts are never waited for. A relay that failed is rotated out.
 The flight recorder records each relayed version (``relay``) and each fallback
@@ -252,8 +253,23 @@ class Relays:
                     chosen: Mapping[str, float], done: Callable[[Peer, SyncResult, bool], None],
                     direct: Callable[[Peer], Awaitable[None]]) -> None:
         """Serves one host group: its relay, and each member through it (or directly, when it
-        cannot follow). ``done(peer, result, lost)`` is told each subscriber's result;
-        ``direct(peer)`` pushes to one directly (and tells ``done`` itself)."""
+        cannot follow). When the relay fails, the members it left without the version are
+        served again, through the next relay (or directly, one alone), within the same
+        publish. ``done(peer, result, lost)`` is told each subscriber's result; ``direct(peer)``
+        pushes to one directly (and tells ``done`` itself)."""
+        again = await self._round(group, version, snap, t0, feed, chosen, done, direct)
+        while len(again) >= 2:
+            log.info("publisher %s: version %d to %s through a new relay", self.t.name, version,
+                     ", ".join(p.name for p in again))
+            again = await self._round(again, version, snap, t0, feed, chosen, done, direct)
+        for peer in again:
+            await direct(peer)
+
+    async def _round(self, group: list[Peer], version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None,
+                     chosen: Mapping[str, float], done: Callable[[Peer, SyncResult, bool], None],
+                     direct: Callable[[Peer], Awaitable[None]]) -> list[Peer]:
+        """One relay for ``group`` (see :meth:`serve`); the members to serve again: those its
+        failure left without the version, once they stopped following it."""
         looks: dict[str, Look] = {}
         fallback: list[Peer] = []
 
@@ -288,7 +304,8 @@ class Relays:
                 for peer in group:
                     if peer.name in looks or peer in fallback:
                         tg.start_soon(direct, peer)
-            return
+            return []
+        again: list[Peer] = []
         epoch = secrets.randbits(62) + 1
         names = ", ".join(m.name for m in members)
         self.t._flight.event("relay", relay.name, f"version {version} (epoch {epoch}) to {names}")
@@ -300,10 +317,10 @@ class Relays:
                                                    look=looks[relay.name])
             done(relay, result, lost)
             if result.status != SyncStatus.DONE:
-                await rlog.fail()
                 self._failed[relay.name] = time.monotonic() + ROTATE_S
                 self.t._flight.event("relay-failed", relay.name, f"version {version}: {result.error}")
-                relay_failed.set()
+                relay_failed.set()  # (first: its members are taken over meanwhile)
+                await rlog.fail()
 
         async def member(peer: Peer, rlog: RelayLog) -> None:
             order = Order(epoch, version, relay.name, looks[relay.name].back, looks[peer.name].back)
@@ -318,7 +335,7 @@ class Relays:
                 wait.start_soon(until, rlog.begun)
                 wait.start_soon(until, relay_failed)
             if not rlog.begun.is_set():
-                await direct(peer)
+                again.append(peer)
                 return
             try:
                 for words, offset in order_spans(order):
@@ -345,7 +362,10 @@ class Relays:
                 if isinstance(exc, PeerLostError):
                     done(peer, result, True)
                     return
-            if result is None:  # it stopped, or could not follow: pushed to directly
+            if result is None and relay_failed.is_set():  # the relay left it without the version
+                self.t._flight.event("relay-fallback", peer.name, f"version {version}: not through {relay.name}")
+                again.append(peer)
+            elif result is None:  # it could not follow a relay that holds the version: pushed to directly
                 self.t._flight.event("relay-fallback", peer.name, f"version {version}: pushed directly, not "
                                                                   f"through {relay.name}")
                 await direct(peer)
@@ -359,6 +379,7 @@ class Relays:
                 tg.start_soon(member, peer, rlog)
             for peer in fallback:
                 tg.start_soon(direct, peer)
+        return again
 
     def unfenced(self, peer: Peer, version: int, t0: float) -> SyncResult:
         """The result of a subscriber whose slots cannot be written: it did not acknowledge
