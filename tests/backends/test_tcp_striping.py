@@ -44,7 +44,7 @@ class Pair:
         names = {"target": "R", "initiator": "T"}
         spec = {"role": role, "name": names[role], "peer": names["initiator" if role == "target" else "target"],
                 "store": self.store, "listen": ",".join(self.fab.addrs(host)), "nbytes": NBYTES, "seed": 7,
-                "timeout": TIMEOUT, **extra}
+                "timeout": TIMEOUT, "linger": TIMEOUT, **extra}  # (the fabric ends the target)
         with open(self.logs / f"{role}.log", "w") as log:  # (the child keeps its own descriptor)
             return self.fab.popen(host, [PYTHON, "-m", "tests.peers.stripe_peer", json.dumps(spec)],
                                   env=python_env(), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -135,6 +135,25 @@ async def test_an_address_that_cannot_be_reached_gives_no_lane(tmp_path):
     dropped = [s for s in result["stats"] if f">{fab.addr('R', 1)}:" in s["lane"]]
     assert len(dropped) == 1 and dropped[0]["failures"] == 1 and dropped[0]["bytes"] == 0, result["stats"]
     assert "(connect)" in dropped[0]["why"], dropped
+
+
+@netns
+async def test_an_address_that_does_not_answer_does_not_hold_the_transfer(pair):
+    fab = pair.fab
+    target = pair.start("target", "R")
+    init = pair.start("initiator", "T", wait_go=True)
+    with anyio.fail_after(WAIT_S):
+        await _line(init, "WAITING")
+        fab.link("R", 1, up=False)  # R's second address: a connect to it gets no answer (SYNs dropped)
+        init.stdin.write("go\n")
+        init.stdin.flush()
+        result = await _result(init)
+        landed = await _result(target)
+    assert result["error"] is None, (result, pair.logged())
+    assert landed["exact"]
+    assert _nics(result["lanes"]) == {(fab.addr("T", 0), fab.addr("R", 0))}, result["lanes"]
+    silent = [s for s in result["stats"] if f">{fab.addr('R', 1)}:" in s["lane"]]
+    assert len(silent) == 1 and silent[0]["bytes"] == 0, result["stats"]
 
 
 @netns

@@ -7,13 +7,14 @@ Spec: ``role`` ("target" or "initiator"), ``name``, ``peer`` (the other's name),
 
 * target: registers ``w`` (``nbytes`` zero bytes), signals the initiator "ready", then polls its
   region until it holds exactly the initiator's bytes (no message needed: the link that would
-  carry one may be cut) or ``timeout`` passes; prints ``RESULT {"exact": bool}``. With
-  ``poll`` false it waits for the signal "done" instead (``signal_done`` on the initiator).
+  carry one may be cut) or ``timeout`` passes; prints ``RESULT {"exact": bool}``, and serves on
+  for ``linger`` seconds (default 0). With ``poll`` false it waits for the signal "done" instead
+  (``signal_done`` on the initiator).
 * initiator: waits for "ready", prints ``START`` and puts its bytes into the target's ``w`` once
   per ``repeat`` (default 1) with ``timeout`` each, then prints ``RESULT`` with each put's
   seconds, the error (class, message, seconds) if one failed, the flight record's lanes of the
-  last put, and the tcp backend's lane stats. With ``wait_go``, it waits for a line on stdin
-  before each put (a test cuts links in between).
+  last put, and the tcp backend's lane stats. With ``wait_go``, it prints ``WAITING`` and waits
+  for a line on stdin before each put (a test cuts links in between).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def payload(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-async def target(spec: dict) -> dict:
+async def target(spec: dict) -> None:
     expected = payload(spec["nbytes"], spec["seed"])
     async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends", ("tcp",)),
                                    listen=spec["listen"], timeout=spec["timeout"]) as t:
@@ -49,7 +50,11 @@ async def target(spec: dict) -> dict:
         else:  # (a benchmark: no polling pass over the region to compete with the transfer)
             await t.wait_signal("done", timeout=spec["timeout"] * spec.get("repeat", 1) + 60)
             exact = bool(torch.equal(w, expected))
-        return {"exact": exact}
+        print("RESULT " + json.dumps({"exact": exact}), flush=True)
+        # Its bytes may all be here while the initiator still sends a chunk again (its lane was
+        # cut after the bytes landed, before the reply came back): keep serving a while.
+        await trio.sleep(spec.get("linger", 0))
+        return None
 
 
 async def initiator(spec: dict) -> dict:
@@ -62,6 +67,7 @@ async def initiator(spec: dict) -> dict:
         error = None
         for _ in range(spec.get("repeat", 1)):
             if spec.get("wait_go"):
+                print("WAITING", flush=True)
                 await trio.to_thread.run_sync(sys.stdin.readline)
             print("START", flush=True)
             t0 = time.monotonic()
@@ -83,8 +89,10 @@ async def initiator(spec: dict) -> dict:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    result = trio.run(target if spec["role"] == "target" else initiator, spec)
-    print("RESULT " + json.dumps(result), flush=True)
+    if spec["role"] == "target":
+        trio.run(target, spec)
+    else:
+        print("RESULT " + json.dumps(trio.run(initiator, spec)), flush=True)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ class Lane:
     last_done: float = 0.0  # when its last chunk was delivered
     seen: int | None = None  # its connection's delivery counter at the last look
     seen_at: float = 0.0  # when that counter last moved (or the lane had nothing outstanding)
-    opening: anyio.Lock = dataclasses.field(default_factory=anyio.Lock)
+    connecting: anyio.Event | None = None  # set once the connection being opened is open or failed
 
     @property
     def label(self) -> str:
@@ -102,6 +102,7 @@ class _Run(Generic[_C]):
         self.error: TransportError | None = None
         self.lost: list[str] = []  # why lanes of this run were given up
         self.started = time.monotonic()
+        self.connecting: set[anyio.CancelScope] = set()  # senders waiting for their lane to connect
         self._changed = anyio.Event()
 
     def changed(self) -> None:
@@ -110,6 +111,16 @@ class _Run(Generic[_C]):
 
     async def wait_change(self) -> None:
         await self._changed.wait()
+
+    @property
+    def finished(self) -> bool:
+        """Nothing waits and nothing is on the wire (or a refusal ended it)."""
+        return (not self.todo and not self.inflight) or self.error is not None
+
+    def end(self) -> None:
+        """The run is over: senders still waiting for their lane to connect stop waiting."""
+        for scope in self.connecting:
+            scope.cancel()
 
 
 class Stripes:
@@ -193,6 +204,7 @@ class Stripes:
             while run.error is None and not chan.broken:
                 if not run.todo:
                     if not run.inflight:
+                        run.end()
                         return
                     await run.wait_change()
                     continue
@@ -215,6 +227,7 @@ class Stripes:
                 except TransportError as exc:  # refused (or past the deadline): the transfer's error
                     if run.error is None:
                         run.error = exc
+                    run.end()
                     return
                 finally:
                     lane.pending -= n
@@ -255,33 +268,56 @@ class Stripes:
 
     async def _open(self, peer: PeerRecord, lane: Lane, run: _Run[Any]) -> Channel | None:
         """``lane``'s connection, opened now if it has none that works; None when it cannot
-        connect (it is then not tried again for ``LANE_RETRY_S``)."""
-        async with lane.opening:
-            chan = lane.chan
-            if chan is not None and not chan.broken and not chan.idle_expired:
-                return chan
+        connect (it is then not tried again for ``LANE_RETRY_S``), or when the run ended (the
+        other lanes delivered everything) while it was connecting: the connection is made in
+        the background (:meth:`_connect`), so a lane slow to connect never delays a transfer
+        the others carry."""
+        chan = lane.chan
+        if chan is not None and not chan.broken and not chan.idle_expired:
+            return chan
+        if lane.failed_at >= run.started:
+            return None  # (it failed during this run)
+        if lane.connecting is None:
             if chan is not None:
                 chan.close()
                 lane.chan = None
-            if lane.failed_at >= run.started:
-                return None  # (another sender of this lane failed on it during this run)
+            lane.connecting = anyio.Event()
+            self._tg.start_soon(self._connect, peer, lane, lane.connecting)
+        connected = lane.connecting
+        if run.finished:
+            return None
+        with anyio.CancelScope() as waiting:
+            run.connecting.add(waiting)
             try:
-                with anyio.fail_after(LANE_CONNECT_S):
-                    chan = await Channel.open(self._tg, lane.remote, peer=peer.name,
-                                              peer_incarnation=peer.incarnation, hello=self._hello, auth=self._auth)
-            except (TransportError, TimeoutError, OSError) as exc:
-                lane.failed_at, lane.why = time.monotonic(), f"{exc or type(exc).__name__} (connect)"
-                lane.failures += 1
+                await connected.wait()
+            finally:
+                run.connecting.discard(waiting)
+        if waiting.cancelled_caught or lane.chan is None:
+            if lane.chan is None and lane.why and f"{lane.remote[0]}:{lane.remote[1]}: {lane.why}" not in run.lost:
                 run.lost.append(f"{lane.remote[0]}:{lane.remote[1]}: {lane.why}")
-                log.info("tcp: no lane to %s at %s:%d (%s); not tried again for %gs", peer.name, *lane.remote,
-                         exc or type(exc).__name__, LANE_RETRY_S)
-                return None
+            return None
+        return lane.chan
+
+    async def _connect(self, peer: PeerRecord, lane: Lane, connected: anyio.Event) -> None:
+        """Opens ``lane``'s connection (at most ``LANE_CONNECT_S``), or records why it could not."""
+        try:
+            with anyio.fail_after(LANE_CONNECT_S):
+                chan = await Channel.open(self._tg, lane.remote, peer=peer.name, peer_incarnation=peer.incarnation,
+                                          hello=self._hello, auth=self._auth)
+        except (TransportError, TimeoutError, OSError) as exc:
+            lane.failed_at, lane.why = time.monotonic(), f"{exc or type(exc).__name__} (connect)"
+            lane.failures += 1
+            log.info("tcp: no lane to %s at %s:%d (%s); not tried again for %gs", peer.name, *lane.remote,
+                     exc or type(exc).__name__, LANE_RETRY_S)
+        else:
+            if lane.failed_at > -math.inf:
+                log.info("tcp: lane %s>%s:%d to %s is back", chan.local_address, *lane.remote, peer.name)
             lane.chan, lane.local = chan, chan.local_address
             lane.seen, lane.seen_at = None, time.monotonic()
-            if lane.failed_at > -math.inf:
-                log.info("tcp: lane %s to %s is back", lane.label, peer.name)
             lane.failed_at, lane.why = -math.inf, ""
-            return chan
+        finally:
+            lane.connecting = None
+            connected.set()
 
     def _fail(self, peer: str, lane: Lane, why: str, run: _Run[Any] | None = None) -> None:
         """Gives ``lane`` up: its connection is reset, and it is not tried again for
