@@ -41,7 +41,8 @@ async def main(spec: dict) -> None:
     async with transport.Transport("trainer", store=spec["store"], listen=spec.get("listen"), timeout=30,
                                    flight_dir=spec.get("flight")) as t:
         async with Publisher(t, state, deadline=spec.get("deadline", 5.0), bucket_bytes=spec.get("bucket", 1 << 20),
-                             relays=spec.get("relays", True), delta=spec.get("delta", "auto")) as pub:
+                             relays=spec.get("relays", True), delta=spec.get("delta", "auto"),
+                             relay_timeout=spec.get("relay_timeout")) as pub:
             for name in spec["generators"]:
                 await t.wait_signal(f"ready.{name}", timeout=120)
             for v in range(1, spec["versions"] + 1):

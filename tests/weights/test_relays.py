@@ -46,7 +46,7 @@ class Run:
                     "backends": ["ipc", "tcp"], "listen": fab.addr(host), "flight": flight}
             self._start(name, host, "tests.peers.relay_peer", spec)
         spec = {"store": store, "generators": list(GENS), "shapes": SHAPES, "deadline": DEADLINE,
-                "listen": fab.addr("T"), "flight": flight, "bucket": 1 << 20, **trainer}
+                "listen": fab.addr("T"), "flight": flight, "bucket": 1 << 20} | trainer
         self._start("trainer", "T", "tests.peers.relay_trainer", spec)
 
     def _start(self, name: str, host: str, module: str, spec: dict) -> None:
@@ -152,7 +152,7 @@ def test_relayed_dense_and_delta_versions_arrive_whole(fabric):
     assert relayed and all(e["peer"] == "gen-a0" for e in relayed), relayed
 
 
-def test_a_stopped_relay_costs_its_host_the_deadline_and_is_rotated_out(fabric):
+def test_a_stopped_relay_costs_its_host_the_relay_timeout_and_is_rotated_out(fabric):
     stopped: list[float] = []
 
     def fault(r: Run, doc: dict) -> None:
@@ -163,10 +163,12 @@ def test_a_stopped_relay_costs_its_host_the_deadline_and_is_rotated_out(fabric):
         if doc.get("version") == 3:  # (resumed before its lease runs out: it is slow, not dead)
             os.kill(r.procs["gen-a0"].pid, signal.SIGCONT)
 
-    reports, gens, events = run(fabric, {"versions": 6, "change": 1.0, "pause": 0.3}, fault)
+    # A deadline well past the relay timeout: the relay is found stalled by the latter.
+    reports, gens, events = run(fabric, {"versions": 6, "change": 1.0, "pause": 0.3, "deadline": 30.0,
+                                         "relay_timeout": 1.0}, fault)
     check_whole(reports, gens)
     v3 = reports[2]["results"]
-    assert v3["gen-a0"][0] == "straggler", v3
+    assert v3["gen-a0"][0] == "straggler" and "stalled as the relay" in v3["gen-a0"][4], v3
     # Its members were asked to stop and got the version through the next relay by name, in the
     # same publish; host B never waited.
     assert v3["gen-a1"][:2] == ["done", None] and v3["gen-a2"][:2] == ["done", "gen-a1"], v3

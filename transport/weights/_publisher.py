@@ -128,9 +128,13 @@ class Publisher(Lifecycle):
             other subscribers at most the deadline, after which they are pushed to directly;
             subscribers on other hosts never wait for it. Each result says whom a subscriber
             copied from (``SyncResult.relayed_by``). False pushes to every subscriber directly.
+        relay_timeout: seconds a relay may go without any part landing in it while one is on
+            its way; past that it is taken for stalled: its push is aborted (it is reported a
+            straggler) and its host's other subscribers get the version without it in the same
+            publish. None (the default): ``min(deadline, 5)``.
 
     Raises:
-        ValueError: ``deadline`` not positive, ``bucket_bytes`` not positive,
+        ValueError: ``deadline`` or ``relay_timeout`` not positive, ``bucket_bytes`` not positive,
             ``delta_crossover`` neither None nor in (0, 0.5], or two tensors map to one wire
             name.
         TypeError: a state value is not a tensor.
@@ -152,12 +156,15 @@ class Publisher(Lifecycle):
         delta: bool | str = "auto",
         delta_crossover: float | None = None,
         relays: bool = True,
+        relay_timeout: float | None = None,
     ) -> None:
         if max_inflight is not None:
             warnings.warn("Publisher(max_inflight=...) is ignored: each subscriber gets a version as one prepared "
                           "transfer of all its buckets", DeprecationWarning, stacklevel=2)
         if not deadline > 0:
             raise ValueError("deadline must be > 0")
+        if relay_timeout is not None and not relay_timeout > 0:
+            raise ValueError(f"relay_timeout must be > 0, not {relay_timeout!r}")
         if delta not in (True, False, "auto"):
             raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
         if delta_crossover is not None and not 0 < delta_crossover <= SPARSE_MAX:
@@ -188,7 +195,9 @@ class Publisher(Lifecycle):
         # "auto": no deltas to subscribers reached over a same-host link
         self._pushes = Pushes(transport, name, self._keys, self.layout, self._pipeline.snapshots.source,
                               self._pipeline.crossover, self.deadline, index_bytes(self.layout), delta is True)
-        self._relays = Relays(transport, self._keys, self.layout, self._pushes, self.deadline) if relays else None
+        stall = min(self.deadline, 5.0) if relay_timeout is None else float(relay_timeout)
+        self._relays = Relays(transport, self._keys, self.layout, self._pushes, self.deadline, stall) \
+            if relays else None
 
     @property
     def staging_bytes(self) -> int:

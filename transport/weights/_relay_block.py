@@ -49,7 +49,6 @@ class End(enum.IntEnum):
     PUSHING = 0
     DENSE = 1  # every byte of the slot is in the logged rows
     DELTA = 2  # the rows hold the encodings; the relay's delta header of that slot is complete
-    FAILED = -1  # the push into the relay failed: no more rows will come
 
 
 class Ack(enum.IntEnum):

@@ -7,7 +7,7 @@ It runs as a service of the subscriber's Transport (:meth:`Transport._run_servic
 seconds besides). It never makes a slot its front: the publisher does, once it has seen the
 ``DONE`` acknowledgement of that very order. It copies only rows of its order's epoch, checked
 against its slot's size, stops at the publisher's ``M_TAKEOVER`` before the next row, and gives
-up (``FAILED``) when the relay's log moves to another epoch, ends in failure, or does not grow
+up (``FAILED``) when the relay's log moves to another epoch, or does not grow
 for ``STALL_S`` seconds.
 """
 
@@ -155,8 +155,6 @@ class RelayMember:
                 await t.get_many(relay, items)
                 copied, wait, grew = count, FIRST_WAIT_S, time.monotonic()
                 continue
-            if end == End.FAILED:
-                return Ack.FAILED
             if end in (End.DENSE, End.DELTA):
                 # END is written after the last row: one more look at the count (above) saw it all.
                 memory_barrier()

@@ -17,7 +17,8 @@ or more of them, on a host other than the publisher's, reached from each other o
 4. A member acknowledges ``DONE`` once every part (and a delta's header) is in its slot; only
    then, and only for that very order, does the publisher make the slot its front.
 
-Faults: when the push into the relay fails or stalls past the deadline, its members are asked
+Faults: when the push into the relay fails, or stalls (nothing lands for ``stall`` seconds
+while a part is on its way; ``Publisher(relay_timeout=...)``), its members are asked
 to stop (``M_TAKEOVER``) and, once they acknowledged, are served again within the same
 publish, through the next relay by name (one member alone: pushed to directly); a member that
 does not acknowledge is a straggler and its slots are not written (next publish asks again
@@ -89,16 +90,20 @@ class RelayLog:
         self.t, self.relay, self.key, self.epoch = transport, relay, key, epoch
         self._capacity, self._timeout, self._tg = capacity, timeout, tg
         self._count = 0
+        self._inflight = 1  # parts (and the log's start) not landed yet
+        self._since = time.monotonic()  # when the last part landed, or the first of those in flight was sent
         self._send, self._recv = anyio.create_memory_object_stream[tuple["Transfer", list[tuple[int, int]]]](math.inf)
         self._pumped = anyio.Event()
         self.error: TransportError | None = None
         self.ended: tuple[int, bool] | None = None  # (bytes, as a delta) once every part is in the relay
         self.begun = anyio.Event()  # set once this epoch's log is in the relay's block
+        self._pumping = anyio.CancelScope()
 
     async def begin(self) -> None:
         """Starts this epoch's log (no rows, not ended) and the task that follows the parts."""
         words = torch.tensor([self.epoch, 0, int(End.PUSHING)], dtype=torch.int64)
         await self.t.put(words, self.relay, key=self.key, offset=0, timeout=self._timeout)
+        self._landed()
         self.begun.set()
         self._tg.start_soon(self._pump)
 
@@ -108,9 +113,33 @@ class RelayLog:
         try:
             self._send.send_nowait((handle, rows))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
+            return
+        if self._inflight == 0:
+            self._since = time.monotonic()
+        self._inflight += 1
+
+    def _landed(self) -> None:
+        self._inflight -= 1
+        self._since = time.monotonic()
+
+    def stalled(self, limit: float) -> bool:
+        """Whether a part has been on its way into the relay for ``limit`` seconds while none
+        landed (waiting for the diff to hand out a part is not a stall)."""
+        return self._inflight > 0 and time.monotonic() - self._since > limit
+
+    def stop(self) -> None:
+        """The push into the relay ended without it: logs nothing more (a log write to a relay
+        that stalled would wait out its timeout)."""
+        self._pumping.cancel()
 
     async def _pump(self) -> None:
+        try:
+            with self._pumping:
+                await self._follow()
+        finally:
+            self._pumped.set()
+
+    async def _follow(self) -> None:
         try:
             async with self._recv:
                 async for handle, rows in self._recv:
@@ -123,10 +152,9 @@ class RelayLog:
                     self._count += len(rows)
                     await self.t.put(torch.tensor([self._count], dtype=torch.int64), self.relay, key=self.key,
                                      offset=8 * S_COUNT, timeout=self._timeout)
+                    self._landed()
         except TransportError as exc:
             self.error = exc
-        finally:
-            self._pumped.set()
 
     async def end(self, delta: bool, nbytes: int) -> None:
         """Every part is in the relay (``nbytes`` in all, ``delta``: a delta's encodings and
@@ -143,16 +171,6 @@ class RelayLog:
         end = torch.tensor([int(End.DELTA if delta else End.DENSE)], dtype=torch.int64)
         await self.t.put(end, self.relay, key=self.key, offset=8 * S_END, timeout=self._timeout)
 
-    async def fail(self) -> None:
-        """Tells the members no more rows will come (best effort: the relay may be gone)."""
-        self._send.close()
-        with anyio.move_on_after(1.0):
-            try:
-                await self.t.put(torch.tensor([int(End.FAILED)], dtype=torch.int64), self.relay, key=self.key,
-                                 offset=8 * S_END, timeout=1.0)
-            except TransportError:
-                pass
-
 
 class Relays:
     """Chooses the relays of each version and serves the hosts that have one.
@@ -163,11 +181,14 @@ class Relays:
         layout: its packed layout.
         pushes: the publisher's pushes (into the relays, and directly to members that fall back).
         deadline: seconds a push may take.
+        stall: seconds a relay may go without a part landing while one is on its way, after
+            which it is taken for stalled (its push is aborted, its members served without it).
     """
 
     def __init__(self, transport: Transport, keys: StreamKeys, layout: Layout, pushes: Pushes,
-                 deadline: float) -> None:
+                 deadline: float, stall: float) -> None:
         self.t, self._keys, self.layout, self._pushes, self.deadline = transport, keys, layout, pushes, deadline
+        self.stall = stall
         self._host = host_key(host_id())
         self._words = block_words(layout)
         self._capacity = rows_capacity(layout)
@@ -277,7 +298,7 @@ class Relays:
             if not await self.fenced(peer):
                 done(peer, self.unfenced(peer, version, t0), False)
                 return
-            with anyio.move_on_after(self.deadline):
+            with anyio.move_on_after(self.stall):  # one that does not answer now is no relay or member now
                 try:
                     looks[peer.name] = await self._pushes.look(peer)
                     return
@@ -310,17 +331,32 @@ class Relays:
         names = ", ".join(m.name for m in members)
         self.t._flight.event("relay", relay.name, f"version {version} (epoch {epoch}) to {names}")
         log.debug("publisher %s: version %d through %s to %s", self.t.name, version, relay.name, names)
-        relay_failed = anyio.Event()
+        relay_failed, relay_ended = anyio.Event(), anyio.Event()
 
         async def push_relay(rlog: RelayLog) -> None:
-            result, lost = await self._pushes.push(relay, version, snap, t0, feed, chosen, relay_log=rlog,
-                                                   look=looks[relay.name])
+            result: SyncResult | None = None
+            with anyio.CancelScope() as pushing:
+                async with anyio.create_task_group() as watch:
+                    async def watchdog() -> None:
+                        while not rlog.stalled(self.stall):
+                            await anyio.sleep(min(0.1, self.stall / 4))
+                        pushing.cancel()
+
+                    watch.start_soon(watchdog)
+                    result, lost = await self._pushes.push(relay, version, snap, t0, feed, chosen, relay_log=rlog,
+                                                           look=looks[relay.name])
+                    watch.cancel_scope.cancel()
+            if result is None:  # stalled: its transfers were aborted with the push
+                why = f"stalled as the relay of its host: nothing landed for {self.stall:g}s"
+                result, lost = SyncResult(relay.name, version, SyncStatus.STRAGGLER, 0, time.perf_counter() - t0,
+                                          why), False
             done(relay, result, lost)
             if result.status != SyncStatus.DONE:
+                rlog.stop()
                 self._failed[relay.name] = time.monotonic() + ROTATE_S
                 self.t._flight.event("relay-failed", relay.name, f"version {version}: {result.error}")
-                relay_failed.set()  # (first: its members are taken over meanwhile)
-                await rlog.fail()
+                relay_failed.set()  # its members are taken over (it may never read its log again)
+            relay_ended.set()
 
         async def member(peer: Peer, rlog: RelayLog) -> None:
             order = Order(epoch, version, relay.name, looks[relay.name].back, looks[peer.name].back)
@@ -362,6 +398,8 @@ class Relays:
                 if isinstance(exc, PeerLostError):
                     done(peer, result, True)
                     return
+            if result is None:  # it did not get the version from the relay: did the relay fail?
+                await relay_ended.wait()  # (bounded by the relay's own push)
             if result is None and relay_failed.is_set():  # the relay left it without the version
                 self.t._flight.event("relay-fallback", peer.name, f"version {version}: not through {relay.name}")
                 again.append(peer)
