@@ -90,8 +90,7 @@ class Order:
         out = torch.zeros(ROWS - M_EPOCH, dtype=torch.int64)
         out[0], out[M_VERSION - M_EPOCH], out[M_SRC - M_EPOCH], out[M_DST - M_EPOCH] = (
             self.epoch, self.version, self.src, self.dst)
-        out[M_TAKEOVER - M_EPOCH] = 0
-        out[M_ACK_EPOCH - M_EPOCH], out[M_ACK - M_EPOCH] = -1, 0  # (not written: see order_spans)
+        out[M_TAKEOVER - M_EPOCH] = 0  # (the acknowledgement words are the member's: order_spans leaves them out)
         out[M_NAME_LEN - M_EPOCH] = len(name)
         raw = out[M_NAME - M_EPOCH:].view(torch.uint8)
         raw[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
