@@ -26,13 +26,14 @@ from typing import Any
 import anyio
 import torch
 
-from ._agent import AgentServer, listen_addresses, parse_listen
+from ._agent import AgentServer
 from ._auth import Authenticator
 from ._channel import ChannelPool, hello
 from ._cuda_copier import CudaCopier
 from ._errors import ClosedError, LayoutError, RegistrationError
 from ._flight import FlightRecorder
 from ._host import host_id, pid_start
+from ._listen import listen_addresses, parse_listen
 from ._native import Copier
 from ._peers import Me, Peer, PeerDirectory, check_name, peer_name
 from ._regions import Region, RegionTable

@@ -21,8 +21,8 @@ import torch
 import transport
 from tests._support import PYTHON, ROOT, python_env
 from tests._support.netns import Fabric, unavailable_reason
-from transport._agent import parse_listen
 from transport._errors import PeerNotFoundError, WireError
+from transport._listen import parse_listen
 from transport._peers import PEER_PREFIX
 from transport._wire import MAX_AGENT_ADDRESSES, PeerRecord
 

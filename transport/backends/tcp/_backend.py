@@ -56,7 +56,8 @@ from ..._sockets import close_socket, connect
 from ..._tensors import MemoryKind, Runs, dtype_name, spans_of
 from ..._wire import PeerRecord, RegionRecord, TransferOp
 from .._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
-from ._frames import MAX_RUN_GROUPS, MAX_STAGED_BYTES, RangeRequest, RunsRequest, TcpFrame
+from ._frames import MAX_STAGED_BYTES, RangeRequest, RunsRequest, TcpFrame
+from ._run_frames import RunsFrame, build_frames
 from ._serve import serve_range, serve_runs
 from ._stripe import STRIPE_CHUNK, Stripes
 
@@ -64,9 +65,6 @@ log = logging.getLogger(__name__)
 
 DIRECT_LANE = "direct"  # the HELLO lane of a direct-lane connection (Backend.lanes: the agent hands it to us)
 
-_FRAME_RUNS = 16384  # runs per PUTR / GETR frame (a 256 KiB binary table)
-_FRAME_META = 256 << 10  # bytes of a PUTR / GETR frame's group table (well under MAX_META)
-_STAGE_RUN_MAX = 64 << 10  # runs up to this size travel staged (packed by one native copy job)
 _STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES per Transport (staged frames in flight)
 # Single-range transfers up to this size take the direct lane: native on both ends, about 3-4x
 # the checked path's rate at 1-4 MiB (benchmarks/results/ has the figures). Larger ones take the
@@ -185,53 +183,19 @@ class TcpBackend(Backend):
         runs of several regions (its groups), and the agent checks every group before it takes
         a byte: a start whose runs fit one frame lands whole or not at all.
 
-        Runs up to ``_STAGE_RUN_MAX`` travel *staged*: a frame's runs (up to MAX_STAGED_BYTES)
+        Runs up to ``STAGE_RUN_MAX`` travel *staged*: a frame's runs (up to MAX_STAGED_BYTES)
         are packed back to back by one native copy job and sent as one buffer, and the agent
         places them by one job too, so a small run costs no Python and no system-call buffer
         on either side. Larger runs go as they are, one view each, received in place."""
         kind = TcpFrame.PUTR if op == TransferOp.PUT else TcpFrame.GETR
-        names = [(region.key, dtype_name(r.local.tensor.dtype)) for r, region in lists]
-        cost = np.array([len(k.encode()) + len(d.encode()) + 32 for k, d in names], dtype=np.int64)
-        addresses = np.array([r.local.address for r, _ in lists], dtype=np.int64)
-
-        def build(most: int | None) -> list[_RunsFrame]:
-            """The frames, each in-place frame at most about ``most`` bytes where given (runs
-            cut to fit: chunks to stripe), else as large as the frame limits allow."""
-            frames: list[_RunsFrame] = []
-            for staged in (True, False):
-                parts = [(i, r.array[(r.array[:, 2] <= _STAGE_RUN_MAX) == staged]) for i, (r, _) in enumerate(lists)]
-                parts = [(i, rows) for i, rows in parts if len(rows)]
-                if not parts:
-                    continue
-                rows = np.concatenate([rows for _, rows in parts])
-                owner = np.concatenate([np.full(len(rows), i, dtype=np.int64) for i, rows in parts])
-                if most is not None and not staged:
-                    rows, owner = _split_runs(rows, owner, most)
-                for chunk, whose in _frames(rows, owner, cost, staged, None if staged else most):
-                    starts = np.flatnonzero(np.diff(whose, prepend=-1))
-                    counts = np.diff(starts, append=len(whose)).tolist()
-                    groups = tuple((*names[i], n) for i, n in zip(whose[starts].tolist(), counts, strict=True))
-                    table = memoryview(np.ascontiguousarray(chunk[:, 1:], dtype="<i8").tobytes())
-                    meta = RunsRequest(groups, staged).to_meta()
-                    nbytes = int(chunk[:, 2].sum())
-                    if staged:  # (staging offset, local address, nbytes): the copy job, less the buffer's address
-                        at = np.cumsum(chunk[:, 2]) - chunk[:, 2]
-                        job = np.stack([at, chunk[:, 0] + addresses[whose], chunk[:, 2]], axis=1)
-                        frames.append(_RunsFrame(meta, table, job, nbytes, []))
-                    else:
-                        views = {i: lists[i][0].local.view for i in set(whose.tolist())}
-                        cuts = [views[i][a : a + n]
-                                for (a, _, n), i in zip(chunk.tolist(), whose.tolist(), strict=True)]
-                        frames.append(_RunsFrame(meta, table, None, nbytes, cuts))
-            return frames
-
+        build = functools.partial(build_frames, lists)
         frames = build(None)
-        striped: list[list[_RunsFrame]] = []  # built on the first striped start
+        striped: list[list[RunsFrame]] = []  # built on the first striped start
         total = sum(int(r.array[:, 2].sum()) for r, _ in lists)
         stages = self._stages
         put = op == TransferOp.PUT
 
-        async def frame(chan: Any, f: _RunsFrame) -> None:
+        async def frame(chan: Any, f: RunsFrame) -> None:
             if f.copies is None:
                 if put:
                     await chan.request(kind, f.meta, payload=[f.table, *f.views])
@@ -515,58 +479,6 @@ class _Unsettled:
     lo: int
     hi: int
     done: anyio.Event
-
-
-@dataclasses.dataclass(frozen=True)
-class _RunsFrame:
-    """One PUTR / GETR frame of a prepared array of runs: staged (``copies``: the rows of its
-    native copy job, staging offsets in the first column) or in place (``views``); ``nbytes``:
-    its data bytes."""
-
-    meta: dict[str, Any]
-    table: memoryview
-    copies: np.ndarray | None
-    nbytes: int
-    views: list[memoryview]
-
-
-def _split_runs(runs: np.ndarray, owner: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
-    """``runs`` (and their ``owner``) with every run longer than ``most`` bytes cut into runs
-    of ``most`` (a multiple of every element size) and the rest."""
-    pieces = (runs[:, 2] + most - 1) // most
-    if (pieces <= 1).all():
-        return runs, owner
-    which = np.repeat(np.arange(len(runs)), pieces)
-    nth = np.arange(len(which)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    out = runs[which].copy()
-    out[:, 0] += nth * most
-    out[:, 1] += nth * most
-    out[:, 2] = np.minimum(most, runs[which, 2] - nth * most)
-    return out, owner[which]
-
-
-def _frames(runs: np.ndarray, owner: np.ndarray, cost: np.ndarray, staged: bool,
-            most: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``runs`` (``owner[i]``: the index of the list run ``i`` came from) cut into frames of at
-    most ``_FRAME_RUNS`` runs, at most MAX_RUN_GROUPS groups, a group table of at most
-    ``_FRAME_META`` bytes (``cost``: a list's bytes in it), staged, at most MAX_STAGED_BYTES
-    of data (every staged run is at most ``_STAGE_RUN_MAX``), and with ``most`` (runs of at
-    most that), a new frame where the bytes before a run cross a multiple of ``most`` (a frame
-    then holds less than ``2 * most``). A list cut by a frame boundary starts a group again in
-    the next frame, hence the one group (and one cost) of slack."""
-    count = np.arange(len(runs)) // _FRAME_RUNS
-    new = np.diff(owner, prepend=-1) != 0
-    groups = (np.cumsum(new) - 1) // (MAX_RUN_GROUPS - 1)
-    meta = np.cumsum(np.where(new, cost[owner], 0)) // (_FRAME_META - int(cost.max()))
-    edges = (np.diff(count) != 0) | (np.diff(groups) != 0) | (np.diff(meta) != 0)
-    if staged:
-        before = np.cumsum(runs[:, 2]) - runs[:, 2]
-        edges |= np.diff(before // (MAX_STAGED_BYTES - _STAGE_RUN_MAX)) != 0
-    if most is not None:
-        before = np.cumsum(runs[:, 2]) - runs[:, 2]
-        edges |= np.diff(before // most) != 0
-    cuts = np.flatnonzero(edges) + 1
-    return list(zip(np.split(runs, cuts), np.split(owner, cuts), strict=True))
 
 
 class _Stages:

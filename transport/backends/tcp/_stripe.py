@@ -305,10 +305,11 @@ class Stripes:
                 chan = await Channel.open(self._tg, lane.remote, peer=peer.name, peer_incarnation=peer.incarnation,
                                           hello=self._hello, auth=self._auth)
         except (TransportError, TimeoutError, OSError) as exc:
-            lane.failed_at, lane.why = time.monotonic(), f"{exc or type(exc).__name__} (connect)"
+            why = str(exc) or type(exc).__name__  # (a deadline's TimeoutError has no message)
+            lane.failed_at, lane.why = time.monotonic(), f"{why} (connect)"
             lane.failures += 1
-            log.info("tcp: no lane to %s at %s:%d (%s); not tried again for %gs", peer.name, *lane.remote,
-                     exc or type(exc).__name__, LANE_RETRY_S)
+            log.info("tcp: no lane to %s at %s:%d (%s); not tried again for %gs", peer.name, *lane.remote, why,
+                     LANE_RETRY_S)
         else:
             if lane.failed_at > -math.inf:
                 log.info("tcp: lane %s>%s:%d to %s is back", chan.local_address, *lane.remote, peer.name)
