@@ -305,13 +305,22 @@ def analyze(dumps: list[dict[str, Any]]) -> str:
                          else f"{d['name']} has not started moving bytes (peer lookup / validation / backend choice)")
                 label = "STALLED" if age >= STALL_S else "in flight"
                 lines.append(f"    {label}: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B via {r['backend']} — "
-                             f"{r['state']} for {age:.2f}s: {where}")
+                             f"{r['state']} for {age:.2f}s: {where}{_lanes_said(r)}")
             if done:
                 r = done[-1]
                 lines.append(f"    last completed: #{r['seq']} {r['op']} {r['key']!r} {r['nbytes']} B "
                              f"via {r['backend']}")
             for r in failed[-3:]:
-                lines.append(f"    error: #{r['seq']} {r['op']} {r['key']!r}: {r['error_type']}: {r['error']}")
+                lines.append(f"    error: #{r['seq']} {r['op']} {r['key']!r}: {r['error_type']}: {r['error']}"
+                             f"{_lanes_said(r)}")
             if open_ and peer not in names:
                 lines.append(f"    no dump from {peer}: it may be dead, stopped or on another host")
     return "\n".join(lines)
+
+
+def _lanes_said(record: dict[str, Any]) -> str:
+    """What the lanes that carried an operation had delivered, for a report line ("" if none)."""
+    lanes = record.get("lanes")
+    if not isinstance(lanes, dict) or not lanes:
+        return ""
+    return " (lanes: " + ", ".join(f"{k} {v} B" for k, v in list(lanes.items())[:16]) + ")"
