@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
               f"every link tbf-shaped to {args.rate_mbit:g} Mbit/s each way"
               + (f" except T's second NIC's egress, {args.uneven:g} Mbit/s" if args.uneven else "")
               + ". One initiator on T puts "
-              f"{args.size / 1e6:g} MB into one registered region on R over tcp, {args.repeat} times per run "
+              f"{args.size / 1e6:g} MB into one registered region on R (each method's backend), "
+              f"{args.repeat} times per run "
               f"(the first a warm-up, the rate is the median of the rest); runs alternate one link (both ends "
               f"listen on NIC 0 only) and two (both NICs). Other load during the run: "
               f"{result['other_load']['other_cores_avg']} cores on average.", "", *table, "",
