@@ -29,6 +29,7 @@ The flight recorder records each relayed version (``relay``) and each fallback
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -96,6 +97,7 @@ class RelayLog:
         self._pumped = anyio.Event()
         self.error: TransportError | None = None
         self.ended: tuple[int, bool] | None = None  # (bytes, as a delta) once every part is in the relay
+        self.ended_at: float | None = None  # when (time.monotonic())
         self.begun = anyio.Event()  # set once this epoch's log is in the relay's block
         self._pumping = anyio.CancelScope()
 
@@ -167,7 +169,7 @@ class RelayLog:
         await self._pumped.wait()
         if self.error is not None:
             raise self.error
-        self.ended = (nbytes, delta)
+        self.ended, self.ended_at = (nbytes, delta), time.monotonic()
         end = torch.tensor([int(End.DELTA if delta else End.DENSE)], dtype=torch.int64)
         await self.t.put(end, self.relay, key=self.key, offset=8 * S_END, timeout=self._timeout)
 
@@ -259,7 +261,7 @@ class Relays:
         words = torch.zeros(2, dtype=torch.int64)
         seen = self.t.signal_value(self._keys.relay_ack) or 0
         while True:
-            await self.t.get(words, peer.name, key=self._keys.relay, offset=8 * M_ACK_EPOCH)
+            await self.t.get(words, peer.name, key=self._keys.relay, offset=8 * M_ACK_EPOCH, timeout=self.stall)
             if int(words[0]) == epoch and int(words[1]) in (a.value for a in Ack):
                 self._unacked.pop(peer.name, None)
                 return Ack(int(words[1]))
@@ -358,6 +360,12 @@ class Relays:
                 relay_failed.set()  # its members are taken over (it may never read its log again)
             relay_ended.set()
 
+        def late(rlog: RelayLog) -> bool:
+            """Whether a member still without the version should be taken over: the relay
+            failed, or it has held the version for ``stall`` seconds."""
+            return relay_failed.is_set() or (rlog.ended_at is not None
+                                             and time.monotonic() - rlog.ended_at > self.stall)
+
         async def member(peer: Peer, rlog: RelayLog) -> None:
             order = Order(epoch, version, relay.name, looks[relay.name].back, looks[peer.name].back)
             result: SyncResult | None = None
@@ -378,9 +386,11 @@ class Relays:
                     await self.t.put(words, peer.name, key=self._keys.relay, offset=offset, timeout=self.deadline)
                 self._unacked[peer.name] = (peer.incarnation, epoch)
                 await self.t.signal(peer.name, self._keys.relay_wake, time.time_ns(), timeout=self.deadline)
+                # Its wait: as long as the relay's push runs (bounded by its deadline and its stall
+                # watch), then ``stall`` seconds for the last part's copy.
                 ack: Ack | None = None
-                with anyio.move_on_after(self.deadline):
-                    ack = await self._acked(peer, epoch, relay_failed.is_set)
+                with anyio.move_on_after(self.deadline + 2 * self.stall):  # (a bound of last resort)
+                    ack = await self._acked(peer, epoch, functools.partial(late, rlog))
                 if ack is None:  # the relay failed or stalled: ask the member to stop, then push to it
                     ack = await self._take_over(peer, epoch)
                 if ack is None:
