@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +27,26 @@ if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transfer, Transport
 
 log = logging.getLogger(__name__)
+
+
+PIECE_BYTES = 16 << 20  # a push into a relay goes (and is logged) in pieces of consecutive buckets this large
+
+
+def pieces(buckets: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
+    """Consecutive buckets grouped into pieces of at least ``nbytes`` (the last may be
+    smaller): (first, last + 1) bucket indices. Each piece is one prepared transfer, large
+    enough for a backend to stripe it over several links, small enough that a relay's members
+    follow it closely."""
+    out: list[tuple[int, int]] = []
+    first, size = 0, 0
+    for i, (start, end) in enumerate(buckets):
+        size += end - start
+        if size >= nbytes:
+            out.append((first, i + 1))
+            first, size = i + 1, 0
+    if first < len(buckets):
+        out.append((first, len(buckets)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,7 +91,8 @@ class Pushes:
         self.t, self.stream, self._keys, self.layout = transport, stream, keys, layout
         self._source, self._crossover, self.deadline = source, crossover, deadline
         self._index_bytes, self._delta_everywhere = index_bytes, delta_everywhere
-        # (subscriber, incarnation, its slot, our snapshot's address, bucket or -1: all) -> the prepared push
+        self.pieces = pieces(layout.buckets, PIECE_BYTES)  # the parts a push into a relay is logged by
+        # (subscriber, incarnation, its slot, our snapshot's address, piece or -1: all) -> the prepared push
         self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self.landed: dict[str, tuple[int, bool]] = {}
@@ -146,15 +167,15 @@ class Pushes:
             log.warning("publisher %s: version %d to %s: %s (%s)", self.t.name, version, sub, status.value, error)
         return SyncResult(sub, version, status, moved[0], seconds, error, delta=bool(moved[1])), lost
 
-    def prepared(self, peer: Peer, slot: int, snap: torch.Tensor, bucket: int = -1) -> PreparedTransfer:
+    def prepared(self, peer: Peer, slot: int, snap: torch.Tensor, piece: int = -1) -> PreparedTransfer:
         """The prepared put of every bucket (from the live tensors, or the snapshot ``snap``)
-        into ``peer``'s slot ``slot``, or of bucket ``bucket`` alone: made once per subscriber
-        incarnation, slot, snapshot (and bucket)."""
-        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr(), bucket)
+        into ``peer``'s slot ``slot``, or of the buckets of piece ``piece`` (:attr:`pieces`)
+        alone: made once per subscriber incarnation, slot, snapshot (and piece)."""
+        cache_key = (peer.name, peer.incarnation, slot, snap.data_ptr(), piece)
         prepared = self._batches.get(cache_key)
         if prepared is None:  # (those of subscribers no longer served are dropped by forget)
             key = self._keys.slots[slot]
-            buckets = self.layout.buckets if bucket < 0 else self.layout.buckets[bucket:bucket + 1]
+            buckets = self.layout.buckets if piece < 0 else self.layout.buckets[slice(*self.pieces[piece])]
             items = [(self._source(snap, start, end), key, start) for start, end in buckets]
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
         return prepared
@@ -265,10 +286,10 @@ class Pushes:
                 # (coalesced, checked, and packed into each backend's native list) is built the
                 # first time and reused every later version with this subscriber, slot and snapshot.
                 handles.append(self.prepared(peer, back, snap).start(timeout=self.deadline))
-            else:  # bucket by bucket, each logged once it landed: its host's members follow
-                for b, (start, end) in enumerate(self.layout.buckets):
-                    handles.append(self.prepared(peer, back, snap, b).start(timeout=self.deadline))
-                    relay_log.follow(handles[-1], [(start, end - start)])
+            else:  # piece by piece, each logged once it landed: its host's members follow
+                for i, (first, last) in enumerate(self.pieces):
+                    handles.append(self.prepared(peer, back, snap, i).start(timeout=self.deadline))
+                    relay_log.follow(handles[-1], [(a, b - a) for a, b in self.layout.buckets[first:last]])
             nbytes = self.layout.total
         for h in handles:
             await h
