@@ -43,11 +43,12 @@ The stream publisher: ``_publisher`` (``Publisher``: the publish as a sequence o
 pack, diff, complete the snapshot, the background passes; the one writer of the snapshots),
 ``_snapshots`` (its two packed snapshots that ``pull`` reads, and their background fill),
 ``_push`` (one version into one subscriber), ``_delta_feed`` (a delta version's parts as the
-diff hands them out) and ``_doorbells``.
+diff hands them out), ``_doorbells`` and ``_relays`` (per-host relays: a host's subscribers get a
+version through one of them).
 The stream subscriber: ``_subscriber`` (``Subscriber``) over ``_trust`` (the publisher's word on
 the versions it is offered, and the live version), ``_target`` (the local tensors a version is
-written into), ``_delta_intake`` (its delta versions) and ``_apply`` (how a slot becomes the
-local weights).
+written into), ``_delta_intake`` (its delta versions), ``_apply`` (how a slot becomes the
+local weights) and ``_relay_member`` (its part in relays; the control words in ``_relay_block``).
 Mesh sync: ``_mesh_publisher`` (``MeshPublisher``), ``_mesh_subscriber`` (``MeshSubscriber``;
 its replica and plan ``_mesh_replica``, the leader's commit ``_mesh_commit``, its delta areas
 ``_mesh_delta_intake``), ``_mesh_control`` (its regions and control words), ``_binding`` (the

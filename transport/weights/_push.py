@@ -1,6 +1,7 @@
 """Pushing a version into one subscriber of a stream (:class:`Pushes`): into the slot it is not
 about to read, as a delta where it holds the base and a delta pays on its path, else dense as
-one prepared transfer, then the front word. Also what the publisher knows of each subscriber
+one prepared transfer, then the front word; into a host's relay, piece by piece, each logged for
+the relay's members (:mod:`._relays`). Also what the publisher knows of each subscriber
 between versions: its prepared pushes, the slot its last version landed in, whether it takes
 deltas and over what link."""
 
@@ -93,7 +94,7 @@ class Pushes:
         self._index_bytes, self._delta_everywhere = index_bytes, delta_everywhere
         self.pieces = pieces(layout.buckets, PIECE_BYTES)  # the parts a push into a relay is logged by
         # (subscriber, incarnation, its slot, our snapshot's address, piece or -1: all) -> the prepared push
-        self._batches: dict[tuple[str, str, int, int], PreparedTransfer] = {}
+        self._batches: dict[tuple[str, str, int, int, int], PreparedTransfer] = {}
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self.landed: dict[str, tuple[int, bool]] = {}
         self.takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
