@@ -45,11 +45,12 @@ class DeltaIntake:
         self.refusals = 0
 
     @classmethod
-    def of(cls, layout: Layout, target: Target, *, zero_copy: bool, threads: int) -> DeltaIntake | None:
+    def of(cls, layout: Layout, target: Target, *, zero_copy: bool, threads: int, who: str = "subscriber"
+           ) -> DeltaIntake | None:
         """The intake, when the slots are copied (not ``zero_copy``) from host memory and
         every tensor that can travel as a delta lands as it is in a contiguous host tensor of
         its wire dtype (a conversion has no bits to patch), no two of them in the same memory;
-        None when the subscriber takes dense versions only."""
+        None when the subscriber takes dense versions only. ``who`` names it in the log."""
         if zero_copy or not target.host:
             return None
         local: dict[int, torch.Tensor] = {}
@@ -64,7 +65,8 @@ class DeltaIntake:
         if overlapping(spans):
             # Tied tensors (two names, one memory): a delta of each would be checked against
             # the other's stores and refused every version; such a subscriber takes them dense.
-            log.info("subscriber: two tensors that can travel as deltas share memory (tied weights): dense only")
+            log.info("subscriber %s: two tensors that can travel as deltas share memory (tied weights): dense only",
+                     who)
             return None
         return cls(DeltaApplier(layout, [local.get(i) for i in range(len(layout.entries))], threads))
 

@@ -231,7 +231,8 @@ class Subscriber(Lifecycle):
         ctl[TRYING] = NO_SLOT
         ctl[APPLIED] = NO_SLOT
         ctl[LAYOUT_ID] = self.layout.layout_id
-        self._deltas = DeltaIntake.of(self.layout, self._target, zero_copy=self.zero_copy, threads=self._threads) \
+        self._deltas = DeltaIntake.of(self.layout, self._target, zero_copy=self.zero_copy, threads=self._threads,
+                                      who=f"{t.name}/{self.name}") \
             if self._want_delta else None
         ctl[DELTA] = int(self._deltas is not None)
         self._ctl = t.empty(k.ctl, CTL_WORDS, torch.int64)
