@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 
 DIRECT_LANE = "direct"  # the HELLO lane of a direct-lane connection (Backend.lanes: the agent hands it to us)
 
-_STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES per Transport (staged frames in flight)
+_STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES a Transport keeps for reuse
+_STAGE_PER_PEER = 2  # staged frames to one peer that hold a buffer at once (see _Stages)
 # Single-range transfers up to this size take the direct lane: native on both ends, about 3-4x
 # the checked path's rate at 1-4 MiB (benchmarks/results/ has the figures). Larger ones take the
 # checked path, which pipelines frames over the connection.
@@ -202,7 +203,7 @@ class TcpBackend(Backend):
                 else:
                     await chan.request(kind, f.meta, payload=f.table, into=f.views)
                 return
-            async with stages.buffer() as (buf, address):
+            async with stages.buffer(peer.name) as (buf, address):
                 data = buf[: f.nbytes]
                 if put:
                     await stages.copy(f.copies, address, to_stage=True, nbytes=f.nbytes)
@@ -401,6 +402,7 @@ class TcpBackend(Backend):
     def forget_peer(self, peer: str) -> None:
         self._pool.forget_peer(peer)
         self._stripes.forget_peer(peer)
+        self._stages.forget_peer(peer)
         self._drop_lane(peer)
         self._failed.pop(peer, None)
         self._opening.pop(peer, None)  # a lane still being opened to it is dropped when it is
@@ -482,18 +484,28 @@ class _Unsettled:
 
 
 class _Stages:
-    """A Transport's tcp staging buffers (``_STAGE_BUFFERS`` of MAX_STAGED_BYTES, made on first
-    use), each lent to one frame at a time, and the native copies in and out."""
+    """A Transport's tcp staging buffers of MAX_STAGED_BYTES, each lent to one frame at a time,
+    and the native copies in and out.
+
+    At most ``_STAGE_PER_PEER`` frames to one peer hold a buffer at once, and a frame waits only
+    for its own peer's: a peer that stops reading holds that many buffers, never every other
+    peer's frames (a shared pool of four let one stalled relay hold up a trainer's pushes to
+    every other host until it was given up on). Up to ``_STAGE_BUFFERS`` buffers are kept for
+    reuse; more are made while more peers have frames in flight, and dropped after."""
 
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
         self._free: list[tuple[memoryview, int, Any]] = []
-        self._made = 0
-        self._ready = anyio.Semaphore(_STAGE_BUFFERS)
+        self._peers: dict[str, anyio.Semaphore] = {}
 
     @contextlib.asynccontextmanager
-    async def buffer(self) -> AsyncIterator[tuple[memoryview, int]]:
-        async with self._ready:
+    async def buffer(self, peer: str) -> AsyncIterator[tuple[memoryview, int]]:
+        """A buffer for one frame to ``peer``, once fewer than ``_STAGE_PER_PEER`` of its frames
+        hold one."""
+        turn = self._peers.get(peer)
+        if turn is None:
+            turn = self._peers[peer] = anyio.Semaphore(_STAGE_PER_PEER)
+        async with turn:
             if self._free:
                 item = self._free.pop()
             else:
@@ -502,7 +514,12 @@ class _Stages:
             try:
                 yield item[0], item[1]
             finally:
-                self._free.append(item)
+                if len(self._free) < _STAGE_BUFFERS:
+                    self._free.append(item)
+
+    def forget_peer(self, peer: str) -> None:
+        """Drops ``peer``'s turn (frames still holding a buffer return it as usual)."""
+        self._peers.pop(peer, None)
 
     async def copy(self, rows: np.ndarray, address: int, *, to_stage: bool, nbytes: int) -> None:
         """Packs (``to_stage``) or unpacks a frame's runs with one native copy job.
