@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-PIECE_BYTES = 16 << 20  # a push into a relay goes (and is logged) in pieces of consecutive buckets this large
+PIECE_BYTES = 32 << 20  # a push into a relay goes (and is logged) in pieces of consecutive buckets this large
+RELAY_WINDOW = 3  # pieces of a push into a relay in flight at once: they land in order, one after another
 
 
 def pieces(buckets: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
@@ -288,9 +289,7 @@ class Pushes:
                 # first time and reused every later version with this subscriber, slot and snapshot.
                 handles.append(self.prepared(peer, back, snap).start(timeout=self.deadline))
             else:  # piece by piece, each logged once it landed: its host's members follow
-                for i, (first, last) in enumerate(self.pieces):
-                    handles.append(self.prepared(peer, back, snap, i).start(timeout=self.deadline))
-                    relay_log.follow(handles[-1], [(a, b - a) for a, b in self.layout.buckets[first:last]])
+                await self._pieces_into(peer, back, snap, handles, relay_log)
             nbytes = self.layout.total
         for h in handles:
             await h
@@ -304,6 +303,34 @@ class Pushes:
         # Reached one-sidedly (every backend that carried it): its slot can be read back for the
         # snapshot fill without its application taking part.
         self.landed[sub] = (back, all(h.one_sided is True for h in handles))
+
+    async def _pieces_into(self, peer: Peer, slot: int, snap: torch.Tensor, handles: list[Transfer],
+                           relay_log: Log) -> None:
+        """Starts the pieces of a dense version into a relay's slot, at most ``RELAY_WINDOW`` in
+        flight (all at once, every piece would land near the end: nothing for the members to
+        follow, and nothing to tell a stalled relay from a busy link), each logged as it lands.
+        Returns once the last one started; no piece starts after one failed."""
+        window = anyio.Semaphore(RELAY_WINDOW)
+        failed = False
+
+        async def landed(h: Transfer) -> None:
+            nonlocal failed
+            try:
+                await h
+            except TransportError:
+                failed = True  # (the caller's wait raises it)
+            finally:
+                window.release()
+
+        async with anyio.create_task_group() as tg:
+            for i, (first, last) in enumerate(self.pieces):
+                await window.acquire()
+                if failed:
+                    window.release()
+                    break
+                handles.append(self.prepared(peer, slot, snap, i).start(timeout=self.deadline))
+                relay_log.follow(handles[-1], [(a, b - a) for a, b in self.layout.buckets[first:last]])
+                tg.start_soon(landed, handles[-1])
 
     async def commit(self, peer: Peer, slot: int, version: int) -> None:
         """Makes ``peer``'s slot ``slot`` (every byte of ``version`` is in it) its front."""
