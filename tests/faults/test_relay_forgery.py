@@ -18,22 +18,8 @@ import torch
 
 import transport
 from transport.weights import Publisher, Subscriber, SyncStatus
+from transport.weights import _relay_block as rb
 from transport.weights._control import StreamKeys
-from transport.weights._relay_block import (
-    M_ACK,
-    M_ACK_EPOCH,
-    M_NAME_LEN,
-    M_SRC,
-    ROWS,
-    S_COUNT,
-    S_END,
-    S_EPOCH,
-    Ack,
-    End,
-    Order,
-    block_words,
-    order_spans,
-)
 
 KEYS = StreamKeys.of("policy")
 
@@ -42,11 +28,11 @@ def state() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(256, 256), "b": torch.zeros(1000)}
 
 
-async def acked(block: torch.Tensor, epoch: int) -> Ack:
+async def acked(block: torch.Tensor, epoch: int) -> rb.Ack:
     with anyio.fail_after(20):
-        while int(block[M_ACK_EPOCH]) != epoch:
+        while int(block[rb.M_ACK_EPOCH]) != epoch:
             await anyio.sleep(0.01)
-    return Ack(int(block[M_ACK]))
+    return rb.Ack(int(block[rb.M_ACK]))
 
 
 @pytest.fixture
@@ -63,15 +49,15 @@ async def world(file_store):
                     x.fill_(1.0)
                 assert (await pub.publish(1)).results["victim"].status == SyncStatus.DONE
                 assert await sub.apply_async() == 1
-                fake_block = tf.empty(KEYS.relay, block_words(sub.layout), torch.int64)
+                fake_block = tf.empty(KEYS.relay, rb.block_words(sub.layout), torch.int64)
                 fake_slots = [tf.empty(KEYS.slots[i], sub.layout.total, torch.uint8) for i in (0, 1)]
                 for s in fake_slots:
                     s.fill_(0xAB)  # garbage: bf16/fp32 NaN-ish bytes
                 yield model, pub, sub, local, tf, fake_block
 
 
-async def forge(tf: transport.Transport, order: Order, raw: dict[int, int] | None = None) -> None:
-    for words, offset in order_spans(order):
+async def forge(tf: transport.Transport, order: rb.Order, raw: dict[int, int] | None = None) -> None:
+    for words, offset in rb.order_spans(order):
         await tf.put(words, "victim", key=KEYS.relay, offset=offset)
     for word, value in (raw or {}).items():
         await tf.put(torch.tensor([value], dtype=torch.int64), "victim", key=KEYS.relay, offset=8 * word)
@@ -84,25 +70,25 @@ async def test_forged_orders_change_no_live_weights(world):
     before = {k: v.clone() for k, v in local.items()}
 
     # Fields that do not fit: refused without a copy.
-    await forge(tf, Order(101, 2, "forger", 0, 1), {M_SRC: 7})
-    assert await acked(block, 101) is Ack.FAILED
-    await forge(tf, Order(102, 2, "forger", 0, 1), {M_NAME_LEN: 10_000})
-    assert await acked(block, 102) is Ack.FAILED
+    await forge(tf, rb.Order(101, 2, "forger", 0, 1), {rb.M_SRC: 7})
+    assert await acked(block, 101) is rb.Ack.FAILED
+    await forge(tf, rb.Order(102, 2, "forger", 0, 1), {rb.M_NAME_LEN: 10_000})
+    assert await acked(block, 102) is rb.Ack.FAILED
 
     # A log whose rows reach outside the slot: refused before any row is copied.
-    fake_block[S_EPOCH], fake_block[S_END] = 103, 0
-    fake_block[ROWS], fake_block[ROWS + 1] = sub.layout.total - 8, 64
-    fake_block[S_COUNT] = 1
-    await forge(tf, Order(103, 2, "forger", 0, 1))
-    assert await acked(block, 103) is Ack.FAILED
+    fake_block[rb.S_EPOCH], fake_block[rb.S_END] = 103, 0
+    fake_block[rb.ROWS], fake_block[rb.ROWS + 1] = sub.layout.total - 8, 64
+    fake_block[rb.S_COUNT] = 1
+    await forge(tf, rb.Order(103, 2, "forger", 0, 1))
+    assert await acked(block, 103) is rb.Ack.FAILED
 
     # Well formed, garbage bytes: copied into the free slot and acknowledged, never made live.
-    fake_block[S_EPOCH], fake_block[S_END] = 104, 0
-    fake_block[ROWS], fake_block[ROWS + 1] = 0, sub.layout.total
-    fake_block[S_COUNT] = 1
-    fake_block[S_END] = int(End.DENSE)
-    await forge(tf, Order(104, 2, "forger", 0, 1))
-    assert await acked(block, 104) is Ack.DONE
+    fake_block[rb.S_EPOCH], fake_block[rb.S_END] = 104, 0
+    fake_block[rb.ROWS], fake_block[rb.ROWS + 1] = 0, sub.layout.total
+    fake_block[rb.S_COUNT] = 1
+    fake_block[rb.S_END] = int(rb.End.DENSE)
+    await forge(tf, rb.Order(104, 2, "forger", 0, 1))
+    assert await acked(block, 104) is rb.Ack.DONE
     assert await sub.apply_async() is None and sub.version == 1
     assert all(torch.equal(local[k], before[k]) for k in local)
 
