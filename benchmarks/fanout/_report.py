@@ -128,19 +128,23 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         return ok[k]["median_s"] if k in ok and k not in ("stop", "kill") else None
 
     relays, direct, gloo, striped = med("relays"), med("direct"), med("gloo"), med("striped")
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a / b
+
+    def at_least(value: float | None, target: float) -> bool | None:
+        return None if value is None else value >= target
+
+    gloo_over_relays = ratio(gloo, relays)
     targets: list[dict[str, Any]] = [
         {"target": f"relays <= {TARGET_FLOOR}x floor (shaped rate)",
-         "value": None if relays is None else relays / fl["rate_s"],
+         "value": ratio(relays, fl["rate_s"]),
          "holds": None if relays is None else relays <= TARGET_FLOOR * fl["rate_s"]},
         {"target": f"relays >= {TARGET_DIRECT}x faster than direct",
-         "value": None if None in (relays, direct) else direct / relays,
-         "holds": None if None in (relays, direct) else direct / relays >= TARGET_DIRECT},
+         "value": ratio(direct, relays), "holds": at_least(ratio(direct, relays), TARGET_DIRECT)},
         {"target": "relays faster than gloo broadcast",
-         "value": None if None in (relays, gloo) else gloo / relays,
-         "holds": None if None in (relays, gloo) else relays < gloo},
+         "value": gloo_over_relays, "holds": None if gloo_over_relays is None else gloo_over_relays > 1.0},
         {"target": f"two striped links >= {TARGET_STRIPED}x one (striped vs relays)",
-         "value": None if None in (relays, striped) else relays / striped,
-         "holds": None if None in (relays, striped) else relays / striped >= TARGET_STRIPED},
+         "value": ratio(relays, striped), "holds": at_least(ratio(relays, striped), TARGET_STRIPED)},
     ]
     one_copy_s = result["args"]["state_bytes"] / result["refs"]["one_link"]["median_bytes_per_s"]
     for k in [k for k in ("stop",) if k in result["args"]["methods"]]:  # the targets: the stopped relay

@@ -90,7 +90,7 @@ async def trainer(spec: dict[str, Any]) -> None:
     from transport.weights import Publisher
 
     state = _state(spec, seed=0)
-    fault = spec.get("fault")
+    fault: dict[str, Any] | None = spec.get("fault")
     gens: list[str] = spec["generators"]
     versions: list[dict[str, Any]] = []
     record: dict[str, Any] = {"versions": versions, "pid": os.getpid(), "hostname": socket.gethostname()}
@@ -105,7 +105,7 @@ async def trainer(spec: dict[str, Any]) -> None:
                 faulty = fault is not None and v == spec["versions"]  # the last version
                 row: dict[str, Any] = {"version": v}
                 async with trio.open_nursery() as n:
-                    if faulty:
+                    if faulty and fault is not None:
                         n.start_soon(_inject, fault, row)
                     row["t0"] = time.time()
                     report = await pub.publish(v)
@@ -114,7 +114,7 @@ async def trainer(spec: dict[str, Any]) -> None:
                 row.update(publish_s=report.total_s, push_s=report.push_s,
                            results={k: _result(r) for k, r in report.results.items()})
                 for g in gens:
-                    if faulty and g == fault["victim"]:
+                    if fault is not None and faulty and g == fault["victim"]:
                         continue
                     await t.wait_signal(f"live.{g}", at_least=v, timeout=spec["version_timeout"])
                 row["all_live"] = time.time()

@@ -184,8 +184,7 @@ def weights_method(fab: Any, tmp: Path, args: argparse.Namespace, method: str,
             victim = names["A"][0]
             spec["fault"] = {**fault, "victim": victim, "pid": procs.procs[victim].pid}
         procs.start("T", "trainer", "trainer", spec)
-        victim = spec["fault"]["victim"] if fault else None
-        procs.wait(["trainer", *[g for g in gens if g != victim]], args.run_timeout)
+        procs.wait(["trainer", *[g for g in gens if not fault or g != spec["fault"]["victim"]]], args.run_timeout)
         trainer = read(tmp / "trainer.json")
         gen = {n: read(tmp / f"{n}.json") for n in gens if (tmp / f"{n}.json").exists()}
     finally:

@@ -30,7 +30,8 @@ from benchmarks.common.stats import median
 # What is measured: (label, NICs each end listens on, backend, extra environment). UCX's own
 # multi-rail stripes RMA puts only with UCX_MAX_RMA_RAILS > 1 (its default is 1); the ucx runs
 # use UCX's tcp transport on the fabric's NICs.
-TCP_METHODS = [("tcp, 1 link", 1, "tcp", {}), ("tcp, 2 links", 2, "tcp", {})]
+Method = tuple[str, int, str, dict[str, str]]
+TCP_METHODS: list[Method] = [("tcp, 1 link", 1, "tcp", {}), ("tcp, 2 links", 2, "tcp", {})]
 _UCX = {"UCX_TLS": "tcp"}
 UCX_METHODS = [
     ("ucx, eth0", 1, "ucx", {**_UCX, "UCX_NET_DEVICES": "eth0"}),

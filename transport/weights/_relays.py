@@ -34,8 +34,8 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -274,7 +274,7 @@ class Relays:
 
     async def serve(self, group: list[Peer], version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None,
                     chosen: Mapping[str, float], done: Callable[[Peer, SyncResult, bool], None],
-                    direct: Callable[[Peer], Awaitable[None]]) -> None:
+                    direct: Callable[[Peer], Coroutine[Any, Any, None]]) -> None:
         """Serves one host group: its relay, and each member through it (or directly, when it
         cannot follow). When the relay fails, the members it left without the version are
         served again, through the next relay (or directly, one alone), within the same
@@ -290,7 +290,7 @@ class Relays:
 
     async def _round(self, group: list[Peer], version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None,
                      chosen: Mapping[str, float], done: Callable[[Peer, SyncResult, bool], None],
-                     direct: Callable[[Peer], Awaitable[None]]) -> list[Peer]:
+                     direct: Callable[[Peer], Coroutine[Any, Any, None]]) -> list[Peer]:
         """One relay for ``group`` (see :meth:`serve`); the members to serve again: those its
         failure left without the version, once they stopped following it."""
         looks: dict[str, Look] = {}
