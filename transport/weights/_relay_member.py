@@ -102,6 +102,8 @@ class RelayMember:
                 except TransportError as exc:
                     log.info("subscriber %s: cannot copy version %d from relay %s: %s", self.t.name, order.version,
                              order.relay, exc)
+                if ack is not Ack.DONE:  # (a relay that restarted is looked up anew next time)
+                    self._relays.pop(order.relay, None)
                 self.t._flight.event("relayed", order.relay, f"version {order.version} from its slot {order.src} "
                                                              f"into slot {order.dst}: {ack.name}")
             # The acknowledgement: its state first, then the epoch it is for.
