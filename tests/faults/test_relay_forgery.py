@@ -4,8 +4,9 @@ becomes live weights, crashes the subscriber's relay task, or stops the next rea
 
 The forger is a real Transport that poses as a relay: it registers a relay block and slots of
 the stream's size, writes an order into the victim's block and rings its wake signal. Cases:
-an order whose fields do not fit (a slot index out of range, an empty or overlong name), a log
-whose rows reach outside the slot, and a well-formed one whose "version" is garbage bytes
+an order whose fields do not fit (a slot index out of range, an overlong name, a name no peer
+can have), a "delta" from a relay without delta headers, a log whose rows reach outside the
+slot, and a well-formed one whose "version" is garbage bytes
 (copied into a free slot and acknowledged, but never made the front: only the publisher does
 that, for an order of its own).
 """
@@ -74,6 +75,14 @@ async def test_forged_orders_change_no_live_weights(world):
     assert await acked(block, 101) is rb.Ack.FAILED
     await forge(tf, rb.Order(102, 2, "forger", 0, 1), {rb.M_NAME_LEN: 10_000})
     assert await acked(block, 102) is rb.Ack.FAILED
+
+    # A name no peer can have (it killed the relay task: the lookup raised ValueError).
+    await forge(tf, rb.Order(105, 2, "no/such", 0, 1))
+    assert await acked(block, 105) is rb.Ack.FAILED
+    # A "delta" from a relay without delta headers (it killed the relay task: KeyError).
+    fake_block[rb.S_EPOCH], fake_block[rb.S_COUNT], fake_block[rb.S_END] = 106, 0, int(rb.End.DELTA)
+    await forge(tf, rb.Order(106, 2, "forger", 0, 1))
+    assert await acked(block, 106) is rb.Ack.FAILED
 
     # A log whose rows reach outside the slot: refused before any row is copied.
     fake_block[rb.S_EPOCH], fake_block[rb.S_END] = 103, 0

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .._errors import TransportError
+from .._peers import check_name
 from ._layout import Layout
 
 # The relay's half (written by the publisher into the relay's block).
@@ -105,17 +106,20 @@ class Order:
         if not (0 < n <= 8 * NAME_WORDS and 0 <= src < nslots and 0 <= dst < nslots):
             return None
         try:
-            name = bytes(block[M_NAME:M_NAME + NAME_WORDS].view(torch.uint8)[:n].numpy()).decode()
-        except UnicodeDecodeError:
+            name = check_name(bytes(block[M_NAME:M_NAME + NAME_WORDS].view(torch.uint8)[:n].numpy()).decode())
+        except (UnicodeDecodeError, ValueError, TypeError):
             return None
         return cls(int(block[M_EPOCH]), int(block[M_VERSION]), name, src, dst)
 
 
 def order_spans(order: Order) -> list[tuple[torch.Tensor, int]]:
-    """The (words, byte offset in the block) writes that place ``order`` in a member's block:
-    everything but the member's acknowledgement words, which the publisher never writes."""
+    """The (words, byte offset in the block) writes that place ``order`` in a member's block, in
+    the order they must land: the order's fields and name first, its epoch last (a member acts
+    on a new epoch only, so it never reads a half-written order as one). The member's
+    acknowledgement words are left out: the publisher never writes them."""
     w = order.words()
-    return [(w[:M_ACK_EPOCH - M_EPOCH], 8 * M_EPOCH), (w[M_NAME_LEN - M_EPOCH:], 8 * M_NAME_LEN)]
+    return [(w[1:M_ACK_EPOCH - M_EPOCH], 8 * (M_EPOCH + 1)), (w[M_NAME_LEN - M_EPOCH:], 8 * M_NAME_LEN),
+            (w[:1], 8 * M_EPOCH)]
 
 
 def check_rows(rows: torch.Tensor, slot_bytes: int) -> bool:

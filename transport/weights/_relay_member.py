@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-IDLE_LOOK_S = 0.5  # between two looks at the block when no signal came
+IDLE_LOOK_S = 0.05  # between two looks at the block when no signal came
 STALL_S = 60.0  # a relay log that does not grow for this long is given up on
 FIRST_WAIT_S, LONGEST_WAIT_S = 0.0005, 0.005  # the backoff between two looks at the relay's log
 
@@ -81,6 +81,8 @@ class RelayMember:
     async def _run(self) -> None:
         woken = 0
         while True:
+            # Woken by the publisher's signal, or looking every IDLE_LOOK_S (any peer may set the
+            # signal to a value no later wake reaches).
             try:
                 woken = await self.t.wait_signal(self._keys.relay_wake, at_least=woken + 1, timeout=IDLE_LOOK_S)
             except TransferTimeoutError:
@@ -90,6 +92,9 @@ class RelayMember:
             if epoch <= 0 or int(block[M_ACK_EPOCH]) == epoch:
                 continue
             order = Order.read(block, len(self._slots))
+            memory_barrier()
+            if int(block[M_EPOCH]) != epoch:  # rewritten while it was read: look again
+                continue
             ack = Ack.FAILED
             if order is None:
                 log.warning("subscriber %s: a relay order of %r that does not fit (refused)", self.t.name,
@@ -99,7 +104,7 @@ class RelayMember:
                     ack = await self._follow(order)
                 except ClosedError:
                     raise
-                except TransportError as exc:
+                except Exception as exc:  # noqa: BLE001 -- whatever an order (anyone's to write) leads to: refused
                     log.info("subscriber %s: cannot copy version %d from relay %s: %s", self.t.name, order.version,
                              order.relay, exc)
                 if ack is not Ack.DONE:  # (a relay that restarted is looked up anew next time)
@@ -133,7 +138,8 @@ class RelayMember:
         """Copies ``order``'s version into its slot as the relay's log grows; how it ended."""
         t, k = self.t, self._keys
         relay = await self._relay(order.relay)
-        if relay.regions[k.slots[order.src]].nbytes != self.layout.total:
+        source = relay.regions.get(k.slots[order.src])
+        if source is None or source.nbytes != self.layout.total:
             return Ack.FAILED
         slot = self._slots[order.dst]
         head = torch.zeros(3, dtype=torch.int64)
@@ -176,7 +182,8 @@ class RelayMember:
             return Ack.FAILED if delta else Ack.DONE
         header = self._headers[order.dst]
         if delta:
-            if relay.regions[self._keys.deltas[order.src]].nbytes != header.nbytes:
+            region = relay.regions.get(self._keys.deltas[order.src])
+            if region is None or region.nbytes != header.nbytes:
                 return Ack.FAILED
             await self.t.get(header, relay, key=self._keys.deltas[order.src])
         else:

@@ -133,6 +133,12 @@ class RelayLog:
         """The push into the relay ended without it: logs nothing more (a log write to a relay
         that stalled would wait out its timeout)."""
         self._pumping.cancel()
+        self.close()
+
+    def close(self) -> None:
+        """Closes the log's queue (idempotent)."""
+        self._send.close()
+        self._recv.close()
 
     async def _pump(self) -> None:
         try:
@@ -382,14 +388,15 @@ class Relays:
                 again.append(peer)
                 return
             try:
+                # Unacknowledged from its first byte on (a put that fails may still have landed).
+                self._unacked[peer.name] = (peer.incarnation, epoch)
                 for words, offset in order_spans(order):
                     await self.t.put(words, peer.name, key=self._keys.relay, offset=offset, timeout=self.deadline)
-                self._unacked[peer.name] = (peer.incarnation, epoch)
                 await self.t.signal(peer.name, self._keys.relay_wake, time.time_ns(), timeout=self.deadline)
                 # Its wait: as long as the relay's push runs (bounded by its deadline and its stall
                 # watch), then ``stall`` seconds for the last part's copy.
                 ack: Ack | None = None
-                with anyio.move_on_after(self.deadline + 2 * self.stall):  # (a bound of last resort)
+                with anyio.move_on_after(2 * (self.deadline + self.stall)):  # (a bound of last resort)
                     ack = await self._acked(peer, epoch, functools.partial(late, rlog))
                 if ack is None:  # the relay failed or stalled: ask the member to stop, then push to it
                     ack = await self._take_over(peer, epoch)
@@ -427,6 +434,7 @@ class Relays:
                 tg.start_soon(member, peer, rlog)
             for peer in fallback:
                 tg.start_soon(direct, peer)
+        rlog.close()
         return again
 
     def unfenced(self, peer: Peer, version: int, t0: float) -> SyncResult:

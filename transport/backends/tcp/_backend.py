@@ -67,6 +67,7 @@ DIRECT_LANE = "direct"  # the HELLO lane of a direct-lane connection (Backend.la
 
 _STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES a Transport keeps for reuse
 _STAGE_PER_PEER = 2  # staged frames to one peer that hold a buffer at once (see _Stages)
+_STAGE_MAX = 64  # staging buffers a Transport lends at once, all peers together (256 MiB)
 # Single-range transfers up to this size take the direct lane: native on both ends, about 3-4x
 # the checked path's rate at 1-4 MiB (benchmarks/results/ has the figures). Larger ones take the
 # checked path, which pipelines frames over the connection.
@@ -491,12 +492,14 @@ class _Stages:
     for its own peer's: a peer that stops reading holds that many buffers, never every other
     peer's frames (a shared pool of four let one stalled relay hold up a trainer's pushes to
     every other host until it was given up on). Up to ``_STAGE_BUFFERS`` buffers are kept for
-    reuse; more are made while more peers have frames in flight, and dropped after."""
+    reuse; more are made while more peers have frames in flight (at most ``_STAGE_MAX`` lent at
+    once), and dropped after."""
 
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
         self._free: list[tuple[memoryview, int, Any]] = []
         self._peers: dict[str, anyio.Semaphore] = {}
+        self._total = anyio.Semaphore(_STAGE_MAX)
 
     @contextlib.asynccontextmanager
     async def buffer(self, peer: str) -> AsyncIterator[tuple[memoryview, int]]:
@@ -505,7 +508,7 @@ class _Stages:
         turn = self._peers.get(peer)
         if turn is None:
             turn = self._peers[peer] = anyio.Semaphore(_STAGE_PER_PEER)
-        async with turn:
+        async with turn, self._total:
             if self._free:
                 item = self._free.pop()
             else:
