@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 import torch
 
+from .. import _pieces
 from .._errors import LayoutMismatchError, PeerLostError, TransportError
 from ._codec.policy import Crossover
 from ._control import APPLIED, CTL_WORDS, DELTA, FRONT, LAYOUT_ID, StreamKeys, decode_front, encode_front, free_slot
@@ -306,31 +307,23 @@ class Pushes:
 
     async def _pieces_into(self, peer: Peer, slot: int, snap: torch.Tensor, handles: list[Transfer],
                            relay_log: Log) -> None:
-        """Starts the pieces of a dense version into a relay's slot, at most ``RELAY_WINDOW`` in
-        flight (all at once, every piece would land near the end: nothing for the members to
-        follow, and nothing to tell a stalled relay from a busy link), each logged as it lands.
-        Returns once the last one started; no piece starts after one failed."""
-        window = anyio.Semaphore(RELAY_WINDOW)
-        failed = False
+        """Moves the pieces of a dense version into a relay's slot on the one piece schedule
+        (:func:`transport._pieces.run`): started in order, at most ``RELAY_WINDOW`` in flight
+        (all at once, every piece would land near the end: nothing for the members to follow,
+        and nothing to tell a stalled relay from a busy link), each logged as it lands, none
+        started after one failed.
 
-        async def landed(h: Transfer) -> None:
-            nonlocal failed
-            try:
-                await h
-            except TransportError:
-                failed = True  # (the caller's wait raises it)
-            finally:
-                window.release()
+        Raises:
+            TransportError: the first a piece raised.
+        """
 
-        async with anyio.create_task_group() as tg:
-            for i, (first, last) in enumerate(self.pieces):
-                await window.acquire()
-                if failed:
-                    window.release()
-                    break
-                handles.append(self.prepared(peer, slot, snap, i).start(timeout=self.deadline))
-                relay_log.follow(handles[-1], [(a, b - a) for a, b in self.layout.buckets[first:last]])
-                tg.start_soon(landed, handles[-1])
+        async def move(i: int) -> None:
+            first, last = self.pieces[i]
+            handles.append(self.prepared(peer, slot, snap, i).start(timeout=self.deadline))
+            relay_log.follow(handles[-1], [(a, b - a) for a, b in self.layout.buckets[first:last]])
+            await handles[-1]
+
+        await _pieces.run(range(len(self.pieces)), move, RELAY_WINDOW)
 
     async def commit(self, peer: Peer, slot: int, version: int) -> None:
         """Makes ``peer``'s slot ``slot`` (every byte of ``version`` is in it) its front."""

@@ -10,8 +10,8 @@ or more of them, on a host other than the publisher's, reached from each other o
 2. Each member gets an order in its relay block (:mod:`._relay_block`): copy the version from
    the relay's slot ``src`` into its own free slot ``dst``, following the relay's log of this
    order's epoch; a signal wakes it.
-3. The version is pushed into the relay as it would be to any subscriber (dense bucket by
-   bucket, or a delta's parts as the diff hands them out), and each part is logged in the
+3. The version is pushed into the relay (dense in pieces of consecutive buckets, a few in
+   flight, or a delta's parts as the diff hands them out), and each part is logged in the
    relay's block once it is in the relay's memory: the members copy each logged part at
    once (cut-through), so a relay adds about one part of latency.
 4. A member acknowledges ``DONE`` once every part (and a delta's header) is in its slot; only
@@ -23,8 +23,9 @@ to stop (``M_TAKEOVER``) and, once they acknowledged, are served again within th
 publish, through the next relay by name (one member alone: pushed to directly); a member that
 does not acknowledge is a straggler and its slots are not written (next publish asks again
 first). Subscribers on other hosts are never waited for. A relay that failed is rotated out.
-The flight recorder records each relayed version (``relay``) and each fallback
-(``relay-failed``) under the relay's name.
+The flight recorder records each relayed version (``relay``) and each failed relay
+(``relay-failed``) under the relay's name, and each member served without it
+(``relay-fallback``) under the member's.
 """
 
 from __future__ import annotations
