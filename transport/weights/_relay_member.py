@@ -17,11 +17,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import anyio
 import torch
 
 from .._errors import ClosedError, TransferTimeoutError, TransportError
 from ._control import memory_barrier
+from ._polling import PENDING, Pending, poll
 from ._relay_block import (
     M_ACK,
     M_ACK_EPOCH,
@@ -135,7 +135,12 @@ class RelayMember:
         return peer
 
     async def _follow(self, order: Order) -> Ack:
-        """Copies ``order``'s version into its slot as the relay's log grows; how it ended."""
+        """Copies ``order``'s version into its slot as the relay's log grows; how it ended.
+
+        Raises:
+            TransferTimeoutError: the log did not grow for ``STALL_S`` seconds (each wait is one
+                :func:`._polling.poll`, begun anew after every part copied).
+        """
         t, k = self.t, self._keys
         relay = await self._relay(order.relay)
         source = relay.regions.get(k.slots[order.src])
@@ -143,8 +148,11 @@ class RelayMember:
             return Ack.FAILED
         slot = self._slots[order.dst]
         head = torch.zeros(3, dtype=torch.int64)
-        copied, wait, grew = 0, FIRST_WAIT_S, time.monotonic()
-        while True:
+        copied = 0
+
+        async def look() -> Ack | Pending | None:
+            """One look at the relay's log: an end (Ack), parts copied (None), or nothing new."""
+            nonlocal copied
             if int(self._block[M_TAKEOVER]) == order.epoch:
                 return Ack.STOPPED
             await t.get(head, relay, key=k.relay, offset=8 * S_EPOCH)
@@ -159,21 +167,22 @@ class RelayMember:
                 rows = rows.reshape(-1, 2)
                 if not check_rows(rows, self.layout.total):
                     return Ack.FAILED
-                items = [(slot[o:o + n], k.slots[order.src], o) for o, n in rows.tolist()]
-                await t.get_many(relay, items)
-                copied, wait, grew = count, FIRST_WAIT_S, time.monotonic()
-                continue
+                await t.get_many(relay, [(slot[o:o + n], k.slots[order.src], o) for o, n in rows.tolist()])
+                copied = count
+                return None
             if end in (End.DENSE, End.DELTA):
-                # END is written after the last row: one more look at the count (above) saw it all.
+                # END is written after the last row: one more look at the count saw it all.
                 memory_barrier()
                 await t.get(head, relay, key=k.relay, offset=8 * S_EPOCH)
                 if int(head[S_COUNT]) != copied or int(head[S_EPOCH]) != order.epoch:
-                    continue
+                    return None
                 return await self._finish(order, relay, end == End.DELTA)
-            if time.monotonic() - grew > STALL_S:
-                return Ack.FAILED
-            await anyio.sleep(wait)
-            wait = min(2 * wait, LONGEST_WAIT_S)
+            return PENDING
+
+        while (ack := await poll(look, timeout=STALL_S, what=f"{t.name}: relay {order.relay}'s log to grow",
+                                 first=FIRST_WAIT_S, longest=LONGEST_WAIT_S)) is None:
+            pass
+        return ack
 
     async def _finish(self, order: Order, relay: Peer, delta: bool) -> Ack:
         """The slot holds every row: its delta header (the relay's, for a delta; cleared for a
