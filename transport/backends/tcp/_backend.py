@@ -20,6 +20,11 @@ Transfers of ``STRIPE_MIN_BYTES`` or more to a peer whose agent listens on sever
 (one per NIC) take no single connection: their chunks (PUT / GET frames, or a prepared start's
 run frames) are spread over one lane per address (:mod:`._stripe`).
 
+A put given up on (cancelled, out of time, its connection lost) while a direct lane or a
+striping lane carried it may still land after a later transfer: its range stays *unsettled*
+until the target has ended that connection, and transfers that overlap it wait
+(:meth:`TcpBackend._abandon`).
+
 Both sides are this backend's, behind the backend interface's target-side hook: :class:`TcpBackend`
 is the initiator, and on the target its :meth:`~TcpBackend.serve_frame` serves the PUT / GET /
 PUTR / GETR frames the agent hands it (their serving: :mod:`._tcp_serve`), its :meth:`~TcpBackend.adopt_lane` takes
@@ -38,7 +43,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -52,14 +57,14 @@ from ..._native import Copier, CopyKind, CopyStatus
 from ..._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
 from ..._pieces import Ready
 from ..._regions import Region
-from ..._sockets import close_socket, connect
+from ..._sockets import abort_socket, close_socket, connect
 from ..._tensors import MemoryKind, Runs, dtype_name, spans_of
 from ..._wire import PeerRecord, RegionRecord, TransferOp
 from .._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
 from ._frames import MAX_STAGED_BYTES, RangeRequest, RunsRequest, TcpFrame
 from ._run_frames import RunsFrame, build_frames
 from ._serve import serve_range, serve_runs
-from ._stripe import STRIPE_CHUNK, Stripes
+from ._stripe import STRIPE_CHUNK, Range, Stripes
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +100,8 @@ class TcpBackend(Backend):
         super().__init__(ctx)
         self._pool = ChannelPool(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth)
         # Large transfers to a peer that listens on several addresses: one lane per address.
-        self._stripes = Stripes(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth, ctx.timeout)
+        self._stripes = Stripes(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth, ctx.timeout,
+                                self._abandon)
         self._lanes: dict[str, tuple[str, list[DirectLane]]] = {}  # peer -> (its incarnation, direct lanes)
         self._opening: dict[str, object] = {}  # peer -> the attempt opening a lane to it now
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
@@ -107,9 +113,9 @@ class TcpBackend(Backend):
         self._retired: dict[int, Region] = {}
         self._tokens = itertools.count(1)
         self._direct: DirectServer | None = None  # made on the first direct-lane connection
-        # Puts given up on (cancelled, timed out) while a direct lane carried them: their bytes
-        # may still land until the target's lane thread has ended that connection. Overlapping
-        # transfers to the region wait for that (see _abandon).
+        # Puts given up on (cancelled, timed out, their lane lost) while a direct lane or a
+        # striping lane carried them: their bytes may still land until the target has ended
+        # that connection. Overlapping transfers to the region wait for that (see _abandon).
         self._unsettled: dict[tuple[str, str], list[_Unsettled]] = {}
         self._settling: set[DirectLane] = set()  # their lanes, closed once settled
 
@@ -155,7 +161,11 @@ class TcpBackend(Backend):
             else:
                 await chan.request(TcpFrame.GET, meta, into=view[pos : pos + size])
 
-        await self._stripes.run(remote.peer, _pieces.cut(remote.nbytes, STRIPE_CHUNK), lambda p: p[1], send)
+        def writes(piece: tuple[int, int]) -> Sequence[Range]:
+            return ((key, remote.offset + piece[0], piece[1]),)
+
+        await self._stripes.run(remote.peer, _pieces.cut(remote.nbytes, STRIPE_CHUNK), lambda p: p[1], send,
+                                writes if put else None)
 
     def lane_stats(self, peer: str) -> list[dict[str, Any]]:
         """The striping lanes to ``peer`` and what each delivered (see ``Stripes.stats``); empty
@@ -214,14 +224,18 @@ class TcpBackend(Backend):
                     await stages.copy(f.copies, address, to_stage=False, nbytes=f.nbytes)
 
         spans = spans_of((r.key, r.span[0], r.span[1] - r.span[0]) for r, _ in lists)
+        # What a striped frame given up on may still write: the spans of the whole transfer
+        # (a frame's runs lie inside them), worked out only then.
+        ranges = [(key, lo, hi - lo) for key, (lo, hi) in spans.items()]
 
         async def run(ready: Ready) -> None:
-            for key, (lo, hi) in spans.items():
-                await self._after_unsettled(peer.name, key, lo, hi - lo)
+            for key, lo, nbytes in ranges:
+                await self._after_unsettled(peer.name, key, lo, nbytes)
             if Stripes.applies(peer, total):  # the frames spread over the lanes to the peer's addresses
                 if not striped:
                     striped.append(build(STRIPE_CHUNK))
-                await self._stripes.run(peer, striped[0], lambda f: f.nbytes, frame)
+                await self._stripes.run(peer, striped[0], lambda f: f.nbytes, frame,
+                                        (lambda f: ranges) if put else None)
                 return
             chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
             await _pieces.run(frames, functools.partial(frame, chan), None)  # every frame pipelined at once
@@ -318,7 +332,7 @@ class TcpBackend(Backend):
         False when it was refused or the connection broke (the checked path then redoes the
         transfer and reports any error). Cancelled, the lane is given up (its reply can no
         longer be matched); a put's bytes (``put``: key, offset, nbytes) may still land, so it
-        is abandoned (:meth:`_abandon`), a get's lane closed."""
+        is abandoned (:meth:`_abandon_lane`), a get's lane closed."""
         try:
             while True:
                 await (anyio.wait_writable if lane.writing else anyio.wait_readable)(lane.fileno())
@@ -328,7 +342,7 @@ class TcpBackend(Backend):
                     return result is LaneResult.DONE
         except BaseException:
             if put is not None and not lane.closed:
-                self._abandon(peer, lane, *put)
+                self._abandon_lane(peer, lane, *put)
             else:
                 lane.close()
             raise
@@ -336,49 +350,77 @@ class TcpBackend(Backend):
             if lane not in self._lanes.get(peer, ("", []))[1] and lane not in self._settling:  # forgotten meanwhile
                 lane.close()
 
-    def _abandon(self, peer: str, lane: DirectLane, key: str, offset: int, nbytes: int) -> None:
-        """A put given up on while ``lane`` carried it: the target's lane thread may still be
-        writing its bytes (those in the sockets' buffers), after a later transfer's, unless
-        that one waits. So its range stays *unsettled*: transfers to the region that overlap
-        it wait (:meth:`_after_unsettled`) until the target has ended that connection, which
-        its thread does only after its last write (we end our side: no more bytes, then read
-        until the end), for at most the Transport's timeout."""
-        entry = _Unsettled(offset, offset + nbytes, anyio.Event())
-        self._unsettled.setdefault((peer, key), []).append(entry)
+    def _abandon_lane(self, peer: str, lane: DirectLane, key: str, offset: int, nbytes: int) -> None:
+        """A put given up on while the direct lane ``lane`` carried it: the target's lane
+        thread may still be writing its bytes, so its range is unsettled until that thread has
+        ended the connection (:meth:`_abandon`, on a descriptor of our own); ``lane`` is closed
+        once it is settled."""
         self._settling.add(lane)
-        self.ctx.tg.start_soon(self._settle, peer, key, entry, lane)
 
-    async def _settle(self, peer: str, key: str, entry: _Unsettled, lane: DirectLane) -> None:
-        try:
-            with socket.socket(fileno=os.dup(lane.fileno())) as sock:  # (the same connection)
-                sock.setblocking(False)
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_WR)
-                with anyio.move_on_after(self.ctx.timeout) as waited:
-                    while True:
-                        await anyio.wait_readable(sock)
-                        try:
-                            if not sock.recv(1 << 16):
-                                break
-                        except BlockingIOError:
-                            continue
-                        except OSError:
-                            break
-                if waited.cancelled_caught:
-                    log.warning("tcp: %s did not end the direct-lane connection of a put given up on within %gs; "
-                                "its bytes at %s:%r %d..%d may still land", peer, self.ctx.timeout, peer, key,
-                                entry.lo, entry.hi)
-        except OSError as exc:  # (the lane's descriptor is gone: nothing more can arrive by it)
-            log.debug("tcp: settling a direct lane to %s: %s", peer, exc)
-        finally:
+        def settled() -> None:
             self._settling.discard(lane)
             lane.close()
-            entry.done.set()
-            waiting = self._unsettled.get((peer, key), [])
-            if entry in waiting:
-                waiting.remove(entry)
-            if not waiting:
-                self._unsettled.pop((peer, key), None)
+
+        try:
+            sock: socket.socket | None = socket.socket(fileno=os.dup(lane.fileno()))  # (the same connection)
+        except OSError as exc:  # (the lane's descriptor is gone: nothing more can arrive by it)
+            log.debug("tcp: settling a direct lane to %s: %s", peer, exc)
+            sock = None
+        self._abandon(peer, [(key, offset, nbytes)], sock, settled)
+
+    def _abandon(self, peer: str, ranges: Sequence[Range], sock: socket.socket | None,
+                 settled: Callable[[], None] | None = None) -> None:
+        """Puts given up on while the connection ``sock`` (our own descriptor of it, ours to
+        close from now on) carried them: the target may still be writing their bytes (those in
+        the sockets' buffers), after a later transfer's, unless that one waits. So their
+        ``ranges`` stay *unsettled*: transfers to a region that overlap them wait
+        (:meth:`_after_unsettled`) until the target has ended that connection, which it does
+        only after its last write (we end our side: no more bytes, then read until the end),
+        for at most the Transport's timeout; then the connection is reset (what it has not
+        sent is dropped). ``settled`` runs then. Used for a direct lane's put
+        (:meth:`_abandon_lane`) and for a striping lane's connection (``Stripes``)."""
+        entries = []
+        for key, offset, nbytes in ranges:
+            entry = _Unsettled(offset, offset + nbytes, anyio.Event())
+            self._unsettled.setdefault((peer, key), []).append(entry)
+            entries.append((key, entry))
+        self.ctx.tg.start_soon(self._settle, peer, entries, sock, settled)
+
+    async def _settle(self, peer: str, entries: Sequence[tuple[str, _Unsettled]], sock: socket.socket | None,
+                      settled: Callable[[], None] | None) -> None:
+        try:
+            if sock is not None:
+                with sock:
+                    sock.setblocking(False)
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_WR)
+                    with anyio.move_on_after(self.ctx.timeout) as waited:
+                        while True:
+                            await anyio.wait_readable(sock)
+                            try:
+                                if not sock.recv(1 << 16):
+                                    break
+                            except BlockingIOError:
+                                continue
+                            except OSError:
+                                break
+                    if waited.cancelled_caught:
+                        log.warning("tcp: %s did not end the connection of a put given up on within %gs; it is reset, "
+                                    "and its bytes at %s may still land", peer, self.ctx.timeout,
+                                    ", ".join(f"{key!r} {e.lo}..{e.hi}" for key, e in entries[:4]))
+                        abort_socket(sock)
+        except OSError as exc:  # (the descriptor is gone: nothing more can arrive by it)
+            log.debug("tcp: settling a connection to %s: %s", peer, exc)
+        finally:
+            if settled is not None:
+                settled()
+            for key, entry in entries:
+                entry.done.set()
+                waiting = self._unsettled.get((peer, key), [])
+                if entry in waiting:
+                    waiting.remove(entry)
+                if not waiting:
+                    self._unsettled.pop((peer, key), None)
 
     def _unsettled_at(self, peer: str, key: str, offset: int, nbytes: int) -> _Unsettled | None:
         for entry in self._unsettled.get((peer, key), ()):
@@ -477,7 +519,7 @@ class TcpBackend(Backend):
 
 @dataclasses.dataclass(eq=False)
 class _Unsettled:
-    """The range of a put given up on while a direct lane carried it (see ``TcpBackend._abandon``)."""
+    """The range of a put given up on while another connection carried it (see ``TcpBackend._abandon``)."""
 
     lo: int
     hi: int

@@ -13,10 +13,22 @@ per address, each lane its own agent connection.
   last chunks to the others when they would deliver all that is left before it delivered one.
 * **Failure.** A lane whose connection breaks, or that delivers nothing for ``stall_s`` seconds
   (``TCP_INFO``: no byte acknowledged or received) while another lane still delivers, is given
-  up: its connection is reset (so none of its queued bytes lands later), its chunks go to the
-  other lanes, and it is not tried again for ``LANE_RETRY_S``. When every lane broke, the
-  transfer fails with :class:`PeerLostError`; when every lane stalls at once (the peer itself
-  stopped), none is given up and the transfer ends at its deadline, as on one connection.
+  up: its connection is reset (where puts are on the wire on it, once they settled: see below),
+  its chunks go to the other lanes, and it is not tried again for ``LANE_RETRY_S``. When every
+  lane broke, the transfer fails with :class:`PeerLostError`; when every lane stalls at once
+  (the peer itself stopped), none is given up and the transfer ends at its deadline, as on one
+  connection.
+* **Abandoned chunks.** A put's chunk whose reply is no longer waited for (the transfer was
+  cancelled or ran out of time, or its lane broke or was given up) may still land: its bytes
+  are in the sockets' buffers, and the target writes what reaches it. So the connection that
+  carried it is ended and *settled*: Stripes holds a descriptor of every lane connection of its
+  own, so the connection outlives its :class:`Channel` (closed, reset, or cut mid-frame by a
+  deadline), and hands it, with the ranges of the puts still on the wire on it, to ``abandon``
+  (the backend's: those ranges stay unsettled, and transfers that overlap them wait, until the
+  target has ended that connection, at most the timeout). The lane goes on with a new one.
+  (Lane connections are greeted by Stripes itself, so they have no successor: one whose agent
+  went away from it, to make room, is replaced at its next use, or given up if a chunk was on
+  its way then.)
 * **Records.** Each chunk delivered is noted on the transfer's flight record (its ``lanes``:
   lane -> bytes), and in the lane's counters (:meth:`Stripes.stats`).
 
@@ -28,8 +40,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -39,8 +53,9 @@ from anyio.abc import TaskGroup
 
 from ..._auth import Authenticator
 from ..._channel import Channel
-from ..._errors import PeerLostError, TransportError
+from ..._errors import ClosedError, PeerLostError, TransferTimeoutError, TransportError
 from ..._flight import carried_by
+from ..._sockets import connect
 from ..._wire import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -55,6 +70,11 @@ _WATCH_EVERY_S = 0.25
 _RATE_WEIGHT = 0.3  # the EWMA's weight of the newest chunk
 
 _C = TypeVar("_C")
+
+Range = tuple[str, int, int]  # (region key, byte offset, nbytes) at the target
+# The backend's hook for a connection ended with puts still on the wire on it: their ranges,
+# and our own descriptor of the connection (now the hook's), to settle (TcpBackend._abandon).
+Abandon = Callable[[str, Sequence[Range], socket.socket], None]
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,6 +108,23 @@ class Lane:
         return {"lane": self.label, "bytes": self.delivered, "chunks": self.chunks, "failures": self.failures,
                 "rate_bytes_s": round(self.rate), "up": self.failed_at == -math.inf or self.usable(time.monotonic()),
                 "why": self.why}
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """A lane connection as Stripes holds it besides its Channel: a descriptor of its socket of
+    its own (the connection lasts until this one is closed, or settled by ``abandon``), and the
+    puts on the wire on it (each one's ranges, worked out only if it is abandoned)."""
+
+    sock: socket.socket
+    writing: dict[object, Callable[[], Sequence[Range]]] = dataclasses.field(default_factory=dict)
+
+
+def _answered(exc: BaseException) -> bool:
+    """Whether a request that raised ``exc`` got its reply (a refusal: nothing was written),
+    rather than being given up on while its bytes may still be on their way."""
+    return isinstance(exc, TransportError) and not isinstance(exc, (PeerLostError, ClosedError,
+                                                                    TransferTimeoutError))
 
 
 class _Run(Generic[_C]):
@@ -131,14 +168,20 @@ class Stripes:
         hello: the HELLO fields of a data connection (``_channel.hello``).
         auth: this endpoint's authenticator.
         timeout: the Transport's default timeout (the stall limit is at most a quarter of it).
+        abandon: called with a peer's name, the ranges of the puts still on the wire on a lane
+            connection that was ended, and our own descriptor of that connection (the callee's
+            from then on: it settles and closes it). See "Abandoned chunks" above.
     """
 
-    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator, timeout: float) -> None:
+    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator, timeout: float,
+                 abandon: Abandon) -> None:
         self._tg = tg
         self._hello = dict(hello)
         self._auth = auth
+        self._abandon = abandon
         self.stall_s = min(LANE_STALL_S, timeout / 4)
         self._peers: dict[str, tuple[str, tuple[tuple[str, int], ...], list[Lane]]] = {}
+        self._held: dict[Channel, _Held] = {}  # every lane connection open (or not yet let go of)
 
     @staticmethod
     def applies(peer: PeerRecord, nbytes: int) -> bool:
@@ -160,11 +203,14 @@ class Stripes:
         return [lane.as_dict() for lane in cached[2]] if cached is not None else []
 
     async def run(self, peer: PeerRecord, chunks: Sequence[_C], size: Callable[[_C], int],
-                  send: Callable[[Channel, _C], Awaitable[None]]) -> None:
+                  send: Callable[[Channel, _C], Awaitable[None]],
+                  writes: Callable[[_C], Sequence[Range]] | None = None) -> None:
         """Moves every chunk with ``send(channel, chunk)`` over the lanes to ``peer`` (those not
         given up in the last ``LANE_RETRY_S``; every one when none is left), each lane taking
         the next chunk as it delivers one. A chunk whose lane broke or stalled is sent again
         on another (``send`` must be repeatable: it writes the same bytes to the same place).
+        ``writes(chunk)``: the target's ranges a chunk writes (puts; None for gets), which stay
+        unsettled where it is abandoned (see "Abandoned chunks" above).
 
         Raises:
             PeerLostError: every lane broke (the message says how each did); the chunks that
@@ -174,7 +220,9 @@ class Stripes:
 
         Cancellation (or the caller's deadline): the chunks on the wire are left as
         ``Channel.request`` leaves a cancelled request (a frame started is finished, its reply
-        no longer waited for); none is started after.
+        no longer waited for); none is started after. Where they are puts, their connections
+        are ended and handed to ``abandon`` (their ranges unsettled until the target has ended
+        them); the lanes open new ones for the next transfer.
         """
         lanes = self.lanes(peer)
         now = time.monotonic()
@@ -185,7 +233,7 @@ class Stripes:
             async with anyio.create_task_group() as senders:
                 for lane in usable:
                     for _ in range(LANE_DEPTH):
-                        senders.start_soon(self._work, peer, lane, run, size, send)
+                        senders.start_soon(self._work, peer, lane, run, size, send, writes)
             watching.cancel_scope.cancel()
         if run.error is not None:
             raise run.error
@@ -194,14 +242,20 @@ class Stripes:
                                 f"left: {'; '.join(run.lost) or 'no lane could connect'}")
 
     async def _work(self, peer: PeerRecord, lane: Lane, run: _Run[_C], size: Callable[[_C], int],
-                    send: Callable[[Channel, _C], Awaitable[None]]) -> None:
+                    send: Callable[[Channel, _C], Awaitable[None]],
+                    writes: Callable[[_C], Sequence[Range]] | None) -> None:
         """One of ``lane``'s ``LANE_DEPTH`` senders: takes chunks until none is left (or the
-        lane fails: its chunk goes back for the others)."""
+        lane fails: its chunk goes back for the others). A chunk given up on while on the wire
+        (cancelled, out of time, the connection lost) ends its connection (:meth:`_end`); where
+        another transfer's put ended it, the lane goes on with a new one."""
         try:
             chan = await self._open(peer, lane, run)
-            if chan is None:
-                return
-            while run.error is None and not chan.broken:
+            while chan is not None and run.error is None:
+                if chan.broken:
+                    if lane.chan is chan:
+                        return  # (the lane broke or was given up: its senders report it)
+                    chan = await self._open(peer, lane, run)  # (it was ended under us)
+                    continue
                 if not run.todo:
                     if not run.inflight:
                         run.end()
@@ -216,20 +270,34 @@ class Stripes:
                 run.todo_bytes -= n
                 run.inflight += 1
                 lane.pending += n
+                held, token = self._held.get(chan), object()
+                if held is not None and writes is not None:
+                    held.writing[token] = functools.partial(writes, chunk)
                 started = time.monotonic()
                 try:
                     await send(chan, chunk)
                 except PeerLostError as exc:  # the lane broke, or was given up: another one sends it
                     run.todo.appendleft(chunk)
                     run.todo_bytes += n
-                    self._fail(peer.name, lane, f"{lane.label}: {exc}", run)
-                    return
+                    if lane.chan is chan:
+                        self._fail(peer.name, lane, f"{lane.label}: {exc}", run)
+                        return
+                    self._end(peer.name, chan, exc)  # (ended by another transfer: a new connection)
+                    continue
                 except TransportError as exc:  # refused (or past the deadline): the transfer's error
+                    if not _answered(exc):
+                        self._retire(peer.name, lane, chan)
                     if run.error is None:
                         run.error = exc
                     run.end()
                     return
+                except BaseException:  # cancelled: its reply is no longer waited for
+                    if writes is not None:
+                        self._retire(peer.name, lane, chan)
+                    raise
                 finally:
+                    if held is not None:
+                        held.writing.pop(token, None)
                     lane.pending -= n
                     run.inflight -= 1
                     run.changed()
@@ -279,8 +347,8 @@ class Stripes:
             return None  # (it failed during this run)
         if lane.connecting is None:
             if chan is not None:
-                chan.close()
                 lane.chan = None
+                self._end(peer.name, chan, PeerLostError(f"lane {lane.label} to {peer.name}: replaced"))
             lane.connecting = anyio.Event()
             self._tg.start_soon(self._connect, peer, lane, lane.connecting)
         connected = lane.connecting
@@ -302,8 +370,7 @@ class Stripes:
         """Opens ``lane``'s connection (at most ``LANE_CONNECT_S``), or records why it could not."""
         try:
             with anyio.fail_after(LANE_CONNECT_S):
-                chan = await Channel.open(self._tg, lane.remote, peer=peer.name, peer_incarnation=peer.incarnation,
-                                          hello=self._hello, auth=self._auth)
+                chan = await self._dial(peer, lane.remote)
         except (TransportError, TimeoutError, OSError) as exc:
             why = str(exc) or type(exc).__name__  # (a deadline's TimeoutError has no message)
             lane.failed_at, lane.why = time.monotonic(), f"{why} (connect)"
@@ -320,9 +387,68 @@ class Stripes:
             lane.connecting = None
             connected.set()
 
+    async def _dial(self, peer: PeerRecord, address: tuple[str, int]) -> Channel:
+        """A connection to ``address``, greeted, and held (:class:`_Held`) until it is let go
+        of (:meth:`_end`, which :meth:`_reap` calls once its channel ended, at the latest).
+
+        Raises:
+            PeerLostError, AuthenticationError, TransportError: as ``Channel.open``.
+            OSError: no second descriptor could be made.
+        """
+        try:
+            sock = await connect(address)
+        except OSError as exc:
+            raise PeerLostError(f"cannot reach the agent of {peer.name} at {address[0]}:{address[1]}: {exc}") from exc
+        try:
+            hold = sock.dup()
+        except OSError:
+            sock.close()
+            raise
+        try:
+            chan = await Channel.greet(self._tg, sock, peer=peer.name, peer_incarnation=peer.incarnation,
+                                       hello=self._hello, auth=self._auth)
+        except BaseException:
+            hold.close()
+            raise
+        self._held[chan] = _Held(hold)
+        self._tg.start_soon(self._reap, peer.name, chan)
+        return chan
+
+    async def _reap(self, peer: str, chan: Channel) -> None:
+        """Lets go of ``chan``'s connection once the channel ended, however it ended."""
+        why = await chan.wait_closed()
+        self._end(peer, chan, why)
+
+    def _retire(self, peer: str, lane: Lane, chan: Channel) -> None:
+        """Ends ``chan``, on which a put was given up on, without giving ``lane`` up: its other
+        senders go on with a new connection."""
+        if lane.chan is chan:
+            lane.chan = None
+        self._end(peer, chan, PeerLostError(f"lane {lane.label} to {peer}: a put on it was given up on; the lane "
+                                            "goes on with a new connection"))
+
+    def _end(self, peer: str, chan: Channel, reason: BaseException, *, reset: bool = False) -> None:
+        """Ends ``chan`` and lets go of our descriptor of its connection: handed to ``abandon``
+        with the ranges of the puts still on the wire on it, which may still land; else closed.
+        ``reset``: the connection is reset once let go of (what it has not sent is dropped).
+        Idempotent."""
+        held = self._held.pop(chan, None)
+        if reset:
+            chan.abort(reason)
+        else:
+            chan.close(reason)
+        if held is None:
+            return
+        ranges = [r for ranges_of in held.writing.values() for r in ranges_of()]
+        held.writing.clear()
+        if ranges:
+            self._abandon(peer, ranges, held.sock)
+        else:
+            held.sock.close()
+
     def _fail(self, peer: str, lane: Lane, why: str, run: _Run[Any] | None = None) -> None:
-        """Gives ``lane`` up: its connection is reset, and it is not tried again for
-        ``LANE_RETRY_S``."""
+        """Gives ``lane`` up: its connection is reset (where puts are on the wire on it, once
+        they settled: :meth:`_end`), and it is not tried again for ``LANE_RETRY_S``."""
         if run is not None and why not in run.lost:
             run.lost.append(why)
         if lane.chan is None or (lane.chan.broken and lane.failed_at > -math.inf):
@@ -331,7 +457,7 @@ class Stripes:
         lane.failures += 1
         log.warning("tcp: lane %s to %s failed (%s); its chunks go to the other lanes, and it is tried again in "
                     "%gs", lane.label, peer, why, LANE_RETRY_S)
-        lane.chan.abort(PeerLostError(f"lane {lane.label} to {peer} given up: {why}"))
+        self._end(peer, lane.chan, PeerLostError(f"lane {lane.label} to {peer} given up: {why}"), reset=True)
 
     async def _watch(self, peer: str, lanes: Sequence[Lane], run: _Run[Any]) -> None:
         """Gives up a lane that delivered nothing for ``stall_s`` while it had chunks on the
@@ -362,9 +488,15 @@ class Stripes:
         cached = self._peers.pop(peer, None)
         for lane in cached[2] if cached is not None else ():
             if lane.chan is not None:
+                held = self._held.pop(lane.chan, None)
+                if held is not None:  # (what it still carries goes to an incarnation that is gone)
+                    held.sock.close()
                 lane.chan.release(PeerLostError(f"lane {lane.label} released: {peer} is gone"))
 
     def close(self) -> None:
+        for held in self._held.values():
+            held.sock.close()
+        self._held.clear()
         for _, _, lanes in self._peers.values():
             for lane in lanes:
                 if lane.chan is not None:
