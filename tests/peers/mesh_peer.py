@@ -131,7 +131,7 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
                         delta=spec.get("delta", "auto"))
     await pub.start()
     if spec.get("die_at") is not None:
-        real_prepare = pub._prepare
+        real_prepare = pub._pushes.prepare
 
         def prepare(*args, **kwargs):
             prepared = real_prepare(*args, **kwargs)
@@ -145,7 +145,7 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
                     return xfer
             return Dying()
 
-        pub._prepare = prepare  # type: ignore[method-assign]
+        pub._pushes.prepare = prepare  # type: ignore[method-assign]
     await t.signal("ctl", f"{spec['name']}.ready", spec.get("ready_value", 1))
     for v in range(spec["versions"]):
         await t.wait_signal("go", at_least=v + 1, timeout=120)

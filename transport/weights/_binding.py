@@ -102,3 +102,36 @@ def pack(items: Iterable[tuple[str, int]]) -> tuple[Offsets, int]:
         out[name] = (at, nbytes)
         at += nbytes
     return out, max(at, 1)
+
+
+def cut_runs(runs: np.ndarray, piece_bytes: int) -> list[np.ndarray]:
+    """``runs`` (``(snapshot offset, slot offset, nbytes)`` rows) cut into consecutive pieces of
+    ``piece_bytes`` each (the last may be smaller), a run that crosses a piece's end split
+    there: the pieces a push into a relay is logged by, which its members cut the same way
+    from the same runs. Deterministic: the same runs and size give the same pieces.
+
+    Raises:
+        ValueError: ``piece_bytes`` < 1.
+    """
+    if piece_bytes < 1:
+        raise ValueError(f"piece_bytes must be >= 1, not {piece_bytes}")
+    runs = np.ascontiguousarray(runs, dtype=np.int64).reshape(-1, 3)
+    if not len(runs):
+        return []
+    ends = np.cumsum(runs[:, 2])
+    starts = ends - runs[:, 2]
+    total = int(ends[-1])
+    out = []
+    for lo in range(0, total, piece_bytes):
+        hi = min(lo + piece_bytes, total)
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(starts, hi, side="left"))
+        part = runs[first:last].copy()
+        cut_lo = lo - starts[first:last]
+        cut_hi = ends[first:last] - hi
+        head = np.maximum(cut_lo, 0)
+        part[:, 0] += head
+        part[:, 1] += head
+        part[:, 2] -= head + np.maximum(cut_hi, 0)
+        out.append(part[part[:, 2] > 0])
+    return out

@@ -9,7 +9,9 @@ Regions of a stream called N (``mesh.N.*``):
 * every generator rank: ``rank`` (its replica, place and needs, JSON, read-only), ``ctl``
   (``int64[CTL_WORDS]``, written by trainer ranks and its replica's leader), ``slot0``/``slot1``,
   and with delta sync ``delta0``/``delta1`` (the payloads waiting for each slot, written by
-  trainer ranks) with their table ``dtab`` (read-only; see :mod:`._mesh_delta`).
+  trainer ranks) with their table ``dtab`` (read-only; see :mod:`._mesh_delta_intake`), and with
+  relays ``relay`` (one section of orders and logs per trainer rank: :mod:`._relay_block`,
+  :mod:`._mesh_relays`).
 
 Version ``v`` always travels in slot ``v % 2`` (snapshots likewise), so that trainer ranks that
 never talk to each other still agree on where it goes.
@@ -18,7 +20,7 @@ Generator ``ctl`` words: ``COMMIT`` (the version the replica committed, front-en
 slot), ``READING`` (the slot ``apply()`` is copying, or -1), ``APPLIED`` (``v + 1``),
 ``PROPOSED`` (the version the leader is about to commit), ``MAT0 + s`` (``v + 1`` once slot
 ``s`` holds all of version ``v``, as this rank read it: what a delta into it may build on, see
-:mod:`._mesh_delta`; 0 while the rank writes the slot itself), and from ``DONE0`` one word per
+:mod:`._mesh_delta_intake`; 0 while the rank writes the slot itself), and from ``DONE0`` one word per
 (trainer rank, slot), the two slots of a trainer rank side by side (so the words of ranks
 ``0..T-1`` are the first ``2T``, read without the rest): ``v + 1`` once that trainer rank's
 bytes of version ``v`` are all in the slot, ``-(v + 1)`` while it is writing them.
@@ -97,9 +99,13 @@ class MeshKeys:
     amax: tuple[str, str]
     deltas: tuple[str, str]
     dtab: str
+    relay: str  # generator rank: its relay block (ranks that take part in relays; ._relay_block)
+    relay_wake: str  # generator rank: the signal rung with each relay order
+    relay_ack: str  # trainer rank: the signal a member rings once it acknowledged an order
 
     @classmethod
     def of(cls, name: str) -> MeshKeys:
         p = f"mesh.{name}."
         return cls(p + "trainer", p + "tctl", (p + "snap0", p + "snap1"), p + "rank", p + "ctl",
-                   (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"), (p + "delta0", p + "delta1"), p + "dtab")
+                   (p + "slot0", p + "slot1"), (p + "amax0", p + "amax1"), (p + "delta0", p + "delta1"), p + "dtab",
+                   p + "relay", p + "relaywake", p + "relayack")

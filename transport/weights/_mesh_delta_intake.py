@@ -42,6 +42,7 @@ class SlotDeltas:
         self._wanted = wanted
         self._materializer: Materializer | None = None  # the delta areas, once the plan is known
         self._materialized: tuple[int, int] | None = None  # (version, slot) last made whole here
+        self._areas: list[torch.Tensor] = []
         self.last: tuple[int, int] = (0, 0)  # of the last version read: (trainer ranks' deltas, units)
 
     @property
@@ -56,10 +57,14 @@ class SlotDeltas:
             self._wanted = False  # nothing fed here, or odd-sized runs (one-byte elements): dense only
             return
         table, nbytes = area_table({t: int(r[:, 2].sum()) for t, r in runs.items()})
-        areas = [self.t.empty(k, nbytes, torch.uint8) for k in self.keys.deltas]
+        areas = self._areas = [self.t.empty(k, nbytes, torch.uint8) for k in self.keys.deltas]
         tab = self.t.empty(self.keys.dtab, max(1, table.size) * 8, torch.uint8, writable=False)
         tab.view(torch.int64)[: table.size].copy_(torch.from_numpy(table.reshape(-1)))
         self._materializer = Materializer(slots, areas, {int(t): (int(o), int(c)) for t, o, c in table}, runs)
+
+    def areas(self) -> list[torch.Tensor]:
+        """The two delta areas (empty until made, and where deltas are not taken)."""
+        return self._areas
 
     def materialize(self, ctl: torch.Tensor, v: int, s: int) -> None:
         """Applies the deltas of version ``v`` waiting for slot ``s`` (held for reading) into

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -11,10 +12,9 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from .._errors import ClosedError, TransportError
+from .._errors import ClosedError
 from ..plan import (
     MeshLayoutError,
-    Move,
     Planner,
     RankLayout,
     Replica,
@@ -23,32 +23,27 @@ from ..plan import (
     TrainerLayout,
     encode_trainer,
 )
-from ._binding import byte_runs, slot_layout, snapshot_layout
-from ._codec.format import HEAD_BYTES, read_table
+from ._binding import snapshot_layout
 from ._codec.policy import RUNS_CROSSOVER
-from ._codec.runs import Change, Cut, MeshDeltaPacker, Runs, cut
-from ._control import decode_front, encode_front, memory_barrier, withdraw
+from ._codec.runs import MeshDeltaPacker
+from ._control import encode_front, memory_barrier, withdraw
 from ._lifecycle import Lifecycle
 from ._mesh_control import (
-    APPLIED,
-    COMMIT,
     FRONT,
     GEN0,
     HEADER_WORDS,
-    MAT0,
     MAX_TRAINER_RANKS,
-    PROPOSED,
-    READING,
     SNAPVER0,
     TCTL_WORDS,
     TRANK,
     MeshKeys,
-    done_word,
     slot_of,
 )
 from ._mesh_fp8 import BlockQuantizer
 from ._mesh_peers import MeshMembers, MeshPeers
-from ._report import SyncResult, SyncStatus
+from ._mesh_push import MeshPushes, ReplicaPlanMoves
+from ._mesh_relays import MeshRelays
+from ._report import SyncResult
 from ._roster import Departures
 from ._warm import WarmTarget, warm_pushes
 
@@ -93,18 +88,6 @@ class MeshPublishReport:
     dead: dict[str, str] = field(default_factory=dict)
 
 
-def slot_busy(header: torch.Tensor, slot: int) -> str | None:
-    """Why ``slot`` of a generator rank must not be written now (its ctl header given), or None."""
-    applied = int(header[APPLIED])
-    if int(header[READING]) == slot:
-        return "being applied"
-    for word, what in ((COMMIT, "committed"), (PROPOSED, "being committed")):
-        front = decode_front(int(header[word]))
-        if front is not None and front[1] == slot and front[0] + 1 > applied:
-            return f"{what} (version {front[0]}) and not applied yet"
-    return None
-
-
 class MeshPublisher(Lifecycle):
     """Pushes this trainer rank's shards into every generator rank that needs them.
 
@@ -140,16 +123,30 @@ class MeshPublisher(Lifecycle):
             every rank that takes them. ``False``: every version dense, not diffed.
         delta_crossover: the changed fraction of this rank's units above which a version goes
             dense to everyone.
+        relays: per-host relays (:mod:`._mesh_relays`): where two or more generator ranks that
+            take part (``MeshSubscriber(relay=True)``, the default) share a host other than
+            this rank's and get the very same bytes from it (ranks of the same place in
+            replicas of the same layout), this rank pushes the version once per such group,
+            into one of them (the relay); the others copy it from the relay's slot over shared
+            memory as its pieces land. A relay that fails or stalls costs its members at most
+            ``relay_timeout`` and a direct push. False: every generator rank is pushed to
+            directly.
+        relay_timeout: seconds a relay may go without any piece landing in it while one is on
+            its way, after which it is taken for stalled (default ``min(deadline, 5)``).
 
     Raises:
         MeshLayoutError: a shard is missing or has the wrong shape, or the rank is out of range.
+        ValueError: ``delta``, ``delta_crossover`` or ``relay_timeout`` out of range.
     """
 
     def __init__(self, transport: Transport, name: str, shards: Mapping[str, torch.Tensor], layout: TrainerLayout,
                  *, rank: int, topology: Topology | None = None, deadline: float = 30.0,
-                 delta: bool | str = "auto", delta_crossover: float = RUNS_CROSSOVER) -> None:
+                 delta: bool | str = "auto", delta_crossover: float = RUNS_CROSSOVER, relays: bool = True,
+                 relay_timeout: float | None = None) -> None:
         if delta not in (True, False, "auto"):
             raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
+        if relay_timeout is not None and not relay_timeout > 0:
+            raise ValueError(f"relay_timeout must be > 0, not {relay_timeout!r}")
         if not 0 < delta_crossover <= 0.5:
             raise ValueError(f"delta_crossover must be in (0, 0.5], not {delta_crossover!r}")
         if not 0 <= rank < MAX_TRAINER_RANKS:
@@ -165,11 +162,9 @@ class MeshPublisher(Lifecycle):
         self._quant = BlockQuantizer(transport, self.keys, layout, rank)
         self._members = MeshPeers(transport, self.keys)
         self._departures = Departures(transport.name, "generator rank")  # the ranks seen, and who of them went
-        self._snaps: list[torch.Tensor] = []
         self._tctl: torch.Tensor | None = None
         self._layout_bytes: torch.Tensor | None = None
         self._plans: dict[str, ReplicaPlan] = {}
-        self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
         self._version: int | None = None
         self._lock = anyio.Lock()
         self._open = False  # between start() and close()
@@ -177,13 +172,10 @@ class MeshPublisher(Lifecycle):
         if self._packer is not None and self._packer.why_not is not None:
             log.info("mesh publisher %s rank %d: no delta sync: %s", name, rank, self._packer.why_not)
             self._packer = None
-        self._delta_everywhere = delta is True
-        self._change: Change | None = None  # the change of the version being published
-        self._runs: dict[tuple[str, str], Runs] = {}  # (generator rank, incarnation) -> its runs from here
-        self._tables: dict[tuple[str, str], tuple[int, int] | None] = {}  # -> this rank's (offset, cap) there
-        self._sums: dict[tuple[bytes, int], tuple[int, int]] = {}  # (runs, slot) -> (version, checksum there)
-        self._cuts: dict[bytes, Cut | None] = {}  # runs -> the change cut along them (this version)
-        self._memory_link: dict[str, bool] = {}  # generator rank -> its last push went over ipc
+        self._pushes = MeshPushes(transport, self.keys, rank, self._planner, self._offsets, deadline,
+                                  delta=self._packer is not None, delta_everywhere=delta is True)
+        stall = min(deadline, 5.0) if relay_timeout is None else float(relay_timeout)
+        self._relays = MeshRelays(transport, self.keys, rank, self._pushes, deadline, stall) if relays else None
 
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """name -> this rank's local shard, for every tensor of the state it holds a box of
@@ -217,7 +209,7 @@ class MeshPublisher(Lifecycle):
         self._layout_bytes.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self._tctl = self.t.empty(self.keys.tctl, TCTL_WORDS, torch.int64, writable=False)
         self._tctl[TRANK] = self.rank + 1
-        self._snaps = [self.t.empty(k, self._total, torch.uint8, writable=False) for k in self.keys.snaps]
+        self._pushes.snaps = [self.t.empty(k, self._total, torch.uint8, writable=False) for k in self.keys.snaps]
         self._quant.start()
         self._open = True
 
@@ -237,7 +229,7 @@ class MeshPublisher(Lifecycle):
         """:meth:`aclose` for synchronous callers (the same, as nothing in it waits)."""
         self._open = False
         withdraw(self.t, [*self.keys.amax, *self.keys.snaps, self.keys.tctl, self.keys.trainer])
-        self._prepared.clear()
+        self._pushes.forget(set())
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -288,12 +280,21 @@ class MeshPublisher(Lifecycle):
             left, dead = self._departures.since(present, members.listed)
             t2 = time.perf_counter()
             results: dict[str, SyncResult] = {}
+
+            async def direct(label: str, peer: Peer, moves: ReplicaPlanMoves) -> None:
+                results[label] = await self._pushes.push(label, peer, moves, version, t0)
+
+            groups, alone = self._relays.groups(work) if self._relays is not None else ([], work)
             async with anyio.create_task_group() as tg:
-                for label, peer, plan_moves in work:
-                    tg.start_soon(self._push_one, label, peer, plan_moves, version, t0, results)
+                for label, peer, plan_moves in alone:
+                    tg.start_soon(direct, label, peer, plan_moves)
+                for group in groups:
+                    assert self._relays is not None
+                    tg.start_soon(self._relays.serve, group, version, t0, results)
             t3 = time.perf_counter()
             self._departures.served(present, members.listed, dead)
-        changed = self._change.density if self._change is not None else None
+        change = self._pushes.change
+        changed = change.density if change is not None else None
         return MeshPublishReport(version, results, incomplete, refused, t1 - t_scan, (t_scan - t0) + (t2 - t1),
                                  t3 - t2, t3 - t0, changed, left, {n: why for (n, _), why in dead.items()})
 
@@ -327,21 +328,19 @@ class MeshPublisher(Lifecycle):
             for label, peer, moves in work:
                 # A slot's prepared transfer exists once it was pushed to or warmed (_discover
                 # drops those of ranks no longer fed); one whose warm failed is dropped by warm_pushes.
-                todo = [s for s in (0, 1) if (peer.name, peer.incarnation, s) not in self._prepared]
+                todo = [s for s in (0, 1) if not self._pushes.has_prepared(peer, s)]
                 if not todo:
                     continue
 
                 async def ready(p: Peer = peer) -> None:  # its delta area and a first control-word read
-                    await self._area(p)
+                    await self._pushes.area(p)
                     await self.t.get(header, p.name, key=self.keys.ctl)
 
                 def prepare(s: int, p: Peer = peer, m: ReplicaPlanMoves = moves) -> PreparedTransfer:
-                    return self._prepare(p.name, p.incarnation, s, m)
+                    return self._pushes.prepare(p, s, m)
 
-                def drop(s: int, p: Peer = peer) -> None:
-                    self._prepared.pop((p.name, p.incarnation, s), None)
-
-                targets.append(WarmTarget(f"{label} ({peer.name})", todo, prepare, drop, ready))
+                targets.append(WarmTarget(f"{label} ({peer.name})", todo, prepare,
+                                          functools.partial(self._pushes.drop, peer), ready))
             return await warm_pushes(targets, self.deadline, (MeshLayoutError,),
                                      f"mesh publisher {self.name} rank {self.rank}")
 
@@ -350,15 +349,15 @@ class MeshPublisher(Lifecycle):
         its seqlock; with delta sync, diffing them against the version it held."""
         assert self._tctl is not None
         s = slot_of(version)
-        ctl, snap = self._tctl, self._snaps[s]
+        ctl, snap = self._tctl, self._pushes.snaps[s]
         held = int(ctl[SNAPVER0 + s]) - 1  # the version the snapshot holds (-1: none)
         ctl[GEN0 + s] += 1  # odd: being written
         memory_barrier()
         sources = {name: converted[name] if name in converted else self._live[name] for name, _, _ in self._packed}
-        self._change, self._cuts = None, {}
+        change = None
         if self._packer is not None:
-            self._change = await anyio.to_thread.run_sync(self._packer.pack, snap, sources, version,
-                                                          held if held >= 0 else None)
+            change = await anyio.to_thread.run_sync(self._packer.pack, snap, sources, version,
+                                                    held if held >= 0 else None)
         else:
             for name, shape, dtype in self._packed:
                 off, nbytes = self._offsets[name]
@@ -368,6 +367,7 @@ class MeshPublisher(Lifecycle):
         ctl[GEN0 + s] += 1
         memory_barrier()
         ctl[FRONT] = encode_front(version, s)
+        self._pushes.begin(version, change)
 
     def _discover(self, members: MeshMembers) -> tuple[list[tuple[str, Peer, ReplicaPlanMoves]], tuple[str, ...],
                                                        dict[str, str]]:
@@ -396,11 +396,9 @@ class MeshPublisher(Lifecycle):
         # What served replicas and ranks no longer here held goes with them.
         self._plans = {rid: p for rid, p in self._plans.items() if rid in by_replica}
         served = {(p.name, p.incarnation) for _, p, _ in work}
-        self._prepared = {k: v for k, v in self._prepared.items() if k[:2] in served}
-        self._runs = {k: v for k, v in self._runs.items() if k in served}
-        self._tables = {k: v for k, v in self._tables.items() if k in served}
-        fingerprints = {r.fingerprint for r in self._runs.values()}
-        self._sums = {k: v for k, v in self._sums.items() if k[0] in fingerprints}
+        self._pushes.forget(served)
+        if self._relays is not None:
+            self._relays.forget(served)
         return work, tuple(incomplete), refused
 
     def _plan(self, replica: Replica) -> ReplicaPlan:
@@ -420,146 +418,3 @@ class MeshPublisher(Lifecycle):
                                               f"the trainer sends {p.name} as {spec.dtype}")
         self._plans[replica.id] = plan
         return plan
-
-    def _prepare(self, peer: str, incarnation: str, slot: int, work: ReplicaPlanMoves) -> PreparedTransfer:
-        key = (peer, incarnation, slot)
-        got = self._prepared.get(key)
-        if got is None:
-            self._prepared = {k: v for k, v in self._prepared.items() if k[0] != peer or k[1] == incarnation}
-            snap, target = self._snaps[slot], self.keys.slots[slot]
-            layout = work.rank.layout
-            runs = byte_runs(self._planner, work.moves, {lt.name: lt for lt in layout.tensors}, self._offsets,
-                             slot_layout(layout)[0])
-            got = self._prepared[key] = self.t.prepare_put_runs(peer, snap, target, runs)
-            if self._packer is not None and (peer, incarnation) not in self._runs:
-                self._runs[(peer, incarnation)] = Runs.of(runs)
-        return got
-
-    async def _area(self, peer: Peer) -> tuple[int, int] | None:
-        """This rank's (offset, cap) in ``peer``'s delta areas (None: it takes no deltas from
-        here), read once per incarnation from its table."""
-        key = (peer.name, peer.incarnation)
-        if key in self._tables:
-            return self._tables[key]
-        tab, area = peer.regions.get(self.keys.dtab), peer.regions.get(self.keys.deltas[0])
-        if tab is None or area is None:
-            return None  # not made yet (it makes them once it knows its plan): look again next time
-        got = None
-        if 0 < tab.nbytes <= 1 << 20:  # sized from a record: bounded before anything is allocated
-            raw = torch.empty(tab.nbytes, dtype=torch.uint8)
-            await self.t.get(raw, peer.name, key=self.keys.dtab)
-            got = read_table(raw, min(area.nbytes, peer.regions[self.keys.deltas[1]].nbytes)
-                             if self.keys.deltas[1] in peer.regions else 0).get(self.rank)
-        self._tables[key] = got
-        return got
-
-    def _cut_for(self, runs: Runs, cap: int, base_sum: int) -> Cut | None:
-        """The version's change cut along ``runs`` (once per version and runs)."""
-        if runs.fingerprint not in self._cuts:
-            assert self._change is not None
-            self._cuts[runs.fingerprint] = cut(self._change, runs, base_sum, cap)
-        got = self._cuts[runs.fingerprint]
-        return got if got is not None and got.payload.numel() <= HEAD_BYTES + cap else None
-
-    def _delta_to(self, peer: Peer, slot: int, header: torch.Tensor, prev: int, area: tuple[int, int] | None
-                  ) -> tuple[Runs, int] | None:
-        """(its runs, this rank's checksum of the base there) when ``peer`` may get this
-        version as a delta: it takes them, its slot holds the base from this rank (its DONE
-        word) and as it read it (its MAT word), and the checksum of those bytes is known."""
-        change, runs = self._change, self._runs.get((peer.name, peer.incarnation))
-        if change is None or runs is None or area is None or runs.why_not is not None:
-            return None
-        if not self._delta_everywhere and self._memory_link.get(peer.name, True):
-            return None  # "auto": not over ipc (nor before the first push showed the route)
-        if prev != change.base + 1 or int(header[MAT0 + slot]) != change.base + 1:
-            return None
-        held = self._sums.get((runs.fingerprint, slot))
-        return (runs, held[1]) if held is not None and held[0] == change.base else None
-
-    async def _push_one(self, label: str, peer: Peer, work: ReplicaPlanMoves, version: int,
-                        t0: float, results: dict[str, SyncResult]) -> None:
-        slot = slot_of(version)
-        name = peer.name
-        nbytes = sum(m.nbytes for m in work.moves)
-        word = done_word(slot, self.rank) * 8
-        status, error, as_delta = SyncStatus.DONE, None, False
-        header = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        mark = torch.empty(1, dtype=torch.int64)
-        prev = torch.empty(1, dtype=torch.int64)
-        with anyio.move_on_after(self.deadline) as scope:
-            try:
-                prepared = self._prepare(name, peer.incarnation, slot, work)
-                area = await self._area(peer)  # (without delta sync too: a stale payload there is cleared)
-                await self.t.get(header, name, key=self.keys.ctl)
-                why = slot_busy(header, slot)
-                if why is None:
-                    await self.t.get(prev, name, key=self.keys.ctl, offset=word)
-                    mark[0] = -(version + 1)  # writing: the leader will not commit this slot
-                    await self.t.put(mark, name, key=self.keys.ctl, offset=word)
-                    await self.t.get(header, name, key=self.keys.ctl)  # then look again (two-flag handshake)
-                    why = slot_busy(header, slot)
-                    if why is not None:
-                        await self.t.put(prev, name, key=self.keys.ctl, offset=word)
-                if why is not None:
-                    status, error = SyncStatus.STRAGGLER, f"slot {slot} is {why}"
-                else:
-                    nbytes, as_delta = await self._write(peer, slot, prepared, header, int(prev[0]), area, nbytes)
-                    mark[0] = version + 1
-                    await self.t.put(mark, name, key=self.keys.ctl, offset=word)
-            except (TransportError, MeshLayoutError) as exc:
-                status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
-        if scope.cancelled_caught:
-            status, error = SyncStatus.STRAGGLER, f"not complete within {self.deadline:g}s"
-        if status is not SyncStatus.DONE:
-            log.info("mesh publisher %s rank %d: version %d to %s (%s): %s", self.name, self.rank, version, label,
-                     name, error)
-        results[label] = SyncResult(name, version, status, nbytes if status is SyncStatus.DONE else 0,
-                                    time.perf_counter() - t0, error, delta=as_delta)
-
-    async def _write(self, peer: Peer, slot: int, prepared: PreparedTransfer, header: torch.Tensor, prev: int,
-                     area: tuple[int, int] | None, dense_bytes: int) -> tuple[int, bool]:
-        """Writes this rank's bytes of the version into ``peer``'s slot: as a delta into its
-        delta area when it may take one, else dense (clearing a payload that may wait there).
-
-        Returns:
-            (bytes written, whether as a delta).
-        """
-        name, delta_key = peer.name, self.keys.deltas[slot]
-        chosen = self._delta_to(peer, slot, header, prev, area)
-        if chosen is not None and area is not None:
-            runs, base_sum = chosen
-            made = await anyio.to_thread.run_sync(self._cut_for, runs, area[1], base_sum)
-            if made is not None:
-                await self.t.put(made.payload, name, key=delta_key, offset=area[0], timeout=self.deadline)
-                self._sums[(runs.fingerprint, slot)] = (self._version_now(), made.new_sum)
-                return made.payload.numel(), True
-        if area is not None:
-            # A payload of an earlier life of this version number (a restarted trainer counts
-            # again) must never be applied over the dense bytes.
-            await self.t.put(torch.zeros(8, dtype=torch.uint8), name, key=delta_key, offset=area[0],
-                             timeout=self.deadline)
-        h = prepared.start(timeout=self.deadline)
-        await h
-        self._memory_link[name] = h.same_host is True
-        known = self._runs.get((name, peer.incarnation))
-        takes = self._delta_everywhere or not self._memory_link[name]
-        if area is not None and known is not None and known.why_not is None and takes:
-            held = self._sums.get((known.fingerprint, slot))
-            version = self._version_now()
-            if held is None or held[0] != version:  # the checksum a later delta into that slot builds on
-                snap = self._snaps[slot]
-                self._sums[(known.fingerprint, slot)] = (version, await anyio.to_thread.run_sync(known.checksum, snap))
-        return dense_bytes, False
-
-    def _version_now(self) -> int:
-        assert self._version is not None
-        return self._version
-
-
-@dataclass(frozen=True)
-class ReplicaPlanMoves:
-    """This trainer rank's moves into one generator rank, and that rank's layout."""
-
-    moves: tuple[Move, ...]
-    rank: RankLayout
-

@@ -38,8 +38,10 @@ from ._mesh_control import (
     slot_version,
 )
 from ._mesh_delta_intake import SlotDeltas
+from ._mesh_relay_member import MeshRelayMember
 from ._mesh_replica import ReplicaNow, ReplicaView
 from ._polling import PENDING, Pending, even, poll, seqlock_read
+from ._relay_block import mesh_block_words
 
 if TYPE_CHECKING:
     import numpy as np
@@ -85,6 +87,13 @@ class MeshSubscriber(Lifecycle):
             reads the committed version. Costs two areas of up to half a slot each, made once
             this rank has seen its replica's plan (at its first commit, wait, pull or
             catch-up). False: every version arrives dense.
+        relay: take part in per-host relays (see ``MeshPublisher(relays=...)``): where other
+            generator ranks on this host need the very same bytes from a trainer rank on
+            another host, it pushes them once, into one of these ranks, and the others copy
+            them from its slot over shared memory (a task of this rank's Transport follows the
+            trainer ranks' orders: :mod:`._mesh_relay_member`). Costs a relay block of
+            ``mesh_block_words()`` int64 words (458 KiB). False: every trainer rank pushes
+            here directly.
 
     Raises:
         MeshLayoutError: a tensor is missing or differs from the layout in shape or dtype.
@@ -92,7 +101,7 @@ class MeshSubscriber(Lifecycle):
 
     def __init__(self, transport: Transport, name: str, *, replica: str, rank: int, size: int, layout: GeneratorRank,
                  tensors: Mapping[str, torch.Tensor] | None = None, timeout: float = 60.0,
-                 allocate: bool = True, delta: bool = True) -> None:
+                 allocate: bool = True, delta: bool = True, relay: bool = True) -> None:
         if not 0 <= rank < size:
             raise MeshLayoutError(f"rank {rank} of a replica of {size}")
         if not allocate and tensors is not None:
@@ -115,6 +124,10 @@ class MeshSubscriber(Lifecycle):
                                  offsets=self._offsets)
         self._committer = Committer(self._view)
         self._deltas = SlotDeltas(transport, self.keys, delta)
+        self._want_relay = relay
+        self._relay: MeshRelayMember | None = None  # follows relay orders (set by start when it takes part)
+        self._relay_scope: anyio.CancelScope | None = None  # its task, while started
+        self._source_runs: tuple[tuple[int, int], dict[int, np.ndarray]] | None = None  # (plan ids, runs)
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
         self._behind_since: float | None = None
 
@@ -133,6 +146,11 @@ class MeshSubscriber(Lifecycle):
         self._ctl = self.t.empty(self.keys.ctl, CTL_WORDS, torch.int64)
         self._ctl[READING] = -1
         self._slots = [self.t.empty(k, self._total, torch.uint8) for k in self.keys.slots]
+        if self._want_relay:
+            block = self.t.empty(self.keys.relay, mesh_block_words(), torch.int64)
+            self._relay = MeshRelayMember(self.t, self.keys, block, self._slots, self._deltas.areas,
+                                          self._relay_source)
+            self._relay_scope = self.t._run_service(self._relay.run)
 
     async def aclose(self) -> None:
         """Withdraws this rank's regions: trainer ranks stop serving it from their next
@@ -147,7 +165,10 @@ class MeshSubscriber(Lifecycle):
 
     def close(self) -> None:
         """:meth:`aclose` for synchronous callers (the same, as nothing in it waits)."""
-        withdraw(self.t, [*self.keys.slots, self.keys.ctl, self.keys.rank, self.keys.dtab, *self.keys.deltas])
+        if self._relay_scope is not None:
+            self._relay_scope.cancel()
+        withdraw(self.t, [*self.keys.slots, self.keys.ctl, self.keys.rank, self.keys.dtab, *self.keys.deltas,
+                          self.keys.relay])
 
     @property
     def _c(self) -> torch.Tensor:
@@ -262,6 +283,19 @@ class MeshSubscriber(Lifecycle):
         if self._deltas.awaiting_plan and self._slots:
             self._deltas.make(self._slots, self._view.runs(now.planner, now.plans[self.rank]))
         return now
+
+    async def _relay_source(self, trainer_rank: int) -> tuple[np.ndarray, str] | None:
+        """Trainer rank ``trainer_rank``'s byte runs into this rank under the plan and its name
+        (None: it does not feed this rank, or is not listed): what a relay order from it is
+        checked and cut by. One look at the store; the runs are bound once per plan."""
+        now = await self._replica_now()
+        name = now.trainers.get(trainer_rank)
+        mine = now.plans[self.rank]
+        ids = (id(now.planner), id(mine))
+        if self._source_runs is None or self._source_runs[0] != ids:
+            self._source_runs = (ids, self._view.runs(now.planner, mine))
+        runs = self._source_runs[1].get(trainer_rank)
+        return None if runs is None or name is None else (runs, name)
 
     async def commit(self, *, timeout: float | None = None) -> int | None:
         """Leader only (rank 0): commits the newest version that every rank of the replica holds

@@ -63,7 +63,7 @@ class Look:
 
 class Log(Protocol):
     """Where a push into a relay logs each part once it is in the relay's memory
-    (:class:`._relays.RelayLog`)."""
+    (:class:`._relay_order.RelayLog`)."""
 
     async def begin(self) -> None: ...
 

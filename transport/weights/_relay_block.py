@@ -74,33 +74,38 @@ def block_words(layout: Layout) -> int:
 @dataclass(frozen=True)
 class Order:
     """The publisher's order to a member: copy ``version`` from ``relay``'s slot ``src`` into
-    the member's slot ``dst`` as the relay's log of ``epoch`` grows."""
+    the member's slot ``dst`` as the relay's log of ``epoch`` grows. ``extra``: words of the
+    form that follow the relay's name (a mesh order's, :class:`MeshOrder`)."""
 
     epoch: int
     version: int
     relay: str
     src: int
     dst: int
+    extra: tuple[int, ...] = ()
 
     def words(self) -> torch.Tensor:
-        """The order as the member's words ``M_EPOCH`` .. the name's end (its acknowledgement
-        words are left out of the write: they are the member's)."""
+        """The order as the member's words ``M_EPOCH`` .. the end of ``extra`` (its
+        acknowledgement words are left out of the write: they are the member's)."""
         name = self.relay.encode()
         if len(name) > 8 * NAME_WORDS:
             raise TransportError(f"relay name {self.relay!r} is over {8 * NAME_WORDS} bytes")
-        out = torch.zeros(ROWS - M_EPOCH, dtype=torch.int64)
+        out = torch.zeros(ROWS - M_EPOCH + len(self.extra), dtype=torch.int64)
         out[0], out[M_VERSION - M_EPOCH], out[M_SRC - M_EPOCH], out[M_DST - M_EPOCH] = (
             self.epoch, self.version, self.src, self.dst)
         out[M_TAKEOVER - M_EPOCH] = 0  # (the acknowledgement words are the member's: order_spans leaves them out)
         out[M_NAME_LEN - M_EPOCH] = len(name)
-        raw = out[M_NAME - M_EPOCH:].view(torch.uint8)
+        raw = out[M_NAME - M_EPOCH:ROWS - M_EPOCH].view(torch.uint8)
         raw[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+        if self.extra:
+            out[ROWS - M_EPOCH:] = torch.tensor(self.extra, dtype=torch.int64)
         return out
 
     @classmethod
-    def read(cls, block: torch.Tensor, nslots: int) -> Order | None:
-        """The order in a member's own block, or None when its fields do not fit (a slot past
-        ``nslots``, a name of a bad length or not UTF-8)."""
+    def read(cls, block: torch.Tensor, nslots: int, extra: int = 0) -> Order | None:
+        """The order in a member's own block (or section of it, from its ``M_EPOCH``: ``block``
+        starts at word 0 of it), or None when its fields do not fit (a slot past ``nslots``, a
+        name of a bad length or not UTF-8). ``extra``: how many words follow the name."""
         n = int(block[M_NAME_LEN])
         src, dst = int(block[M_SRC]), int(block[M_DST])
         if not (0 < n <= 8 * NAME_WORDS and 0 <= src < nslots and 0 <= dst < nslots):
@@ -109,17 +114,65 @@ class Order:
             name = check_name(bytes(block[M_NAME:M_NAME + NAME_WORDS].view(torch.uint8)[:n].numpy()).decode())
         except (UnicodeDecodeError, ValueError, TypeError):
             return None
-        return cls(int(block[M_EPOCH]), int(block[M_VERSION]), name, src, dst)
+        more = tuple(int(w) for w in block[ROWS:ROWS + extra])
+        return cls(int(block[M_EPOCH]), int(block[M_VERSION]), name, src, dst, more)
 
 
-def order_spans(order: Order) -> list[tuple[torch.Tensor, int]]:
-    """The (words, byte offset in the block) writes that place ``order`` in a member's block, in
-    the order they must land: the order's fields and name first, its epoch last (a member acts
-    on a new epoch only, so it never reads a half-written order as one). The member's
-    acknowledgement words are left out: the publisher never writes them."""
+def order_spans(order: Order, base: int = 0) -> list[tuple[torch.Tensor, int]]:
+    """The (words, byte offset in the block) writes that place ``order`` in a member's block
+    (in the section that starts at word ``base``), in the order they must land: the order's
+    fields, name and extra words first, its epoch last (a member acts on a new epoch only, so
+    it never reads a half-written order as one). The member's acknowledgement words are left
+    out: the publisher never writes them."""
     w = order.words()
-    return [(w[1:M_ACK_EPOCH - M_EPOCH], 8 * (M_EPOCH + 1)), (w[M_NAME_LEN - M_EPOCH:], 8 * M_NAME_LEN),
-            (w[:1], 8 * M_EPOCH)]
+    return [(w[1:M_ACK_EPOCH - M_EPOCH], 8 * (base + M_EPOCH + 1)), (w[M_NAME_LEN - M_EPOCH:], 8 * (base + M_NAME_LEN)),
+            (w[:1], 8 * (base + M_EPOCH))]
+
+
+# -- mesh sync: one section per trainer rank ---------------------------------------------------
+#
+# A generator rank's relay block (``MeshKeys.relay``) holds one section of ``SECTION_WORDS`` per
+# trainer rank below ``RELAY_TRAINER_RANKS``, laid out as a stream block up to its rows, which
+# it has none of: a mesh log counts pieces (``S_COUNT``: pieces ``0 .. count - 1`` of the
+# trainer rank's runs are in the relay's slot), and the member cuts the same pieces from the
+# same runs itself. The order's extra words (``X_*``, after the relay's name) say which runs
+# and how they are cut, and for a delta where its payload lies.
+X_FPRINT, X_PIECE, X_SRC_OFF, X_DST_OFF, X_NBYTES = range(ROWS, ROWS + 5)
+MESH_EXTRA = 5
+SECTION_WORDS = 56
+RELAY_TRAINER_RANKS = 1024  # trainer ranks at and past this push to every generator rank directly
+MAX_PIECES = 1 << 20  # the most pieces a mesh order may cut its runs into
+
+
+def mesh_block_words() -> int:
+    """The size of a generator rank's relay block, in int64 words."""
+    return SECTION_WORDS * RELAY_TRAINER_RANKS
+
+
+def section(trainer_rank: int) -> int:
+    """The first word of ``trainer_rank``'s section in a generator rank's relay block."""
+    return SECTION_WORDS * trainer_rank
+
+
+@dataclass(frozen=True)
+class MeshOrder:
+    """A mesh order's extra words: the fingerprint of the runs from the trainer rank into
+    relay and member alike (:func:`transport.weights._binding.runs_fingerprint`), the piece
+    size they are cut by, and for a delta the payload's (offset in the relay's delta area,
+    offset in the member's, nbytes); all zero for a dense version."""
+
+    fingerprint: int
+    piece_bytes: int
+    src_off: int = 0
+    dst_off: int = 0
+    nbytes: int = 0
+
+    def words(self) -> tuple[int, ...]:
+        return (self.fingerprint, self.piece_bytes, self.src_off, self.dst_off, self.nbytes)
+
+    @classmethod
+    def of(cls, extra: tuple[int, ...]) -> MeshOrder:
+        return cls(*extra)
 
 
 def check_rows(rows: torch.Tensor, slot_bytes: int) -> bool:

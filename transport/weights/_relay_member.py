@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,18 +112,9 @@ class RelayMember:
                     self._relays.pop(order.relay, None)
                 self.t._flight.event("relayed", order.relay, f"version {order.version} from its slot {order.src} "
                                                              f"into slot {order.dst}: {ack.name}")
-            # The acknowledgement: its state first, then the epoch it is for.
-            block[M_ACK] = int(ack)
-            memory_barrier()
-            block[M_ACK_EPOCH] = epoch
+            await acknowledge(self.t, block, epoch, ack, self.publisher, self._keys.relay_ack)
             if ack is Ack.DONE:
                 self.followed += 1
-            try:
-                await self.t.signal(self.publisher, self._keys.relay_ack, time.time_ns(), timeout=2.0)
-            except ClosedError:
-                raise
-            except TransportError:  # the publisher reads the words anyway
-                pass
 
     async def _relay(self, name: str) -> Peer:
         """The relay as looked up (again when it restarted or was not seen yet)."""
@@ -138,8 +130,7 @@ class RelayMember:
         """Copies ``order``'s version into its slot as the relay's log grows; how it ended.
 
         Raises:
-            TransferTimeoutError: the log did not grow for ``STALL_S`` seconds (each wait is one
-                :func:`._polling.poll`, begun anew after every part copied).
+            TransferTimeoutError: the log did not grow for ``STALL_S`` seconds.
         """
         t, k = self.t, self._keys
         relay = await self._relay(order.relay)
@@ -147,42 +138,21 @@ class RelayMember:
         if source is None or source.nbytes != self.layout.total:
             return Ack.FAILED
         slot = self._slots[order.dst]
-        head = torch.zeros(3, dtype=torch.int64)
-        copied = 0
 
-        async def look() -> Ack | Pending | None:
-            """One look at the relay's log: an end (Ack), parts copied (None), or nothing new."""
-            nonlocal copied
-            if int(self._block[M_TAKEOVER]) == order.epoch:
-                return Ack.STOPPED
-            await t.get(head, relay, key=k.relay, offset=8 * S_EPOCH)
-            if int(head[S_EPOCH]) != order.epoch:
-                return Ack.FAILED  # the relay's log is another order's now
-            count, end = int(head[S_COUNT]), int(head[S_END])
-            if not copied <= count <= self._capacity:
-                return Ack.FAILED
-            if count > copied:
-                rows = torch.empty(2 * (count - copied), dtype=torch.int64)
-                await t.get(rows, relay, key=k.relay, offset=8 * (ROWS + 2 * copied))
-                rows = rows.reshape(-1, 2)
-                if not check_rows(rows, self.layout.total):
-                    return Ack.FAILED
-                await t.get_many(relay, [(slot[o:o + n], k.slots[order.src], o) for o, n in rows.tolist()])
-                copied = count
-                return None
-            if end in (End.DENSE, End.DELTA):
-                # END is written after the last row: one more look at the count saw it all.
-                memory_barrier()
-                await t.get(head, relay, key=k.relay, offset=8 * S_EPOCH)
-                if int(head[S_COUNT]) != copied or int(head[S_EPOCH]) != order.epoch:
-                    return None
-                return await self._finish(order, relay, end == End.DELTA)
-            return PENDING
+        async def copy(lo: int, hi: int) -> bool:
+            rows = torch.empty(2 * (hi - lo), dtype=torch.int64)
+            await t.get(rows, relay, key=k.relay, offset=8 * (ROWS + 2 * lo))
+            rows = rows.reshape(-1, 2)
+            if not check_rows(rows, self.layout.total):
+                return False
+            await t.get_many(relay, [(slot[o:o + n], k.slots[order.src], o) for o, n in rows.tolist()])
+            return True
 
-        while (ack := await poll(look, timeout=STALL_S, what=f"{t.name}: relay {order.relay}'s log to grow",
-                                 first=FIRST_WAIT_S, longest=LONGEST_WAIT_S)) is None:
-            pass
-        return ack
+        async def finish(end: End) -> Ack:
+            return await self._finish(order, relay, end == End.DELTA)
+
+        return await follow_log(t, relay, k.relay, 0, order, self._capacity, lambda: int(self._block[M_TAKEOVER]),
+                                copy, finish)
 
     async def _finish(self, order: Order, relay: Peer, delta: bool) -> Ack:
         """The slot holds every row: its delta header (the relay's, for a delta; cleared for a
@@ -198,3 +168,77 @@ class RelayMember:
         else:
             header[:1].zero_()
         return Ack.DONE
+
+
+async def follow_log(t: Transport, relay: Peer, key: str, base: int, order: Order, capacity: int,
+                     takeover: Callable[[], int], copy: Callable[[int, int], Awaitable[bool]],
+                     finish: Callable[[End], Awaitable[Ack]]) -> Ack:
+    """Follows relay ``relay``'s log of ``order`` (in its block ``key``, the section from word
+    ``base``) to its end: ``copy(lo, hi)`` copies parts ``lo .. hi - 1`` as the log's count
+    grows past them (False: they do not fit: the order fails), ``finish(end)`` once the log
+    ended with every part copied. Stops before the next part once ``takeover()`` names the
+    order's epoch.
+
+    Returns:
+        How the order ended: ``finish``'s answer, ``STOPPED``, or ``FAILED`` (the log moved to
+        another epoch, or its count went back or past ``capacity``).
+
+    Raises:
+        TransferTimeoutError: the log did not grow for ``STALL_S`` seconds (each wait is one
+            :func:`._polling.poll`, begun anew after every part copied).
+    """
+    head = torch.zeros(3, dtype=torch.int64)
+    copied = 0
+
+    async def look() -> Ack | Pending | None:
+        """One look at the relay's log: an end (Ack), parts copied (None), or nothing new."""
+        nonlocal copied
+        if takeover() == order.epoch:
+            return Ack.STOPPED
+        await t.get(head, relay, key=key, offset=8 * (base + S_EPOCH))
+        if int(head[S_EPOCH]) != order.epoch:
+            return Ack.FAILED  # the relay's log is another order's now
+        count, end = int(head[S_COUNT]), int(head[S_END])
+        if not copied <= count <= capacity:
+            return Ack.FAILED
+        if count > copied:
+            if not await copy(copied, count):
+                return Ack.FAILED
+            copied = count
+            return None
+        if end in (End.DENSE, End.DELTA):
+            # END is written after the last part's count: one more look at the count saw it all.
+            memory_barrier()
+            await t.get(head, relay, key=key, offset=8 * (base + S_EPOCH))
+            if int(head[S_COUNT]) != copied or int(head[S_EPOCH]) != order.epoch:
+                return None
+            return await finish(End(end))
+        return PENDING
+
+    while (ack := await poll(look, timeout=STALL_S, what=f"{t.name}: relay {order.relay}'s log to grow",
+                             first=FIRST_WAIT_S, longest=LONGEST_WAIT_S)) is None:
+        pass
+    return ack
+
+
+async def acknowledge(t: Transport, words: torch.Tensor, epoch: int, ack: Ack, publisher: str | None,
+                      signal: str) -> None:
+    """Acknowledges order ``epoch`` in a member's block (``words``: its section, from word 0):
+    how it ended first, then the epoch it is for; then rings the publisher's ``signal`` (which
+    reads the words anyway: a signal that fails, or none where the publisher's name is not
+    known, is not an error).
+
+    Raises:
+        ClosedError: the Transport closed.
+    """
+    words[M_ACK] = int(ack)
+    memory_barrier()
+    words[M_ACK_EPOCH] = epoch
+    if publisher is None:
+        return
+    try:
+        await t.signal(publisher, signal, time.time_ns(), timeout=2.0)
+    except ClosedError:
+        raise
+    except TransportError:
+        pass

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -41,28 +40,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from .._errors import PeerLostError, TransferTimeoutError, TransportError
+from .._errors import PeerLostError, TransportError
 from .._host import host_id
 from .._peers import host_key
-from ._relay_block import (
-    M_ACK_EPOCH,
-    M_TAKEOVER,
-    ROWS,
-    S_COUNT,
-    S_END,
-    Ack,
-    End,
-    Order,
-    block_words,
-    order_spans,
-    rows_capacity,
-)
+from ._relay_block import Ack, Order, block_words, order_spans, rows_capacity
+from ._relay_order import Acks, RelayLog
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
-
-    from .. import Peer, Transfer, Transport
+    from .. import Peer, Transport
     from ._control import StreamKeys
     from ._delta_feed import DeltaFeed
     from ._layout import Layout
@@ -71,114 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROTATE_S = 60.0  # a relay that failed goes last for this long
-ACK_LOOK_S = 0.02  # the longest a member's acknowledgement waits unseen (a signal says it sooner)
-
-
-class RelayLog:
-    """The log of one order in a relay's block: the ranges of its slot that are complete.
-
-    Args:
-        transport: the publisher's Transport.
-        relay: the relay's name.
-        key: its relay block's region name.
-        epoch: the order's epoch.
-        capacity: rows the block holds.
-        timeout: seconds each write may take.
-        tg: where the parts are followed (open while the push runs).
-    """
-
-    def __init__(self, transport: Transport, relay: str, key: str, epoch: int, capacity: int, timeout: float,
-                 tg: TaskGroup) -> None:
-        self.t, self.relay, self.key, self.epoch = transport, relay, key, epoch
-        self._capacity, self._timeout, self._tg = capacity, timeout, tg
-        self._count = 0
-        self._inflight = 1  # parts (and the log's start) not landed yet
-        self._since = time.monotonic()  # when the last part landed, or the first of those in flight was sent
-        self._send, self._recv = anyio.create_memory_object_stream[tuple["Transfer", list[tuple[int, int]]]](math.inf)
-        self._pumped = anyio.Event()
-        self.error: TransportError | None = None
-        self.ended: tuple[int, bool] | None = None  # (bytes, as a delta) once every part is in the relay
-        self.ended_at: float | None = None  # when (time.monotonic())
-        self.begun = anyio.Event()  # set once this epoch's log is in the relay's block
-        self._pumping = anyio.CancelScope()
-
-    async def begin(self) -> None:
-        """Starts this epoch's log (no rows, not ended) and the task that follows the parts."""
-        words = torch.tensor([self.epoch, 0, int(End.PUSHING)], dtype=torch.int64)
-        await self.t.put(words, self.relay, key=self.key, offset=0, timeout=self._timeout)
-        self._landed()
-        self.begun.set()
-        self._tg.start_soon(self._pump)
-
-    def follow(self, handle: Transfer, rows: list[tuple[int, int]]) -> None:
-        """Logs ``rows`` (slot offset, nbytes) once ``handle`` (the put of their bytes) completed,
-        in the order given. Once a part failed nothing more is logged (the push raises it)."""
-        try:
-            self._send.send_nowait((handle, rows))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return
-        if self._inflight == 0:
-            self._since = time.monotonic()
-        self._inflight += 1
-
-    def _landed(self) -> None:
-        self._inflight -= 1
-        self._since = time.monotonic()
-
-    def stalled(self, limit: float) -> bool:
-        """Whether a part has been on its way into the relay for ``limit`` seconds while none
-        landed (waiting for the diff to hand out a part is not a stall)."""
-        return self._inflight > 0 and time.monotonic() - self._since > limit
-
-    def stop(self) -> None:
-        """The push into the relay ended without it: logs nothing more (a log write to a relay
-        that stalled would wait out its timeout)."""
-        self._pumping.cancel()
-        self.close()
-
-    def close(self) -> None:
-        """Closes the log's queue (idempotent)."""
-        self._send.close()
-        self._recv.close()
-
-    async def _pump(self) -> None:
-        try:
-            with self._pumping:
-                await self._follow()
-        finally:
-            self._pumped.set()
-
-    async def _follow(self) -> None:
-        try:
-            async with self._recv:
-                async for handle, rows in self._recv:
-                    await handle  # its bytes are in the relay's memory (what it raises, the push raises too)
-                    if self._count + len(rows) > self._capacity:
-                        raise TransportError(f"the relay log of {self.relay} holds {self._capacity} rows")
-                    table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-                    await self.t.put(table, self.relay, key=self.key, offset=8 * (ROWS + 2 * self._count),
-                                     timeout=self._timeout)
-                    self._count += len(rows)
-                    await self.t.put(torch.tensor([self._count], dtype=torch.int64), self.relay, key=self.key,
-                                     offset=8 * S_COUNT, timeout=self._timeout)
-                    self._landed()
-        except TransportError as exc:
-            self.error = exc
-
-    async def end(self, delta: bool, nbytes: int) -> None:
-        """Every part is in the relay (``nbytes`` in all, ``delta``: a delta's encodings and
-        header): logs the rest, then how the version ended.
-
-        Raises:
-            TransportError: a part or a log write failed.
-        """
-        self._send.close()
-        await self._pumped.wait()
-        if self.error is not None:
-            raise self.error
-        self.ended, self.ended_at = (nbytes, delta), time.monotonic()
-        end = torch.tensor([int(End.DELTA if delta else End.DENSE)], dtype=torch.int64)
-        await self.t.put(end, self.relay, key=self.key, offset=8 * S_END, timeout=self._timeout)
 
 
 class Relays:
@@ -201,9 +79,7 @@ class Relays:
         self._host = host_key(host_id())
         self._words = block_words(layout)
         self._capacity = rows_capacity(layout)
-        # member name -> (incarnation, epoch) of an order it has not acknowledged: its slots are not
-        # written until it has (it may still be copying into one)
-        self._unacked: dict[str, tuple[str, int]] = {}
+        self._acks = Acks(transport, keys.relay, keys.relay_ack, deadline, stall)
         self._failed: dict[str, float] = {}  # relay name -> until when it goes last
 
     def groups(self, serve: Mapping[str, Peer]) -> tuple[list[list[Peer]], list[Peer]]:
@@ -229,8 +105,7 @@ class Relays:
 
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops what is kept for subscribers no longer served."""
-        for name in [n for n, (inc, _) in self._unacked.items() if (n, inc) not in serving]:
-            del self._unacked[name]
+        self._acks.forget(serving)
         now = time.monotonic()
         for name in [n for n, until in self._failed.items() if until < now]:
             del self._failed[name]
@@ -241,43 +116,8 @@ class Relays:
         return sorted(group, key=lambda p: (self._failed.get(p.name, 0.0) > now, p.name))
 
     async def fenced(self, peer: Peer) -> bool:
-        """Whether ``peer``'s slots may be written: it has no order it has not acknowledged (one
-        it has is taken over first: it is asked to stop, and waited for within the deadline)."""
-        pending = self._unacked.get(peer.name)
-        if pending is None or pending[0] != peer.incarnation:
-            self._unacked.pop(peer.name, None)
-            return True
-        ack = await self._take_over(peer, pending[1])
-        return ack is not None
-
-    async def _take_over(self, peer: Peer, epoch: int) -> Ack | None:
-        """Asks ``peer`` to stop following order ``epoch``; its acknowledgement (None: none
-        within the deadline; it stays unacknowledged)."""
-        try:
-            await self.t.put(torch.tensor([epoch], dtype=torch.int64), peer.name, key=self._keys.relay,
-                             offset=8 * M_TAKEOVER, timeout=self.deadline)
-            with anyio.move_on_after(self.deadline):
-                return await self._acked(peer, epoch, lambda: False)
-        except TransportError as exc:
-            log.info("publisher %s: %s cannot be asked to stop following its relay: %s", self.t.name, peer.name, exc)
-        return None
-
-    async def _acked(self, peer: Peer, epoch: int, give_up: Callable[[], bool]) -> Ack | None:
-        """Waits for ``peer``'s acknowledgement of order ``epoch``; None once ``give_up()``
-        says so (the caller then takes it over). Bounded by the caller's cancel scope."""
-        words = torch.zeros(2, dtype=torch.int64)
-        seen = self.t.signal_value(self._keys.relay_ack) or 0
-        while True:
-            await self.t.get(words, peer.name, key=self._keys.relay, offset=8 * M_ACK_EPOCH, timeout=self.stall)
-            if int(words[0]) == epoch and int(words[1]) in (a.value for a in Ack):
-                self._unacked.pop(peer.name, None)
-                return Ack(int(words[1]))
-            if give_up():
-                return None
-            try:
-                seen = await self.t.wait_signal(self._keys.relay_ack, at_least=seen + 1, timeout=ACK_LOOK_S)
-            except TransferTimeoutError:
-                pass
+        """Whether ``peer``'s slots may be written (:meth:`Acks.fenced`)."""
+        return await self._acks.fenced(peer)
 
     async def serve(self, group: list[Peer], version: int, snap: torch.Tensor, t0: float, feed: DeltaFeed | None,
                     chosen: Mapping[str, float], done: Callable[[Peer, SyncResult, bool], None],
@@ -389,8 +229,7 @@ class Relays:
                 again.append(peer)
                 return
             try:
-                # Unacknowledged from its first byte on (a put that fails may still have landed).
-                self._unacked[peer.name] = (peer.incarnation, epoch)
+                self._acks.ordering(peer, epoch)
                 for words, offset in order_spans(order):
                     await self.t.put(words, peer.name, key=self._keys.relay, offset=offset, timeout=self.deadline)
                 await self.t.signal(peer.name, self._keys.relay_wake, time.time_ns(), timeout=self.deadline)
@@ -398,9 +237,9 @@ class Relays:
                 # watch), then ``stall`` seconds for the last part's copy.
                 ack: Ack | None = None
                 with anyio.move_on_after(2 * (self.deadline + self.stall)):  # (a bound of last resort)
-                    ack = await self._acked(peer, epoch, functools.partial(late, rlog))
+                    ack = await self._acks.acked(peer, epoch, functools.partial(late, rlog))
                 if ack is None:  # the relay failed or stalled: ask the member to stop, then push to it
-                    ack = await self._take_over(peer, epoch)
+                    ack = await self._acks.take_over(peer, epoch)
                 if ack is None:
                     result = SyncResult(peer.name, version, SyncStatus.STRAGGLER, 0, time.perf_counter() - t0,
                                         f"still following relay {relay.name} after the {self.deadline:g}s deadline")

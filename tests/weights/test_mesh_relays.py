@@ -1,0 +1,213 @@
+"""Per-host relays of mesh sync, with real processes on "hosts" that are network namespaces
+joined by shaped links (tests/_support/netns.py): two trainer ranks on host T; on host A two
+tp=2 replicas (RA0, RA1), whose ranks of one place need the very same bytes from each trainer
+rank (one relay and one member per place); on host B one tp=2 replica (RB), whose two ranks
+need different bytes (each pushed to directly).
+
+Every generator rank checks every version it applied bit for bit against the reference
+slices of that version (:mod:`tests.peers.mesh_peer`): a torn or mixed version anywhere fails
+the test. The faults: host A's relay of place 1 (the larger share: 3.5 MB from each trainer
+rank) stopped (SIGSTOP) in the middle of a version and resumed after, and killed in the middle
+of one. Needs root (ip netns)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests._support import PYTHON, ROOT, python_env
+from tests._support.netns import Fabric, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+
+# name -> (host, replica, rank)
+GENS = {"ga00": ("A", "RA0", 0), "ga01": ("A", "RA0", 1), "ga10": ("A", "RA1", 0), "ga11": ("A", "RA1", 1),
+        "gb0": ("B", "RB", 0), "gb1": ("B", "RB", 1)}
+LABELS = {f"{rep}/{k}": name for name, (_, rep, k) in GENS.items()}
+TRAINERS = ("t0", "t1")
+W8 = (2048, 1024)  # 8 MB of float32: each trainer rank holds half its rows
+RATE_MBIT = 100  # a version takes about a second across T's link: a fault lands in the middle of one
+PIECE = 256 << 10
+WAIT_S = 150
+
+
+class Run:
+    """The processes of one test, their JSON lines gathered as they come."""
+
+    def __init__(self, fab: Fabric, d: str, trainer: dict) -> None:
+        self.fab, self.flight = fab, os.path.join(d, "flight")
+        os.makedirs(self.flight)
+        store = f"file://{d}/store"
+        self.lines: dict[str, queue.Queue] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        common = {"store": store, "versions": trainer["versions"], "w8": W8, "sparse": trainer.get("sparse"),
+                  "flight": self.flight}
+        for name, (host, rep, k) in GENS.items():
+            self._start(name, host, common | {"name": name, "role": "gen", "replica": rep, "rank": k, "size": 2,
+                                              "trainers": list(TRAINERS), "listen": fab.addr(host)})
+        for r, name in enumerate(TRAINERS):
+            self._start(name, "T", common | trainer | {"name": name, "role": "trainer", "rank": r,
+                                                       "generators": list(GENS), "piece_bytes": PIECE,
+                                                       "listen": fab.addr("T")})
+
+    def _start(self, name: str, host: str, spec: dict) -> None:
+        p = self.fab.popen(host, [PYTHON, "-m", "tests.peers.mesh_relay_peer", json.dumps(spec)], env=python_env(),
+                           cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        q: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            for line in p.stdout:
+                if line.startswith("{"):
+                    q.put(json.loads(line))
+            q.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        self.procs[name], self.lines[name] = p, q
+
+    def trainers(self, on: Callable[[dict], None]) -> dict[int, list[dict]]:
+        """Each trainer rank's publish reports (version order), once both ended; ``on`` sees
+        every line of trainer rank 0 as it comes."""
+        out: dict[int, list[dict]] = {}
+        deadline = time.monotonic() + WAIT_S
+        for r, name in enumerate(TRAINERS):
+            out[r] = []
+            while (doc := self.lines[name].get(timeout=max(0.1, deadline - time.monotonic()))) is not None:
+                if r == 0:
+                    on(doc)
+                if "version" in doc:
+                    out[r].append(doc)
+            assert self.procs[name].wait(timeout=30) == 0, name
+        return out
+
+    def generator(self, name: str) -> tuple[list[dict], dict | None]:
+        p = self.procs[name]
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=30)
+        lives, summary = [], None
+        while (doc := self.lines[name].get(timeout=30)) is not None:
+            if doc.get("summary"):
+                summary = doc
+            else:
+                lives.append(doc)
+        return lives, summary
+
+    def events(self, who: str) -> list[dict]:
+        dumps = sorted((f for f in os.listdir(self.flight) if f.startswith(who)),
+                       key=lambda f: os.path.getmtime(os.path.join(self.flight, f)))
+        assert dumps, f"{who} dumped no flight record"
+        with open(os.path.join(self.flight, dumps[-1])) as f:
+            return json.load(f)["events"]
+
+
+@pytest.fixture
+def fabric():
+    with Fabric({"T": 1, "A": 1, "B": 1}, rate_mbit=RATE_MBIT) as fab:
+        yield fab
+
+
+def run(fab: Fabric, trainer: dict, on: Callable[[Run, dict], None] | None = None):
+    with tempfile.TemporaryDirectory() as d:
+        r = Run(fab, d, trainer)
+        reports = r.trainers((lambda doc: on(r, doc)) if on is not None else (lambda doc: None))
+        gens = {name: r.generator(name) for name in GENS}
+        return reports, gens, r.events("t0")
+
+
+def check_whole(gens: dict, last: int, expect_last: set[str]) -> None:
+    """Every version a generator rank applied is the reference, bit for bit; those of
+    ``expect_last`` ended on the last version."""
+    for name, (lives, summary) in gens.items():
+        assert all(live["ok"] for live in lives), (name, lives)
+        if name in expect_last:
+            assert summary is not None and summary["applied"] == last, (name, summary, lives)
+
+
+def by_name(rep: dict) -> dict[str, list]:
+    return {LABELS[label]: res for label, res in rep["results"].items()}
+
+
+def test_relayed_dense_and_delta_versions_arrive_whole(fabric):
+    versions = 5
+    reports, gens, events = run(fabric, {"versions": versions, "sparse": 0.01, "delta": True, "pause": 0.2})
+    check_whole(gens, versions - 1, set(GENS))
+    for rank in (0, 1):
+        assert [rep["version"] for rep in reports[rank]] == list(range(versions))
+        for rep in reports[rank]:
+            res = by_name(rep)
+            assert {n: s[0] for n, s in res.items()} == dict.fromkeys(GENS, "done"), rep
+            # Host A: per place, the first by name relays and the other copies from it; host B's
+            # ranks need different bytes: each is pushed to.
+            assert [res[n][1] for n in ("ga00", "ga01", "ga10", "ga11", "gb0", "gb1")] == \
+                [None, None, "ga00", "ga01", None, None], rep
+        # After the first versions, deltas go through the relays too (the members apply them).
+        assert any(by_name(rep)["ga10"][2] and by_name(rep)["ga11"][2] for rep in reports[rank][2:]), reports[rank]
+    for name in ("ga10", "ga11"):
+        lives, summary = gens[name]
+        assert summary is not None and summary["followed"] >= 2 * versions, summary  # both trainer ranks, each version
+        assert any(live["delta"][0] == 2 for live in lives), lives  # a version applied from both ranks' deltas
+    relayed = [e for e in events if e["event"] == "relay"]
+    assert {e["peer"] for e in relayed} == {"ga00", "ga01"}, relayed
+
+
+def test_a_stopped_relay_costs_its_members_the_relay_timeout_and_is_rotated_out(fabric):
+    def fault(r: Run, doc: dict) -> None:
+        if doc.get("publishing") == 2:
+            time.sleep(0.6)  # the version is on its way into the relay (packed and claimed by now)
+            os.kill(r.procs["ga01"].pid, signal.SIGSTOP)
+        if doc.get("version") == 2:  # (resumed well before its lease runs out: it is slow, not dead)
+            os.kill(r.procs["ga01"].pid, signal.SIGCONT)
+
+    versions = 6
+    # A relay timeout a loaded link never reaches (pieces queue behind the other pushes), a
+    # deadline well past it: the relay is found stalled by the former.
+    reports, gens, events = run(fabric, {"versions": versions, "pause": 0.3, "deadline": 30.0,
+                                         "relay_timeout": 2.0}, fault)
+    check_whole(gens, versions - 1, set(GENS))
+    for rep in reports[0][:2]:  # before the fault: every rank done, through the first relay by name
+        assert [by_name(rep)[n][:2] for n in ("ga00", "ga01", "ga10", "ga11")] == \
+            [["done", None], ["done", None], ["done", "ga00"], ["done", "ga01"]], reports[0]
+    v2 = by_name(reports[0][2])
+    assert v2["ga01"][0] == "straggler" and "stalled as the relay" in v2["ga01"][3], reports[0]
+    # Its member was asked to stop and pushed to directly, in the same publish; host B and the
+    # other place never waited for it.
+    assert [v2[n][:2] for n in ("ga11", "gb0", "gb1")] == [["done", None], ["done", None], ["done", None]], v2
+    assert {v2["ga00"][0], v2["ga10"][0]} == {"done"}, reports[0]
+    # Later versions go through the next relay by name, to the resumed one too.
+    for rep in reports[0][3:]:
+        res = by_name(rep)
+        assert res["ga11"][:2] == ["done", None] and res["ga01"][:2] == ["done", "ga11"], rep
+    assert any(e["event"] == "relay-failed" and e["peer"] == "ga01" for e in events), events
+    assert any(e["event"] == "relay-fallback" and e["peer"] == "ga11" for e in events), events
+
+
+def test_a_killed_relay_costs_its_members_one_direct_push(fabric):
+    def fault(r: Run, doc: dict) -> None:
+        if doc.get("publishing") == 2:
+            time.sleep(0.6)
+            os.kill(r.procs["ga01"].pid, signal.SIGKILL)
+
+    versions = 5
+    reports, gens, events = run(fabric, {"versions": versions, "pause": 0.3, "finishers": len(GENS) - 1}, fault)
+    # RA0 lost a rank: it never commits again; everyone else ends on the last version, whole.
+    check_whole(gens, versions - 1, set(GENS) - {"ga01", "ga00"})
+    for rank in (0, 1):
+        v2 = by_name(reports[rank][2])
+        assert v2["ga01"][0] != "done", v2
+        assert v2["ga11"][:2] == ["done", None], v2
+        assert [v2[n][0] for n in ("gb0", "gb1")] == ["done", "done"], v2
+        for rep in reports[rank][3:]:
+            res = by_name(rep)
+            assert res["ga11"][:2] == ["done", None] and res["ga10"][0] == "done", rep
+    assert any(e["event"] == "relay-failed" and e["peer"] == "ga01" for e in events), events

@@ -1,0 +1,316 @@
+"""One trainer rank's pushes into generator ranks of a mesh stream (:class:`MeshPushes`): the
+two-flag claim of a generator rank's slot, the write (as a delta into its delta area where it
+holds the base and deltas pay on its path, else dense as one prepared transfer), and the done
+word; into a host's relay, piece by piece (:mod:`._mesh_relays`). Also what the trainer rank
+knows of each generator rank between versions: its prepared pushes, its byte runs from here
+and their checksums, its delta table, and whether it is reached over shared memory."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import numpy as np
+import torch
+
+from .._errors import MeshLayoutError, TransportError
+from ..plan import Move, Planner, RankLayout
+from ._binding import Offsets, byte_runs, cut_runs, slot_layout
+from ._codec.format import HEAD_BYTES, read_table
+from ._codec.runs import Change, Cut, Runs, cut
+from ._control import decode_front
+from ._mesh_control import APPLIED, COMMIT, HEADER_WORDS, MAT0, PROPOSED, READING, MeshKeys, done_word, slot_of
+from ._report import SyncResult, SyncStatus
+
+if TYPE_CHECKING:
+    from .. import Peer, PreparedTransfer, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaPlanMoves:
+    """This trainer rank's moves into one generator rank, and that rank's layout."""
+
+    moves: tuple[Move, ...]
+    rank: RankLayout
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A generator rank's slot as this trainer rank claimed it for a version.
+
+    Attributes:
+        busy: why the slot must not be written now (None: it is claimed: this rank's done word
+            there says "writing", and the replica's leader will not commit the slot).
+        prev: the done word before the claim (what the slot held from here).
+        header: the rank's control header as read after the claim.
+    """
+
+    busy: str | None
+    prev: int
+    header: torch.Tensor
+
+
+def slot_busy(header: torch.Tensor, slot: int) -> str | None:
+    """Why ``slot`` of a generator rank must not be written now (its ctl header given), or None."""
+    applied = int(header[APPLIED])
+    if int(header[READING]) == slot:
+        return "being applied"
+    for word, what in ((COMMIT, "committed"), (PROPOSED, "being committed")):
+        front = decode_front(int(header[word]))
+        if front is not None and front[1] == slot and front[0] + 1 > applied:
+            return f"{what} (version {front[0]}) and not applied yet"
+    return None
+
+
+def runs_fingerprint(runs: np.ndarray) -> int:
+    """A 63-bit fingerprint of byte runs as they are (unsorted): generator ranks of the same
+    layout fed the same moves share it, and so the pieces a relay's log counts."""
+    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(runs, dtype=np.int64).tobytes(),
+                                          digest_size=8).digest(), "little") >> 1
+
+
+class MeshPushes:
+    """What one trainer rank pushes into generator ranks, and keeps of each between versions.
+
+    Args:
+        transport: the trainer rank's Transport.
+        keys: the stream's region names.
+        rank: the trainer rank.
+        planner: the trainer layout's planner.
+        offsets: where each tensor lies in this rank's snapshots.
+        deadline: seconds a push may take.
+        delta: whether versions may go as deltas (the publisher diffs them).
+        delta_everywhere: deltas also over shared memory (``delta=True``; ``"auto"``: not).
+    """
+
+    def __init__(self, transport: Transport, keys: MeshKeys, rank: int, planner: Planner, offsets: Offsets,
+                 deadline: float, *, delta: bool, delta_everywhere: bool) -> None:
+        self.t, self.keys, self.rank, self._planner, self._offsets = transport, keys, rank, planner, offsets
+        self.deadline = deadline
+        self._delta, self._delta_everywhere = delta, delta_everywhere
+        self.snaps: list[torch.Tensor] = []  # this rank's two snapshots (set once registered)
+        self.version: int | None = None  # the version being published
+        self.change: Change | None = None  # its change since the version its snapshot held (None: dense)
+        self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
+        self._pieces: dict[tuple[str, str, int, int], list[PreparedTransfer]] = {}  # (.., piece bytes)
+        self._byte_runs: dict[tuple[str, str], tuple[np.ndarray, int]] = {}  # -> (its runs, their fingerprint)
+        self._runs: dict[tuple[str, str], Runs] = {}  # (generator rank, incarnation) -> its runs from here
+        self._tables: dict[tuple[str, str], tuple[int, int] | None] = {}  # -> this rank's (offset, cap) there
+        self._sums: dict[tuple[bytes, int], tuple[int, int]] = {}  # (runs, slot) -> (version, checksum there)
+        self._cuts: dict[bytes, Cut | None] = {}  # runs -> the change cut along them (this version)
+        self.memory_link: dict[str, bool] = {}  # generator rank -> its last push went over shared memory
+
+    def begin(self, version: int, change: Change | None) -> None:
+        """A new version is being published (``change``: its change, when diffed)."""
+        self.version, self.change, self._cuts = version, change, {}
+
+    def forget(self, served: set[tuple[str, str]]) -> None:
+        """Drops what is kept for generator ranks (name, incarnation) no longer served."""
+        self._prepared = {k: v for k, v in self._prepared.items() if k[:2] in served}
+        self._pieces = {k: v for k, v in self._pieces.items() if k[:2] in served}
+        self._byte_runs = {k: v for k, v in self._byte_runs.items() if k in served}
+        self._runs = {k: v for k, v in self._runs.items() if k in served}
+        self._tables = {k: v for k, v in self._tables.items() if k in served}
+        fingerprints = {r.fingerprint for r in self._runs.values()}
+        self._sums = {k: v for k, v in self._sums.items() if k[0] in fingerprints}
+
+    def has_prepared(self, peer: Peer, slot: int) -> bool:
+        """Whether the push into ``peer``'s ``slot`` is prepared (pushed to or warmed)."""
+        return (peer.name, peer.incarnation, slot) in self._prepared
+
+    def drop(self, peer: Peer, slot: int) -> None:
+        """Forgets the prepared push into ``peer``'s ``slot`` (its warm failed)."""
+        self._prepared.pop((peer.name, peer.incarnation, slot), None)
+
+    def runs_of(self, peer: Peer, work: ReplicaPlanMoves) -> tuple[np.ndarray, int]:
+        """``peer``'s byte runs from this rank (``(snapshot offset, slot offset, nbytes)``) and
+        their fingerprint (:func:`runs_fingerprint`), made once per incarnation."""
+        key = (peer.name, peer.incarnation)
+        got = self._byte_runs.get(key)
+        if got is None:
+            layout = work.rank.layout
+            runs = byte_runs(self._planner, work.moves, {lt.name: lt for lt in layout.tensors}, self._offsets,
+                             slot_layout(layout)[0])
+            got = self._byte_runs[key] = (runs, runs_fingerprint(runs))
+            if self._delta:
+                self._runs[key] = Runs.of(runs)
+        return got
+
+    def prepare(self, peer: Peer, slot: int, work: ReplicaPlanMoves) -> PreparedTransfer:
+        """The prepared push of this rank's bytes into ``peer``'s ``slot`` (made once; those of
+        its earlier incarnations dropped)."""
+        key = (peer.name, peer.incarnation, slot)
+        got = self._prepared.get(key)
+        if got is None:
+            self._prepared = {k: v for k, v in self._prepared.items() if k[0] != peer.name or k[1] == peer.incarnation}
+            runs, _ = self.runs_of(peer, work)
+            got = self._prepared[key] = self.t.prepare_put_runs(peer.name, self.snaps[slot], self.keys.slots[slot],
+                                                                runs)
+        return got
+
+    def pieces(self, peer: Peer, slot: int, work: ReplicaPlanMoves, piece_bytes: int) -> list[PreparedTransfer]:
+        """The push into ``peer``'s ``slot`` as prepared pieces of about ``piece_bytes`` (its
+        runs cut by :func:`._binding.cut_runs`, as a member following it cuts them)."""
+        key = (peer.name, peer.incarnation, slot, piece_bytes)
+        got = self._pieces.get(key)
+        if got is None:
+            runs, _ = self.runs_of(peer, work)
+            got = self._pieces[key] = [self.t.prepare_put_runs(peer.name, self.snaps[slot], self.keys.slots[slot], p)
+                                       for p in cut_runs(runs, piece_bytes)]
+        return got
+
+    async def area(self, peer: Peer) -> tuple[int, int] | None:
+        """This rank's (offset, cap) in ``peer``'s delta areas (None: it takes no deltas from
+        here), read once per incarnation from its table."""
+        key = (peer.name, peer.incarnation)
+        if key in self._tables:
+            return self._tables[key]
+        tab, area = peer.regions.get(self.keys.dtab), peer.regions.get(self.keys.deltas[0])
+        if tab is None or area is None:
+            return None  # not made yet (it makes them once it knows its plan): look again next time
+        got = None
+        if 0 < tab.nbytes <= 1 << 20:  # sized from a record: bounded before anything is allocated
+            raw = torch.empty(tab.nbytes, dtype=torch.uint8)
+            await self.t.get(raw, peer.name, key=self.keys.dtab)
+            got = read_table(raw, min(area.nbytes, peer.regions[self.keys.deltas[1]].nbytes)
+                             if self.keys.deltas[1] in peer.regions else 0).get(self.rank)
+        self._tables[key] = got
+        return got
+
+    async def claim(self, peer: Peer, slot: int, version: int) -> Claim:
+        """Claims ``peer``'s ``slot`` for ``version`` (the two-flag handshake, see
+        :mod:`._mesh_control`): marks this rank's done word there "writing", then looks at the
+        header again; a slot found busy either time is left as it was.
+
+        Raises:
+            TransportError: the rank's control block cannot be read or written.
+        """
+        name, word = peer.name, done_word(slot, self.rank) * 8
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        prev = torch.zeros(1, dtype=torch.int64)
+        await self.t.get(header, name, key=self.keys.ctl)
+        why = slot_busy(header, slot)
+        if why is None:
+            await self.t.get(prev, name, key=self.keys.ctl, offset=word)
+            mark = torch.tensor([-(version + 1)], dtype=torch.int64)  # writing: the leader will not commit this slot
+            await self.t.put(mark, name, key=self.keys.ctl, offset=word)
+            await self.t.get(header, name, key=self.keys.ctl)  # then look again (two-flag handshake)
+            why = slot_busy(header, slot)
+            if why is not None:
+                await self.t.put(prev, name, key=self.keys.ctl, offset=word)
+        return Claim(why, int(prev[0]), header)
+
+    async def mark_done(self, peer: Peer, slot: int, version: int) -> None:
+        """Marks this rank's bytes of ``version`` complete in ``peer``'s ``slot`` (its done word)."""
+        mark = torch.tensor([version + 1], dtype=torch.int64)
+        await self.t.put(mark, peer.name, key=self.keys.ctl, offset=done_word(slot, self.rank) * 8)
+
+    async def push(self, label: str, peer: Peer, work: ReplicaPlanMoves, version: int, t0: float,
+                   claim: Claim | None = None) -> SyncResult:
+        """Pushes this rank's bytes of ``version`` into ``peer`` directly: claims its slot
+        (unless ``claim`` is given: claimed already), writes, marks it done; within the deadline.
+
+        Returns:
+            DONE, STRAGGLER (its slot busy, or not complete within the deadline) or FAILED.
+        """
+        slot = slot_of(version)
+        nbytes = sum(m.nbytes for m in work.moves)
+        status, error, as_delta = SyncStatus.DONE, None, False
+        with anyio.move_on_after(self.deadline) as scope:
+            try:
+                prepared = self.prepare(peer, slot, work)
+                area = await self.area(peer)  # (without delta sync too: a stale payload there is cleared)
+                claim = claim or await self.claim(peer, slot, version)
+                if claim.busy is not None:
+                    status, error = SyncStatus.STRAGGLER, f"slot {slot} is {claim.busy}"
+                else:
+                    nbytes, as_delta = await self.write(peer, slot, prepared, claim, area, nbytes)
+                    await self.mark_done(peer, slot, version)
+            except (TransportError, MeshLayoutError) as exc:
+                status, error = SyncStatus.FAILED, f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            status, error = SyncStatus.STRAGGLER, f"not complete within {self.deadline:g}s"
+        if status is not SyncStatus.DONE:
+            log.info("mesh publisher %s rank %d: version %d to %s (%s): %s", self.t.name, self.rank, version, label,
+                     peer.name, error)
+        return SyncResult(peer.name, version, status, nbytes if status is SyncStatus.DONE else 0,
+                          time.perf_counter() - t0, error, delta=as_delta)
+
+    def delta_to(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None) -> Cut | None:
+        """The payload ``peer`` gets this version as, when it may take a delta: it takes them,
+        its slot holds the base from this rank (its DONE word) and as it read it (its MAT word),
+        the checksum of those bytes is known, and the cut fits its area. None: dense."""
+        change, runs = self.change, self._runs.get((peer.name, peer.incarnation))
+        if change is None or runs is None or area is None or runs.why_not is not None:
+            return None
+        if not self._delta_everywhere and self.memory_link.get(peer.name, True):
+            return None  # "auto": not over shared memory (nor before the first push showed the route)
+        if claim.prev != change.base + 1 or int(claim.header[MAT0 + slot]) != change.base + 1:
+            return None
+        held = self._sums.get((runs.fingerprint, slot))
+        if held is None or held[0] != change.base:
+            return None
+        if runs.fingerprint not in self._cuts:  # (once per version and runs)
+            self._cuts[runs.fingerprint] = cut(change, runs, held[1], area[1])
+        made = self._cuts[runs.fingerprint]
+        return made if made is not None and made.payload.numel() <= HEAD_BYTES + area[1] else None
+
+    async def cut_for(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None) -> Cut | None:
+        """:meth:`delta_to` off the event loop (a cut is a pass over the change)."""
+        return await anyio.to_thread.run_sync(self.delta_to, peer, slot, claim, area)
+
+    def sent_delta(self, peer: Peer, slot: int, made: Cut) -> None:
+        """``peer``'s slot takes ``made`` this version: the checksum a later delta builds on."""
+        runs = self._runs[(peer.name, peer.incarnation)]
+        assert self.version is not None
+        self._sums[(runs.fingerprint, slot)] = (self.version, made.new_sum)
+
+    async def write(self, peer: Peer, slot: int, prepared: PreparedTransfer, claim: Claim,
+                    area: tuple[int, int] | None, dense_bytes: int) -> tuple[int, bool]:
+        """Writes this rank's bytes of the version into ``peer``'s claimed slot: as a delta into
+        its delta area when it may take one, else dense (clearing a payload that may wait there).
+
+        Returns:
+            (bytes written, whether as a delta).
+        """
+        name, delta_key = peer.name, self.keys.deltas[slot]
+        made = await self.cut_for(peer, slot, claim, area)
+        if made is not None and area is not None:
+            await self.t.put(made.payload, name, key=delta_key, offset=area[0], timeout=self.deadline)
+            self.sent_delta(peer, slot, made)
+            return made.payload.numel(), True
+        await self.clear_delta(peer, slot, area)
+        h = prepared.start(timeout=self.deadline)
+        await h
+        await self.pushed_dense(peer, slot, h.same_host is True)
+        return dense_bytes, False
+
+    async def clear_delta(self, peer: Peer, slot: int, area: tuple[int, int] | None) -> None:
+        """Clears a payload that may wait in ``peer``'s delta area of ``slot`` before a dense
+        write: one of an earlier life of this version number (a restarted trainer counts
+        again) must never be applied over the dense bytes."""
+        if area is not None:
+            await self.t.put(torch.zeros(8, dtype=torch.uint8), peer.name, key=self.keys.deltas[slot],
+                             offset=area[0], timeout=self.deadline)
+
+    async def pushed_dense(self, peer: Peer, slot: int, memory_link: bool) -> None:
+        """``peer``'s slot holds this version dense (``memory_link``: it came over shared
+        memory): the checksum a later delta into it builds on, where it may take one."""
+        name = peer.name
+        self.memory_link[name] = memory_link
+        known = self._runs.get((name, peer.incarnation))
+        takes = self._delta_everywhere or not memory_link
+        area = self._tables.get((name, peer.incarnation))
+        if area is not None and known is not None and known.why_not is None and takes:
+            held = self._sums.get((known.fingerprint, slot))
+            assert self.version is not None
+            if held is None or held[0] != self.version:
+                snap = self.snaps[slot]
+                self._sums[(known.fingerprint, slot)] = (self.version,
+                                                         await anyio.to_thread.run_sync(known.checksum, snap))
