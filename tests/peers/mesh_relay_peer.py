@@ -9,12 +9,14 @@ one JSON object a line (the test reads them as they come). The model is
 * ``role: "trainer"``: waits for every generator rank's ``ready.<name>`` signal, then publishes
   ``versions`` versions, ``pause`` seconds apart, printing ``{"publishing": v}`` before each and
   ``{"rank": r, "version": v, "results": {label: [status, relayed_by, delta, error]}}`` after.
+  Before each push into a relay it prints ``{"relaying": v, "relay": name, "rank": r}``.
   Then it rings ``stop`` at every generator rank, waits for their ``finished`` (bounded), and
   dumps its flight record.
 * ``role: "gen"``: commits (the leader) or waits for commits, applies each, checks its tensors
   bit for bit against the reference slices of the version applied and prints
   ``{"applied": v, "ok": bool, "delta": [...]}``; it ends at the last version, or 10 s after
-  ``stop`` without it, printing ``{"summary": true, "applied": v, "followed": n}``.
+  ``stop`` without it, printing ``{"summary": true, "applied": v, "followed": n, "refused":
+  [...]}`` (its flight recorder's relay orders that did not end DONE, with why).
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ async def trainer(spec: dict, t: transport.Transport) -> None:
                         delta=spec.get("delta", "auto"), relays=spec.get("relays", True),
                         relay_timeout=spec.get("relay_timeout"))
     await pub.start()
+    if pub._relays is not None:  # says when a push into a relay starts (the fault tests time their faults by it)
+        push_relay = pub._relays._push_relay
+
+        async def announced(peer, moves, version, *args):  # type: ignore[no-untyped-def]
+            print(json.dumps({"relaying": version, "relay": peer.name, "rank": rank}), flush=True)
+            return await push_relay(peer, moves, version, *args)
+
+        pub._relays._push_relay = announced  # type: ignore[method-assign]
     for g in spec["generators"]:
         await t.wait_signal(f"ready.{g}", timeout=120)
     for v in range(spec["versions"]):
@@ -119,7 +129,10 @@ async def generator(spec: dict, t: transport.Transport) -> None:
                 break
         await anyio.sleep(0.02)
     member = sub._relay
-    print(json.dumps({"summary": True, "applied": applied, "followed": member.followed if member else 0}), flush=True)
+    refused = [e["detail"] for e in t.flight_record()["events"]
+               if e["event"] == "relayed" and "DONE" not in e["detail"]]
+    print(json.dumps({"summary": True, "applied": applied, "followed": member.followed if member else 0,
+                      "refused": refused}), flush=True)
     for tr in spec["trainers"]:
         try:
             await t.signal(tr, "finished", time.time_ns(), timeout=5)

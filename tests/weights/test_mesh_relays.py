@@ -144,15 +144,19 @@ def test_relayed_dense_and_delta_versions_arrive_whole(fabric):
     check_whole(gens, versions - 1, set(GENS))
     for rank in (0, 1):
         assert [rep["version"] for rep in reports[rank]] == list(range(versions))
-        for rep in reports[rank]:
+        for v, rep in enumerate(reports[rank]):
             res = by_name(rep)
             assert {n: s[0] for n, s in res.items()} == dict.fromkeys(GENS, "done"), rep
-            # Host A: per place, the first by name relays and the other copies from it; host B's
-            # ranks need different bytes: each is pushed to.
-            assert [res[n][1] for n in ("ga00", "ga01", "ga10", "ga11", "gb0", "gb1")] == \
-                [None, None, "ga00", "ga01", None, None], rep
+            # Host A: per place, the first by name relays and the other copies from it (but for
+            # a member that has not applied a delta's base yet: it gets that version dense,
+            # pushed to); host B's ranks need different bytes: each is pushed to.
+            assert [res[n][1] for n in ("ga00", "ga01", "gb0", "gb1")] == [None] * 4, rep
+            assert res["ga10"][1] in ("ga00", None) and res["ga11"][1] in ("ga01", None), rep
+            if v < 2:  # dense versions: always through the relay
+                assert (res["ga10"][1], res["ga11"][1]) == ("ga00", "ga01"), rep
         # After the first versions, deltas go through the relays too (the members apply them).
-        assert any(by_name(rep)["ga10"][2] and by_name(rep)["ga11"][2] for rep in reports[rank][2:]), reports[rank]
+        for member, relay in (("ga10", "ga00"), ("ga11", "ga01")):
+            assert any(by_name(rep)[member][1:3] == [relay, True] for rep in reports[rank][2:]), reports[rank]
     for name in ("ga10", "ga11"):
         lives, summary = gens[name]
         assert summary is not None and summary["followed"] >= 2 * versions, summary  # both trainer ranks, each version
@@ -163,8 +167,8 @@ def test_relayed_dense_and_delta_versions_arrive_whole(fabric):
 
 def test_a_stopped_relay_costs_its_members_the_relay_timeout_and_is_rotated_out(fabric):
     def fault(r: Run, doc: dict) -> None:
-        if doc.get("publishing") == 2:
-            time.sleep(0.6)  # the version is on its way into the relay (packed and claimed by now)
+        if doc.get("relaying") == 2 and doc["relay"] == "ga01":
+            time.sleep(0.1)  # the version is on its way into the relay
             os.kill(r.procs["ga01"].pid, signal.SIGSTOP)
         if doc.get("version") == 2:  # (resumed well before its lease runs out: it is slow, not dead)
             os.kill(r.procs["ga01"].pid, signal.SIGCONT)
@@ -194,8 +198,8 @@ def test_a_stopped_relay_costs_its_members_the_relay_timeout_and_is_rotated_out(
 
 def test_a_killed_relay_costs_its_members_one_direct_push(fabric):
     def fault(r: Run, doc: dict) -> None:
-        if doc.get("publishing") == 2:
-            time.sleep(0.6)
+        if doc.get("relaying") == 2 and doc["relay"] == "ga01":
+            time.sleep(0.1)
             os.kill(r.procs["ga01"].pid, signal.SIGKILL)
 
     versions = 5
@@ -211,3 +215,59 @@ def test_a_killed_relay_costs_its_members_one_direct_push(fabric):
             res = by_name(rep)
             assert res["ga11"][:2] == ["done", None] and res["ga10"][0] == "done", rep
     assert any(e["event"] == "relay-failed" and e["peer"] == "ga01" for e in events), events
+
+
+def check_chain(rep: dict, gens: dict) -> None:
+    """Each place's ranks got the version through one chain: one of them pushed to (the root),
+    each other one relayed by a rank of the same place, the second host's relay by the first
+    host's, so that the trainer rank's link carried one copy per place."""
+    res = by_name(rep)
+    assert {n: s[0] for n, s in res.items()} == dict.fromkeys(GENS, "done"), rep
+    for place in (0, 1):
+        ranks = {n for n, (_, _, k) in GENS.items() if k == place}
+        by = {n: res[n][1] for n in ranks}
+        roots = [n for n, b in by.items() if b is None]
+        assert len(roots) == 1 and all(b in ranks for b in by.values() if b is not None), \
+            (rep, {n: g[1]["refused"] for n, g in gens.items() if g[1]})
+        across = [n for n, b in by.items() if b is not None and GENS[n][0] != GENS[b][0]]
+        assert len(across) == 1, rep  # the link between the hosts: the second host's relay
+
+
+def test_a_chain_across_hosts_carries_one_copy_per_place(fabric):
+    versions = 5
+    reports, gens, events = run(fabric, {"versions": versions, "sparse": 0.01, "delta": True, "pause": 0.2,
+                                         "relays": "chain"})
+    check_whole(gens, versions - 1, set(GENS))
+    for rank in (0, 1):
+        for rep in reports[rank]:
+            check_chain(rep, gens)
+        assert any(all(s[2] for s in rep["results"].values()) for rep in reports[rank][2:]), reports[rank]
+    relayed = {e["peer"] for e in events if e["event"] == "relay"}
+    assert len(relayed) == 4, events  # per place: the root and the second host's relay
+
+
+def test_a_killed_chain_root_costs_its_followers_one_direct_push(fabric):
+    killed: list[str] = []
+
+    def fault(r: Run, doc: dict) -> None:
+        # Place 1's root (the first host's relay, pushed to; the next host's relay follows it).
+        if doc.get("relaying") == 2 and doc["relay"] in ("ga01", "gb1") and not killed:
+            time.sleep(0.1)
+            os.kill(r.procs[doc["relay"]].pid, signal.SIGKILL)
+            killed.append(doc["relay"])
+
+    versions = 5
+    reports, gens, events = run(fabric, {"versions": versions, "pause": 0.3, "relays": "chain",
+                                         "finishers": len(GENS) - 1}, fault)
+    assert killed, "no push into place 1's root was seen"
+    dead = killed[0]
+    partner = {"ga01": "ga00", "gb1": "gb0"}[dead]  # its replica never commits again
+    check_whole(gens, versions - 1, set(GENS) - {dead, partner})
+    for rank in (0, 1):
+        v2 = by_name(reports[rank][2])
+        assert v2[dead][0] != "done", v2
+        assert all(v2[n][0] == "done" for n in GENS if n != dead), v2
+        for rep in reports[rank][3:]:
+            res = by_name(rep)
+            assert all(res[n][0] == "done" for n in GENS if n not in (dead, partner)), rep
+    assert any(e["event"] == "relay-failed" and e["peer"] == dead for e in events), events

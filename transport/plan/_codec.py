@@ -49,6 +49,8 @@ def encode_trainer(layout: TrainerLayout) -> bytes:
            "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "sharding": _sharding(t.sharding),
                         **({"scale_of": t.scale_of} if t.scale_of is not None else {})}
                        for t in layout.tensors]}
+    if layout.balance != "replica":
+        doc["balance"] = layout.balance
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -155,7 +157,7 @@ def decode_trainer(data: bytes) -> TrainerLayout:
         specs.append(TensorSpec(name, _shape(t.get("shape"), name), _str(t.get("dtype"), name),
                                 _read_sharding(t.get("sharding"), name),
                                 _str(scale_of, name) if scale_of is not None else None))
-    return TrainerLayout.of(specs)
+    return TrainerLayout.of(specs, _str(doc.get("balance", "replica"), "balance"))
 
 
 def decode_rank(data: bytes) -> RankLayout:

@@ -118,26 +118,41 @@ class TensorSpec:
     scale_of: str | None = None
 
 
+BALANCES = ("replica", "host", "all")
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
     """Every global tensor the trainer ranks offer, by name (sorted: equal layouts compare and
-    hash equal on every rank)."""
+    hash equal on every rank).
+
+    ``balance``: how the planner breaks ties between trainer ranks that hold the same part
+    (:data:`BALANCES`): ``"replica"`` differently for each replica (by its id: the trainer
+    ranks' links share the load), ``"host"`` alike for the replicas of one host (by
+    :attr:`Replica.balance`: they get the very same bytes from each trainer rank, so they can
+    share a relay), ``"all"`` alike for every replica (a chain of relays across hosts). The
+    trainer ranks publish it with the layout, so generator ranks plan the same.
+    """
 
     tensors: tuple[TensorSpec, ...]
+    balance: str = "replica"
 
     @classmethod
-    def of(cls, tensors: Iterable[TensorSpec]) -> TrainerLayout:
+    def of(cls, tensors: Iterable[TensorSpec], balance: str = "replica") -> TrainerLayout:
         """The layout of ``tensors``, in canonical (name) order, validated.
 
         Raises:
-            MeshLayoutError: a duplicate name, an unknown dtype or a box outside its tensor.
+            MeshLayoutError: a duplicate name, an unknown dtype, a box outside its tensor, or a
+                ``balance`` not in :data:`BALANCES`.
         """
-        layout = cls(tuple(sorted(tensors, key=lambda t: t.name)))
+        layout = cls(tuple(sorted(tensors, key=lambda t: t.name)), balance)
         layout.validate()
         return layout
 
     def validate(self) -> None:
         """Raises MeshLayoutError unless every tensor is well formed and every rank's box lies in it."""
+        if self.balance not in BALANCES:
+            raise MeshLayoutError(f"balance must be one of {BALANCES}, not {self.balance!r}")
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise MeshLayoutError("a tensor name is offered twice")
@@ -295,11 +310,18 @@ class GeneratorRank:
 @dataclass(frozen=True)
 class Replica:
     """One generator replica (an inference engine): an id unique in the job and its ranks, in
-    TP rank order. All of its ranks apply a version together."""
+    TP rank order. All of its ranks apply a version together.
+
+    ``balance``: what the planner breaks ties between duplicate holders by (empty: the id).
+    Replicas of one balance key take a part several trainer ranks hold from the same one, so
+    that they get the very same bytes from each trainer rank: mesh sync gives the host of a
+    replica's rank 0, so that the replicas of one host can share a relay.
+    """
 
     id: str
     ranks: tuple[GeneratorRank, ...]
     meta: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    balance: str = ""
 
     def validate(self, trainer: TrainerLayout) -> None:
         """Raises MeshLayoutError unless every piece names an offered tensor, lies inside it and
@@ -330,7 +352,7 @@ class Replica:
                 _check_disjoint(where, lt.pieces)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(repr((self.id, self.ranks)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.id, self.ranks, self.balance)).encode()).hexdigest()[:16]
 
 
 def _squeeze(shape: Shape) -> Shape:

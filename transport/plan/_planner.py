@@ -9,7 +9,9 @@ one of them, or cut along its first dimension and spread over them, always choos
 loaded (bytes to send, counted per NIC of the :class:`Topology`, then per rank). Loads are
 counted per replica, from zero: a replica that joins, leaves or changes its TP degree changes
 only its own part of the plan, and identical replicas break ties in different directions (a
-rotation derived from the replica id), so together they stay balanced too.
+rotation derived from the replica id), so together they stay balanced too; unless the trainer
+layout's ``balance`` says they tie-break alike per host (``Replica.balance``) or all alike, so
+that they get the same bytes from each trainer rank and can share relays.
 """
 
 from __future__ import annotations
@@ -200,6 +202,13 @@ class Planner:
             out[replica.id] = self.plan_replica(replica, previous.replicas.get(replica.id) if previous else None)
         return Plan(self._fingerprint, dict(sorted(out.items())))
 
+    def _balance_key(self, replica: Replica) -> str:
+        """What ``replica``'s ties are broken by, under the layout's ``balance``."""
+        balance = self.trainer.balance
+        if balance == "all":
+            return "all"
+        return replica.balance or replica.id if balance == "host" else replica.id
+
     def plan_replica(self, replica: Replica, previous: ReplicaPlan | None = None) -> ReplicaPlan:
         """The plan of one replica (validated first); ``previous`` itself when it was planned
         from the same layouts (nothing is recomputed then).
@@ -211,7 +220,7 @@ class Planner:
         if previous is not None and previous.inputs == inputs:
             return previous
         replica.validate(self.trainer)
-        rot = _rotation(replica.id)
+        rot = _rotation(self._balance_key(replica))
         nic_load: dict[str, int] = {}
         rank_load: dict[int, int] = {}
         # Every part with one holder is fixed; shared parts are placed largest first (LPT).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -129,28 +130,38 @@ class MeshPublisher(Lifecycle):
             replicas of the same layout), this rank pushes the version once per such group,
             into one of them (the relay); the others copy it from the relay's slot over shared
             memory as its pieces land. A relay that fails or stalls costs its members at most
-            ``relay_timeout`` and a direct push. False: every generator rank is pushed to
-            directly.
+            ``relay_timeout`` and a direct push. ``"host"`` is the same as True. ``"chain"``:
+            the host relays of ranks that need the same bytes are chained across hosts (this
+            rank pushes once in all; each host's relay copies from the previous host's as its
+            pieces land): where this rank's link binds even at one copy per host (``python -m
+            transport.plan simulate --relays auto`` says which pays). False: every generator
+            rank is pushed to directly.
         relay_timeout: seconds a relay may go without any piece landing in it while one is on
             its way, after which it is taken for stalled (default ``min(deadline, 5)``).
 
     Raises:
         MeshLayoutError: a shard is missing or has the wrong shape, or the rank is out of range.
-        ValueError: ``delta``, ``delta_crossover`` or ``relay_timeout`` out of range.
+        ValueError: ``delta``, ``delta_crossover``, ``relays`` or ``relay_timeout`` out of range.
     """
 
     def __init__(self, transport: Transport, name: str, shards: Mapping[str, torch.Tensor], layout: TrainerLayout,
                  *, rank: int, topology: Topology | None = None, deadline: float = 30.0,
-                 delta: bool | str = "auto", delta_crossover: float = RUNS_CROSSOVER, relays: bool = True,
+                 delta: bool | str = "auto", delta_crossover: float = RUNS_CROSSOVER, relays: bool | str = True,
                  relay_timeout: float | None = None) -> None:
         if delta not in (True, False, "auto"):
             raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
+        if relays not in (True, False, "host", "chain"):
+            raise ValueError(f"relays must be True, False, 'host' or 'chain', not {relays!r}")
         if relay_timeout is not None and not relay_timeout > 0:
             raise ValueError(f"relay_timeout must be > 0, not {relay_timeout!r}")
         if not 0 < delta_crossover <= 0.5:
             raise ValueError(f"delta_crossover must be in (0, 0.5], not {delta_crossover!r}")
         if not 0 <= rank < MAX_TRAINER_RANKS:
             raise MeshLayoutError(f"trainer rank {rank} is outside [0, {MAX_TRAINER_RANKS})")
+        # Ties between trainer ranks holding the same part are broken alike where relays share
+        # bytes: per host, or for every replica along a chain (published with the layout).
+        balance = "replica" if not relays else "all" if relays == "chain" else "host"
+        layout = dataclasses.replace(layout, balance=balance)
         self.t, self.name, self.rank, self.layout, self.deadline = transport, name, rank, layout, deadline
         self.keys = MeshKeys.of(name)
         self._planner = Planner(layout, topology)
@@ -175,7 +186,8 @@ class MeshPublisher(Lifecycle):
         self._pushes = MeshPushes(transport, self.keys, rank, self._planner, self._offsets, deadline,
                                   delta=self._packer is not None, delta_everywhere=delta is True)
         stall = min(deadline, 5.0) if relay_timeout is None else float(relay_timeout)
-        self._relays = MeshRelays(transport, self.keys, rank, self._pushes, deadline, stall) if relays else None
+        self._relays = MeshRelays(transport, self.keys, rank, self._pushes, deadline, stall,
+                                  "chain" if relays == "chain" else "host") if relays else None
 
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """name -> this rank's local shard, for every tensor of the state it holds a box of
@@ -382,7 +394,9 @@ class MeshPublisher(Lifecycle):
             if sorted(ranks) != list(range(size)) or any(r[1].size != size for r in ranks.values()):
                 incomplete.append(rid)
                 continue
-            replica = Replica(rid, tuple(ranks[k][1].layout for k in range(size)))
+            # Tie-broken by the host of its rank 0, as its ranks plan it (_mesh_replica): the
+            # replicas of one host get the same bytes from each trainer rank (relays).
+            replica = Replica(rid, tuple(ranks[k][1].layout for k in range(size)), balance=ranks[0][0].host)
             try:
                 plan = self._plan(replica)
             except MeshLayoutError as exc:

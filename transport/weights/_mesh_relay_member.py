@@ -34,6 +34,10 @@ from ._relay_block import (
     MAX_PIECES,
     MESH_EXTRA,
     RELAY_TRAINER_RANKS,
+    RELAYS_ON,
+    S_COUNT,
+    S_END,
+    S_EPOCH,
     SECTION_WORDS,
     Ack,
     End,
@@ -113,25 +117,26 @@ class MeshRelayMember:
         memory_barrier()
         if int(words[M_EPOCH]) != epoch:  # rewritten while it was read: look again
             return
-        ack, trainer = Ack.FAILED, None
+        ack, trainer, why = Ack.FAILED, None, ""
         if order is None:
             log.warning("%s: a relay order of trainer rank %d that does not fit (refused)", self.t.name, rank)
         else:
             try:
-                ack, trainer = await self._follow(rank, order)
+                ack, trainer, why = await self._follow(rank, order)
             except ClosedError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- whatever an order (anyone's to write) leads to: refused
+                why = f"{type(exc).__name__}: {exc}"
+            if why:
                 log.info("%s: cannot copy version %d of trainer rank %d from relay %s: %s", self.t.name,
-                         order.version, rank, order.relay, exc)
+                         order.version, rank, order.relay, why)
             if ack is not Ack.DONE:
                 self._relays.pop(order.relay, None)
             self.t._flight.event("relayed", order.relay, f"version {order.version} of trainer rank {rank} into "
-                                                         f"slot {order.dst}: {ack.name}")
+                                                         f"slot {order.dst}: {ack.name}{': ' + why if why else ''}")
         if ack is Ack.DONE:
             self.followed += 1
         await acknowledge(self.t, words, epoch, ack, trainer, self._keys.relay_ack)
-
 
     async def _relay(self, name: str) -> Peer:
         peer = self._relays.get(name)
@@ -142,19 +147,20 @@ class MeshRelayMember:
             self._relays[name] = peer
         return peer
 
-    async def _follow(self, rank: int, order: Order) -> tuple[Ack, str | None]:
+    async def _follow(self, rank: int, order: Order) -> tuple[Ack, str | None, str]:
         """Copies trainer rank ``rank``'s bytes of the order's version as the relay's log
-        counts them; how it ended, and the trainer rank's name (None: not known here)."""
+        counts them; how it ended, the trainer rank's name (None: not known here), and why it
+        was refused (empty: it was not)."""
         mo = MeshOrder.of(order.extra)
         s = slot_of(order.version)
         if order.src != s or order.dst != s or not 0 < mo.piece_bytes:
-            return Ack.FAILED, None
+            return Ack.FAILED, None, f"slots {order.src} -> {order.dst} or pieces of {mo.piece_bytes} bytes do not fit"
         got = await self._source(rank)
         if got is None:
-            return Ack.FAILED, None
+            return Ack.FAILED, None, f"trainer rank {rank} does not feed this rank (or is not listed)"
         runs, trainer = got
         if runs_fingerprint(runs) != mo.fingerprint:
-            return Ack.FAILED, trainer  # the relay's runs and ours differ: the trainer rank pushes here itself
+            return Ack.FAILED, trainer, "the relay's runs are not this rank's"  # (the trainer rank pushes here)
         relay = await self._relay(order.relay)
         k = self._keys
         if mo.nbytes:  # a delta: its payload, as one piece
@@ -163,17 +169,24 @@ class MeshRelayMember:
             source = relay.regions.get(k.slots[s])
             total = int(runs[:, 2].sum()) if len(runs) else 0
             if source is None or source.nbytes != self._slots[s].nbytes or total > MAX_PIECES * mo.piece_bytes:
-                return Ack.FAILED, trainer
+                return Ack.FAILED, trainer, "the relay's slot is not of this rank's size"
             gets = self._prepared(relay, s, runs, mo)
             copy, want, capacity = self._pieces(gets), End.DENSE, max(1, len(gets))
 
-        async def finish(end: End) -> Ack:
+        async def ended(end: End) -> Ack:
             return Ack.DONE if end == want else Ack.FAILED
 
+        finish: Callable[[End], Awaitable[Ack]] = ended
+
         base = section(rank)
+        if mo.flags & RELAYS_ON:  # a link of a chain: what it copied is logged for its own followers
+            own = self._sections[rank]
+            if int(own[S_EPOCH]) != order.epoch:
+                return Ack.FAILED, trainer, "its own log is not of the order's epoch"
+            copy, finish = _logging(own, copy, finish)
         ack = await follow_log(self.t, relay, k.relay, base, order, capacity,
                                lambda: int(self._block[base + M_TAKEOVER]), copy, finish)
-        return ack, trainer
+        return ack, trainer, ""
 
     def _prepared(self, relay: Peer, s: int, runs: np.ndarray, mo: MeshOrder) -> list[PreparedTransfer]:
         """The prepared gets of the pieces, from the relay's slot into this rank's (made once
@@ -210,3 +223,24 @@ class MeshRelayMember:
 
         return copy
 
+
+def _logging(own: torch.Tensor, copy: Callable[[int, int], Awaitable[bool]], finish: Callable[[End], Awaitable[Ack]]
+             ) -> tuple[Callable[[int, int], Awaitable[bool]], Callable[[End], Awaitable[Ack]]]:
+    """``copy`` and ``finish`` that also log in ``own`` (this rank's section, as a relay of a
+    chain): the count of parts copied once their bytes are here, then how the version ended."""
+
+    async def copied(lo: int, hi: int) -> bool:
+        if not await copy(lo, hi):
+            return False
+        memory_barrier()  # the parts' bytes before the count that says they are here
+        own[S_COUNT] = hi
+        return True
+
+    async def finished(end: End) -> Ack:
+        ack = await finish(end)
+        if ack is Ack.DONE:
+            memory_barrier()
+            own[S_END] = int(end)
+        return ack
+
+    return copied, finished

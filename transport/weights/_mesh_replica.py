@@ -81,7 +81,9 @@ class ReplicaView:
             raise CommitError(f"replica {self.replica}: ranks {missing} are not in the store")
         layouts = tuple(self.layout if r == self.rank else members.generators[ranks[r]][1].layout
                         for r in range(self.size))
-        self._plan = planner.plan_replica(Replica(self.replica, layouts), self._plan)
+        # Tie-broken by the host of its rank 0, as the trainer ranks plan it (MeshPublisher).
+        balance = members.generators[ranks[0]][0].host
+        self._plan = planner.plan_replica(Replica(self.replica, layouts, balance=balance), self._plan)
         return ReplicaNow(ranks, list(self._plan.ranks), {r: p.name for r, p in members.trainers.items()}, planner)
 
     async def _read_trainer_layout(self, source: Peer) -> None:

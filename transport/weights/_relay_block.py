@@ -137,8 +137,9 @@ def order_spans(order: Order, base: int = 0) -> list[tuple[torch.Tensor, int]]:
 # trainer rank's runs are in the relay's slot), and the member cuts the same pieces from the
 # same runs itself. The order's extra words (``X_*``, after the relay's name) say which runs
 # and how they are cut, and for a delta where its payload lies.
-X_FPRINT, X_PIECE, X_SRC_OFF, X_DST_OFF, X_NBYTES = range(ROWS, ROWS + 5)
-MESH_EXTRA = 5
+X_FPRINT, X_PIECE, X_SRC_OFF, X_DST_OFF, X_NBYTES, X_FLAGS = range(ROWS, ROWS + 6)
+MESH_EXTRA = 6
+RELAYS_ON = 1  # X_FLAGS: the member is itself a relay (of a chain): it logs what it copied in its own section
 SECTION_WORDS = 56
 RELAY_TRAINER_RANKS = 1024  # trainer ranks at and past this push to every generator rank directly
 MAX_PIECES = 1 << 20  # the most pieces a mesh order may cut its runs into
@@ -157,18 +158,22 @@ def section(trainer_rank: int) -> int:
 @dataclass(frozen=True)
 class MeshOrder:
     """A mesh order's extra words: the fingerprint of the runs from the trainer rank into
-    relay and member alike (:func:`transport.weights._binding.runs_fingerprint`), the piece
-    size they are cut by, and for a delta the payload's (offset in the relay's delta area,
-    offset in the member's, nbytes); all zero for a dense version."""
+    relay and member alike (:func:`transport.weights._mesh_push.runs_fingerprint`), the piece
+    size they are cut by, for a delta the payload's (offset in the relay's delta area, offset
+    in the member's, nbytes; all zero for a dense version), and ``flags`` (:data:`RELAYS_ON`:
+    the member relays on to others as it copies: it counts each part copied in the ``S_*``
+    words of its own section, whose epoch the trainer rank set to the order's, and then how the
+    version ended)."""
 
     fingerprint: int
     piece_bytes: int
     src_off: int = 0
     dst_off: int = 0
     nbytes: int = 0
+    flags: int = 0
 
     def words(self) -> tuple[int, ...]:
-        return (self.fingerprint, self.piece_bytes, self.src_off, self.dst_off, self.nbytes)
+        return (self.fingerprint, self.piece_bytes, self.src_off, self.dst_off, self.nbytes, self.flags)
 
     @classmethod
     def of(cls, extra: tuple[int, ...]) -> MeshOrder:
