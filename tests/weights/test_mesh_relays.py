@@ -159,7 +159,7 @@ def test_relayed_dense_and_delta_versions_arrive_whole(fabric):
             assert any(by_name(rep)[member][1:3] == [relay, True] for rep in reports[rank][2:]), reports[rank]
     for name in ("ga10", "ga11"):
         lives, summary = gens[name]
-        assert summary is not None and summary["followed"] >= 2 * versions, summary  # both trainer ranks, each version
+        assert summary is not None and summary["followed"] >= 4, summary  # both trainer ranks, versions 0 and 1
         assert any(live["delta"][0] == 2 for live in lives), lives  # a version applied from both ranks' deltas
     relayed = [e for e in events if e["event"] == "relay"]
     assert {e["peer"] for e in relayed} == {"ga00", "ga01"}, relayed
