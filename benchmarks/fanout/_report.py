@@ -64,6 +64,62 @@ def weights_rows(method: str, trainer: dict[str, Any], gens: dict[str, dict[str,
     return out
 
 
+def mesh_rows(ranks: list[dict[str, Any]], gens: dict[str, dict[str, Any]], names: dict[str, list[str]],
+              warmup: int) -> dict[str, Any]:
+    """A mesh method's figures: per timed version, when each generator replica had it applied
+    (seconds from the first trainer rank's publish start) and the slowest; when the last
+    trainer rank's publish returned, and how long after that the last replica applied; every
+    publish result not DONE; the digest of every version applied (warm-up included) against
+    trainer rank 0's (``wrong``: must be empty); torn tensors; the relay events."""
+    every = [n for h in sorted(names) for n in names[h]]
+    by_version = [{r["version"]: r for r in rank["versions"]} for rank in ranks]
+    timed = sorted(v for v in by_version[0] if v > warmup)
+    per_sub: dict[str, list[float | None]] = {n: [] for n in every}
+    times: list[float] = []
+    published: list[float] = []
+    after: list[float] = []  # from the last publish's return until the last replica applied
+    missing: list[str] = []
+    wrong: list[str] = []
+    not_done: list[str] = []
+    torn = checked = 0
+    digests = {v: r["digest"] for v, r in by_version[0].items()}
+    for v in timed:
+        rows = [b[v] for b in by_version]
+        t0 = min(r["t0"] for r in rows)
+        published.append(max(r["publish_end"] for r in rows) - t0)
+        not_done += [f"trainer{k}/v{v}: {label} {res['status']} ({res['error']})" for k, r in enumerate(rows)
+                     for label, res in r["results"].items() if res["status"] != "done"]
+        worst = 0.0
+        for n in every:
+            live = _first_live(gens.get(n, {}).get("lives", []), v)
+            if live is None:
+                per_sub[n].append(None)
+                missing.append(f"{n}@v{v}")
+                continue
+            per_sub[n].append(live["at"] - t0)
+            worst = max(worst, live["at"] - t0)
+            torn += live["torn_tensors"]
+        times.append(worst)
+        after.append(worst - published[-1])
+    for n in every:  # every version applied, warm-up included
+        for live in gens.get(n, {}).get("lives", []):
+            checked += 1
+            if live["digest"] != digests.get(live["version"]):
+                wrong.append(f"{n}@v{live['version']}")
+    polls = [g["commit"] for g in gens.values() if "commit" in g]
+    last = [{label.split("/")[0]: res["relayed_by"] for label, res in b[timed[-1]]["results"].items()}
+            for b in by_version] if timed else []
+    return {**_spread(times), "per_sub": per_sub, "torn_tensors": torn, "missing": missing,
+            "published": _spread(published), "after_publish": _spread(after), "not_done": not_done,
+            "wrong": wrong, "digests_checked": checked, "relayed_by": last,
+            "publisher_kwargs": ranks[0].get("publisher_kwargs"),
+            "relay_events": [e for rank in ranks for e in rank.get("relay_events", [])],
+            "trainer_ranks": len(ranks), "commit_polls": {"calls": sum(p["calls"] for p in polls),
+                                                          "seconds": sum(p["seconds"] for p in polls)},
+            "poll_s": next((g["poll_s"] for g in gens.values()), None),
+            "hostnames": sorted({g.get("hostname", "?") for g in gens.values()})}
+
+
 def gloo_rows(rows: list[dict[str, Any]], names: list[str], warmup: int) -> dict[str, Any]:
     """The gloo broadcast's figures: per timed version, when each rank's broadcast returned,
     from rank 0's start (after the barrier)."""
@@ -104,6 +160,11 @@ def refs_line(refs: dict[str, Any], args: Any) -> str:
 def method_line(method: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{method}: FAILED ({r['error'].splitlines()[0][:300]})"
+    if "digests_checked" in r:
+        return f"{method}: median {r['median_s']:.2f} s (min {r['min_s']:.2f}, max {r['max_s']:.2f}; " \
+            f"{', '.join(f'{t:.2f}' for t in r['times_s'])}; publish returned {r['published']['median_s']:.2f} s), " \
+            f"torn tensors {r['torn_tensors']}, wrong digests {len(r['wrong'])} of {r['digests_checked']}, " \
+            f"missing {len(r['missing'])}, not done {len(r['not_done'])}, wall {r['wall_s']:.0f} s; {t_sent(r)}"
     return f"{method}: median {r['median_s']:.2f} s (min {r['min_s']:.2f}, max {r['max_s']:.2f}; " \
         f"{', '.join(f'{t:.2f}' for t in r['times_s'])}), torn tensors {r['torn_tensors']}, " \
         f"missing {len(r['missing'])}, wall {r['wall_s']:.0f} s; {t_sent(r)}"
@@ -181,6 +242,9 @@ def _row(name: str, r: dict[str, Any], fl: dict[str, Any], direct: float | None)
     stream_s = fl["two_links_stream_s"] if name == "striped" and "two_links_stream_s" in fl else fl["stream_s"]
     vs_direct = f"{direct / med:.2f}" if direct else "-"
     live = "yes" if not r["missing"] else f"no: {', '.join(r['missing'])}"
+    if "digests_checked" in r:  # a mesh method: every version applied, checked against the trainer's digest
+        live += f", digests {'ok' if not r['wrong'] else 'WRONG ' + ', '.join(r['wrong'])} " \
+            f"({r['digests_checked']} checked)"
     return (f"| {name} | {med:.2f} | {r['min_s']:.2f}-{r['max_s']:.2f} | {med / floor_s:.2f} | {med / stream_s:.2f} | "
             f"{vs_direct} | {live}, torn {r['torn_tensors']} | {t_sent(r)[7:]} |")
 
@@ -201,10 +265,15 @@ def table(result: dict[str, Any]) -> str:
     for name in ("direct", "relays", "striped", "gloo"):
         if name in m:
             lines.append(_row(name, m[name], fl, direct))
+    mesh_direct = m.get("mesh-direct", {}).get("median_s")
+    for name in ("mesh-direct", "mesh-relays"):
+        if name in m:
+            lines.append(_row(name, m[name], fl, mesh_direct))
     kwargs = [f"{n}: Publisher({', '.join(f'{k}={v!r}' for k, v in m[n]['publisher_kwargs'].items())})"
               for n in ("direct", "relays", "striped") if m.get(n, {}).get("publisher_kwargs") is not None]
     if kwargs:
         lines += ["", "Switches passed: " + "; ".join(kwargs) + " (with delta=False)."]
+    lines += mesh_lines(m)
     for name in ("stop", "kill"):
         if name not in m:
             continue
@@ -230,6 +299,44 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def mesh_lines(m: dict[str, Any]) -> list[str]:
+    """What the mesh rows measure, the ratio mesh-direct / mesh-relays, and per mesh method when
+    the publishes returned and any result not DONE."""
+    ran = {n: m[n] for n in ("mesh-direct", "mesh-relays") if n in m}
+    if not ran:
+        return []
+    some = next(iter(ran.values()))
+    out = ["", f"Mesh rows: {some.get('trainer_ranks', 2)} trainer ranks on T (every tensor Shard(0) over them), "
+           "one tp=1 replica per generator process (each needs the whole state: from each trainer rank the same "
+           "bytes); time = from the first trainer rank's publish() start until the last replica had the version "
+           "committed and applied (its leader tries commit() once every trainer rank signalled that its "
+           f"publish() returned, and every {1e3 * (some.get('poll_s') or 0):g} ms besides); every version "
+           "applied is checked against trainer rank 0's digest; `direct / method` of the mesh rows is against "
+           "mesh-direct."]
+    ok = {n: r for n, r in ran.items() if "error" not in r}
+    if "mesh-direct" in ok and "mesh-relays" in ok:
+        out.append(f"mesh-direct / mesh-relays: {ok['mesh-direct']['median_s'] / ok['mesh-relays']['median_s']:.2f}")
+    for n, r in ok.items():
+        p = r["published"]
+        kw = ", ".join(f"{k}={v!r}" for k, v in (r.get("publisher_kwargs") or {}).items())
+        relayed = sorted({f"{g} via {by}" for ranks in r["relayed_by"] for g, by in ranks.items() if by})
+        out.append(f"{n}: MeshPublisher({kw}); every trainer rank's publish() returned after median "
+                   f"{p['median_s']:.2f} s ({p['min_s']:.2f}-{p['max_s']:.2f}), the last replica applied "
+                   f"{r['after_publish']['median_s']:.2f} s after that (median); results not done: "
+                   f"{'; '.join(r['not_done'][:6]) or 'none'}; relayed in the last version: "
+                   f"{', '.join(relayed) or 'none'}; commit() calls: {r['commit_polls']['calls']} taking "
+                   f"{r['commit_polls']['seconds']:.2f} s in all; relay events: {relay_events(r)}.")
+    return out
+
+
+def relay_events(r: dict[str, Any]) -> str:
+    """How many of each relay event the trainer ranks recorded (all versions, warm-up included)."""
+    counts: dict[str, int] = {}
+    for e in r.get("relay_events", []):
+        counts[e["event"]] = counts.get(e["event"], 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
 def markdown(result: dict[str, Any]) -> str:
     mach, a = result["machine"], result["args"]
     head = [f"# Fan-out: T -> 2 hosts x {a['per_host']} generators over shaped links ({result['date']})", "",
@@ -239,8 +346,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"Fabric: hosts T, A, B as network namespaces, two NICs each (veth into one switch bridge per NIC), "
             f"every link tbf-shaped to {a['rate_mbit']:g} Mbit/s each way; state {a['state_bytes'] / 1e6:.0f} MB "
             f"bf16, Llama-shaped; {a['warmup']} untimed + {a['reps']} timed versions per method; time = from the "
-            "publish's start (gloo: rank 0's start after a barrier) until the last subscriber's wait returned, "
-            "all clocks on this one machine.", "",
+            "publish's start (gloo: rank 0's start after a barrier) until the last subscriber's wait returned "
+            "(the mesh methods: see below the table), all clocks on this one machine.", "",
             refs_line(result["refs"], _Args(a)) + ".", "",
             f"Other load during the run: {result['load']}.", ""]
     head += [f"Note: {n}" for n in a.get("note", [])]

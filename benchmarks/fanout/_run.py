@@ -30,10 +30,12 @@ from ..common.procs import CHECKOUT, checkout_env
 from ..common.sizes import format_size, parse_size
 from . import _report
 
-METHODS = ("direct", "relays", "striped", "gloo", "floor", "stop", "kill")
+METHODS = ("direct", "relays", "striped", "gloo", "mesh-direct", "mesh-relays", "floor", "stop", "kill")
 """Every method, in the order they run (``floor`` is computed from the stream references)."""
+MESH_METHODS = ("mesh-direct", "mesh-relays")
 HOSTS = ("A", "B")
 ROLES = "benchmarks.fanout._roles"
+MESH_ROLES = "benchmarks.fanout._mesh_roles"
 _POLL_S = 0.1
 GLOO_PORT = 29531
 STREAM_PORT = 5311
@@ -52,11 +54,12 @@ class Procs:
         self.procs: dict[str, Any] = {}
         self.logs: dict[str, Path] = {}
 
-    def start(self, host: str, who: str, role: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
+    def start(self, host: str, who: str, role: str, spec: dict[str, Any], env: dict[str, str] | None = None,
+              module: str = ROLES) -> Any:
         log = self.tmp / f"{who}.log"
         self.logs[who] = log
         with open(log, "wb") as f:
-            p = self.fab.popen(host, [sys.executable, "-m", ROLES, role, json.dumps(spec)],
+            p = self.fab.popen(host, [sys.executable, "-m", module, role, json.dumps(spec)],
                                env={**checkout_env(), **(env or {})}, cwd=CHECKOUT, stdout=f, stderr=f)
         self.procs[who] = p
         return p
@@ -192,6 +195,39 @@ def weights_method(fab: Any, tmp: Path, args: argparse.Namespace, method: str,
     return _report.weights_rows(method, trainer, gen, names, args.warmup, spec.get("fault"))
 
 
+# ---- transport.weights mesh methods -------------------------------------------------------
+
+def mesh_method(fab: Any, tmp: Path, args: argparse.Namespace, method: str) -> dict[str, Any]:
+    """One run of a mesh method: ``MESH_TRAINER_RANKS`` trainer ranks on T, a tp=1 replica per
+    generator process, ``--warmup`` + ``--reps`` versions (see :mod:`._mesh_roles`)."""
+    from ._mesh_roles import MESH_TRAINER_RANKS, trainer_name
+
+    names = generator_names(args.per_host)
+    gens = [n for h in HOSTS for n in names[h]]
+    trainers = [trainer_name(r) for r in range(MESH_TRAINER_RANKS)]
+    common = {"store": f"file://{tmp / 'store'}", "state_bytes": args.state_bytes, "versions": args.warmup + args.reps,
+              "ranks": MESH_TRAINER_RANKS, "relays": method == "mesh-relays", "relay_timeout": args.relay_timeout,
+              "backends": ["ipc", "tcp"], "timeout": args.timeout, "version_timeout": args.timeout,
+              "start_timeout": args.timeout, "run_timeout": args.run_timeout}
+    procs = Procs(fab, tmp)
+    try:
+        for host in HOSTS:
+            for name in names[host]:
+                procs.start(host, name, "generator", {**common, "name": name, "listen": fab.addr(host, 0),
+                                                      "poll_s": args.mesh_poll_ms / 1e3,
+                                                      "out": str(tmp / f"{name}.json")}, module=MESH_ROLES)
+        for rank, who in enumerate(trainers):
+            procs.start("T", who, "trainer", {**common, "rank": rank, "generators": gens, "listen": fab.addr("T", 0),
+                                              "deadline": args.deadline, "out": str(tmp / f"{who}.json")},
+                        module=MESH_ROLES)
+        procs.wait([*trainers, *gens], args.run_timeout)
+        ranks = [read(tmp / f"{who}.json") for who in trainers]
+        gen = {n: read(tmp / f"{n}.json") for n in gens}
+    finally:
+        procs.close()
+    return _report.mesh_rows(ranks, gen, names, args.warmup)
+
+
 # ---- gloo -------------------------------------------------------------------------------------
 
 def gloo_method(fab: Any, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -235,6 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     d = tmp / _mk(tmp, method)
                     if method == "gloo":
                         methods[method] = gloo_method(fab, d, args)
+                    elif method in MESH_METHODS:
+                        methods[method] = mesh_method(fab, d, args, method)
                     elif method in ("stop", "kill"):
                         normal = methods.get("relays", {}).get("median_s")
                         after = args.fault_after * (normal or _report.floor(args, refs)["rate_s"])
@@ -257,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "reps": args.reps, "warmup": args.warmup, "methods": list(args.methods),
                      "relay_timeout": args.relay_timeout, "deadline": args.deadline,
                      "fault_deadline": args.fault_deadline, "bucket_bytes": args.bucket_bytes,
-                     "fault_after": args.fault_after, "note": args.note},
+                     "fault_after": args.fault_after, "mesh_poll_ms": args.mesh_poll_ms, "note": args.note},
             "refs": refs, "floor": _report.floor(args, refs), "methods": methods}
 
 
@@ -285,6 +323,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="Publisher(deadline=...) of the fault runs: what a failed relay may cost (default 10)")
     p.add_argument("--fault-after", type=float, default=0.4,
                    help="the fault runs' signal comes this fraction of the relays' median time into the version")
+    p.add_argument("--mesh-poll-ms", type=float, default=100.0,
+                   help="the mesh methods: how often a replica's leader tries commit() besides when the trainer "
+                        "ranks say they published (default 100)")
     p.add_argument("--bucket-mib", type=float, default=64.0, help="gloo broadcast bucket (default 64 MiB)")
     p.add_argument("--timeout", type=float, default=120.0, help="each wait of each process (default 120 s)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="one method's processes in all (default 900 s)")
@@ -333,5 +374,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         outs.append((args.markdown, md))
     for path, body in outs:
         path.write_text(body if body is not None else json.dumps(result, indent=1))
-    failed = [m for m, r in result["methods"].items() if "error" in r]
+    failed = [m for m, r in result["methods"].items() if "error" in r or r.get("wrong")]
     return 1 if failed else 0
