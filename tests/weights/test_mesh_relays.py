@@ -12,19 +12,15 @@ of one. Needs root (ip netns)."""
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
-import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 import pytest
 
-from tests._support import PYTHON, ROOT, python_env
+from tests._support.fabric_run import FabricRun
 from tests._support.netns import Fabric, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -38,77 +34,32 @@ W8 = (2048, 1024)  # 8 MB of float32: each trainer rank holds half its rows
 RATE_MBIT = 100  # a version takes about a second across T's link: a fault lands in the middle of one
 PIECE = 256 << 10
 WAIT_S = 150
+MODULE = "tests.peers.mesh_relay_peer"
 
 
-class Run:
+class Run(FabricRun):
     """The processes of one test, their JSON lines gathered as they come."""
 
     def __init__(self, fab: Fabric, d: str, trainer: dict) -> None:
-        self.fab, self.flight = fab, os.path.join(d, "flight")
+        super().__init__(fab, os.path.join(d, "flight"))
         os.makedirs(self.flight)
         store = f"file://{d}/store"
-        self.lines: dict[str, queue.Queue] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
         common = {"store": store, "versions": trainer["versions"], "w8": W8, "sparse": trainer.get("sparse"),
                   "flight": self.flight}
         for name, (host, rep, k) in GENS.items():
-            self._start(name, host, common | {"name": name, "role": "gen", "replica": rep, "rank": k, "size": 2,
-                                              "trainers": list(TRAINERS), "listen": fab.addr(host)})
+            self.start(name, host, MODULE, common | {"name": name, "role": "gen", "replica": rep, "rank": k,
+                                                     "size": 2, "trainers": list(TRAINERS),
+                                                     "listen": fab.addr(host)})
         for r, name in enumerate(TRAINERS):
-            self._start(name, "T", common | trainer | {"name": name, "role": "trainer", "rank": r,
-                                                       "generators": list(GENS), "piece_bytes": PIECE,
-                                                       "listen": fab.addr("T")})
-
-    def _start(self, name: str, host: str, spec: dict) -> None:
-        p = self.fab.popen(host, [PYTHON, "-m", "tests.peers.mesh_relay_peer", json.dumps(spec)], env=python_env(),
-                           cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        q: queue.Queue = queue.Queue()
-
-        def read() -> None:
-            for line in p.stdout:
-                if line.startswith("{"):
-                    q.put(json.loads(line))
-            q.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        self.procs[name], self.lines[name] = p, q
+            self.start(name, "T", MODULE, common | trainer | {"name": name, "role": "trainer", "rank": r,
+                                                              "generators": list(GENS), "piece_bytes": PIECE,
+                                                              "listen": fab.addr("T")})
 
     def trainers(self, on: Callable[[dict], None]) -> dict[int, list[dict]]:
         """Each trainer rank's publish reports (version order), once both ended; ``on`` sees
         every line of trainer rank 0 as it comes."""
-        out: dict[int, list[dict]] = {}
-        deadline = time.monotonic() + WAIT_S
-        for r, name in enumerate(TRAINERS):
-            out[r] = []
-            while (doc := self.lines[name].get(timeout=max(0.1, deadline - time.monotonic()))) is not None:
-                if r == 0:
-                    on(doc)
-                if "version" in doc:
-                    out[r].append(doc)
-            assert self.procs[name].wait(timeout=30) == 0, name
-        return out
-
-    def generator(self, name: str) -> tuple[list[dict], dict | None]:
-        p = self.procs[name]
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=30)
-        lives, summary = [], None
-        while (doc := self.lines[name].get(timeout=30)) is not None:
-            if doc.get("summary"):
-                summary = doc
-            else:
-                lives.append(doc)
-        return lives, summary
-
-    def events(self, who: str) -> list[dict]:
-        dumps = sorted((f for f in os.listdir(self.flight) if f.startswith(who)),
-                       key=lambda f: os.path.getmtime(os.path.join(self.flight, f)))
-        assert dumps, f"{who} dumped no flight record"
-        with open(os.path.join(self.flight, dumps[-1])) as f:
-            return json.load(f)["events"]
+        until = time.monotonic() + WAIT_S
+        return {r: self.reports(name, on if r == 0 else lambda doc: None, until) for r, name in enumerate(TRAINERS)}
 
 
 @pytest.fixture
@@ -139,8 +90,8 @@ def by_name(rep: dict) -> dict[str, list]:
 
 
 def test_relayed_dense_and_delta_versions_arrive_whole(fabric):
-    versions = 5
-    reports, gens, events = run(fabric, {"versions": versions, "sparse": 0.01, "delta": True, "pause": 0.2})
+    versions = 6  # (four delta versions: a member that has not applied a base yet gets that one dense)
+    reports, gens, events = run(fabric, {"versions": versions, "sparse": 0.01, "delta": True, "pause": 0.3})
     check_whole(gens, versions - 1, set(GENS))
     for rank in (0, 1):
         assert [rep["version"] for rep in reports[rank]] == list(range(versions))

@@ -10,19 +10,15 @@ through the next relay in the same publish. Needs root (ip netns)."""
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
-import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 import pytest
 
-from tests._support import PYTHON, ROOT, python_env
+from tests._support.fabric_run import FabricRun
 from tests._support.netns import Fabric, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -34,72 +30,22 @@ DEADLINE = 3.0
 WAIT_S = 120
 
 
-class Run:
+class Run(FabricRun):
     """The trainer and the generators of one test, their JSON lines gathered as they come."""
 
     def __init__(self, fab: Fabric, store: str, trainer: dict, flight: str) -> None:
-        self.fab, self.flight = fab, flight
-        self.lines: dict[str, queue.Queue] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        super().__init__(fab, flight)
         for name, host in GENS.items():
             spec = {"name": name, "store": store, "publisher": "trainer", "shapes": SHAPES,
                     "backends": ["ipc", "tcp"], "listen": fab.addr(host), "flight": flight}
-            self._start(name, host, "tests.peers.relay_peer", spec)
+            self.start(name, host, "tests.peers.relay_peer", spec)
         spec = {"store": store, "generators": list(GENS), "shapes": SHAPES, "deadline": DEADLINE,
                 "listen": fab.addr("T"), "flight": flight, "bucket": 1 << 20} | trainer
-        self._start("trainer", "T", "tests.peers.relay_trainer", spec)
-
-    def _start(self, name: str, host: str, module: str, spec: dict) -> None:
-        p = self.fab.popen(host, [PYTHON, "-m", module, json.dumps(spec)], env=python_env(), cwd=ROOT,
-                           stdout=subprocess.PIPE, text=True)
-        q: queue.Queue = queue.Queue()
-
-        def read() -> None:
-            for line in p.stdout:
-                if line.startswith("{"):
-                    q.put(json.loads(line))
-            q.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        self.procs[name], self.lines[name] = p, q
+        self.start("trainer", "T", "tests.peers.relay_trainer", spec)
 
     def trainer(self, on: Callable[[dict], None] = lambda doc: None) -> list[dict]:
         """The trainer's publish reports, once it ended; ``on`` sees every line as it comes."""
-        reports = []
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            doc = self.lines["trainer"].get(timeout=max(0.1, deadline - time.monotonic()))
-            if doc is None:
-                break
-            on(doc)
-            if "version" in doc:
-                reports.append(doc)
-        assert self.procs["trainer"].wait(timeout=30) == 0
-        return reports
-
-    def generator(self, name: str) -> tuple[list[dict], dict | None]:
-        """What generator ``name`` made live, and its summary (None: it did not end itself)."""
-        p = self.procs[name]
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=30)
-        lives, summary = [], None
-        while (doc := self.lines[name].get(timeout=30)) is not None:
-            if doc.get("summary"):
-                summary = doc
-            else:
-                lives.append(doc)
-        return lives, summary
-
-    def trainer_events(self) -> list[dict]:
-        """The flight recorder events of the trainer's last dump."""
-        dumps = sorted((f for f in os.listdir(self.flight) if f.startswith("trainer")),
-                       key=lambda f: os.path.getmtime(os.path.join(self.flight, f)))
-        assert dumps, "the trainer dumped no flight record"
-        with open(os.path.join(self.flight, dumps[-1])) as f:
-            return json.load(f)["events"]
+        return self.reports("trainer", on, time.monotonic() + WAIT_S)
 
 
 @pytest.fixture
@@ -115,7 +61,7 @@ def run(fab: Fabric, trainer: dict, on: Callable[[Run, dict], None] | None = Non
         r = Run(fab, f"file://{d}/store", trainer, flight)
         reports = r.trainer((lambda doc: on(r, doc)) if on is not None else (lambda doc: None))
         gens = {name: r.generator(name) for name in GENS}
-        return reports, gens, r.trainer_events()
+        return reports, gens, r.events("trainer")
 
 
 def check_whole(reports: list[dict], gens: dict) -> None:

@@ -45,7 +45,7 @@ from ._relay_block import (
     Order,
     section,
 )
-from ._relay_member import IDLE_LOOK_S, acknowledge, follow_log
+from ._relay_member import IDLE_LOOK_S, RelayLookup, acknowledge, follow_log
 
 if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transport
@@ -76,7 +76,7 @@ class MeshRelayMember:
         self._areas, self._source = areas, source
         self._sections = block.view(RELAY_TRAINER_RANKS, SECTION_WORDS)
         self._following: set[int] = set()  # trainer ranks whose order is being followed
-        self._relays: dict[str, Peer] = {}  # relay name -> as looked up
+        self._relays = RelayLookup(transport, [keys.relay, keys.slots[1]])
         # (relay, incarnation, slot, fingerprint, piece bytes) -> the prepared gets of its pieces
         self._gets: dict[tuple[str, str, int, int, int], list[PreparedTransfer]] = {}
         self.followed = 0  # orders acknowledged DONE
@@ -131,21 +131,12 @@ class MeshRelayMember:
                 log.info("%s: cannot copy version %d of trainer rank %d from relay %s: %s", self.t.name,
                          order.version, rank, order.relay, why)
             if ack is not Ack.DONE:
-                self._relays.pop(order.relay, None)
+                self._relays.forget(order.relay)
             self.t._flight.event("relayed", order.relay, f"version {order.version} of trainer rank {rank} into "
                                                          f"slot {order.dst}: {ack.name}{': ' + why if why else ''}")
         if ack is Ack.DONE:
             self.followed += 1
         await acknowledge(self.t, words, epoch, ack, trainer, self._keys.relay_ack)
-
-    async def _relay(self, name: str) -> Peer:
-        peer = self._relays.get(name)
-        if peer is None or self._keys.relay not in peer.regions:
-            peer = await self.t.peer(name, regions=[self._keys.relay, self._keys.slots[1]], timeout=5.0)
-            if len(self._relays) > 64:
-                self._relays.clear()
-            self._relays[name] = peer
-        return peer
 
     async def _follow(self, rank: int, order: Order) -> tuple[Ack, str | None, str]:
         """Copies trainer rank ``rank``'s bytes of the order's version as the relay's log
@@ -161,7 +152,7 @@ class MeshRelayMember:
         runs, trainer = got
         if runs_fingerprint(runs) != mo.fingerprint:
             return Ack.FAILED, trainer, "the relay's runs are not this rank's"  # (the trainer rank pushes here)
-        relay = await self._relay(order.relay)
+        relay = await self._relays.get(order.relay)
         k = self._keys
         if mo.nbytes:  # a delta: its payload, as one piece
             copy, want, capacity = self._payload(relay, s, mo), End.DELTA, 1

@@ -73,7 +73,7 @@ from ._relay_block import (
     order_spans,
     section,
 )
-from ._relay_order import Acks, RelayLog
+from ._relay_order import Acks, RelayLog, watched
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -298,17 +298,8 @@ class MeshRelays:
         same_host: list[bool] = []
 
         async def push_root(rlog: RelayLog) -> None:
-            result: SyncResult | None = None
-            with anyio.CancelScope() as pushing:
-                async with anyio.create_task_group() as watch:
-                    async def watchdog() -> None:
-                        while not rlog.stalled(self.stall):
-                            await anyio.sleep(min(0.1, self.stall / 4))
-                        pushing.cancel()
-
-                    watch.start_soon(watchdog)
-                    result = await self._push_relay(rpeer, rmoves, version, t0, rarea, made, pieces, rlog, same_host)
-                    watch.cancel_scope.cancel()
+            result = await watched(rlog, self.stall, lambda: self._push_relay(rpeer, rmoves, version, t0, rarea, made,
+                                                                              pieces, rlog, same_host))
             if result is None:
                 result = self._result(rpeer, version, t0, SyncStatus.STRAGGLER,
                                       f"stalled as the relay of its host: nothing landed for {self.stall:g}s")

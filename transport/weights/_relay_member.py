@@ -69,7 +69,7 @@ class RelayMember:
         self.t, self._keys, self.layout, self._block = transport, keys, layout, block
         self._slots, self._headers, self.publisher = slots, headers, publisher
         self._capacity = rows_capacity(layout)
-        self._relays: dict[str, Peer] = {}  # relay name -> as looked up (its incarnation's regions)
+        self._relays = RelayLookup(transport, [keys.relay, keys.slots[1]])
         self.followed = 0  # orders acknowledged DONE
 
     async def run(self) -> None:
@@ -109,22 +109,12 @@ class RelayMember:
                     log.info("subscriber %s: cannot copy version %d from relay %s: %s", self.t.name, order.version,
                              order.relay, exc)
                 if ack is not Ack.DONE:  # (a relay that restarted is looked up anew next time)
-                    self._relays.pop(order.relay, None)
+                    self._relays.forget(order.relay)
                 self.t._flight.event("relayed", order.relay, f"version {order.version} from its slot {order.src} "
                                                              f"into slot {order.dst}: {ack.name}")
             await acknowledge(self.t, block, epoch, ack, self.publisher, self._keys.relay_ack)
             if ack is Ack.DONE:
                 self.followed += 1
-
-    async def _relay(self, name: str) -> Peer:
-        """The relay as looked up (again when it restarted or was not seen yet)."""
-        peer = self._relays.get(name)
-        if peer is None or self._keys.relay not in peer.regions:
-            peer = await self.t.peer(name, regions=[self._keys.relay, self._keys.slots[1]], timeout=5.0)
-            if len(self._relays) > 64:
-                self._relays.clear()
-            self._relays[name] = peer
-        return peer
 
     async def _follow(self, order: Order) -> Ack:
         """Copies ``order``'s version into its slot as the relay's log grows; how it ended.
@@ -133,7 +123,7 @@ class RelayMember:
             TransferTimeoutError: the log did not grow for ``STALL_S`` seconds.
         """
         t, k = self.t, self._keys
-        relay = await self._relay(order.relay)
+        relay = await self._relays.get(order.relay)
         source = relay.regions.get(k.slots[order.src])
         if source is None or source.nbytes != self.layout.total:
             return Ack.FAILED
@@ -168,6 +158,39 @@ class RelayMember:
         else:
             header[:1].zero_()
         return Ack.DONE
+
+
+class RelayLookup:
+    """The relays a member follows, each as looked up last (anew when it was not seen yet, or
+    restarted: its record lacks ``regions``, or it failed to be followed and was forgotten).
+
+    Args:
+        transport: the member's Transport.
+        regions: the relay's regions a lookup waits for.
+    """
+
+    def __init__(self, transport: Transport, regions: list[str]) -> None:
+        self.t, self._regions = transport, regions
+        self._peers: dict[str, Peer] = {}
+
+    async def get(self, name: str) -> Peer:
+        """The relay ``name``.
+
+        Raises:
+            TransportError: it is not found within 5 s.
+            ValueError: ``name`` is no peer name.
+        """
+        peer = self._peers.get(name)
+        if peer is None or any(r not in peer.regions for r in self._regions):
+            peer = await self.t.peer(name, regions=self._regions, timeout=5.0)
+            if len(self._peers) > 64:
+                self._peers.clear()
+            self._peers[name] = peer
+        return peer
+
+    def forget(self, name: str) -> None:
+        """Looks ``name`` up anew next time."""
+        self._peers.pop(name, None)
 
 
 async def follow_log(t: Transport, relay: Peer, key: str, base: int, order: Order, capacity: int,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import torch
@@ -25,6 +25,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ACK_LOOK_S = 0.02  # the longest a member's acknowledgement waits unseen (a signal says it sooner)
+
+T = TypeVar("T")
+
+
+async def watched(rlog: RelayLog, stall: float, push: Callable[[], Awaitable[T]]) -> T | None:
+    """``push()`` (the push into a relay, logging into ``rlog``) under a stall watch: cancelled
+    once a piece has been on its way for ``stall`` seconds while none landed. Its result, or
+    None when it stalled (its transfers were aborted with it)."""
+    result: T | None = None
+    with anyio.CancelScope() as pushing:
+        async with anyio.create_task_group() as watch:
+            async def watchdog() -> None:
+                while not rlog.stalled(stall):
+                    await anyio.sleep(min(0.1, stall / 4))
+                pushing.cancel()
+
+            watch.start_soon(watchdog)
+            result = await push()
+            watch.cancel_scope.cancel()
+    return result
 
 
 class RelayLog:

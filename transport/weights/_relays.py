@@ -44,7 +44,7 @@ from .._errors import PeerLostError, TransportError
 from .._host import host_id
 from .._peers import host_key
 from ._relay_block import Ack, Order, block_words, order_spans, rows_capacity
-from ._relay_order import Acks, RelayLog
+from ._relay_order import Acks, RelayLog, watched
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -183,22 +183,12 @@ class Relays:
         relay_failed, relay_ended = anyio.Event(), anyio.Event()
 
         async def push_relay(rlog: RelayLog) -> None:
-            result: SyncResult | None = None
-            with anyio.CancelScope() as pushing:
-                async with anyio.create_task_group() as watch:
-                    async def watchdog() -> None:
-                        while not rlog.stalled(self.stall):
-                            await anyio.sleep(min(0.1, self.stall / 4))
-                        pushing.cancel()
-
-                    watch.start_soon(watchdog)
-                    result, lost = await self._pushes.push(relay, version, snap, t0, feed, chosen, relay_log=rlog,
-                                                           look=looks[relay.name])
-                    watch.cancel_scope.cancel()
-            if result is None:  # stalled: its transfers were aborted with the push
+            got = await watched(rlog, self.stall, lambda: self._pushes.push(relay, version, snap, t0, feed, chosen,
+                                                                            relay_log=rlog, look=looks[relay.name]))
+            if got is None:  # stalled: its transfers were aborted with the push
                 why = f"stalled as the relay of its host: nothing landed for {self.stall:g}s"
-                result, lost = SyncResult(relay.name, version, SyncStatus.STRAGGLER, 0, time.perf_counter() - t0,
-                                          why), False
+                got = SyncResult(relay.name, version, SyncStatus.STRAGGLER, 0, time.perf_counter() - t0, why), False
+            result, lost = got
             done(relay, result, lost)
             if result.status != SyncStatus.DONE:
                 rlog.stop()
