@@ -260,8 +260,9 @@ def table(result: dict[str, Any]) -> str:
              "| method | median s | min-max s | x floor (rate) | x floor (stream) | direct / method | every subscriber "
              "live | T sent, all versions |", "|---|---|---|---|---|---|---|---|"]
     if "floor" in a["methods"]:
+        over = f"{direct / fl['rate_s']:.2f}" if direct else "-"  # (no direct push run: no ratio)
         lines.append(f"| floor | {fl['rate_s']:.2f} | (stream {fl['stream_s']:.2f}) | 1.00 | "
-                     f"{fl['rate_s'] / fl['stream_s']:.2f} | {direct / fl['rate_s'] if direct else 0:.2f} | - | - |")
+                     f"{fl['rate_s'] / fl['stream_s']:.2f} | {over} | - | - |")
     for name in ("direct", "relays", "striped", "gloo"):
         if name in m:
             lines.append(_row(name, m[name], fl, direct))
