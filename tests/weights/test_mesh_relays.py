@@ -28,7 +28,11 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavail
 # name -> (host, replica, rank)
 GENS = {"ga00": ("A", "RA0", 0), "ga01": ("A", "RA0", 1), "ga10": ("A", "RA1", 0), "ga11": ("A", "RA1", 1),
         "gb0": ("B", "RB", 0), "gb1": ("B", "RB", 1)}
-LABELS = {f"{rep}/{k}": name for name, (_, rep, k) in GENS.items()}
+# The chain test's: two tp=2 replicas on each of A and B, so that a chain's second link has a
+# member of its own host behind it.
+GENS_CHAIN = {n: v for n, v in GENS.items() if v[0] == "A"} | {
+    "gb00": ("B", "RB0", 0), "gb01": ("B", "RB0", 1), "gb10": ("B", "RB1", 0), "gb11": ("B", "RB1", 1)}
+LABELS = {f"{rep}/{k}": name for name, (_, rep, k) in (GENS | GENS_CHAIN).items()}
 TRAINERS = ("t0", "t1")
 W8 = (2048, 1024)  # 8 MB of float32: each trainer rank holds half its rows
 RATE_MBIT = 100  # a version takes about a second across T's link: a fault lands in the middle of one
@@ -40,19 +44,19 @@ MODULE = "tests.peers.mesh_relay_peer"
 class Run(FabricRun):
     """The processes of one test, their JSON lines gathered as they come."""
 
-    def __init__(self, fab: Fabric, d: str, trainer: dict) -> None:
+    def __init__(self, fab: Fabric, d: str, trainer: dict, gens: dict) -> None:
         super().__init__(fab, os.path.join(d, "flight"))
         os.makedirs(self.flight)
         store = f"file://{d}/store"
         common = {"store": store, "versions": trainer["versions"], "w8": W8, "sparse": trainer.get("sparse"),
                   "flight": self.flight}
-        for name, (host, rep, k) in GENS.items():
+        for name, (host, rep, k) in gens.items():
             self.start(name, host, MODULE, common | {"name": name, "role": "gen", "replica": rep, "rank": k,
                                                      "size": 2, "trainers": list(TRAINERS),
                                                      "listen": fab.addr(host)})
         for r, name in enumerate(TRAINERS):
             self.start(name, "T", MODULE, common | trainer | {"name": name, "role": "trainer", "rank": r,
-                                                              "generators": list(GENS), "piece_bytes": PIECE,
+                                                              "generators": list(gens), "piece_bytes": PIECE,
                                                               "listen": fab.addr("T")})
 
     def trainers(self, on: Callable[[dict], None]) -> dict[int, list[dict]]:
@@ -68,12 +72,12 @@ def fabric():
         yield fab
 
 
-def run(fab: Fabric, trainer: dict, on: Callable[[Run, dict], None] | None = None):
+def run(fab: Fabric, trainer: dict, on: Callable[[Run, dict], None] | None = None, gens: dict = GENS):
     with tempfile.TemporaryDirectory() as d:
-        r = Run(fab, d, trainer)
+        r = Run(fab, d, trainer, gens)
         reports = r.trainers((lambda doc: on(r, doc)) if on is not None else (lambda doc: None))
-        gens = {name: r.generator(name) for name in GENS}
-        return reports, gens, r.events("t0")
+        got = {name: r.generator(name) for name in gens}
+        return reports, got, r.events("t0")
 
 
 def check_whole(gens: dict, last: int, expect_last: set[str]) -> None:
@@ -168,31 +172,45 @@ def test_a_killed_relay_costs_its_members_one_direct_push(fabric):
     assert any(e["event"] == "relay-failed" and e["peer"] == "ga01" for e in events), events
 
 
-def check_chain(rep: dict, gens: dict) -> None:
-    """Each place's ranks got the version through one chain: one of them pushed to (the root),
-    each other one relayed by a rank of the same place, the second host's relay by the first
-    host's, so that the trainer rank's link carried one copy per place."""
+def check_chain(rep: dict, gens: dict, layout: dict) -> None:
+    """Each place's ranks (``layout``: name -> (host, replica, rank)) got the version through
+    one chain: one of them pushed to (the root), each other one relayed by a rank of the same
+    place, and exactly one across the hosts (the second host's relay, by the first host's), so
+    that the trainer rank's link carried one copy per place."""
     res = by_name(rep)
-    assert {n: s[0] for n, s in res.items()} == dict.fromkeys(GENS, "done"), rep
+    assert {n: s[0] for n, s in res.items()} == dict.fromkeys(layout, "done"), rep
     for place in (0, 1):
-        ranks = {n for n, (_, _, k) in GENS.items() if k == place}
+        ranks = {n for n, (_, _, k) in layout.items() if k == place}
         by = {n: res[n][1] for n in ranks}
         roots = [n for n, b in by.items() if b is None]
         assert len(roots) == 1 and all(b in ranks for b in by.values() if b is not None), \
             (rep, {n: g[1]["refused"] for n, g in gens.items() if g[1]})
-        across = [n for n, b in by.items() if b is not None and GENS[n][0] != GENS[b][0]]
+        across = [n for n, b in by.items() if b is not None and layout[n][0] != layout[b][0]]
         assert len(across) == 1, rep  # the link between the hosts: the second host's relay
+        members = [n for n, b in by.items() if b is not None and n not in across and b != roots[0]]
+        assert members == [n for n in ranks if layout[n][0] == layout[across[0]][0] and n != across[0]], rep
 
 
 def test_a_chain_across_hosts_carries_one_copy_per_place(fabric):
     versions = 5
-    reports, gens, events = run(fabric, {"versions": versions, "sparse": 0.01, "delta": True, "pause": 0.2,
-                                         "relays": "chain"})
-    check_whole(gens, versions - 1, set(GENS))
+    reports, gens, events = run(fabric, {"versions": versions, "sparse": 0.01, "delta": True, "pause": 0.3,
+                                         "relays": "chain"}, gens=GENS_CHAIN)
+    check_whole(gens, versions - 1, set(GENS_CHAIN))
     for rank in (0, 1):
-        for rep in reports[rank]:
-            check_chain(rep, gens)
-        assert any(all(s[2] for s in rep["results"].values()) for rep in reports[rank][2:]), reports[rank]
+        for rep in reports[rank][:2]:  # (later, a member without a delta's base gets that one dense, pushed)
+            check_chain(rep, gens, GENS_CHAIN)
+        for rep in reports[rank][2:]:
+            assert {s[0] for s in rep["results"].values()} == {"done"}, rep
+
+        def chained_delta(rep: dict) -> bool:
+            try:
+                check_chain(rep, gens, GENS_CHAIN)
+            except AssertionError:
+                return False
+            return all(s[2] for s in rep["results"].values())
+
+        # A delta version went down the whole chain as its payload.
+        assert any(chained_delta(rep) for rep in reports[rank][2:]), reports[rank]
     relayed = {e["peer"] for e in events if e["event"] == "relay"}
     assert len(relayed) == 4, events  # per place: the root and the second host's relay
 

@@ -92,6 +92,17 @@ Work = tuple[str, "Peer", ReplicaPlanMoves]  # (label "replica/rank", generator 
 Claimed = tuple[Work, Claim, "tuple[int, int] | None", "Cut | None"]
 
 
+async def _first(*events: anyio.Event) -> None:
+    """Waits until one of ``events`` is set."""
+    async with anyio.create_task_group() as tg:
+        async def until(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(until, event)
+
+
 class _Source:
     """A relay of one round as its followers see it: when its log is of the round's epoch,
     whether it failed, when it came to hold the whole version, and when its followers ended.
@@ -106,7 +117,7 @@ class _Source:
                  ) -> None:
         self.peer, self.area, self._log = peer, area, log
         self.begun = log.begun if log is not None else anyio.Event()
-        self.failed, self.settled = anyio.Event(), anyio.Event()
+        self.failed, self.settled, self.holding = anyio.Event(), anyio.Event(), anyio.Event()
         self._ended: tuple[tuple[int, bool], float] | None = None
         self._left = followers
         if followers == 0:
@@ -123,6 +134,7 @@ class _Source:
     def end(self, ended: tuple[int, bool]) -> None:
         """It holds the whole version (``ended``: bytes, as a delta); a link of a chain."""
         self._ended = (ended, time.monotonic())
+        self.holding.set()
 
     def late(self, stall: float) -> bool:
         """Whether a follower still without the version is taken over: it failed, or has held
@@ -351,13 +363,7 @@ class MeshRelays:
                                                flags)
         order = Order(epoch, version, source.peer.name, slot, slot, extra.words())
         result: SyncResult | None = None
-        async with anyio.create_task_group() as wait:  # (the order goes out once the log is of its epoch)
-            async def until(event: anyio.Event) -> None:
-                await event.wait()
-                wait.cancel_scope.cancel()
-
-            wait.start_soon(until, source.begun)
-            wait.start_soon(until, source.failed)
+        await _first(source.begun, source.failed)  # (the order goes out once the log is of its epoch)
         try:
             if source.begun.is_set() and not source.failed.is_set():
                 if cut is None:
@@ -383,7 +389,12 @@ class MeshRelays:
                     result = self._result(peer, version, t0, SyncStatus.STRAGGLER,
                                           f"still following relay {source.peer.name} after the {self.deadline:g}s "
                                           f"deadline")
-                elif ack is Ack.DONE and source.ended is not None:
+                elif ack is Ack.DONE and source.ended is None and not source.failed.is_set():
+                    # A link of a chain writes its log's end before it acknowledges its own
+                    # order: its followers may acknowledge first.
+                    with anyio.move_on_after(self.deadline):
+                        await _first(source.holding, source.failed)
+                if ack is Ack.DONE and source.ended is not None:
                     nbytes, as_delta = source.ended
                     result = SyncResult(peer.name, version, SyncStatus.DONE, nbytes, time.perf_counter() - t0,
                                         delta=as_delta, relayed_by=source.peer.name)
