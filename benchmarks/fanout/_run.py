@@ -323,11 +323,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="Publisher(deadline=...) of the fault runs: what a failed relay may cost (default 10)")
     p.add_argument("--fault-after", type=float, default=0.4,
                    help="the fault runs' signal comes this fraction of the relays' median time into the version")
+    p.add_argument("--bucket-mib", type=float, default=64.0, help="gloo broadcast bucket (default 64 MiB)")
+    p.add_argument("--timeout", type=float, default=120.0, help="each wait of each process (default 120 s)")
     p.add_argument("--mesh-poll-ms", type=float, default=100.0,
                    help="the mesh methods: how often a replica's leader tries commit() besides when the trainer "
                         "ranks say they published (default 100)")
-    p.add_argument("--bucket-mib", type=float, default=64.0, help="gloo broadcast bucket (default 64 MiB)")
-    p.add_argument("--timeout", type=float, default=120.0, help="each wait of each process (default 120 s)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="one method's processes in all (default 900 s)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--markdown", type=Path, help="write the report here")

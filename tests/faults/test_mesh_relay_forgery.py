@@ -12,11 +12,11 @@ but its done word is never written: only the trainer rank does that, for an orde
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 
 import transport
+from tests._support.relay_words import acked
 from transport.plan import GeneratorRank, LocalTensor, MeshSharding, Piece, Shard, TensorSpec, TrainerLayout
 from transport.weights import MeshPublisher, MeshSubscriber, SyncStatus
 from transport.weights import _relay_block as rb
@@ -28,13 +28,6 @@ SHAPE = (256, 128)
 LAYOUT = TrainerLayout.of([TensorSpec("w", SHAPE, "float32", MeshSharding((1,), (Shard(0),), (0,)))])
 GEN = GeneratorRank.of([LocalTensor("w", SHAPE, "float32",
                                     (Piece("w", ((0, SHAPE[0]), (0, SHAPE[1])), ((0, SHAPE[0]), (0, SHAPE[1]))),))])
-
-
-async def acked(words: torch.Tensor, epoch: int) -> rb.Ack:
-    with anyio.fail_after(30):
-        while int(words[rb.M_ACK_EPOCH]) != epoch:
-            await anyio.sleep(0.01)
-    return rb.Ack(int(words[rb.M_ACK]))
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ that, for an order of its own).
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 
 import transport
+from tests._support.relay_words import acked
 from transport.weights import Publisher, Subscriber, SyncStatus
 from transport.weights import _relay_block as rb
 from transport.weights._control import StreamKeys
@@ -27,13 +27,6 @@ KEYS = StreamKeys.of("policy")
 
 def state() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(256, 256), "b": torch.zeros(1000)}
-
-
-async def acked(block: torch.Tensor, epoch: int) -> rb.Ack:
-    with anyio.fail_after(20):
-        while int(block[rb.M_ACK_EPOCH]) != epoch:
-            await anyio.sleep(0.01)
-    return rb.Ack(int(block[rb.M_ACK]))
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ on one host other than this rank's, reaching each other over ``ipc``):
    commit the slot). One still following an order of an earlier version is asked to stop
    first (the fence of :class:`._relay_order.Acks`).
 2. The relay is the first of them by name that did not fail as a relay lately (one that
-   failed goes last for ``ROTATE_S`` seconds). The others that get the version the same way
+   failed goes last for ``_relay_order.ROTATE_S`` seconds). The others that get the version the same way
    (dense, or a delta: the same payload) are its members; the rest are pushed to directly.
 3. The relay gets the version as pieces of ``PIECE_BYTES`` of its runs
    (:func:`._binding.cut_runs`), ``RELAY_WINDOW`` in flight, each counted in this trainer
@@ -73,7 +73,7 @@ from ._relay_block import (
     order_spans,
     section,
 )
-from ._relay_order import Acks, RelayLog, watched
+from ._relay_order import Acks, RelayLog, Rotation, watched
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -85,7 +85,6 @@ log = logging.getLogger(__name__)
 
 PIECE_BYTES = 32 << 20  # a push into a relay goes (and is counted) in pieces this large
 RELAY_WINDOW = 3  # pieces of a push into a relay in flight at once
-ROTATE_S = 60.0  # a relay that failed goes last for this long
 
 Work = tuple[str, "Peer", ReplicaPlanMoves]  # (label "replica/rank", generator rank, this rank's moves into it)
 # A claimed rank of a group: its work, its claim, its delta area (offset, cap) and the payload it takes (None: dense).
@@ -172,7 +171,7 @@ class MeshRelays:
         self._base = section(rank)
         self._acks = Acks(transport, keys.relay, keys.relay_ack, deadline, stall, base=self._base)
         self._host = host_key(host_id())
-        self._failed: dict[str, float] = {}  # relay name -> until when it goes last
+        self._rotation = Rotation()
 
     def groups(self, work: list[Work]) -> tuple[list[list[list[Work]]], list[Work]]:
         """Splits the generator ranks to feed into relay trees and the rest. A tree is a list of
@@ -208,9 +207,7 @@ class MeshRelays:
     def forget(self, served: set[tuple[str, str]]) -> None:
         """Drops what is kept for generator ranks no longer served."""
         self._acks.forget(served)
-        now = time.monotonic()
-        for name in [n for n, until in self._failed.items() if until < now]:
-            del self._failed[name]
+        self._rotation.expire()
 
     async def serve(self, tree: list[list[Work]], version: int, t0: float, results: dict[str, SyncResult]) -> None:
         """Serves one relay tree (:meth:`groups`): claims each rank, then pushes into the first
@@ -268,13 +265,11 @@ class MeshRelays:
             with anyio.move_on_after(self.stall):
                 await all_claimed.wait()
             started = True
-            now = time.monotonic()
             hosts: list[list[Claimed]] = []
             others: list[Claimed] = []
             delta: bool | None = None  # the root's kind: every node of the tree gets the version the same way
             for host in tree:
-                names = sorted((w[1].name for w in host if w[1].name in claimed),
-                               key=lambda n: (self._failed.get(n, 0.0) > now, n))
+                names = self._rotation.order(w[1].name for w in host if w[1].name in claimed)
                 mine: list[Claimed] = []
                 for n in names:
                     entry = claimed[n]
@@ -320,7 +315,7 @@ class MeshRelays:
                     result = await self._mark_after(sources[0], rpeer, version, t0, result)
             else:
                 rlog.stop()
-                self._failed[rpeer.name] = time.monotonic() + ROTATE_S
+                self._rotation.failed(rpeer.name)
                 self.t._flight.event("relay-failed", rpeer.name, f"version {version}: {result.error}")
                 sources[0].failed.set()
             results[rlabel] = result

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ACK_LOOK_S = 0.02  # the longest a member's acknowledgement waits unseen (a signal says it sooner)
+ROTATE_S = 60.0  # a relay that failed goes last for this long
 
 T = TypeVar("T")
 
@@ -237,3 +238,26 @@ class Acks:
                 seen = await self.t.wait_signal(self.signal, at_least=seen + 1, timeout=ACK_LOOK_S)
             except TransferTimeoutError:
                 pass
+
+
+class Rotation:
+    """Which relay goes first: by name, but one that failed as a relay in the last ``ROTATE_S``
+    seconds goes last (the next by name takes over)."""
+
+    def __init__(self) -> None:
+        self._failed: dict[str, float] = {}  # relay name -> until when it goes last
+
+    def failed(self, name: str) -> None:
+        """``name`` failed as a relay now."""
+        self._failed[name] = time.monotonic() + ROTATE_S
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        """``names`` in the order they are tried as relays."""
+        now = time.monotonic()
+        return sorted(names, key=lambda n: (self._failed.get(n, 0.0) > now, n))
+
+    def expire(self) -> None:
+        """Forgets the failures older than ``ROTATE_S``."""
+        now = time.monotonic()
+        for name in [n for n, until in self._failed.items() if until < now]:
+            del self._failed[name]

@@ -6,7 +6,7 @@ How one version goes to a host whose subscribers take part (``Subscriber(relay=T
 or more of them, on a host other than the publisher's, reached from each other over ``ipc``):
 
 1. The relay is the first of them by name that did not fail as a relay lately (one that
-   failed goes last for ``ROTATE_S`` seconds: the next by name takes over).
+   failed goes last for ``_relay_order.ROTATE_S`` seconds: the next by name takes over).
 2. Each member gets an order in its relay block (:mod:`._relay_block`): copy the version from
    the relay's slot ``src`` into its own free slot ``dst``, following the relay's log of this
    order's epoch; a signal wakes it.
@@ -44,7 +44,7 @@ from .._errors import PeerLostError, TransportError
 from .._host import host_id
 from .._peers import host_key
 from ._relay_block import Ack, Order, block_words, order_spans, rows_capacity
-from ._relay_order import Acks, RelayLog, watched
+from ._relay_order import Acks, RelayLog, Rotation, watched
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROTATE_S = 60.0  # a relay that failed goes last for this long
 
 
 class Relays:
@@ -80,7 +79,7 @@ class Relays:
         self._words = block_words(layout)
         self._capacity = rows_capacity(layout)
         self._acks = Acks(transport, keys.relay, keys.relay_ack, deadline, stall)
-        self._failed: dict[str, float] = {}  # relay name -> until when it goes last
+        self._rotation = Rotation()
 
     def groups(self, serve: Mapping[str, Peer]) -> tuple[list[list[Peer]], list[Peer]]:
         """Splits the subscribers to serve into host groups that get a relay (two or more that
@@ -106,14 +105,7 @@ class Relays:
     def forget(self, serving: set[tuple[str, str]]) -> None:
         """Drops what is kept for subscribers no longer served."""
         self._acks.forget(serving)
-        now = time.monotonic()
-        for name in [n for n, until in self._failed.items() if until < now]:
-            del self._failed[name]
-
-    def _candidates(self, group: list[Peer]) -> list[Peer]:
-        """The group in the order relays are tried: by name, those that failed lately last."""
-        now = time.monotonic()
-        return sorted(group, key=lambda p: (self._failed.get(p.name, 0.0) > now, p.name))
+        self._rotation.expire()
 
     async def fenced(self, peer: Peer) -> bool:
         """Whether ``peer``'s slots may be written (:meth:`Acks.fenced`)."""
@@ -158,7 +150,8 @@ class Relays:
         async with anyio.create_task_group() as tg:
             for peer in group:
                 tg.start_soon(look, peer)
-        relay = next((p for p in self._candidates(group) if p.name in looks), None)
+        by_name = {p.name: p for p in group}
+        relay = next((by_name[n] for n in self._rotation.order(by_name) if n in looks), None)
         members: list[Peer] = []
         if relay is not None:
             kind = self._pushes.wants_delta(relay, looks[relay.name], feed, chosen)
@@ -192,7 +185,7 @@ class Relays:
             done(relay, result, lost)
             if result.status != SyncStatus.DONE:
                 rlog.stop()
-                self._failed[relay.name] = time.monotonic() + ROTATE_S
+                self._rotation.failed(relay.name)
                 self.t._flight.event("relay-failed", relay.name, f"version {version}: {result.error}")
                 relay_failed.set()  # its members are taken over (it may never read its log again)
             relay_ended.set()
