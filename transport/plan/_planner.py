@@ -207,7 +207,7 @@ class Planner:
         balance = self.trainer.balance
         if balance == "all":
             return "all"
-        return replica.balance or replica.id if balance == "host" else replica.id
+        return (replica.balance or replica.id) if balance == "host" else replica.id
 
     def plan_replica(self, replica: Replica, previous: ReplicaPlan | None = None) -> ReplicaPlan:
         """The plan of one replica (validated first); ``previous`` itself when it was planned

@@ -160,8 +160,8 @@ class MeshPublisher(Lifecycle):
             raise MeshLayoutError(f"trainer rank {rank} is outside [0, {MAX_TRAINER_RANKS})")
         # Ties between trainer ranks holding the same part are broken alike where relays share
         # bytes: per host, or for every replica along a chain (published with the layout).
-        balance = "replica" if not relays else "all" if relays == "chain" else "host"
-        layout = dataclasses.replace(layout, balance=balance)
+        mode = ("chain" if relays == "chain" else "host") if relays else None
+        layout = dataclasses.replace(layout, balance={None: "replica", "host": "host", "chain": "all"}[mode])
         self.t, self.name, self.rank, self.layout, self.deadline = transport, name, rank, layout, deadline
         self.keys = MeshKeys.of(name)
         self._planner = Planner(layout, topology)
@@ -186,8 +186,7 @@ class MeshPublisher(Lifecycle):
         self._pushes = MeshPushes(transport, self.keys, rank, self._planner, self._offsets, deadline,
                                   delta=self._packer is not None, delta_everywhere=delta is True)
         stall = min(deadline, 5.0) if relay_timeout is None else float(relay_timeout)
-        self._relays = MeshRelays(transport, self.keys, rank, self._pushes, deadline, stall,
-                                  "chain" if relays == "chain" else "host") if relays else None
+        self._relays = MeshRelays(transport, self.keys, rank, self._pushes, deadline, stall, mode) if mode else None
 
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """name -> this rank's local shard, for every tensor of the state it holds a box of

@@ -104,11 +104,12 @@ class MeshPushes:
         self._tables: dict[tuple[str, str], tuple[int, int] | None] = {}  # -> this rank's (offset, cap) there
         self._sums: dict[tuple[bytes, int], tuple[int, int]] = {}  # (runs, slot) -> (version, checksum there)
         self._cuts: dict[bytes, Cut | None] = {}  # runs -> the change cut along them (this version)
+        self._cutting: dict[bytes, anyio.Lock] = {}  # runs -> held while their cut is made
         self.memory_link: dict[str, bool] = {}  # generator rank -> its last push went over shared memory
 
     def begin(self, version: int, change: Change | None) -> None:
         """A new version is being published (``change``: its change, when diffed)."""
-        self.version, self.change, self._cuts = version, change, {}
+        self.version, self.change, self._cuts, self._cutting = version, change, {}, {}
 
     def forget(self, served: set[tuple[str, str]]) -> None:
         """Drops what is kept for generator ranks (name, incarnation) no longer served."""
@@ -242,10 +243,12 @@ class MeshPushes:
         return SyncResult(peer.name, version, status, nbytes if status is SyncStatus.DONE else 0,
                           time.perf_counter() - t0, error, delta=as_delta)
 
-    def delta_to(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None) -> Cut | None:
-        """The payload ``peer`` gets this version as, when it may take a delta: it takes them,
-        its slot holds the base from this rank (its DONE word) and as it read it (its MAT word),
-        the checksum of those bytes is known, and the cut fits its area. None: dense."""
+    def _base(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None
+              ) -> tuple[Change, Runs, int] | None:
+        """(the change, ``peer``'s runs, this rank's checksum of the base there) when ``peer`` may
+        take this version as a delta: it takes them, its slot holds the base from this rank
+        (its DONE word) and as it read it (its MAT word), and the checksum of those bytes is
+        known. None: dense."""
         change, runs = self.change, self._runs.get((peer.name, peer.incarnation))
         if change is None or runs is None or area is None or runs.why_not is not None:
             return None
@@ -256,14 +259,22 @@ class MeshPushes:
         held = self._sums.get((runs.fingerprint, slot))
         if held is None or held[0] != change.base:
             return None
-        if runs.fingerprint not in self._cuts:  # (once per version and runs)
-            self._cuts[runs.fingerprint] = cut(change, runs, held[1], area[1])
-        made = self._cuts[runs.fingerprint]
-        return made if made is not None and made.payload.numel() <= HEAD_BYTES + area[1] else None
+        return change, runs, held[1]
 
     async def cut_for(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None) -> Cut | None:
-        """:meth:`delta_to` off the event loop (a cut is a pass over the change)."""
-        return await anyio.to_thread.run_sync(self.delta_to, peer, slot, claim, area)
+        """The payload ``peer`` gets this version as when it may take a delta (:meth:`_base`) and
+        the cut fits its area; None: dense. A cut is a pass over the change: it is made off the
+        event loop, once per version and runs (the pushes of ranks of the same runs wait for
+        the first one's)."""
+        base = self._base(peer, slot, claim, area)
+        if base is None or area is None:
+            return None
+        change, runs, base_sum = base
+        async with self._cutting.setdefault(runs.fingerprint, anyio.Lock()):
+            if runs.fingerprint not in self._cuts:
+                self._cuts[runs.fingerprint] = await anyio.to_thread.run_sync(cut, change, runs, base_sum, area[1])
+        made = self._cuts[runs.fingerprint]
+        return made if made is not None and made.payload.numel() <= HEAD_BYTES + area[1] else None
 
     def sent_delta(self, peer: Peer, slot: int, made: Cut) -> None:
         """``peer``'s slot takes ``made`` this version: the checksum a later delta builds on."""

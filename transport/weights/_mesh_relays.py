@@ -73,7 +73,7 @@ from ._relay_block import (
     order_spans,
     section,
 )
-from ._relay_order import Acks, RelayLog, Rotation, watched
+from ._relay_order import PIECE_BYTES, RELAY_WINDOW, Acks, RelayLog, Rotation, first_of, watched
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -83,23 +83,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 32 << 20  # a push into a relay goes (and is counted) in pieces this large
-RELAY_WINDOW = 3  # pieces of a push into a relay in flight at once
 
 Work = tuple[str, "Peer", ReplicaPlanMoves]  # (label "replica/rank", generator rank, this rank's moves into it)
 # A claimed rank of a group: its work, its claim, its delta area (offset, cap) and the payload it takes (None: dense).
 Claimed = tuple[Work, Claim, "tuple[int, int] | None", "Cut | None"]
-
-
-async def _first(*events: anyio.Event) -> None:
-    """Waits until one of ``events`` is set."""
-    async with anyio.create_task_group() as tg:
-        async def until(event: anyio.Event) -> None:
-            await event.wait()
-            tg.cancel_scope.cancel()
-
-        for event in events:
-            tg.start_soon(until, event)
 
 
 class _Source:
@@ -358,7 +345,7 @@ class MeshRelays:
                                                flags)
         order = Order(epoch, version, source.peer.name, slot, slot, extra.words())
         result: SyncResult | None = None
-        await _first(source.begun, source.failed)  # (the order goes out once the log is of its epoch)
+        await first_of(source.begun, source.failed)  # (the order goes out once the log is of its epoch)
         try:
             if source.begun.is_set() and not source.failed.is_set():
                 if cut is None:
@@ -388,7 +375,7 @@ class MeshRelays:
                     # A link of a chain writes its log's end before it acknowledges its own
                     # order: its followers may acknowledge first.
                     with anyio.move_on_after(self.deadline):
-                        await _first(source.holding, source.failed)
+                        await first_of(source.holding, source.failed)
                 if ack is Ack.DONE and source.ended is not None:
                     nbytes, as_delta = source.ended
                     result = SyncResult(peer.name, version, SyncStatus.DONE, nbytes, time.perf_counter() - t0,

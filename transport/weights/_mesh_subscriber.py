@@ -19,7 +19,7 @@ import anyio
 import torch
 
 from .._errors import ClosedError, CommitError, TransferTimeoutError, TransportError
-from ..plan import GeneratorRank, MeshLayoutError, RankLayout, encode_rank
+from ..plan import GeneratorRank, MeshLayoutError, Planner, RankLayout, RankPlan, encode_rank
 from ._binding import slot_layout
 from ._control import claim, decode_front, encode_front, memory_barrier, release, withdraw
 from ._lifecycle import Lifecycle
@@ -127,7 +127,8 @@ class MeshSubscriber(Lifecycle):
         self._want_relay = relay
         self._relay: MeshRelayMember | None = None  # follows relay orders (set by start when it takes part)
         self._relay_scope: anyio.CancelScope | None = None  # its task, while started
-        self._source_runs: tuple[tuple[int, int], dict[int, np.ndarray]] | None = None  # (plan ids, runs)
+        # (the planner, this rank's plan, its runs from each trainer rank): bound once per plan
+        self._bound: tuple[Planner, RankPlan, dict[int, np.ndarray]] | None = None
         self._next_check = 0.0  # catch_up(): when to look at the trainer's versions again
         self._behind_since: float | None = None
 
@@ -281,8 +282,15 @@ class MeshSubscriber(Lifecycle):
         plan is known."""
         now = await self._view.now()
         if self._deltas.awaiting_plan and self._slots:
-            self._deltas.make(self._slots, self._view.runs(now.planner, now.plans[self.rank]))
+            self._deltas.make(self._slots, self._runs(now))
         return now
+
+    def _runs(self, now: ReplicaNow) -> dict[int, np.ndarray]:
+        """Trainer rank -> its byte runs into this rank under ``now``'s plan (bound once per plan)."""
+        mine = now.plans[self.rank]
+        if self._bound is None or self._bound[0] is not now.planner or self._bound[1] is not mine:
+            self._bound = (now.planner, mine, self._view.runs(now.planner, mine))
+        return self._bound[2]
 
     async def _relay_source(self, trainer_rank: int) -> tuple[np.ndarray, str] | None:
         """Trainer rank ``trainer_rank``'s byte runs into this rank under the plan and its name
@@ -290,11 +298,7 @@ class MeshSubscriber(Lifecycle):
         checked and cut by. One look at the store; the runs are bound once per plan."""
         now = await self._replica_now()
         name = now.trainers.get(trainer_rank)
-        mine = now.plans[self.rank]
-        ids = (id(now.planner), id(mine))
-        if self._source_runs is None or self._source_runs[0] != ids:
-            self._source_runs = (ids, self._view.runs(now.planner, mine))
-        runs = self._source_runs[1].get(trainer_rank)
+        runs = self._runs(now).get(trainer_rank)
         return None if runs is None or name is None else (runs, name)
 
     async def commit(self, *, timeout: float | None = None) -> int | None:
@@ -478,7 +482,7 @@ class MeshSubscriber(Lifecycle):
         try:
             if any(int(ctl[done_word(s, t)]) < 0 for t in sources):
                 return None  # a trainer rank is writing it right now: try again
-            for t, runs in self._view.runs(now.planner, mine).items():
+            for t, runs in self._runs(now).items():
                 if not await self._read_snapshot(trainer_ranks[t], tctls[t], v, runs):
                     return None  # being written, or overwritten while read: try again
             self._deltas.clear(s)  # its bytes are all of v now: no delta waits for it

@@ -23,6 +23,7 @@ from ._control import APPLIED, CTL_WORDS, DELTA, FRONT, LAYOUT_ID, StreamKeys, d
 from ._delta_feed import DeltaFeed
 from ._layout import Layout
 from ._polling import PENDING, Pending, poll
+from ._relay_order import PIECE_BYTES, RELAY_WINDOW
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-PIECE_BYTES = 32 << 20  # a push into a relay goes (and is logged) in pieces of consecutive buckets this large
-RELAY_WINDOW = 3  # pieces of a push into a relay in flight at once: they land in order, one after another
 
 
 def pieces(buckets: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:

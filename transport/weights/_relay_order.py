@@ -26,8 +26,21 @@ log = logging.getLogger(__name__)
 
 ACK_LOOK_S = 0.02  # the longest a member's acknowledgement waits unseen (a signal says it sooner)
 ROTATE_S = 60.0  # a relay that failed goes last for this long
+PIECE_BYTES = 32 << 20  # a push into a relay goes (and is logged) in pieces of about this many bytes
+RELAY_WINDOW = 3  # pieces of a push into a relay in flight at once: they land in order, one after another
 
 T = TypeVar("T")
+
+
+async def first_of(*events: anyio.Event) -> None:
+    """Waits until one of ``events`` is set (e.g. a relay's log begun, or the relay failed)."""
+    async with anyio.create_task_group() as tg:
+        async def until(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(until, event)
 
 
 async def watched(rlog: RelayLog, stall: float, push: Callable[[], Awaitable[T]]) -> T | None:

@@ -44,7 +44,7 @@ from .._errors import PeerLostError, TransportError
 from .._host import host_id
 from .._peers import host_key
 from ._relay_block import Ack, Order, block_words, order_spans, rows_capacity
-from ._relay_order import Acks, RelayLog, Rotation, watched
+from ._relay_order import Acks, RelayLog, Rotation, first_of, watched
 from ._report import SyncResult, SyncStatus
 
 if TYPE_CHECKING:
@@ -201,13 +201,7 @@ class Relays:
             result: SyncResult | None = None
             # The order goes out once the relay's log is of its epoch (a member that looked
             # before would take the old log for a failed relay).
-            async with anyio.create_task_group() as wait:
-                async def until(event: anyio.Event) -> None:
-                    await event.wait()
-                    wait.cancel_scope.cancel()
-
-                wait.start_soon(until, rlog.begun)
-                wait.start_soon(until, relay_failed)
+            await first_of(rlog.begun, relay_failed)
             if not rlog.begun.is_set():
                 again.append(peer)
                 return
