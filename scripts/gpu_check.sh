@@ -239,7 +239,8 @@ nccl_tests() {
         return 1
     fi
     LD_PRELOAD="$NCCL_LIB" TRANSPORT_NCCL_LIB="$NCCL_LIB" NCCL_MULTI_RANK_GPU_ENABLE=1 \
-        "$PY" -m pytest -m gpu "$@" --junitxml="$OUT/pytest-nccl.xml" tests/backends/test_nccl.py
+        "$PY" -m pytest -m gpu "$@" --junitxml="$OUT/pytest-nccl.xml" tests/backends/test_nccl.py \
+        tests/gpu/test_relays_cuda.py
 }
 
 kernels_built() {
@@ -288,7 +289,7 @@ step "pytest -m gpu tests/" 240 225 \
     "$PY" -m pytest -m gpu "${PYTEST_ARGS[@]}" --continue-on-collection-errors --junitxml="$OUT/pytest-gpu.xml" tests/
 
 step "nccl >= 2.30 (join the carried wheel)" 60 220 nccl_join
-step "pytest -m gpu tests/backends/test_nccl.py (NCCL >= 2.30, two ranks on one GPU)" 150 200 nccl_tests \
+step "pytest -m gpu test_nccl.py, test_relays_cuda.py (NCCL >= 2.30, two ranks on one GPU)" 200 200 nccl_tests \
     "${PYTEST_ARGS[@]}"
 
 FILES=()

@@ -23,9 +23,9 @@ import transport
 from transport.weights import Subscriber
 
 
-def model(shapes: dict) -> dict[str, torch.Tensor]:
-    """The state dict of ``shapes`` (name -> [shape, dtype name]), zeros."""
-    return {k: torch.zeros(s, dtype=getattr(torch, d)) for k, (s, d) in shapes.items()}
+def model(shapes: dict, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The state dict of ``shapes`` (name -> [shape, dtype name]), zeros on ``device``."""
+    return {k: torch.zeros(s, dtype=getattr(torch, d), device=device) for k, (s, d) in shapes.items()}
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
@@ -33,17 +33,18 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(state):
         h.update(k.encode())
-        h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(state[k].contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 async def main(spec: dict) -> None:
-    local = model(spec["shapes"])
+    device = spec.get("device", "cpu")  # (a CUDA device: the model and the slots there)
+    local = model(spec["shapes"], device)
     async with transport.Transport(spec["name"], store=spec["store"], backends=spec.get("backends"),
                                    listen=spec.get("listen"), timeout=30,
                                    flight_dir=spec.get("flight")) as t:
         async with Subscriber(t, local, publisher=spec["publisher"], relay=spec.get("relay", True),
-                              delta=spec.get("delta", True)) as sub:
+                              delta=spec.get("delta", True), device=device) as sub:
             await t.signal(spec["publisher"], f"ready.{spec['name']}", 1)
             while t.signal_value("stop") is None:
                 v = await sub.apply_async()

@@ -28,16 +28,16 @@ def step(state: dict[str, torch.Tensor], change: float, gen: torch.Generator) ->
     for t in state.values():
         flat = t.view(-1)
         if change >= 1.0:
-            flat.copy_(torch.randn(flat.numel(), generator=gen).to(t.dtype))
+            flat.copy_(torch.randn(flat.numel(), generator=gen).to(t.device, t.dtype))
         else:
             n = max(1, int(flat.numel() * change))
             at = torch.randint(0, flat.numel(), (n,), generator=gen)
-            flat[at] = torch.randn(n, generator=gen).to(t.dtype)
+            flat[at.to(t.device)] = torch.randn(n, generator=gen).to(t.device, t.dtype)
 
 
 async def main(spec: dict) -> None:
     gen = torch.Generator().manual_seed(spec.get("seed", 1))
-    state = model(spec["shapes"])
+    state = model(spec["shapes"], spec.get("device", "cpu"))
     async with transport.Transport("trainer", store=spec["store"], listen=spec.get("listen"), timeout=30,
                                    flight_dir=spec.get("flight")) as t:
         async with Publisher(t, state, deadline=spec.get("deadline", 5.0), bucket_bytes=spec.get("bucket", 1 << 20),

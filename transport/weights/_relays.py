@@ -1,6 +1,7 @@
 """Per-host relays of a stream publisher (:class:`Relays`): each version crosses the link to a
 generator host once, into one subscriber there (the host's relay), and the host's other
-subscribers (its members) copy it from the relay's slot over shared memory as its parts land.
+subscribers (its members) copy it from the relay's slot over ``ipc`` as its parts land (shared
+memory; CUDA IPC where the slots are on GPUs, ``Subscriber(device=..., relay=True)``).
 
 How one version goes to a host whose subscribers take part (``Subscriber(relay=True)``; two
 or more of them, on a host other than the publisher's, reached from each other over ``ipc``):

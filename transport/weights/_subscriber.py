@@ -108,12 +108,16 @@ class Subscriber(Lifecycle):
             device: the publisher writes straight into GPU memory (``ipc`` on one host,
             ``nccl`` across hosts; not ``ucx``/``tcp``), ``apply()`` is a device copy, or with
             ``zero_copy`` a re-point of the GPU tensors.
-        relay: take part in per-host relays (host slots in copy mode only; see
-            ``Publisher(relays=...)``): where the publisher is on another host and other
-            subscribers share this one, a version may arrive through one of them (this one may
-            be it): it copies the version into its slot over shared memory as the parts land,
-            in a task of its Transport, from ``start`` to ``aclose``. The version is applied
-            exactly as a pushed one. False: every version is pushed to it directly.
+        relay: take part in per-host relays (see ``Publisher(relays=...)``): where the
+            publisher is on another host and other subscribers share this one, a version may
+            arrive through one of them (this one may be it): it copies the version into its
+            slot over ``ipc`` as the parts land (host slots: shared memory; device slots: CUDA
+            IPC from the relay's GPU memory), in a task of its Transport, from ``start`` to
+            ``aclose``. The version is applied exactly as a pushed one. None (the default):
+            host slots take part, device slots do not (relays of device slots have not run on
+            GPUs yet: a relay needs a cross-host ``nccl`` push, so at least two GPUs); True:
+            device slots too. False: every version is pushed to it directly. ``zero_copy``
+            subscribers never take part.
 
     Raises:
         ValueError: ``zero_copy`` with tensors that are not on ``device``; a ``device`` that is
@@ -135,7 +139,7 @@ class Subscriber(Lifecycle):
         zero_copy: bool = False,
         device: str | torch.device = "cpu",
         delta: bool = True,
-        relay: bool = True,
+        relay: bool | None = None,
     ) -> None:
         self.t = transport
         self.zero_copy = zero_copy
@@ -161,7 +165,8 @@ class Subscriber(Lifecycle):
         self._threads = available_threads()
         self._started = False
         self._want_delta = delta
-        self._want_relay = relay and self.device.type == "cpu" and not zero_copy
+        # Device slots relay only when asked for (see ``relay``).
+        self._want_relay = (self.device.type == "cpu" if relay is None else relay) and not zero_copy
         self._relay: RelayMember | None = None  # follows relay orders (set by start when it takes part)
         self._relay_scope: anyio.CancelScope | None = None
         self._deltas: DeltaIntake | None = None  # set by start when this subscriber takes deltas
