@@ -115,8 +115,7 @@ class Subscriber(Lifecycle):
             IPC from the relay's GPU memory), in a task of its Transport, from ``start`` to
             ``aclose``. The version is applied exactly as a pushed one. None (the default):
             host slots take part, device slots do not (relays of device slots have not run on
-            GPUs yet: a relay needs a cross-host ``nccl`` push, so at least two GPUs); True:
-            device slots too. False: every version is pushed to it directly. ``zero_copy``
+            a GPU yet: ``tests/gpu/test_relays_cuda.py``); True: device slots too. False: every version is pushed to it directly. ``zero_copy``
             subscribers never take part.
 
     Raises:
