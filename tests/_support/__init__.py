@@ -127,6 +127,22 @@ async def serving_target(t: transport.Transport, targets: Callable[[dict], Targe
     return target
 
 
+async def put_each_dtype(t: transport.Transport, peer: str, sizes: dict[str, int], backend: str) -> dict[str, str]:
+    """Puts a random tensor of each dtype of ``tests._support.scenarios.DTYPES`` into ``peer``'s
+    region named after it (``sizes[name]`` elements) and reads it back (:func:`put_and_read_back`);
+    returns the sha256 of each, by name: what the target must report holding."""
+    from tests._support.scenarios import DTYPES, random_tensor
+
+    await t.peer(peer, regions=list(sizes))
+    expected = {}
+    for i, dtype in enumerate(DTYPES):
+        name = str(dtype).removeprefix("torch.")
+        src = random_tensor(sizes[name], dtype, seed=i)
+        await put_and_read_back(t, peer, [name], src, backend)
+        expected[name] = sha(src)
+    return expected
+
+
 async def put_and_read_back(t: transport.Transport, peer: str, keys: Sequence[str], src: torch.Tensor,
                             backend: str) -> None:
     """Puts ``src`` into each of ``peer``'s regions ``keys`` and reads it back one-sidedly,

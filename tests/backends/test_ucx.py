@@ -8,7 +8,6 @@ The conformance suite (tests/backends/test_conformance.py) already runs every sc
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -24,8 +23,7 @@ import pytest
 import torch
 
 import transport
-from tests._support import PYTHON, ROOT, put_and_read_back, python_env
-from tests._support.scenarios import DTYPES, random_tensor
+from tests._support import PYTHON, ROOT, put_and_read_back, put_each_dtype, python_env, sha
 from transport.backends.ucx import UcxBackend
 
 needs_ucx = pytest.mark.skipif(
@@ -33,10 +31,6 @@ needs_ucx = pytest.mark.skipif(
 )
 
 INSTALL_HINT = "pip install 'transport[ucx]'"
-
-
-def sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def default_transports_env() -> dict[str, str]:
@@ -192,13 +186,7 @@ async def test_cross_process_conformance_over_ucx(procs, file_store, tmp_path):
             "regions": [{"key": k, "dtype": k, "numel": n} for k, n in sizes.items()],
         }))
         await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=list(sizes))
-        expected = {}
-        for i, dtype in enumerate(DTYPES):
-            name = str(dtype).removeprefix("torch.")
-            src = random_tensor(sizes[name], dtype, seed=i)
-            await put_and_read_back(t, "server", [name], src, "ucx")
-            expected[name] = sha(src)
+        expected = await put_each_dtype(t, "server", sizes, "ucx")
         await t.signal("server", "done", 1)
         assert await server.wait(60) == 0, server.tail()
     assert json.loads(Path(out).read_text())["sha256"] == expected

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import transport
-from tests._support import PYTHON, put_and_read_back, python_env, sha
-from tests._support.scenarios import DTYPES, random_tensor
+from tests._support import PYTHON, put_and_read_back, put_each_dtype, python_env, sha
 
 
 async def test_target_blocked_in_sleep_receives_64mib_over_ipc(targets, file_store):
@@ -43,13 +42,7 @@ async def test_cross_process_conformance(targets, file_store, backend, shared):
         target = targets({"name": "server", "store": file_store, "backends": [backend], "initiator": "init",
                           "mode": "serve", "regions": regions})
         await t.wait_signal("ready", timeout=60)
-        await t.peer("server", regions=list(sizes))
-        expected = {}
-        for i, dtype in enumerate(DTYPES):
-            name = str(dtype).removeprefix("torch.")
-            src = random_tensor(sizes[name], dtype, seed=i)
-            await put_and_read_back(t, "server", [name], src, backend)
-            expected[name] = sha(src)
+        expected = await put_each_dtype(t, "server", sizes, backend)
         await t.signal("server", "done", 1)
         info = await target.result()
     assert info["sha256"] == expected

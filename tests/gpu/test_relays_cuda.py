@@ -17,7 +17,6 @@ a GPU yet (no lent machine had that NCCL in the session that wrote it).
 from __future__ import annotations
 
 import os
-import signal
 import tempfile
 import time
 
@@ -26,7 +25,7 @@ import torch
 
 from tests._support.fabric_run import FabricRun
 from tests._support.netns import Fabric, unavailable_reason
-from tests.weights.test_relays import check_whole
+from tests.weights.test_relays import check_whole, kill_relay_in_version_3
 from transport._native import nccl as _nccl
 from transport.backends.nccl import NcclBackend
 
@@ -93,12 +92,7 @@ def test_device_slots_are_relayed_whole(fabric):
 
 
 def test_a_killed_device_slot_relay_costs_its_host_one_more_push(fabric):
-    def fault(r: FabricRun, doc: dict) -> None:
-        if doc.get("publishing") == 3:
-            time.sleep(0.1)
-            os.kill(r.procs["gen-a0"].pid, signal.SIGKILL)
-
-    reports, gens, events = run(fabric, {"versions": 4, "change": 1.0, "pause": 0.3}, fault)
+    reports, gens, events = run(fabric, {"versions": 4, "change": 1.0, "pause": 0.3}, kill_relay_in_version_3)
     check_whole(reports, gens)
     v3 = reports[2]["results"]
     assert v3["gen-a0"][0] != "done", v3

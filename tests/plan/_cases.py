@@ -148,9 +148,11 @@ def execute(planner: Planner, plan: Plan, replicas: list[Replica], full: dict[st
     return out
 
 
-def reference(lt: LocalTensor, full: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The local tensor built directly from its pieces (values, and 1 where a piece lands)."""
-    vals = np.zeros(lt.shape, np.float32)
+def reference(lt: LocalTensor, full: dict[str, np.ndarray], dtype: type = np.float32
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The local tensor built directly from its pieces (values of ``dtype``, and how many pieces
+    land on each element)."""
+    vals = np.zeros(lt.shape, dtype)
     mask = np.zeros(lt.shape, np.int64)
     for p in lt.pieces:
         dst = tuple(slice(lo, hi) for lo, hi in p.local)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.plan._cases import reference
 from transport.plan import (
     BUILTIN_MODELS,
     ITEMSIZE,
@@ -136,13 +137,7 @@ def from_pieces(replica: Replica, g: int, full: Arrays) -> tuple[Arrays, Arrays]
     """Rank ``g``'s local tensors assembled straight from the pieces, and the piece coverage."""
     out, cover = {}, {}
     for lt in replica.ranks[g].tensors:
-        a = np.zeros(lt.shape, np.int64)
-        c = np.zeros(lt.shape, np.int64)
-        for p in lt.pieces:
-            dst = tuple(slice(lo, hi) for lo, hi in p.local)
-            a[dst] = full[p.name][tuple(slice(lo, hi) for lo, hi in p.box)].reshape(a[dst].shape)
-            c[dst] += 1
-        out[lt.name], cover[lt.name] = a, c
+        out[lt.name], cover[lt.name] = reference(lt, full, np.int64)
     return out, cover
 
 

@@ -130,13 +130,15 @@ def test_a_stopped_relay_costs_its_host_the_relay_timeout_and_is_rotated_out(fab
     assert summary is not None and summary["version"] == 6, summary
 
 
-def test_a_killed_relay_costs_its_host_one_more_push(fabric):
-    def fault(r: Run, doc: dict) -> None:
-        if doc.get("publishing") == 3:
-            time.sleep(0.1)
-            os.kill(r.procs["gen-a0"].pid, signal.SIGKILL)
+def kill_relay_in_version_3(r: FabricRun, doc: dict) -> None:
+    """Kills host A's relay (gen-a0) while version 3 is on its way into it."""
+    if doc.get("publishing") == 3:
+        time.sleep(0.1)
+        os.kill(r.procs["gen-a0"].pid, signal.SIGKILL)
 
-    reports, gens, events = run(fabric, {"versions": 5, "change": 1.0, "pause": 0.3}, fault)
+
+def test_a_killed_relay_costs_its_host_one_more_push(fabric):
+    reports, gens, events = run(fabric, {"versions": 5, "change": 1.0, "pause": 0.3}, kill_relay_in_version_3)
     check_whole(reports, gens)
     v3 = reports[2]["results"]
     assert v3["gen-a0"][0] != "done", v3
