@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import anyio
 
-from ._channel import ChannelPool
+from ._channel_pool import ChannelPool
 from ._errors import TransferTimeoutError, TransportError
 from ._flight import FlightRecorder, OpState
 from ._peers import PeerDirectory

@@ -115,8 +115,8 @@ class Subscriber(Lifecycle):
             IPC from the relay's GPU memory), in a task of its Transport, from ``start`` to
             ``aclose``. The version is applied exactly as a pushed one. None (the default):
             host slots take part, device slots do not (relays of device slots have not run on
-            a GPU yet: ``tests/gpu/test_relays_cuda.py``); True: device slots too. False: every version is pushed to it directly. ``zero_copy``
-            subscribers never take part.
+            a GPU yet: ``tests/gpu/test_relays_cuda.py``); True: device slots too. False:
+            every version is pushed to it directly. ``zero_copy`` subscribers never take part.
 
     Raises:
         ValueError: ``zero_copy`` with tensors that are not on ``device``; a ``device`` that is

@@ -22,7 +22,8 @@ from typing import Any
 
 import anyio
 
-from ..._channel import ChannelPool, hello
+from ..._channel import hello
+from ..._channel_pool import ChannelPool
 from ..._errors import TransportError, TransportInternalError
 from ..._wire import FrameKind, PeerRecord, TransferOp
 from .._base import BackendContext

@@ -57,7 +57,8 @@ import anyio
 from ... import _pieces
 from ..._addresses import ADDRESS_CONNECT_S, ADDRESS_STALL_S
 from ..._agent import Conn
-from ..._channel import ChannelPool, greet_plain, hello
+from ..._channel import greet_plain, hello
+from ..._channel_pool import ChannelPool
 from ..._errors import TransportError, WireError
 from ..._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
 from ..._pieces import Ready
