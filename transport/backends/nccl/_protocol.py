@@ -83,7 +83,7 @@ class Requests:
         Cancellation: as ``Channel.request`` (once on the wire the frame is finished; the reply is
         then not awaited).
         """
-        chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
+        chan = await self._pool.get(peer.name, peer.incarnation, *peer.addresses)
         return await chan.request(FrameKind.BACKEND, meta)
 
     def tell_close(self, peer: PeerRecord, cid: str) -> None:
