@@ -69,3 +69,15 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         a[k].shape == b[k].shape and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
         for k in a)
+
+
+def land(slot: torch.Tensor, runs) -> int:
+    """Writes a delta version's ``runs`` (``DeltaVersion.runs``, or one part: per source, rows
+    (source offset, slot offset, nbytes)) into ``slot`` here, as its pushes write them into a
+    subscriber's slot; returns the bytes written."""
+    nbytes = 0
+    for source, rows in runs:
+        for a, b, n in rows.tolist():
+            slot[b:b + n].copy_(source.buffer[a:a + n])
+            nbytes += n
+    return nbytes

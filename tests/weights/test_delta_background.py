@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests._support import PYTHON, ROOT, python_env
+from tests._support.delta_model import land
 from transport._background import start_background
 from transport._errors import DeltaRefusedError
 from transport.weights._codec.apply import DeltaApplier
@@ -104,8 +105,7 @@ def delta_between(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ve
     dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, version)
     assert dv.is_delta
     slot = torch.zeros(layout.total, dtype=torch.uint8)
-    for src, offset in dv.items:
-        slot[offset:offset + src.numel()].copy_(src.reshape(-1).view(torch.uint8))
+    land(slot, dv.runs)
     return layout, slot, dv.header.clone()
 
 

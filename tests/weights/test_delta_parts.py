@@ -1,6 +1,6 @@
 """The diff of a delta version hands its encodings out in parts while it runs (DeltaEncoder.encode's
 ``ready``), and a publisher whose diff leaves cores free pushes each part to the subscribers that
-hold the base before the rest is diffed: the parts are exactly the version's items, each final
+hold the base before the rest is diffed: the parts are exactly the version's runs, each final
 when handed out, and the subscribers hold every version bit for bit."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import transport
-from tests._support.delta_model import same_bits
+from tests._support.delta_model import land, same_bits
 from transport.weights import Publisher, Subscriber
 from transport.weights import _pipeline as pipeline_module
 from transport.weights._codec.apply import DeltaApplier
@@ -53,29 +53,43 @@ def encoder_at(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]):
     return layout, snaps, enc
 
 
-def test_parts_are_the_items_each_final_when_handed_out():
+def rows_of(runs) -> dict[int, list[tuple[int, int, int]]]:
+    """Per source (by its buffer's address), its runs' rows, in order."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for source, rows in runs:
+        out.setdefault(source.buffer.data_ptr(), []).extend(map(tuple, rows.tolist()))
+    return out
+
+
+def test_parts_are_the_runs_each_final_when_handed_out():
     base = model(1)
     new = changed(base, 2, dense="layer.3")
     layout, snaps, enc = encoder_at(base, new)
-    parts: list[list[tuple[torch.Tensor, int, torch.Tensor]]] = []
+    parts: list[list] = []
 
-    def ready(part: list[tuple[torch.Tensor, int]]) -> None:
+    def ready(part) -> None:
         # What the push would send now, copied as it is now.
-        parts.append([(src, offset, src.clone()) for src, offset in part])
+        parts.append([(source, rows, [source.buffer[a:a + n].clone() for a, _, n in rows.tolist()])
+                      for source, rows in part])
 
     dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, ready, parts=8)
     assert dv.is_delta and dv.kinds[[e.name for e in layout.entries].index("layer.3")] == Kind.DENSE
     assert 3 <= len(parts) <= 9, len(parts)  # about an eighth of the version each, the rest last
-    flat = [(src, offset) for part in parts for src, offset, _ in part]
-    assert [(s.data_ptr(), s.numel(), o) for s, o in flat] == [(s.data_ptr(), s.numel(), o) for s, o in dv.items]
+    flat = [(source, rows) for part in parts for source, rows, _ in part]
+    assert rows_of(flat) == rows_of(dv.runs)
+    assert {s.buffer.data_ptr() for s, _ in flat} == {snaps[1].data_ptr(), enc._staging.data_ptr()}
+    for source, rows in flat:  # every run inside its source's window, at the same place in the slot
+        w = source.window
+        assert all(((w[:, 1] <= b) & (b + n <= w[:, 1] + w[:, 2]) & (w[:, 0] - w[:, 1] == a - b)).any()
+                   for a, b, n in rows.tolist())
     for part in parts:  # nothing handed out changed afterwards
-        for src, _, then in part:
-            assert torch.equal(src, then)
-    assert dv.wire_bytes == sum(s.numel() for s, _ in flat) + dv.header.numel() * 8
+        for source, rows, then in part:
+            for (a, _, n), was in zip(rows.tolist(), then, strict=True):
+                assert torch.equal(source.buffer[a:a + n], was)
+    assert dv.wire_bytes == sum(int(r[:, 2].sum()) for _, r in flat) + dv.header.numel() * 8
     # The parts, landed in a slot with the header, apply to the base bit for bit.
     slot = torch.zeros(layout.total, dtype=torch.uint8)
-    for src, offset in flat:
-        slot[offset:offset + src.numel()].copy_(src.reshape(-1).view(torch.uint8))
+    land(slot, flat)
     live = {k: v.clone() for k, v in base.items()}
     applier = DeltaApplier(layout, [live[e.name] for e in layout.entries], 2)
     applier.apply(slot, dv.header.clone(), 1)
@@ -85,9 +99,10 @@ def test_parts_are_the_items_each_final_when_handed_out():
 def test_one_part_comes_once_every_tensor_is_done():
     base = model(3)
     _, snaps, enc = encoder_at(base, changed(base, 4))
-    parts: list[list[tuple[torch.Tensor, int]]] = []
+    parts: list = []
     dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, parts.append)
-    assert len(parts) == 1 and len(parts[0]) == len(dv.items) > 10
+    assert len(parts) == 1 and rows_of(parts[0]) == rows_of(dv.runs)
+    assert sum(len(r) for _, r in dv.runs) > 10
 
 
 def test_a_version_that_went_dense_whole_is_not_handed_out():
@@ -97,17 +112,17 @@ def test_a_version_that_went_dense_whole_is_not_handed_out():
     new = changed(base, 9)
     _, snaps, enc = encoder_at(base, new)
     enc.crossover = 0.001  # below the 1% every float tensor changed
-    parts: list[list[tuple[torch.Tensor, int]]] = []
+    parts: list = []
     dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, parts.append)
     assert not dv.is_delta and all(k == Kind.DENSE for k in dv.kinds)
-    assert parts == [] and len(dv.items) == len(dv.kinds)  # recorded, not handed out
+    assert parts == [] and sum(len(r) for _, r in dv.runs) == len(dv.kinds)  # recorded, not handed out
 
 
 def test_what_ready_raises_ends_the_diff():
     base = model(5)
     _, snaps, enc = encoder_at(base, changed(base, 6))
 
-    def ready(part: list[tuple[torch.Tensor, int]]) -> None:
+    def ready(part) -> None:
         raise RuntimeError("the push side is gone")
 
     with pytest.raises(RuntimeError, match="the push side is gone"):
@@ -142,9 +157,10 @@ async def test_pushed_in_parts_every_subscriber_holds_every_version(monkeypatch,
                 assert all(same_bits(st, live) for st in subs_state.values()), v
             slot_puts = [rec for rec in tt.flight_record()["records"]
                          if rec["op"] == "put" and rec["peer"] == "gen-0" and ".slot" in rec["key"]]
-            # Version 1 is dense (one prepared put); each delta is one put per part (the
-            # header goes beside the slot, to its own region).
+            # Version 1 is dense (one prepared put); each delta is one put per part and source:
+            # the encodings, and the snapshot for what travels dense ("step", every time). The
+            # header goes beside the slot, to its own region.
             if free_cores:
                 assert len(slot_puts) >= 1 + 4 * 3, len(slot_puts)
             else:
-                assert len(slot_puts) == 5, len(slot_puts)
+                assert len(slot_puts) == 1 + 4 * 2, len(slot_puts)

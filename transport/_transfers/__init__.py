@@ -4,7 +4,8 @@ Inside it, each module imports only the ones listed before it::
 
     handle    Transfer (the awaitable handle) and gather
     ordering  the ordering rule between transfers to one region (Ranges)
-    runs      RunList: a prepared transfer's runs, checked, as a value (no engine, no backend)
+    runs      RunList: a prepared transfer's runs, checked, as a value (no engine, no backend),
+              and the subset of them one start moves
     prepared  PreparedTransfer: the public handle over one RunList; knows the engine only as
               the Protocol of the two calls it forwards (Starter)
     routing   Router: backend choice, synchronous routes, how a prepared plan is built

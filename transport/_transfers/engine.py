@@ -179,38 +179,66 @@ class TransferEngine:
             self._plans[runs] = _Plan((known.incarnation, known.seq), runs.check(known))
         return PreparedTransfer(runs, self)
 
+    def _checked_against(self, runs: RunList, record: PeerRecord) -> _Plan:
+        """What is kept for ``runs``, its runs checked against ``record`` (once per incarnation
+        and revision of it).
+
+        Raises:
+            As :meth:`RunList.check`.
+        """
+        checked = (record.incarnation, record.seq)
+        cached = self._plans.get(runs)
+        if cached is None or cached.checked != checked:
+            cached = self._plans[runs] = _Plan(checked, runs.check(record))
+        return cached
+
     def _plan(self, runs: RunList, record: PeerRecord) -> BatchPlan:
-        """``runs``' plan for ``record``: its runs checked against the record once per
-        incarnation and revision of it, and the plan built once per local memory placement on
-        top (at the first start on them).
+        """``runs``' plan for ``record``: its runs checked against the record (see
+        :meth:`_checked_against`), and the plan built once per local memory placement on top
+        (at the first start on them).
 
         Raises:
             As :meth:`RunList.check` and :meth:`Router.plan`.
         """
-        checked, memory = (record.incarnation, record.seq), runs.memory()
-        cached = self._plans.get(runs)
-        if cached is None or cached.checked != checked:
-            cached = self._plans[runs] = _Plan(checked, runs.check(record))
+        cached, memory = self._checked_against(runs, record), runs.memory()
         if cached.plan is None or cached.memory != memory:
             cached.plan, cached.memory = self._router.plan(runs.op, record, cached.bound), memory
         return cached.plan
 
-    def start_prepared(self, prepared: RunList, timeout: float | None) -> Transfer:
+    def _subset_plan(self, prepared: RunList, subset: RunList, record: PeerRecord) -> BatchPlan:
+        """The plan of one start of ``subset`` (some of ``prepared``'s runs, see
+        :meth:`RunList.subset`) for ``record``: ``prepared``'s runs checked against the record
+        once per incarnation and revision (the subset's lie inside them, so that check covers
+        them), and the backends' runners built for the subset's runs alone.
+
+        Raises:
+            As :meth:`RunList.check` and :meth:`Router.plan`.
+        """
+        (_, region), = self._checked_against(prepared, record).bound
+        return self._router.plan(subset.op, record, [(subset.runs[0], region)])
+
+    def start_prepared(self, prepared: RunList, timeout: float | None, runs: object = None) -> Transfer:
         """See ``PreparedTransfer.start``. One segment takes the path a put of it would
         (completed here when it can be, see :meth:`start`): a prepared transfer is never slower
-        than the plain transfer of the same bytes.
+        than the plain transfer of the same bytes. With ``runs``, only those rows of
+        ``prepared``'s bytes move (:meth:`RunList.subset` checks them here, before anything
+        starts).
 
         Raises:
             ClosedError: the Transport is draining or closed. ValueError: a bad timeout.
+            As :meth:`RunList.subset`, with ``runs``.
         """
         if self.state != "open":
             raise ClosedError(f"transport {self.name!r} is {self.state}")
         limit = self.timeout if timeout is None else seconds(timeout, "timeout")
+        parent = None
+        if runs is not None:
+            parent, prepared = prepared, prepared.subset(runs)
         one = prepared.single
         if one is not None:
             view, kind, key, offset = one
             return self.start(prepared.op, view, kind, prepared.peer, key, offset, limit)
-        return self.start_batch(prepared, limit)
+        return self.start_batch(prepared, limit, parent)
 
     async def warm_prepared(self, prepared: RunList, timeout: float | None) -> None:
         """See ``PreparedTransfer.warm``: builds its plan for the peer's current record and lets
@@ -233,9 +261,10 @@ class TransferEngine:
             raise TransferTimeoutError(f"{self.name}: warming a prepared {prepared.op.value} of {prepared.segments} "
                                        f"runs to {prepared.peer} took longer than {limit:g}s")
 
-    def start_batch(self, prepared: RunList, timeout: float) -> Transfer:
+    def start_batch(self, prepared: RunList, timeout: float, parent: RunList | None = None) -> Transfer:
         """Starts every segment of ``prepared`` as one transfer (see ``PreparedTransfer.start``).
-        For ordering it counts as one transfer over the span it covers in each region."""
+        For ordering it counts as one transfer over the span it covers in each region.
+        ``parent``: the run list ``prepared`` is a subset of (:meth:`RunList.subset`), if any."""
         spans = prepared.spans  # empty when every item is empty
         keys = sorted(spans) or [prepared.first_key]
         label = keys[0] if len(keys) == 1 else f"{keys[0]} (+{len(keys) - 1} regions)"
@@ -247,7 +276,8 @@ class TransferEngine:
             after += self._ranges.setdefault((prepared.peer, key), Ranges()).add(xfer, lo, hi)
         self._inflight.setdefault(prepared.peer, set()).add(xfer)
         ready = _record_ready(prepared.cuda_anchors.values())
-        self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after, ready),
+        self._tg.start_soon(self._run, xfer, functools.partial(self._execute_batch, xfer, prepared, after, ready,
+                                                               parent),
                             timeout, tuple((key, lo) for key, (lo, _hi) in spans.items()))
         return xfer
 
@@ -408,11 +438,12 @@ class TransferEngine:
             await self._execute(xfer, local, ())
 
     async def _execute_batch(self, xfer: Transfer, prepared: RunList, after: Sequence[Transfer],
-                             ready: Ready) -> None:
+                             ready: Ready, parent: RunList | None) -> None:
         """``ready``: the events recorded at start() on each CUDA device's current stream. Runs
         of memory their backend does not serve go through bounce buffers, ``STAGED_INFLIGHT``
-        at once."""
-        record, plan = await self._checked(xfer, after, lambda r: self._plan(prepared, r))
+        at once. ``parent``: see :meth:`start_batch`."""
+        record, plan = await self._checked(xfer, after, lambda r: self._plan(prepared, r) if parent is None
+                                           else self._subset_plan(parent, prepared, r))
         xfer._routed(plan.backends, plan.one_sided, plan.same_host)
         self._begin(xfer, record, plan.backends)
         for run in plan.runners:

@@ -21,7 +21,7 @@ from .runs import RunList
 class Starter(Protocol):
     """What a prepared transfer asks of the engine that made it."""
 
-    def start_prepared(self, runs: RunList, timeout: float | None) -> Transfer: ...
+    def start_prepared(self, prepared: RunList, timeout: float | None, runs: object = None) -> Transfer: ...
 
     async def warm_prepared(self, runs: RunList, timeout: float | None) -> None: ...
 
@@ -52,24 +52,42 @@ class PreparedTransfer:
         self.op, self.peer, self.nbytes = runs.op, runs.peer, runs.nbytes
         self.segments, self.items, self.runs = runs.segments, runs.items, runs.runs
 
-    def start(self, *, timeout: float | None = None) -> Transfer:
-        """Starts moving every segment; returns one handle for all of them.
+    def start(self, *, timeout: float | None = None, runs: object = None) -> Transfer:
+        """Starts moving every segment (or, with ``runs``, some of their bytes); returns one
+        handle for all of them.
+
+        ``runs`` serves a transfer between two fixed buffers whose bytes to move change from
+        start to start (e.g. the changed parts of a version): prepare it once with every run it
+        may ever move (``prepare_put_runs`` / ``prepare_get_runs``), then start it with the
+        rows of this time. Each row must lie inside one prepared run, at the same place on both
+        sides; the rows are checked against the prepared runs here, vectorised, before
+        anything starts, and the checks of the prepared runs against the peer's record (made
+        once per record of the peer) cover them. Only the backends' lists are built again, for
+        these rows.
 
         Args:
             timeout: seconds for the whole list (default: the Transport's timeout).
+            runs: None (every segment), or an integer array of shape ``(N, 3)`` (numpy, or a
+                torch tensor) of rows ``(local byte offset, remote byte offset, nbytes)``; empty
+                rows are dropped, the rest coalesced. Only for a prepared transfer made by
+                ``prepare_put_runs`` / ``prepare_get_runs``. The array is not kept.
 
         Returns:
-            A :class:`~transport.Transfer` (``nbytes`` is the total); awaiting it returns once
-            every segment is in place.
+            A :class:`~transport.Transfer` (``nbytes`` is the total; ``segments`` the rows
+            moved, after coalescing); awaiting it returns once every segment is in place.
 
         Raises:
             As ``Transport.put`` / ``get`` (here, or when awaiting the handle; remote checks
             always before any byte moves). Segments already moved when one fails are not
-            undone (``partial`` says so).
+            undone (``partial`` says so). With ``runs``, here, before any byte moves:
+            TypeError (not an integer ``(N, 3)`` array), ValueError (no row with bytes, or
+            this prepared transfer was made from items), BoundsError (a row negative, not
+            aligned to the local tensor's items, inside no prepared run, or, for a put, two
+            rows writing the same remote bytes).
 
         Cancellation: as a single transfer's (see :class:`~transport.Transfer`).
         """
-        return self._engine.start_prepared(self._runs, timeout)
+        return self._engine.start_prepared(self._runs, timeout, runs)
 
     async def warm(self, *, timeout: float | None = None) -> None:
         """Readies the first start ahead of time, so that it costs what later starts do: builds

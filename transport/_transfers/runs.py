@@ -8,6 +8,8 @@ memory kind, offsets, overlaps) run here, once. Items become the same arrays of 
 (:class:`~transport._tensors.Runs`, one per local storage, dtype and remote key), and adjacent
 runs (contiguous both here and there) are coalesced once. :meth:`RunList.check` runs the remote
 checks (key, dtype, bounds, writability) against one record of the peer; it caches nothing.
+:meth:`RunList.subset` makes the run list of one start of some of an array's runs
+(``PreparedTransfer.start(runs=...)``), checked against those runs alone (vectorised).
 
 It knows no engine and no backend: the transfer engine keeps, per run list, the plan it built for
 one record of the peer (and checks again only when the incarnation, the record's revision or the
@@ -50,6 +52,24 @@ def check_runs(op: TransferOp, tensor: torch.Tensor, runs: object, what: str) ->
         BoundsError: a run outside the local tensor, negative or misaligned, or overlapping
             another one's remote bytes (a put).
     """
+    a = _rows(runs, tensor, what)
+    local, n = a[:, 0], a[:, 2]
+    limit = nbytes_of(tensor)
+    if (local + n > limit).any():
+        i = int(np.argmax(local + n > limit))
+        raise BoundsError(f"{what}: run {i} reads bytes {int(local[i])}..{int(local[i] + n[i])} of a "
+                          f"{limit}-byte local tensor")
+    return _ordered(op, a[n > 0], what, "runs")
+
+
+def _rows(runs: object, tensor: torch.Tensor, what: str) -> np.ndarray:
+    """``runs`` as an int64 ``(N, 3)`` array, none negative, each offset and size a multiple of
+    ``tensor``'s item size (what :func:`check_runs` and :meth:`RunList.subset` check first).
+
+    Raises:
+        TypeError: not an integer array of shape (N, 3). ValueError: no runs.
+        BoundsError: a negative, misaligned or out-of-range offset or size.
+    """
     if isinstance(runs, torch.Tensor):
         runs = runs.detach().cpu().numpy()
     if not isinstance(runs, np.ndarray) or runs.ndim != 2 or runs.shape[1] != 3 or runs.dtype.kind not in "iu":
@@ -57,22 +77,19 @@ def check_runs(op: TransferOp, tensor: torch.Tensor, runs: object, what: str) ->
                         f"{getattr(runs, 'shape', type(runs).__name__)} {getattr(runs, 'dtype', '')}")
     if len(runs) == 0:
         raise ValueError(f"{what}: a prepared transfer needs at least one run")
-    if runs.dtype.kind == "u" and len(runs) and int(runs.max()) >= 1 << 62:
+    if runs.dtype.kind == "u" and int(runs.max()) >= 1 << 62:
         raise BoundsError(f"{what}: a run offset or size is out of range")
     a = runs.astype(np.int64, copy=False)
-    local, n = a[:, 0], a[:, 2]
     item = tensor.element_size()
     if (a < 0).any():
         raise BoundsError(f"{what}: run {int(np.argmax((a < 0).any(axis=1)))} has a negative offset or size")
+    if (a >= 1 << 62).any():  # (so that an offset plus a size cannot overflow)
+        raise BoundsError(f"{what}: run {int(np.argmax((a >= 1 << 62).any(axis=1)))} has an offset or size out of "
+                          "range")
     if item > 1 and ((a % item) != 0).any():
         raise BoundsError(f"{what}: run {int(np.argmax(((a % item) != 0).any(axis=1)))} is not aligned to the "
                           f"{item}-byte items of {tensor.dtype}")
-    limit = nbytes_of(tensor)
-    if (local + n > limit).any():
-        i = int(np.argmax(local + n > limit))
-        raise BoundsError(f"{what}: run {i} reads bytes {int(local[i])}..{int(local[i] + n[i])} of a "
-                          f"{limit}-byte local tensor")
-    return _ordered(op, a[n > 0], what, "runs")
+    return a
 
 
 def _ordered(op: TransferOp, a: np.ndarray, what: str, noun: str) -> np.ndarray:
@@ -105,6 +122,47 @@ def _no_overlap(remote: np.ndarray, n: np.ndarray, what: str, noun: str) -> None
                           "transfer is undefined; split it into two)")
 
 
+# A container of a subset's rows, where a get's runs share remote bytes: (local-to-remote
+# displacement, first remote byte, end), compared in that order.
+_KEYED = np.dtype([("d", "<i8"), ("lo", "<i8"), ("hi", "<i8")])
+
+
+def _containers(array: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The runs ``array`` (remote order) as the containers the rows of a subset must lie in:
+    as they are, when no two share remote bytes (a put's never do); else (a get's may) merged
+    where runs with the same local-to-remote displacement overlap or touch, keyed by
+    (displacement, remote offset) for a lexicographic search (the flag)."""
+    if len(array) < 2 or not (array[1:, 1] < array[:-1, 1] + array[:-1, 2]).any():
+        return array, False
+    disp = array[:, 0] - array[:, 1]
+    order = np.lexsort((array[:, 1], disp))
+    merged: list[list[int]] = []
+    for d, lo, n in zip(disp[order].tolist(), array[order, 1].tolist(), array[order, 2].tolist(), strict=True):
+        if merged and merged[-1][0] == d and lo <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], lo + n)
+        else:
+            merged.append([d, lo, lo + n])
+    out = np.zeros(len(merged), dtype=_KEYED)
+    m = np.array(merged, dtype=np.int64)
+    out["d"], out["lo"], out["hi"] = m[:, 0], m[:, 1], m[:, 2]
+    return out, True
+
+
+def _outside(containers: np.ndarray, keyed: bool, rows: np.ndarray) -> np.ndarray:
+    """A mask of the ``rows`` (local, remote, nbytes) that lie inside no container (see
+    :func:`_containers`) at the same place on both sides: vectorised, one binary search a row."""
+    local, remote, end = rows[:, 0], rows[:, 1], rows[:, 1] + rows[:, 2]
+    if keyed:  # the last container at or before (displacement, remote offset)
+        key = np.zeros(len(rows), dtype=_KEYED)
+        key["d"], key["lo"], key["hi"] = local - remote, remote, np.iinfo(np.int64).max
+        c = containers[np.maximum(np.searchsorted(containers, key, side="right") - 1, 0)]
+        out: np.ndarray = (c["d"] != local - remote) | (remote < c["lo"]) | (end > c["hi"])
+        return out
+    c = containers[np.maximum(np.searchsorted(containers[:, 1], remote, side="right") - 1, 0)]
+    out = (remote < c[:, 1]) | (end > c[:, 1] + c[:, 2]) | (local - remote != c[:, 0] - c[:, 1])
+    return out
+
+
 def _base(t: torch.Tensor) -> torch.Tensor:
     """A one-dimensional tensor of ``t``'s dtype over the whole of its storage, from its first
     byte: the local base of the runs it takes part in."""
@@ -115,7 +173,7 @@ def _base(t: torch.Tensor) -> torch.Tensor:
 
 class RunList:
     """The runs of one prepared put or get to one peer, checked here once (a value: no engine,
-    no backend, no cache).
+    no backend; nothing cached but its own runs in the form :meth:`subset` searches).
 
     Build with :meth:`of_items` or :meth:`of_array`.
 
@@ -130,14 +188,16 @@ class RunList:
         first_key: the first remote key (named by a transfer of no bytes).
         spans: per remote key, the byte span the runs cover (for the ordering rule); empty
             when every item is empty.
+        one_array: made of one array of runs (:meth:`of_array`, or :meth:`subset`): a start
+            may move a subset of them.
         single: (local view, memory kind, remote key, remote offset) when there is exactly one
             run (it moves as a single put or get would), else None.
         cuda_anchors: one CUDA tensor per local device, where each start records the event its
             CUDA runs wait for (the work queued on that device's current stream by then).
     """
 
-    __slots__ = ("__weakref__", "_given", "_storages", "cuda_anchors", "first_key", "items", "nbytes", "op", "peer",
-                 "runs", "segments", "single", "spans")
+    __slots__ = ("__weakref__", "_containers", "_given", "_storages", "cuda_anchors", "first_key", "items", "nbytes",
+                 "one_array", "op", "peer", "runs", "segments", "single", "spans")
 
     def __init__(self, op: TransferOp, peer: str, items: int, runs: list[Runs],
                  given: list[tuple[str, str, int, int]] | None) -> None:
@@ -153,6 +213,8 @@ class RunList:
                     rows = rows[np.argsort(rows[:, 1], kind="stable")]
                     _no_overlap(rows[:, 1], rows[:, 2], f"prepared put to {peer}:{k!r}", "items")
         self.op, self.peer, self.items, self.runs, self._given = op, peer, items, runs, given
+        self.one_array = False  # one array of runs between one tensor and one region (of_array)
+        self._containers: tuple[np.ndarray, bool] | None = None  # what subset() searches, made at its first call
         self.first_key = runs[0].key if runs else (given or [("", "", 0, 0)])[0][0]
         self.segments = sum(len(r.array) for r in runs)
         self.nbytes = sum(r.nbytes for r in runs)
@@ -231,7 +293,47 @@ class RunList:
         # No bytes to move (every run empty): the region is still checked, as an empty item.
         given = None if len(array) else [(key, dtype_name(tensor.dtype), 0, 0)]
         lists = [Runs(LocalBuffer(flat, kind), key, array)] if len(array) else []
-        return cls(op, peer, len(runs), lists, given)  # type: ignore[arg-type]
+        made = cls(op, peer, len(runs), lists, given)  # type: ignore[arg-type]
+        made.one_array = True
+        return made
+
+    def subset(self, rows: object) -> RunList:
+        """The run list of one start that moves only ``rows`` of these runs' bytes (see
+        ``PreparedTransfer.start``): rows ``(local offset, remote offset, nbytes)``, each inside
+        one of these runs at the same place on both sides (so inside the local tensor and the
+        remote bytes these runs were checked for), empty ones dropped, the rest in remote order
+        and coalesced. Checked vectorised, one binary search a row; nothing else is checked
+        again. Only for a run list of one array (:meth:`of_array`).
+
+        Raises:
+            ValueError: not a run list of one array; no rows, or none with bytes.
+            TypeError: ``rows`` is not an integer array of shape (N, 3).
+            BoundsError: a row negative, misaligned, outside every run, or (a put) two rows
+                writing the same remote bytes.
+        """
+        if not self.one_array:
+            raise ValueError("a start with runs= needs a prepared transfer of one array of runs (prepare_put_runs / "
+                             "prepare_get_runs)")
+        key = self.runs[0].key if self.runs else self.first_key
+        what = f"a start of prepared {self.op.value} to {self.peer}:{key!r}"
+        if not self.runs:  # nothing was prepared: no row lies inside it
+            raise BoundsError(f"{what}: its prepared runs are all empty, so no run lies inside them")
+        mine = self.runs[0]
+        a = _rows(rows, mine.local.tensor, what)
+        a = a[a[:, 2] > 0]
+        if len(a) == 0:
+            raise ValueError(f"{what}: no run has bytes to move")
+        if self._containers is None:
+            self._containers = _containers(mine.array)
+        outside = _outside(*self._containers, a)
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise BoundsError(f"{what}: run (local {int(a[i, 0])}, remote {int(a[i, 1])}, {int(a[i, 2])} bytes) lies "
+                              "inside none of its prepared runs")
+        made = RunList(self.op, self.peer, len(a), [Runs(mine.local, mine.key, _ordered(self.op, a, what, "runs"))],
+                       None)
+        made.one_array = True
+        return made
 
     def memory(self) -> tuple[int, ...]:
         """Where the local storages are now: a plan built for other addresses is stale."""

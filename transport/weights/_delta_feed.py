@@ -1,6 +1,7 @@
 """A delta version of a stream while the publisher makes it: the parts of its encodings as the
 diff hands them out (:class:`DeltaFeed`), which the pushes to subscribers holding the base send
-while the rest is diffed."""
+while the rest is diffed. A part is runs of two sources (:data:`._codec.encode.Part`): the
+encoder's staging buffer and the new snapshot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from .._errors import TransportInternalError
-from ._codec.encode import DeltaVersion, Items
+from ._codec.encode import DeltaVersion, Part
 
 
 class DeltaFeed:
@@ -30,21 +31,21 @@ class DeltaFeed:
         self.base = base
         self.fraction = fraction
         self.dv: DeltaVersion | None = None
-        self._parts: list[Items] = []
+        self._parts: list[Part] = []
         self._closed = False
         self._more = anyio.Event()
 
-    def ready(self) -> Callable[[Items], None]:
+    def ready(self) -> Callable[[Part], None]:
         """What the diff calls, from any thread, with each part: it hands the part to this
         feed on the event loop's thread (and waits until it has). Call on that thread."""
         token = anyio.lowlevel.current_token()
 
-        def hand(part: Items) -> None:
+        def hand(part: Part) -> None:
             anyio.from_thread.run_sync(self._add, part, token=token)
 
         return hand
 
-    def _add(self, part: Items) -> None:
+    def _add(self, part: Part) -> None:
         self._parts.append(part)
         self._wake()
 
@@ -63,7 +64,7 @@ class DeltaFeed:
         more, self._more = self._more, anyio.Event()
         more.set()
 
-    async def part(self, index: int) -> Items | None:
+    async def part(self, index: int) -> Part | None:
         """Part ``index`` (from 0), once handed out; None once the diff is done and there is
         no such part.
 

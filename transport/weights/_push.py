@@ -1,9 +1,10 @@
 """Pushing a version into one subscriber of a stream (:class:`Pushes`): into the slot it is not
-about to read, as a delta where it holds the base and a delta pays on its path, else dense as
-one prepared transfer, then the front word; into a host's relay, piece by piece, each logged for
-the relay's members (:mod:`._relays`). Also what the publisher knows of each subscriber
-between versions: its prepared pushes, the slot its last version landed in, whether it takes
-deltas and over what link."""
+about to read, as a delta where it holds the base and a delta pays on its path (each part of
+the encodings a start of a prepared put per source, made once per subscriber and slot), else
+dense as one prepared transfer, then the front word; into a host's relay, piece by piece, each
+logged for the relay's members (:mod:`._relays`). Also what the publisher knows of each
+subscriber between versions: its prepared pushes, the slot its last version landed in, whether
+it takes deltas and over what link."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from .. import _pieces
 from .._errors import LayoutMismatchError, PeerLostError, TransportError
+from ._codec.encode import Source
 from ._codec.policy import Crossover
 from ._control import APPLIED, CTL_WORDS, DELTA, FRONT, LAYOUT_ID, StreamKeys, decode_front, encode_front, free_slot
 from ._delta_feed import DeltaFeed
@@ -96,6 +98,9 @@ class Pushes:
         self.pieces = pieces(layout.buckets, PIECE_BYTES)  # the parts a push into a relay is logged by
         # (subscriber, incarnation, its slot, our snapshot's address, piece or -1: all) -> the prepared push
         self._batches: dict[tuple[str, str, int, int, int], PreparedTransfer] = {}
+        # (subscriber, incarnation, its slot, the source's address) -> the prepared put of every run a
+        # delta version's parts may take from that source (started with each part's runs)
+        self._deltas: dict[tuple[str, str, int, int], PreparedTransfer] = {}
         # subscriber -> (the slot its last complete version went to, reached one-sidedly)
         self.landed: dict[str, tuple[int, bool]] = {}
         self.takes_delta: dict[str, bool] = {}  # subscriber -> it takes deltas (DELTA word, and the route)
@@ -119,6 +124,8 @@ class Pushes:
         subscriber's slots) and what was measured of them."""
         for c in [c for c in self._batches if (c[0], c[1]) not in serving]:
             del self._batches[c]
+        for d in [d for d in self._deltas if (d[0], d[1]) not in serving]:
+            del self._deltas[d]
         names = {n for n, _ in serving}
         for name in [n for n in self.landed if n not in names]:
             del self.landed[name]
@@ -180,6 +187,17 @@ class Pushes:
             buckets = self.layout.buckets if piece < 0 else self.layout.buckets[slice(*self.pieces[piece])]
             items = [(self._source(snap, start, end), key, start) for start, end in buckets]
             prepared = self._batches[cache_key] = self.t.prepare_put(peer.name, items)
+        return prepared
+
+    def delta_put(self, peer: Peer, slot: int, source: Source) -> PreparedTransfer:
+        """The prepared put of every run a delta version's parts may take from ``source`` (its
+        window) into ``peer``'s slot ``slot``, which each part starts with its own runs: made
+        once per subscriber incarnation, slot and source."""
+        cache_key = (peer.name, peer.incarnation, slot, source.buffer.data_ptr())
+        prepared = self._deltas.get(cache_key)
+        if prepared is None:  # (those of subscribers no longer served are dropped by forget)
+            prepared = self._deltas[cache_key] = self.t.prepare_put_runs(peer.name, source.buffer,
+                                                                         self._keys.slots[slot], source.window)
         return prepared
 
     def drop(self, peer: Peer, slot: int, snap: torch.Tensor) -> None:
@@ -257,13 +275,14 @@ class Pushes:
             await relay_log.begin()
         if feed is not None:
             # Only what changed since the base it holds: each part of the encodings as the diff
-            # hands it out (the rest is diffed meanwhile), then the header beside the slot.
+            # hands it out (the rest is diffed meanwhile), then the header beside the slot. A
+            # part's runs from each of its sources start that source's prepared put.
             index = 0
             while (part := await feed.part(index)) is not None:
-                handles.append(t.put_many(sub, [(src, k.slots[back], offset) for src, offset in part],
-                                          timeout=self.deadline))
-                if relay_log is not None:
-                    relay_log.follow(handles[-1], [(offset, src.nbytes) for src, offset in part])
+                for source, runs in part:
+                    handles.append(self.delta_put(peer, back, source).start(runs=runs, timeout=self.deadline))
+                    if relay_log is not None:
+                        relay_log.follow(handles[-1], [(o, n) for _, o, n in runs.tolist()])
                 index += 1
             clock()
             dv = await feed.done()

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ... import _tensor_kernels
@@ -65,16 +66,38 @@ PATCH_MAX = 0.10
 # model 1.6-2x slower (31-41 ms against 16-21) and the version no sooner live.
 PARTS = 8
 Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
-Items = list[tuple[torch.Tensor, int]]  # (source bytes, offset in the slot) of what a delta push sends
 
 
 def _cap(e: Entry) -> int:
     return int(e.nbytes * SPARSE_MAX) // ALIGN * ALIGN
 
 
+@dataclass(frozen=True, eq=False)
+class Source:
+    """A buffer a delta push sends from: the encoder's staging buffer (the sparse encodings,
+    one per encoder, never replaced) or a snapshot (the tensors that travel dense).
+
+    Attributes:
+        buffer: the whole buffer (uint8).
+        window: int64 ``(N, 3)`` rows (buffer offset, slot offset, nbytes): every run a part
+            takes from this buffer lies inside one of them, at the same place on both sides.
+            A push prepares one transfer of them per subscriber and slot, and starts it with
+            each part's runs (``PreparedTransfer.start(runs=...)``).
+    """
+
+    buffer: torch.Tensor
+    window: np.ndarray
+
+
+# What a delta push sends of one part of a version: per source, int64 (N, 3) runs (offset in
+# the source, offset in the slot, nbytes), none empty.
+Part = list[tuple[Source, np.ndarray]]
+Row = tuple[int, int, int]  # one run of a part, as the diff found it
+
+
 @dataclass
 class DeltaVersion:
-    """One version as the encoder made it: per entry kind and sizes, the header, the items
+    """One version as the encoder made it: per entry kind and sizes, the header, the runs
     that carry it, and what it weighs against dense."""
 
     version: int
@@ -83,7 +106,7 @@ class DeltaVersion:
     changed: int = 0  # elements that differ from the base, over the deltable tensors
     elements: int = 0  # elements of the deltable tensors
     header: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    items: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (source bytes, slot offset)
+    runs: Part = field(default_factory=list)  # every run of the version, per source (its parts together)
     wire_bytes: int = 0  # bytes a delta push moves (header included)
     encode_s: float = 0.0  # the diff + encode pass (and the copies the pushes need from the snapshot)
     # entry -> (offset in the staging buffer, payload bytes, changed, position bytes, kind): the sparse ones
@@ -117,25 +140,31 @@ class _Payloads:
     unchanged: frozenset[int]
 
 
+def _part(rows: Mapping[Source, list[Row]]) -> Part:
+    return [(source, np.array(r, dtype=np.int64).reshape(-1, 3)) for source, r in rows.items() if r]
+
+
 class _Parts:
-    """Collects the items of the tensors whose diff is done (from any copy thread) and hands
+    """Collects the runs of the tensors whose diff is done (from any copy thread) and hands
     them to ``ready`` a part at a time: once about ``every`` bytes of the version were diffed
     since the last part (None: not before :meth:`flush`), and at :meth:`flush`. Keeps them all
-    (:attr:`items`)."""
+    (:meth:`runs`)."""
 
-    def __init__(self, ready: Callable[[Items], None] | None, every: int | None) -> None:
+    def __init__(self, ready: Callable[[Part], None] | None, every: int | None) -> None:
         self._ready = ready
         self._every = every
         self._lock = threading.Lock()
-        self._pending: Items = []
+        self._pending: dict[Source, list[Row]] = {}
         self._diffed = 0  # bytes of the version diffed since the last part
-        self.items: Items = []
+        self._all: dict[Source, list[Row]] = {}
 
-    def done(self, nbytes: int, items: Items) -> None:
-        """A tensor of ``nbytes`` is done; ``items`` carry it (none when unchanged)."""
+    def done(self, nbytes: int, source: Source, rows: list[Row]) -> None:
+        """A tensor of ``nbytes`` is done; ``rows`` of ``source`` carry it (none when
+        unchanged)."""
         with self._lock:  # held while ``ready`` runs: parts go out one at a time, in order
-            self.items += items
-            self._pending += items
+            if rows:
+                self._all.setdefault(source, []).extend(rows)
+                self._pending.setdefault(source, []).extend(rows)
             self._diffed += nbytes
             if self._every is not None and self._diffed >= self._every:
                 self._hand_out(True)
@@ -146,9 +175,14 @@ class _Parts:
             self._hand_out(send)
 
     def _hand_out(self, send: bool) -> None:
-        part, self._pending, self._diffed = self._pending, [], 0
+        part, self._pending, self._diffed = self._pending, {}, 0
         if part and send and self._ready is not None:
-            self._ready(part)
+            self._ready(_part(part))
+
+    def runs(self) -> Part:
+        """Every run collected, per source."""
+        with self._lock:
+            return _part(self._all)
 
 
 def _copy(dst: int, src: int, nbytes: int) -> None:
@@ -187,7 +221,12 @@ class DeltaEncoder:
             self._offsets.append(pos)
             pos += _cap(e) if deltable(e) else 0
         self.staging_bytes = pos
+        # Where each deltable entry's encoding may lie in the staging buffer and the slot.
+        self._staging_window = np.array([(o, e.offset, _cap(e)) for o, e in zip(self._offsets, layout.entries,
+                                                                                 strict=True)
+                                         if deltable(e) and _cap(e)], dtype=np.int64).reshape(-1, 3)
         self._staging: torch.Tensor | None = None  # set once, never replaced (encodings point into it)
+        self._staging_source: Source | None = None  # the same, as the pushes send from it
         self._staging_lock = threading.Lock()
         self.sample_s = 0.0  # the last predicts_dense
         self._sums: dict[int, tuple[int, list[int]]] = {}  # snapshot slot -> (version, checksums)
@@ -198,7 +237,7 @@ class DeltaEncoder:
         return version if held is not None and version is not None and held[0] == version else None
 
     def encode(self, snap: torch.Tensor, slot: int, base: torch.Tensor | None, base_version: int | None,
-               base_slot: int | None, version: int, ready: Callable[[Items], None] | None = None,
+               base_slot: int | None, version: int, ready: Callable[[Part], None] | None = None,
                parts: int = 1) -> tuple[DeltaVersion, list[int]]:
         """Diffs every deltable tensor against ``base`` (the previous snapshot, holding
         ``base_version``), reading both and writing only the sparse encodings (into the staging
@@ -210,12 +249,14 @@ class DeltaEncoder:
 
         Args:
             ready: with a base, called (from the copy threads, one call at a time) with the
-                items (source bytes, slot offset) of tensors whose diff is done, once about
-                1/``parts`` of the version was diffed since the last call, and last with what
-                remains: a push can send them while the rest is diffed. When every tensor went
-                dense (the version is no delta: pushes send it whole), what remains is kept
-                back, and with ``parts`` 1 nothing is handed out. The same items end up in the
-                returned version's ``items``. What it raises ends the pass and is raised here.
+                runs (:data:`Part`: from the staging buffer and from ``snap``, each source
+                with the same :class:`Source` every time) of tensors whose diff is done, once
+                about 1/``parts`` of the version was diffed since the last call, and last with
+                what remains: a push can send them while the rest is diffed. When every tensor
+                went dense (the version is no delta: pushes send it whole), what remains is
+                kept back, and with ``parts`` 1 nothing is handed out. The same runs end up in
+                the returned version's ``runs``. What it raises ends the pass and is raised
+                here.
             parts: see ``ready`` (1: one call, once every tensor is done).
 
         Returns:
@@ -226,10 +267,9 @@ class DeltaEncoder:
         held = self._sums.pop(slot, None)  # being rewritten: torn until fill() ends
         entries = self.layout.entries
         if base is not None and self._staging is None:
-            with self._staging_lock:
-                if self._staging is None:
-                    self._staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
-        staging = self._staging
+            self._set_staging(torch.empty(max(1, self.staging_bytes), dtype=torch.uint8))
+        staging, from_staging = self._staging, self._staging_source
+        from_snap = Source(snap, np.array([[0, 0, self.layout.total]], dtype=np.int64))
         results: list[native.Encoded | None] = [None] * len(entries)
         kinds: list[Kind] = [Kind.DENSE] * len(entries)
         keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
@@ -239,7 +279,7 @@ class DeltaEncoder:
         for i, e in enumerate(entries):
             if not deltable(e):
                 if e.nbytes:
-                    batch.add(e.nbytes, functools.partial(self._pack_other, snap, e, out))
+                    batch.add(e.nbytes, functools.partial(self._pack_other, from_snap, e, out))
                 continue
             src = self._wire[e.name]
             if not src.is_contiguous():
@@ -253,15 +293,15 @@ class DeltaEncoder:
                     results[i] = native.encode(fresh, 0, sptr + e.offset, e.numel, es, 0, 0)
                     return
                 o = self._offsets[i]
-                assert staging is not None
+                assert staging is not None and from_staging is not None
                 r = results[i] = native.encode(fresh, bptr + e.offset, 0, e.numel, es, staging.data_ptr() + o,
                                                self._budget(e))
                 kind = kinds[i] = self._kind(r, e)
                 if kind == Kind.DENSE:  # what a delta push sends from the new snapshot, now
                     _copy(sptr + e.offset, fresh, e.nbytes)
-                    out.done(e.nbytes, [(snap[e.offset:e.offset + e.nbytes], e.offset)])
+                    out.done(e.nbytes, from_snap, [(e.offset, e.offset, e.nbytes)])
                 else:
-                    out.done(e.nbytes, [(staging[o:o + r.payload_bytes], e.offset)] if r.payload_bytes else [])
+                    out.done(e.nbytes, from_staging, [(o, e.offset, r.payload_bytes)] if r.payload_bytes else [])
 
             batch.add(e.nbytes, work)
         batch.run(self._threads)
@@ -297,9 +337,9 @@ class DeltaEncoder:
             dv.unfilled.append(i)
             if kind != Kind.UNCHANGED and r.payload_bytes:
                 dv.sparse[i] = (self._offsets[i], r.payload_bytes, r.changed, r.pos_bytes, kind)
-        dv.items = out.items
+        dv.runs = out.runs()
         dv.header = torch.tensor(words, dtype=torch.int64)
-        dv.wire_bytes = sum(t.numel() for t, _ in dv.items) + len(words) * 8
+        dv.wire_bytes = sum(int(rows[:, 2].sum()) for _, rows in dv.runs) + len(words) * 8
         dv.encode_s = time.perf_counter() - t0
         return dv, sums
 
@@ -310,9 +350,10 @@ class DeltaEncoder:
             return Kind.DENSE
         return r.kind
 
-    def _pack_other(self, snap: torch.Tensor, e: Entry, parts: _Parts) -> None:
-        """Packs an entry that always travels dense (fp8: quantised, with its scale)."""
-        src = self._wire[e.name]
+    def _pack_other(self, into: Source, e: Entry, parts: _Parts) -> None:
+        """Packs an entry that always travels dense (fp8: quantised, with its scale) into the
+        snapshot ``into``."""
+        snap, src = into.buffer, self._wire[e.name]
         with torch.no_grad():
             if e.scale_offset >= 0:
                 q, scale = _tensor_kernels.quantize_fp8(src)
@@ -320,7 +361,7 @@ class DeltaEncoder:
             else:
                 _tensor_kernels.pack(snap, [_tensor_kernels.as_bytes(src.contiguous())], [e.offset])
         end = e.scale_offset + 4 if e.scale_offset >= 0 else e.offset + e.nbytes
-        parts.done(e.nbytes, [(snap[e.offset:end], e.offset)])
+        parts.done(e.nbytes, into, [(e.offset, e.offset, end - e.offset)])
 
     def predicts_dense(self, base: torch.Tensor) -> tuple[bool, int, int]:
         """Whether a delta against snapshot ``base`` would not pay, judged from a sample of
@@ -461,8 +502,14 @@ class DeltaEncoder:
             return
         staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
         staging.fill_(0)
+        self._set_staging(staging)
+
+    def _set_staging(self, staging: torch.Tensor) -> None:
+        """Sets the staging buffer to ``staging`` unless one is set (it is never replaced:
+        encodings, and the pushes' prepared transfers, point into it)."""
         with self._staging_lock:
             if self._staging is None:
+                self._staging_source = Source(staging, self._staging_window)
                 self._staging = staging
 
     def learn(self, slot: int, version: int, snap: torch.Tensor, started: SumPass | None = None,
