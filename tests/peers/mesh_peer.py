@@ -33,6 +33,7 @@ from transport.plan import (
     fp8_trainer_layout,
 )
 from transport.weights import CommitError, DeltaRefusedError, MeshPublisher, MeshSubscriber
+from transport.weights._codec.policy import RUNS_CROSSOVER
 from transport.weights._mesh_control import MAT0
 
 SHAPES = {"a": (64, 48), "b": (5,), "c": (30, 14), "w8": (300, 260)}
@@ -127,8 +128,10 @@ async def trainer(spec: dict, t: transport.Transport) -> dict:
 
     live = shards(0)
     reports, incomplete, changed, warmed, departed = [], [], [], [], []
+    # These tests check the protocol: a version goes as a delta wherever the words allow (the
+    # crossover given, as it was the default); the measured one is tested in test_mesh_crossover.py.
     pub = MeshPublisher(t, "m", live, lay, rank=rank, deadline=spec.get("deadline", 10.0),
-                        delta=spec.get("delta", "auto"))
+                        delta=spec.get("delta", "auto"), delta_crossover=RUNS_CROSSOVER)
     await pub.start()
     if spec.get("die_at") is not None:
         real_prepare = pub._pushes.prepare

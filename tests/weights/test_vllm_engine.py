@@ -157,8 +157,10 @@ def test_a_small_update_arrives_as_deltas_and_reloads_only_the_layer_it_changed(
     from transport.vllm import TransportTrainerEngine, TransportTrainerInitInfo
 
     engine, ref, trainer, _, work = setup
+    # True: on one host "auto" would send dense (ipc); and a crossover given: over ipc the
+    # measured one would too (a delta does not pay there).
     info = TransportTrainerInitInfo(rank=0, store=f"file://{work / 'store3'}", stream="sparse", engines=["engine-0"],
-                                    timeout=20, delta=True)  # True: on one host "auto" would send dense (ipc)
+                                    timeout=20, delta=True, delta_crossover=0.2)
     sparse = TransportTrainerEngine.trainer_init(info, client=engine.client, source=ModuleSource(ref))
     try:
         g = torch.Generator().manual_seed(5)

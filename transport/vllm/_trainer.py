@@ -69,6 +69,9 @@ class TransportTrainerInitInfo(TrainerInitInfo):
         delta: delta sync of the publisher (see ``MeshPublisher(delta=...)``): ``"auto"``
             sends the changed units only to engine ranks reached over a network backend,
             ``True`` to every rank that takes them, ``False`` never.
+        delta_crossover: the publisher's (see ``MeshPublisher(delta_crossover=...)``): None
+            chooses per version and engine rank from what it measured on that rank's path; a
+            float is used as it is.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -85,6 +88,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     auto_load: bool = False
     receive: str = "whole"
     delta: bool | str = "auto"
+    delta_crossover: float | None = None
 
     def __post_init__(self) -> None:
         if self.delta not in (True, False, "auto"):
@@ -161,7 +165,7 @@ class TransportTrainerEngine(TrainerWeightTransferEngine[TransportTrainerInitInf
                                timeout=info.timeout, token=info.token)
         try:
             self.publisher = MeshPublisher(self.loop.t, info.stream, state, layout, rank=rank, deadline=info.deadline,
-                                           delta=info.delta)
+                                           delta=info.delta, delta_crossover=info.delta_crossover)
             self.loop.call(self.publisher.start)
         except BaseException:
             self.loop.close()

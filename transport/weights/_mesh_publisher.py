@@ -25,9 +25,10 @@ from ..plan import (
     encode_trainer,
 )
 from ._binding import snapshot_layout
-from ._codec.policy import RUNS_CROSSOVER
+from ._codec.policy import RUNS, Crossover
 from ._codec.runs import MeshDeltaPacker
 from ._control import encode_front, memory_barrier, withdraw
+from ._copy import available_threads
 from ._lifecycle import Lifecycle
 from ._mesh_control import (
     FRONT,
@@ -67,8 +68,16 @@ class MeshPublishReport:
         pack_s, plan_s, push_s, total_s: time packing the snapshot, discovering and planning,
             pushing, and in all.
         changed: with delta sync, the fraction of this rank's 2-byte units that changed since
-            the version its snapshot held (None: not diffed: no base yet, delta sync off, or
-            more than the crossover changed).
+            the version its snapshot held (None: not diffed: no base yet, delta sync off, no
+            generator rank fed holds the base, no delta pays on the path of any that does, its
+            sample changed more than their crossovers, or more than the crossover changed).
+        crossovers: with delta sync, ``"replica/rank"`` -> the changed fraction of its units up
+            to which that generator rank would take this version as a delta (the given
+            ``delta_crossover``, else chosen from its measured path; 0.0: no delta pays there,
+            it gets the version dense), for each rank fed that holds the base; empty when none
+            does.
+        sampled: the changed fraction of a sample of this rank's units, taken before the diff
+            (None: not sampled, as nothing could take a delta).
         left: generator ranks of the stream (peer names) seen at the last publish that have
             left since (their Transport closed, or they no longer take part), each reported
             once; sorted.
@@ -87,6 +96,8 @@ class MeshPublishReport:
     changed: float | None = None
     left: tuple[str, ...] = ()
     dead: dict[str, str] = field(default_factory=dict)
+    crossovers: dict[str, float] = field(default_factory=dict)
+    sampled: float | None = None
 
 
 class MeshPublisher(Lifecycle):
@@ -118,12 +129,19 @@ class MeshPublisher(Lifecycle):
             version its snapshot held, and a generator rank whose slot holds exactly that
             version from this rank (and that takes deltas) gets only the changed 2-byte units
             of its slices, checked and applied by that rank when it reads the version (see
-            :mod:`transport.weights._codec.runs`); every other rank gets the version dense.
+            :mod:`transport.weights._codec.runs`), where that changes no more of its units than
+            its crossover (``delta_crossover``); every other rank gets the version dense.
             ``"auto"`` (the default): only to generator ranks reached over a network backend,
-            not over ``ipc`` (as fast as the memory pass that finds the change). ``True``: to
-            every rank that takes them. ``False``: every version dense, not diffed.
-        delta_crossover: the changed fraction of this rank's units above which a version goes
-            dense to everyone.
+            not over shared memory (as fast as the memory pass that finds the change).
+            ``True``: to every rank that takes them. ``False``: every version dense, not diffed.
+        delta_crossover: the changed fraction of a generator rank's units above which it gets a
+            version dense. None (the default): chosen per version and generator rank from what
+            this rank measured (:class:`._codec.policy.Crossover`: its last dense push there,
+            the diff, and this host's copy, checksum and checked-patch rates), the highest at
+            which a delta is predicted to take at most 0.8 of the dense push, down to 0.0 (dense;
+            ``RUNS_CROSSOVER``, 0.2, until its path is measured). A version none of whose ranks
+            holding the base would take it as a delta, or whose sample (taken first) changed
+            more than any would take, is packed without a diff. A float is used as it is.
         relays: per-host relays (:mod:`._mesh_relays`): where two or more generator ranks that
             take part (``MeshSubscriber(relay=True)``, the default) share a host other than
             this rank's and get the very same bytes from it (ranks of the same place in
@@ -146,7 +164,7 @@ class MeshPublisher(Lifecycle):
 
     def __init__(self, transport: Transport, name: str, shards: Mapping[str, torch.Tensor], layout: TrainerLayout,
                  *, rank: int, topology: Topology | None = None, deadline: float = 30.0,
-                 delta: bool | str = "auto", delta_crossover: float = RUNS_CROSSOVER, relays: bool | str = True,
+                 delta: bool | str = "auto", delta_crossover: float | None = None, relays: bool | str = True,
                  relay_timeout: float | None = None) -> None:
         if delta not in (True, False, "auto"):
             raise ValueError(f"delta must be True, False or 'auto', not {delta!r}")
@@ -154,8 +172,8 @@ class MeshPublisher(Lifecycle):
             raise ValueError(f"relays must be True, False, 'host' or 'chain', not {relays!r}")
         if relay_timeout is not None and not relay_timeout > 0:
             raise ValueError(f"relay_timeout must be > 0, not {relay_timeout!r}")
-        if not 0 < delta_crossover <= 0.5:
-            raise ValueError(f"delta_crossover must be in (0, 0.5], not {delta_crossover!r}")
+        if delta_crossover is not None and not 0 < delta_crossover <= 0.5:
+            raise ValueError(f"delta_crossover must be None or in (0, 0.5], not {delta_crossover!r}")
         if not 0 <= rank < MAX_TRAINER_RANKS:
             raise MeshLayoutError(f"trainer rank {rank} is outside [0, {MAX_TRAINER_RANKS})")
         # Ties between trainer ranks holding the same part are broken alike where relays share
@@ -179,12 +197,15 @@ class MeshPublisher(Lifecycle):
         self._version: int | None = None
         self._lock = anyio.Lock()
         self._open = False  # between start() and close()
-        self._packer = MeshDeltaPacker(self._packed, self._offsets, self._total, delta_crossover) if delta else None
+        self._packer = MeshDeltaPacker(self._packed, self._offsets, self._total) if delta else None
         if self._packer is not None and self._packer.why_not is not None:
             log.info("mesh publisher %s rank %d: no delta sync: %s", name, rank, self._packer.why_not)
             self._packer = None
+        crossover = None if self._packer is None else \
+            Crossover(delta_crossover, self._total, self._packer.total_units, 2, available_threads(), RUNS)
         self._pushes = MeshPushes(transport, self.keys, rank, self._planner, self._offsets, deadline,
-                                  delta=self._packer is not None, delta_everywhere=delta is True)
+                                  delta=self._packer is not None, delta_everywhere=delta is True, crossover=crossover)
+        self._sampled: float | None = None  # the last version's sample (None: not sampled)
         stall = min(deadline, 5.0) if relay_timeout is None else float(relay_timeout)
         self._relays = MeshRelays(transport, self.keys, rank, self._pushes, deadline, stall, mode) if mode else None
 
@@ -304,10 +325,14 @@ class MeshPublisher(Lifecycle):
                     tg.start_soon(self._relays.serve, group, version, t0, results)
             t3 = time.perf_counter()
             self._departures.served(present, members.listed, dead)
+            self._pushes.calibrate_ahead()
         change = self._pushes.change
         changed = change.density if change is not None else None
+        chosen = self._pushes.chosen
+        crossovers = {label: chosen[peer.name] for label, peer, _ in work if peer.name in chosen}
         return MeshPublishReport(version, results, incomplete, refused, t1 - t_scan, (t_scan - t0) + (t2 - t1),
-                                 t3 - t2, t3 - t0, changed, left, {n: why for (n, _), why in dead.items()})
+                                 t3 - t2, t3 - t0, changed, left, {n: why for (n, _), why in dead.items()},
+                                 crossovers, self._sampled)
 
     async def warm(self) -> int:
         """Readies the pushes to generator ranks this rank has not pushed to or warmed yet, so
@@ -357,18 +382,33 @@ class MeshPublisher(Lifecycle):
 
     async def _pack(self, version: int, converted: Mapping[str, torch.Tensor]) -> None:
         """Copies the shards (``converted`` ones as given) into snapshot ``version % 2`` under
-        its seqlock; with delta sync, diffing them against the version it held."""
+        its seqlock; with delta sync, diffing them against the version it held where a
+        generator rank that holds that version may take this one as a delta
+        (:meth:`MeshPushes.choose`) and the sample of the change (taken first) is within the
+        highest of their crossovers."""
         assert self._tctl is not None
         s = slot_of(version)
         ctl, snap = self._tctl, self._pushes.snaps[s]
         held = int(ctl[SNAPVER0 + s]) - 1  # the version the snapshot holds (-1: none)
+        sources = {name: converted[name] if name in converted else self._live[name] for name, _, _ in self._packed}
+        packer, base, self._sampled = self._packer, None, None
+        if packer is not None and held >= 0:
+            limit = max((await self._pushes.choose(s, held)).values(), default=0.0)
+            if limit > 0:
+                packer.crossover = limit
+                self._sampled = await anyio.to_thread.run_sync(packer.sample, snap, sources)
+                base = held if self._sampled is None or self._sampled <= limit else None
         ctl[GEN0 + s] += 1  # odd: being written
         memory_barrier()
-        sources = {name: converted[name] if name in converted else self._live[name] for name, _, _ in self._packed}
         change = None
-        if self._packer is not None:
-            change = await anyio.to_thread.run_sync(self._packer.pack, snap, sources, version,
-                                                    held if held >= 0 else None)
+        if packer is not None:
+            change = await anyio.to_thread.run_sync(packer.pack, snap, sources, version, base)
+            model = self._pushes.crossover
+            assert model is not None
+            if packer.last_density is None:
+                model.packed(packer.last_s)
+            else:
+                model.diffed(packer.last_s, packer.last_density)
         else:
             for name, shape, dtype in self._packed:
                 off, nbytes = self._offsets[name]

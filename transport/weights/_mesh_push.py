@@ -1,9 +1,10 @@
 """One trainer rank's pushes into generator ranks of a mesh stream (:class:`MeshPushes`): the
 two-flag claim of a generator rank's slot, the write (as a delta into its delta area where it
-holds the base and deltas pay on its path, else dense as one prepared transfer), and the done
+holds the base and a delta pays on its path, else dense as one prepared transfer), and the done
 word; into a host's relay, piece by piece (:mod:`._mesh_relays`). Also what the trainer rank
 knows of each generator rank between versions: its prepared pushes, its byte runs from here
-and their checksums, its delta table, and whether it is reached over shared memory."""
+and their checksums, its delta table, the version each of its slots holds from here, whether
+it is reached over shared memory, and (in the crossover model) how long its dense push took."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import anyio
 import numpy as np
 import torch
 
+from .._background import start_background
 from .._errors import MeshLayoutError, TransportError
 from ..plan import Move, Planner, RankLayout
 from ._binding import Offsets, byte_runs, cut_runs, slot_layout
 from ._codec.format import HEAD_BYTES, read_table
+from ._codec.policy import Crossover
 from ._codec.runs import Change, Cut, Runs, cut
 from ._control import decode_front
 from ._mesh_control import APPLIED, COMMIT, HEADER_WORDS, MAT0, PROPOSED, READING, MeshKeys, done_word, slot_of
@@ -87,22 +90,35 @@ class MeshPushes:
         deadline: seconds a push may take.
         delta: whether versions may go as deltas (the publisher diffs them).
         delta_everywhere: deltas also over shared memory (``delta=True``; ``"auto"``: not).
+        crossover: the crossover model (told each dense push's time; None without delta sync).
     """
 
     def __init__(self, transport: Transport, keys: MeshKeys, rank: int, planner: Planner, offsets: Offsets,
-                 deadline: float, *, delta: bool, delta_everywhere: bool) -> None:
+                 deadline: float, *, delta: bool, delta_everywhere: bool, crossover: Crossover | None = None) -> None:
         self.t, self.keys, self.rank, self._planner, self._offsets = transport, keys, rank, planner, offsets
         self.deadline = deadline
         self._delta, self._delta_everywhere = delta, delta_everywhere
+        self.crossover = crossover
         self.snaps: list[torch.Tensor] = []  # this rank's two snapshots (set once registered)
         self.version: int | None = None  # the version being published
         self.change: Change | None = None  # its change since the version its snapshot held (None: dense)
+        # generator rank (name) -> its crossover for this version, where it may take it as a
+        # delta (it holds the base); absent: dense
+        self.chosen: dict[str, float] = {}
+        # (generator rank, incarnation, slot) -> (version it holds there from this rank, whether
+        # that came as a delta: the rank then knows its checksum, else its next delta there
+        # checks the base by reading it)
+        self._held: dict[tuple[str, str, int], tuple[int, bool]] = {}
+        self._calibrating = False  # the model's calibration was begun in the background
         self._prepared: dict[tuple[str, str, int], PreparedTransfer] = {}
         self._pieces: dict[tuple[str, str, int, int], list[PreparedTransfer]] = {}  # (.., piece bytes)
         self._byte_runs: dict[tuple[str, str], tuple[np.ndarray, int]] = {}  # -> (its runs, their fingerprint)
         self._runs: dict[tuple[str, str], Runs] = {}  # (generator rank, incarnation) -> its runs from here
         self._tables: dict[tuple[str, str], tuple[int, int] | None] = {}  # -> this rank's (offset, cap) there
         self._sums: dict[tuple[bytes, int], tuple[int, int]] = {}  # (runs, slot) -> (version, checksum there)
+        # As they were when the version began: ranks of the same runs share an entry, which the
+        # first of them done with this version moves on to it (the others still hold the base).
+        self._base_sums: dict[tuple[bytes, int], tuple[int, int]] = {}
         self._cuts: dict[bytes, Cut | None] = {}  # runs -> the change cut along them (this version)
         self._cutting: dict[bytes, anyio.Lock] = {}  # runs -> held while their cut is made
         self.memory_link: dict[str, bool] = {}  # generator rank -> its last push went over shared memory
@@ -110,9 +126,61 @@ class MeshPushes:
     def begin(self, version: int, change: Change | None) -> None:
         """A new version is being published (``change``: its change, when diffed)."""
         self.version, self.change, self._cuts, self._cutting = version, change, {}, {}
+        self._base_sums = dict(self._sums)
+
+    def _taker(self, name: str, incarnation: str) -> Runs | None:
+        """That generator rank's runs from here when it takes deltas from here: its runs allow
+        them, it has a delta area, and it is reached over a network (or ``delta=True``; not
+        before its first push showed the route)."""
+        runs = self._runs.get((name, incarnation))
+        if runs is None or runs.why_not is not None or self._tables.get((name, incarnation)) is None:
+            return None
+        return runs if self._delta_everywhere or not self.memory_link.get(name, True) else None
+
+    async def choose(self, slot: int, base: int) -> dict[str, float]:
+        """The crossover of each generator rank that may take the version going into ``slot``
+        as a delta against ``base`` (the version this rank's snapshot there holds): it takes
+        deltas from here (its runs allow them, it has a delta area, and over shared memory only
+        with ``delta=True``), its slot holds ``base`` from here as this rank last wrote it, and
+        the checksum of its bytes there is known. Each from its own path
+        (:meth:`Crossover.of`), counting the check of the base a first delta into a slot after
+        a dense write costs it; calibrates this host first, once, off the event loop. Kept for
+        :meth:`cut_for`: a rank not chosen gets the version dense."""
+        model = self.crossover
+        takers: dict[str, Runs] = {}
+        first: dict[str, bool] = {}
+        for (name, inc, s), (held, by_delta) in self._held.items():
+            runs = self._taker(name, inc) if (s, held) == (slot, base) else None
+            sums = None if runs is None else self._sums.get((runs.fingerprint, slot))
+            if runs is not None and sums is not None and sums[0] == base:
+                takers[name], first[name] = runs, not by_delta
+        if model is None or not takers:
+            self.chosen = {}
+            return self.chosen
+        if model.fixed is None and not model.calibrated:  # (usually begun after an earlier version)
+            await anyio.to_thread.run_sync(model.calibrate)
+        self.chosen = {name: model.of(name, model.first_s(runs.nbytes, 0) if first[name] else 0.0)
+                       for name, runs in takers.items()}
+        return self.chosen
+
+    def calibrate_ahead(self) -> None:
+        """Begins calibrating this host for the crossover model on a background thread (once,
+        about 0.15 s on the 2-core VM), where it is not given one and some generator rank
+        served may take deltas: after a publish, so that the first version that may go as a
+        delta does not wait for it (:meth:`choose` waits for one still running)."""
+        model = self.crossover
+        if model is None or model.fixed is not None or model.calibrated or self._calibrating:
+            return
+        if any(self._taker(name, inc) is not None for name, inc in self._tables):
+            self._calibrating = True
+            start_background(model.calibrate)
 
     def forget(self, served: set[tuple[str, str]]) -> None:
         """Drops what is kept for generator ranks (name, incarnation) no longer served."""
+        if self.crossover is not None:
+            for name in {k[0] for k in self._held} - {n for n, _ in served}:
+                self.crossover.forget(name)
+        self._held = {k: v for k, v in self._held.items() if k[:2] in served}
         self._prepared = {k: v for k, v in self._prepared.items() if k[:2] in served}
         self._pieces = {k: v for k, v in self._pieces.items() if k[:2] in served}
         self._byte_runs = {k: v for k, v in self._byte_runs.items() if k in served}
@@ -246,41 +314,51 @@ class MeshPushes:
     def _base(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None
               ) -> tuple[Change, Runs, int] | None:
         """(the change, ``peer``'s runs, this rank's checksum of the base there) when ``peer`` may
-        take this version as a delta: it takes them, its slot holds the base from this rank
-        (its DONE word) and as it read it (its MAT word), and the checksum of those bytes is
-        known. None: dense."""
-        change, runs = self.change, self._runs.get((peer.name, peer.incarnation))
-        if change is None or runs is None or area is None or runs.why_not is not None:
+        take this version as a delta: it was chosen (:meth:`choose`: it takes them and a delta
+        may pay on its path), its slot holds the base from this rank (its DONE word) and as it
+        read it (its MAT word), and the checksum of those bytes is known. None: dense."""
+        change, runs = self.change, self._taker(peer.name, peer.incarnation)
+        if change is None or runs is None or area is None or self.chosen.get(peer.name, 0.0) <= 0.0:
             return None
-        if not self._delta_everywhere and self.memory_link.get(peer.name, True):
-            return None  # "auto": not over shared memory (nor before the first push showed the route)
         if claim.prev != change.base + 1 or int(claim.header[MAT0 + slot]) != change.base + 1:
             return None
-        held = self._sums.get((runs.fingerprint, slot))
+        held = self._base_sums.get((runs.fingerprint, slot))
         if held is None or held[0] != change.base:
             return None
         return change, runs, held[1]
 
     async def cut_for(self, peer: Peer, slot: int, claim: Claim, area: tuple[int, int] | None) -> Cut | None:
-        """The payload ``peer`` gets this version as when it may take a delta (:meth:`_base`) and
-        the cut fits its area; None: dense. A cut is a pass over the change: it is made off the
-        event loop, once per version and runs (the pushes of ranks of the same runs wait for
-        the first one's)."""
+        """The payload ``peer`` gets this version as when it may take a delta (:meth:`_base`),
+        the cut fits its area and changes no more of its units than its crossover; None: dense.
+        A cut is a pass over the change: it is made off the event loop, once per version and
+        runs (the pushes of ranks of the same runs wait for the first one's)."""
         base = self._base(peer, slot, claim, area)
         if base is None or area is None:
             return None
         change, runs, base_sum = base
         async with self._cutting.setdefault(runs.fingerprint, anyio.Lock()):
             if runs.fingerprint not in self._cuts:
-                self._cuts[runs.fingerprint] = await anyio.to_thread.run_sync(cut, change, runs, base_sum, area[1])
+                made = await anyio.to_thread.run_sync(self._cut, change, runs, base_sum, area[1])
+                self._cuts[runs.fingerprint] = made
         made = self._cuts[runs.fingerprint]
-        return made if made is not None and made.payload.numel() <= HEAD_BYTES + area[1] else None
+        if made is None or made.payload.numel() > HEAD_BYTES + area[1]:
+            return None
+        return made if made.count <= self.chosen[peer.name] * runs.nbytes // 2 else None
+
+    def _cut(self, change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
+        """:func:`cut`, timed for the crossover model (its own pass: not the hop to its thread)."""
+        t0 = time.perf_counter()
+        made = cut(change, runs, base_sum, cap)
+        if self.crossover is not None:
+            self.crossover.cut(time.perf_counter() - t0, len(change.units))
+        return made
 
     def sent_delta(self, peer: Peer, slot: int, made: Cut) -> None:
         """``peer``'s slot takes ``made`` this version: the checksum a later delta builds on."""
         runs = self._runs[(peer.name, peer.incarnation)]
         assert self.version is not None
         self._sums[(runs.fingerprint, slot)] = (self.version, made.new_sum)
+        self._held[(peer.name, peer.incarnation, slot)] = (self.version, True)
 
     async def write(self, peer: Peer, slot: int, prepared: PreparedTransfer, claim: Claim,
                     area: tuple[int, int] | None, dense_bytes: int) -> tuple[int, bool]:
@@ -297,9 +375,10 @@ class MeshPushes:
             self.sent_delta(peer, slot, made)
             return made.payload.numel(), True
         await self.clear_delta(peer, slot, area)
+        t0 = time.perf_counter()  # (a small push completes inside start())
         h = prepared.start(timeout=self.deadline)
         await h
-        await self.pushed_dense(peer, slot, h.same_host is True)
+        await self.pushed_dense(peer, slot, h.same_host is True, time.perf_counter() - t0)
         return dense_bytes, False
 
     async def clear_delta(self, peer: Peer, slot: int, area: tuple[int, int] | None) -> None:
@@ -310,17 +389,25 @@ class MeshPushes:
             await self.t.put(torch.zeros(8, dtype=torch.uint8), peer.name, key=self.keys.deltas[slot],
                              offset=area[0], timeout=self.deadline)
 
-    async def pushed_dense(self, peer: Peer, slot: int, memory_link: bool) -> None:
+    async def pushed_dense(self, peer: Peer, slot: int, memory_link: bool, seconds: float | None = None) -> None:
         """``peer``'s slot holds this version dense (``memory_link``: it came over shared
-        memory): the checksum a later delta into it builds on, where it may take one."""
+        memory; ``seconds``: the push took that long, where it was pushed whole and timed):
+        the checksum a later delta into it builds on, where it may take one and one may pay on
+        its path at some change (:meth:`Crossover.worth_readying`: else that pass is work
+        wasted each version, before the done word; not judged by the change last seen, which
+        is not measured again while no rank holds a base whose checksum is known)."""
         name = peer.name
         self.memory_link[name] = memory_link
         known = self._runs.get((name, peer.incarnation))
-        takes = self._delta_everywhere or not memory_link
+        assert self.version is not None
+        self._held[(name, peer.incarnation, slot)] = (self.version, False)
+        model = self.crossover
+        if model is not None and seconds is not None and known is not None:
+            model.pushed_dense(name, seconds, known.nbytes)
+        takes = (self._delta_everywhere or not memory_link) and (model is None or model.worth_readying(name, None))
         area = self._tables.get((name, peer.incarnation))
         if area is not None and known is not None and known.why_not is None and takes:
             held = self._sums.get((known.fingerprint, slot))
-            assert self.version is not None
             if held is None or held[0] != self.version:
                 snap = self.snaps[slot]
                 self._sums[(known.fingerprint, slot)] = (self.version,

@@ -1,28 +1,40 @@
-"""Where a stream's delta stops paying: per subscriber, the changed fraction above which a
-tensor (and a version, by its sample) goes dense, chosen per version from what this publisher
-measured, down to none: the version goes dense to that subscriber without being diffed.
+"""Where a delta stops paying, for both delta forms: per subscriber (a stream's subscriber, a
+mesh stream's generator rank), the changed fraction above which a version goes dense to it,
+chosen per version from what the publisher measured, down to none: the version goes dense to
+it, and where it is none for every subscriber that could take a delta, without being diffed.
 
 A delta of a version at changed fraction f costs the diff (it reads the new and the previous
 version), the push of its encodings (about ``w(f)`` of the dense bytes) and the subscriber's
 checked scatter (a cost per changed element); the first delta after a dense version also pays
-what the background pass after that version did not do yet (the base's checksums, and the copy
+what was not readied after that version (the base's checksums; for the stream also the copy
 that lets the new snapshot be patched rather than copied). Dense costs the push of every byte
-and the subscriber's copy. Over a link as fast as memory the diff alone costs about what the
-bytes saved do, so a delta there rarely pays (``delta_sync-2026-12-04-ipc.md``: 1.05-1.56x of
-dense at 2-3% changed); over a network the bytes dominate and much denser changes still pay
-(``delta_sync-2026-12-03-tcp-10gbit-crossover-0.4.md``: 11-19% changed at 0.58-0.64x of dense
-over 10 Gbit/s). :class:`Crossover` models both from measurements:
+and, for the stream, the subscriber's copy. Over a link as fast as memory the diff alone costs
+about what the bytes saved do, so a delta there rarely pays (``delta_sync-2026-12-04-ipc.md``:
+1.05-1.56x of dense at 2-3% changed); over a network the bytes dominate and much denser changes
+still pay (``delta_sync-2026-12-03-tcp-10gbit-crossover-0.4.md``: 11-19% changed at
+0.58-0.64x of dense over 10 Gbit/s). :class:`Crossover` models both from measurements:
 
-- the last dense push to each subscriber that takes deltas (seconds for the dense bytes: its
+- the last dense push to each subscriber that takes deltas (seconds for its dense bytes: its
   path, including what it shares with the other pushes of a version);
 - the last full diff (seconds, at the change it found), else twice a copy of the dense bytes;
 - a copy rate, a checksum rate, the diff's cost per changed element and a scatter cost per
   changed element (the slower of the two position forms), measured once on this host on a
   scratch buffer (:meth:`Crossover.calibrate`).
 
+The two forms (:class:`Form`) differ where their costs do. The stream's diff is a pass of its
+own, its positions may be a bitmask, and a dense version costs its subscriber a copy out of
+the slot. A mesh trainer rank diffs in the pass that packs its snapshot, which a dense version
+makes too (only the diff's excess over that copy counts: :meth:`Crossover.packed`), then cuts
+the change along each generator rank's runs (:meth:`Crossover.cut`); its positions are varint
+gaps of 2-byte units; a generator rank reads its slot whether it came dense or as a delta, so
+dense costs the push alone, and each rank's push carries only its own slices (its bytes are
+given with its push time). Its first delta into a slot after a dense write pays the
+generator's check of the base there (a checksum pass over those bytes).
+
 A delta is chosen only where it is predicted to take at most ``MARGIN`` of dense: the rule is
 that a delta stream is never slower than dense. Until a subscriber's path is measured it
-answers ``CROSSOVER``; a crossover given to the publisher is used as it is.
+answers its form's constant (``CROSSOVER``, ``RUNS_CROSSOVER``); a crossover given to the
+publisher is used as it is.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -42,12 +55,13 @@ from ..._native import stream_copy
 # (benchmarks/results/delta_sync-2026-12-01.md). Over a network, bytes dominate and denser
 # changes pay: :class:`Crossover` chooses per version and subscriber unless given one.
 CROSSOVER = 0.05
-# Mesh sync's (``MeshPublisher(delta_crossover=...)``): the changed fraction of a version's units
-# above which it goes dense. Higher than the stream's: its base is the version two back (twice
-# the change), and by default its deltas go over networks.
+# Mesh sync's, until a generator rank's path is measured (``MeshPublisher``, unless given a
+# ``delta_crossover``): the changed fraction of a version's units above which it goes dense.
+# Higher than the stream's: its base is the version two back (twice the change), and by default
+# its deltas go over networks.
 RUNS_CROSSOVER = 0.2
 
-NETWORK_MAX = 0.4  # the highest crossover chosen: denser changes go dense on any link
+NETWORK_MAX = 0.4  # the highest crossover chosen (a stream's: see Form.most): denser changes go dense on any link
 MARGIN = 0.8  # a delta is chosen only where it is predicted to take at most this share of dense
 # The crossovers tried, lowest first; the highest that pays is chosen, and none (0.0: dense) when
 # not even the lowest does.
@@ -55,11 +69,42 @@ STEPS = (0.005, 0.01, 0.02, 0.03, CROSSOVER, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0
 CALIBRATE_ELEMENTS = 8 << 20  # bf16 elements of the scratch buffer (16 MiB, past most caches)
 
 
-def wire_share(f: float, es: int) -> float:
+def wire_share(f: float, es: int, bitmask: bool = True) -> float:
     """The bytes of a sparse encoding at changed fraction ``f`` over the dense bytes, for
     elements of ``es`` bytes: the values plus a one-byte gap each, or plus a bitmask, whichever
-    is smaller (gaps under 128 take one byte at the densities where this matters)."""
-    return min(f * (es + 1) / es, f + 1 / (8 * es))
+    is smaller (gaps under 128 take one byte at the densities where this matters); without
+    ``bitmask`` (the mesh form's varint positions), the former."""
+    gaps = f * (es + 1) / es
+    return min(gaps, f + 1 / (8 * es)) if bitmask else gaps
+
+
+@dataclass(frozen=True)
+class Form:
+    """Where a delta form's costs differ, for :class:`Crossover` (see the module docstring).
+
+    Attributes:
+        name: "stream" or "runs".
+        unmeasured: the crossover before a subscriber's path (or this host) is measured.
+        bitmask: its positions may go as a bitmask (else varint gaps only).
+        receiver_copies: a dense version costs the subscriber a copy beside the push (a stream
+            subscriber copies out of its slot; a mesh generator rank reads its slot either way).
+        packs: the diff runs in the packing pass a dense version makes too: only its excess
+            over that copy counts against dense.
+        most: the highest crossover chosen.
+    """
+
+    name: str
+    unmeasured: float
+    bitmask: bool
+    receiver_copies: bool
+    packs: bool
+    most: float = NETWORK_MAX
+
+
+STREAM = Form("stream", CROSSOVER, bitmask=True, receiver_copies=True, packs=False)
+# A mesh payload must fit its generator rank's delta area, half its slices (SPARSE_MAX): values
+# and a varint gap take about 1.5 bytes per changed byte, so no more than a third can change.
+RUNS = Form("runs", RUNS_CROSSOVER, bitmask=False, receiver_copies=False, packs=True, most=0.3)
 
 
 class Crossover:
@@ -67,40 +112,60 @@ class Crossover:
 
     Args:
         fixed: a crossover given by the caller (used as it is), or None to choose one.
-        dense_bytes: bytes of a dense version.
-        elements: elements of the tensors that can travel as deltas.
-        element_size: their usual element size in bytes (2 for bf16).
+        dense_bytes: bytes of a dense version (a mesh trainer rank's: its snapshot).
+        elements: elements of the tensors that can travel as deltas (mesh: 2-byte units).
+        element_size: their usual element size in bytes (2 for bf16, and for units).
         threads: the threads the diff runs on.
+        form: the delta form (:data:`STREAM` or :data:`RUNS`).
     """
 
     def __init__(self, fixed: float | None, dense_bytes: int, elements: int, element_size: int,
-                 threads: int = 1) -> None:
+                 threads: int = 1, form: Form = STREAM) -> None:
         self.fixed = fixed
+        self.form = form
         self._bytes = dense_bytes
         self._elements = elements
         self._es = element_size
         self._threads = max(1, threads)
-        self._push_s: dict[str, float] = {}  # subscriber -> seconds of its last dense push
+        # subscriber -> (seconds of its last dense push, its bytes, their elements)
+        self._push_s: dict[str, tuple[float, int, float]] = {}
         self._diff_s: float | None = None
         self._diff_f = 0.0  # the changed fraction that diff found
+        self._pack_s: float | None = None  # a dense packing pass (forms that diff while packing)
+        self.cut_ns = 0.0  # nanoseconds per changed element of the last cut along a subscriber's runs (runs)
         self._calibrating = threading.Lock()  # one calibration at a time; the second waits for it
         self.copy_gbps: float | None = None  # measured by calibrate()
         self.sum_gbps: float | None = None  # the checksum pass, measured by calibrate()
         self.scatter_ns: float | None = None  # per changed element, measured by calibrate()
         self.emit_ns = 0.0  # what the diff spends per changed element (encoding it), measured by calibrate()
 
-    def pushed_dense(self, sub: str, seconds: float) -> None:
-        """A dense version reached ``sub`` in ``seconds`` (its push alone)."""
+    def pushed_dense(self, sub: str, seconds: float, nbytes: int | None = None) -> None:
+        """A dense version reached ``sub`` in ``seconds`` (its push alone); ``nbytes``: the
+        bytes that push carried where it is not the whole dense version (a mesh generator rank
+        gets its own slices)."""
         if seconds > 0:
-            self._push_s[sub] = seconds
+            share = 1.0 if nbytes is None else nbytes / max(1, self._bytes)
+            self._push_s[sub] = (seconds, self._bytes if nbytes is None else nbytes, share * self._elements)
 
     def forget(self, sub: str) -> None:
         self._push_s.pop(sub, None)
 
     def diffed(self, seconds: float, density: float = 0.0) -> None:
-        """A full diff of a version took ``seconds`` and found ``density`` of it changed."""
+        """A full diff of a version took ``seconds`` and found ``density`` of it changed (a
+        form that ``packs``: the packing pass that diffed)."""
         if seconds > 0:
             self._diff_s, self._diff_f = seconds, density
+
+    def packed(self, seconds: float) -> None:
+        """A dense version's packing pass took ``seconds`` (what a diff while packing is
+        compared against)."""
+        if seconds > 0:
+            self._pack_s = seconds
+
+    def cut(self, seconds: float, changed: int) -> None:
+        """A cut of a change of ``changed`` elements along a subscriber's runs took ``seconds``."""
+        if seconds > 0 and changed > 0:
+            self.cut_ns = seconds / changed * 1e9
 
     @property
     def calibrated(self) -> bool:
@@ -167,6 +232,18 @@ class Crossover:
             return 2 * self._bytes / (self.copy_gbps * 1e9) + emit * f
         return max(self._diff_s - emit * self._diff_f, self._diff_s / 2) + emit * f
 
+    def _diff_cost(self, f: float) -> float:
+        """What diffing a version at changed fraction ``f`` costs beyond a dense version: the
+        whole diff, or, where the diff is the packing pass (``form.packs``), its excess over
+        the dense packing pass (the last measured; before a diff is measured, a copy: the read
+        of the base beside the packing) and the cut along the runs."""
+        if not self.form.packs:
+            return self.diff_s(f)
+        assert self.copy_gbps is not None
+        copy = self._bytes / (self.copy_gbps * 1e9)
+        pack = copy if self._diff_s is None or self._pack_s is None else self._pack_s
+        return max(0.0, self.diff_s(f) - pack) + self.cut_ns * 1e-9 * f * self._elements
+
     def first_s(self, unsummed: int, uncopied: int) -> float:
         """What the first delta after a dense version pays on top of the others: a checksum
         pass over ``unsummed`` bytes of the base and a copy of ``uncopied`` bytes into the new
@@ -181,25 +258,27 @@ class Crossover:
         highest of ``STEPS`` at which a delta is predicted to take at most ``MARGIN`` of the
         dense version on its path, or 0.0 where none is (it gets the version dense, undiffed);
         ``first_s``: the extra cost of a first delta after a dense version (:meth:`first_s`).
-        The given crossover, if any; ``CROSSOVER`` while its path or this host is unmeasured."""
+        The given crossover, if any; the form's ``unmeasured`` while its path or this host is
+        unmeasured."""
         if self.fixed is not None:
             return self.fixed
-        push = self._push_s.get(sub)
-        if push is None or self.copy_gbps is None or self.scatter_ns is None:
-            return CROSSOVER
-        copy = self._bytes / (self.copy_gbps * 1e9)
-        dense = push + copy
+        got = self._push_s.get(sub)
+        if got is None or self.copy_gbps is None or self.scatter_ns is None:
+            return self.form.unmeasured
+        push, nbytes, elements = got
+        dense = push + (nbytes / (self.copy_gbps * 1e9) if self.form.receiver_copies else 0.0)
         best = 0.0
-        for f in STEPS:
-            delta = (first_s + self.diff_s(f) + wire_share(f, self._es) * push
-                     + self.scatter_ns * 1e-9 * f * self._elements)
+        for f in (f for f in STEPS if f <= self.form.most):
+            delta = (first_s + self._diff_cost(f) + wire_share(f, self._es, self.form.bitmask) * push
+                     + self.scatter_ns * 1e-9 * f * elements)
             if delta <= MARGIN * dense:
                 best = f
         return best
 
     def worth_readying(self, sub: str, change: float | None) -> bool:
-        """Whether to ready for a delta to ``sub`` after a dense version (the publisher's
-        background pass, and the subscriber's): one may pay on its path (before a first delta's
+        """Whether to ready for a delta to ``sub`` after a dense version (the stream publisher's
+        background pass, and the subscriber's; a mesh trainer rank's checksum of the slices it
+        pushed dense): one may pay on its path (before a first delta's
         own costs, which that readying takes off) or its path is unmeasured; and on a path where
         one pays only below ``CROSSOVER`` (about as fast as memory), only while the changed
         fraction last seen (``change``; None: unknown) is that small too. Readying is work on

@@ -14,13 +14,15 @@ version (:class:`Materializer`), so the slot then holds ``v`` in full as if it h
 dense, and everything downstream (``apply``, ``reading``, the vLLM load) is unchanged.
 
 A trainer rank sends a delta only when the generator rank's DONE word for the slot says it
-holds ``b`` from that trainer rank, its ``MAT`` word says it materialised ``b`` there, and the
-trainer knows the checksum of its bytes of ``b`` there. Those words are anyone's to write, so
-the generator checks before it writes: the checksum (units indexed by slot position, see
-``csrc/delta.h``) over the trainer rank's runs in the slot must be the header's base checksum
-(the slot holds exactly ``b`` from it), and the payload, read alone, must turn it into the
-header's new checksum. A payload that fails any check is refused whole; :meth:`MeshSubscriber.pull`
-then fetches the version from the snapshots.
+holds ``b`` from that trainer rank, its ``MAT`` word says it materialised ``b`` there, the
+trainer knows the checksum of its bytes of ``b`` there, and the cut changes no more of that
+rank's units than its crossover (:class:`.policy.Crossover` in its ``RUNS`` form, per version
+and rank; the version is not diffed at all where no rank holding ``b`` would take it). Those
+words are anyone's to write, so the generator checks before it writes: the checksum (units
+indexed by slot position, see ``csrc/delta.h``) over the trainer rank's runs in the slot must
+be the header's base checksum (the slot holds exactly ``b`` from it), and the payload, read
+alone, must turn it into the header's new checksum. A payload that fails any check is
+refused whole; :meth:`MeshSubscriber.pull` then fetches the version from the snapshots.
 
 Area of one slot: a table entry per trainer rank ``(rank, offset, cap)`` (in the read-only
 ``dtab`` region), each sub-area a 64-byte header ``(magic, version, base, base checksum, new
@@ -31,6 +33,7 @@ checksum, units, position bytes, payload bytes)`` then the payload ``[values][pa
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +43,7 @@ import torch
 from ..._errors import DeltaRefusedError
 from ..._native import delta as native
 from .._copy import HostCopies, available_threads
+from .encode import SAMPLE_BLOCKS, SAMPLE_RUN
 from .format import HEAD_BYTES, MASK64, MESH_MAGIC, Kind, signed, unsigned
 from .patch import SCRATCH_MIN, Patch, Scratch, apply_patches
 from .policy import RUNS_CROSSOVER
@@ -69,7 +73,12 @@ class MeshDeltaPacker:
 
     Args:
         packed: ``(name, shape, dtype)`` in packing order; offsets: name -> (offset, nbytes).
-        crossover: the changed fraction above which a version goes dense (recording stops).
+        crossover: the changed fraction above which a version goes dense (recording stops);
+            the publisher sets it per version (:class:`.policy.Crossover`).
+
+    Attributes:
+        last_s: seconds the last :meth:`pack` took (its diff included, if it diffed).
+        last_density: the changed fraction the last :meth:`pack` found (None: it did not diff).
     """
 
     def __init__(self, packed: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
@@ -78,12 +87,46 @@ class MeshDeltaPacker:
         self.total_units = sum(nbytes // 2 for _, nbytes in self._offsets.values())
         odd = [n for n, (_, nbytes) in self._offsets.items() if nbytes % 2]
         self.why_not = f"tensors of an odd byte size ({odd[:3]})" if odd else None
-        self._positions: torch.Tensor | None = None
-        self._old: torch.Tensor | None = None
+        # Records of the changes (positions, old values), grown to what the crossover asks for.
+        self._positions = torch.empty(0, dtype=torch.int64)
+        self._old = torch.empty(0, dtype=torch.int16)
         self._threads = available_threads()
         self._groups = self._split()
         # Per group, a kept buffer for the shards cast before their diff (no page faults a version).
         self._cast: list[torch.Tensor | None] = [None] * len(self._groups)
+        self.last_s = 0.0
+        self.last_density: float | None = None
+
+    def sample(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> float | None:
+        """The changed fraction of a sample of the units (``SAMPLE_BLOCKS`` runs of
+        ``SAMPLE_RUN`` units spread over each shard, the whole shard when it is small; counting
+        only) between ``sources`` and ``snap``, as the diff would count it; None when no shard
+        could be sampled (non-contiguous or CUDA shards are not). Runs in a worker thread."""
+        changed = sampled = 0
+        sptr = snap.data_ptr()
+        for name, _, dtype in self._packed:
+            off, nbytes = self._offsets[name]
+            src = sources[name].detach()
+            if src.is_cuda or not src.is_contiguous() or nbytes < 2:
+                continue
+            if src.dtype == dtype:  # the bytes the diff compares, as they are
+                n = nbytes // 2
+                runs, run = (1, n) if n <= SAMPLE_BLOCKS * SAMPLE_RUN * 4 else (SAMPLE_BLOCKS, SAMPLE_RUN)
+                changed += native.sample_changed(src.data_ptr(), sptr + off, n, 2, runs, run)
+                sampled += runs * min(run, n)
+                continue
+            es = torch.empty(0, dtype=dtype).element_size()
+            if es % 2:  # (one-byte wire elements come packed already: see MeshPublisher)
+                continue
+            flat, n = src.view(-1), nbytes // es
+            old = snap[off : off + nbytes].view(dtype)
+            runs, run = (1, n) if n <= SAMPLE_BLOCKS * SAMPLE_RUN * 4 else (SAMPLE_BLOCKS, SAMPLE_RUN)
+            for j in range(runs):  # the cast of each run, as packing casts it
+                a = (n - run) * j // max(1, runs - 1)
+                fresh = flat[a : a + run].to(dtype).view(torch.int16)
+                changed += int(fresh.ne(old[a : a + run].view(torch.int16)).sum())
+                sampled += fresh.numel()
+        return changed / sampled if sampled else None
 
     def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
              ) -> Change | None:
@@ -94,43 +137,44 @@ class MeshDeltaPacker:
             The change, or None: no base, or more than ``crossover`` changed (``snap`` is
             complete either way).
         """
+        t0 = time.perf_counter()
+        self.last_density = None
         if base is None or self.why_not is not None:
             self._copy(snap, sources)
+            self.last_s = time.perf_counter() - t0
             return None
         # Contiguous groups of the shards (so their changes stay in snapshot order), one per copy
         # thread, each recording into its own part of the buffers, sized by its units at the
         # crossover (a group past it sends the version dense, even when the whole is not).
-        groups = self._groups
-        if self._positions is None:
-            records = sum(cap for _, _, cap in groups)
-            self._positions = torch.empty(records, dtype=torch.int64)
-            self._old = torch.empty(records, dtype=torch.int16)
-        assert self._old is not None
-        counts = [0] * len(groups)
+        caps = [int(self.crossover * units) + 1024 for _, units in self._groups]
+        starts = [sum(caps[:g]) for g in range(len(caps))]
+        if self._positions.numel() < sum(caps):
+            self._positions = torch.empty(sum(caps), dtype=torch.int64)
+            self._old = torch.empty(sum(caps), dtype=torch.int16)
+        counts = [0] * len(caps)
         sptr, pptr, optr = snap.data_ptr(), self._positions.data_ptr(), self._old.data_ptr()
         batch = HostCopies()
-        for g, (members, start, cap) in enumerate(groups):
+        for g, (members, _) in enumerate(self._groups):
 
-            def work(g: int = g, members: list[tuple[str, torch.dtype]] = members, start: int = start,
-                     cap: int = cap) -> None:
-                counts[g] = self._diff(g, sptr, sources, members, pptr + 8 * start, optr + 2 * start, cap)
+            def work(g: int = g, members: list[tuple[str, torch.dtype]] = members) -> None:
+                counts[g] = self._diff(g, sptr, sources, members, pptr + 8 * starts[g], optr + 2 * starts[g], caps[g])
 
             batch.add(sum(self._offsets[name][1] for name, _ in members), work)
         batch.run(self._threads)
-        if any(c > cap for c, (_, _, cap) in zip(counts, groups, strict=True)) or \
-                sum(counts) > self.crossover * self.total_units:
+        self.last_s = time.perf_counter() - t0
+        self.last_density = sum(counts) / max(1, self.total_units)
+        if any(c > cap for c, cap in zip(counts, caps, strict=True)) or sum(counts) > self.crossover * self.total_units:
             return None
-        units = np.concatenate([self._positions[start:start + c].numpy() for c, (_, start, _) in
-                                zip(counts, groups, strict=True)]) // 2
+        spans = list(zip(starts, counts, strict=True))
+        units = np.concatenate([self._positions[a : a + c].numpy() for a, c in spans]) // 2
         units = units.view(np.uint64)  # a new array (the buffer is reused)
-        old = np.concatenate([self._old[start:start + c].numpy().view(np.uint16) for c, (_, start, _) in
-                              zip(counts, groups, strict=True)])
+        old = np.concatenate([self._old[a : a + c].numpy().view(np.uint16) for a, c in spans])
         new = snap.view(torch.int16).numpy().view(np.uint16)[units]
         return Change(version, base, units, old, new, self.total_units)
 
-    def _split(self) -> list[tuple[list[tuple[str, torch.dtype]], int, int]]:
+    def _split(self) -> list[tuple[list[tuple[str, torch.dtype]], int]]:
         """The shards cut into contiguous groups of about equal bytes, one per copy thread, each
-        with (its first entry in the record buffers, its share of them)."""
+        with its units."""
         total = sum(nbytes for _, nbytes in self._offsets.values())
         k = max(1, min(self._threads, len(self._packed)))
         groups: list[list[tuple[str, torch.dtype]]] = [[] for _ in range(k)]
@@ -138,12 +182,7 @@ class MeshDeltaPacker:
         for name, _, dtype in self._packed:
             groups[min(k - 1, done * k // max(1, total))].append((name, dtype))
             done += self._offsets[name][1]
-        split, start = [], 0
-        for members in (g for g in groups if g):
-            cap = int(self.crossover * sum(self._offsets[name][1] // 2 for name, _ in members)) + 1024
-            split.append((members, start, cap))
-            start += cap
-        return split
+        return [(members, sum(self._offsets[name][1] // 2 for name, _ in members)) for members in groups if members]
 
     def _diff(self, g: int, sptr: int, sources: Mapping[str, torch.Tensor],
               members: Sequence[tuple[str, torch.dtype]], pptr: int, optr: int, cap: int) -> int:
@@ -194,6 +233,11 @@ class Runs:
         return cls(np.ascontiguousarray(rows, dtype=np.int64), hashlib.blake2b(rows.tobytes(), digest_size=16).digest(),
                    why)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes these runs carry (the rank's slices from this trainer rank)."""
+        return int(self.rows[:, 2].sum())
+
     def checksum(self, snap: torch.Tensor) -> int:
         """The checksum of these runs' bytes in ``snap``, units indexed by slot position (what
         the generator rank computes over the same bytes in its slot)."""
@@ -202,10 +246,12 @@ class Runs:
 
 @dataclass
 class Cut:
-    """A change cut along one generator rank's runs: its payload (header first) and checksum."""
+    """A change cut along one generator rank's runs: its payload (header first), checksum and
+    changed units."""
 
     payload: torch.Tensor  # uint8: header + values + positions
     new_sum: int
+    count: int
 
 
 def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
@@ -239,7 +285,7 @@ def cut(change: Change, runs: Runs, base_sum: int, cap: int) -> Cut | None:
     head = out[:HEAD_BYTES].view(torch.int64)
     head[:] = torch.tensor([MESH_MAGIC, change.version, change.base, signed(base_sum), signed(new_sum), count,
                             pos_bytes, payload_bytes])
-    return Cut(out[: HEAD_BYTES + payload_bytes], new_sum)
+    return Cut(out[: HEAD_BYTES + payload_bytes], new_sum, count)
 
 
 # -- the generator's side ---------------------------------------------------------------------
