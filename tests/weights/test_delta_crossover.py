@@ -10,7 +10,7 @@ import torch
 
 import transport
 from transport.weights import Publisher, Subscriber
-from transport.weights._codec.policy import CROSSOVER, NETWORK_MAX, Crossover, wire_share
+from transport.weights._codec.policy import CROSSOVER, DIFF_STALE_S, NETWORK_MAX, Crossover, wire_share
 from transport.weights._control import DIFFING
 
 MODEL_BYTES = 200 << 20
@@ -61,6 +61,21 @@ def test_calibration_measures_this_host(calibrated: Crossover):
         assert calibrated.of(f"link{i}", calibrated.first_s(MODEL_BYTES, MODEL_BYTES)) <= chosen[-1]
     assert 0.0 <= chosen[0] <= chosen[1] <= chosen[2] <= NETWORK_MAX, chosen
     assert chosen[2] > 0  # 40 copies' time on the wire: a delta pays
+
+
+def test_a_diff_measured_slow_stands_only_for_a_while():
+    """One diff measured slow (a busy moment) sends every subscriber dense, undiffed: nothing
+    would measure it again. After DIFF_STALE_S it no longer stands, and the link's crossover
+    is back to what the host's figures predict (the next version is diffed and measured)."""
+    c = modeled()
+    copy_s = MODEL_BYTES / (13.0 * 1e9)
+    c.pushed_dense("fast", 4 * copy_s)
+    fresh = c.of("fast")
+    assert fresh > 0
+    c.diffed(100 * copy_s, 0.02)
+    assert c.of("fast") == 0.0 and not c.worth_readying("fast", None)
+    c._diff_at -= DIFF_STALE_S + 1  # (as if that long had passed)
+    assert c.of("fast") == fresh and c.worth_readying("fast", None)
 
 
 def test_the_crossover_follows_the_link():

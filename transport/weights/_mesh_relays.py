@@ -346,6 +346,7 @@ class MeshRelays:
         order = Order(epoch, version, source.peer.name, slot, slot, extra.words())
         result: SyncResult | None = None
         await first_of(source.begun, source.failed)  # (the order goes out once the log is of its epoch)
+        ordered = time.perf_counter()  # (a dense version's time through the relay: its crossover's dense push)
         try:
             if source.begun.is_set() and not source.failed.is_set():
                 if cut is None:
@@ -389,7 +390,7 @@ class MeshRelays:
                     if result.status is SyncStatus.DONE and cut is not None:
                         self._pushes.sent_delta(peer, slot, cut)
                     elif result.status is SyncStatus.DONE:
-                        await self._pushes.pushed_dense(peer, slot, all(same_host))
+                        await self._pushes.pushed_dense(peer, slot, all(same_host), time.perf_counter() - ordered)
         except TransportError as exc:
             result = self._result(peer, version, t0, SyncStatus.FAILED, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, PeerLostError):
@@ -448,10 +449,11 @@ class MeshRelays:
                     await handle
                     same_host.append(handle.same_host is True)
 
+                pushed = time.perf_counter()
                 await _pieces.run(range(len(pieces)), move, RELAY_WINDOW)
                 nbytes = sum(m.nbytes for m in moves.moves)
                 await rlog.end(False, nbytes)
-                await self._pushes.pushed_dense(peer, slot, all(same_host))
+                await self._pushes.pushed_dense(peer, slot, all(same_host), time.perf_counter() - pushed)
                 await self._pushes.mark_done(peer, slot, version)
         except TransportError as exc:
             return self._result(peer, version, t0, SyncStatus.FAILED, f"{type(exc).__name__}: {exc}")

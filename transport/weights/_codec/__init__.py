@@ -11,7 +11,8 @@ package imports among the weights modules):
     encode    the stream form's encoder (DeltaEncoder, DeltaVersion) and its thresholds
     apply     the stream form's apply (DeltaApplier): the live tensors' checksums, the header's
               checks, its patches (through patch) and dense tensors
-    policy    the stream crossover: where a delta stops paying, from what the publisher measured
+    policy    the crossover of both forms: where a delta stops paying, per subscriber or generator
+              rank, from what the publisher measured
     runs      the mesh form: a trainer rank's changes cut along generator ranks' byte runs, and
               their materialisation in a generator's slot (through patch)
 

@@ -67,6 +67,11 @@ MARGIN = 0.8  # a delta is chosen only where it is predicted to take at most thi
 # not even the lowest does.
 STEPS = (0.005, 0.01, 0.02, 0.03, CROSSOVER, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, NETWORK_MAX)
 CALIBRATE_ELEMENTS = 8 << 20  # bf16 elements of the scratch buffer (16 MiB, past most caches)
+# A measured diff stands this long; after it, versions are judged as before any diff was
+# measured (twice a copy), so the next one a delta pays for is diffed and measures it again.
+# Without it, one diff measured slow in a busy moment would keep every subscriber dense for
+# good: nothing more would be diffed, so nothing would measure it again.
+DIFF_STALE_S = 120.0
 
 
 def wire_share(f: float, es: int, bitmask: bool = True) -> float:
@@ -131,6 +136,7 @@ class Crossover:
         self._push_s: dict[str, tuple[float, int, float]] = {}
         self._diff_s: float | None = None
         self._diff_f = 0.0  # the changed fraction that diff found
+        self._diff_at = 0.0  # when it was measured (time.monotonic())
         self._pack_s: float | None = None  # a dense packing pass (forms that diff while packing)
         self.cut_ns = 0.0  # nanoseconds per changed element of the last cut along a subscriber's runs (runs)
         self._calibrating = threading.Lock()  # one calibration at a time; the second waits for it
@@ -154,7 +160,7 @@ class Crossover:
         """A full diff of a version took ``seconds`` and found ``density`` of it changed (a
         form that ``packs``: the packing pass that diffed)."""
         if seconds > 0:
-            self._diff_s, self._diff_f = seconds, density
+            self._diff_s, self._diff_f, self._diff_at = seconds, density, time.monotonic()
 
     def packed(self, seconds: float) -> None:
         """A dense version's packing pass took ``seconds`` (what a diff while packing is
@@ -227,7 +233,7 @@ class Crossover:
         """The predicted diff of a version at changed fraction ``f``: the last one measured (or
         twice a copy), less what it spent encoding its changes, plus what ``f`` costs."""
         emit = self.emit_ns * 1e-9 * self._elements / self._threads  # seconds per unit of f
-        if self._diff_s is None:
+        if self._diff_s is None or time.monotonic() - self._diff_at > DIFF_STALE_S:
             assert self.copy_gbps is not None
             return 2 * self._bytes / (self.copy_gbps * 1e9) + emit * f
         return max(self._diff_s - emit * self._diff_f, self._diff_s / 2) + emit * f
@@ -241,7 +247,8 @@ class Crossover:
             return self.diff_s(f)
         assert self.copy_gbps is not None
         copy = self._bytes / (self.copy_gbps * 1e9)
-        pack = copy if self._diff_s is None or self._pack_s is None else self._pack_s
+        measured = self._diff_s is not None and time.monotonic() - self._diff_at <= DIFF_STALE_S
+        pack = self._pack_s if measured and self._pack_s is not None else copy
         return max(0.0, self.diff_s(f) - pack) + self.cut_ns * 1e-9 * f * self._elements
 
     def first_s(self, unsummed: int, uncopied: int) -> float:
