@@ -1,7 +1,6 @@
 """Client connections to other agents: :class:`Channel` (pipelined requests on one
-connection) and :func:`greet_plain` (a HELLO for a connection that native code takes over: the
-tcp direct lane). The pool of them, one per peer, is ``_channel_pool``; the server side is
-``_agent``."""
+connection), :class:`ChannelPool` (at most one per peer) and :func:`greet_plain` (a HELLO for a
+connection that native code takes over: the tcp direct lane). The server side is ``_agent``."""
 
 from __future__ import annotations
 
@@ -25,13 +24,10 @@ from ._sockets import (
     connect,
     delivery_progress,
     discard,
-    link_failed,
     payload_parts,
     read_frame_head,
     recv_into_views,
     send_all_views,
-    silent_for,
-    watch_link,
 )
 from ._wire import PRE_AUTH_META, ErrCode, FrameKind, encode_frame, frame_to_error, kind_name
 
@@ -74,7 +70,7 @@ class Channel:
     refuses new ones; open a new channel to retry. The one exception: an agent that closes the
     connection to make room for others says so first (ErrCode.GOING_AWAY), and a channel made
     by :meth:`open` then sends its unanswered requests again on a new connection, its
-    *successor* (which :class:`~._channel_pool.ChannelPool` adopts), as if nothing had happened.
+    *successor* (which :class:`ChannelPool` adopts), as if nothing had happened.
     """
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
@@ -93,7 +89,6 @@ class Channel:
         self._reopen: Callable[[], Awaitable[Channel]] | None = None
         self._successor: Channel | None = None
         self._succession = anyio.Lock()
-        self.address: tuple[str, int] | None = None  # where open() connected it
 
     @classmethod
     async def open(
@@ -105,11 +100,8 @@ class Channel:
         peer_incarnation: str,
         hello: Mapping[str, Any],
         auth: Authenticator,
-        stall_s: float | None = None,
     ) -> Channel:
-        """Connects, says HELLO to the expected incarnation, starts the reply reader. With
-        ``stall_s``, the kernel ends the connection once the peer's has answered nothing for
-        that long (``_sockets.watch_link``): a cut link then breaks it (:attr:`link_failed`).
+        """Connects, says HELLO to the expected incarnation, starts the reply reader.
 
         Raises:
             PeerLostError: the agent is unreachable, or it is another incarnation.
@@ -119,16 +111,12 @@ class Channel:
             sock = await connect(address)
         except OSError as exc:
             raise PeerLostError(f"cannot reach the agent of {peer} at {address[0]}:{address[1]}: {exc}") from exc
-        if stall_s is not None:
-            watch_link(sock, stall_s)
         chan = await cls.greet(tg, sock, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
 
         async def reopen() -> Channel:
-            return await cls.open(tg, address, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth,
-                                  stall_s=stall_s)
+            return await cls.open(tg, address, peer=peer, peer_incarnation=peer_incarnation, hello=hello, auth=auth)
 
         chan._reopen = reopen
-        chan.address = address
         return chan
 
     @classmethod
@@ -193,18 +181,6 @@ class Channel:
         ``_sockets.delivery_progress``): unchanged over a while with requests outstanding,
         the link is stalled. None where the kernel does not tell."""
         return delivery_progress(self._sock)
-
-    def silent_for(self) -> float | None:
-        """Seconds since the peer's kernel last sent this connection anything (see
-        ``_sockets.silent_for``); None where the kernel does not tell."""
-        return silent_for(self._sock)
-
-    @property
-    def link_failed(self) -> bool:
-        """Whether the connection broke because its link failed (the kernel ended it: see
-        ``_sockets.link_failed``), rather than because its peer ended it or we closed it. Our
-        kernel has then dropped what it had not delivered: nothing more of it can arrive."""
-        return link_failed(self._broken)
 
     def abort(self, reason: BaseException) -> None:
         """Closes the connection at once, dropping what the kernel has not sent yet (a
@@ -461,3 +437,44 @@ def hello(name: str, incarnation: str, lane: str) -> dict[str, str]:
     """The HELLO fields that say who connects (``name``, ``incarnation``) and for what (``lane``);
     :meth:`Channel.open` adds the target and the token fields."""
     return {"from": name, "from_incarnation": incarnation, "lane": lane}
+
+
+class ChannelPool:
+    """At most one open :class:`Channel` per peer (per incarnation), opened on first use."""
+
+    def __init__(self, tg: TaskGroup, hello: Mapping[str, Any], auth: Authenticator) -> None:
+        self._tg = tg
+        self._hello = dict(hello)
+        self._auth = auth
+        self._channels: dict[str, tuple[str, Channel]] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+
+    async def get(self, peer: str, incarnation: str, address: tuple[str, int]) -> Channel:
+        lock = self._locks.setdefault(peer, anyio.Lock())
+        async with lock:
+            cached = self._channels.get(peer)
+            if cached is not None:
+                inc, chan = cached
+                while inc == incarnation and chan.broken and (heir := chan.detach_successor()) is not None:
+                    chan.close()  # the agent went away from it: its successor took over
+                    chan = heir
+                    self._channels[peer] = (inc, chan)
+                if inc == incarnation and not chan.broken and not chan.idle_expired:
+                    return chan
+                chan.close()
+            chan = await Channel.open(self._tg, address, peer=peer, peer_incarnation=incarnation, hello=self._hello,
+                                      auth=self._auth)
+            self._channels[peer] = (incarnation, chan)
+            return chan
+
+    def forget_peer(self, peer: str) -> None:
+        """Drops the channel to ``peer`` (it left, or was lost or excluded): requests in flight
+        on it still get replies already on their way (see :meth:`Channel.release`)."""
+        cached = self._channels.pop(peer, None)
+        if cached is not None:
+            cached[1].release(PeerLostError(f"connection to {peer} released: {peer} is gone"))
+
+    def close(self) -> None:
+        for _, chan in self._channels.values():
+            chan.close()
+        self._channels.clear()

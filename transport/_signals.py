@@ -1,8 +1,7 @@
 """Signals: small named integers a peer sets here, ordered after its earlier puts.
 
 :class:`Signals` owns this endpoint's signal values and the event its waiters sleep on, and
-sends signals to peers over the control connection (after fencing earlier transfers to them),
-which fails over between the addresses of a peer that listens on several (``ChannelPool``).
+sends signals to peers over the control connection (after fencing earlier transfers to them).
 
 The table is bounded whatever peers send: names are at most MAX_SIGNAL_NAME_BYTES (longer ones
 are refused on the wire), and it holds the MAX_SIGNALS most recently set names. Setting one more
@@ -16,7 +15,7 @@ from collections.abc import Callable
 
 import anyio
 
-from ._channel_pool import ChannelPool
+from ._channel import ChannelPool
 from ._errors import TransferTimeoutError, TransportError
 from ._flight import FlightRecorder, OpState
 from ._peers import PeerDirectory
@@ -97,10 +96,9 @@ class Signals:
             with anyio.fail_after(timeout):
                 await self._transfers.fence(peer, timeout)
                 record = await self._directory.resolve(peer)
+                chan = await self._control.get(record.name, record.incarnation, record.agent)
                 self._flight.transition(rec, OpState.MOVING, backend="control")
-                # (at one of the peer's addresses: the pool fails over between them)
-                await self._control.request(record.name, record.incarnation, record.addresses, FrameKind.SIGNAL,
-                                            SignalRequest(name, value).to_meta())
+                await chan.request(FrameKind.SIGNAL, SignalRequest(name, value).to_meta())
         except TimeoutError:
             err = TransferTimeoutError(f"signal {name!r}={value} to {peer} not delivered within {timeout:g}s")
             self._flight.transition(rec, OpState.ABORTED, error=err)

@@ -13,8 +13,6 @@ agent makes room by closing the connection that moved none for longest).
 from __future__ import annotations
 
 import contextlib
-import errno
-import math
 import os
 import socket
 import struct
@@ -237,60 +235,6 @@ def delivery_progress(sock: socket.socket) -> int | None:
         return None
     acked, received = int.from_bytes(info[120:128], "little"), int.from_bytes(info[128:136], "little")
     return acked + received
-
-
-# A connection to a peer that listens on several addresses (one per NIC) is watched by its
-# kernel (watch_link), so that a cut link ends it instead of leaving it open and silently dead.
-KEEPALIVE_S = 1  # an idle watched connection is probed this often (whole seconds)
-_TCP_INFO_LAST_RECV = 52  # offset of tcpi_last_data_recv (u32 ms); tcpi_last_ack_recv follows
-# What a connection ended by its link fails with (the watch's ETIMEDOUT, a route gone), as
-# opposed to its peer ending it (EOF, ECONNRESET) or refusing it.
-LINK_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
-
-
-def watch_link(sock: socket.socket, stall_s: float) -> None:
-    """Has the kernel end this TCP connection once the peer's kernel has answered nothing for
-    ``stall_s`` seconds: bytes sent and not acknowledged (``TCP_USER_TIMEOUT``) or, while the
-    connection is idle, keepalive probes sent every ``KEEPALIVE_S`` and not answered. A cut
-    link then fails it with one of ``LINK_ERRNOS`` within about ``stall_s``, idle or not; a
-    peer process that is stopped or busy does not (its kernel answers), nor one that reads
-    slowly (its kernel answers the zero-window probes). Best effort: an option the kernel
-    lacks is left out."""
-    options = [(socket.SOL_SOCKET, "SO_KEEPALIVE", 1), (socket.IPPROTO_TCP, "TCP_KEEPIDLE", KEEPALIVE_S),
-               (socket.IPPROTO_TCP, "TCP_KEEPINTVL", KEEPALIVE_S),
-               (socket.IPPROTO_TCP, "TCP_KEEPCNT", max(1, math.ceil(stall_s / KEEPALIVE_S))),
-               (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", max(1, round(stall_s * 1000)))]
-    for level, name, value in options:
-        opt = getattr(socket, name, None)
-        if opt is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(level, opt, value)
-
-
-def silent_for(sock: socket.socket) -> float | None:
-    """Seconds since the peer's kernel last sent this connection anything (data, an
-    acknowledgement, an answer to a keepalive probe), from ``TCP_INFO``; None where the kernel
-    does not tell (not Linux, or the socket is closed)."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
-    except (OSError, AttributeError, ValueError):
-        return None
-    if len(info) < _TCP_INFO_LAST_RECV + 8:
-        return None
-    data_ms, ack_ms = struct.unpack_from("<II", info, _TCP_INFO_LAST_RECV)
-    return min(data_ms, ack_ms) / 1000
-
-
-def link_failed(exc: BaseException | None) -> bool:
-    """Whether ``exc``, or an error it was raised from, is a connection ended by its link
-    (an OSError with one of ``LINK_ERRNOS``)."""
-    for _ in range(8):  # (a chain is a handful of errors long; never loop on a cycle)
-        if exc is None:
-            return False
-        if isinstance(exc, OSError) and exc.errno in LINK_ERRNOS:
-            return True
-        exc = exc.__cause__
-    return False
 
 
 def abort_socket(sock: socket.socket) -> None:

@@ -28,8 +28,7 @@ import torch
 
 from ._agent import AgentServer
 from ._auth import Authenticator
-from ._channel import hello
-from ._channel_pool import ChannelPool
+from ._channel import ChannelPool, hello
 from ._cuda_copier import CudaCopier
 from ._errors import ClosedError, LayoutError, RegistrationError
 from ._flight import FlightRecorder

@@ -18,8 +18,7 @@ import pytest
 
 import transport
 from tests._support import PYTHON, python_env
-from transport._channel import hello
-from transport._channel_pool import ChannelPool
+from transport._channel import ChannelPool, hello
 from transport._tensors import MemoryKind, dtype_name
 from transport._wire import FrameKind, TransferOp
 from transport.backends import (

@@ -27,8 +27,7 @@ import transport
 from tests.peers import resource_probe as probe
 from tests.peers.resource_probe import TOKEN
 from transport._auth import Authenticator
-from transport._channel import hello
-from transport._channel_pool import ChannelPool
+from transport._channel import ChannelPool, hello
 from transport._wire import FRAME_HEADER, ErrCode, FrameKind, encode_frame
 
 CAP = 48

@@ -22,8 +22,7 @@ from typing import Any
 
 import anyio
 
-from ..._channel import hello
-from ..._channel_pool import ChannelPool
+from ..._channel import ChannelPool, hello
 from ..._errors import TransportError, TransportInternalError
 from ..._wire import FrameKind, PeerRecord, TransferOp
 from .._base import BackendContext
@@ -83,7 +82,7 @@ class Requests:
         Cancellation: as ``Channel.request`` (once on the wire the frame is finished; the reply is
         then not awaited).
         """
-        chan = await self._pool.get(peer.name, peer.incarnation, *peer.addresses)
+        chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
         return await chan.request(FrameKind.BACKEND, meta)
 
     def tell_close(self, peer: PeerRecord, cid: str) -> None:

@@ -2,12 +2,10 @@
 dependency beyond the standard library and the native extension.
 
 * ``_backend.py``: the backend and its initiator side (frames, the direct lane to a peer's native
-  server for ranges of at most 16 MiB, prepared run tables; to a peer that listens on several
-  addresses, the connection and the direct lanes move to another when the link of theirs fails);
+  server for ranges of at most 16 MiB, prepared run tables);
 * ``_run_frames.py``: a prepared transfer's runs cut into PUTR / GETR frames;
 * ``_stripe.py``: striping over NICs, large transfers to a peer that listens on several
   addresses spread over one lane (connection) per address, with failover between lanes;
-* ``_stages.py``: the staging buffers a prepared transfer's small runs travel packed in;
 * ``_serve.py``: the target side (``serve_frame``: one range, run tables, staged replies);
 * ``_frames.py``: its frame kinds in the agent's protocol and the requests they carry.
 """

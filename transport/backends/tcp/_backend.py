@@ -18,17 +18,11 @@ connection) takes the checked path above, which reports the precise error.
 
 Transfers of ``STRIPE_MIN_BYTES`` or more to a peer whose agent listens on several addresses
 (one per NIC) take no single connection: their chunks (PUT / GET frames, or a prepared start's
-run frames) are spread over one lane per address (:mod:`._stripe`). Smaller ones, to such a
-peer, go to one of its addresses at a time (``transport._addresses``): the connection
-(``ChannelPool``) moves to another address when the link under it fails, and sends a request
-whose connection the link ended there again (``ChannelPool.request``); the direct lanes follow
-the connection, and a lane that broke takes the other lanes to its address with it (the
-transfer is then redone on the connection, as after any broken lane).
+run frames) are spread over one lane per address (:mod:`._stripe`).
 
 A put given up on (cancelled, out of time, its connection lost) while a direct lane or a
 striping lane carried it may still land after a later transfer: its range stays *unsettled*
-until the target has ended that connection (or our kernel did, for a watched direct lane whose
-link went silent: nothing more of it can arrive), and transfers that overlap it wait
+until the target has ended that connection, and transfers that overlap it wait
 (:meth:`TcpBackend._abandon`).
 
 Both sides are this backend's, behind the backend interface's target-side hook: :class:`TcpBackend`
@@ -49,34 +43,36 @@ import math
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
+import numpy as np
 
 from ... import _pieces
-from ..._addresses import ADDRESS_CONNECT_S, ADDRESS_STALL_S
 from ..._agent import Conn
-from ..._channel import greet_plain, hello
-from ..._channel_pool import ChannelPool
-from ..._errors import TransportError, WireError
+from ..._channel import ChannelPool, greet_plain, hello
+from ..._errors import TransportError, TransportInternalError, WireError
+from ..._native import Copier, CopyKind, CopyStatus
 from ..._native.tcp import MAX_DTYPE_BYTES, MAX_KEY_BYTES, DirectLane, DirectServer, LaneResult, RegionMirror
 from ..._pieces import Ready
 from ..._regions import Region
-from ..._sockets import abort_socket, close_socket, connect, watch_link
+from ..._sockets import abort_socket, close_socket, connect
 from ..._tensors import MemoryKind, Runs, dtype_name, spans_of
 from ..._wire import PeerRecord, RegionRecord, TransferOp
 from .._base import Backend, BackendContext, LocalBuffer, Mover, Pending, RemoteTarget, Runner
-from ._frames import RangeRequest, RunsRequest, TcpFrame
+from ._frames import MAX_STAGED_BYTES, RangeRequest, RunsRequest, TcpFrame
 from ._run_frames import RunsFrame, build_frames
 from ._serve import serve_range, serve_runs
-from ._stages import Stages
 from ._stripe import STRIPE_CHUNK, Range, Stripes
 
 log = logging.getLogger(__name__)
 
 DIRECT_LANE = "direct"  # the HELLO lane of a direct-lane connection (Backend.lanes: the agent hands it to us)
 
+_STAGE_BUFFERS = 4  # staging buffers of MAX_STAGED_BYTES a Transport keeps for reuse
+_STAGE_PER_PEER = 2  # staged frames to one peer that hold a buffer at once (see _Stages)
+_STAGE_MAX = 64  # staging buffers a Transport lends at once, all peers together (256 MiB)
 # Single-range transfers up to this size take the direct lane: native on both ends, about 3-4x
 # the checked path's rate at 1-4 MiB (benchmarks/results/ has the figures). Larger ones take the
 # checked path, which pipelines frames over the connection.
@@ -106,11 +102,10 @@ class TcpBackend(Backend):
         # Large transfers to a peer that listens on several addresses: one lane per address.
         self._stripes = Stripes(ctx.tg, hello(ctx.name, ctx.incarnation, "tcp"), ctx.auth, ctx.timeout,
                                 self._abandon)
-        # peer -> (its incarnation, its direct lanes, the address they go to)
-        self._lanes: dict[str, tuple[str, list[DirectLane], tuple[str, int]]] = {}
+        self._lanes: dict[str, tuple[str, list[DirectLane]]] = {}  # peer -> (its incarnation, direct lanes)
         self._opening: dict[str, object] = {}  # peer -> the attempt opening a lane to it now
         self._failed: dict[str, float] = {}  # peer -> when opening its direct lane last failed
-        self._stages = Stages(ctx.copier)  # staging buffers for small runs, shared by every transfer
+        self._stages = _Stages(ctx.copier)  # staging buffers for small runs, shared by every transfer
         # The target side: the host regions as the direct lane's native threads see them. A
         # region withdrawn while a request still moves its bytes stays referenced in _retired
         # (its memory alive) until the mirror releases its token.
@@ -140,9 +135,8 @@ class TcpBackend(Backend):
         if Stripes.applies(remote.peer, remote.nbytes):
             await self._striped(True, local, remote)
             return
-        peer = remote.peer
-        await self._pool.request(peer.name, peer.incarnation, peer.addresses, TcpFrame.PUT,
-                                 self._request(local, remote).to_meta(), payload=local.view)
+        chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
+        await chan.request(TcpFrame.PUT, self._request(local, remote).to_meta(), payload=local.view)
 
     async def get(self, local: LocalBuffer, remote: RemoteTarget) -> None:
         await self._after_unsettled(remote.peer.name, remote.region.key, remote.offset, remote.nbytes)
@@ -151,9 +145,8 @@ class TcpBackend(Backend):
         if Stripes.applies(remote.peer, remote.nbytes):
             await self._striped(False, local, remote)
             return
-        peer = remote.peer
-        await self._pool.request(peer.name, peer.incarnation, peer.addresses, TcpFrame.GET,
-                                 self._request(local, remote).to_meta(), into=local.view)
+        chan = await self._pool.get(remote.peer.name, remote.peer.incarnation, remote.peer.agent)
+        await chan.request(TcpFrame.GET, self._request(local, remote).to_meta(), into=local.view)
 
     async def _striped(self, put: bool, local: LocalBuffer, remote: RemoteTarget) -> None:
         """One range cut into chunks of ``STRIPE_CHUNK`` bytes (PUT / GET frames of their own),
@@ -192,8 +185,8 @@ class TcpBackend(Backend):
             return False
         result = lane.start(put, key, dtype, remote.offset, remote.nbytes, local.address, 0.0)
         if result is LaneResult.PENDING:
-            return await self._finish(remote.peer, lane, (key, remote.offset, remote.nbytes) if put else None)
-        self._ended(remote.peer, lane)
+            return await self._finish(remote.peer.name, lane, (key, remote.offset, remote.nbytes) if put else None)
+        self._broke_unused(remote.peer.name, lane)
         return result is LaneResult.DONE
 
     def prepare_runs(self, op: TransferOp, peer: PeerRecord, lists: Sequence[tuple[Runs, RegionRecord]]) -> Runner:
@@ -214,21 +207,20 @@ class TcpBackend(Backend):
         stages = self._stages
         put = op == TransferOp.PUT
 
-        async def frame(request: Callable[..., Awaitable[Any]], f: RunsFrame) -> None:
-            """Sends ``f`` by ``request`` (a lane's ``Channel.request``, or the pool's to ``peer``)."""
+        async def frame(chan: Any, f: RunsFrame) -> None:
             if f.copies is None:
                 if put:
-                    await request(kind, f.meta, payload=[f.table, *f.views])
+                    await chan.request(kind, f.meta, payload=[f.table, *f.views])
                 else:
-                    await request(kind, f.meta, payload=f.table, into=f.views)
+                    await chan.request(kind, f.meta, payload=f.table, into=f.views)
                 return
             async with stages.buffer(peer.name) as (buf, address):
                 data = buf[: f.nbytes]
                 if put:
                     await stages.copy(f.copies, address, to_stage=True, nbytes=f.nbytes)
-                    await request(kind, f.meta, payload=[f.table, data])
+                    await chan.request(kind, f.meta, payload=[f.table, data])
                 else:
-                    await request(kind, f.meta, payload=f.table, into=data)
+                    await chan.request(kind, f.meta, payload=f.table, into=data)
                     await stages.copy(f.copies, address, to_stage=False, nbytes=f.nbytes)
 
         spans = spans_of((r.key, r.span[0], r.span[1] - r.span[0]) for r, _ in lists)
@@ -242,13 +234,11 @@ class TcpBackend(Backend):
             if Stripes.applies(peer, total):  # the frames spread over the lanes to the peer's addresses
                 if not striped:
                     striped.append(build(STRIPE_CHUNK))
-                await self._stripes.run(peer, striped[0], lambda f: f.nbytes, lambda chan, f: frame(chan.request, f),
+                await self._stripes.run(peer, striped[0], lambda f: f.nbytes, frame,
                                         (lambda f: ranges) if put else None)
                 return
-            # every frame pipelined at once, on the pool's connection (at another of the peer's
-            # addresses for the frames whose connection the link ended: ChannelPool.request)
-            await _pieces.run(frames, functools.partial(frame, functools.partial(
-                self._pool.request, peer.name, peer.incarnation, peer.addresses)), None)
+            chan = await self._pool.get(peer.name, peer.incarnation, peer.agent)
+            await _pieces.run(frames, functools.partial(frame, chan), None)  # every frame pipelined at once
 
         return run
 
@@ -274,38 +264,28 @@ class TcpBackend(Backend):
             if result is LaneResult.DONE:
                 return True
             if result is LaneResult.PENDING:
-                return functools.partial(self._finish, peer, lane, (key, offset, nbytes) if put else None)
+                return functools.partial(self._finish, peer.name, lane, (key, offset, nbytes) if put else None)
             log.debug("tcp direct lane to %s: %s; taking the checked path", peer.name, lane.message)
-            self._ended(peer, lane)
+            self._broke_unused(peer.name, lane)
             return False  # refused (nothing written) or broken: the checked path redoes and reports it
 
         return move
 
-    def _ended(self, peer: PeerRecord, lane: DirectLane) -> None:
-        """After a request on ``lane`` ended other than pending. A lane that broke before it
-        completed any request (e.g. a target at its cap of direct-lane connections closes new
-        ones after their HELLO): no new lane to ``peer`` for ``DIRECT_RETRY_S``, rather than a
-        reconnection per transfer. A lane to a peer with several addresses that broke: the other
-        lanes to that address are given up with it (its link may be cut: the transfer redone now
-        takes the pool's connection, which moves to another address if so)."""
-        if not lane.closed:
-            return
-        if lane.completed == 0:
-            self._failed[peer.name] = time.monotonic()
-        if len(peer.addresses) > 1:
-            self._drop_lane(peer.name)
+    def _broke_unused(self, peer: str, lane: DirectLane) -> None:
+        """A lane that broke before it completed any request (e.g. a target at its cap of
+        direct-lane connections closes new ones after their HELLO): no new lane to ``peer`` for
+        ``DIRECT_RETRY_S``, rather than a reconnection per transfer."""
+        if lane.closed and lane.completed == 0:
+            self._failed[peer] = time.monotonic()
 
     def _lane(self, peer: PeerRecord, open_one: bool = True) -> DirectLane | None:
         """A free (open, nothing pending) direct lane to ``peer``'s incarnation, or None: then,
         with ``open_one``, one more is being opened, unless there are ``DIRECT_LANES_PER_PEER``
         or the last attempt failed less than ``DIRECT_RETRY_S`` ago."""
         lanes: list[DirectLane] = []
-        # A peer with several addresses: its lanes go where the pool's connection goes, and
-        # follow it when it fails over (ChannelPool.address).
-        address = self._pool.address(peer.name, peer.incarnation, peer.addresses)
         cached = self._lanes.get(peer.name)
         if cached is not None:
-            if (cached[0], cached[2]) != (peer.incarnation, address):
+            if cached[0] != peer.incarnation:
                 self._drop_lane(peer.name)
             else:
                 lanes = cached[1]
@@ -317,30 +297,25 @@ class TcpBackend(Backend):
         if (open_one and len(lanes) < DIRECT_LANES_PER_PEER and peer.name not in self._opening
                 and since_failed > DIRECT_RETRY_S):
             self._opening[peer.name] = attempt = object()
-            self.ctx.tg.start_soon(self._open_lane, peer, address, attempt)
+            self.ctx.tg.start_soon(self._open_lane, peer, attempt)
         return None
 
-    async def _open_lane(self, peer: PeerRecord, address: tuple[str, int], attempt: object) -> None:
-        """Connects to ``address`` and says HELLO (lane ``"direct"``), then hands the socket to
-        a native :class:`DirectLane`; to a peer with several addresses, within
-        ``ADDRESS_CONNECT_S``, and watched like the pool's connections (a cut link ends it:
-        ``_sockets.watch_link``). A failure is remembered (no new attempt for
-        ``DIRECT_RETRY_S``); cancelled (the Transport closes), the socket is closed."""
+    async def _open_lane(self, peer: PeerRecord, attempt: object) -> None:
+        """Connects and says HELLO (lane ``"direct"``), then hands the socket to a native
+        :class:`DirectLane`. A failure is remembered (no new attempt for ``DIRECT_RETRY_S``);
+        cancelled (the Transport closes), the socket is closed."""
         sock = None
-        several = len(peer.addresses) > 1
         try:
-            with anyio.fail_after(min(self.ctx.timeout, ADDRESS_CONNECT_S) if several else self.ctx.timeout):
-                sock = await connect(address)
-                if several:
-                    watch_link(sock, ADDRESS_STALL_S)
+            with anyio.fail_after(self.ctx.timeout):
+                sock = await connect(peer.agent)
                 await greet_plain(sock, peer=peer.name, peer_incarnation=peer.incarnation,
                                   hello=hello(self.ctx.name, self.ctx.incarnation, DIRECT_LANE), auth=self.ctx.auth)
             if self._opening.get(peer.name) is not attempt:  # the peer was forgotten meanwhile
                 return
             cached = self._lanes.get(peer.name)
-            if cached is None or (cached[0], cached[2]) != (peer.incarnation, address):
+            if cached is None or cached[0] != peer.incarnation:
                 self._drop_lane(peer.name)
-                cached = self._lanes[peer.name] = (peer.incarnation, [], address)
+                cached = self._lanes[peer.name] = (peer.incarnation, [])
             cached[1].append(DirectLane(sock))  # (detaches sock)
         except (OSError, TransportError, TimeoutError) as exc:
             self._failed[peer.name] = time.monotonic()
@@ -351,7 +326,7 @@ class TcpBackend(Backend):
             if sock is not None:
                 close_socket(sock)  # (a no-op once the lane took it)
 
-    async def _finish(self, peer: PeerRecord, lane: DirectLane, put: tuple[str, int, int] | None) -> bool:
+    async def _finish(self, peer: str, lane: DirectLane, put: tuple[str, int, int] | None) -> bool:
         """Drives ``lane``'s pending request to its end (sending the rest when the socket is
         writable, reading the reply when it is readable): True once the bytes are in place;
         False when it was refused or the connection broke (the checked path then redoes the
@@ -363,16 +338,16 @@ class TcpBackend(Backend):
                 await (anyio.wait_writable if lane.writing else anyio.wait_readable)(lane.fileno())
                 result = lane.finish(0.0)
                 if result is not LaneResult.PENDING:
-                    self._ended(peer, lane)
+                    self._broke_unused(peer, lane)
                     return result is LaneResult.DONE
         except BaseException:
             if put is not None and not lane.closed:
-                self._abandon_lane(peer.name, lane, *put)
+                self._abandon_lane(peer, lane, *put)
             else:
                 lane.close()
             raise
         finally:
-            if lane not in self._lanes.get(peer.name, ("", [], ("", 0)))[1] and lane not in self._settling:  # forgotten
+            if lane not in self._lanes.get(peer, ("", []))[1] and lane not in self._settling:  # forgotten meanwhile
                 lane.close()
 
     def _abandon_lane(self, peer: str, lane: DirectLane, key: str, offset: int, nbytes: int) -> None:
@@ -549,3 +524,57 @@ class _Unsettled:
     lo: int
     hi: int
     done: anyio.Event
+
+
+class _Stages:
+    """A Transport's tcp staging buffers of MAX_STAGED_BYTES, each lent to one frame at a time,
+    and the native copies in and out.
+
+    At most ``_STAGE_PER_PEER`` frames to one peer hold a buffer at once, and a frame waits only
+    for its own peer's: a peer that stops reading holds that many buffers, never every other
+    peer's frames (a shared pool of four let one stalled relay hold up a trainer's pushes to
+    every other host until it was given up on). Up to ``_STAGE_BUFFERS`` buffers are kept for
+    reuse; more are made while more peers have frames in flight (at most ``_STAGE_MAX`` lent at
+    once), and dropped after."""
+
+    def __init__(self, copier: Copier) -> None:
+        self._copier = copier
+        self._free: list[tuple[memoryview, int, Any]] = []
+        self._peers: dict[str, anyio.Semaphore] = {}
+        self._total = anyio.Semaphore(_STAGE_MAX)
+
+    @contextlib.asynccontextmanager
+    async def buffer(self, peer: str) -> AsyncIterator[tuple[memoryview, int]]:
+        """A buffer for one frame to ``peer``, once fewer than ``_STAGE_PER_PEER`` of its frames
+        hold one."""
+        turn = self._peers.get(peer)
+        if turn is None:
+            turn = self._peers[peer] = anyio.Semaphore(_STAGE_PER_PEER)
+        async with turn, self._total:
+            if self._free:
+                item = self._free.pop()
+            else:
+                arr = np.empty(MAX_STAGED_BYTES, dtype=np.uint8)
+                item = (memoryview(arr), int(arr.ctypes.data), arr)  # type: ignore[arg-type]  # ndarray is a Buffer
+            try:
+                yield item[0], item[1]
+            finally:
+                if len(self._free) < _STAGE_BUFFERS:
+                    self._free.append(item)
+
+    def forget_peer(self, peer: str) -> None:
+        """Drops ``peer``'s turn (frames still holding a buffer return it as usual)."""
+        self._peers.pop(peer, None)
+
+    async def copy(self, rows: np.ndarray, address: int, *, to_stage: bool, nbytes: int) -> None:
+        """Packs (``to_stage``) or unpacks a frame's runs with one native copy job.
+
+        Raises:
+            TransportInternalError: the copy failed (a bug: both sides are this process's memory).
+        """
+        stage = rows[:, 0] + address
+        dst, src = (stage, rows[:, 1]) if to_stage else (rows[:, 1], stage)
+        job = np.stack([dst, src, rows[:, 2]], axis=1).astype(np.uint64).tobytes()
+        result = await self._copier.copy_packed(CopyKind.LOCAL, 0, job, nbytes)
+        if result.status != CopyStatus.OK:
+            raise TransportInternalError(f"tcp: staging copy of {len(rows)} runs failed (errno {result.err})")

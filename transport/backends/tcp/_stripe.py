@@ -33,8 +33,7 @@ per address, each lane its own agent connection.
   lane -> bytes), and in the lane's counters (:meth:`Stripes.stats`).
 
 Small transfers never come here (``STRIPE_MIN_BYTES``): they keep the one connection (or the
-direct lane) and its latency, which go to one of the peer's addresses at a time and move to
-another when its link fails (``transport._addresses``; ``ChannelPool``).
+direct lane) and its latency.
 """
 
 from __future__ import annotations
