@@ -240,13 +240,25 @@ inline int next_gap(const uint8_t* pos, uint64_t pos_bytes, uint64_t* at, uint64
   return kOk;
 }
 
+// Varint positions decoded ahead of their visit (walk_positions with an ahead), so that the
+// lines of the live tensor they name are loaded while the ones before are visited: where
+// changes lie hundreds of bytes apart at random the hardware's prefetch does not follow them
+// and each visit waits on memory (0.5% of bf16 changed, on this VM: the one-pass apply took 40 ns
+// a change, 1.5x the two-pass scatter, and 0.6x of that with them prefetched by position).
+constexpr uint64_t kAheadBlock = 32;
+
+// Whether count changes of n elements lie far enough apart (64 elements or more on average) to
+// be prefetched by position. Denser changes touch most lines of the tensor in order, which the
+// hardware prefetches by itself; there the blocks only cost (3% changed: up to 2x slower).
+inline bool sparse_changes(uint64_t n, uint64_t count) { return n / 64 >= count; }
+
 // Walks the positions of a sparse payload (pos: its position bytes, in memory nobody else
 // writes), each checked against n before visit(k, p) is called for the k-th. Returns the
 // refusal; the positions visited before a refusal are the first ones, in order, whoever walks
 // the same bytes again (undo relies on that).
 template <typename Visit>
 int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit) {
-  if (kind == kVarint) {
+  if (kind == kVarint) {  // (one gap at a time: see walk_ahead for sparse changes)
     uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
     for (uint64_t k = 0; k < count; ++k) {
       uint64_t gap = 0;
@@ -275,6 +287,45 @@ int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64
   return k == count ? kOk : kCountMismatch;
 }
 
+// walk_positions of varint positions of sparse changes (sparse_changes), read a block
+// (kAheadBlock) ahead of their visits, ahead(p) called for each as it is read. The same checks
+// and the same order: the positions visited before a refusal are the first ones.
+template <typename Visit, typename Ahead>
+int walk_ahead(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t count, Visit&& visit, Ahead&& ahead) {
+  uint64_t blocks[2][kAheadBlock];
+  uint64_t at = 0, next = 0, read = 0;  // next: the smallest position the next gap may name
+  int refusal = kOk;
+  auto fill = [&](uint64_t* block) {
+    uint64_t m = 0;
+    for (; m < kAheadBlock && read < count; ++m, ++read) {
+      uint64_t gap = 0;
+      refusal = next_gap(pos, pos_bytes, &at, &gap);
+      if (refusal == kOk && (gap >= n || next > n - 1 - gap)) refusal = kOutOfRange;  // next + gap >= n
+      if (refusal != kOk) break;
+      block[m] = next + gap;
+      next = block[m] + 1;
+      ahead(block[m]);
+    }
+    return m;
+  };
+  uint64_t k = 0, len = fill(blocks[0]);
+  for (int cur = 0; len > 0; cur = 1 - cur) {
+    const uint64_t following = refusal == kOk ? fill(blocks[1 - cur]) : 0;
+    for (uint64_t j = 0; j < len; ++j) visit(k++, blocks[cur][j]);
+    len = following;
+  }
+  if (refusal != kOk) return refusal;
+  return at == pos_bytes ? kOk : kCountMismatch;
+}
+
+// walk_positions, or walk_ahead with ahead where the changes are sparse varints.
+template <typename Visit, typename Ahead>
+int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit,
+                   Ahead&& ahead) {
+  if (kind == kVarint && sparse_changes(n, count)) return walk_ahead(pos, pos_bytes, n, count, visit, ahead);
+  return walk_positions(pos, pos_bytes, kind, n, count, visit);
+}
+
 // The bitmask's own checks, before any position is visited: its size, no bit past n, exactly
 // count bits set.
 int check_bitmask(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t count) {
@@ -289,22 +340,31 @@ int check_bitmask(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t c
 template <int ES>
 int store_all(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
               uint64_t pos_bytes) {
-  return walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
-    // The positions ascend: the line a little ahead in the tensor is about to be stored to.
-    __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
-    std::memcpy(l + p * ES, vals + k * ES, ES);
-  });
+  const bool sparse = sparse_changes(n, count);
+  return walk_positions(
+      pos, pos_bytes, kind, n, count,
+      [&](uint64_t k, uint64_t p) {
+        // The positions ascend: the line a little ahead in the tensor is about to be stored to
+        // (sparse ones were prefetched by position).
+        if (!sparse) __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
+        std::memcpy(l + p * ES, vals + k * ES, ES);
+      },
+      [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
 }
 
 template <int ES>
 ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
                      uint64_t pos_bytes, uint8_t* undo) {
   ApplyResult r{kOk, 0, 0, 0};
-  r.refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
-    __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);  // the positions ascend
-    apply_at<ES>(l, p, vals, k, undo, &r);
-    r.stored = k + 1;
-  });
+  const bool sparse = sparse_changes(n, count);
+  r.refusal = walk_positions(
+      pos, pos_bytes, kind, n, count,
+      [&](uint64_t k, uint64_t p) {
+        if (!sparse) __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
+        apply_at<ES>(l, p, vals, k, undo, &r);
+        r.stored = k + 1;
+      },
+      [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
   return r;
 }
 
@@ -349,10 +409,15 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
                                 : store_all<4>(l, n, vals, kind, count, pos, pos_bytes);
     return {refusal, 0, 0};
   }
-  const int refusal = walk_positions(pos, pos_bytes, kind, n, count, [&](uint64_t k, uint64_t p) {
-    r.sum_new += mix(load_elem(vals + k * es, es), p);
-    if (l != nullptr) r.sum_old += mix(load_elem(l + p * es, es), p);
-  });
+  const int refusal = walk_positions(
+      pos, pos_bytes, kind, n, count,
+      [&](uint64_t k, uint64_t p) {
+        r.sum_new += mix(load_elem(vals + k * es, es), p);
+        if (l != nullptr) r.sum_old += mix(load_elem(l + p * es, es), p);
+      },
+      [&](uint64_t p) {
+        if (l != nullptr) __builtin_prefetch(l + p * es, 0);
+      });
   if (refusal != kOk) return {refusal, 0, 0};
   return r;
 }

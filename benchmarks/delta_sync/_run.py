@@ -10,6 +10,12 @@ subscribers' apply times, and the time from the start of the publish until both 
 hold the version (live), for each learning rate. Then a sweep of forced densities (bit flips of
 that fraction of each tensor's elements) shows where dense takes over.
 
+Each kind of stream runs ``--repeats`` times over (streams ``delta``, ``delta.1``, ...): every
+version is published on each of them, and a row reports each kind's median publish. On a
+2-core VM one publish varies by 5-15% from the next (two identical dense ones disagree that
+much), more than the 5% a delta stream may cost over ipc; the median of three (interleaved, so
+that slow moments fall on every kind alike) tells the kinds apart.
+
 The same-run baselines: memcpy bandwidth over the model's bf16 bytes (one thread, and split
 across the copy threads as the diff is), and forced-dense publishing.
 
@@ -21,6 +27,7 @@ across the copy threads as the diff is), and forced-dense publishing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -45,7 +52,17 @@ ROOT = Path(__file__).resolve().parent.parent
 # The delta stream, the forced-dense one, and the same forced-dense publish again: the third
 # measures this run's noise (two identical publishes), against which a delta stream that sends
 # dense is judged.
-STREAMS = ("delta", "dense", "again")
+KINDS = ("delta", "dense", "again")
+REPEATS = 3  # streams of each kind (--repeats): each row reports the kind's median publish
+
+
+def stream_names(repeats: int) -> list[str]:
+    """The streams of ``repeats`` of each kind, interleaved: delta, dense, again, delta.1, ..."""
+    return [k if i == 0 else f"{k}.{i}" for i in range(repeats) for k in KINDS]
+
+
+def kind_of(stream: str) -> str:
+    return stream.split(".")[0]
 SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
 SUBSCRIBERS = ("gen-0", "gen-1")
 
@@ -76,10 +93,12 @@ def sub_apply_s(sub: Subscriber, t0: float) -> float:
 
 async def subscriber(spec: dict[str, Any]) -> None:
     cfg = model_config(spec["short"])
-    applies: dict[str, list[dict[str, Any]]] = {s: [] for s in STREAMS}
+    streams = spec["streams"]
+    applies: dict[str, list[dict[str, Any]]] = {s: [] for s in streams}
     async with transport.Transport(spec["name"], store=spec["store"], backends=(spec["backend"],), timeout=60) as t:
         # The dense stream is the forced-dense baseline on both ends (no checksums kept).
-        subs = {s: Subscriber(t, bf16_state(cfg), publisher="trainer", name=s, delta=s == "delta") for s in STREAMS}
+        subs = {s: Subscriber(t, bf16_state(cfg), publisher="trainer", name=s, delta=kind_of(s) == "delta")
+                for s in streams}
         for sub in subs.values():
             await sub.start()
 
@@ -99,7 +118,7 @@ async def subscriber(spec: dict[str, Any]) -> None:
 
         await t.signal("trainer", f"ready.{spec['name']}", 1)
         async with trio.open_nursery() as n:
-            for s in STREAMS:
+            for s in streams:
                 n.start_soon(follow, s)
             n.start_soon(stop, n.cancel_scope)
         for sub in subs.values():
@@ -137,40 +156,54 @@ def changed_fraction(state: dict[str, torch.Tensor], prev: dict[str, torch.Tenso
 
 
 async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], version: int,
-                       streams: tuple[str, ...] = STREAMS, changed: float | None = None) -> dict[str, Any]:
-    """Publishes ``version`` on both streams (or on ``streams``), one after the other, and waits
-    on each until both subscribers hold it. ``changed``: the version's changed fraction as the
+                       kinds: tuple[str, ...] = KINDS, changed: float | None = None) -> dict[str, Any]:
+    """Publishes ``version`` on every stream (of ``kinds``), one after the other, and waits on
+    each until both subscribers hold it; a kind's figures are those of its median publish (all
+    its live times under ``repeats``). ``changed``: the version's changed fraction as the
     trainer measured it, reported where the delta stream's publisher did not diff."""
     row: dict[str, Any] = {"version": version, "changed_fraction": changed}
-    # Alternate which stream goes first: the first publish after a training step reads live
+    # Alternate which kind goes first: the first publish after a training step reads live
     # tensors the optimizer just wrote.
-    k = version % len(STREAMS)  # which stream goes first rotates with the version
-    for stream in [s for s in STREAMS[k:] + STREAMS[:k] if s in streams]:
-        t0 = time.perf_counter()
-        report = await pubs[stream].publish(version)
-        for name in SUBSCRIBERS:
-            await t.wait_signal(f"live.{stream}.{name}", at_least=version, timeout=120)
-        live_s = time.perf_counter() - t0
-        # Its snapshot's completion (a dense version's fill reads the whole version back from a
-        # subscriber) ends before the other stream publishes: in a real run it has the training
-        # step to itself.
-        await pubs[stream].wait_snapshot()
-        res = [report.results[n] for n in SUBSCRIBERS]
-        row[stream] = {"live_s": live_s, "publish_s": report.total_s, "pack_s": report.pack_s,
-                       "discover_s": report.discover_s, "push_s": report.push_s, "snapshot_s": report.snapshot_s,
-                       "wire_bytes": max(r.nbytes for r in res),
-                       "as_delta": [r.delta for r in res]}
-        if report.delta is not None:
-            d = report.delta
-            if d.base is not None or d.sampled or changed is None:
-                row["changed_fraction"] = d.density
-            row["diff_encode_s"] = d.encode_s
-            row["diff_gbps"] = d.dense_bytes / d.encode_s / 1e9 if d.encode_s else None
-            row["kinds"] = d.kinds
-            row["sampled"] = d.sampled  # dense without a full diff: the sample was above the crossover
-            row["crossover"] = d.crossover
-            row["dense_bytes"] = d.dense_bytes
+    k = version % len(KINDS)  # which kind goes first rotates with the version
+    order = [kind for kind in KINDS[k:] + KINDS[:k] if kind in kinds]
+    samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in order}
+    for stream in [s for s in stream_names(len(pubs) // len(KINDS)) if kind_of(s) in kinds]:
+        samples[kind_of(stream)].append(await _publish_one(t, pubs[stream], stream, version))
+    for kind, got in samples.items():
+        median = sorted(got, key=lambda x: x["live_s"])[(len(got) - 1) // 2]
+        row[kind] = {**median["stream"], "repeats": [x["live_s"] for x in got]}
+        for key, v in median.items():
+            if key not in ("stream", "live_s", "density", "base"):
+                row[key] = v
+        if "density" in median and (median["base"] is not None or median["sampled"] or changed is None):
+            row["changed_fraction"] = median["density"]
     return row
+
+
+async def _publish_one(t: transport.Transport, pub: Publisher, stream: str, version: int) -> dict[str, Any]:
+    """Publishes ``version`` on ``stream`` and waits until both subscribers hold it: its
+    figures (``stream``), and for a delta stream what its delta machinery did."""
+    t0 = time.perf_counter()
+    report = await pub.publish(version)
+    for name in SUBSCRIBERS:
+        await t.wait_signal(f"live.{stream}.{name}", at_least=version, timeout=120)
+    live_s = time.perf_counter() - t0
+    # Its snapshot's completion (a dense version's fill reads the whole version back from a
+    # subscriber) ends before the next stream publishes: in a real run it has the training
+    # step to itself.
+    await pub.wait_snapshot()
+    res = [report.results[n] for n in SUBSCRIBERS]
+    out: dict[str, Any] = {"live_s": live_s, "stream": {
+        "name": stream, "live_s": live_s, "publish_s": report.total_s, "pack_s": report.pack_s,
+        "discover_s": report.discover_s, "push_s": report.push_s, "snapshot_s": report.snapshot_s,
+        "wire_bytes": max(r.nbytes for r in res), "as_delta": [r.delta for r in res]}}
+    if report.delta is not None:
+        d = report.delta
+        out.update({"density": d.density, "base": d.base, "diff_encode_s": d.encode_s,
+                    "diff_gbps": d.dense_bytes / d.encode_s / 1e9 if d.encode_s else None, "kinds": d.kinds,
+                    # dense without a full diff: the sample was above the crossover
+                    "sampled": d.sampled, "crossover": d.crossover, "dense_bytes": d.dense_bytes})
+    return out
 
 
 def _e4m3(t: torch.Tensor) -> torch.Tensor:
@@ -218,7 +251,8 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     procs, outs = [], []
     for name in SUBSCRIBERS:
         out = tmp / f"{name}.json"
-        spec = {"name": name, "store": store, "backend": backend, "short": args.short, "out": str(out)}
+        spec = {"name": name, "store": store, "backend": backend, "short": args.short, "out": str(out),
+                "streams": stream_names(args.repeats)}
         procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.delta_sync", "--role", "sub",
                                        json.dumps(spec)], cwd=ROOT))
         outs.append(out)
@@ -228,10 +262,12 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     try:
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=120) as t:
             crossover = {} if args.crossover is None else {"delta_crossover": args.crossover}
-            async with Publisher(t, published, name="delta", delta=True, **crossover) as pd, \
-                    Publisher(t, published, name="dense", delta=False) as pn, \
-                    Publisher(t, published, name="again", delta=False) as pa:
-                pubs = {"delta": pd, "dense": pn, "again": pa}
+            async with contextlib.AsyncExitStack() as stack:
+                pubs = {}
+                for stream in stream_names(args.repeats):
+                    delta = kind_of(stream) == "delta"
+                    pubs[stream] = await stack.enter_async_context(
+                        Publisher(t, published, name=stream, delta=delta, **(crossover if delta else {})))
                 await run_steps(args, t, model, published, cfg, pubs, backend, steps, sweep,
                                 windows)
         for p in procs:
@@ -244,9 +280,10 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 p.wait()
     for rows in (steps, sweep, windows):
         for row in rows:
-            for stream in STREAMS:
-                row[stream]["apply_s"] = [next((a["apply_s"] for a in sub[stream] if a["version"] == row["version"]),
-                                               None) for sub in applies]
+            for kind in (k for k in KINDS if k in row):  # the apply of the kind's median publish
+                stream = row[kind]["name"]
+                row[kind]["apply_s"] = [next((a["apply_s"] for a in sub[stream] if a["version"] == row["version"]),
+                                             None) for sub in applies]
     return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep, "windows": windows}
 
 
@@ -297,11 +334,12 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
     flip(published, 0.9, torch.Generator().manual_seed(9))
     for _ in range(2):
         version += 1
-        await publish_both(t, pubs, version, streams=("dense", "again") if args.join else STREAMS)
+        await publish_both(t, pubs, version, kinds=("dense", "again") if args.join else KINDS)
         for k, v in published.items():
             v.copy_(warm[k])
     if args.join:
-        await pubs["delta"].warm()
+        for stream in (s for s in pubs if kind_of(s) == "delta"):
+            await pubs[stream].warm()
     _, fp8_prev = fp8_change(published, None)
     for lr in args.lr:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -419,13 +457,17 @@ def markdown(result: dict[str, Any]) -> str:
     """The results file: per backend, the training steps and the density sweep, with the
     same-run baselines (forced dense, memcpy)."""
     m = result["machine"]
+    repeats = result.get("args", {}).get("repeats", 1)
     out = [f"# Delta sync vs dense on real AdamW updates ({result['date']})", "",
            f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['threads']} copy threads), no GPU; torch "
            f"{m['torch']}; diff ISA {m['diff_isa']}. Model: {result['model']} "
            f"({result['bf16_bytes'] / 1e6:.1f} MB of bf16). Two subscriber processes per backend; each "
            "version published on the delta stream, on the forced-dense stream (`delta=False` both ends) and "
            "once more on a second forced-dense stream (the run's noise: two identical publishes); which goes "
-           "first rotates by version. Load average at the start: "
+           "first rotates by version. "
+           + (f"Each kind of stream {repeats} times over, interleaved; a row gives each kind's median publish "
+              "(the live times of every repeat are listed below the steps). " if repeats > 1 else "")
+           + "Load average at the start: "
            f"{result.get('load_before', 'not recorded')}; commit {result.get('commit', 'not recorded')}.",
            "", "live = from the start of the publish until both subscribers report the version applied; apply = "
            "the subscriber's own copy or checked scatter (the slower of the two); diff = the diff + encode "
@@ -451,6 +493,12 @@ def markdown(result: dict[str, Any]) -> str:
                        f"{max(d['apply_s']) * 1e3:.0f} / {max(n['apply_s']) * 1e3:.0f} | "
                        f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} | "
                        f"{r['again']['live_s'] / n['live_s']:.2f} | {floor_cell(refs, r)} |")
+        if repeats > 1:
+            out += ["", f"Each repeat's live ms ({b}; the median is the row's):", "",
+                    "| lr | step | delta | dense | again |", "|---|---|---|---|---|"]
+            for r in run["steps"][1:]:
+                out.append(f"| {r['lr']:g} | {r['step']} | " + " | ".join(
+                    " / ".join(f"{x * 1e3:.0f}" for x in r[kind]["repeats"]) for kind in KINDS) + " |")
         out += ["", f"Forced densities ({b}): bit flips of that fraction of every tensor.", "",
                 "| forced | measured | kinds | wire ratio | apply ms delta / dense | live ms delta / dense | ratio | "
                 "dense again / dense |",
@@ -512,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--join", action="store_true",
                    help="the delta stream's first delta follows its first, dense, version (no dense warm-up there)")
     p.add_argument("--crossover", type=float, help="Publisher(delta_crossover=...) (default: the library's)")
+    p.add_argument("--repeats", type=int, default=REPEATS,
+                   help="streams of each kind; a row reports each kind's median publish")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the results as markdown here")
     p.add_argument("--note", action="append", default=[],

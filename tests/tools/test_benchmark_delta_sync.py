@@ -1,12 +1,12 @@
 """Smoke test of the delta-sync benchmark (``python -m benchmarks.delta_sync``).
 
-A tiny real run (the mesh example's Llama model shrunk to 2 layers of width 64, one AdamW step
-per learning rate, two subscriber processes, over ipc and tcp, a 1% and a 90% forced density)
-checks that the entry point works end to end, that every version reached both subscribers on
-both streams, and the byte accounting the README quotes: the dense stream always moves the
-whole version, a delta moves at most 2·f of it plus its header, and a version above the
-crossover (the 90% one) goes dense on its own; and the physical references are there for every
-density. No timing is asserted.
+A tiny real run (the mesh example's Llama model shrunk to 2 layers of width 64, one AdamW step per
+learning rate, two subscriber processes, over ipc and tcp, a 1% and a 90% forced density) checks
+that the entry point works end to end, that every version reached both subscribers on every stream
+(three of each kind: a row gives each kind's median publish), and the byte accounting the README
+quotes: the dense stream always moves the whole version, a delta moves at most 2·f of it plus its
+header, and a version above the crossover (the 90% one) goes dense on its own; and the physical
+references are there for every density. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
             for stream in ("dense", "again"):  # forced dense, and the same publish again (the noise)
                 assert row[stream]["wire_bytes"] == dense and row[stream]["as_delta"] == [False, False]
             assert all(s > 0 for s in row["dense"]["apply_s"] + row["delta"]["apply_s"])  # both applied it
+            for kind in ("delta", "dense", "again"):  # three streams of each kind: the row is the median's
+                assert len(row[kind]["repeats"]) == 3 and row[kind]["live_s"] == sorted(row[kind]["repeats"])[1]
         for row in run["steps"][1:] + run["sweep"]:
             f, d = row["changed_fraction"], row["delta"]
             if d["as_delta"] == [True, True]:

@@ -57,11 +57,12 @@ def test_every_patch_lands_bit_for_bit(mode, terms):
 
 
 @pytest.mark.parametrize("mode", list(SCRATCH))
-@pytest.mark.parametrize("poison", ["checksum", "positions", "terms"])
+@pytest.mark.parametrize("poison", ["checksum", "positions", "half", "terms"])
 def test_a_failing_patch_leaves_every_memory_as_it_was(mode, poison):
-    """The last patch fails (a wrong promised checksum, positions past the tensor's end, or
-    base terms that are not the base's): the others, stored in the same pass or not, are
-    undone or never stored."""
+    """The last patch fails (a wrong promised checksum, positions past the tensor's end from
+    the first or from half-way, or base terms that are not the base's): the others, stored in
+    the same pass or not, are undone or never stored; so are the last one's own stores before
+    its refusal (half-way: sparse enough that its positions are read a block ahead)."""
     cases = _cases(terms=poison == "terms")
     live, _, payload, bad = cases[-1]
     if poison == "checksum":
@@ -69,6 +70,8 @@ def test_a_failing_patch_leaves_every_memory_as_it_was(mode, poison):
     elif poison == "terms":  # the sender's word on the values it replaces is wrong
         assert bad.old_terms is not None
         bad = Patch(**{**bad.__dict__, "old_terms": (bad.old_terms + 1) & MASK64})
+    elif poison == "half":  # a patch that claims half its tensor: its later positions fall outside it
+        bad = Patch(**{**bad.__dict__, "numel": N // 2})
     else:  # a patch that claims a tensor of 10 elements: its positions fall outside it
         bad = Patch(**{**bad.__dict__, "numel": 10})
     cases[-1] = (live, cases[-1][1], payload, bad)
