@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import platform
@@ -84,6 +85,15 @@ def bf16_state(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in m.state_dict().items()}
 
 
+def freeze() -> None:
+    """Moves what this process holds after its setup out of the cyclic GC's sight, as a
+    long-running trainer or server would (``gc.freeze``): a full collection would otherwise
+    walk the model, the optimizer and every stream's objects in the middle of a timed publish
+    (tens of ms on the 2-core VM, on either kind of stream)."""
+    gc.collect()
+    gc.freeze()
+
+
 # ---- subscriber process -----------------------------------------------------------------------
 
 def sub_apply_s(sub: Subscriber, t0: float) -> float:
@@ -116,6 +126,7 @@ async def subscriber(spec: dict[str, Any]) -> None:
             await t.wait_signal("stop", at_least=1, timeout=3600)
             cancel.cancel()
 
+        freeze()
         await t.signal("trainer", f"ready.{spec['name']}", 1)
         async with trio.open_nursery() as n:
             for s in streams:
@@ -171,7 +182,8 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
         samples[kind_of(stream)].append(await _publish_one(t, pubs[stream], stream, version))
     for kind, got in samples.items():
         median = sorted(got, key=lambda x: x["live_s"])[(len(got) - 1) // 2]
-        row[kind] = {**median["stream"], "repeats": [x["live_s"] for x in got]}
+        row[kind] = {**median["stream"], "repeats": [x["live_s"] for x in got],
+                     "repeats_as_delta": [x["stream"]["as_delta"] for x in got]}
         for key, v in median.items():
             if key not in ("stream", "live_s", "density", "base"):
                 row[key] = v
@@ -321,6 +333,7 @@ async def run_steps(args: argparse.Namespace, t: transport.Transport, model: tor
                     steps: list[dict[str, Any]], sweep: list[dict[str, Any]], windows: list[dict[str, Any]]) -> None:
     for name in SUBSCRIBERS:
         await t.wait_signal(f"ready.{name}", at_least=1, timeout=300)
+    freeze()
     version = 1
     steps.append({"lr": None, "loss": None, **await publish_both(t, pubs, version)})  # the base
     # Warm-up, not reported: two more dense versions (90% of the bits flipped, then the true
