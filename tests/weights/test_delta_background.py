@@ -1,26 +1,31 @@
 """The checksum passes of delta sync that run in the background after a dense version (on the
 publisher, over its new snapshot; on the subscriber, over its live tensors): shared by a
 background thread and the copy threads that finish them, exact whoever computes a piece,
-and never used once the tensors they read are rewritten."""
+and never used once the tensors they read are rewritten; and when the publisher's patches of
+its snapshot after a delta version run."""
 
 from __future__ import annotations
 
 import subprocess
 import time
+import uuid
 
 import numpy as np
 import pytest
 import torch
 
+import transport
 from tests._support import PYTHON, ROOT, python_env
 from tests._support.delta_model import land
 from transport._background import start_background
-from transport._errors import DeltaRefusedError
+from transport._errors import DeltaRefusedError, TransferTimeoutError
+from transport.weights import Publisher, Subscriber
 from transport.weights._codec.apply import DeltaApplier
 from transport.weights._codec.checksum import SumPass
 from transport.weights._codec.encode import DeltaEncoder
 from transport.weights._copy import PIECE_BYTES
 from transport.weights._layout import build_layout
+from transport.weights._snapshots import PATCH_AFTER_APPLIES_S
 
 
 def reference_checksum(t: torch.Tensor) -> int:
@@ -181,3 +186,35 @@ def test_the_process_exits_cleanly_with_background_work_running(what):
     r = subprocess.run([PYTHON, "-c", EXITS[what]], cwd=ROOT, env=python_env(), capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "terminate called" not in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+async def test_a_deltas_patches_wait_for_the_applies_on_this_host_and_never_hold_back_the_next_publish():
+    """The publisher's patches of its snapshot (after a delta version) start once the subscriber
+    on its host has applied the version: beside its apply they would take the cores and the
+    memory bandwidth it needs. A subscriber that does not apply holds them back at most
+    ``PATCH_AFTER_APPLIES_S``, and the next publish never waits for that: it starts them."""
+    store = f"memory://{uuid.uuid4().hex}"
+    src = {"a": torch.randn(1 << 16)}
+    async with transport.Transport("trainer", store=store, backends=("tcp",)) as tt, \
+            transport.Transport("gen", store=store, backends=("tcp",)) as tg:
+        async with Publisher(tt, src, delta=True, delta_crossover=0.3) as pub, \
+                Subscriber(tg, live := {"a": torch.zeros(1 << 16)}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            await pub.wait_snapshot()
+            src["a"][10:20] += 1
+            r2 = await pub.publish(2)
+            assert r2.results["gen"].delta  # a delta: its patches are held for the apply
+            with pytest.raises(TransferTimeoutError):
+                await pub.wait_snapshot(timeout=PATCH_AFTER_APPLIES_S / 4)
+            assert await sub.wait_version(2) == 2 and torch.equal(live["a"], src["a"])
+            assert await pub.wait_snapshot(timeout=30) == 2  # applied: the patches ran
+            # Not applied, and published over at once: the next publish starts the patches
+            # rather than waiting for the apply (or for the bound).
+            src["a"][30:40] += 1
+            r3 = await pub.publish(3)
+            src["a"][50:60] += 1
+            r4 = await pub.publish(4)
+            assert r3.results["gen"].delta and r4.queued_s < PATCH_AFTER_APPLIES_S / 2, r4
+            assert await sub.wait_version(4) == 4 and torch.equal(live["a"], src["a"])
+            assert await pub.wait_snapshot(timeout=30) == 4

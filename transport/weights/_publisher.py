@@ -20,6 +20,8 @@ import anyio
 import torch
 
 from .._errors import TransferTimeoutError, TransportError
+from .._host import host_id
+from .._peers import host_key
 from ._codec.format import SPARSE_MAX, index_bytes
 from ._control import (
     FRONT,
@@ -192,6 +194,7 @@ class Publisher(Lifecycle):
         self._started = False
         self._roster = Roster(transport, self._keys)
         self._doorbells = Doorbells(transport, self._keys.doorbell, self.deadline)
+        self._host = host_key(host_id())  # whose subscribers share our cores (see _applied_here)
         # "auto": no deltas to subscribers reached over a same-host link
         self._pushes = Pushes(transport, name, self._keys, self.layout, self._pipeline.snapshots.source,
                               self._pipeline.crossover, self.deadline, index_bytes(self.layout), delta is True)
@@ -397,7 +400,8 @@ class Publisher(Lifecycle):
                     await pipeline.diff(v)
                 t_pushed = time.perf_counter()
                 await pipeline.complete(v, self._pushes.holder(results, scan.serve), self._rings,
-                                        lambda: self._doorbells.pending)
+                                        lambda: self._doorbells.pending,
+                                        functools.partial(self._applied_here, v.number, results, scan.serve))
             finally:
                 pipeline.end(v)
             self.version = version
@@ -414,6 +418,19 @@ class Publisher(Lifecycle):
                                  pack_s=t_packed - t0 + v.diff_s, discover_s=v.announced_at - t_packed,
                                  push_s=t_pushed - v.diffed_at, snapshot_s=end - t_pushed, total_s=end - entry,
                                  delta=pipeline.stats(v))
+
+    async def _applied_here(self, version: int, results: Mapping[str, SyncResult], serve: Mapping[str, Peer]) -> None:
+        """Returns once every subscriber on this host that took ``version`` has applied it (one
+        that cannot be read is not waited for); bound it with the caller's cancel scope.
+        Subscribers on other hosts share neither our cores nor our memory bandwidth."""
+        for name, r in results.items():
+            peer = serve.get(name)
+            if r.status != SyncStatus.DONE or peer is None or peer.host != self._host:
+                continue
+            try:
+                await self._pushes.applied(peer, version)
+            except TransportError:  # gone, or its block unreadable: nothing to wait for
+                continue
 
     async def _serve(self, peer: Peer, v: Version, t0: float, results: dict[str, SyncResult]) -> None:
         """Pushes version ``v`` to ``peer`` (:meth:`Pushes.push`), records its result, and rings

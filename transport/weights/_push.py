@@ -53,6 +53,12 @@ def pieces(buckets: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, i
     return out
 
 
+# How often :meth:`Pushes.applied` looks at a subscriber's APPLIED word while it is not there
+# yet: after 4 ms, then with a backoff to 8 ms. Each look is a get that the subscriber's process
+# serves: looking every millisecond slowed the very applies it waited for on the 2-core VM.
+APPLIED_FIRST_S, APPLIED_LONGEST_S = 0.004, 0.008
+
+
 @dataclass(frozen=True)
 class Look:
     """A subscriber's control block as read before a push, and the slot chosen to write."""
@@ -248,6 +254,23 @@ class Pushes:
 
             back = await poll(freed, timeout=None, what=f"{t.name}: no slot of {sub} free")
         return Look(ctl, nslots, back)
+
+    async def applied(self, peer: Peer, version: int) -> None:
+        """Returns once ``peer`` has applied ``version`` or a later one (its ``APPLIED`` word),
+        looking again after ``APPLIED_FIRST_S``, then twice that, at most ``APPLIED_LONGEST_S``;
+        bound it with the caller's cancel scope.
+
+        Raises:
+            TransportError: its block cannot be read (it left, or did not answer).
+        """
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+
+        async def done() -> bool | Pending:
+            await self.t.get(ctl, peer.name, key=self._keys.ctl)
+            return True if int(ctl[APPLIED]) >= version else PENDING
+
+        await poll(done, timeout=None, what=f"{self.t.name}: {peer.name} applying version {version}",
+                   first=APPLIED_FIRST_S, longest=APPLIED_LONGEST_S)
 
     def wants_delta(self, peer: Peer, look: Look, feed: DeltaFeed | None, chosen: Mapping[str, float]) -> bool:
         """Whether a version of ``feed`` (None: a dense version) goes to ``peer`` as a delta: it

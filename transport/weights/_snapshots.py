@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 # The background snapshot fill starts once the doorbells of its version were acknowledged, or
 # after this long (a subscriber busy generating acknowledges when it next yields).
 FILL_AFTER_RINGS_S = 0.05
+# A delta's patches wait, besides, until the subscribers on this host that took the version have
+# applied it, at most this long in all: beside their applies the patches take the cores and the
+# memory bandwidth those need (see VersionPipeline.complete). The next publish cuts the wait
+# short: it needs the patches done before its own diff.
+PATCH_AFTER_APPLIES_S = 1.0
 FILL_STOP_S = 10.0  # bounds the wait for an abandoned fill's copy to stop
 MAX_ABANDONED_FILLS = 3  # in a row; then a publish waits for the fill (pull() is at most 3 versions behind)
 
@@ -65,6 +70,7 @@ class Snapshots:
         self.ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)  # the published block once registered
         self._filled: anyio.Event | None = None  # set when the last background fill ended
         self._fill_scope: anyio.CancelScope | None = None  # the last background fill's
+        self._waiting: anyio.CancelScope | None = None  # the last completion's wait before its work
         self._abandoned = 0  # background fills abandoned in a row
         self._copying: int | None = None  # the snapshot a background copy may be writing (see begin_copy)
         # (subscriber, incarnation, its slot, our snapshot) -> the prepared get of a fill
@@ -125,23 +131,31 @@ class Snapshots:
         tg.start_soon(self._fill_from, peer, sub_slot, slot, version, self._filled, self._fill_scope, rings_pending)
 
     def complete_in_background(self, tg: TaskGroup, slot: int, version: int, work: Callable[[], None],
-                               rings_pending: Callable[[], bool], done: Callable[[], None]) -> None:
+                               rings_pending: Callable[[], bool], applied: Callable[[], Awaitable[None]],
+                               done: Callable[[], None]) -> None:
         """Runs ``work`` (in a worker thread; it completes snapshot ``slot`` without the live
         tensors) in a task of ``tg``, once ``rings_pending()`` is False (at most
-        ``FILL_AFTER_RINGS_S``), then makes the snapshot the front and calls ``done``. Unlike a
-        fill it is never abandoned: the next publish waits for it (see :meth:`abandon_fill`)."""
+        ``FILL_AFTER_RINGS_S``) and ``applied()`` returned (at most ``PATCH_AFTER_APPLIES_S``;
+        the next publish cuts it short), then makes the snapshot the front and calls ``done``.
+        Unlike a fill it is never abandoned: the next publish waits for it (see
+        :meth:`abandon_fill`)."""
         self.ctl[FILLING] = version
         self._filled = anyio.Event()
         self._fill_scope = None  # not to be abandoned
-        tg.start_soon(self._complete, slot, version, work, rings_pending, done, self._filled)
+        self._waiting = anyio.CancelScope()
+        tg.start_soon(self._complete, slot, version, work, rings_pending, applied, done, self._filled, self._waiting)
 
     async def _complete(self, slot: int, version: int, work: Callable[[], None], rings_pending: Callable[[], bool],
-                        done: Callable[[], None], filled: anyio.Event) -> None:
+                        applied: Callable[[], Awaitable[None]], done: Callable[[], None], filled: anyio.Event,
+                        waiting: anyio.CancelScope) -> None:
         complete = False
         try:
-            with anyio.move_on_after(FILL_AFTER_RINGS_S):  # as in _fill_from
-                while rings_pending():
-                    await anyio.sleep(0.001)
+            with waiting:
+                with anyio.move_on_after(FILL_AFTER_RINGS_S):  # as in _fill_from
+                    while rings_pending():
+                        await anyio.sleep(0.001)
+                with anyio.move_on_after(PATCH_AFTER_APPLIES_S):
+                    await applied()
             await anyio.to_thread.run_sync(work)
             complete = True
         except TransportError as exc:
@@ -298,6 +312,8 @@ class Snapshots:
         ``MAX_ABANDONED_FILLS`` abandoned in a row, so pull() is at most that many versions
         behind. Bounded: a cancelled copy stops at its next native unit."""
         if self._filled is not None and not self._filled.is_set():
+            if self._waiting is not None:
+                self._waiting.cancel()  # a completion waits no more for the applies: it starts now
             front = decode_front(int(self.ctl[FRONT]))
             if front is not None and self._abandoned < MAX_ABANDONED_FILLS and self._fill_scope is not None:
                 # (a fill cancelled before it started ends at once: its scope is cancelled on entry)
