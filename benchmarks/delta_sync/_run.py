@@ -172,14 +172,17 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     each until both subscribers hold it; a kind's figures are those of its median publish (all
     its live times under ``repeats``). ``changed``: the version's changed fraction as the
     trainer measured it, reported where the delta stream's publisher did not diff."""
-    row: dict[str, Any] = {"version": version, "changed_fraction": changed}
+    row: dict[str, Any] = {"version": version, "changed_fraction": changed, "order": []}
     # Alternate which kind goes first: the first publish after a training step reads live
     # tensors the optimizer just wrote.
     k = version % len(KINDS)  # which kind goes first rotates with the version
     order = [kind for kind in KINDS[k:] + KINDS[:k] if kind in kinds]
     samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in order}
-    for stream in [s for s in stream_names(len(pubs) // len(KINDS)) if kind_of(s) in kinds]:
-        samples[kind_of(stream)].append(await _publish_one(t, pubs[stream], stream, version))
+    for i in range(len(pubs) // len(KINDS)):  # the repeats, each in that order
+        for kind in order:
+            stream = kind if i == 0 else f"{kind}.{i}"
+            samples[kind].append(await _publish_one(t, pubs[stream], stream, version))
+            row["order"].append(stream)
     for kind, got in samples.items():
         median = sorted(got, key=lambda x: x["live_s"])[(len(got) - 1) // 2]
         row[kind] = {**median["stream"], "repeats": [x["live_s"] for x in got],

@@ -20,6 +20,8 @@ from transport.weights._codec.encode import ALIGN
 from transport.weights._codec.format import ENTRY_WORDS, HEADER_WORDS
 from transport.weights._codec.policy import CROSSOVER
 
+KINDS = ["delta", "dense", "again"]
+
 
 def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     out = tmp_path / "delta.json"
@@ -50,6 +52,9 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
             assert all(s > 0 for s in row["dense"]["apply_s"] + row["delta"]["apply_s"])  # both applied it
             for kind in ("delta", "dense", "again"):  # three streams of each kind: the row is the median's
                 assert len(row[kind]["repeats"]) == 3 and row[kind]["live_s"] == sorted(row[kind]["repeats"])[1]
+            # Interleaved: each repeat in the version's order, which rotates from one to the next.
+            k = KINDS.index(row["order"][0])
+            assert row["order"] == [kind + rep for rep in ("", ".1", ".2") for kind in KINDS[k:] + KINDS[:k]], row
         for row in run["steps"][1:] + run["sweep"]:
             f, d = row["changed_fraction"], row["delta"]
             if d["as_delta"] == [True, True]:
@@ -58,6 +63,7 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
                     assert d["wire_bytes"] <= 2 * f * dense + header + ALIGN * tensors
             else:  # above the crossover: the whole version, as on the dense stream
                 assert d["as_delta"] == [False, False] and d["wire_bytes"] == dense and f > CROSSOVER / 2
+        assert {row["order"][0] for row in run["steps"] + run["sweep"]} == set(KINDS)  # each kind goes first
         # The smallest learning rate and the 1% sweep go as deltas.
         assert run["steps"][1]["delta"]["as_delta"] == [True, True] == run["sweep"][0]["delta"]["as_delta"]
         # The skipped-versions case: three steps as one version, against the base both hold.
