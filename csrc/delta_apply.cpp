@@ -240,6 +240,20 @@ inline int next_gap(const uint8_t* pos, uint64_t pos_bytes, uint64_t* at, uint64
   return kOk;
 }
 
+// The next position of a varint payload: the gap at pos + *at (read by next_gap), checked so
+// that the position, *next + gap, lies in [0, n); *next then moves past it. *next is the
+// smallest position the gap may name (0 at first).
+inline int next_position(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t* at, uint64_t* next,
+                         uint64_t* p) {
+  uint64_t gap = 0;
+  const int refusal = next_gap(pos, pos_bytes, at, &gap);
+  if (refusal != kOk) return refusal;
+  if (gap >= n || *next > n - 1 - gap) return kOutOfRange;  // next + gap would be >= n
+  *p = *next + gap;
+  *next = *p + 1;
+  return kOk;
+}
+
 // Varint positions decoded ahead of their visit (walk_positions with an ahead), so that the
 // lines of the live tensor they name are loaded while the ones before are visited: where
 // changes lie hundreds of bytes apart at random the hardware's prefetch does not follow them
@@ -259,15 +273,12 @@ inline bool sparse_changes(uint64_t n, uint64_t count) { return n / 64 >= count;
 template <typename Visit>
 int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64_t n, uint64_t count, Visit&& visit) {
   if (kind == kVarint) {  // (one gap at a time: see walk_ahead for sparse changes)
-    uint64_t at = 0, next = 0;  // next: the smallest position the next gap may name
+    uint64_t at = 0, next = 0;
     for (uint64_t k = 0; k < count; ++k) {
-      uint64_t gap = 0;
-      const int refusal = next_gap(pos, pos_bytes, &at, &gap);
+      uint64_t p = 0;
+      const int refusal = next_position(pos, pos_bytes, n, &at, &next, &p);
       if (refusal != kOk) return refusal;
-      if (gap >= n || next > n - 1 - gap) return kOutOfRange;  // next + gap would be >= n
-      const uint64_t p = next + gap;
       visit(k, p);
-      next = p + 1;
     }
     return at == pos_bytes ? kOk : kCountMismatch;
   }
@@ -293,17 +304,13 @@ int walk_positions(const uint8_t* pos, uint64_t pos_bytes, uint32_t kind, uint64
 template <typename Visit, typename Ahead>
 int walk_ahead(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t count, Visit&& visit, Ahead&& ahead) {
   uint64_t blocks[2][kAheadBlock];
-  uint64_t at = 0, next = 0, read = 0;  // next: the smallest position the next gap may name
+  uint64_t at = 0, next = 0, read = 0;
   int refusal = kOk;
   auto fill = [&](uint64_t* block) {
     uint64_t m = 0;
     for (; m < kAheadBlock && read < count; ++m, ++read) {
-      uint64_t gap = 0;
-      refusal = next_gap(pos, pos_bytes, &at, &gap);
-      if (refusal == kOk && (gap >= n || next > n - 1 - gap)) refusal = kOutOfRange;  // next + gap >= n
+      refusal = next_position(pos, pos_bytes, n, &at, &next, &block[m]);
       if (refusal != kOk) break;
-      block[m] = next + gap;
-      next = block[m] + 1;
       ahead(block[m]);
     }
     return m;

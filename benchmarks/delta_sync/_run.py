@@ -55,17 +55,22 @@ ROOT = Path(__file__).resolve().parent.parent
 # dense is judged.
 KINDS = ("delta", "dense", "again")
 REPEATS = 3  # streams of each kind (--repeats): each row reports the kind's median publish
+SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
+SUBSCRIBERS = ("gen-0", "gen-1")
+
+
+def stream_name(kind: str, repeat: int) -> str:
+    """The stream of ``kind`` for repeat ``repeat`` (from 0): ``delta``, ``delta.1``, ..."""
+    return kind if repeat == 0 else f"{kind}.{repeat}"
 
 
 def stream_names(repeats: int) -> list[str]:
     """The streams of ``repeats`` of each kind, interleaved: delta, dense, again, delta.1, ..."""
-    return [k if i == 0 else f"{k}.{i}" for i in range(repeats) for k in KINDS]
+    return [stream_name(k, i) for i in range(repeats) for k in KINDS]
 
 
 def kind_of(stream: str) -> str:
     return stream.split(".")[0]
-SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
-SUBSCRIBERS = ("gen-0", "gen-1")
 
 
 def model_config(short: bool) -> dict[str, Any]:
@@ -180,15 +185,15 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in order}
     for i in range(len(pubs) // len(KINDS)):  # the repeats, each in that order
         for kind in order:
-            stream = kind if i == 0 else f"{kind}.{i}"
+            stream = stream_name(kind, i)
             samples[kind].append(await _publish_one(t, pubs[stream], stream, version))
             row["order"].append(stream)
     for kind, got in samples.items():
-        median = sorted(got, key=lambda x: x["live_s"])[(len(got) - 1) // 2]
-        row[kind] = {**median["stream"], "repeats": [x["live_s"] for x in got],
+        median = sorted(got, key=lambda x: x["stream"]["live_s"])[(len(got) - 1) // 2]
+        row[kind] = {**median["stream"], "repeats": [x["stream"]["live_s"] for x in got],
                      "repeats_as_delta": [x["stream"]["as_delta"] for x in got]}
         for key, v in median.items():
-            if key not in ("stream", "live_s", "density", "base"):
+            if key not in ("stream", "density", "base"):
                 row[key] = v
         if "density" in median and (median["base"] is not None or median["sampled"] or changed is None):
             row["changed_fraction"] = median["density"]
@@ -208,7 +213,7 @@ async def _publish_one(t: transport.Transport, pub: Publisher, stream: str, vers
     # step to itself.
     await pub.wait_snapshot()
     res = [report.results[n] for n in SUBSCRIBERS]
-    out: dict[str, Any] = {"live_s": live_s, "stream": {
+    out: dict[str, Any] = {"stream": {
         "name": stream, "live_s": live_s, "publish_s": report.total_s, "pack_s": report.pack_s,
         "discover_s": report.discover_s, "push_s": report.push_s, "snapshot_s": report.snapshot_s,
         "wire_bytes": max(r.nbytes for r in res), "as_delta": [r.delta for r in res]}}

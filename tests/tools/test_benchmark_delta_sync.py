@@ -50,7 +50,7 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
             for stream in ("dense", "again"):  # forced dense, and the same publish again (the noise)
                 assert row[stream]["wire_bytes"] == dense and row[stream]["as_delta"] == [False, False]
             assert all(s > 0 for s in row["dense"]["apply_s"] + row["delta"]["apply_s"])  # both applied it
-            for kind in ("delta", "dense", "again"):  # three streams of each kind: the row is the median's
+            for kind in KINDS:  # three streams of each kind: the row is the median's
                 assert len(row[kind]["repeats"]) == 3 and row[kind]["live_s"] == sorted(row[kind]["repeats"])[1]
             # Interleaved: each repeat in the version's order, which rotates from one to the next.
             k = KINDS.index(row["order"][0])

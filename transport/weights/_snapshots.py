@@ -46,6 +46,14 @@ MAX_ABANDONED_FILLS = 3  # in a row; then a publish waits for the fill (pull() i
 Bucket = tuple[int, int]  # [start, end) byte range of a version
 
 
+async def _after_rings(rings_pending: Callable[[], bool]) -> None:
+    """Returns once ``rings_pending()`` is False (the version's doorbells were acknowledged),
+    at most after ``FILL_AFTER_RINGS_S``."""
+    with anyio.move_on_after(FILL_AFTER_RINGS_S):
+        while rings_pending():
+            await anyio.sleep(0.001)
+
+
 class Snapshots:
     """The two snapshots of one publisher, its control block (per-snapshot generation counters,
     the front, the version being filled) and the background fill.
@@ -151,9 +159,7 @@ class Snapshots:
         complete = False
         try:
             with waiting:
-                with anyio.move_on_after(FILL_AFTER_RINGS_S):  # as in _fill_from
-                    while rings_pending():
-                        await anyio.sleep(0.001)
+                await _after_rings(rings_pending)  # as in _fill_from
                 with anyio.move_on_after(PATCH_AFTER_APPLIES_S):
                     await applied()
             await anyio.to_thread.run_sync(work)
@@ -278,9 +284,7 @@ class Snapshots:
             with scope:
                 # First the doorbells of this version: on a few cores the copy would otherwise hold
                 # back the subscribers' flips (their Python needs a core to see the doorbell).
-                with anyio.move_on_after(FILL_AFTER_RINGS_S):
-                    while rings_pending():
-                        await anyio.sleep(0.001)
+                await _after_rings(rings_pending)
                 h = self._pulled(peer, sub_slot, slot).start(timeout=self.deadline)
                 try:
                     with anyio.move_on_after(self.deadline):
