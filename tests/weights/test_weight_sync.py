@@ -384,3 +384,30 @@ def test_host_copies_of_a_large_batch_stream_every_byte_into_place():
     assert batch.nbytes >= STREAM_MIN_BYTES
     batch.run(2)
     assert torch.equal(dst, expect) and bool((side == 2.5).all())
+
+
+def test_host_copies_threads_take_pieces_from_one_queue():
+    # A thread held up on one piece (here: until every other piece has run) holds back only
+    # that piece: the other thread takes all the rest. With shares fixed up front, the held
+    # thread's share (the 4 MiB piece and a 1 MiB one, largest first onto the least loaded
+    # share) would wait on a piece queued behind it, and the wait below would time out.
+    import threading
+
+    from transport.weights._copy import HostCopies
+
+    others = 6
+    ran: list[int] = []
+    all_ran = threading.Event()
+
+    def small(i: int) -> None:
+        ran.append(i)
+        if len(ran) == others:
+            all_ran.set()
+
+    held: list[bool] = []
+    batch = HostCopies()
+    batch.add(4 << 20, lambda: held.append(all_ran.wait(timeout=30)))
+    for i in range(others):
+        batch.add(1 << 20, lambda i=i: small(i))
+    batch.run(2)
+    assert held == [True] and sorted(ran) == list(range(others))
