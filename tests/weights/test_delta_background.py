@@ -218,3 +218,34 @@ async def test_a_deltas_patches_wait_for_the_applies_on_this_host_and_never_hold
             assert r3.results["gen"].delta and r4.queued_s < PATCH_AFTER_APPLIES_S / 2, r4
             assert await sub.wait_version(4) == 4 and torch.equal(live["a"], src["a"])
             assert await pub.wait_snapshot(timeout=30) == 4
+
+
+async def test_the_first_delta_after_a_dense_version_published_at_once_leaves_a_whole_snapshot():
+    """Published right after a dense version, the first delta finds the background pass over the
+    base not begun: it finishes it, and that pass copies the base's tensors into the snapshot the
+    delta is written into, after the new version's small tensors were packed there (they share
+    a bucket, so they cannot go from the live tensors). The delta patches the deltable ones and
+    the pass copies no other: a late joiner pulls the version bit for bit."""
+    store = f"memory://{uuid.uuid4().hex}"
+    g = torch.Generator().manual_seed(7)
+    src = {"big": torch.randn(1 << 20, generator=g).to(torch.bfloat16),  # 2 MB: a bucket of its own
+           **{f"norm{i}": torch.randn(256, generator=g).to(torch.bfloat16) for i in range(4)},
+           "ids": torch.arange(64, dtype=torch.int64)}  # 8-byte elements: never a delta
+    async with transport.Transport("trainer", store=store, backends=("tcp",)) as tt, \
+            transport.Transport("gen", store=store, backends=("tcp",)) as tg:
+        async with Publisher(tt, src, delta=True, delta_crossover=0.3) as pub, \
+                Subscriber(tg, {k: torch.zeros_like(v) for k, v in src.items()}, publisher="trainer") as sub:
+            await pub.publish(1)
+            assert await sub.wait_version(1) == 1
+            for t in src.values():
+                t.view(-1)[::97] += 1
+            r2 = await pub.publish(2)  # at once: the pass over version 1 has not begun
+            assert r2.results["gen"].delta and r2.delta is not None and r2.delta.base == 1, r2
+            assert await sub.wait_version(2) == 2
+            assert await pub.wait_snapshot(timeout=30) == 2
+            async with transport.Transport("late", store=store, backends=("tcp",)) as tl, \
+                    Subscriber(tl, late := {k: torch.zeros_like(v) for k, v in src.items()},
+                               publisher="trainer") as joiner:
+                assert await joiner.pull(timeout=30) == 2
+    for k, v in src.items():
+        assert torch.equal(late[k].view(torch.uint8), v.view(torch.uint8)), k

@@ -164,7 +164,7 @@ class VersionPipeline:
             crossover = await self._choose(v, takers)
             if crossover > 0:
                 delta.crossover = crossover
-                v.sample = await anyio.to_thread.run_sync(delta.predicts_dense, self.snapshots.snaps[front[1]])
+                v.sample = await anyio.to_thread.run_sync(self._sample_and_pack, v, delta, front[1])
             if v.sample is not None and not v.sample[0]:
                 if delta.base_of(front[1], front[0]) is None:  # filled by a dense publish
                     await anyio.to_thread.run_sync(delta.learn, front[1], front[0], self.snapshots.snaps[front[1]],
@@ -176,7 +176,19 @@ class VersionPipeline:
         # version too: a subscriber that gets it dense is pushed at once, beside the diff); the
         # rest of the snapshot (for pull) is filled after them: copying it meanwhile would
         # compete with the pushes for memory bandwidth and cores.
-        await anyio.to_thread.run_sync(self.snapshots.pack, v.slot)
+        # (Sampled, it was packed on the sample's thread. A base whose checksums are learned
+        # above has its deltable tensors copied into this snapshot by that pass, after the pack:
+        # the delta patches or copies all of those that are not dense, so only the pack's other
+        # bytes must last, and the pass copies none of those.)
+        if v.sample is None:
+            await anyio.to_thread.run_sync(self.snapshots.pack, v.slot)
+
+    def _sample_and_pack(self, v: Version, delta: DeltaEncoder, base: int) -> tuple[bool, int, int]:
+        """Samples ``v``'s change against snapshot ``base`` and packs ``v``, on one worker
+        thread (each hand-off to one costs a wake-up, up to milliseconds on a busy host)."""
+        sample = delta.predicts_dense(self.snapshots.snaps[base])
+        self.snapshots.pack(v.slot)
+        return sample
 
     def announce(self, v: Version, takers: Collection[str]) -> None:
         """Phase 3 (before any subscriber's front names ``v``: they check): the latest version,
@@ -230,7 +242,10 @@ class VersionPipeline:
         abandoned far more often by a trainer that publishes back to back."""
         snapshots, delta, dv = self.snapshots, self.delta, v.dv
         if dv is not None and delta is not None:
-            await anyio.to_thread.run_sync(delta.fill_copies, v.snap, dv)
+            # Most deltas patch every tensor: then no worker thread is woken for nothing (beside
+            # the subscribers' applies on a busy host, waking one took up to 10 ms).
+            if delta.copies_left(dv):
+                await anyio.to_thread.run_sync(delta.fill_copies, v.snap, dv)
             if rings is None:
                 await anyio.to_thread.run_sync(delta.fill_patches, v.snap, dv)
                 self._finish(v)

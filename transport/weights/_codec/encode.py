@@ -427,6 +427,10 @@ class DeltaEncoder:
         self.filled = (len(patches), len(copies))
         return dv.plan
 
+    def copies_left(self, dv: DeltaVersion) -> bool:
+        """Whether :meth:`fill_copies` has anything to copy for ``dv`` (plans it first)."""
+        return not dv.copied and bool(self._plan(dv)[0])
+
     def fill_copies(self, snap: torch.Tensor, dv: DeltaVersion) -> None:
         """Copies into ``snap`` the tensors of ``dv`` that are not patched; they are read from
         the live tensors, so this runs before the publish returns. Runs in a worker thread."""
