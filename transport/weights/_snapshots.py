@@ -216,8 +216,9 @@ class Snapshots:
                     self._members[bucket].append(e)
         # The plain host bytes among them are packed as raw copies, planned here once: (offset in
         # the snapshot, the tensor's bytes, offset in them, length). One native copy each with
-        # the GIL released, where a torch copy per tensor held it for most of the pack (4 ms
-        # instead of 1 for the example model's 33 small tensors beside the roster's scan).
+        # the GIL released, where a torch copy per tensor held it for most of the pack: for the
+        # example model's 33 small tensors 0.4-0.8 ms alone instead of 0.7-1.4, and beside the
+        # roster's scan (Python, on the event loop) 0.7-2.4 ms instead of 3.3-5.7.
         self._raw: list[tuple[int, torch.Tensor, int, int]] = []
         for bucket in self._packed_ranges:
             rest = []
