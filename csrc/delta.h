@@ -73,6 +73,11 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
 uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
                         int isa);
 
+// sample_changed of count tensors in one call: row i of rows is (fresh, base, n, es, runs, run),
+// its result goes to changed[i]. The publisher's sample of a whole version, so that its thread
+// takes the GIL once, not once a tensor.
+void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed, int isa);
+
 // The checksum of n elements of es bytes at p, their indices starting at first (so a tensor's
 // checksum is the sum of its pieces'). When dst is not null the elements are also copied there.
 uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, int isa);

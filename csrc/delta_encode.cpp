@@ -676,4 +676,12 @@ uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es,
   return changed;
 }
 
+void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed, int isa) {
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint64_t* r = rows + 6 * i;
+    changed[i] = sample_changed(reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]), r[2],
+                                static_cast<int>(r[3]), r[4], r[5], isa);
+  }
+}
+
 }  // namespace transport::delta

@@ -380,6 +380,15 @@ void bind_delta(nb::module_& m) {
       nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
       "Elements that differ in runs ranges of run elements spread evenly over n.");
   m.def(
+      "delta_sample_changed_many",
+      [](uint64_t rows, uint64_t count, uint64_t changed, int isa) {
+        delta::sample_changed_many(reinterpret_cast<const uint64_t*>(rows), count,
+                                   reinterpret_cast<uint64_t*>(changed), isa);
+      },
+      nb::arg("rows"), nb::arg("count"), nb::arg("changed"), nb::arg("isa") = 0,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "delta_sample_changed of count rows (fresh, base, n, es, runs, run) of uint64 into changed[count].");
+  m.def(
       "delta_checksum",
       [](uint64_t p, uint64_t n, int es, uint64_t first, uint64_t dst, int isa) {
         return delta::checksum(reinterpret_cast<const void*>(p), n, es, first, reinterpret_cast<void*>(dst), isa);

@@ -21,6 +21,7 @@ import torch
 import transport
 from tests._support import PYTHON, python_env
 from tests._support.delta_model import model_at, same_bits, step, zeros
+from transport._errors import TransportInternalError
 from transport._native import delta as native
 from transport.weights import Publisher, Subscriber
 from transport.weights._codec.policy import CROSSOVER
@@ -106,6 +107,29 @@ def test_the_sample_counts_the_changes_in_its_runs(isa):
         starts = [0] if runs == 1 else [(n - run_) * j // (runs - 1) for j in range(runs)]
         want = sum(int(ne[a:a + run_].sum()) for a in starts)
         assert native.sample_changed(fresh.data_ptr(), base.data_ptr(), n, 2, runs, run, isa) == want, (runs, run)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_the_sample_of_many_tensors_in_one_call_counts_each_as_alone(isa):
+    g = torch.Generator().manual_seed(6)
+    tensors = []
+    for n, dtype, k in [(70_001, torch.bfloat16, 900), (5, torch.bfloat16, 2), (40_000, torch.float32, 3_000)]:
+        base = torch.randn(n, generator=g).to(dtype)
+        fresh = base.clone()
+        fresh[torch.randperm(n, generator=g)[:k]] += 1
+        tensors.append((fresh, base))
+    rows = [(f.data_ptr(), b.data_ptr(), f.numel(), f.element_size(), runs, run)
+            for f, b in tensors for runs, run in [(1, f.numel()), (16, 1024), (3, 7)]]
+    want = [native.sample_changed(*row, isa) for row in rows]
+    got = native.sample_changed_many(np.array(rows, dtype=np.uint64), isa)
+    assert got.tolist() == want and want[0] == 900 and want[6] == 3_000  # the whole tensors: every change
+    assert native.sample_changed_many(np.zeros((0, 6), dtype=np.uint64), isa).tolist() == []
+    for bad in (np.array(rows, dtype=np.int64), np.array(rows, dtype=np.uint64)[:, :5],
+                np.asfortranarray(np.array(rows, dtype=np.uint64))):
+        with pytest.raises(ValueError, match="C-contiguous"):
+            native.sample_changed_many(bad, isa)
+    with pytest.raises(TransportInternalError, match="element size"):  # checked as alone: es 2 or 4
+        native.sample_changed_many(np.array([(*rows[0][:3], 3, *rows[0][4:])], dtype=np.uint64), isa)
 
 
 def leb128_gaps(positions: list[int]) -> bytes:

@@ -19,6 +19,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._errors import TransportInternalError
 from ._extension import load
 
@@ -98,6 +100,23 @@ def sample_changed(fresh: int, base: int, n: int, es: int, runs: int, run: int, 
         TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
     """
     return int(_call("delta sample", "delta_sample_changed", fresh, base, n, es, runs, run, int(isa)))
+
+
+def sample_changed_many(rows: np.ndarray, isa: Isa = Isa.AUTO) -> np.ndarray:
+    """:func:`sample_changed` of several tensors in one call (the GIL released once): ``rows``
+    is a C-contiguous ``(N, 6)`` uint64 array of ``(fresh, base, n, es, runs, run)``; returns
+    the ``N`` counts.
+
+    Raises:
+        ValueError: ``rows`` is not such an array.
+        TransportInternalError: an ``es`` is not 2 or 4, or this CPU lacks ``isa``.
+    """
+    if rows.dtype != np.uint64 or rows.ndim != 2 or rows.shape[1] != 6 or not rows.flags.c_contiguous:
+        raise ValueError(f"rows must be a C-contiguous (N, 6) uint64 array, not {rows.dtype} {rows.shape}")
+    changed = np.zeros(len(rows), dtype=np.uint64)
+    if len(rows):
+        _call("delta sample", "delta_sample_changed_many", rows.ctypes.data, len(rows), changed.ctypes.data, int(isa))
+    return changed
 
 
 def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa = Isa.AUTO) -> int:
