@@ -1,9 +1,11 @@
-"""The order statistics the benchmarks report (medians of timed series, latency percentiles)."""
+"""The order statistics the benchmarks report (medians of timed series, latency percentiles, the
+best of timed runs)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 
 def median(values: Sequence[float]) -> float:
@@ -18,3 +20,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(s)))
     return s[rank - 1]
+
+
+def best_s(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` runs of ``fn``, in seconds (``time.perf_counter``)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

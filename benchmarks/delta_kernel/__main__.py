@@ -21,26 +21,16 @@ import functools
 import json
 import platform
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.common.stats import best_s
 from transport._native import delta as native
 from transport.weights import delta_isa
 from transport.weights._copy import available_threads
-
-
-def best_s(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` runs of ``fn``, in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def on_threads(works: list[Callable[[], None]]) -> None:

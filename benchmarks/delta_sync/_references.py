@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ..common.stats import best_s
+
 REPEATS = 3
 
 
 def _best(fn: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_s(fn, REPEATS)
 
 
 def references(nbytes: int, densities: Iterable[float]) -> dict[str, Any]:
