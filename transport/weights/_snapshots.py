@@ -201,7 +201,8 @@ class Snapshots:
                     self._direct[(start, end)] = (_tensor_kernels.as_bytes(src), e.offset)
                     break
         self._packed_ranges = [b for b in self.layout.buckets if b not in self._direct]
-        # Bucket -> the entries with bytes in it (an fp8 entry's bytes run to the end of its scale).
+        # Bucket -> the entries with bytes in it (an fp8 entry's bytes run to the end of its scale);
+        # a packed bucket keeps only those its raw copies below leave to _pack_ranges.
         starts = [a for a, _ in self.layout.buckets]
         self._members: dict[Bucket, list[Entry]] = {b: [] for b in self.layout.buckets}
         for e in self.layout.entries:
