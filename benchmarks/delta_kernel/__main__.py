@@ -19,6 +19,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import threading
 from collections.abc import Callable
@@ -30,7 +31,6 @@ import torch
 from benchmarks.common.stats import best_s
 from transport._native import delta as native
 from transport.weights import delta_isa
-from transport.weights._copy import available_threads
 
 
 def on_threads(works: list[Callable[[], None]]) -> None:
@@ -96,7 +96,7 @@ def measure(density: float, n: int, threads: int, isas: list[str], repeats: int)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    threads = available_threads()
+    threads = len(os.sched_getaffinity(0))
     n = args.mb * 1_000_000 // 2 // threads // 4 * 4  # elements per thread, whole int64 words
     return {"benchmark": "delta_kernel", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "machine": {"platform": platform.platform(), "threads": threads, "torch": torch.__version__,
