@@ -78,6 +78,20 @@ uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es,
 // takes the GIL once, not once a tensor.
 void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed, int isa);
 
+// encode() of many tensors, on as many threads as call it with the same rows, results and next:
+// each call claims row next++ (atomically) until every row is claimed or it has diffed budget
+// bytes or more, and returns how many it claimed, their indices at taken (room for count). Row i
+// (kEncodeRow uint64s) is (fresh, base, snap, n, es, out, cap, dense_above, stream), its result
+// (kEncodeResult uint64s at results + kEncodeResult * i) the EncodeResult's fields in order.
+// Without a base, snap is written in the pass (as encode()). With one, a sparse encoding of more
+// than dense_above changed elements becomes kDense (the crossover), and a kDense tensor is then
+// copied to snap when snap is not null (with streaming stores when stream is not 0). So a
+// version's diff takes each thread's GIL once, not once a tensor. Throws as encode().
+constexpr uint64_t kEncodeRow = 9;
+constexpr uint64_t kEncodeResult = 7;
+uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t budget,
+                     uint64_t* taken, int isa);
+
 // The checksum of n elements of es bytes at p, their indices starting at first (so a tensor's
 // checksum is the sum of its pieces'). When dst is not null the elements are also copied there.
 uint64_t checksum(const void* p, uint64_t n, int es, uint64_t first, void* dst, int isa);

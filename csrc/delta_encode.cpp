@@ -11,6 +11,7 @@
 
 #include "delta.h"
 #include "delta_detail.h"
+#include "stream_copy.h"
 
 namespace transport::delta {
 using namespace detail;
@@ -682,6 +683,44 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
     changed[i] = sample_changed(reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]), r[2],
                                 static_cast<int>(r[3]), r[4], r[5], isa);
   }
+}
+
+uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t budget,
+                     uint64_t* taken, int isa) {
+  uint64_t k = 0;
+  for (uint64_t done = 0; done < budget;) {
+    const uint64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);  // each row is claimed once
+    if (i >= count) break;
+    const uint64_t* r = rows + kEncodeRow * i;
+    const auto* fresh = reinterpret_cast<const void*>(r[0]);
+    const auto* base = reinterpret_cast<const void*>(r[1]);
+    auto* snap = reinterpret_cast<void*>(r[2]);
+    const uint64_t n = r[3];
+    const int es = static_cast<int>(r[4]);
+    EncodeResult e = encode(fresh, base, base == nullptr ? snap : nullptr, n, es, reinterpret_cast<void*>(r[5]),
+                            r[6], isa);
+    if (base != nullptr) {
+      if ((e.kind == kVarint || e.kind == kBitmask) && e.changed > r[7]) e.kind = kDense;  // past the crossover
+      if (e.kind == kDense && snap != nullptr) {
+        if (r[8] != 0) {
+          stream_copy(snap, fresh, n * es);
+        } else {
+          std::memcpy(snap, fresh, n * es);
+        }
+      }
+    }
+    uint64_t* out = results + kEncodeResult * i;
+    out[0] = e.kind;
+    out[1] = e.changed;
+    out[2] = e.payload_bytes;
+    out[3] = e.pos_bytes;
+    out[4] = e.checksum;
+    out[5] = e.sum_old;
+    out[6] = e.sum_new;
+    taken[k++] = i;
+    done += n * static_cast<uint64_t>(es);
+  }
+  return k;
 }
 
 }  // namespace transport::delta

@@ -371,6 +371,15 @@ void bind_delta(nb::module_& m) {
       "Copies fresh to snap, diffs it against base and encodes the changes at out (at most cap bytes); "
       "returns (kind, changed, payload_bytes, pos_bytes, checksum, sum_old, sum_new).");
   m.def(
+      "delta_encode_many",
+      [](uint64_t rows, uint64_t count, uint64_t results, uint64_t next, uint64_t budget, uint64_t taken, int isa) {
+        return delta::encode_many(reinterpret_cast<const uint64_t*>(rows), count, reinterpret_cast<uint64_t*>(results),
+                                  reinterpret_cast<uint64_t*>(next), budget, reinterpret_cast<uint64_t*>(taken), isa);
+      },
+      nb::arg("rows"), nb::arg("count"), nb::arg("results"), nb::arg("next"), nb::arg("budget"), nb::arg("taken"),
+      nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
+      "delta_encode of the rows this call claims (see delta.h: encode_many); returns how many it claimed.");
+  m.def(
       "delta_sample_changed",
       [](uint64_t fresh, uint64_t base, uint64_t n, int es, uint64_t runs, uint64_t run, int isa) {
         return delta::sample_changed(reinterpret_cast<const void*>(fresh), reinterpret_cast<const void*>(base), n,

@@ -6,9 +6,11 @@ poisoned so that it received a delta against a base it does not hold."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -130,6 +132,78 @@ def test_the_sample_of_many_tensors_in_one_call_counts_each_as_alone(isa):
             native.sample_changed_many(bad, isa)
     with pytest.raises(TransportInternalError, match="element size"):  # checked as alone: es 2 or 4
         native.sample_changed_many(np.array([(*rows[0][:3], 3, *rows[0][4:])], dtype=np.uint64), isa)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_the_diff_of_many_tensors_shared_by_threads_encodes_each_as_alone(isa):
+    # Tensors of both element sizes, dense (no fit), sparse under and over the crossover,
+    # unchanged, and without a base; two threads claim them from one cursor, a call at a time.
+    g = torch.Generator().manual_seed(7)
+    cases = [(70_001, torch.bfloat16, 900, 10**9), (50_000, torch.bfloat16, 2_000, 1_000),  # over: dense
+             (5, torch.bfloat16, 0, 10**9), (40_000, torch.float32, 3_000, 10**9),
+             (30_000, torch.bfloat16, 29_000, 10**9),
+             (20_000, torch.float32, 700, 10**9)]
+    rows, alone, fresh_of, snaps = [], [], [], []
+    for j, (n, dtype, k, dense_above) in enumerate(cases):
+        base = torch.randn(n, generator=g).to(dtype)
+        fresh = base.clone()
+        fresh[torch.randperm(n, generator=g)[:k]] += 1
+        es, cap = fresh.element_size(), n * fresh.element_size() // 2
+        out, ref_out = torch.zeros(cap, dtype=torch.uint8), torch.zeros(cap, dtype=torch.uint8)
+        snap = torch.zeros(n * es, dtype=torch.uint8)
+        no_base = j == 5
+        ref = native.encode(fresh.data_ptr(), 0 if no_base else base.data_ptr(), 0, n, es, ref_out.data_ptr(), cap,
+                            isa)
+        rows.append((fresh.data_ptr(), 0 if no_base else base.data_ptr(), snap.data_ptr(), n, es, out.data_ptr(), cap,
+                     dense_above, j % 2))
+        alone.append((ref, ref_out, out))
+        fresh_of.append((fresh, base))
+        snaps.append(snap)
+    rows_a = np.array(rows, dtype=np.uint64)
+    results = np.zeros((len(rows), native.ENCODE_RESULT), dtype=np.uint64)
+    cursor = np.zeros(1, dtype=np.uint64)
+    claimed: list[list[int]] = [[], []]
+
+    def thread(t: int) -> None:
+        taken = np.zeros(len(rows), dtype=np.uint64)
+        while k := native.encode_many(rows_a, results, cursor, taken, 1, isa):  # one tensor a call
+            assert k == 1
+            claimed[t].append(int(taken[0]))
+
+    helper = threading.Thread(target=thread, args=(1,))
+    helper.start()
+    thread(0)
+    helper.join()
+    assert sorted(claimed[0] + claimed[1]) == list(range(len(rows)))  # each once
+    for j, ((ref, ref_out, out), (fresh, _), snap) in enumerate(zip(alone, fresh_of, snaps, strict=True)):
+        got = native.encoded(results[j])
+        over = got.changed > cases[j][3]
+        want = dataclasses.replace(ref, kind=native.Kind.DENSE) if over else ref
+        assert got == want, j
+        if got.kind in (native.Kind.VARINT, native.Kind.BITMASK):
+            assert torch.equal(out[:got.payload_bytes], ref_out[:got.payload_bytes]), j
+        # The snapshot gets the tensor where it goes dense (in the pass without a base), else nothing.
+        copied = torch.equal(snap, fresh.view(torch.uint8).view(-1))
+        assert copied == (got.kind == native.Kind.DENSE), j
+        if got.kind != native.Kind.DENSE:
+            assert not snap.any(), j
+    assert native.Kind(results[1][0]) == native.Kind.DENSE and native.Kind(results[2][0]) == native.Kind.UNCHANGED
+    assert native.Kind(results[4][0]) == native.Kind.DENSE and native.Kind(results[0][0]) != native.Kind.DENSE
+    # No budget: one call takes every row left.
+    cursor[0], taken = 0, np.zeros(len(rows), dtype=np.uint64)
+    assert native.encode_many(rows_a, results, cursor, taken, None, isa) == len(rows)
+    assert sorted(taken.tolist()) == list(range(len(rows)))
+    assert native.encode_many(rows_a, results, cursor, taken, None, isa) == 0
+    for name, bad in (("rows", (rows_a[:, :8].copy(), results, cursor, taken)),
+                      ("results", (rows_a, results.astype(np.int64), cursor, taken)),
+                      ("cursor", (rows_a, results, np.zeros(2, dtype=np.uint64), taken)),
+                      ("taken", (rows_a, results, cursor, taken[:3]))):
+        with pytest.raises(ValueError, match=name):
+            native.encode_many(*bad, None, isa)
+    bad_es = rows_a[:1].copy()
+    bad_es[0, 4] = 3
+    with pytest.raises(TransportInternalError, match="element size"):
+        native.encode_many(bad_es, results[:1].copy(), np.zeros(1, dtype=np.uint64), taken[:1].copy(), None, isa)
 
 
 def leb128_gaps(positions: list[int]) -> bytes:

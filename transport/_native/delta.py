@@ -91,6 +91,57 @@ def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int
     return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old, sum_new)
 
 
+ENCODE_ROW = 9  # uint64s of one encode_many row: (fresh, base, snap, n, es, out, cap, dense_above, stream)
+ENCODE_RESULT = 7  # and of its result: an Encoded's fields, in order
+
+
+def _uint64s(name: str, a: np.ndarray, shape: tuple[int, ...]) -> None:
+    if a.dtype != np.uint64 or a.shape != shape or not a.flags.c_contiguous or not a.flags.writeable:
+        raise ValueError(f"{name} must be a writable C-contiguous {shape} uint64 array, not {a.dtype} {a.shape}")
+
+
+def encode_many(rows: np.ndarray, results: np.ndarray, cursor: np.ndarray, taken: np.ndarray, budget: int | None,
+                isa: Isa = Isa.AUTO) -> int:
+    """:func:`encode` of the rows this call claims, with the GIL released once: every thread
+    that calls it with the same ``rows``, ``results`` and ``cursor`` claims the next unclaimed
+    row (``cursor[0]``, incremented atomically) until none is left or it has diffed ``budget``
+    bytes or more (None: no bound), so threads share a version's tensors as they free up.
+
+    Args:
+        rows: ``(N, ENCODE_ROW)`` uint64 rows of ``(fresh, base, snap, n, es, out, cap,
+            dense_above, stream)``. Without a base (0) ``snap`` is written in the pass, as
+            :func:`encode` does. With one, a sparse encoding of more than ``dense_above``
+            changed elements counts as DENSE, and a DENSE tensor is copied to ``snap`` when it
+            is not 0 (with streaming stores when ``stream`` is not 0).
+        results: ``(N, ENCODE_RESULT)`` uint64: row ``i``'s :class:`Encoded` fields, in order
+            (see :func:`encoded`), written when row ``i`` is claimed and done.
+        cursor: ``(1,)`` uint64, 0 before the first call.
+        taken: ``(N,)`` uint64, this caller's own: the indices of the rows this call claimed.
+
+    Returns:
+        How many rows this call claimed (0: none was left).
+
+    Raises:
+        ValueError: an array is not as above.
+        TransportInternalError: an ``es`` is not 2 or 4, or this CPU lacks ``isa`` (the rows
+            this call claimed after it are left undone).
+    """
+    n = len(rows)
+    _uint64s("rows", rows, (n, ENCODE_ROW))
+    _uint64s("results", results, (n, ENCODE_RESULT))
+    _uint64s("cursor", cursor, (1,))
+    _uint64s("taken", taken, (n,))
+    bound = (1 << 64) - 1 if budget is None else max(1, budget)
+    return int(_call("delta encode", "delta_encode_many", rows.ctypes.data, n, results.ctypes.data,
+                     cursor.ctypes.data, bound, taken.ctypes.data, int(isa)))
+
+
+def encoded(result: np.ndarray) -> Encoded:
+    """One :func:`encode_many` result row as an :class:`Encoded`."""
+    kind, changed, payload, pos, checksum, sum_old, sum_new = (int(x) for x in result)
+    return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old, sum_new)
+
+
 def sample_changed(fresh: int, base: int, n: int, es: int, runs: int, run: int, isa: Isa = Isa.AUTO) -> int:
     """Elements that differ between ``fresh`` and ``base`` (``n`` elements of ``es`` bytes) in
     ``runs`` ranges of ``run`` elements spread evenly over them: range ``j`` starts at

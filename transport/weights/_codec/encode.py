@@ -42,9 +42,8 @@ import torch
 from ... import _tensor_kernels
 from ..._errors import TransportInternalError
 from ..._native import delta as native
-from ..._native import stream_copy
 from ..._tensors import dtype_from_name
-from .._copy import STREAM_MIN_BYTES, HostCopies, copy_bytes
+from .._copy import STREAM_MIN_BYTES, HostCopies
 from .._layout import ALIGN, Entry, Layout
 from .checksum import SumPass, deltable
 from .format import MASK64, SPARSE_MAX, STREAM_MAGIC, Kind, signed
@@ -185,13 +184,41 @@ class _Parts:
             return _part(self._all)
 
 
-def _copy(dst: int, src: int, nbytes: int) -> None:
-    """Copies a tensor into the new snapshot on this thread (streaming stores when large: it is
-    read back by the push, not from the cache)."""
-    if nbytes >= STREAM_MIN_BYTES:
-        stream_copy(dst, src, nbytes)
-    else:
-        copy_bytes(dst, src, nbytes)
+class _Diff:
+    """The diff of a version's deltable tensors (``rows``, as :func:`native.encode_many` takes
+    them), shared by the copy threads that run :meth:`work`: each takes the next tensor not yet
+    taken, in native code with the GIL released, until none is left. Largest first, so that
+    the last tensors, the ones a thread may finish alone, are small."""
+
+    def __init__(self, rows: np.ndarray, every: int | None, threads: int) -> None:
+        order = np.argsort(-(rows[:, 3] * rows[:, 4]).astype(np.int64), kind="stable")
+        self._order = order
+        self._rows = np.ascontiguousarray(rows[order])
+        self._results = np.zeros((len(rows), native.ENCODE_RESULT), dtype=np.uint64)
+        self._cursor = np.zeros(1, dtype=np.uint64)
+        self.nbytes = int((rows[:, 3] * rows[:, 4]).sum())
+        # Each call returns after about its share of a part (``every`` bytes of the version,
+        # across the threads), so the parts go out as the diff runs; else once, at the end.
+        self._budget = None if every is None else max(1, every // max(1, threads))
+        self._failed = False  # a thread's call or ``done`` raised: the others take no more tensors
+
+    def work(self, done: Callable[[int, native.Encoded], None]) -> None:
+        """Diffs tensors until none is left, calling ``done(row, result)`` (``row`` as given)
+        for each after the native call that diffed it.
+
+        Raises:
+            Exception: what the native call or ``done`` raised (the other threads then stop
+                after their current call).
+        """
+        taken = np.zeros(len(self._rows), dtype=np.uint64)
+        try:
+            while not self._failed and (k := native.encode_many(self._rows, self._results, self._cursor, taken,
+                                                                 self._budget)):
+                for t in taken[:k].tolist():
+                    done(int(self._order[t]), native.encoded(self._results[t]))
+        except BaseException:
+            self._failed = True
+            raise
 
 
 class DeltaEncoder:
@@ -275,7 +302,10 @@ class DeltaEncoder:
         keep: list[torch.Tensor] = []  # contiguous copies of non-contiguous sources, alive for the pass
         batch = HostCopies()
         sptr, bptr = snap.data_ptr(), 0 if base is None else base.data_ptr()
-        out = _Parts(ready if base is not None else None, -(-self.layout.total // parts) if parts > 1 else None)
+        every = -(-self.layout.total // parts) if parts > 1 else None
+        out = _Parts(ready if base is not None else None, every)
+        deltas: list[int] = []  # the deltable entries, as their rows
+        rows: list[tuple[int, ...]] = []
         for i, e in enumerate(entries):
             if not deltable(e):
                 if e.nbytes:
@@ -285,25 +315,36 @@ class DeltaEncoder:
             if not src.is_contiguous():
                 src = src.contiguous()
                 keep.append(src)
-            fresh = src.data_ptr()
-            es = src.element_size()
+            deltas.append(i)
+            if bptr:
+                assert staging is not None
+                rows.append((src.data_ptr(), bptr + e.offset, sptr + e.offset, e.numel, src.element_size(),
+                             staging.data_ptr() + self._offsets[i], self._budget(e),
+                             int(self.crossover * e.numel), int(e.nbytes >= STREAM_MIN_BYTES)))
+            else:  # nothing to diff against: the copy and the checksum in one pass
+                rows.append((src.data_ptr(), 0, sptr + e.offset, e.numel, src.element_size(), 0, 0, 0, 0))
+        if rows:
+            diff = _Diff(np.array(rows, dtype=np.uint64), every, self._threads)
 
-            def work(i: int = i, e: Entry = e, fresh: int = fresh, es: int = es) -> None:
-                if not bptr:  # nothing to diff against: the copy and the checksum in one pass
-                    results[i] = native.encode(fresh, 0, sptr + e.offset, e.numel, es, 0, 0)
+            def done(j: int, r: native.Encoded) -> None:
+                i = deltas[j]
+                e = entries[i]
+                results[i] = r
+                if not bptr:
                     return
-                o = self._offsets[i]
-                assert staging is not None and from_staging is not None
-                r = results[i] = native.encode(fresh, bptr + e.offset, 0, e.numel, es, staging.data_ptr() + o,
-                                               self._budget(e))
-                kind = kinds[i] = self._kind(r, e)
-                if kind == Kind.DENSE:  # what a delta push sends from the new snapshot, now
-                    _copy(sptr + e.offset, fresh, e.nbytes)
+                kinds[i] = r.kind
+                if r.kind == Kind.DENSE:  # copied into the new snapshot by the pass: a delta push sends it from there
                     out.done(e.nbytes, from_snap, [(e.offset, e.offset, e.nbytes)])
                 else:
+                    assert from_staging is not None
+                    o = self._offsets[i]
                     out.done(e.nbytes, from_staging, [(o, e.offset, r.payload_bytes)] if r.payload_bytes else [])
 
-            batch.add(e.nbytes, work)
+            # One piece per thread, each the whole diff's share: a thread that takes one diffs
+            # until no tensor is left (then takes the other pieces, if any are left).
+            n = min(self._threads, len(rows))
+            for _ in range(n):
+                batch.add(diff.nbytes // n, functools.partial(diff.work, done))
         batch.run(self._threads)
         out.flush(any(k != Kind.DENSE for k in kinds))
         del keep
@@ -342,13 +383,6 @@ class DeltaEncoder:
         dv.wire_bytes = sum(int(rows[:, 2].sum()) for _, rows in dv.runs) + len(words) * 8
         dv.encode_s = time.perf_counter() - t0
         return dv, sums
-
-    def _kind(self, r: native.Encoded, e: Entry) -> Kind:
-        """How a diffed tensor travels: as the native pass encoded it, but dense above the
-        crossover (the dense copy applies faster)."""
-        if r.kind in (Kind.VARINT, Kind.BITMASK) and r.changed > self.crossover * e.numel:
-            return Kind.DENSE
-        return r.kind
 
     def _pack_other(self, into: Source, e: Entry, parts: _Parts) -> None:
         """Packs an entry that always travels dense (fp8: quantised, with its scale) into the
