@@ -6,7 +6,8 @@ that the entry point works end to end, that every version reached both subscribe
 (three of each kind: a row gives each kind's median publish), and the byte accounting the README
 quotes: the dense stream always moves the whole version, a delta moves at most 2·f of it plus its
 header, and a version above the crossover (the 90% one) goes dense on its own; and the physical
-references are there for every density. No timing is asserted.
+references are there for every density, and each reported version carries its own memcpy
+baseline and the median of its repeats' diffs. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
             else:  # above the crossover: the whole version, as on the dense stream
                 assert d["as_delta"] == [False, False] and d["wire_bytes"] == dense and f > CROSSOVER / 2
         assert {row["order"][0] for row in run["steps"] + run["sweep"]} == set(KINDS)  # each kind goes first
+        # Each reported version's own memcpy baseline, and its diff the median of the delta repeats'.
+        ratios = []
+        for row in run["steps"][1:] + run["sweep"] + run["windows"]:
+            assert row["memcpy_gbps"] > 0
+            if row.get("diff_gbps"):
+                diffs = row["diff_repeats_s"]
+                assert len(diffs) == 3 and row["diff_encode_s"] == sorted(diffs)[1]
+                assert abs(row["diff_gbps"] - row["dense_bytes"] / row["diff_encode_s"] / 1e9) < 1e-9
+                if row in run["steps"]:
+                    ratios.append(row["diff_gbps"] / row["memcpy_gbps"])
+        assert ratios and doc["summary"][run["backend"]]["every step"]["diff_over_memcpy_min"] == min(ratios)
         # The smallest learning rate and the 1% sweep go as deltas.
         assert run["steps"][1]["delta"]["as_delta"] == [True, True] == run["sweep"][0]["delta"]["as_delta"]
         # The skipped-versions case: three steps as one version, against the base both hold.
