@@ -124,6 +124,18 @@ struct ApplyResult {
 ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                   uint64_t count, uint64_t pos_bytes, const void* pos, void* undo, int isa = 0);
 
+// apply() of many payloads, on as many threads as call it with the same rows, results and next
+// (as encode_many, with no budget: each call claims rows until none is left). Row i (kApplyRow
+// uint64s) is (live, n, es, payload, payload_len, kind, count, pos_bytes, pos, undo): its
+// pos_bytes position bytes are first copied from the payload's end to pos (a refusal, kBadSize,
+// when they are more than the payload), then apply() runs on that copy. Its result
+// (kApplyResult uint64s) is the ApplyResult's fields in order. Returns how many rows this call
+// claimed, their indices at taken.
+constexpr uint64_t kApplyRow = 10;
+constexpr uint64_t kApplyResult = 4;
+uint64_t apply_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t* taken,
+                    int isa);
+
 // Restores the live values apply() saved at the first `stored` positions of pos.
 void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,
           const void* saved);

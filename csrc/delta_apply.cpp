@@ -467,4 +467,29 @@ void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64
   }
 }
 
+uint64_t apply_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t* taken, int isa) {
+  uint64_t k = 0;
+  for (;;) {
+    const uint64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);  // each row is claimed once
+    if (i >= count) break;
+    const uint64_t* r = rows + kApplyRow * i;
+    const auto* payload = reinterpret_cast<const uint8_t*>(r[3]);
+    const uint64_t payload_len = r[4], pos_bytes = r[7];
+    auto* pos = reinterpret_cast<void*>(r[8]);
+    ApplyResult a{kBadSize, 0, 0, 0};
+    if (pos_bytes <= payload_len && pos != nullptr) {
+      std::memcpy(pos, payload + (payload_len - pos_bytes), pos_bytes);  // the positions, private from here on
+      a = apply(reinterpret_cast<void*>(r[0]), r[1], static_cast<int>(r[2]), payload, payload_len,
+                static_cast<uint32_t>(r[5]), r[6], pos_bytes, pos, reinterpret_cast<void*>(r[9]), isa);
+    }
+    uint64_t* out = results + kApplyResult * i;
+    out[0] = static_cast<uint64_t>(a.refusal);
+    out[1] = a.sum_old;
+    out[2] = a.sum_new;
+    out[3] = a.stored;
+    taken[k++] = i;
+  }
+  return k;
+}
+
 }  // namespace transport::delta

@@ -430,6 +430,15 @@ void bind_delta(nb::module_& m) {
       nb::call_guard<nb::gil_scoped_release>(),
       "The one-pass checked apply of an encoded delta; returns (refusal, sum_old, sum_new, stored).");
   m.def(
+      "delta_apply_many",
+      [](uint64_t rows, uint64_t count, uint64_t results, uint64_t next, uint64_t taken, int isa) {
+        return delta::apply_many(reinterpret_cast<const uint64_t*>(rows), count, reinterpret_cast<uint64_t*>(results),
+                                 reinterpret_cast<uint64_t*>(next), reinterpret_cast<uint64_t*>(taken), isa);
+      },
+      nb::arg("rows"), nb::arg("count"), nb::arg("results"), nb::arg("next"), nb::arg("taken"), nb::arg("isa") = 0,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "delta_apply of the rows this call claims (see delta.h: apply_many); returns how many it claimed.");
+  m.def(
       "delta_undo",
       [](uint64_t live, uint64_t n, int es, uint32_t kind, uint64_t pos, uint64_t pos_bytes, uint64_t stored,
          uint64_t saved) {

@@ -5,6 +5,8 @@ payloads, random bytes), then whole versions through real Transports."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -84,6 +86,74 @@ def test_one_pass_sums_are_the_encoders_and_its_stores_exact(es, isa):
         assert torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
         native.undo(live.data_ptr(), n, es, int(enc.kind), private.data_ptr(), enc.pos_bytes, stored, undo.data_ptr())
         assert torch.equal(live.view(torch.uint8), base.view(torch.uint8))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_the_apply_of_many_payloads_shared_by_threads_applies_each_as_alone(isa):
+    # Varint and bitmask payloads of both element sizes, one hostile (a corrupted position) and
+    # one that declares more position bytes than it has; two threads claim them from one cursor.
+    g = torch.Generator().manual_seed(11)
+    rows, want, lives, fresh_of = [], [], [], []
+    keep = []
+    for j, (n, dtype, fraction) in enumerate([(200_001, torch.bfloat16, 0.01), (100_000, torch.float32, 0.3),
+                                              (50_000, torch.bfloat16, 0.4), (70_000, torch.bfloat16, 0.02),
+                                              (9, torch.float32, 0.5), (40_000, torch.bfloat16, 0.05)]):
+        es = torch.empty(0, dtype=dtype).element_size()
+        base = torch.randn(n, generator=g).to(dtype)
+        fresh = base.clone()
+        bits = fresh.view(torch.int16 if es == 2 else torch.int32)
+        bits[torch.randperm(n, generator=g)[: max(1, int(n * fraction))]] ^= 1
+        out = torch.zeros(n * es + 64, dtype=torch.uint8)
+        enc = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, es, out.data_ptr(), out.numel())
+        assert enc.kind in (native.Kind.VARINT, native.Kind.BITMASK)
+        p = out[:enc.payload_bytes].clone()
+        pos_bytes = enc.pos_bytes
+        if j == 3:  # its last varint points past the tensor: refused after stores, undone below
+            p[-3:] = torch.tensor([0xFF, 0xFF, 0x7F], dtype=torch.uint8)
+        if j == 5:
+            pos_bytes = p.numel() + 8
+        alone = base.clone()
+        ref = one_pass(alone, n, p, int(enc.kind), enc.changed, pos_bytes, es, isa)[:4]
+        live = base.clone()
+        scratch = torch.zeros(max(8, pos_bytes) + enc.changed * es + 16, dtype=torch.uint8)
+        keep += [p, scratch]
+        rows.append((live.data_ptr(), n, es, p.data_ptr(), p.numel(), int(enc.kind), enc.changed, pos_bytes,
+                     scratch.data_ptr(), scratch.data_ptr() + (max(8, pos_bytes) + 7) // 8 * 8))
+        want.append((ref, alone))
+        lives.append(live)
+        fresh_of.append((fresh, base))
+    table = np.array(rows, dtype=np.uint64)
+    results = np.zeros((len(rows), native.APPLY_RESULT), dtype=np.uint64)
+    cursor = np.zeros(1, dtype=np.uint64)
+    claimed: list[int] = []
+
+    def thread() -> None:
+        taken = np.zeros(len(rows), dtype=np.uint64)
+        k = native.apply_many(table, results, cursor, taken, isa)
+        claimed.extend(taken[:k].tolist())
+
+    helper = threading.Thread(target=thread)
+    helper.start()
+    thread()
+    helper.join()
+    assert sorted(claimed) == list(range(len(rows)))  # each once
+    for j, ((ref, alone), live, (fresh, _)) in enumerate(zip(want, lives, fresh_of, strict=True)):
+        got = tuple(int(x) for x in results[j])
+        assert got == tuple(int(x) for x in ref), j
+        assert torch.equal(live.view(torch.uint8), alone.view(torch.uint8)), j  # stored as alone
+        if j not in (3, 5):
+            assert got[0] == native.Refusal.OK and torch.equal(live.view(torch.uint8), fresh.view(torch.uint8)), j
+    assert native.Refusal(results[3][0]) != native.Refusal.OK and results[3][3] > 0  # stored some, then refused
+    assert native.Refusal(results[5][0]) == native.Refusal.BAD_SIZE and results[5][3] == 0
+    assert torch.equal(lives[5].view(torch.uint8), fresh_of[5][1].view(torch.uint8))  # nothing read or stored
+    r3 = rows[3]
+    native.undo(r3[0], r3[1], r3[2], r3[5], r3[8], r3[7], int(results[3][3]), r3[9])
+    assert torch.equal(lives[3].view(torch.uint8), fresh_of[3][1].view(torch.uint8))  # undone from the private copy
+    for name, bad in (("rows", (table[:, :9].copy(), results, cursor)), ("results", (table, results[:, :3].copy(),
+                                                                                       cursor)),
+                      ("cursor", (table, results, cursor.astype(np.int64)))):
+        with pytest.raises(ValueError, match=name):
+            native.apply_many(*bad, np.zeros(len(rows), dtype=np.uint64), isa)
 
 
 @pytest.mark.parametrize("scratch", ["one pass", "checked first"])

@@ -136,6 +136,41 @@ def encode_many(rows: np.ndarray, results: np.ndarray, cursor: np.ndarray, taken
                      cursor.ctypes.data, bound, taken.ctypes.data, int(isa)))
 
 
+APPLY_ROW = 10  # uint64s of one apply_many row: (live, n, es, payload, payload_len, kind, count, pos_bytes, pos, undo)
+APPLY_RESULT = 4  # and of its result: (refusal, sum of the old terms, sum of the new terms, positions stored to)
+
+
+def apply_many(rows: np.ndarray, results: np.ndarray, cursor: np.ndarray, taken: np.ndarray,
+               isa: Isa = Isa.AUTO) -> int:
+    """:func:`apply` of the rows this call claims, with the GIL released once, as
+    :func:`encode_many` shares its rows between threads (with no budget: a call claims rows
+    until none is left). Each row's ``pos_bytes`` position bytes are first copied from its
+    payload's end to ``pos`` (the private copy :func:`apply` and :func:`undo` walk); more
+    position bytes than payload are refused (``BAD_SIZE``) with nothing read or stored.
+
+    Args:
+        rows: ``(N, APPLY_ROW)`` uint64 rows of ``(live, n, es, payload, payload_len, kind,
+            count, pos_bytes, pos, undo)``.
+        results: ``(N, APPLY_RESULT)`` uint64: row ``i``'s ``(refusal, sum_old, sum_new,
+            stored)``, as :func:`apply` returns them.
+        cursor: ``(1,)`` uint64, 0 before the first call.
+        taken: ``(N,)`` uint64, this caller's own: the indices of the rows this call claimed.
+
+    Returns:
+        How many rows this call claimed (0: none was left).
+
+    Raises:
+        ValueError: an array is not as above.
+    """
+    n = len(rows)
+    _uint64s("rows", rows, (n, APPLY_ROW))
+    _uint64s("results", results, (n, APPLY_RESULT))
+    _uint64s("cursor", cursor, (1,))
+    _uint64s("taken", taken, (n,))
+    return int(_call("delta apply", "delta_apply_many", rows.ctypes.data, n, results.ctypes.data, cursor.ctypes.data,
+                     taken.ctypes.data, int(isa)))
+
+
 def encoded(result: np.ndarray) -> Encoded:
     """One :func:`encode_many` result row as an :class:`Encoded`."""
     kind, changed, payload, pos, checksum, sum_old, sum_new = (int(x) for x in result)

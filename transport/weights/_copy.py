@@ -20,6 +20,8 @@ import os
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from .._errors import TransportInternalError
 from .._native import CopyKind, copy_now, stream_copy
 
@@ -112,6 +114,45 @@ class HostCopies:
             h.join()
         if errors:
             raise errors[0]
+
+
+class SharedRows:
+    """The rows of one native batch call (the delta diff's ``encode_many``, the checked apply's
+    ``apply_many``) shared by the copy threads of a :class:`HostCopies` batch: each thread
+    calls it with the one cursor the rows are claimed from, so a thread takes the next row as
+    it frees up, with the GIL released once per call rather than once per row.
+
+    Args:
+        call: ``call(cursor, taken)``: the native call on the rows, claiming from ``cursor``;
+            returns how many rows it claimed (0: none was left), their indices at ``taken``.
+        count: the rows.
+        nbytes: what they weigh together, in bytes of copying.
+    """
+
+    def __init__(self, call: Callable[[np.ndarray, np.ndarray], int], count: int, nbytes: int) -> None:
+        self._call = call
+        self._count = count
+        self._cursor = np.zeros(1, dtype=np.uint64)
+        self.nbytes = nbytes
+        self._failed = False  # a thread's call or ``done`` raised: the others claim no more rows
+
+    def add_to(self, batch: HostCopies, threads: int, done: Callable[[list[int]], None] | None = None) -> None:
+        """Adds to ``batch`` one piece per thread (at most one per row), each weighing its share:
+        a thread that takes one runs rows until none is left, then takes the batch's other
+        pieces. ``done`` is called with the rows each call claimed, once it returns."""
+        n = max(1, min(threads, self._count))
+        for _ in range(n):
+            batch.add(self.nbytes // n, functools.partial(self._work, done))
+
+    def _work(self, done: Callable[[list[int]], None] | None) -> None:
+        taken = np.zeros(self._count, dtype=np.uint64)
+        try:
+            while not self._failed and (k := self._call(self._cursor, taken)):
+                if done is not None:
+                    done(taken[:k].tolist())
+        except BaseException:
+            self._failed = True  # (raised on: HostCopies.run raises the first error)
+            raise
 
 
 def _stream(dst: int, src: int, nbytes: int) -> None:

@@ -43,7 +43,7 @@ from ... import _tensor_kernels
 from ..._errors import TransportInternalError
 from ..._native import delta as native
 from ..._tensors import dtype_from_name
-from .._copy import STREAM_MIN_BYTES, HostCopies
+from .._copy import STREAM_MIN_BYTES, HostCopies, SharedRows
 from .._layout import ALIGN, Entry, Layout
 from .checksum import SumPass, deltable
 from .format import MASK64, SPARSE_MAX, STREAM_MAGIC, Kind, signed
@@ -184,43 +184,6 @@ class _Parts:
             return _part(self._all)
 
 
-class _Diff:
-    """The diff of a version's deltable tensors (``rows``, as :func:`native.encode_many` takes
-    them), shared by the copy threads that run :meth:`work`: each takes the next tensor not yet
-    taken, in native code with the GIL released, until none is left. Largest first, so that
-    the last tensors, the ones a thread may finish alone, are small."""
-
-    def __init__(self, rows: np.ndarray, every: int | None, threads: int) -> None:
-        order = np.argsort(-(rows[:, 3] * rows[:, 4]).astype(np.int64), kind="stable")
-        self._order = order
-        self._rows = np.ascontiguousarray(rows[order])
-        self._results = np.zeros((len(rows), native.ENCODE_RESULT), dtype=np.uint64)
-        self._cursor = np.zeros(1, dtype=np.uint64)
-        self.nbytes = int((rows[:, 3] * rows[:, 4]).sum())
-        # Each call returns after about its share of a part (``every`` bytes of the version,
-        # across the threads), so the parts go out as the diff runs; else once, at the end.
-        self._budget = None if every is None else max(1, every // max(1, threads))
-        self._failed = False  # a thread's call or ``done`` raised: the others take no more tensors
-
-    def work(self, done: Callable[[int, native.Encoded], None]) -> None:
-        """Diffs tensors until none is left, calling ``done(row, result)`` (``row`` as given)
-        for each after the native call that diffed it.
-
-        Raises:
-            Exception: what the native call or ``done`` raised (the other threads then stop
-                after their current call).
-        """
-        taken = np.zeros(len(self._rows), dtype=np.uint64)
-        try:
-            while not self._failed and (k := native.encode_many(self._rows, self._results, self._cursor, taken,
-                                                                 self._budget)):
-                for t in taken[:k].tolist():
-                    done(int(self._order[t]), native.encoded(self._results[t]))
-        except BaseException:
-            self._failed = True
-            raise
-
-
 class DeltaEncoder:
     """The publisher's side: diffs and encodes each version against the front snapshot, brings
     the other snapshot to the version after the pushes, and keeps the per-tensor checksums of
@@ -324,27 +287,33 @@ class DeltaEncoder:
             else:  # nothing to diff against: the copy and the checksum in one pass
                 rows.append((src.data_ptr(), 0, sptr + e.offset, e.numel, src.element_size(), 0, 0, 0, 0))
         if rows:
-            diff = _Diff(np.array(rows, dtype=np.uint64), every, self._threads)
+            # Largest first: the last tensors, the ones a thread may finish alone, are small.
+            table = np.array(rows, dtype=np.uint64)
+            order = np.argsort(-(table[:, 3] * table[:, 4]).astype(np.int64), kind="stable").tolist()
+            table = np.ascontiguousarray(table[order])
+            found = np.zeros((len(rows), native.ENCODE_RESULT), dtype=np.uint64)
+            # With parts, each call returns after about its thread's share of a part, so that the
+            # parts go out as the diff runs; else each thread's one call diffs until none is left.
+            budget = None if every is None else max(1, every // max(1, self._threads))
 
-            def done(j: int, r: native.Encoded) -> None:
-                i = deltas[j]
-                e = entries[i]
-                results[i] = r
-                if not bptr:
-                    return
-                kinds[i] = r.kind
-                if r.kind == Kind.DENSE:  # copied into the new snapshot by the pass: a delta push sends it from there
-                    out.done(e.nbytes, from_snap, [(e.offset, e.offset, e.nbytes)])
-                else:
-                    assert from_staging is not None
-                    o = self._offsets[i]
-                    out.done(e.nbytes, from_staging, [(o, e.offset, r.payload_bytes)] if r.payload_bytes else [])
+            def done(claimed: list[int]) -> None:
+                for t in claimed:
+                    r = native.encoded(found[t])
+                    i = deltas[order[t]]
+                    e = entries[i]
+                    results[i] = r
+                    if not bptr:
+                        continue
+                    kinds[i] = r.kind
+                    if r.kind == Kind.DENSE:  # copied into the new snapshot by the pass: pushed from there
+                        out.done(e.nbytes, from_snap, [(e.offset, e.offset, e.nbytes)])
+                    else:
+                        assert from_staging is not None
+                        o = self._offsets[i]
+                        out.done(e.nbytes, from_staging, [(o, e.offset, r.payload_bytes)] if r.payload_bytes else [])
 
-            # One piece per thread, each the whole diff's share: a thread that takes one diffs
-            # until no tensor is left (then takes the other pieces, if any are left).
-            n = min(self._threads, len(rows))
-            for _ in range(n):
-                batch.add(diff.nbytes // n, functools.partial(diff.work, done))
+            SharedRows(lambda cursor, taken: native.encode_many(table, found, cursor, taken, budget), len(rows),
+                       int((table[:, 3] * table[:, 4]).sum())).add_to(batch, self._threads, done)
         batch.run(self._threads)
         out.flush(any(k != Kind.DENSE for k in kinds))
         del keep

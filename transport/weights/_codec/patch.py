@@ -19,11 +19,12 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..._errors import DeltaRefusedError
 from ..._native import delta as native
-from .._copy import HostCopies, copy_bytes
+from .._copy import HostCopies, SharedRows
 from .format import MASK64, Kind
 
 log = logging.getLogger(__name__)
@@ -196,17 +197,20 @@ def _apply_one_pass(work: Sequence[tuple[Patch, int]], need: int, threads: int, 
         return
     buf = scratch.take(need)  # (kept alive for this pass whatever a background ready() sets)
     base = buf.data_ptr()
-    done: list[tuple[native.Refusal, int, int, int]] = [(native.Refusal.OK, 0, 0, 0)] * len(work)
+    # Each row: the patch, its positions copied from the payload's end to its scratch, the values
+    # its stores replace saved after them. Costliest first (HostCopies' order before).
+    order = sorted(range(len(work)), key=lambda j: -work[j][0].cost)
+    rows = np.array([(p.dst, p.numel, p.es, p.payload, p.payload_bytes, int(p.kind), p.count, p.pos_bytes, base + at,
+                      base + at + _align8(p.pos_bytes)) for p, at in (work[j] for j in order)], dtype=np.uint64)
+    results = np.zeros((len(work), native.APPLY_RESULT), dtype=np.uint64)
     batch = HostCopies()
-    for j, (p, at) in enumerate(work):
-
-        def one(j: int = j, p: Patch = p, at: int = at) -> None:
-            copy_bytes(base + at, p.payload + p.payload_bytes - p.pos_bytes, p.pos_bytes)
-            done[j] = native.apply(p.dst, p.numel, p.es, p.payload, p.payload_bytes, int(p.kind), p.count,
-                                   p.pos_bytes, base + at, base + at + _align8(p.pos_bytes))
-
-        batch.add(p.cost, one)
+    SharedRows(lambda cursor, taken: native.apply_many(rows, results, cursor, taken), len(work),
+               sum(p.cost for p, _ in work)).add_to(batch, threads)
     batch.run(threads)
+    done: list[tuple[native.Refusal, int, int, int]] = [(native.Refusal.OK, 0, 0, 0)] * len(work)
+    for t, j in enumerate(order):
+        refusal, old, new, stored = (int(x) for x in results[t])
+        done[j] = (native.Refusal(refusal), old, new, stored)
     why = None
     for (p, _), (refusal, old, new, _stored) in zip(work, done, strict=True):
         if refusal != native.Refusal.OK:
