@@ -66,16 +66,19 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
                 assert d["as_delta"] == [False, False] and d["wire_bytes"] == dense and f > CROSSOVER / 2
         assert {row["order"][0] for row in run["steps"] + run["sweep"]} == set(KINDS)  # each kind goes first
         # Each reported version's own memcpy baseline, and its diff the median of the delta repeats'.
-        ratios = []
+        ratios, warm = [], []
         for row in run["steps"][1:] + run["sweep"] + run["windows"]:
-            assert row["memcpy_gbps"] > 0
+            assert row["memcpy_gbps"] > 0 and row["memcpy_warm_gbps"] > 0
             if row.get("diff_gbps"):
                 diffs = row["diff_repeats_s"]
                 assert len(diffs) == 3 and row["diff_encode_s"] == sorted(diffs)[1]
                 assert abs(row["diff_gbps"] - row["dense_bytes"] / row["diff_encode_s"] / 1e9) < 1e-9
                 if row in run["steps"]:
                     ratios.append(row["diff_gbps"] / row["memcpy_gbps"])
-        assert ratios and doc["summary"][run["backend"]]["every step"]["diff_over_memcpy_min"] == min(ratios)
+                    warm.append(row["diff_gbps"] / row["memcpy_warm_gbps"])
+        every = doc["summary"][run["backend"]]["every step"]
+        assert ratios and every["diff_over_memcpy_min"] == min(ratios)
+        assert every["diff_over_warm_memcpy_min"] == min(warm)
         # The smallest learning rate and the 1% sweep go as deltas.
         assert run["steps"][1]["delta"]["as_delta"] == [True, True] == run["sweep"][0]["delta"]["as_delta"]
         # The skipped-versions case: three steps as one version, against the base both hold.
