@@ -81,13 +81,16 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 // encode() of many tensors, on as many threads as call it with the same rows, results and next:
 // each call claims row next++ (atomically) until every row is claimed or it has diffed budget
 // bytes or more, and returns how many it claimed, their indices at taken (room for count). Row i
-// (kEncodeRow uint64s) is (fresh, base, snap, n, es, out, cap, dense_above, stream), its result
-// (kEncodeResult uint64s at results + kEncodeResult * i) the EncodeResult's fields in order.
-// Without a base, snap is written in the pass (as encode()). With one, a sparse encoding of more
-// than dense_above changed elements becomes kDense (the crossover), and a kDense tensor is then
-// copied to snap when snap is not null (with streaming stores when stream is not 0). So a
-// version's diff takes each thread's GIL once, not once a tensor. Throws as encode().
-constexpr uint64_t kEncodeRow = 9;
+// (kEncodeRow uint64s) is (fresh, base, snap, n, es, out, cap, dense_above, stream, varints), its
+// result (kEncodeResult uint64s at results + kEncodeResult * i) the EncodeResult's fields in
+// order. Without a base, snap is written in the pass (as encode()). With one, a sparse encoding
+// of more than dense_above changed elements becomes kDense (the crossover), and a kDense tensor
+// is then copied to snap when snap is not null (with streaming stores when stream is not 0).
+// With varints 0 the positions are a bitmask whatever the density: no varints are made (where
+// changes are dense enough that the bitmask is about as small, making them costs the pass more
+// than their bytes save). So a version's diff takes each thread's GIL once, not once a tensor.
+// Throws as encode().
+constexpr uint64_t kEncodeRow = 10;
 constexpr uint64_t kEncodeResult = 7;
 uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t budget,
                      uint64_t* taken, int isa);

@@ -627,8 +627,11 @@ uint64_t detail::checksum_pass(const uint8_t* p, uint8_t* dst, uint64_t n, int e
   return run(p, nullptr, dst, n, es, first, nullptr, isa);
 }
 
-EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
-                    int isa) {
+namespace {
+
+// encode(), with the varint positions made (varints) or not (the bitmask alone).
+EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out,
+                                 uint64_t cap, int isa, bool varints) {
   check_es(es);
   const auto* f = static_cast<const uint8_t*>(fresh);
   auto* s = static_cast<uint8_t*>(snap);
@@ -640,6 +643,7 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   const uint64_t mask_bytes = (n + 7) / 8;
   Emitter em{es, static_cast<uint8_t*>(out), cap, scratch(0, cap + 16), cap, scratch(1, mask_bytes + 8), cap / es,
              static_cast<const uint8_t*>(base), n};
+  em.varover = !varints;  // (every path checks it before it makes a varint)
   run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
   r.changed = em.count;
   r.sum_old = em.sum_old;
@@ -660,6 +664,13 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   r.payload_bytes = vbytes + pos;
   r.pos_bytes = pos;
   return r;
+}
+
+}  // namespace
+
+EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
+                    int isa) {
+  return encode_positions_as(fresh, base, snap, n, es, out, cap, isa, true);
 }
 
 uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
@@ -697,8 +708,8 @@ uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, ui
     auto* snap = reinterpret_cast<void*>(r[2]);
     const uint64_t n = r[3];
     const int es = static_cast<int>(r[4]);
-    EncodeResult e = encode(fresh, base, base == nullptr ? snap : nullptr, n, es, reinterpret_cast<void*>(r[5]),
-                            r[6], isa);
+    EncodeResult e = encode_positions_as(fresh, base, base == nullptr ? snap : nullptr, n, es,
+                                         reinterpret_cast<void*>(r[5]), r[6], isa, r[9] != 0);
     if (base != nullptr) {
       if ((e.kind == kVarint || e.kind == kBitmask) && e.changed > r[7]) e.kind = kDense;  // past the crossover
       if (e.kind == kDense && snap != nullptr) {

@@ -12,6 +12,7 @@ import torch
 
 import transport
 from tests._support.delta_model import land, same_bits
+from transport._native import delta as native
 from transport.weights import Publisher, Subscriber
 from transport.weights import _pipeline as pipeline_module
 from transport.weights._codec.apply import DeltaApplier
@@ -103,6 +104,38 @@ def test_one_part_comes_once_every_tensor_is_done():
     dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1, parts.append)
     assert len(parts) == 1 and rows_of(parts[0]) == rows_of(dv.runs)
     assert sum(len(r) for _, r in dv.runs) > 10
+
+
+def test_a_tensor_whose_sample_changed_past_varint_max_is_diffed_as_a_bitmask():
+    """11% of one tensor changed (alone its varints are the smaller positions), 1% of the
+    others: after the sample the 11% one is a bitmask and the others varints; its payload
+    applies bit for bit. The sample is used once: an unsampled diff makes the varints again."""
+    base = model(10)
+    new = {k: v.clone() for k, v in base.items()}
+    g = torch.Generator().manual_seed(11)
+    for k, v in new.items():
+        if v.is_floating_point():
+            flat = v.view(-1)
+            n = flat.numel() * (11 if k == "layer.5" else 1) // 100
+            flat[torch.randperm(flat.numel(), generator=g)[:n]] += 1
+    layout, snaps, enc = encoder_at(base, new)
+    enc.crossover = 0.3
+    names = [e.name for e in layout.entries]
+    at = names.index("layer.5")
+    unsampled, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1)
+    assert unsampled.kinds[at] == Kind.VARINT
+    enc.predicts_dense(snaps[0])
+    dv, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1)
+    assert dv.kinds[at] == Kind.BITMASK and dv.changed == unsampled.changed
+    assert all(k == Kind.VARINT for i, k in enumerate(dv.kinds) if i != at and layout.entries[i].name != "step")
+    e = layout.entries[at]
+    offset, payload_bytes, count, pos_bytes, kind = dv.sparse[at]
+    live = base["layer.5"].clone()
+    refusal, _, _ = native.scatter(live.data_ptr(), e.numel, 2, enc._staging.data_ptr() + offset, payload_bytes,
+                                   int(kind), count, pos_bytes, True)
+    assert refusal == native.Refusal.OK and torch.equal(live.view(torch.int16), new["layer.5"].view(torch.int16))
+    again, _ = enc.encode(snaps[1], 1, snaps[0], 0, 0, 1)
+    assert again.kinds[at] == Kind.VARINT
 
 
 def test_a_version_that_went_dense_whole_is_not_handed_out():

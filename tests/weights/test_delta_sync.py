@@ -155,7 +155,7 @@ def test_the_diff_of_many_tensors_shared_by_threads_encodes_each_as_alone(isa):
         ref = native.encode(fresh.data_ptr(), 0 if no_base else base.data_ptr(), 0, n, es, ref_out.data_ptr(), cap,
                             isa)
         rows.append((fresh.data_ptr(), 0 if no_base else base.data_ptr(), snap.data_ptr(), n, es, out.data_ptr(), cap,
-                     dense_above, j % 2))
+                     dense_above, j % 2, 1))
         alone.append((ref, ref_out, out))
         fresh_of.append((fresh, base))
         snaps.append(snap)
@@ -194,7 +194,7 @@ def test_the_diff_of_many_tensors_shared_by_threads_encodes_each_as_alone(isa):
     assert native.encode_many(rows_a, results, cursor, taken, None, isa) == len(rows)
     assert sorted(taken.tolist()) == list(range(len(rows)))
     assert native.encode_many(rows_a, results, cursor, taken, None, isa) == 0
-    for name, bad in (("rows", (rows_a[:, :8].copy(), results, cursor, taken)),
+    for name, bad in (("rows", (rows_a[:, :9].copy(), results, cursor, taken)),
                       ("results", (rows_a, results.astype(np.int64), cursor, taken)),
                       ("cursor", (rows_a, results, np.zeros(2, dtype=np.uint64), taken)),
                       ("taken", (rows_a, results, cursor, taken[:3]))):
@@ -204,6 +204,35 @@ def test_the_diff_of_many_tensors_shared_by_threads_encodes_each_as_alone(isa):
     bad_es[0, 4] = 3
     with pytest.raises(TransportInternalError, match="element size"):
         native.encode_many(bad_es, results[:1].copy(), np.zeros(1, dtype=np.uint64), taken[:1].copy(), None, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_diff_told_to_make_no_varints_writes_the_bitmask(isa, dtype):
+    # 1% changed: alone the varints are far smaller, so the bitmask is there only because the
+    # row said so; it applies bit for bit, and the counts and checksum terms are the same.
+    g = torch.Generator().manual_seed(8)
+    n = 300_007
+    base = torch.randn(n, generator=g).to(dtype)
+    fresh = base.clone()
+    fresh[torch.randperm(n, generator=g)[: n // 100]] += 1
+    es, cap = fresh.element_size(), n * fresh.element_size() // 2
+    alone, out = torch.zeros(cap, dtype=torch.uint8), torch.zeros(cap, dtype=torch.uint8)
+    ref = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, es, alone.data_ptr(), cap, isa)
+    assert ref.kind == native.Kind.VARINT
+    results = np.zeros((1, native.ENCODE_RESULT), dtype=np.uint64)
+    row = np.array([(fresh.data_ptr(), base.data_ptr(), 0, n, es, out.data_ptr(), cap, n, 0, 0)], dtype=np.uint64)
+    assert native.encode_many(row, results, np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), None,
+                              isa) == 1
+    got = native.encoded(results[0])
+    assert got.kind == native.Kind.BITMASK and got.pos_bytes == (n + 7) // 8
+    assert (got.changed, got.sum_old, got.sum_new) == (ref.changed, ref.sum_old, ref.sum_new)
+    vbytes = (ref.changed * es + 7) // 8 * 8
+    assert torch.equal(out[:vbytes], alone[:vbytes])  # the same values
+    live = base.clone()
+    refusal, _, _ = native.scatter(live.data_ptr(), n, es, out.data_ptr(), got.payload_bytes, int(got.kind),
+                                   got.changed, got.pos_bytes, True)
+    assert refusal == native.Refusal.OK and torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
 
 
 def leb128_gaps(positions: list[int]) -> bytes:

@@ -91,7 +91,8 @@ def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int
     return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old, sum_new)
 
 
-ENCODE_ROW = 9  # uint64s of one encode_many row: (fresh, base, snap, n, es, out, cap, dense_above, stream)
+# uint64s of one encode_many row: (fresh, base, snap, n, es, out, cap, dense_above, stream, varints)
+ENCODE_ROW = 10
 ENCODE_RESULT = 7  # and of its result: an Encoded's fields, in order
 
 
@@ -109,10 +110,11 @@ def encode_many(rows: np.ndarray, results: np.ndarray, cursor: np.ndarray, taken
 
     Args:
         rows: ``(N, ENCODE_ROW)`` uint64 rows of ``(fresh, base, snap, n, es, out, cap,
-            dense_above, stream)``. Without a base (0) ``snap`` is written in the pass, as
-            :func:`encode` does. With one, a sparse encoding of more than ``dense_above``
-            changed elements counts as DENSE, and a DENSE tensor is copied to ``snap`` when it
-            is not 0 (with streaming stores when ``stream`` is not 0).
+            dense_above, stream, varints)``. Without a base (0) ``snap`` is written in the
+            pass, as :func:`encode` does. With one, a sparse encoding of more than
+            ``dense_above`` changed elements counts as DENSE, and a DENSE tensor is copied to
+            ``snap`` when it is not 0 (with streaming stores when ``stream`` is not 0). With
+            ``varints`` 0 the positions are a BITMASK whatever the density (no varints made).
         results: ``(N, ENCODE_RESULT)`` uint64: row ``i``'s :class:`Encoded` fields, in order
             (see :func:`encoded`), written when row ``i`` is claimed and done.
         cursor: ``(1,)`` uint64, 0 before the first call.
