@@ -4,8 +4,9 @@ The publisher diffs each tensor of the new version against its previous snapshot
 one native pass that reads both and writes only the encoding (:class:`DeltaEncoder`), and chooses
 per tensor by measured density: unchanged (nothing sent), sparse (new values plus positions, as
 LEB128 gaps or a bitmask, whichever is smaller, at most ``SPARSE_MAX`` of the dense bytes; the
-bitmask alone where the tensor's sample changed more than ``VARINT_MAX``) or dense. A subscriber receives a delta only when its control block says it applied exactly the
-base and has nothing newer pending; everyone else gets the dense version. The new snapshot is
+bitmask alone where the tensor's sample changed more than ``VARINT_MAX``) or dense. A
+subscriber receives a delta only when its control block says it applied exactly the base and
+has nothing newer pending; everyone else gets the dense version. The new snapshot is
 brought to the version after the pushes, off the subscribers' path: it holds the version before
 the base, so the base's encodings and this version's are scattered into it (O(changed), what the
 diff touches anyway), or, for a tensor that changed too much for that to pay, it is copied.
