@@ -68,9 +68,10 @@ PARTS = 8
 # A tensor whose sample changed more than this fraction is diffed with its positions as a bitmask
 # alone: no varints are made. Varints take about a byte a change, the bitmask n / 8 bytes, so
 # above 10% the bitmask is at most a quarter larger (at 11% changed: 1.5 MB more for 199 MB of
-# bf16, 1.2 ms at 10 Gbit/s), while making them costs the diff most of its work past the reads
-# (2 threads of the 2-core VM, 199 MB: 21.4 -> 16.1 ms at 11% changed, 22.6 -> 16.6 ms at 13%
-# with AVX-512; 27.5 -> 18.8 ms at 13% with AVX2; at 3% they cost nothing measurable).
+# bf16, 1.2 ms at 10 Gbit/s), and its apply goes a vector at a time on AVX-512. Making the
+# varints cost the diff of the 100M model (199 MB, 2 threads of the 2-core VM, back to back)
+# 5-11%: 18.1 -> 17.2 ms at 11% changed and 19.8 -> 18.2 ms at 13% with AVX-512, 22.7 -> 20.1
+# and 23.5 -> 21.8 ms with AVX2 (at 13% the bitmask was the smaller form already).
 VARINT_MAX = 0.10
 Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, position bytes, kind) of an encoding
 
