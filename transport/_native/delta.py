@@ -155,14 +155,13 @@ def apply_many(rows: np.ndarray, results: np.ndarray, cursor: np.ndarray, taken:
             count, pos_bytes, pos, undo)``.
         results: ``(N, APPLY_RESULT)`` uint64: row ``i``'s ``(refusal, sum_old, sum_new,
             stored)``, as :func:`apply` returns them.
-        cursor: ``(1,)`` uint64, 0 before the first call.
-        taken: ``(N,)`` uint64, this caller's own: the indices of the rows this call claimed.
+        cursor, taken: as for :func:`encode_many`.
 
     Returns:
         How many rows this call claimed (0: none was left).
 
     Raises:
-        ValueError: an array is not as above.
+        ValueError: an array is not as its argument says.
     """
     n = len(rows)
     _uint64s("rows", rows, (n, APPLY_ROW))
