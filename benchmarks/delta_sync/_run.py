@@ -49,6 +49,7 @@ import trio
 import transport
 from transport.weights import Publisher, Subscriber, delta_isa
 
+from ..common import stats
 from ._references import floor_s, references
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,11 +152,7 @@ def _copy_gbps(src: torch.Tensor, dst: torch.Tensor, threads: int) -> float:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
+        best = stats.best_s(lambda: dst.copy_(src), 3)
     finally:
         torch.set_num_threads(before)
     return src.numel() / best / 1e9
@@ -196,7 +193,7 @@ def memcpy_now(nbytes: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         dst.copy_(src)
         singles.append(time.perf_counter() - t0)
-    return nbytes / sorted(singles)[1] / 1e9, warm
+    return nbytes / stats.median(singles) / 1e9, warm
 
 
 def changed_fraction(state: dict[str, torch.Tensor], prev: dict[str, torch.Tensor]) -> float:

@@ -307,7 +307,8 @@ class DeltaEncoder:
         if rows:
             # Largest first: the last tensors, the ones a thread may finish alone, are small.
             table = np.array(rows, dtype=np.uint64)
-            order = np.argsort(-(table[:, 3] * table[:, 4]).astype(np.int64), kind="stable").tolist()
+            sizes = (table[:, 3] * table[:, 4]).astype(np.int64)  # bytes of each tensor
+            order = np.argsort(-sizes, kind="stable").tolist()
             table = np.ascontiguousarray(table[order])
             found = np.zeros((len(rows), native.ENCODE_RESULT), dtype=np.uint64)
             # With parts, each call returns after about its thread's share of a part, so that the
@@ -331,7 +332,7 @@ class DeltaEncoder:
                         out.done(e.nbytes, from_staging, [(o, e.offset, r.payload_bytes)] if r.payload_bytes else [])
 
             SharedRows(lambda cursor, taken: native.encode_many(table, found, cursor, taken, budget), len(rows),
-                       int((table[:, 3] * table[:, 4]).sum())).add_to(batch, self._threads, done)
+                       int(sizes.sum())).add_to(batch, self._threads, done)
         batch.run(self._threads)
         out.flush(any(k != Kind.DENSE for k in kinds))
         del keep
