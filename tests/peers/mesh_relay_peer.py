@@ -7,14 +7,17 @@ one JSON object a line (the test reads them as they come). The model is
 :mod:`tests.peers.mesh_peer`'s, with ``w8`` as large as ``spec["w8"]``.
 
 * ``role: "trainer"``: waits for every generator rank's ``ready.<name>`` signal, then publishes
-  ``versions`` versions, ``pause`` seconds apart, printing ``{"publishing": v}`` before each and
+  ``versions`` versions, ``pause`` seconds apart (with ``lockstep``: and each only once every
+  generator rank said it applied the one before: its ``applied.<name>`` signal, within 60 s),
+  printing ``{"publishing": v}`` before each and
   ``{"rank": r, "version": v, "results": {label: [status, relayed_by, delta, error]}}`` after.
   Before each push into a relay it prints ``{"relaying": v, "relay": name, "rank": r}``.
   Then it rings ``stop`` at every generator rank, waits for their ``finished`` (bounded), and
   dumps its flight record.
 * ``role: "gen"``: commits (the leader) or waits for commits, applies each, checks its tensors
   bit for bit against the reference slices of the version applied and prints
-  ``{"applied": v, "ok": bool, "delta": [...]}``; it ends at the last version, or 10 s after
+  ``{"applied": v, "ok": bool, "delta": [...]}``, then sets its ``applied.<name>`` signal at
+  each trainer rank to ``v + 1``; it ends at the last version, or 10 s after
   ``stop`` without it, printing ``{"summary": true, "applied": v, "followed": n, "refused":
   [...]}`` (its flight recorder's relay orders that did not end DONE, with why).
 """
@@ -73,6 +76,9 @@ async def trainer(spec: dict, t: transport.Transport) -> None:
         for n, x in shards(v).items():
             live[n].copy_(x)
         await anyio.sleep(spec.get("pause", 0.0))
+        if spec.get("lockstep") and v > 0:  # (else a rank still applying v - 2 there is a straggler)
+            for g in spec["generators"]:
+                await t.wait_signal(f"applied.{g}", at_least=v, timeout=60)
         print(json.dumps({"publishing": v, "rank": rank, "at": time.time()}), flush=True)
         rep = await pub.publish(v)
         results = {k: [r.status.value, r.relayed_by, r.delta, r.error] for k, r in rep.results.items()}
@@ -123,6 +129,11 @@ async def generator(spec: dict, t: transport.Transport) -> None:
                                     for n in ref if not torch.equal(sub.tensors[n], ref[n])}
                 print(json.dumps(doc), flush=True)
                 applied = got
+                for tr in spec["trainers"]:
+                    try:
+                        await t.signal(tr, f"applied.{spec['name']}", got + 1, timeout=5)
+                    except transport.TransportError:
+                        pass
         if t.signal_value("stop"):
             stop_at = stop_at or time.monotonic()
             if time.monotonic() - stop_at > 10:
