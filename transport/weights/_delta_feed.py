@@ -1,6 +1,6 @@
 """A delta version of a stream while the publisher makes it: the parts of its encodings as the
 diff hands them out (:class:`DeltaFeed`), which the pushes to subscribers holding the base send
-while the rest is diffed. A part is runs of two sources (:data:`._codec.encode.Part`): the
+while the rest is diffed. A part is runs of two sources (:data:`._codec.parts.Part`): the
 encoder's staging buffer and the new snapshot."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from .._errors import TransportInternalError
-from ._codec.encode import DeltaVersion, Part
+from ._codec.encode import DeltaVersion
+from ._codec.parts import Part
 
 
 class DeltaFeed:

@@ -25,7 +25,8 @@ import torch
 from .._background import start_background
 from .._errors import TransportInternalError
 from ._codec.checksum import PAUSE_S, SumPass, deltable
-from ._codec.encode import PARTS, DeltaEncoder, DeltaVersion
+from ._codec.encode import DeltaEncoder, DeltaVersion
+from ._codec.parts import PARTS
 from ._codec.policy import CROSSOVER, Crossover
 from ._control import DIFFING, FILLING, FRONT, LATEST, StreamKeys, decode_front, memory_barrier
 from ._copy import available_threads, cores

@@ -19,7 +19,7 @@ import torch
 
 from .. import _pieces
 from .._errors import LayoutMismatchError, PeerLostError, TransportError
-from ._codec.encode import Source
+from ._codec.parts import Source
 from ._codec.policy import Crossover
 from ._control import APPLIED, CTL_WORDS, DELTA, FRONT, LAYOUT_ID, StreamKeys, decode_front, encode_front, free_slot
 from ._delta_feed import DeltaFeed

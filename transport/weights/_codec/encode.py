@@ -48,6 +48,7 @@ from .._copy import STREAM_MIN_BYTES, HostCopies, SharedRows
 from .._layout import ALIGN, Entry, Layout
 from .checksum import SumPass, deltable
 from .format import MASK64, SPARSE_MAX, STREAM_MAGIC, Kind, signed
+from .parts import Part, Parts, Source
 from .policy import CROSSOVER
 
 PREDICT_DENSE = 0.5  # a version whose sampled delta exceeds this fraction of dense goes dense undiffed
@@ -59,12 +60,6 @@ SAMPLE_BLOCKS, SAMPLE_RUN = 16, 1024  # the sample of one tensor: runs of elemen
 # copy at 1-5% of bf16, 1.3x at 10%): at lr 1e-6 a publish returns 13-25 ms sooner
 # (benchmarks/results/delta_sync-2026-12-03-b-tcp-10gbit.md).
 PATCH_MAX = 0.10
-# A publisher whose diff leaves cores free has it hand out the encodings in about this many parts
-# (see DeltaEncoder.encode), so that the pushes send them while it diffs the rest. Where the diff
-# takes every core, the pushes' own work (socket copies, and on one host the receivers') takes
-# cores from it: on a 2-core VM over tcp shaped to 10 Gbit/s, 8 parts made the diff of the 100M
-# model 1.6-2x slower (31-41 ms against 16-21) and the version no sooner live.
-PARTS = 8
 # A tensor whose sample changed more than this fraction is diffed with its positions as a bitmask
 # alone: no varints are made. Varints take about a byte a change, the bitmask n / 8 bytes, so
 # above 10% the bitmask is at most a quarter larger (at 11% changed: 1.5 MB more for 199 MB of
@@ -78,29 +73,6 @@ Sparse = tuple[int, int, int, int, Kind]  # (offset, payload bytes, changed, pos
 
 def _cap(e: Entry) -> int:
     return int(e.nbytes * SPARSE_MAX) // ALIGN * ALIGN
-
-
-@dataclass(frozen=True, eq=False)
-class Source:
-    """A buffer a delta push sends from: the encoder's staging buffer (the sparse encodings,
-    one per encoder, never replaced) or a snapshot (the tensors that travel dense).
-
-    Attributes:
-        buffer: the whole buffer (uint8).
-        window: int64 ``(N, 3)`` rows (buffer offset, slot offset, nbytes): every run a part
-            takes from this buffer lies inside one of them, at the same place on both sides.
-            A push prepares one transfer of them per subscriber and slot, and starts it with
-            each part's runs (``PreparedTransfer.start(runs=...)``).
-    """
-
-    buffer: torch.Tensor
-    window: np.ndarray
-
-
-# What a delta push sends of one part of a version: per source, int64 (N, 3) runs (offset in
-# the source, offset in the slot, nbytes), none empty.
-Part = list[tuple[Source, np.ndarray]]
-Row = tuple[int, int, int]  # one run of a part, as the diff found it
 
 
 @dataclass
@@ -146,51 +118,6 @@ class _Payloads:
     buf: torch.Tensor
     sparse: dict[int, Sparse]  # entry -> (offset in buf, payload bytes, changed, pos bytes, kind)
     unchanged: frozenset[int]
-
-
-def _part(rows: Mapping[Source, list[Row]]) -> Part:
-    return [(source, np.array(r, dtype=np.int64).reshape(-1, 3)) for source, r in rows.items() if r]
-
-
-class _Parts:
-    """Collects the runs of the tensors whose diff is done (from any copy thread) and hands
-    them to ``ready`` a part at a time: once about ``every`` bytes of the version were diffed
-    since the last part (None: not before :meth:`flush`), and at :meth:`flush`. Keeps them all
-    (:meth:`runs`)."""
-
-    def __init__(self, ready: Callable[[Part], None] | None, every: int | None) -> None:
-        self._ready = ready
-        self._every = every
-        self._lock = threading.Lock()
-        self._pending: dict[Source, list[Row]] = {}
-        self._diffed = 0  # bytes of the version diffed since the last part
-        self._all: dict[Source, list[Row]] = {}
-
-    def done(self, nbytes: int, source: Source, rows: list[Row]) -> None:
-        """A tensor of ``nbytes`` is done; ``rows`` of ``source`` carry it (none when
-        unchanged)."""
-        with self._lock:  # held while ``ready`` runs: parts go out one at a time, in order
-            if rows:
-                self._all.setdefault(source, []).extend(rows)
-                self._pending.setdefault(source, []).extend(rows)
-            self._diffed += nbytes
-            if self._every is not None and self._diffed >= self._every:
-                self._hand_out(True)
-
-    def flush(self, send: bool) -> None:
-        """Every tensor is done: hands out what is left when ``send`` (else keeps it back)."""
-        with self._lock:
-            self._hand_out(send)
-
-    def _hand_out(self, send: bool) -> None:
-        part, self._pending, self._diffed = self._pending, {}, 0
-        if part and send and self._ready is not None:
-            self._ready(_part(part))
-
-    def runs(self) -> Part:
-        """Every run collected, per source."""
-        with self._lock:
-            return _part(self._all)
 
 
 class DeltaEncoder:
@@ -278,7 +205,7 @@ class DeltaEncoder:
         batch = HostCopies()
         sptr, bptr = snap.data_ptr(), 0 if base is None else base.data_ptr()
         every = -(-self.layout.total // parts) if parts > 1 else None
-        out = _Parts(ready if base is not None else None, every)
+        out = Parts(ready if base is not None else None, every)
         deltas: list[int] = []  # the deltable entries, as their rows
         # Each tensor's sampled change, where the last sample was taken against this base (used
         # once: it only picks how positions are written, never what a tensor holds).
@@ -372,7 +299,7 @@ class DeltaEncoder:
         dv.encode_s = time.perf_counter() - t0
         return dv, sums
 
-    def _pack_other(self, into: Source, e: Entry, parts: _Parts) -> None:
+    def _pack_other(self, into: Source, e: Entry, parts: Parts) -> None:
         """Packs an entry that always travels dense (fp8: quantised, with its scale) into the
         snapshot ``into``."""
         snap, src = into.buffer, self._wire[e.name]
