@@ -9,7 +9,7 @@ import torch
 
 from transport._native import delta as native
 from transport.weights import DeltaRefusedError
-from transport.weights._codec.format import MASK64, Kind
+from transport.weights._codec.format import MASK64, SPARSE_MAX, Kind
 from transport.weights._codec.patch import Patch, Scratch, apply_patches
 
 N = 50_000
@@ -131,3 +131,34 @@ def test_patches_of_one_memory_go_in_order_and_are_undone_last_first(mode):
     with pytest.raises(DeltaRefusedError, match="p1"):
         apply_patches(patches, 2, Scratch(big))
     assert torch.equal(live.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_scratch_for_deltas_applies_the_densest_sparse_delta_in_one_pass(dtype):
+    # The densest change the encoder still sends sparse (its payload capped at SPARSE_MAX of the
+    # tensor, as the publisher caps it): past the eighth readied ahead, within the scratch's
+    # bound, and applied in one pass (the scratch grew to it), not checked first.
+    es = torch.empty(0, dtype=dtype).element_size()
+    cap = int(N * es * SPARSE_MAX) // 8 * 8
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(N, generator=g).to(dtype)
+    densest = None
+    for percent in range(5, 100, 5):
+        fresh = base.clone()
+        fresh[torch.randperm(N, generator=g)[: N * percent // 100]] += 1.0
+        out = torch.zeros(cap, dtype=torch.uint8)
+        r = native.encode(fresh.data_ptr(), base.data_ptr(), 0, N, es, out.data_ptr(), cap)
+        if r.kind not in (Kind.VARINT, Kind.BITMASK):
+            break
+        densest = fresh, out, r
+    assert densest is not None
+    fresh, out, r = densest
+    live = base.clone()
+    patch = Patch("t", live.data_ptr(), N, es, out.data_ptr(), r.payload_bytes, r.pos_bytes, Kind(r.kind), r.changed,
+                  native.checksum(base.data_ptr(), N, es), native.checksum(fresh.data_ptr(), N, es), None)
+    scratch = Scratch.for_deltas(N * es, 1, least=0)
+    scratch.ready()
+    assert scratch.take(0).numel() == scratch.ready_bytes == N * es // 8 < patch.scratch_bytes <= scratch.max_bytes
+    apply_patches([patch], 2, scratch)
+    assert torch.equal(live.view(torch.uint8), fresh.view(torch.uint8))
+    assert scratch.take(0).numel() >= patch.scratch_bytes

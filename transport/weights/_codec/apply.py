@@ -19,7 +19,7 @@ from .._copy import HostCopies
 from .._layout import Entry, Layout
 from .checksum import PAUSE_S, SumPass, checksums_of, deltable
 from .format import ENTRY_WORDS, HEADER_WORDS, STREAM_MAGIC, Kind, unsigned
-from .patch import SCRATCH_MIN, Patch, Scratch, apply_patches
+from .patch import Patch, Scratch, apply_patches
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ class DeltaApplier:
         self._stale = True  # the sums are to be taken from the live tensors before the next delta
         self._pass: SumPass | None = None  # the checksum pass begun after the last dense apply
         self._thread: threading.Thread | None = None  # the background thread of the last such pass
-        # The one-pass applies' private bytes: at most an eighth of the version (a delta is a
-        # few percent of it where deltas pay); readied by the background pass (dense_applied).
-        self._scratch = Scratch(max(SCRATCH_MIN, layout.total // 8))
+        # The one-pass applies' private bytes: an eighth of the version readied by the background
+        # pass (dense_applied), grown as a denser delta needs.
+        self._scratch = Scratch.for_deltas(layout.total, len(layout.entries))
 
     def dense_applied(self, ahead: bool = True) -> None:
         """The live tensors were just copied from a dense version: with ``ahead`` (deltas may

@@ -45,7 +45,7 @@ from ..._native import delta as native
 from .._copy import HostCopies, available_threads
 from .encode import SAMPLE_BLOCKS, SAMPLE_RUN
 from .format import HEAD_BYTES, MASK64, MESH_MAGIC, Kind, signed, unsigned
-from .patch import SCRATCH_MIN, Patch, Scratch, apply_patches
+from .patch import Patch, Scratch, apply_patches
 from .policy import RUNS_CROSSOVER
 
 # -- the trainer's side -----------------------------------------------------------------------
@@ -313,7 +313,8 @@ class Materializer:
         self.known: dict[tuple[int, int], tuple[int, int]] = {}
         self.full_checks = 0  # base checks that read the trainer rank's runs in the slot
         self._threads = available_threads()
-        self._scratch = Scratch(max(SCRATCH_MIN, slots[0].numel() // 8))  # grown only as deltas need
+        # Grown only as deltas need: a patch per trainer rank.
+        self._scratch = Scratch.for_deltas(slots[0].numel(), max(1, len(self.runs)))
 
     def clear(self, slot: int) -> None:
         """Forgets every payload waiting for ``slot`` (its bytes were just written whole)."""
