@@ -90,6 +90,12 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 // changes are dense enough that the bitmask is about as small, making them costs the pass more
 // than their bytes save). So a version's diff takes each thread's GIL once, not once a tensor.
 // Throws as encode().
+// Readies count of the scratch buffers the diffs lease (each call of encode, encode_many or
+// sample_changed takes one for its duration, and gives it back), each written once, for tensors
+// of up to n elements: the first diffs then fault none of their pages in. Not needed for
+// correctness; the scratch grows as diffs need.
+void reserve_scratch(uint64_t count, uint64_t n);
+
 constexpr uint64_t kEncodeRow = 10;
 constexpr uint64_t kEncodeResult = 7;
 uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t budget,

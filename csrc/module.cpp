@@ -389,6 +389,10 @@ void bind_delta(nb::module_& m) {
       nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
       "Elements that differ in runs ranges of run elements spread evenly over n.");
   m.def(
+      "delta_reserve_scratch", [](uint64_t count, uint64_t n) { delta::reserve_scratch(count, n); },
+      nb::arg("count"), nb::arg("n"), nb::call_guard<nb::gil_scoped_release>(),
+      "Readies count scratch buffers of the diffs for tensors of up to n elements (see delta.h).");
+  m.def(
       "delta_sample_changed_many",
       [](uint64_t rows, uint64_t count, uint64_t changed, int isa) {
         delta::sample_changed_many(reinterpret_cast<const uint64_t*>(rows), count,

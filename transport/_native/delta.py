@@ -206,6 +206,17 @@ def sample_changed_many(rows: np.ndarray, isa: Isa = Isa.AUTO) -> np.ndarray:
     return changed
 
 
+def reserve_scratch(count: int, n: int) -> None:
+    """Readies ``count`` of the scratch buffers the native diffs lease (one a call, for its
+    duration), written once, for tensors of up to ``n`` elements: the first diffs then fault
+    none of their pages in (the scratch grows as diffs need without it).
+
+    Raises:
+        MemoryError: the buffers cannot be allocated.
+    """
+    _call("delta scratch", "delta_reserve_scratch", count, n)
+
+
 def checksum(ptr: int, n: int, es: int, first: int = 0, dst: int = 0, isa: Isa = Isa.AUTO) -> int:
     """The checksum of ``n`` elements of ``es`` bytes at ``ptr`` whose indices start at
     ``first`` (a tensor's checksum is the sum of its pieces', mod 2**64); copies them to

@@ -455,10 +455,14 @@ class DeltaEncoder:
     def reserve(self) -> None:
         """Allocates the staging buffer of the encodings and writes every page of it once, ahead
         of the first delta (whose diff would otherwise fault the pages in as it writes: 15 ms
-        of a 42 ms first encode at 15% changed on the 100M model). Safe beside :meth:`encode`:
-        the buffer is set once, whole. Runs in a background thread."""
+        of a 42 ms first encode at 15% changed on the 100M model), and readies the native
+        diff's scratch (positions, bitmask) for each copy thread likewise (1,000-1,900 faults
+        of a first diff at 3% changed). Safe beside :meth:`encode`: the buffer is set once,
+        whole. Runs in a background thread."""
         if self._staging is not None:
             return
+        largest = max((e.numel for e in self.layout.entries if deltable(e)), default=0)
+        native.reserve_scratch(self._threads, largest)
         staging = torch.empty(max(1, self.staging_bytes), dtype=torch.uint8)
         staging.fill_(0)
         self._set_staging(staging)
