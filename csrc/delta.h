@@ -78,6 +78,12 @@ uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es,
 // takes the GIL once, not once a tensor.
 void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed, int isa);
 
+// Readies count of the scratch buffers the diffs lease (each call of encode, encode_many or
+// sample_changed takes one for its duration, and gives it back), each written once, for tensors
+// of up to n elements: the first diffs then fault none of their pages in. Not needed for
+// correctness; the scratch grows as diffs need.
+void reserve_scratch(uint64_t count, uint64_t n);
+
 // encode() of many tensors, on as many threads as call it with the same rows, results and next:
 // each call claims row next++ (atomically) until every row is claimed or it has diffed budget
 // bytes or more, and returns how many it claimed, their indices at taken (room for count). Row i
@@ -90,12 +96,6 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 // changes are dense enough that the bitmask is about as small, making them costs the pass more
 // than their bytes save). So a version's diff takes each thread's GIL once, not once a tensor.
 // Throws as encode().
-// Readies count of the scratch buffers the diffs lease (each call of encode, encode_many or
-// sample_changed takes one for its duration, and gives it back), each written once, for tensors
-// of up to n elements: the first diffs then fault none of their pages in. Not needed for
-// correctness; the scratch grows as diffs need.
-void reserve_scratch(uint64_t count, uint64_t n);
-
 constexpr uint64_t kEncodeRow = 10;
 constexpr uint64_t kEncodeResult = 7;
 uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, uint64_t* next, uint64_t budget,
