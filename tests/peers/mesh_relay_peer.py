@@ -8,7 +8,8 @@ one JSON object a line (the test reads them as they come). The model is
 
 * ``role: "trainer"``: waits for every generator rank's ``ready.<name>`` signal, then publishes
   ``versions`` versions, ``pause`` seconds apart (with ``lockstep``: and each only once every
-  generator rank said it applied the one before: its ``applied.<name>`` signal, within 60 s),
+  generator rank, or those it names, said it applied the one before: its ``applied.<name>``
+  signal, within 60 s),
   printing ``{"publishing": v}`` before each and
   ``{"rank": r, "version": v, "results": {label: [status, relayed_by, delta, error]}}`` after.
   Before each push into a relay it prints ``{"relaying": v, "relay": name, "rank": r}``.
@@ -76,8 +77,9 @@ async def trainer(spec: dict, t: transport.Transport) -> None:
         for n, x in shards(v).items():
             live[n].copy_(x)
         await anyio.sleep(spec.get("pause", 0.0))
-        if spec.get("lockstep") and v > 0:  # (else a rank still applying v - 2 there is a straggler)
-            for g in spec["generators"]:
+        lockstep = spec.get("lockstep")
+        if lockstep and v > 0:  # (else a rank still applying v - 2 there is a straggler)
+            for g in spec["generators"] if lockstep is True else lockstep:
                 await t.wait_signal(f"applied.{g}", at_least=v, timeout=60)
         print(json.dumps({"publishing": v, "rank": rank, "at": time.time()}), flush=True)
         rep = await pub.publish(v)
