@@ -50,6 +50,13 @@ std::vector<std::unique_ptr<Scratch>>& scratch_pool() {
   return *pool;
 }
 
+// The scratch of a diff of n elements whose payload holds at most cap bytes: its varints stop at
+// the bitmask's size (both vector paths stop making them there, and longer ones are never sent),
+// with a vector's slack past that for the stores of varints16; the bitmask, with 8 bytes of tail.
+inline uint64_t varcap_of(uint64_t n, uint64_t cap) { return std::min(cap, (n + 7) / 8 + 64); }
+constexpr uint64_t kVarTail = 16;
+inline uint64_t mask_scratch_of(uint64_t n) { return (n + 7) / 8 + 8; }
+
 // A Scratch taken from the pool (a new one when none is free) and given back at the end of scope.
 class ScratchLease {
  public:
@@ -683,10 +690,9 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
     return r;
   }
   const uint64_t mask_bytes = (n + 7) / 8;
-  // (Varints past the bitmask's size are never sent: both vector paths stop making them there.)
-  const uint64_t varcap = std::min(cap, mask_bytes + 64);
-  Emitter em{es, static_cast<uint8_t*>(out), cap, sc.get(0, varcap + 16), varcap, sc.get(1, mask_bytes + 8), cap / es,
-             static_cast<const uint8_t*>(base), n};
+  const uint64_t varcap = varcap_of(n, cap);
+  Emitter em{es, static_cast<uint8_t*>(out), cap, sc.get(0, varcap + kVarTail),
+             varcap, sc.get(1, mask_scratch_of(n)), cap / es, static_cast<const uint8_t*>(base), n};
   em.varover = !varints;  // (every path checks it before it makes a varint)
   run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
   r.changed = em.count;
@@ -743,13 +749,13 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 }
 
 void reserve_scratch(uint64_t count, uint64_t n) {
+  const uint64_t var_bytes = varcap_of(n, UINT64_MAX) + kVarTail, mask_bytes = mask_scratch_of(n);
   std::vector<std::unique_ptr<ScratchLease>> leases;  // all at once: count distinct ones
   for (uint64_t i = 0; i < count; ++i) {
     leases.push_back(std::make_unique<ScratchLease>());
     Scratch& sc = **leases.back();
-    const uint64_t mask_bytes = (n + 7) / 8;
-    std::memset(sc.get(0, mask_bytes + 64 + 16), 0, mask_bytes + 64 + 16);
-    std::memset(sc.get(1, mask_bytes + 8), 0, mask_bytes + 8);
+    std::memset(sc.get(0, var_bytes), 0, var_bytes);
+    std::memset(sc.get(1, mask_bytes), 0, mask_bytes);
   }
 }
 
