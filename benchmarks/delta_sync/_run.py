@@ -469,15 +469,17 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
         }
     every = [r["delta"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:]]
     noise = [r["again"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:] + run["sweep"]]
+
+    def diff_over(baseline: str) -> float:
+        """The least ratio of a step's diff to its ``baseline`` memcpy (``memcpy`` where unrecorded)."""
+        return min((r["diff_gbps"] / r.get(baseline, memcpy) for r in run["steps"][1:] if r.get("diff_gbps")),
+                   default=float("nan"))
+
     out["every step"] = {"live_ratio_max": max(every, default=float("nan")),
                          "noise_ratio_min": min(noise, default=float("nan")),
                          "noise_ratio_max": max(noise, default=float("nan")),
-                         "diff_over_memcpy_min": min((r["diff_gbps"] / r.get("memcpy_gbps", memcpy)
-                                                      for r in run["steps"][1:] if r.get("diff_gbps")),
-                                                     default=float("nan")),
-                         "diff_over_warm_memcpy_min": min((r["diff_gbps"] / r.get("memcpy_warm_gbps", memcpy)
-                                                           for r in run["steps"][1:] if r.get("diff_gbps")),
-                                                          default=float("nan"))}
+                         "diff_over_memcpy_min": diff_over("memcpy_gbps"),
+                         "diff_over_warm_memcpy_min": diff_over("memcpy_warm_gbps")}
     out["windows"] = [{"lr": r["lr"], "steps": r["steps"], "changed": r["changed_fraction"],
                        "as_delta": r["delta"]["as_delta"], "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"]}
                       for r in run.get("windows", [])]
