@@ -13,8 +13,8 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -36,7 +36,7 @@ from ._pipeline import Version, VersionPipeline
 from ._push import Pushes
 from ._relays import Relays
 from ._report import PublishReport, SyncResult, SyncStatus
-from ._roster import Roster
+from ._roster import Roster, Scan
 from ._warm import WarmTarget, warm_pushes
 
 if TYPE_CHECKING:
@@ -45,33 +45,6 @@ if TYPE_CHECKING:
     from .. import Peer, PreparedTransfer, Transport
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-async def _both(first: Callable[[], Awaitable[T]], second: Callable[[], Awaitable[object]]) -> tuple[T, float]:
-    """Runs ``first`` and ``second`` concurrently; returns what ``first`` returned and when
-    ``second`` ended (``time.perf_counter()``). What either raises is raised as it is (not as a
-    group), once both have ended."""
-    out: list[T] = []
-    ended: list[float] = []
-    errors: list[Exception] = []
-
-    async def run(fn: Callable[[], Awaitable[Any]], into: list[Any]) -> None:
-        try:
-            into.append(await fn())
-        except Exception as exc:  # noqa: BLE001 -- raised below
-            errors.append(exc)
-
-    async def second_ended() -> float:
-        await second()
-        return time.perf_counter()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run, first, out)
-        tg.start_soon(run, second_ended, ended)
-    if errors:
-        raise errors[0]
-    return out[0], ended[0]
 
 
 class Publisher(Lifecycle):
@@ -386,18 +359,7 @@ class Publisher(Lifecycle):
             v = pipeline.begin(version)
             takers = self._pushes.takers()  # as the last pushes found them
             try:
-                # The subscribers are looked up while the version is sampled, or packed.
-                scan, t_packed = await _both(self._roster.scan, functools.partial(pipeline.prepare, v, takers))
-                results = {name: SyncResult(name, version, SyncStatus.FAILED, 0, time.perf_counter() - t0, why)
-                           for (name, _), why in scan.dead.items()}
-                pipeline.announce(v, takers)
-                groups, alone = self._relays.groups(scan.serve) if self._relays else ([], list(scan.serve.values()))
-                async with anyio.create_task_group() as tg:
-                    for peer in alone:
-                        tg.start_soon(self._serve, peer, v, t0, results)
-                    for group in groups:
-                        tg.start_soon(self._serve_host, group, v, t0, results)
-                    await pipeline.diff(v)
+                scan, results, t_served = await self._prepare_and_serve(v, t0, takers)
                 t_pushed = time.perf_counter()
                 await pipeline.complete(v, self._pushes.holder(results, scan.serve), self._rings,
                                         lambda: self._doorbells.pending,
@@ -412,12 +374,66 @@ class Publisher(Lifecycle):
                 self._relays.forget(serving)
             pipeline.forget(serving)
             end = time.perf_counter()
-            # A delta version's diff ran after the lookup, its pushes beside it: pack_s counts it,
-            # push_s what the pushes took after it.
+            # The lookup ran beside the pack and a delta version's diff, the pushes beside the
+            # diff: pack_s counts the diff, discover_s what the lookup took past them, push_s
+            # what the pushes took past both.
             return PublishReport(version, results, scan.left, queued_s=t0 - entry,
-                                 pack_s=t_packed - t0 + v.diff_s, discover_s=v.announced_at - t_packed,
-                                 push_s=t_pushed - v.diffed_at, snapshot_s=end - t_pushed, total_s=end - entry,
-                                 delta=pipeline.stats(v))
+                                 pack_s=v.announced_at - t0 + v.diff_s, discover_s=max(0.0, t_served - v.diffed_at),
+                                 push_s=t_pushed - max(t_served, v.diffed_at), snapshot_s=end - t_pushed,
+                                 total_s=end - entry, delta=pipeline.stats(v))
+
+    async def _prepare_and_serve(self, v: Version, t0: float,
+                                 takers: Collection[str]) -> tuple[Scan, dict[str, SyncResult], float]:
+        """The version's sample (or pack), announcement and diff, with the lookup of the
+        subscribers beside them: each subscriber is pushed to once the lookup is done and the
+        version announced (a delta push sends the diff's parts as it hands them out; a dense
+        one starts at once). The lookup reads the rendezvous store (3-7 ms on the 2-core VM
+        beside the sample's thread): run before the diff, it held back every delta version.
+
+        Returns:
+            The lookup, each subscriber's result (a FAILED one for each found dead), and when
+            the pushes began (``time.perf_counter()``).
+
+        Raises:
+            What the lookup or a phase raised, as it is (not as a group), once the pushes in
+            flight are aborted.
+        """
+        pipeline = self._pipeline
+        results: dict[str, SyncResult] = {}
+        found: list[tuple[Scan, float]] = []
+        errors: list[Exception] = []
+        announced = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def lookup() -> None:
+                try:
+                    scan = await self._roster.scan()
+                except Exception as exc:  # noqa: BLE001 -- raised below
+                    errors.append(exc)
+                    tg.cancel_scope.cancel()
+                    return
+                for (name, _), why in scan.dead.items():
+                    results[name] = SyncResult(name, v.number, SyncStatus.FAILED, 0, time.perf_counter() - t0, why)
+                await announced.wait()
+                found.append((scan, time.perf_counter()))
+                groups, alone = self._relays.groups(scan.serve) if self._relays else ([], list(scan.serve.values()))
+                for peer in alone:
+                    tg.start_soon(self._serve, peer, v, t0, results)
+                for group in groups:
+                    tg.start_soon(self._serve_host, group, v, t0, results)
+
+            tg.start_soon(lookup)
+            try:
+                await pipeline.prepare(v, takers)
+                pipeline.announce(v, takers)
+                announced.set()
+                await pipeline.diff(v)
+            except Exception as exc:  # noqa: BLE001 -- raised below, the pushes aborted
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+        if errors:
+            raise errors[0]
+        return found[0][0], results, found[0][1]
 
     async def _applied_here(self, version: int, results: Mapping[str, SyncResult], serve: Mapping[str, Peer]) -> None:
         """Returns once every subscriber on this host that took ``version`` has applied it (one

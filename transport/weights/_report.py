@@ -85,8 +85,9 @@ class PublishReport:
     The phases are counted so that ``queued_s + pack_s + discover_s + push_s + snapshot_s ==
     total_s``, which runs from the call's entry to its return. Doorbells ring in the background
     after ``push_s`` and take none of it. Two phases overlap others: the lookup of the
-    subscribers runs beside the pack (``discover_s`` is what it took past it), and the pushes of
-    a delta version begin while its diff runs (``push_s`` is what they took past it).
+    subscribers runs beside the pack and a delta version's diff (``discover_s`` is what it took
+    past both), and the pushes of a delta version begin while its diff runs (``push_s`` is what
+    they took past it and the lookup).
 
     Attributes:
         version: the version published.
@@ -96,7 +97,8 @@ class PublishReport:
             its background snapshot copy.
         pack_s: packing what cannot go straight from the live tensors (buckets of several small
             tensors, fp8) into the snapshot; with delta sync, the sample and the diff too.
-        discover_s: finding the current subscribers in the rendezvous store, past the pack.
+        discover_s: finding the current subscribers in the rendezvous store, past the pack and
+            the diff.
         push_s: pushing the version to every subscriber, until the last one was complete,
             failed or hit the deadline (past the diff, for a delta version).
         snapshot_s: completing the snapshot that ``pull()`` reads. When a subscriber got the
