@@ -2,7 +2,9 @@
 // delta into a live tensor, its one-pass apply (check, save for undo, store, sum) and the undo.
 // Every byte of a payload is a peer's: each position is checked against n before its store, and
 // each value is read once, so what is stored is what is summed. A bitmask payload goes a vector
-// of elements at a time on AVX-512; varints, and bitmasks elsewhere, one position at a time.
+// of elements at a time on AVX-512; varints, and bitmasks elsewhere, one position at a time. The
+// steps form (kVarstep) is read the same way: each step once, each escape once, an escape past
+// the count the payload declared refused before it is stored.
 #include <cstdint>
 #include <cstring>
 
@@ -359,6 +361,48 @@ int store_all(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64
       [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
 }
 
+// The layout of a kVarstep payload (delta.h): its escape count, read once from the peer's
+// bytes and checked against count and the payload's size. Returns the refusal.
+int steps_layout(const uint8_t* payload, uint64_t payload_len, uint64_t count, uint64_t pos_bytes, uint64_t* escapes) {
+  if (pos_bytes > payload_len || payload_len - pos_bytes < 8) return kBadSize;
+  uint64_t e = 0;
+  std::memcpy(&e, payload, 8);
+  if (e > count || payload_len - pos_bytes != align8(8 + count + 2 * e)) return kBadSize;  // (count <= n < 2**61)
+  *escapes = e;
+  return kOk;
+}
+
+// The new values of a kVarstep payload, in order: the k-th is the value it replaces plus step k
+// (mod 2**16), or for an escape step the next escaped value. Every byte is read once (a peer's
+// memory); an escape past the declared count makes it bad, and no value is given from then on.
+struct StepValues {
+  const uint8_t* steps;
+  const uint8_t* esc;
+  uint64_t escapes;
+  uint64_t used = 0;
+  bool bad = false;
+
+  // Whether the k-th new value, replacing old, is known (at *now).
+  inline bool next(uint64_t k, uint32_t old, uint32_t* now) {
+    const uint8_t step = steps[k];
+    if (step != kEscape) {
+      *now = static_cast<uint16_t>(old + static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(step))));
+      return true;
+    }
+    if (used >= escapes) {
+      bad = true;
+      return false;
+    }
+    uint16_t v;
+    std::memcpy(&v, esc + 2 * used++, 2);
+    *now = v;
+    return true;
+  }
+
+  // Once every position was walked: an escape too many, or escapes left unread.
+  int refusal() const { return bad ? kBadSteps : used != escapes ? kCountMismatch : kOk; }
+};
+
 template <int ES>
 ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
                      uint64_t pos_bytes, uint8_t* undo) {
@@ -373,6 +417,65 @@ ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind,
       },
       [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
   return r;
+}
+
+// apply_es() of a kVarstep payload (2-byte elements, varint positions): each new value made
+// from the live one it replaces; stored counts the positions stored to, as undo() walks them.
+ApplyResult apply_steps(uint8_t* l, uint64_t n, StepValues sv, uint64_t count, const uint8_t* pos,
+                        uint64_t pos_bytes, uint8_t* undo) {
+  ApplyResult r{kOk, 0, 0, 0};
+  const bool sparse = sparse_changes(n, count);
+  r.refusal = walk_positions(
+      pos, pos_bytes, kVarint, n, count,
+      [&](uint64_t k, uint64_t p) {
+        if (sv.bad) return;
+        if (!sparse) __builtin_prefetch(l + p * 2 + kPrefetch / 2, 1);
+        uint8_t* dst = l + p * 2;
+        const uint32_t old = load_es<2>(dst);
+        uint32_t now = 0;
+        if (!sv.next(k, old, &now)) return;
+        store_es<2>(undo + k * 2, old);
+        store_es<2>(dst, now);
+        r.sum_old += mix(old, p);
+        r.sum_new += mix(now, p);
+        r.stored = k + 1;
+      },
+      [&](uint64_t p) { __builtin_prefetch(l + p * 2, 1); });
+  if (r.refusal == kOk) r.refusal = sv.refusal();
+  return r;
+}
+
+// scatter() of a kVarstep payload (its layout checked: escapes): with write the stores, else
+// the sums over the live values and the values the steps make of them.
+ScatterResult scatter_steps(uint8_t* l, uint64_t n, const uint8_t* payload, uint64_t payload_len, uint64_t count,
+                            uint64_t pos_bytes, uint64_t escapes, bool write) {
+  ScatterResult r{kOk, 0, 0};
+  StepValues sv{payload + 8, payload + 8 + count, escapes};
+  const bool sparse = sparse_changes(n, count);
+  const int refusal = walk_positions(
+      payload + (payload_len - pos_bytes), pos_bytes, kVarint, n, count,
+      [&](uint64_t k, uint64_t p) {
+        if (sv.bad) return;
+        if (!sparse) __builtin_prefetch(l + p * 2 + kPrefetch / 2, 1);
+        const uint32_t old = load_es<2>(l + p * 2);
+        uint32_t now = 0;
+        if (!sv.next(k, old, &now)) return;
+        if (write) {
+          store_es<2>(l + p * 2, now);
+        } else {
+          r.sum_old += mix(old, p);
+          r.sum_new += mix(now, p);
+        }
+      },
+      [&](uint64_t p) { __builtin_prefetch(l + p * 2, 1); });
+  if (refusal != kOk) return {refusal, 0, 0};
+  if (const int steps = sv.refusal(); steps != kOk) return {steps, 0, 0};
+  return write ? ScatterResult{kOk, 0, 0} : r;
+}
+
+// Whether kind is a sparse kind elements of es bytes can take (kVarstep: 2-byte ones only).
+inline bool sparse_kind(uint32_t kind, int es) {
+  return kind == kVarint || kind == kBitmask || (kind == kVarstep && es == 2);
 }
 
 template <int ES>
@@ -391,8 +494,16 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
   [[maybe_unused]] const int isa = resolve(kAuto);
   ScatterResult r{kOk, 0, 0};
   if (es != 2 && es != 4) return {kBadElemSize, 0, 0};
-  if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0};
+  if (!sparse_kind(kind, es)) return {kBadKind, 0, 0};
   if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0};
+  if (kind == kVarstep) {
+    uint64_t escapes = 0;
+    const int layout = steps_layout(static_cast<const uint8_t*>(payload), payload_len, count, pos_bytes, &escapes);
+    if (layout != kOk) return {layout, 0, 0};
+    if (live == nullptr) return {kBadSize, 0, 0};  // its new values are steps from the live ones
+    return scatter_steps(static_cast<uint8_t*>(live), n, static_cast<const uint8_t*>(payload), payload_len, count,
+                         pos_bytes, escapes, write);
+  }
   const uint64_t vbytes = align8(count * es);
   if (pos_bytes > payload_len || payload_len - pos_bytes != vbytes) return {kBadSize, 0, 0};
   auto* l = static_cast<uint8_t*>(live);
@@ -432,9 +543,15 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
 ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                   uint64_t count, uint64_t pos_bytes, const void* pos, void* undo, int isa) {
   if (es != 2 && es != 4) return {kBadElemSize, 0, 0, 0};
-  if (kind != kVarint && kind != kBitmask) return {kBadKind, 0, 0, 0};
+  if (!sparse_kind(kind, es)) return {kBadKind, 0, 0, 0};
   if (count == 0 || count > n || n > (UINT64_MAX >> 3)) return {kBadSize, 0, 0, 0};
-  if (pos_bytes > payload_len || payload_len - pos_bytes != align8(count * es)) return {kBadSize, 0, 0, 0};
+  uint64_t escapes = 0;
+  if (kind == kVarstep) {
+    const int layout = steps_layout(static_cast<const uint8_t*>(payload), payload_len, count, pos_bytes, &escapes);
+    if (layout != kOk) return {layout, 0, 0, 0};
+  } else if (pos_bytes > payload_len || payload_len - pos_bytes != align8(count * es)) {
+    return {kBadSize, 0, 0, 0};
+  }
   if (live == nullptr || pos == nullptr || undo == nullptr) return {kBadSize, 0, 0, 0};
   if (kind == kBitmask) {
     const int refusal = check_bitmask(static_cast<const uint8_t*>(pos), pos_bytes, n, count);
@@ -444,6 +561,7 @@ ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t 
   const auto* vals = static_cast<const uint8_t*>(payload);
   const auto* p = static_cast<const uint8_t*>(pos);
   auto* u = static_cast<uint8_t*>(undo);
+  if (kind == kVarstep) return apply_steps(l, n, StepValues{vals + 8, vals + 8 + count, escapes}, count, p, pos_bytes, u);
 #ifdef TRANSPORT_DELTA_X86
   if (kind == kBitmask && resolve(isa) == kAvx512)
     return es == 2 ? apply_mask_avx512<2>(l, n, vals, count, p, u) : apply_mask_avx512<4>(l, n, vals, count, p, u);
@@ -456,7 +574,8 @@ ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t 
 
 void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,
           const void* saved) {
-  if ((es != 2 && es != 4) || (kind != kVarint && kind != kBitmask) || stored == 0) return;
+  if ((es != 2 && es != 4) || !sparse_kind(kind, es) || stored == 0) return;
+  if (kind == kVarstep) kind = kVarint;  // (its positions)
   auto* l = static_cast<uint8_t*>(live);
   const auto* p = static_cast<const uint8_t*>(pos);
   const auto* u = static_cast<const uint8_t*>(saved);

@@ -35,6 +35,11 @@ constexpr uint32_t kMix = 0x85EBCA6Bu;
 // took a fifth less with it; a prefetch past the end of a buffer is harmless).
 constexpr uint64_t kPrefetch = 2048;
 
+// The steps form (kVarstep, delta.h): a step in [-kStepMax, kStepMax] is written as itself, any
+// other change as kEscape followed (among the escapes) by the value.
+constexpr int kStepMax = 127;
+constexpr uint8_t kEscape = 0x80;  // (int8) -128
+
 // The checksum term of value x at index i (delta.h).
 inline uint32_t mix(uint32_t x, uint64_t i) {
   uint32_t y = (x ^ (static_cast<uint32_t>(i) * kIndexMul)) * kMix;

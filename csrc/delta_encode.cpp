@@ -32,8 +32,9 @@ constexpr uint64_t kModeEvery = 1 << 12;  // elements between two choices of how
 // again by the diff (1,800 faults for the 100M model at 3% changed, and in the benchmark's
 // trainer process the diffs that faulted took 28-38 ms against 22).
 struct Scratch {
-  std::unique_ptr<uint8_t[]> bufs[2];
-  uint64_t caps[2] = {0, 0};
+  // The varints, the bitmask, the base values of the changes (for steps), the steps, the escapes.
+  std::unique_ptr<uint8_t[]> bufs[5];
+  uint64_t caps[5] = {0, 0, 0, 0, 0};
 
   uint8_t* get(int which, uint64_t nbytes) {
     if (caps[which] < nbytes) {
@@ -94,6 +95,11 @@ struct Emitter {
   uint64_t vmax;  // values that fit vcap
   const uint8_t* base;
   uint64_t n;
+  // With steps (2-byte elements): the base values of the changes, packed, while varints are made
+  // (each change has a varint byte or more, so they number at most varcap: bcap).
+  uint8_t* bvals = nullptr;
+  uint64_t bcap = 0;
+  bool bover = false;  // a base value was not kept: no steps
   uint64_t count = 0;
   uint64_t sum_old = 0;  // mix() of the base values at the changed positions (all of them)
   uint64_t sum_new = 0;  // mix() of the fresh values there: new checksum = base's - old + new
@@ -109,6 +115,7 @@ struct Emitter {
     sum_new += mix(load_elem(elem, es), pos);
     if (count < vmax && !vover) {
       std::memcpy(vals + count * es, elem, es == 2 ? 2 : 4);
+      keep_base(base + pos * 2, 1);
     } else {
       vover = true;
     }
@@ -137,11 +144,24 @@ struct Emitter {
     if (i >= n / 16 && static_cast<double>(so_far) > budget) vover = true;
   }
 
-  // The batched paths' values: the k packed fresh values of a batch into the payload while they fit.
+  // With steps, the base values of the next k changes (packed 2-byte values at b), while
+  // varints are made.
+  inline void keep_base(const uint8_t* b, uint64_t k) {
+    if (bvals == nullptr || varover || bover) return;
+    if (count + k > bcap) {
+      bover = true;
+      return;
+    }
+    std::memcpy(bvals + count * 2, b, k * 2);
+  }
+
+  // The batched paths' values: the k packed fresh values of a batch into the payload while they
+  // fit (and, with steps, their packed base values at based).
   template <int ES>
-  inline void take(const uint8_t* fresh, uint64_t k) {
+  inline void take(const uint8_t* fresh, const uint8_t* based, uint64_t k) {
     if (!vover && count + k <= vmax) {
       std::memcpy(vals + count * ES, fresh, k * ES);
+      if constexpr (ES == 2) keep_base(based, k);
     } else {
       vover = true;
     }
@@ -370,6 +390,10 @@ __attribute__((target("avx2"))) void flush_avx2(Batch& batch, Emitter* em, __m25
         y = _mm256_srli_epi32(pair, 16);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(batch.fresh + o * 2),
                          _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+        // The base halves packed in place, behind the pairs still to be read (o * 2 + 16 <= the
+        // next group's o * 4).
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(batch.base + o * 2),
+                         _mm_packus_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
       } else {
         x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(batch.fresh + o * 4));
         y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(batch.base + o * 4));
@@ -379,7 +403,7 @@ __attribute__((target("avx2"))) void flush_avx2(Batch& batch, Emitter* em, __m25
     }
     varints16_avx2(em, batch.index + j, lanes, batch.start, pos[0], pos[1], live[0], live[1]);
   }
-  em->take<ES>(batch.fresh, k);
+  em->take<ES>(batch.fresh, batch.base, k);
   batch.fill = 0;
 }
 
@@ -551,7 +575,7 @@ __attribute__((target(TRANSPORT_AVX512))) void flush_avx512(Batch& batch, Emitte
     *old = add16_avx512(*old, _mm512_maskz_mov_epi32(live, mix16_avx512(y, key)));
     varints16(em, batch.index + j, pos, live, batch.start);
   }
-  em->take<ES>(batch.fresh, k);
+  em->take<ES>(batch.fresh, batch.base, k);
   batch.fill = 0;
 }
 
@@ -678,9 +702,47 @@ uint64_t detail::checksum_pass(const uint8_t* p, uint8_t* dst, uint64_t n, int e
 
 namespace {
 
-// encode(), with the varint positions made (varints) or not (the bitmask alone).
+// The steps form (delta.h) of count changed 2-byte values, fresh at f and base at b (packed):
+// the steps at steps, the escaped values at esc. Returns how many were escaped. The same code
+// whatever ISA made the diff: every path's output is the same.
+uint64_t to_steps(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* steps, uint8_t* esc) {
+  uint64_t e = 0;
+  for (uint64_t k = 0; k < count; ++k) {
+    uint16_t x, y;
+    std::memcpy(&x, f + 2 * k, 2);
+    std::memcpy(&y, b + 2 * k, 2);
+    const auto d = static_cast<int16_t>(static_cast<uint16_t>(x - y));
+    if (d >= -kStepMax && d <= kStepMax) {
+      steps[k] = static_cast<uint8_t>(static_cast<int8_t>(d));
+    } else {
+      steps[k] = kEscape;
+      std::memcpy(esc + 2 * e++, &x, 2);
+    }
+  }
+  return e;
+}
+
+// Rewrites a kVarint payload of count 2-byte values (at o, its positions pos bytes at var) in
+// the steps form when that is smaller; returns its payload bytes then, else 0 (o untouched).
+uint64_t as_steps(uint8_t* o, const Emitter& em, uint64_t pos, Scratch& sc) {
+  const uint64_t count = em.count;
+  uint8_t* steps = sc.get(3, count);
+  uint8_t* esc = sc.get(4, 2 * count);
+  const uint64_t e = to_steps(o, em.bvals, count, steps, esc);
+  const uint64_t used = 8 + count + 2 * e, vbytes = align8(used);
+  if (vbytes >= align8(count * 2)) return 0;  // (escapes on more than about half of them)
+  std::memcpy(o, &e, 8);
+  std::memcpy(o + 8, steps, count);
+  std::memcpy(o + 8 + count, esc, 2 * e);
+  std::memset(o + used, 0, vbytes - used);
+  std::memcpy(o + vbytes, em.var, pos);
+  return vbytes + pos;
+}
+
+// encode(), with the varint positions made (varints) or not (the bitmask alone), and with steps
+// the steps form where it is smaller.
 EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out,
-                                 uint64_t cap, int isa, bool varints, Scratch& sc) {
+                                 uint64_t cap, int isa, bool varints, bool steps, Scratch& sc) {
   check_es(es);
   const auto* f = static_cast<const uint8_t*>(fresh);
   auto* s = static_cast<uint8_t*>(snap);
@@ -694,6 +756,10 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
   Emitter em{es, static_cast<uint8_t*>(out), cap, sc.get(0, varcap + kVarTail),
              varcap, sc.get(1, mask_scratch_of(n)), cap / es, static_cast<const uint8_t*>(base), n};
   em.varover = !varints;  // (every path checks it before it makes a varint)
+  if (steps && es == 2 && varints) {
+    em.bvals = sc.get(2, 2 * varcap);
+    em.bcap = varcap;
+  }
   run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
   r.changed = em.count;
   r.sum_old = em.sum_old;
@@ -708,6 +774,15 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
   uint64_t pos = use_mask ? mask_bytes : em.varlen;
   if (vbytes + pos > cap) return r;  // dense
   auto* o = static_cast<uint8_t*>(out);
+  if (!use_mask && em.bvals != nullptr && !em.bover) {
+    const uint64_t payload = as_steps(o, em, pos, sc);
+    if (payload != 0) {
+      r.kind = kVarstep;
+      r.payload_bytes = payload;
+      r.pos_bytes = pos;
+      return r;
+    }
+  }
   std::memset(o + em.count * es, 0, vbytes - em.count * es);
   std::memcpy(o + vbytes, use_mask ? em.mask : em.var, pos);
   r.kind = use_mask ? kBitmask : kVarint;
@@ -719,9 +794,9 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
 }  // namespace
 
 EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
-                    int isa) {
+                    int isa, bool steps) {
   ScratchLease sc;
-  return encode_positions_as(fresh, base, snap, n, es, out, cap, isa, true, *sc);
+  return encode_positions_as(fresh, base, snap, n, es, out, cap, isa, true, steps, *sc);
 }
 
 uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
@@ -735,7 +810,8 @@ uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es,
   ScratchLease sc;
   for (uint64_t j = 0; j < runs; ++j) {
     const uint64_t at = runs == 1 ? 0 : (n - run) / (runs - 1) * j + (n - run) % (runs - 1) * j / (runs - 1);
-    changed += encode_positions_as(f + at * es, b + at * es, nullptr, run, es, nullptr, 0, isa, true, *sc).changed;
+    changed += encode_positions_as(f + at * es, b + at * es, nullptr, run, es, nullptr, 0, isa, true, false, *sc)
+                   .changed;
   }
   return changed;
 }
@@ -749,13 +825,15 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 }
 
 void reserve_scratch(uint64_t count, uint64_t n) {
-  const uint64_t var_bytes = varcap_of(n, UINT64_MAX) + kVarTail, mask_bytes = mask_scratch_of(n);
+  const uint64_t varcap = varcap_of(n, UINT64_MAX);
+  // The varints, the bitmask, and the steps form's base values, steps and escapes (each change
+  // in varints has a byte of them or more: at most varcap changes).
+  const uint64_t sizes[5] = {varcap + kVarTail, mask_scratch_of(n), 2 * varcap, varcap, 2 * varcap};
   std::vector<std::unique_ptr<ScratchLease>> leases;  // all at once: count distinct ones
   for (uint64_t i = 0; i < count; ++i) {
     leases.push_back(std::make_unique<ScratchLease>());
     Scratch& sc = **leases.back();
-    std::memset(sc.get(0, var_bytes), 0, var_bytes);
-    std::memset(sc.get(1, mask_bytes), 0, mask_bytes);
+    for (int b = 0; b < 5; ++b) std::memset(sc.get(b, sizes[b]), 0, sizes[b]);
   }
 }
 
@@ -773,9 +851,9 @@ uint64_t encode_many(const uint64_t* rows, uint64_t count, uint64_t* results, ui
     const uint64_t n = r[3];
     const int es = static_cast<int>(r[4]);
     EncodeResult e = encode_positions_as(fresh, base, base == nullptr ? snap : nullptr, n, es,
-                                         reinterpret_cast<void*>(r[5]), r[6], isa, r[9] != 0, *sc);
+                                         reinterpret_cast<void*>(r[5]), r[6], isa, r[9] != 0, r[10] != 0, *sc);
     if (base != nullptr) {
-      if ((e.kind == kVarint || e.kind == kBitmask) && e.changed > r[7]) e.kind = kDense;  // past the crossover
+      if (e.kind >= kVarint && e.changed > r[7]) e.kind = kDense;  // a sparse kind past the crossover
       if (e.kind == kDense && snap != nullptr) {
         if (r[8] != 0) {
           stream_copy(snap, fresh, n * es);

@@ -361,15 +361,17 @@ void bind_tcp(nb::module_& m) {
 void bind_delta(nb::module_& m) {
   m.def(
       "delta_encode",
-      [](uint64_t fresh, uint64_t base, uint64_t snap, uint64_t n, int es, uint64_t out, uint64_t cap, int isa) {
+      [](uint64_t fresh, uint64_t base, uint64_t snap, uint64_t n, int es, uint64_t out, uint64_t cap, int isa,
+         bool steps) {
         auto r = delta::encode(reinterpret_cast<const void*>(fresh), reinterpret_cast<const void*>(base),
-                               reinterpret_cast<void*>(snap), n, es, reinterpret_cast<void*>(out), cap, isa);
+                               reinterpret_cast<void*>(snap), n, es, reinterpret_cast<void*>(out), cap, isa, steps);
         return std::make_tuple(r.kind, r.changed, r.payload_bytes, r.pos_bytes, r.checksum, r.sum_old, r.sum_new);
       },
       nb::arg("fresh"), nb::arg("base"), nb::arg("snap"), nb::arg("n"), nb::arg("es"), nb::arg("out"),
-      nb::arg("cap"), nb::arg("isa") = 0, nb::call_guard<nb::gil_scoped_release>(),
-      "Copies fresh to snap, diffs it against base and encodes the changes at out (at most cap bytes); "
-      "returns (kind, changed, payload_bytes, pos_bytes, checksum, sum_old, sum_new).");
+      nb::arg("cap"), nb::arg("isa") = 0, nb::arg("steps") = false, nb::call_guard<nb::gil_scoped_release>(),
+      "Copies fresh to snap, diffs it against base and encodes the changes at out (at most cap bytes; with "
+      "steps, 2-byte values as steps where smaller); returns (kind, changed, payload_bytes, pos_bytes, checksum, "
+      "sum_old, sum_new).");
   m.def(
       "delta_encode_many",
       [](uint64_t rows, uint64_t count, uint64_t results, uint64_t next, uint64_t budget, uint64_t taken, int isa) {

@@ -343,7 +343,12 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 stream = row[kind]["name"]
                 row[kind]["apply_s"] = [next((a["apply_s"] for a in sub[stream] if a["version"] == row["version"]),
                                              None) for sub in applies]
-    return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep, "windows": windows}
+    # Deltas the subscribers refused (each then pulls the version dense): none, where the codec is right.
+    refused = sum(a["refused"] for sub in applies for got in sub.values() for a in got)
+    if refused:
+        print(f"[{backend}] the subscribers refused {refused} delta versions", flush=True)
+    return {"backend": backend, "dense_bytes": dense_bytes, "steps": steps, "sweep": sweep, "windows": windows,
+            "refused": refused}
 
 
 def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: dict[str, Any], args: argparse.Namespace,
@@ -479,7 +484,8 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
                          "noise_ratio_min": min(noise, default=float("nan")),
                          "noise_ratio_max": max(noise, default=float("nan")),
                          "diff_over_memcpy_min": diff_over("memcpy_gbps"),
-                         "diff_over_warm_memcpy_min": diff_over("memcpy_warm_gbps")}
+                         "diff_over_warm_memcpy_min": diff_over("memcpy_warm_gbps"),
+                         "refused_deltas": run.get("refused", 0)}
     out["windows"] = [{"lr": r["lr"], "steps": r["steps"], "changed": r["changed_fraction"],
                        "as_delta": r["delta"]["as_delta"], "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"]}
                       for r in run.get("windows", [])]

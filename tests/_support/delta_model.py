@@ -3,8 +3,10 @@ whose every version both sides can compute, with sparse, bit-level updates.
 
 Version 1 is random; version v changes ``DENSITY`` of each tensor's elements to new values,
 among them sign flips of zeros (``0.0`` -> ``-0.0``, equal as floats, different as bits) and
-NaNs whose payload changes (any float comparison would miss both). Version 3 rewrites
-``ln.weight`` whole, so one tensor of that version goes dense.
+NaNs whose payload changes (any float comparison would miss both). In a 2-byte tensor two in
+three of those changes move the bits by 1 to 3 ulps either way instead, as an optimizer step
+moves them (its delta then goes in the steps form, the new values escaped in it). Version 3
+rewrites ``ln.weight`` whole, so one tensor of that version goes dense.
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ def step(m: dict[str, torch.Tensor], v: int) -> None:
             continue
         k = max(1, int(flat.numel() * DENSITY))
         idx = torch.randperm(flat.numel(), generator=g)[:k]
-        flat[idx] = torch.randn(k, generator=g).to(t.dtype)
         bits = flat.view(_BITS[t.dtype])
+        near = idx[: 2 * k // 3] if bits.element_size() == 2 else idx[:0]  # an optimizer's steps: a few ulps
+        idx = idx[near.numel():]
+        flat[idx] = torch.randn(idx.numel(), generator=g).to(t.dtype)
+        bits[near] += torch.randint(1, 4, (near.numel(),), generator=g, dtype=bits.dtype) * \
+            torch.where(torch.rand(near.numel(), generator=g) < 0.5, -1, 1).to(bits.dtype)
         zeros = torch.arange(0, flat.numel(), 97)
         bits[zeros[v % len(zeros)]] ^= torch.tensor(1 << (bits.element_size() * 8 - 1), dtype=torch.int64).to(
             bits.dtype)  # 0.0 <-> -0.0 (equal as floats)

@@ -79,6 +79,7 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
         every = doc["summary"][run["backend"]]["every step"]
         assert ratios and every["diff_over_memcpy_min"] == min(ratios)
         assert every["diff_over_warm_memcpy_min"] == min(warm)
+        assert run["refused"] == every["refused_deltas"] == 0  # every delta sent was applied
         # The smallest learning rate and the 1% sweep go as deltas.
         assert run["steps"][1]["delta"]["as_delta"] == [True, True] == run["sweep"][0]["delta"]["as_delta"]
         # The skipped-versions case: three steps as one version, against the base both hold.

@@ -153,9 +153,9 @@ def test_the_diff_of_many_tensors_shared_by_threads_encodes_each_as_alone(isa):
         snap = torch.zeros(n * es, dtype=torch.uint8)
         no_base = j == 5
         ref = native.encode(fresh.data_ptr(), 0 if no_base else base.data_ptr(), 0, n, es, ref_out.data_ptr(), cap,
-                            isa)
+                            isa, steps=j < 3)
         rows.append((fresh.data_ptr(), 0 if no_base else base.data_ptr(), snap.data_ptr(), n, es, out.data_ptr(), cap,
-                     dense_above, j % 2, 1))
+                     dense_above, j % 2, 1, int(j < 3)))
         alone.append((ref, ref_out, out))
         fresh_of.append((fresh, base))
         snaps.append(snap)
@@ -180,7 +180,7 @@ def test_the_diff_of_many_tensors_shared_by_threads_encodes_each_as_alone(isa):
         over = got.changed > cases[j][3]
         want = dataclasses.replace(ref, kind=native.Kind.DENSE) if over else ref
         assert got == want, j
-        if got.kind in (native.Kind.VARINT, native.Kind.BITMASK):
+        if got.kind in (native.Kind.VARINT, native.Kind.BITMASK, native.Kind.VARSTEP):
             assert torch.equal(out[:got.payload_bytes], ref_out[:got.payload_bytes]), j
         # The snapshot gets the tensor where it goes dense (in the pass without a base), else nothing.
         copied = torch.equal(snap, fresh.view(torch.uint8).view(-1))
@@ -221,7 +221,8 @@ def test_a_diff_told_to_make_no_varints_writes_the_bitmask(isa, dtype):
     ref = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, es, alone.data_ptr(), cap, isa)
     assert ref.kind == native.Kind.VARINT
     results = np.zeros((1, native.ENCODE_RESULT), dtype=np.uint64)
-    row = np.array([(fresh.data_ptr(), base.data_ptr(), 0, n, es, out.data_ptr(), cap, n, 0, 0)], dtype=np.uint64)
+    # (steps asked for too: they go with varints only)
+    row = np.array([(fresh.data_ptr(), base.data_ptr(), 0, n, es, out.data_ptr(), cap, n, 0, 0, 1)], dtype=np.uint64)
     assert native.encode_many(row, results, np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), None,
                               isa) == 1
     got = native.encoded(results[0])
@@ -490,7 +491,9 @@ async def test_every_subscriber_holds_every_version_bit_for_bit(tmp_path, backen
         outs = {name: peers.start(name, plan) for name, plan in PLANS.items()}
         async with transport.Transport("trainer", store=store, backends=(backend,), timeout=30) as tt, \
                 transport.Transport("intruder", store=store, backends=(backend,), timeout=30) as ti:
-            async with Publisher(tt, live, delta=True, delta_crossover=CROSSOVER) as pub:
+            # Buckets smaller than the 2-byte tensors: they go straight from the live tensors,
+            # and their deltas in the steps form (a tensor the publisher packs goes as values).
+            async with Publisher(tt, live, delta=True, delta_crossover=CROSSOVER, bucket_bytes=1 << 14) as pub:
                 for name in PLANS:
                     await tt.wait_signal(f"ready.{name}", at_least=1, timeout=60)
                 acked = dict.fromkeys(PLANS, 0)
@@ -505,6 +508,8 @@ async def test_every_subscriber_holds_every_version_bit_for_bit(tmp_path, backen
                     assert set(report.done) == serving, (v, report.results)
                     assert {n for n in serving if report.results[n].delta} == DELTA[v], v
                     assert report.delta is not None and (report.delta.base is None) == (v == 1)
+                    if v > 1:
+                        assert report.delta.kinds.get("varstep", 0) == 3, report.delta.kinds  # the 2-byte ones
                     for n in DELTA[v]:
                         assert report.results[n].nbytes == report.delta.delta_bytes < pub.layout.total // 5
                     for n in serving:  # each subscriber ran its steps for this version
@@ -679,9 +684,12 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
         for x in src.values():
             flat = x.view(-1)
             idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
-            flat[idx] = torch.randn(idx.numel(), generator=g).to(x.dtype)
+            if x.element_size() == 2:  # an optimizer's steps of a few ulps: deltas in the steps form
+                flat.view(torch.int16)[idx] += torch.randint(-3, 4, (idx.numel(),), generator=g, dtype=torch.int16) | 1
+            else:
+                flat[idx] = torch.randn(idx.numel(), generator=g).to(x.dtype)
 
-    fills = []
+    fills, steps = [], []
     async with transport.Transport("trainer", store=store) as tt, transport.Transport("gen", store=store) as tg:
         # Small buckets: the big tensors go straight from the live tensors when dense, the small
         # one from the snapshot (packed). The crossover is given: chosen from what this machine
@@ -699,6 +707,7 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
                 assert r.delta is not None
                 delta = pub._pipeline.delta
                 fills.append((v, r.results["gen"].delta, delta.filled if r.delta.base is not None and delta else None))
+                steps.append(r.delta.kinds.get("varstep", 0))
                 # completed in the background (a delta's patches, a dense fill)
                 assert await pub.wait_snapshot(10) == v
                 assert front_snapshot_holds(pub, src) == v  # what pull reads, the next version's base
@@ -710,4 +719,6 @@ async def test_the_new_snapshot_is_patched_or_copied_to_the_exact_version():
     # it, v7, is patched with its own encodings alone, like v2 (before: all four copied). v8, v9:
     # patched.
     assert [f[1] for f in fills] == [False, True, True, True, True, False, True, True, True]
+    # big and mid in the steps form (small is packed: values), but where mid went dense (v4)
+    assert steps == [0, 2, 2, 1, 2, 0, 2, 2, 2], steps
     assert [f[2] for f in fills] == [None, (4, 0), (4, 0), (3, 0), (3, 1), None, (4, 0), (4, 0), (4, 0)]

@@ -32,6 +32,7 @@ class Kind(enum.IntEnum):
     DENSE = 1  # the whole tensor
     VARINT = 2  # changed values + LEB128 gaps between their positions
     BITMASK = 3  # changed values + one bit per element
+    VARSTEP = 4  # 2-byte values as signed-byte steps from the values they replace (or escaped) + LEB128 gaps
 
 
 class Isa(enum.IntEnum):
@@ -55,6 +56,7 @@ class Refusal(enum.IntEnum):
     COUNT_MISMATCH = 5
     BAD_BITMASK = 6
     BAD_ELEM_SIZE = 7
+    BAD_STEPS = 8  # more escape steps than the payload's escape count
 
 
 @dataclass(frozen=True)
@@ -77,22 +79,25 @@ def _call(what: str, fn: str, *args: object) -> Any:
         raise TransportInternalError(f"{what}: {exc}") from exc
 
 
-def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int, isa: Isa = Isa.AUTO) -> Encoded:
+def encode(fresh: int, base: int, snap: int, n: int, es: int, out: int, cap: int, isa: Isa = Isa.AUTO,
+           steps: bool = False) -> Encoded:
     """Copies ``n`` elements of ``es`` bytes from ``fresh`` to ``snap`` (0: no copy), compares
     them bit for bit with ``base`` (0: no base, the result is DENSE) and, when the changed
     elements encode into at most ``cap`` bytes, writes the encoding at ``out``. With a base only
     the changed elements are hashed: the fresh checksum is the base's ``- sum_old + sum_new``.
+    With ``steps``, 2-byte values go as VARSTEP (steps from the base values) where that form is
+    the smaller.
 
     Raises:
         TransportInternalError: ``es`` is not 2 or 4, or this CPU lacks ``isa``.
     """
     kind, changed, payload, pos, checksum, sum_old, sum_new = _call("delta encode", "delta_encode", fresh, base, snap,
-                                                                    n, es, out, cap, int(isa))
+                                                                    n, es, out, cap, int(isa), steps)
     return Encoded(Kind(kind), changed, payload, pos, checksum, sum_old, sum_new)
 
 
-# uint64s of one encode_many row: (fresh, base, snap, n, es, out, cap, dense_above, stream, varints)
-ENCODE_ROW = 10
+# uint64s of one encode_many row: (fresh, base, snap, n, es, out, cap, dense_above, stream, varints, steps)
+ENCODE_ROW = 11
 ENCODE_RESULT = 7  # and of its result: an Encoded's fields, in order
 
 
@@ -110,11 +115,12 @@ def encode_many(rows: np.ndarray, results: np.ndarray, cursor: np.ndarray, taken
 
     Args:
         rows: ``(N, ENCODE_ROW)`` uint64 rows of ``(fresh, base, snap, n, es, out, cap,
-            dense_above, stream, varints)``. Without a base (0) ``snap`` is written in the
-            pass, as :func:`encode` does. With one, a sparse encoding of more than
+            dense_above, stream, varints, steps)``. Without a base (0) ``snap`` is written in
+            the pass, as :func:`encode` does. With one, a sparse encoding of more than
             ``dense_above`` changed elements counts as DENSE, and a DENSE tensor is copied to
             ``snap`` when it is not 0 (with streaming stores when ``stream`` is not 0). With
             ``varints`` 0 the positions are a BITMASK whatever the density (no varints made).
+            With ``steps`` not 0, as :func:`encode` with ``steps``.
         results: ``(N, ENCODE_RESULT)`` uint64: row ``i``'s :class:`Encoded` fields, in order
             (see :func:`encoded`), written when row ``i`` is claimed and done.
         cursor: ``(1,)`` uint64, 0 before the first call.
@@ -235,7 +241,9 @@ def scatter(live: int, n: int, es: int, payload: int, payload_len: int, kind: in
     without ``write`` and with ``live`` not 0, of the live values there); with ``write`` also
     stores the new values. No store ever lands outside ``[live, live + n * es)``; a refused
     payload stops the walk where it failed, so check first: without ``write`` and with ``live``
-    0, only the payload is read.
+    0, only the payload is read. A VARSTEP payload's new values are steps from the live ones: it
+    needs ``live`` (refused with 0, ``BAD_SIZE``), and the sums are over the live values and
+    the values the steps make of them.
 
     Returns:
         (refusal, sum of the old terms (0 unless read), sum of the new terms).
@@ -250,8 +258,9 @@ def apply(live: int, n: int, es: int, payload: int, payload_len: int, kind: int,
     """The checked apply of ``payload`` (the encoding of ``count`` changed elements of a tensor
     of ``n`` elements at ``live``) in one pass: each position is checked against ``n`` before
     its store, the live value there saved at ``undo`` (``count * es`` bytes), the new value
-    read once, stored and summed. ``pos`` is a private copy of the payload's ``pos_bytes``
-    position bytes (:func:`undo` walks it again); the values are read from ``payload``. A
+    read once (a VARSTEP payload's step, and escaped value, once each), stored and summed.
+    ``pos`` is a private copy of the payload's ``pos_bytes`` position bytes (:func:`undo` walks
+    it again); the values are read from ``payload``. A
     bitmask payload goes a vector of elements at a time on ``isa`` AVX512 (the default where the
     CPU has it); varints, and bitmasks on the other ISAs, one position at a time.
 

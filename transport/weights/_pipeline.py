@@ -101,8 +101,8 @@ class VersionPipeline:
         self.t, self.layout = transport, layout
         self.snapshots = Snapshots(transport, keys, layout, wire, deadline)
         on_host = all(not v.is_cuda for v in wire.values())
-        self.delta = DeltaEncoder(layout, wire, available_threads(), crossover or CROSSOVER) \
-            if delta and on_host else None
+        self.delta = DeltaEncoder(layout, wire, available_threads(), crossover or CROSSOVER,
+                                  self.snapshots.packed) if delta and on_host else None
         entries = [e for e in layout.entries if deltable(e)]
         n = sum(e.numel for e in entries)
         es = round(sum(e.nbytes for e in entries) / n) if n else 2

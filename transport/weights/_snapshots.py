@@ -232,6 +232,9 @@ class Snapshots:
                 self._raw.append((lo, _tensor_kernels.as_bytes(src), lo - e.offset, hi - lo))
             self._members[bucket] = rest  # what _pack_ranges still packs
         self._rest_ranges = [b for b in self._packed_ranges if self._members[b]]
+        # The entries :meth:`pack` writes bytes of (wholly or in part).
+        self.packed = frozenset(e.name for e in self.layout.entries
+                                if any(a < e.offset + e.nbytes and e.offset < b for a, b in self._packed_ranges))
 
     def fill_direct(self, slot: int) -> None:
         """Copies the buckets that went straight from the live tensors into snapshot ``slot``

@@ -129,7 +129,7 @@ class DeltaApplier:
             w = HEADER_WORDS + ENTRY_WORDS * i
             kind_word, changed, pos_bytes, payload_bytes = words[w:w + 4]
             base_sum, new_sum, old_terms = (unsigned(x) for x in words[w + 4:w + 7])
-            if kind_word not in (0, 1, 2, 3):
+            if kind_word not in tuple(Kind):
                 raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
             kind = Kind(kind_word)
             live = self._local[i]

@@ -4,7 +4,8 @@ The publisher diffs each tensor of the new version against its previous snapshot
 one native pass that reads both and writes only the encoding (:class:`DeltaEncoder`), and chooses
 per tensor by measured density: unchanged (nothing sent), sparse (new values plus positions, as
 LEB128 gaps or a bitmask, whichever is smaller, at most ``SPARSE_MAX`` of the dense bytes; the
-bitmask alone where the tensor's sample changed more than ``VARINT_MAX``) or dense. A
+bitmask alone where the tensor's sample changed more than ``VARINT_MAX``; with LEB128 gaps,
+2-byte values as VARSTEP steps where that is smaller) or dense. A
 subscriber receives a delta only when its control block says it applied exactly the base and
 has nothing newer pending; everyone else gets the dense version. The new snapshot is
 brought to the version after the pushes, off the subscribers' path: it holds the version before
@@ -17,7 +18,11 @@ the slot, an *index* region holds the header: magic, version, base version and, 
 the layout, ``(kind, changed, position bytes, payload bytes, base checksum, new checksum, base
 terms)``, the last being the checksum terms of the base values at the changed positions.
 
-New values, not arithmetic deltas: applying is idempotent and bit-exact. The checksum
+Each change travels as its new value or, in the VARSTEP form (2-byte elements), as the signed
+byte ``new - base`` of the bit patterns, the new value itself where that does not fit (an
+optimizer step moves 80-90% of the changed bf16 weights by one ulp, 99.8% by at most 127: a
+change then costs 1 + ~1 bytes instead of 2 + ~1). Either way the apply is bit-exact, and a
+step is only ever added to memory whose checksum says it holds the base. The checksum
 (:func:`transport._native.delta.checksum`: a position-mixed sum, mod 2**64, of each tensor's raw
 bits) lets the subscriber check, before it writes anything, that every tensor it holds is the
 base the delta was made against (its cached checksums; O(tensors)), and that every touched
@@ -34,7 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,7 +52,7 @@ from ..._tensors import dtype_from_name
 from .._copy import STREAM_MIN_BYTES, HostCopies, SharedRows
 from .._layout import ALIGN, Entry, Layout
 from .checksum import SumPass, deltable
-from .format import MASK64, SPARSE_MAX, STREAM_MAGIC, Kind, signed
+from .format import MASK64, SPARSE_KINDS, SPARSE_MAX, STREAM_MAGIC, Kind, signed
 from .parts import Part, Parts, Source
 from .policy import CROSSOVER
 
@@ -130,11 +135,18 @@ class DeltaEncoder:
         wire: the live tensors by wire name (host tensors).
         threads: copy threads the pass may use.
         crossover: the changed fraction above which a tensor goes dense.
+        packed: the entries (names) whose bytes in a new snapshot the publisher writes itself
+            before :meth:`fill_patches` (its pack of the buckets that cannot go straight).
+            Their deltas go as values, never as steps: a step is added to the value it
+            replaces, and patched over bytes that already hold the version it would be added
+            twice (values patched over them are harmless).
     """
 
     def __init__(self, layout: Layout, wire: Mapping[str, torch.Tensor], threads: int,
-                 crossover: float = CROSSOVER) -> None:
+                 crossover: float = CROSSOVER, packed: Collection[str] = ()) -> None:
         self.layout = layout
+        self._steps = [int(deltable(e) and dtype_from_name(e.wire_dtype).itemsize == 2 and e.name not in packed)
+                       for e in layout.entries]  # per entry: whether its deltas may go as steps
         self.crossover = crossover
         self._wire = wire
         self._threads = threads
@@ -228,9 +240,9 @@ class DeltaEncoder:
                 rows.append((src.data_ptr(), bptr + e.offset, sptr + e.offset, e.numel, src.element_size(),
                              staging.data_ptr() + self._offsets[i], self._budget(e),
                              int(self.crossover * e.numel), int(e.nbytes >= STREAM_MIN_BYTES),
-                             int(sampled.get(i, 0.0) <= VARINT_MAX)))
+                             int(sampled.get(i, 0.0) <= VARINT_MAX), self._steps[i]))
             else:  # nothing to diff against: the copy and the checksum in one pass
-                rows.append((src.data_ptr(), 0, sptr + e.offset, e.numel, src.element_size(), 0, 0, 0, 0, 0))
+                rows.append((src.data_ptr(), 0, sptr + e.offset, e.numel, src.element_size(), 0, 0, 0, 0, 0, 0))
         if rows:
             # Largest first: the last tensors, the ones a thread may finish alone, are small.
             table = np.array(rows, dtype=np.uint64)
@@ -281,7 +293,7 @@ class DeltaEncoder:
                 dv.changed += r.changed
                 dv.elements += e.numel
             old = 0 if base_sums is None or r is None else base_sums[i]
-            if r is not None and kind in (Kind.VARINT, Kind.BITMASK):
+            if r is not None and kind in SPARSE_KINDS:
                 words += [int(kind), r.changed, r.pos_bytes, r.payload_bytes]
             else:
                 words += [int(kind), 0, 0, 0]

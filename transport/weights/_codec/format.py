@@ -6,7 +6,9 @@ byte. Pure data: no I/O, no threads.
   it): an index region of ``HEADER_WORDS`` int64 words (magic, version, base version, entries),
   then ``ENTRY_WORDS`` per tensor of the layout (kind, changed, position bytes, payload bytes,
   base checksum, new checksum, base terms); each sparse tensor's encoding lies in its own byte
-  range of the slot.
+  range of the slot. Kind 4 (VARSTEP: steps from the base values, 2-byte elements) was added
+  within "WDLT1" on 2026-12-06: a reader from before refuses it (an unknown kind) and pulls
+  the version dense.
 * The **mesh** form (``MESH_MAGIC``, "WLDM1"; :mod:`.runs`): a table of ``TABLE_WORDS`` per
   trainer rank (rank, offset, cap) in the read-only ``dtab`` region, and per trainer rank a
   sub-area of a ``HEAD_BYTES`` header then its payload.
@@ -24,7 +26,10 @@ import torch
 from ..._native import delta as native
 from .._layout import Layout
 
-Kind = native.Kind  # how one tensor travels: unchanged, varint, bitmask or dense
+Kind = native.Kind  # how one tensor travels: unchanged, dense, varint, bitmask or varstep
+# The kinds that carry a payload of changes: values (or, VARSTEP, steps from the values they
+# replace, for 2-byte elements) and their positions (csrc/delta.h has the layouts).
+SPARSE_KINDS = frozenset({Kind.VARINT, Kind.BITMASK, Kind.VARSTEP})
 
 MASK64 = (1 << 64) - 1
 SPARSE_MAX = 0.5  # a sparse encoding is used only up to this fraction of the tensor's dense bytes

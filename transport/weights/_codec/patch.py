@@ -45,7 +45,7 @@ class Patch:
         payload: the address of the payload (values, padding to 8, positions).
         payload_bytes: its size.
         pos_bytes: the size of its positions.
-        kind: how the positions are written (VARINT or BITMASK).
+        kind: how the positions (and values) are written (VARINT, BITMASK or VARSTEP).
         count: the changed elements.
         held: the checksum of the memory at ``dst`` now (the base's).
         new_sum: the checksum it must have once patched.
@@ -190,7 +190,8 @@ def _check(patches: Sequence[Patch], threads: int) -> None:
     for j, p in enumerate(patches):
 
         def check(j: int = j, p: Patch = p) -> None:
-            dst = p.dst if p.old_terms is None else 0  # (0: only the payload is read)
+            # (0: only the payload is read; steps are new values only with the ones they replace)
+            dst = p.dst if p.old_terms is None or p.kind == Kind.VARSTEP else 0
             verdicts[j] = native.scatter(dst, p.numel, p.es, p.payload, p.payload_bytes, int(p.kind), p.count,
                                          p.pos_bytes, False)
 
