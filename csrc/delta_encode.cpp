@@ -703,9 +703,9 @@ uint64_t detail::checksum_pass(const uint8_t* p, uint8_t* dst, uint64_t n, int e
 namespace {
 
 // The steps form (delta.h) of count changed 2-byte values, fresh at f and base at b (packed):
-// the steps at steps, the escaped values at esc. Returns how many were escaped. The same code
-// whatever ISA made the diff: every path's output is the same.
-uint64_t to_steps(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* steps, uint8_t* esc) {
+// the steps at steps, the escaped values at esc (with 64 bytes of slack for the vector
+// stores). Returns how many were escaped. Every ISA's form writes the same bytes.
+uint64_t to_steps_scalar(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* steps, uint8_t* esc) {
   uint64_t e = 0;
   for (uint64_t k = 0; k < count; ++k) {
     uint16_t x, y;
@@ -722,13 +722,74 @@ uint64_t to_steps(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* s
   return e;
 }
 
+#ifdef TRANSPORT_DELTA_X86
+
+// to_steps_scalar 16 values a vector; a vector with an escape (a few in a thousand) goes one by
+// one.
+__attribute__((target("avx2"))) uint64_t to_steps_avx2(const uint8_t* f, const uint8_t* b, uint64_t count,
+                                                       uint8_t* steps, uint8_t* esc) {
+  const __m256i lo = _mm256_set1_epi16(-kStepMax), hi = _mm256_set1_epi16(kStepMax);
+  uint64_t e = 0, k = 0;
+  for (; k + 16 <= count; k += 16) {
+    const __m256i d = _mm256_sub_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + 2 * k)),
+                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * k)));
+    const __m256i far = _mm256_or_si256(_mm256_cmpgt_epi16(d, hi), _mm256_cmpgt_epi16(lo, d));
+    if (!_mm256_testz_si256(far, far)) {
+      e += to_steps_scalar(f + 2 * k, b + 2 * k, 16, steps + k, esc + 2 * e);
+      continue;
+    }
+    // In [-127, 127]: the saturating pack is exact.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(steps + k),
+                     _mm_packs_epi16(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1)));
+  }
+  return e + to_steps_scalar(f + 2 * k, b + 2 * k, count - k, steps + k, esc + 2 * e);
+}
+
+TRANSPORT_AVX512_BEGIN
+
+// to_steps_scalar 32 values a vector, the escaped values compressed out of it.
+__attribute__((target(TRANSPORT_AVX512))) uint64_t to_steps_avx512(const uint8_t* f, const uint8_t* b,
+                                                                   uint64_t count, uint8_t* steps, uint8_t* esc) {
+  const __m512i lo = _mm512_set1_epi16(-kStepMax), hi = _mm512_set1_epi16(kStepMax);
+  uint64_t e = 0, k = 0;
+  for (; k + 32 <= count; k += 32) {
+    const __m512i x = _mm512_loadu_si512(f + 2 * k);
+    const __m512i d = _mm512_sub_epi16(x, _mm512_loadu_si512(b + 2 * k));
+    const __mmask32 far = _mm512_cmplt_epi16_mask(d, lo) | _mm512_cmpgt_epi16_mask(d, hi);
+    // Truncated to bytes (exact in range), kEscape where not.
+    const __m256i st = _mm256_mask_mov_epi8(_mm512_cvtepi16_epi8(d), far, _mm256_set1_epi8(static_cast<char>(kEscape)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + k), st);
+    if (far != 0) {  // (a register compress and a full-width store into the slack)
+      _mm512_storeu_si512(esc + 2 * e, _mm512_maskz_compress_epi16(far, x));
+      e += static_cast<uint64_t>(__builtin_popcount(far));
+    }
+  }
+  return e + to_steps_scalar(f + 2 * k, b + 2 * k, count - k, steps + k, esc + 2 * e);
+}
+
+TRANSPORT_AVX512_END
+#endif  // TRANSPORT_DELTA_X86
+
+uint64_t to_steps(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* steps, uint8_t* esc, int isa) {
+  switch (resolve(isa)) {
+#ifdef TRANSPORT_DELTA_X86
+    case kAvx512:
+      return to_steps_avx512(f, b, count, steps, esc);
+    case kAvx2:
+      return to_steps_avx2(f, b, count, steps, esc);
+#endif
+    default:
+      return to_steps_scalar(f, b, count, steps, esc);
+  }
+}
+
 // Rewrites a kVarint payload of count 2-byte values (at o, its positions pos bytes at var) in
 // the steps form when that is smaller; returns its payload bytes then, else 0 (o untouched).
-uint64_t as_steps(uint8_t* o, const Emitter& em, uint64_t pos, Scratch& sc) {
+uint64_t as_steps(uint8_t* o, const Emitter& em, uint64_t pos, Scratch& sc, int isa) {
   const uint64_t count = em.count;
   uint8_t* steps = sc.get(3, count);
-  uint8_t* esc = sc.get(4, 2 * count);
-  const uint64_t e = to_steps(o, em.bvals, count, steps, esc);
+  uint8_t* esc = sc.get(4, 2 * count + 64);
+  const uint64_t e = to_steps(o, em.bvals, count, steps, esc, isa);
   const uint64_t used = 8 + count + 2 * e, vbytes = align8(used);
   if (vbytes >= align8(count * 2)) return 0;  // (escapes on more than about half of them)
   std::memcpy(o, &e, 8);
@@ -775,7 +836,7 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
   if (vbytes + pos > cap) return r;  // dense
   auto* o = static_cast<uint8_t*>(out);
   if (!use_mask && em.bvals != nullptr && !em.bover) {
-    const uint64_t payload = as_steps(o, em, pos, sc);
+    const uint64_t payload = as_steps(o, em, pos, sc, isa);
     if (payload != 0) {
       r.kind = kVarstep;
       r.payload_bytes = payload;
@@ -828,7 +889,7 @@ void reserve_scratch(uint64_t count, uint64_t n) {
   const uint64_t varcap = varcap_of(n, UINT64_MAX);
   // The varints, the bitmask, and the steps form's base values, steps and escapes (each change
   // in varints has a byte of them or more: at most varcap changes).
-  const uint64_t sizes[5] = {varcap + kVarTail, mask_scratch_of(n), 2 * varcap, varcap, 2 * varcap};
+  const uint64_t sizes[5] = {varcap + kVarTail, mask_scratch_of(n), 2 * varcap, varcap, 2 * varcap + 64};
   std::vector<std::unique_ptr<ScratchLease>> leases;  // all at once: count distinct ones
   for (uint64_t i = 0; i < count; ++i) {
     leases.push_back(std::make_unique<ScratchLease>());
