@@ -69,9 +69,10 @@ struct ScatterResult {
 // Copies n elements of es bytes from fresh to snap (when snap is not null), compares them with
 // base (when base is not null) and, when the changed elements encode into at most cap bytes,
 // writes their encoding at out. With a base only the changed elements are hashed (the caller
-// knows the base's checksum), so the pass costs little more than reading both. kind is kUnchanged (nothing differs), kVarint / kBitmask (the
-// smaller of the two), kVarstep (with steps, for 2-byte elements: varint positions, and the
-// steps form smaller than the values), or kDense (no base, or the encoding does not fit cap).
+// knows the base's checksum), so the pass costs little more than reading both. kind is
+// kUnchanged (nothing differs), kVarint / kBitmask (the smaller of the two), kVarstep (with
+// steps, for 2-byte elements: varint positions, and the steps form smaller than the values), or
+// kDense (no base, or the encoding does not fit cap).
 // Nothing is written past out + cap. Throws std::invalid_argument for es not 2 or 4, or an ISA
 // this CPU lacks.
 EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,
@@ -139,8 +140,8 @@ struct ApplyResult {
 // value at undo (count * es bytes), stores the payload's new value and adds both to the sums.
 // pos holds the payload's pos_bytes position bytes in memory nobody else writes (a copy), so
 // that undo() walks the same positions; the values (or a kVarstep payload's steps and escapes)
-// are read from payload once each (a peer's memory: the sums are over what was stored). On a refusal the first `stored` positions were
-// written: undo() them. The caller compares the sums with the checksums it expects, and
+// are read from payload once each (a peer's memory: the sums are over what was stored). On a
+// refusal the first `stored` positions were written: undo() them. The caller compares the sums with the checksums it expects, and
 // undoes on a mismatch too.
 ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,
                   uint64_t count, uint64_t pos_bytes, const void* pos, void* undo, int isa = 0);

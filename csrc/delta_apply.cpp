@@ -403,45 +403,45 @@ struct StepValues {
   int refusal() const { return bad ? kBadSteps : used != escapes ? kCountMismatch : kOk; }
 };
 
+// The new values of a payload of values: the k-th read once from vals (never refused).
 template <int ES>
-ApplyResult apply_es(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
+struct PlainValues {
+  const uint8_t* vals;
+  bool bad = false;
+
+  inline bool next(uint64_t k, uint32_t /*old*/, uint32_t* now) const {
+    *now = load_es<ES>(vals + k * ES);
+    return true;
+  }
+  int refusal() const { return kOk; }
+};
+
+// The one-pass apply (see apply()) walked one position at a time, the new values from values
+// (PlainValues, or StepValues for a kVarstep payload, whose positions are varints): each live
+// value saved to undo, the new one stored, both summed; stored counts the positions stored to,
+// as undo() walks them.
+template <int ES, class Values>
+ApplyResult apply_es(uint8_t* l, uint64_t n, Values values, uint32_t kind, uint64_t count, const uint8_t* pos,
                      uint64_t pos_bytes, uint8_t* undo) {
   ApplyResult r{kOk, 0, 0, 0};
   const bool sparse = sparse_changes(n, count);
   r.refusal = walk_positions(
       pos, pos_bytes, kind, n, count,
       [&](uint64_t k, uint64_t p) {
+        if (values.bad) return;
         if (!sparse) __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
-        apply_at<ES>(l, p, vals, k, undo, &r);
-        r.stored = k + 1;
-      },
-      [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
-  return r;
-}
-
-// apply_es() of a kVarstep payload (2-byte elements, varint positions): each new value made
-// from the live one it replaces; stored counts the positions stored to, as undo() walks them.
-ApplyResult apply_steps(uint8_t* l, uint64_t n, StepValues sv, uint64_t count, const uint8_t* pos,
-                        uint64_t pos_bytes, uint8_t* undo) {
-  ApplyResult r{kOk, 0, 0, 0};
-  const bool sparse = sparse_changes(n, count);
-  r.refusal = walk_positions(
-      pos, pos_bytes, kVarint, n, count,
-      [&](uint64_t k, uint64_t p) {
-        if (sv.bad) return;
-        if (!sparse) __builtin_prefetch(l + p * 2 + kPrefetch / 2, 1);
-        uint8_t* dst = l + p * 2;
-        const uint32_t old = load_es<2>(dst);
+        uint8_t* dst = l + p * ES;
+        const uint32_t old = load_es<ES>(dst);
         uint32_t now = 0;
-        if (!sv.next(k, old, &now)) return;
-        store_es<2>(undo + k * 2, old);
-        store_es<2>(dst, now);
+        if (!values.next(k, old, &now)) return;
+        store_es<ES>(undo + k * ES, old);
+        store_es<ES>(dst, now);
         r.sum_old += mix(old, p);
         r.sum_new += mix(now, p);
         r.stored = k + 1;
       },
-      [&](uint64_t p) { __builtin_prefetch(l + p * 2, 1); });
-  if (r.refusal == kOk) r.refusal = sv.refusal();
+      [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
+  if (r.refusal == kOk) r.refusal = values.refusal();
   return r;
 }
 
@@ -561,15 +561,17 @@ ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t 
   const auto* vals = static_cast<const uint8_t*>(payload);
   const auto* p = static_cast<const uint8_t*>(pos);
   auto* u = static_cast<uint8_t*>(undo);
-  if (kind == kVarstep) return apply_steps(l, n, StepValues{vals + 8, vals + 8 + count, escapes}, count, p, pos_bytes, u);
+  if (kind == kVarstep) {
+    return apply_es<2>(l, n, StepValues{vals + 8, vals + 8 + count, escapes}, kVarint, count, p, pos_bytes, u);
+  }
 #ifdef TRANSPORT_DELTA_X86
   if (kind == kBitmask && resolve(isa) == kAvx512)
     return es == 2 ? apply_mask_avx512<2>(l, n, vals, count, p, u) : apply_mask_avx512<4>(l, n, vals, count, p, u);
 #else
   (void)isa;
 #endif
-  return es == 2 ? apply_es<2>(l, n, vals, kind, count, p, pos_bytes, u)
-                 : apply_es<4>(l, n, vals, kind, count, p, pos_bytes, u);
+  return es == 2 ? apply_es<2>(l, n, PlainValues<2>{vals}, kind, count, p, pos_bytes, u)
+                 : apply_es<4>(l, n, PlainValues<4>{vals}, kind, count, p, pos_bytes, u);
 }
 
 void undo(void* live, uint64_t n, int es, uint32_t kind, const void* pos, uint64_t pos_bytes, uint64_t stored,

@@ -6,6 +6,7 @@ payloads, random bytes), then whole versions through real Transports."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -43,27 +44,43 @@ def test_hostile_payloads_are_refused_and_their_stores_undone(what, n, kind, cou
     assert torch.equal(mem, before), what
 
 
-@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
-def test_random_payloads_never_store_outside_and_undo_restores_every_byte(isa):
-    g = np.random.default_rng(7)
-    n = 1000
+FUZZ_N = 1000  # elements of the tensor fuzz_undo applies to
+
+
+def fuzz_undo(payloads: Callable[[np.random.Generator], tuple[torch.Tensor, int, int, int]], seed: int,
+              isa: native.Isa) -> None:
+    """Applies 3000 payloads of ``payloads(g)`` (payload, kind, count, pos_bytes) in one pass to
+    a tensor of FUZZ_N random 2-byte elements between guard bytes, each undone at once: nothing is
+    ever stored outside it, undo restores every byte, and the walks do store before they are
+    refused (or pass), so undo is exercised."""
+    g = np.random.default_rng(seed)
+    n = FUZZ_N
     mem, live = guarded(n)
     live.copy_(torch.from_numpy(g.integers(0, 256, live.numel(), dtype=np.uint8)))
     before = mem.clone()
     stores = 0
     for _ in range(3000):
-        count = int(g.integers(1, 300))
-        kind = int(g.choice([2, 3]))
-        vbytes = (count * 2 + 7) // 8 * 8
-        pos_bytes = int(g.integers(0, 300)) if kind == 2 else (n + 7) // 8
-        p = torch.from_numpy(g.integers(0, 256, vbytes + pos_bytes, dtype=np.uint8))
-        if kind == 2 and g.random() < 0.5:  # mostly small gaps: many walks get far before they fail
-            p[vbytes:] &= 0x07
+        p, kind, count, pos_bytes = payloads(g)
         _, _, _, stored, private, undo = one_pass(live, n, p, kind, count, pos_bytes, isa=isa)
         stores += stored
         native.undo(live.data_ptr(), n, 2, kind, private.data_ptr(), pos_bytes, stored, undo.data_ptr())
         assert torch.equal(mem, before)
-    assert stores > 1000  # the walks did store before they were refused (or passed): undo was exercised
+    assert stores > 1000
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
+def test_random_payloads_never_store_outside_and_undo_restores_every_byte(isa):
+    def payload(g: np.random.Generator) -> tuple[torch.Tensor, int, int, int]:
+        count = int(g.integers(1, 300))
+        kind = int(g.choice([2, 3]))
+        vbytes = (count * 2 + 7) // 8 * 8
+        pos_bytes = int(g.integers(0, 300)) if kind == 2 else (FUZZ_N + 7) // 8
+        p = torch.from_numpy(g.integers(0, 256, vbytes + pos_bytes, dtype=np.uint8))
+        if kind == 2 and g.random() < 0.5:  # mostly small gaps: many walks get far before they fail
+            p[vbytes:] &= 0x07
+        return p, kind, count, pos_bytes
+
+    fuzz_undo(payload, 7, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
