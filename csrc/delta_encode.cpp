@@ -886,15 +886,15 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 }
 
 void reserve_scratch(uint64_t count, uint64_t n) {
-  const uint64_t varcap = varcap_of(n, UINT64_MAX);
-  // The varints, the bitmask, and the steps form's base values, steps and escapes (each change
-  // in varints has a byte of them or more: at most varcap changes).
-  const uint64_t sizes[5] = {varcap + kVarTail, mask_scratch_of(n), 2 * varcap, varcap, 2 * varcap + 64};
+  // The varints and the bitmask, which every diff writes whole. The steps form's buffers are
+  // left to grow (the diffs touch only what their changes need: written whole here, they would
+  // hold up to 5/8 of the largest tensor's elements in bytes per copy thread).
+  const uint64_t sizes[2] = {varcap_of(n, UINT64_MAX) + kVarTail, mask_scratch_of(n)};
   std::vector<std::unique_ptr<ScratchLease>> leases;  // all at once: count distinct ones
   for (uint64_t i = 0; i < count; ++i) {
     leases.push_back(std::make_unique<ScratchLease>());
     Scratch& sc = **leases.back();
-    for (int b = 0; b < 5; ++b) std::memset(sc.get(b, sizes[b]), 0, sizes[b]);
+    for (int b = 0; b < 2; ++b) std::memset(sc.get(b, sizes[b]), 0, sizes[b]);
   }
 }
 
