@@ -31,9 +31,10 @@ Memory: the publisher holds two packed copies of the (converted) weights, each s
 packed slots; nothing else grows with the model or the number of subscribers.
 
 Delta sync (``delta=True``, the default for host state): a version that changed little goes to
-a subscriber holding exactly the previous one as the new values of the changed elements only,
-checked against per-tensor checksums before anything is written and applied inside the same
-slot handshake (``_codec``; README, "Delta sync").
+a subscriber holding exactly the previous one as the changed elements only (their new values,
+or for 2-byte elements their steps from the values they replace), checked against per-tensor
+checksums before anything is written and applied inside the same slot handshake (``_codec``;
+README, "Delta sync").
 
 Modules: ``_layout`` (the packed layout), ``_control`` (region names, control blocks, front
 words, the CPU memory barrier, the slot claim), ``_lifecycle`` (start/aclose), ``_warm`` (one
