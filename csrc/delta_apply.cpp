@@ -345,22 +345,6 @@ int check_bitmask(const uint8_t* pos, uint64_t pos_bytes, uint64_t n, uint64_t c
   return total == count ? kOk : kCountMismatch;
 }
 
-// The stores of a payload into live (n elements), every position checked before its store.
-template <int ES>
-int store_all(uint8_t* l, uint64_t n, const uint8_t* vals, uint32_t kind, uint64_t count, const uint8_t* pos,
-              uint64_t pos_bytes) {
-  const bool sparse = sparse_changes(n, count);
-  return walk_positions(
-      pos, pos_bytes, kind, n, count,
-      [&](uint64_t k, uint64_t p) {
-        // The positions ascend: the line a little ahead in the tensor is about to be stored to
-        // (sparse ones were prefetched by position).
-        if (!sparse) __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
-        std::memcpy(l + p * ES, vals + k * ES, ES);
-      },
-      [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
-}
-
 // The layout of a kVarstep payload (delta.h): its escape count, read once from the peer's
 // bytes and checked against count and the payload's size. Returns the refusal.
 int steps_layout(const uint8_t* payload, uint64_t payload_len, uint64_t count, uint64_t pos_bytes, uint64_t* escapes) {
@@ -376,6 +360,7 @@ int steps_layout(const uint8_t* payload, uint64_t payload_len, uint64_t count, u
 // (mod 2**16), or for an escape step the next escaped value. Every byte is read once (a peer's
 // memory); an escape past the declared count makes it bad, and no value is given from then on.
 struct StepValues {
+  static constexpr bool kReadsOld = true;  // a step is added to the value it replaces
   const uint8_t* steps;
   const uint8_t* esc;
   uint64_t escapes;
@@ -406,6 +391,7 @@ struct StepValues {
 // The new values of a payload of values: the k-th read once from vals (never refused).
 template <int ES>
 struct PlainValues {
+  static constexpr bool kReadsOld = false;
   const uint8_t* vals;
   bool bad = false;
 
@@ -415,6 +401,60 @@ struct PlainValues {
   }
   int refusal() const { return kOk; }
 };
+
+// The stores of a payload into live (n elements), every position checked before its store; the
+// new values from values (PlainValues or StepValues).
+template <int ES, class Values>
+int store_all(uint8_t* l, uint64_t n, Values& values, uint32_t kind, uint64_t count, const uint8_t* pos,
+              uint64_t pos_bytes) {
+  const bool sparse = sparse_changes(n, count);
+  const int refusal = walk_positions(
+      pos, pos_bytes, kind, n, count,
+      [&](uint64_t k, uint64_t p) {
+        if (values.bad) return;
+        // The positions ascend: the line a little ahead in the tensor is about to be stored to
+        // (sparse ones were prefetched by position).
+        if (!sparse) __builtin_prefetch(l + p * ES + kPrefetch / 2, 1);
+        uint8_t* dst = l + p * ES;
+        uint32_t now = 0;
+        if (values.next(k, Values::kReadsOld ? load_es<ES>(dst) : 0, &now)) store_es<ES>(dst, now);
+      },
+      [&](uint64_t p) { __builtin_prefetch(l + p * ES, 1); });
+  return refusal != kOk ? refusal : values.refusal();
+}
+
+// The sums of a payload's check without stores: over the new values at its positions and, with
+// l not null, over the live values there (which a StepValues' new values need).
+template <int ES, class Values>
+int sum_all(const uint8_t* l, uint64_t n, Values& values, uint32_t kind, uint64_t count, const uint8_t* pos,
+            uint64_t pos_bytes, ScatterResult* r) {
+  const int refusal = walk_positions(
+      pos, pos_bytes, kind, n, count,
+      [&](uint64_t k, uint64_t p) {
+        if (values.bad) return;
+        const uint32_t old = l != nullptr ? load_es<ES>(l + p * ES) : 0;
+        uint32_t now = 0;
+        if (!values.next(k, old, &now)) return;
+        r->sum_new += mix(now, p);
+        if (l != nullptr) r->sum_old += mix(old, p);
+      },
+      [&](uint64_t p) {
+        if (l != nullptr) __builtin_prefetch(l + p * ES, 0);
+      });
+  return refusal != kOk ? refusal : values.refusal();
+}
+
+// scatter() walked one position at a time: with write the stores (checked before: the sums were
+// taken by the check), else the sums.
+template <int ES, class Values>
+ScatterResult scatter_es(uint8_t* l, uint64_t n, Values values, uint32_t kind, uint64_t count, const uint8_t* pos,
+                         uint64_t pos_bytes, bool write) {
+  ScatterResult r{kOk, 0, 0};
+  const int refusal = write ? store_all<ES>(l, n, values, kind, count, pos, pos_bytes)
+                            : sum_all<ES>(l, n, values, kind, count, pos, pos_bytes, &r);
+  if (refusal != kOk) return {refusal, 0, 0};
+  return write ? ScatterResult{kOk, 0, 0} : r;
+}
 
 // The one-pass apply (see apply()) walked one position at a time, the new values from values
 // (PlainValues, or StepValues for a kVarstep payload, whose positions are varints): each live
@@ -445,34 +485,6 @@ ApplyResult apply_es(uint8_t* l, uint64_t n, Values values, uint32_t kind, uint6
   return r;
 }
 
-// scatter() of a kVarstep payload (its layout checked: escapes): with write the stores, else
-// the sums over the live values and the values the steps make of them.
-ScatterResult scatter_steps(uint8_t* l, uint64_t n, const uint8_t* payload, uint64_t payload_len, uint64_t count,
-                            uint64_t pos_bytes, uint64_t escapes, bool write) {
-  ScatterResult r{kOk, 0, 0};
-  StepValues sv{payload + 8, payload + 8 + count, escapes};
-  const bool sparse = sparse_changes(n, count);
-  const int refusal = walk_positions(
-      payload + (payload_len - pos_bytes), pos_bytes, kVarint, n, count,
-      [&](uint64_t k, uint64_t p) {
-        if (sv.bad) return;
-        if (!sparse) __builtin_prefetch(l + p * 2 + kPrefetch / 2, 1);
-        const uint32_t old = load_es<2>(l + p * 2);
-        uint32_t now = 0;
-        if (!sv.next(k, old, &now)) return;
-        if (write) {
-          store_es<2>(l + p * 2, now);
-        } else {
-          r.sum_old += mix(old, p);
-          r.sum_new += mix(now, p);
-        }
-      },
-      [&](uint64_t p) { __builtin_prefetch(l + p * 2, 1); });
-  if (refusal != kOk) return {refusal, 0, 0};
-  if (const int steps = sv.refusal(); steps != kOk) return {steps, 0, 0};
-  return write ? ScatterResult{kOk, 0, 0} : r;
-}
-
 // Whether kind is a sparse kind elements of es bytes can take (kVarstep: 2-byte ones only).
 inline bool sparse_kind(uint32_t kind, int es) {
   return kind == kVarint || kind == kBitmask || (kind == kVarstep && es == 2);
@@ -501,8 +513,9 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
     const int layout = steps_layout(static_cast<const uint8_t*>(payload), payload_len, count, pos_bytes, &escapes);
     if (layout != kOk) return {layout, 0, 0};
     if (live == nullptr) return {kBadSize, 0, 0};  // its new values are steps from the live ones
-    return scatter_steps(static_cast<uint8_t*>(live), n, static_cast<const uint8_t*>(payload), payload_len, count,
-                         pos_bytes, escapes, write);
+    const auto* steps = static_cast<const uint8_t*>(payload);
+    return scatter_es<2>(static_cast<uint8_t*>(live), n, StepValues{steps + 8, steps + 8 + count, escapes}, kVarint,
+                         count, steps + (payload_len - pos_bytes), pos_bytes, write);
   }
   const uint64_t vbytes = align8(count * es);
   if (pos_bytes > payload_len || payload_len - pos_bytes != vbytes) return {kBadSize, 0, 0};
@@ -522,22 +535,8 @@ ScatterResult scatter(void* live, uint64_t n, int es, const void* payload, uint6
     }
 #endif
   }
-  if (write) {  // checked before: only the stores (the sums were taken by the check)
-    const int refusal = es == 2 ? store_all<2>(l, n, vals, kind, count, pos, pos_bytes)
-                                : store_all<4>(l, n, vals, kind, count, pos, pos_bytes);
-    return {refusal, 0, 0};
-  }
-  const int refusal = walk_positions(
-      pos, pos_bytes, kind, n, count,
-      [&](uint64_t k, uint64_t p) {
-        r.sum_new += mix(load_elem(vals + k * es, es), p);
-        if (l != nullptr) r.sum_old += mix(load_elem(l + p * es, es), p);
-      },
-      [&](uint64_t p) {
-        if (l != nullptr) __builtin_prefetch(l + p * es, 0);
-      });
-  if (refusal != kOk) return {refusal, 0, 0};
-  return r;
+  return es == 2 ? scatter_es<2>(l, n, PlainValues<2>{vals}, kind, count, pos, pos_bytes, write)
+                 : scatter_es<4>(l, n, PlainValues<4>{vals}, kind, count, pos, pos_bytes, write);
 }
 
 ApplyResult apply(void* live, uint64_t n, int es, const void* payload, uint64_t payload_len, uint32_t kind,

@@ -32,11 +32,13 @@ constexpr uint64_t kModeEvery = 1 << 12;  // elements between two choices of how
 // again by the diff (1,800 faults for the 100M model at 3% changed, and in the benchmark's
 // trainer process the diffs that faulted took 28-38 ms against 22).
 struct Scratch {
-  // The varints, the bitmask, the base values of the changes (for steps), the steps, the escapes.
-  std::unique_ptr<uint8_t[]> bufs[5];
-  uint64_t caps[5] = {0, 0, 0, 0, 0};
+  // Its buffers: the varints, the bitmask, and the steps form's base values of the changes, steps
+  // and escapes.
+  enum Buf : int { kVarints, kMask, kBaseValues, kSteps, kEscapes, kBufs };
+  std::unique_ptr<uint8_t[]> bufs[kBufs];
+  uint64_t caps[kBufs] = {};
 
-  uint8_t* get(int which, uint64_t nbytes) {
+  uint8_t* get(Buf which, uint64_t nbytes) {
     if (caps[which] < nbytes) {
       bufs[which].reset(new uint8_t[nbytes]);
       caps[which] = nbytes;
@@ -787,8 +789,8 @@ uint64_t to_steps(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* s
 // the steps form when that is smaller; returns its payload bytes then, else 0 (o untouched).
 uint64_t as_steps(uint8_t* o, const Emitter& em, uint64_t pos, Scratch& sc, int isa) {
   const uint64_t count = em.count;
-  uint8_t* steps = sc.get(3, count);
-  uint8_t* esc = sc.get(4, 2 * count + 64);
+  uint8_t* steps = sc.get(Scratch::kSteps, count);
+  uint8_t* esc = sc.get(Scratch::kEscapes, 2 * count + 64);
   const uint64_t e = to_steps(o, em.bvals, count, steps, esc, isa);
   const uint64_t used = 8 + count + 2 * e, vbytes = align8(used);
   if (vbytes >= align8(count * 2)) return 0;  // (escapes on more than about half of them)
@@ -814,11 +816,11 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
   }
   const uint64_t mask_bytes = (n + 7) / 8;
   const uint64_t varcap = varcap_of(n, cap);
-  Emitter em{es, static_cast<uint8_t*>(out), cap, sc.get(0, varcap + kVarTail),
-             varcap, sc.get(1, mask_scratch_of(n)), cap / es, static_cast<const uint8_t*>(base), n};
+  Emitter em{es, static_cast<uint8_t*>(out), cap, sc.get(Scratch::kVarints, varcap + kVarTail),
+             varcap, sc.get(Scratch::kMask, mask_scratch_of(n)), cap / es, static_cast<const uint8_t*>(base), n};
   em.varover = !varints;  // (every path checks it before it makes a varint)
   if (steps && es == 2 && varints) {
-    em.bvals = sc.get(2, 2 * varcap);
+    em.bvals = sc.get(Scratch::kBaseValues, 2 * varcap);
     em.bcap = varcap;
   }
   run(f, static_cast<const uint8_t*>(base), s, n, es, 0, &em, isa);
@@ -860,28 +862,39 @@ EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n,
   return encode_positions_as(fresh, base, snap, n, es, out, cap, isa, true, steps, *sc);
 }
 
-uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
-                        int isa) {
+namespace {
+
+// sample_changed() with the scratch sc (the diff counts only, but its passes write positions).
+uint64_t sample_with(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run, int isa,
+                     Scratch& sc) {
   check_es(es);
   run = std::min(run, n);
   if (runs == 0 || run == 0) return 0;
   const auto* f = static_cast<const uint8_t*>(fresh);
   const auto* b = static_cast<const uint8_t*>(base);
   uint64_t changed = 0;
-  ScratchLease sc;
   for (uint64_t j = 0; j < runs; ++j) {
     const uint64_t at = runs == 1 ? 0 : (n - run) / (runs - 1) * j + (n - run) % (runs - 1) * j / (runs - 1);
-    changed += encode_positions_as(f + at * es, b + at * es, nullptr, run, es, nullptr, 0, isa, true, false, *sc)
+    changed += encode_positions_as(f + at * es, b + at * es, nullptr, run, es, nullptr, 0, isa, true, false, sc)
                    .changed;
   }
   return changed;
 }
 
+}  // namespace
+
+uint64_t sample_changed(const void* fresh, const void* base, uint64_t n, int es, uint64_t runs, uint64_t run,
+                        int isa) {
+  ScratchLease sc;
+  return sample_with(fresh, base, n, es, runs, run, isa, *sc);
+}
+
 void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed, int isa) {
+  ScratchLease sc;  // one for the version's tensors
   for (uint64_t i = 0; i < count; ++i) {
     const uint64_t* r = rows + 6 * i;
-    changed[i] = sample_changed(reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]), r[2],
-                                static_cast<int>(r[3]), r[4], r[5], isa);
+    changed[i] = sample_with(reinterpret_cast<const void*>(r[0]), reinterpret_cast<const void*>(r[1]), r[2],
+                             static_cast<int>(r[3]), r[4], r[5], isa, *sc);
   }
 }
 
@@ -889,12 +902,13 @@ void reserve_scratch(uint64_t count, uint64_t n) {
   // The varints and the bitmask, which every diff writes whole. The steps form's buffers are
   // left to grow (the diffs touch only what their changes need: written whole here, they would
   // hold up to 5/8 of the largest tensor's elements in bytes per copy thread).
-  const uint64_t sizes[2] = {varcap_of(n, UINT64_MAX) + kVarTail, mask_scratch_of(n)};
+  const uint64_t var_bytes = varcap_of(n, UINT64_MAX) + kVarTail, mask_bytes = mask_scratch_of(n);
   std::vector<std::unique_ptr<ScratchLease>> leases;  // all at once: count distinct ones
   for (uint64_t i = 0; i < count; ++i) {
     leases.push_back(std::make_unique<ScratchLease>());
     Scratch& sc = **leases.back();
-    for (int b = 0; b < 2; ++b) std::memset(sc.get(b, sizes[b]), 0, sizes[b]);
+    std::memset(sc.get(Scratch::kVarints, var_bytes), 0, var_bytes);
+    std::memset(sc.get(Scratch::kMask, mask_bytes), 0, mask_bytes);
   }
 }
 

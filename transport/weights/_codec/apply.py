@@ -129,9 +129,10 @@ class DeltaApplier:
             w = HEADER_WORDS + ENTRY_WORDS * i
             kind_word, changed, pos_bytes, payload_bytes = words[w:w + 4]
             base_sum, new_sum, old_terms = (unsigned(x) for x in words[w + 4:w + 7])
-            if kind_word not in tuple(Kind):
-                raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}")
-            kind = Kind(kind_word)
+            try:
+                kind = Kind(kind_word)
+            except ValueError:
+                raise DeltaRefusedError(f"{e.name!r}: kind {kind_word}") from None
             live = self._local[i]
             if not deltable(e):
                 if kind != Kind.DENSE:
