@@ -16,6 +16,15 @@ version is published on each of them, and a row reports each kind's median publi
 much), more than the 5% a delta stream may cost over ipc; the median of three (interleaved, so
 that slow moments fall on every kind alike) tells the kinds apart.
 
+Before them, every version goes first on one more forced-dense stream, ``first``, which no row
+compares: the first publish after a training step is slower than the ones that follow it, on
+either kind (over the ipc rows of 2026-12-02..06, 308 of them, the first publish of a row ran at
+1.05x its kind's median, 1.08x on average; every later position at 1.00, 0.99-1.01 on average;
+the subscribers and the trainer's cores come out of the step's idle). Without it the kind that
+went first in a row carried that cost alone, a third of the rows against the delta stream. Its
+live time is reported beside the rows (``first``): what a trainer that publishes once a step
+pays on top, whatever the kind.
+
 The same-run baselines: memcpy bandwidth over the model's bf16 bytes (one thread, and split
 across the copy threads as the diff is) at the start, and on all cores again just before each
 reported version's publishes (its diff's baseline: the VM's bandwidth drifts over a run; see
@@ -57,6 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # measures this run's noise (two identical publishes), against which a delta stream that sends
 # dense is judged.
 KINDS = ("delta", "dense", "again")
+FIRST = "first"  # the forced-dense stream each version goes on first, compared in no row (see above)
 REPEATS = 3  # streams of each kind (--repeats): each row reports the kind's median publish
 SWEEP = (0.001, 0.01, 0.1, 0.4, 0.9)
 SUBSCRIBERS = ("gen-0", "gen-1")
@@ -68,8 +78,9 @@ def stream_name(kind: str, repeat: int) -> str:
 
 
 def stream_names(repeats: int) -> list[str]:
-    """The streams of ``repeats`` of each kind, interleaved: delta, dense, again, delta.1, ..."""
-    return [stream_name(k, i) for i in range(repeats) for k in KINDS]
+    """``first``, then the streams of ``repeats`` of each kind, interleaved: delta, dense, again,
+    delta.1, ..."""
+    return [FIRST] + [stream_name(k, i) for i in range(repeats) for k in KINDS]
 
 
 def kind_of(stream: str) -> str:
@@ -215,7 +226,9 @@ async def publish_both(t: transport.Transport, pubs: dict[str, Publisher], versi
     k = version % len(KINDS)  # which kind goes first rotates with the version
     order = [kind for kind in KINDS[k:] + KINDS[:k] if kind in kinds]
     samples: dict[str, list[dict[str, Any]]] = {kind: [] for kind in order}
-    for i in range(len(pubs) // len(KINDS)):  # the repeats, each in that order
+    if FIRST in pubs:  # the first publish after the step, compared in no row
+        row[FIRST] = (await _publish_one(t, pubs[FIRST], FIRST, version))["stream"]
+    for i in range(sum(kind_of(s) == KINDS[0] for s in pubs)):  # the repeats, each in that order
         for kind in order:
             stream = stream_name(kind, i)
             samples[kind].append(await _publish_one(t, pubs[stream], stream, version))
@@ -339,7 +352,7 @@ async def trainer(args: argparse.Namespace, backend: str) -> dict[str, Any]:
                 p.wait()
     for rows in (steps, sweep, windows):
         for row in rows:
-            for kind in (k for k in KINDS if k in row):  # the apply of the kind's median publish
+            for kind in (k for k in (FIRST, *KINDS) if k in row):  # the apply of the kind's median publish
                 stream = row[kind]["name"]
                 row[kind]["apply_s"] = [next((a["apply_s"] for a in sub[stream] if a["version"] == row["version"]),
                                              None) for sub in applies]
@@ -474,6 +487,7 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
         }
     every = [r["delta"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:]]
     noise = [r["again"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:] + run["sweep"]]
+    first = [r[FIRST]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:] + run["sweep"] if FIRST in r]
 
     def diff_over(baseline: str) -> float:
         """The least ratio of a step's diff to its ``baseline`` memcpy (``memcpy`` where unrecorded)."""
@@ -483,6 +497,8 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
     out["every step"] = {"live_ratio_max": max(every, default=float("nan")),
                          "noise_ratio_min": min(noise, default=float("nan")),
                          "noise_ratio_max": max(noise, default=float("nan")),
+                         # the first publish after the step (forced dense) over the dense median
+                         "first_over_dense_mean": sum(first) / len(first) if first else float("nan"),
                          "diff_over_memcpy_min": diff_over("memcpy_gbps"),
                          "diff_over_warm_memcpy_min": diff_over("memcpy_warm_gbps"),
                          "refused_deltas": run.get("refused", 0)}
@@ -544,6 +560,9 @@ def markdown(result: dict[str, Any]) -> str:
            "version published on the delta stream, on the forced-dense stream (`delta=False` both ends) and "
            "once more on a second forced-dense stream (the run's noise: two identical publishes); which goes "
            "first rotates by version. "
+           + ("Before them, the version goes on one more forced-dense stream that no row compares (the first "
+              "publish after a training step runs slower, on either kind). " if result["runs"]
+              and any(FIRST in r for r in result["runs"][0]["steps"]) else "")
            + (f"Each kind of stream {repeats} times over, interleaved; a row gives each kind's median publish "
               "(the live times of every repeat are listed below the steps). " if repeats > 1 else "")
            + "Load average at the start: "
@@ -577,10 +596,12 @@ def markdown(result: dict[str, Any]) -> str:
                        f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} | "
                        f"{r['again']['live_s'] / n['live_s']:.2f} | {floor_cell(refs, r)} |")
         if repeats > 1:
-            out += ["", f"Each repeat's live ms ({b}; the median is the row's):", "",
-                    "| lr | step | delta | dense | again |", "|---|---|---|---|---|"]
+            out += ["", f"Each repeat's live ms ({b}; the median is the row's), after the version's first publish "
+                    "(forced dense, on a stream of its own, compared in no row):", "",
+                    "| lr | step | first | delta | dense | again |", "|---|---|---|---|---|---|"]
             for r in run["steps"][1:]:
-                out.append(f"| {r['lr']:g} | {r['step']} | " + " | ".join(
+                first = f"{r[FIRST]['live_s'] * 1e3:.0f}" if FIRST in r else "-"
+                out.append(f"| {r['lr']:g} | {r['step']} | {first} | " + " | ".join(
                     " / ".join(f"{x * 1e3:.0f}" for x in r[kind]["repeats"]) for kind in KINDS) + " |")
         out += ["", f"Forced densities ({b}): bit flips of that fraction of every tensor.", "",
                 "| forced | measured | kinds | wire ratio | apply ms delta / dense | live ms delta / dense | ratio | "

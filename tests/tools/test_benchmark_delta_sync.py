@@ -3,7 +3,8 @@
 A tiny real run (the mesh example's Llama model shrunk to 2 layers of width 64, one AdamW step per
 learning rate, two subscriber processes, over ipc and tcp, a 1% and a 90% forced density) checks
 that the entry point works end to end, that every version reached both subscribers on every stream
-(three of each kind: a row gives each kind's median publish), and the byte accounting the README
+(three of each kind: a row gives each kind's median publish; before them, the version's first
+publish, forced dense, which no row compares), and the byte accounting the README
 quotes: the dense stream always moves the whole version, a delta moves at most 2·f of it plus its
 header, and a version above the crossover (the 90% one) goes dense on its own; and the physical
 references are there for every density, and each reported version carries its own memcpy
@@ -48,9 +49,11 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
         header = 8 * (HEADER_WORDS + ENTRY_WORDS * tensors)
         assert [r["lr"] for r in run["steps"]] == [None, 1e-6, 1e-5]
         for row in run["steps"] + run["sweep"]:
-            for stream in ("dense", "again"):  # forced dense, and the same publish again (the noise)
+            # forced dense, the same publish again (the noise), and the version's first publish
+            for stream in ("dense", "again", "first"):
                 assert row[stream]["wire_bytes"] == dense and row[stream]["as_delta"] == [False, False]
-            assert all(s > 0 for s in row["dense"]["apply_s"] + row["delta"]["apply_s"])  # both applied it
+            assert all(s > 0 for s in row["dense"]["apply_s"] + row["delta"]["apply_s"]  # both applied it
+                       + row["first"]["apply_s"])
             for kind in KINDS:  # three streams of each kind: the row is the median's
                 assert len(row[kind]["repeats"]) == 3 and row[kind]["live_s"] == sorted(row[kind]["repeats"])[1]
             # Interleaved: each repeat in the version's order, which rotates from one to the next.
