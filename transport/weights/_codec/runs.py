@@ -43,7 +43,7 @@ import torch
 from ..._errors import DeltaRefusedError
 from ..._native import delta as native
 from .._copy import HostCopies, available_threads
-from .encode import SAMPLE_BLOCKS, SAMPLE_RUN
+from .encode import sample_runs
 from .format import HEAD_BYTES, MASK64, MESH_MAGIC, Kind, signed, unsigned
 from .patch import Patch, Scratch, apply_patches
 from .policy import RUNS_CROSSOVER
@@ -98,11 +98,13 @@ class MeshDeltaPacker:
         self.last_density: float | None = None
 
     def sample(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> float | None:
-        """The changed fraction of a sample of the units (``SAMPLE_BLOCKS`` runs of
-        ``SAMPLE_RUN`` units spread over each shard, the whole shard when it is small; counting
-        only) between ``sources`` and ``snap``, as the diff would count it; None when no shard
-        could be sampled (non-contiguous or CUDA shards are not). Runs in a worker thread."""
-        changed = sampled = 0
+        """The changed fraction of a sample of the units (:func:`sample_runs`: runs spread over
+        each shard, the whole shard when it is small; counting only) between ``sources`` and
+        ``snap``, as the diff would count it: each shard's sampled fraction weighed by its size (as :meth:`DeltaEncoder.predicts_dense` weighs them); None
+        when no shard could be sampled (non-contiguous or CUDA shards are not). Runs in a worker
+        thread."""
+        changed = 0.0
+        sampled = 0
         sptr = snap.data_ptr()
         for name, _, dtype in self._packed:
             off, nbytes = self._offsets[name]
@@ -111,21 +113,23 @@ class MeshDeltaPacker:
                 continue
             if src.dtype == dtype:  # the bytes the diff compares, as they are
                 n = nbytes // 2
-                runs, run = (1, n) if n <= SAMPLE_BLOCKS * SAMPLE_RUN * 4 else (SAMPLE_BLOCKS, SAMPLE_RUN)
-                changed += native.sample_changed(src.data_ptr(), sptr + off, n, 2, runs, run)
-                sampled += runs * min(run, n)
+                runs, run = sample_runs(n)
+                changed += native.sample_changed(src.data_ptr(), sptr + off, n, 2, runs, run) / (runs * run) * n
+                sampled += n
                 continue
             es = torch.empty(0, dtype=dtype).element_size()
             if es % 2:  # (one-byte wire elements come packed already: see MeshPublisher)
                 continue
             flat, n = src.view(-1), nbytes // es
             old = snap[off : off + nbytes].view(dtype)
-            runs, run = (1, n) if n <= SAMPLE_BLOCKS * SAMPLE_RUN * 4 else (SAMPLE_BLOCKS, SAMPLE_RUN)
+            runs, run = sample_runs(n)
+            hit = 0
             for j in range(runs):  # the cast of each run, as packing casts it
                 a = (n - run) * j // max(1, runs - 1)
                 fresh = flat[a : a + run].to(dtype).view(torch.int16)
-                changed += int(fresh.ne(old[a : a + run].view(torch.int16)).sum())
-                sampled += fresh.numel()
+                hit += int(fresh.ne(old[a : a + run].view(torch.int16)).sum())
+            changed += hit / (runs * run) * n
+            sampled += n
         return changed / sampled if sampled else None
 
     def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
