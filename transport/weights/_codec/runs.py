@@ -100,9 +100,9 @@ class MeshDeltaPacker:
     def sample(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor]) -> float | None:
         """The changed fraction of a sample of the units (:func:`sample_runs`: runs spread over
         each shard, the whole shard when it is small; counting only) between ``sources`` and
-        ``snap``, as the diff would count it: each shard's sampled fraction weighed by its size (as :meth:`DeltaEncoder.predicts_dense` weighs them); None
-        when no shard could be sampled (non-contiguous or CUDA shards are not). Runs in a worker
-        thread."""
+        ``snap``, as the diff would count it: each shard's sampled fraction weighed by its size
+        (as :meth:`DeltaEncoder.predicts_dense` weighs them); None when no shard could be sampled
+        (non-contiguous or CUDA shards are not). Runs in a worker thread."""
         changed = 0.0
         sampled = 0
         sptr = snap.data_ptr()
