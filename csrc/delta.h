@@ -71,8 +71,10 @@ struct ScatterResult {
 // writes their encoding at out. With a base only the changed elements are hashed (the caller
 // knows the base's checksum), so the pass costs little more than reading both. kind is
 // kUnchanged (nothing differs), kVarint / kBitmask (the smaller of the two), kVarstep (with
-// steps, for 2-byte elements: varint positions, and the steps form smaller than the values), or
-// kDense (no base, or the encoding does not fit cap).
+// steps, for 2-byte elements: varint positions, and the steps form smaller than the values
+// with either positions; the varints then go on past a bitmask's size, by up to a byte a
+// change, since the steps save that against values), or kDense (no base, or the encoding does
+// not fit cap).
 // Nothing is written past out + cap. Throws std::invalid_argument for es not 2 or 4, or an ISA
 // this CPU lacks.
 EncodeResult encode(const void* fresh, const void* base, void* snap, uint64_t n, int es, void* out, uint64_t cap,

@@ -57,6 +57,11 @@ std::vector<std::unique_ptr<Scratch>>& scratch_pool() {
 // the bitmask's size (both vector paths stop making them there, and longer ones are never sent),
 // with a vector's slack past that for the stores of varints16; the bitmask, with 8 bytes of tail.
 inline uint64_t varcap_of(uint64_t n, uint64_t cap) { return std::min(cap, (n + 7) / 8 + 64); }
+// With steps the varints go on past the bitmask's size by up to a byte a change (what the steps
+// save against values: see Emitter::room16), so their scratch may hold that much more.
+inline uint64_t steps_varcap_of(uint64_t n, uint64_t cap, int es) {
+  return std::min(cap, (n + 7) / 8 + 64 + cap / static_cast<uint64_t>(es));
+}
 constexpr uint64_t kVarTail = 16;
 inline uint64_t mask_scratch_of(uint64_t n) { return (n + 7) / 8 + 8; }
 
@@ -172,10 +177,15 @@ struct Emitter {
 
   // Whether the varints of a group of up to 16 positions have room for a vector form (which
   // stores up to 32 bytes past varlen); gives them up (varover) when not, or once they are
-  // longer than the bitmask would be. The rule is per group, as both batched paths apply it.
+  // longer than the bitmask would be, or, while steps can be made (base values kept), than the
+  // bitmask and the byte a change the steps save against values (varint positions with steps
+  // take about 2 bytes a change, a bitmask with values 2 a change and n / 8: the steps form is
+  // the smaller at every density while its escapes are few). The rule is per group, as both
+  // batched paths apply it.
   inline bool room16() {
     if (varover) return false;
-    if (varlen + 2 * 16 + 10 > varcap || varlen > n / 8) {
+    const uint64_t most = n / 8 + (bvals != nullptr && !bover ? count : 0);
+    if (varlen + 2 * 16 + 10 > varcap || varlen > most) {
       varover = true;
       return false;
     }
@@ -785,15 +795,17 @@ uint64_t to_steps(const uint8_t* f, const uint8_t* b, uint64_t count, uint8_t* s
   }
 }
 
-// Rewrites a kVarint payload of count 2-byte values (at o, its positions pos bytes at var) in
-// the steps form when that is smaller; returns its payload bytes then, else 0 (o untouched).
-uint64_t as_steps(uint8_t* o, const Emitter& em, uint64_t pos, Scratch& sc, int isa) {
+// Rewrites a payload of count 2-byte values (at o) in the steps form, its varint positions
+// (pos bytes at em.var) after them, when that makes fewer than ``under`` bytes in all (the
+// smaller of the values forms, and at most the output's capacity); returns its payload bytes
+// then, else 0 (o untouched).
+uint64_t as_steps(uint8_t* o, const Emitter& em, uint64_t pos, uint64_t under, Scratch& sc, int isa) {
   const uint64_t count = em.count;
   uint8_t* steps = sc.get(Scratch::kSteps, count);
   uint8_t* esc = sc.get(Scratch::kEscapes, 2 * count + 64);
   const uint64_t e = to_steps(o, em.bvals, count, steps, esc, isa);
   const uint64_t used = 8 + count + 2 * e, vbytes = align8(used);
-  if (vbytes >= align8(count * 2)) return 0;  // (escapes on more than about half of them)
+  if (vbytes + pos >= under) return 0;  // (escapes on about half of them or more)
   std::memcpy(o, &e, 8);
   std::memcpy(o + 8, steps, count);
   std::memcpy(o + 8 + count, esc, 2 * e);
@@ -815,11 +827,12 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
     return r;
   }
   const uint64_t mask_bytes = (n + 7) / 8;
-  const uint64_t varcap = varcap_of(n, cap);
+  const bool with_steps = steps && es == 2 && varints;
+  const uint64_t varcap = with_steps ? steps_varcap_of(n, cap, es) : varcap_of(n, cap);
   Emitter em{es, static_cast<uint8_t*>(out), cap, sc.get(Scratch::kVarints, varcap + kVarTail),
              varcap, sc.get(Scratch::kMask, mask_scratch_of(n)), cap / es, static_cast<const uint8_t*>(base), n};
   em.varover = !varints;  // (every path checks it before it makes a varint)
-  if (steps && es == 2 && varints) {
+  if (with_steps) {
     em.bvals = sc.get(Scratch::kBaseValues, 2 * varcap);
     em.bcap = varcap;
   }
@@ -835,17 +848,18 @@ EncodeResult encode_positions_as(const void* fresh, const void* base, void* snap
   const uint64_t vbytes = align8(em.count * es);
   bool use_mask = em.varover || mask_bytes < em.varlen;
   uint64_t pos = use_mask ? mask_bytes : em.varlen;
-  if (vbytes + pos > cap) return r;  // dense
   auto* o = static_cast<uint8_t*>(out);
-  if (!use_mask && em.bvals != nullptr && !em.bover) {
-    const uint64_t payload = as_steps(o, em, pos, sc, isa);
+  if (!em.varover && em.bvals != nullptr && !em.bover) {
+    // Steps with the varint positions, where smaller than values with either position form.
+    const uint64_t payload = as_steps(o, em, em.varlen, std::min(vbytes + pos, cap + 1), sc, isa);
     if (payload != 0) {
       r.kind = kVarstep;
       r.payload_bytes = payload;
-      r.pos_bytes = pos;
+      r.pos_bytes = em.varlen;
       return r;
     }
   }
+  if (vbytes + pos > cap) return r;  // dense
   std::memset(o + em.count * es, 0, vbytes - em.count * es);
   std::memcpy(o + vbytes, use_mask ? em.mask : em.var, pos);
   r.kind = use_mask ? kBitmask : kVarint;

@@ -66,6 +66,30 @@ def test_every_path_writes_the_steps_alike_and_only_where_smaller(fraction, big)
         assert (r.kind, r.payload_bytes) == (native.Kind.VARINT, values.payload_bytes)
 
 
+@pytest.mark.parametrize("fraction,big", [(0.15, 0.0), (0.25, 0.02), (0.15, 0.6)])
+def test_past_the_bitmask_size_the_steps_form_still_wins_where_smaller(fraction, big):
+    # Varint gaps take a byte a change: past 1/8 changed they outgrow a bitmask, yet with steps
+    # (a byte a change against a value's two) they stay the smaller payload while few escape.
+    # The varints go on past the bitmask's size then, and the steps form is compared with
+    # values under a bitmask too; where most escape, the values with a bitmask stay.
+    base = torch.randint(-(1 << 15), 1 << 15, (N,), generator=torch.Generator().manual_seed(4), dtype=torch.int16)
+    fresh = nudged(base, fraction, big, seed=int(fraction * 100) + int(big * 100))
+    values, _ = encode(fresh, base, native.Isa.SCALAR, N, steps=False)
+    assert values.kind == native.Kind.BITMASK and values.pos_bytes == (N + 7) // 8
+    got = {isa: encode(fresh, base, isa, N) for isa in ISAS}
+    r, p = got[native.Isa.SCALAR]
+    for isa, (ri, pi) in got.items():
+        assert ri == r and torch.equal(pi, p), isa.name
+    if big < 0.5:
+        assert r.kind == VARSTEP and r.pos_bytes > values.pos_bytes and r.payload_bytes < values.payload_bytes
+        for isa in ISAS:  # and it applies bit for bit
+            live = base.clone()
+            assert one_pass(live, N, p, int(VARSTEP), r.changed, r.pos_bytes, isa=isa)[0] == native.Refusal.OK
+            assert torch.equal(live, fresh), isa.name
+    else:
+        assert (r.kind, r.payload_bytes) == (native.Kind.BITMASK, values.payload_bytes)
+
+
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name.lower())
 def test_the_steps_apply_bit_for_bit_in_one_pass_and_in_the_checked_scatter(isa):
     base = torch.randint(-(1 << 15), 1 << 15, (N,), generator=torch.Generator().manual_seed(5), dtype=torch.int16)
