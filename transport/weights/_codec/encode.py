@@ -335,7 +335,7 @@ class DeltaEncoder:
     def predicts_dense(self, base: torch.Tensor) -> tuple[bool, int, int]:
         """Whether a delta against snapshot ``base`` would not pay, judged from a sample of
         each tensor (``SAMPLE_BLOCKS`` runs of ``SAMPLE_RUN`` elements spread over it, the whole
-        tensor when it is small; the native diff, counting only): when
+        tensor when it is small; a native compare and count): when
         the predicted changed fraction is above the crossover, or the estimated delta is more
         than ``PREDICT_DENSE`` of the dense version, the version
         goes dense without the full diff (as fast as ``delta=False``). Runs in a worker thread.
@@ -364,7 +364,7 @@ class DeltaEncoder:
             runs, run = sample_runs(n)
             sampled.append((i, e))
             rows.append((src.data_ptr(), bptr + e.offset, n, src.element_size(), runs, run))
-        # Counting only (no output): the native diff over each run, every tensor in one call (the
+        # Counting only (no output): a native compare and count over each run, every tensor in one call (the
         # GIL taken back once: a call a tensor waited for it beside the event loop's Python).
         counts = native.sample_changed_many(np.array(rows, dtype=np.uint64).reshape(-1, 6))
         fractions: dict[int, float] = {}
