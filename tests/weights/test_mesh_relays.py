@@ -157,6 +157,17 @@ def test_a_stopped_relay_costs_its_members_the_relay_timeout_and_is_rotated_out(
     assert any(e["event"] == "relay-fallback" and e["peer"] == "ga11" for e in events), events
 
 
+def cut_version(reports: list[dict], dead: str) -> tuple[int, dict[str, list]]:
+    """The version a kill timed by the push of version 2 into ``dead`` cut, and its results by
+    name: 2, or 3 where the kill landed once that push was done (on a loaded host this harness
+    reads the trainer's line late: the full suite once saw version 2 complete everywhere)."""
+    for v in (2, 3):
+        res = by_name(reports[v])
+        if res[dead][0] != "done":
+            return v, res
+    raise AssertionError([by_name(rep) for rep in reports[2:4]])
+
+
 def test_a_killed_relay_costs_its_members_one_direct_push(fabric):
     def fault(r: Run, doc: dict) -> None:
         if doc.get("relaying") == 2 and doc["relay"] == "ga01":
@@ -169,11 +180,10 @@ def test_a_killed_relay_costs_its_members_one_direct_push(fabric):
     # RA0 lost a rank: it never commits again; everyone else ends on the last version, whole.
     check_whole(gens, versions - 1, set(GENS) - {"ga01", "ga00"})
     for rank in (0, 1):
-        v2 = by_name(reports[rank][2])
-        assert v2["ga01"][0] != "done", v2
-        assert v2["ga11"][:2] == ["done", None], v2
-        assert [v2[n][0] for n in ("gb0", "gb1")] == ["done", "done"], v2
-        for rep in reports[rank][3:]:
+        cut, at = cut_version(reports[rank], "ga01")
+        assert at["ga11"][:2] == ["done", None], at
+        assert [at[n][0] for n in ("gb0", "gb1")] == ["done", "done"], at
+        for rep in reports[rank][cut + 1:]:
             res = by_name(rep)
             assert res["ga11"][:2] == ["done", None] and res["ga10"][0] == "done", rep
     assert any(e["event"] == "relay-failed" and e["peer"] == "ga01" for e in events), events
@@ -240,10 +250,9 @@ def test_a_killed_chain_root_costs_its_followers_one_direct_push(fabric):
     partner = {"ga01": "ga00", "gb1": "gb0"}[dead]  # its replica never commits again
     check_whole(gens, versions - 1, set(GENS) - {dead, partner})
     for rank in (0, 1):
-        v2 = by_name(reports[rank][2])
-        assert v2[dead][0] != "done", v2
-        assert all(v2[n][0] == "done" for n in GENS if n != dead), v2
-        for rep in reports[rank][3:]:
+        cut, at = cut_version(reports[rank], dead)
+        assert all(at[n][0] == "done" for n in GENS if n != dead), at  # its followers: one direct push
+        for rep in reports[rank][cut + 1:]:
             res = by_name(rep)
             assert all(res[n][0] == "done" for n in GENS if n not in (dead, partner)), rep
     assert any(e["event"] == "relay-failed" and e["peer"] == dead for e in events), events
