@@ -33,6 +33,41 @@ async def test_lookup_never_waits_and_sees_what_is_published_now() -> None:
         await a.lookup("b")
 
 
+async def test_a_record_read_again_unchanged_is_decoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A publisher looks its subscribers up on every version: the same record bytes verify and
+    # decode alike, so they are decoded once; changed bytes are decoded anew, and bytes that do
+    # not decode are refused (None), never answered from what the name held before.
+    from transport._peers import PEER_PREFIX
+    from transport._wire import PeerRecord
+
+    decodes: list[str] = []
+    plain = PeerRecord.decode
+
+    def counted(data: bytes) -> PeerRecord:
+        record = plain(data)
+        decodes.append(record.name)
+        return record
+
+    monkeypatch.setattr(PeerRecord, "decode", staticmethod(counted))
+    store = _store()
+    async with transport.Transport("a", store=store, backends=("tcp",)) as a, \
+            transport.Transport("b", store=store, backends=("tcp",)) as b:
+        b.register("w", torch.zeros(4))
+        first = await a.lookup("b")
+        assert first is not None and "w" in first.regions
+        before = decodes.count("b")
+        for _ in range(5):
+            again = await a.lookup("b")
+            assert again is not None and "w" in again.regions
+        assert decodes.count("b") == before  # the same bytes: not decoded again
+        b.register("v", torch.zeros(4))
+        changed = await a.lookup("b")
+        assert changed is not None and {"w", "v"} <= set(changed.regions)
+        assert decodes.count("b") == before + 1
+        a._store.set(PEER_PREFIX + "b", b"{not a record")  # (b rewrites it at its next change)
+        assert await a.lookup("b") is None
+
+
 async def test_lookup_still_shows_a_peer_declared_lost() -> None:
     store = _store()
     async with transport.Transport("a", store=store, backends=("tcp",)) as a, \
