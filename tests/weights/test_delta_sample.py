@@ -85,3 +85,20 @@ def test_mesh_sample_weighs_each_shard_by_its_size():
     fp32 = {k: v.float() for k, v in new.items()}
     got = packer.sample(snap, fp32)
     assert got is not None and abs(got - true_fraction(base, new)) < 0.002
+    # 4-byte wire elements cast on the way (fp64 sources of fp32 wire tensors): their 2-byte
+    # units counted and weighed as the diff counts them, never past the shards' own fraction.
+    base32 = {k: v.float() for k, v in base.items()}
+    new32 = {k: v.float() for k, v in new.items()}
+    offsets, at = {}, 0
+    for k in names:
+        offsets[k] = (at, new32[k].numel() * 4)
+        at += new32[k].numel() * 4
+    packer = MeshDeltaPacker([(k, tuple(new32[k].shape), torch.float32) for k in names], offsets, at)
+    snap = torch.empty(at, dtype=torch.uint8)
+    for k in names:
+        off, nbytes = offsets[k]
+        snap[off : off + nbytes].copy_(base32[k].view(torch.uint8))
+    units = {k: int((new32[k].view(torch.int16) != base32[k].view(torch.int16)).sum()) for k in names}
+    want = sum(units.values()) / (at // 2)
+    got = packer.sample(snap, {k: v.double() for k, v in new32.items()})
+    assert got is not None and abs(got - want) < 0.002, (got, want)

@@ -364,8 +364,9 @@ class DeltaEncoder:
             runs, run = sample_runs(n)
             sampled.append((i, e))
             rows.append((src.data_ptr(), bptr + e.offset, n, src.element_size(), runs, run))
-        # Counting only (no output): a native compare and count over each run, every tensor in one call (the
-        # GIL taken back once: a call a tensor waited for it beside the event loop's Python).
+        # Counting only (no output): a native compare and count over each run, every tensor in
+        # one call (the GIL taken back once: a call a tensor waited for it beside the event
+        # loop's Python).
         counts = native.sample_changed_many(np.array(rows, dtype=np.uint64).reshape(-1, 6))
         fractions: dict[int, float] = {}
         for (i, e), (_, _, n, es, runs, run), changed in zip(sampled, rows, counts.tolist(), strict=True):

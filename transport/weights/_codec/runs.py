@@ -123,13 +123,14 @@ class MeshDeltaPacker:
             flat, n = src.view(-1), nbytes // es
             old = snap[off : off + nbytes].view(dtype)
             runs, run = sample_runs(n)
-            hit = 0
+            hit = looked = 0  # in units, as the diff counts them (es // 2 a wire element)
             for j in range(runs):  # the cast of each run, as packing casts it
                 a = (n - run) * j // max(1, runs - 1)
                 fresh = flat[a : a + run].to(dtype).view(torch.int16)
                 hit += int(fresh.ne(old[a : a + run].view(torch.int16)).sum())
-            changed += hit / (runs * run) * n
-            sampled += n
+                looked += fresh.numel()
+            changed += hit / looked * (nbytes // 2)
+            sampled += nbytes // 2
         return changed / sampled if sampled else None
 
     def pack(self, snap: torch.Tensor, sources: Mapping[str, torch.Tensor], version: int, base: int | None
