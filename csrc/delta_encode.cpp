@@ -963,15 +963,19 @@ void sample_changed_many(const uint64_t* rows, uint64_t count, uint64_t* changed
 }
 
 void reserve_scratch(uint64_t count, uint64_t n) {
-  // The varints and the bitmask, which every diff writes whole. The steps form's buffers are
-  // left to grow (the diffs touch only what their changes need: written whole here, they would
-  // hold up to 5/8 of the largest tensor's elements in bytes per copy thread).
+  // The varints and the bitmask, which every diff writes whole. The varints are allocated at the
+  // most a diff with steps asks (past the bitmask's size: steps_varcap_of, a payload at most
+  // the dense bytes), so that no diff allocates them anew, and written up to the bitmask's size,
+  // what a diff without steps uses. The steps form's buffers are left to grow (the diffs touch
+  // only what their changes need: written whole here, they would hold up to 5/8 of the largest
+  // tensor's elements in bytes per copy thread).
   const uint64_t var_bytes = varcap_of(n, UINT64_MAX) + kVarTail, mask_bytes = mask_scratch_of(n);
+  const uint64_t var_most = std::max(var_bytes, steps_varcap_of(n, 2 * n, 2) + kVarTail);
   std::vector<std::unique_ptr<ScratchLease>> leases;  // all at once: count distinct ones
   for (uint64_t i = 0; i < count; ++i) {
     leases.push_back(std::make_unique<ScratchLease>());
     Scratch& sc = **leases.back();
-    std::memset(sc.get(Scratch::kVarints, var_bytes), 0, var_bytes);
+    std::memset(sc.get(Scratch::kVarints, var_most), 0, var_bytes);
     std::memset(sc.get(Scratch::kMask, mask_bytes), 0, mask_bytes);
   }
 }
