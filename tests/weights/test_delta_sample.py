@@ -67,18 +67,22 @@ def test_stream_sample_weighs_each_tensor_by_its_size():
     assert dense and changed / elements > 0.9
 
 
+def mesh_packer(base: dict[str, torch.Tensor]) -> tuple[MeshDeltaPacker, torch.Tensor]:
+    """A mesh packer of ``base``'s tensors (their dtype on the wire) and a snapshot holding them."""
+    offsets, at = {}, 0
+    for k, v in base.items():
+        offsets[k] = (at, v.numel() * v.element_size())
+        at += v.numel() * v.element_size()
+    packer = MeshDeltaPacker([(k, tuple(v.shape), v.dtype) for k, v in base.items()], offsets, at)
+    snap = torch.empty(at, dtype=torch.uint8)
+    for k, (off, nbytes) in offsets.items():
+        snap[off : off + nbytes].copy_(base[k].view(torch.uint8))
+    return packer, snap
+
+
 def test_mesh_sample_weighs_each_shard_by_its_size():
     base, new = versions(0.01, 1.0)
-    names = ["big", "small"]
-    offsets, at = {}, 0
-    for k in names:
-        offsets[k] = (at, new[k].numel() * 2)
-        at += new[k].numel() * 2
-    packer = MeshDeltaPacker([(k, tuple(new[k].shape), torch.bfloat16) for k in names], offsets, at)
-    snap = torch.empty(at, dtype=torch.uint8)
-    for k in names:
-        off, nbytes = offsets[k]
-        snap[off : off + nbytes].copy_(base[k].view(torch.uint8))
+    packer, snap = mesh_packer(base)
     got = packer.sample(snap, new)
     assert got is not None and abs(got - true_fraction(base, new)) < 0.002
     # The shards cast on the way (fp32 sources of bf16 wire tensors) are weighed alike.
@@ -89,16 +93,8 @@ def test_mesh_sample_weighs_each_shard_by_its_size():
     # units counted and weighed as the diff counts them, never past the shards' own fraction.
     base32 = {k: v.float() for k, v in base.items()}
     new32 = {k: v.float() for k, v in new.items()}
-    offsets, at = {}, 0
-    for k in names:
-        offsets[k] = (at, new32[k].numel() * 4)
-        at += new32[k].numel() * 4
-    packer = MeshDeltaPacker([(k, tuple(new32[k].shape), torch.float32) for k in names], offsets, at)
-    snap = torch.empty(at, dtype=torch.uint8)
-    for k in names:
-        off, nbytes = offsets[k]
-        snap[off : off + nbytes].copy_(base32[k].view(torch.uint8))
-    units = {k: int((new32[k].view(torch.int16) != base32[k].view(torch.int16)).sum()) for k in names}
-    want = sum(units.values()) / (at // 2)
+    packer, snap = mesh_packer(base32)
+    units = sum(int((new32[k].view(torch.int16) != base32[k].view(torch.int16)).sum()) for k in new32)
+    want = units / (snap.numel() // 2)
     got = packer.sample(snap, {k: v.double() for k, v in new32.items()})
     assert got is not None and abs(got - want) < 0.002, (got, want)
