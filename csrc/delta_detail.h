@@ -113,6 +113,41 @@ __attribute__((target("avx2"))) inline uint64_t hsum_avx2(__m256i acc) {
   return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
+// AVX2 has no compress or expand: its passes look them up by an 8-bit mask of lanes. kept: the
+// set lanes' indices first (vpermd's operand for a compress of 32-bit lanes); spread: lane j's
+// rank among the set lanes (vpermd's for an expand); kept16 and spread16: the same for 16-bit
+// lanes as pshufb operands, the lanes they leave zero.
+struct LaneTables {
+  alignas(32) uint32_t kept[256][8];
+  alignas(32) uint32_t spread[256][8];
+  alignas(16) uint8_t kept16[256][16];
+  alignas(16) uint8_t spread16[256][16];
+};
+
+constexpr LaneTables make_lane_tables() {
+  LaneTables t{};
+  for (unsigned m = 0; m < 256; ++m) {
+    unsigned k = 0;
+    for (unsigned j = 0; j < 8; ++j) {
+      t.spread16[m][2 * j] = t.spread16[m][2 * j + 1] = 0x80;  // pshufb: a zero byte
+      t.kept16[m][2 * j] = t.kept16[m][2 * j + 1] = 0x80;
+    }
+    for (unsigned j = 0; j < 8; ++j) {
+      if ((m >> j & 1) == 0) continue;
+      t.kept[m][k] = j;
+      t.spread[m][j] = k;
+      t.kept16[m][2 * k] = static_cast<uint8_t>(2 * j);
+      t.kept16[m][2 * k + 1] = static_cast<uint8_t>(2 * j + 1);
+      t.spread16[m][2 * j] = static_cast<uint8_t>(2 * k);
+      t.spread16[m][2 * j + 1] = static_cast<uint8_t>(2 * k + 1);
+      ++k;
+    }
+  }
+  return t;
+}
+
+inline constexpr LaneTables kLaneTables = make_lane_tables();
+
 #define TRANSPORT_AVX512 "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,bmi2"
 // GCC 12 flags the self-initialised placeholder inside its own _mm512_undefined_*() (used by the
 // unmasked AVX-512 intrinsics) as maybe uninitialised: a false positive in its headers. Every

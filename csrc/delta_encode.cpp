@@ -283,23 +283,20 @@ inline void flush_when_due(Batch& batch, uint64_t& fill, uint64_t& start, uint64
 }
 
 // AVX2 has no compress: its packs look up, by an 8-bit mask of lanes, the kept lanes' indices
-// first (vpermd's operand; with the lanes' first index added, the kept indices themselves), and
-// the pshufb operand that packs the varints of 8 gaps under 2**14 held as two bytes each (bit j:
-// lane j takes both bytes, else its low one).
+// first (kLaneTables.kept, vpermd's operand; with the lanes' first index added, the kept indices
+// themselves), and the pshufb operand that packs the varints of 8 gaps under 2**14 held as two
+// bytes each (bit j: lane j takes both bytes, else its low one).
 struct PackTables {
-  alignas(32) uint32_t lanes[256][8];
   alignas(16) uint8_t varint[256][16];
 };
 
 constexpr PackTables make_pack_tables() {
   PackTables t{};
   for (unsigned m = 0; m < 256; ++m) {
-    unsigned k = 0, v = 0;
+    unsigned v = 0;
     for (unsigned j = 0; j < 8; ++j) {
-      const bool on = (m >> j & 1) != 0;
-      if (on) t.lanes[m][k++] = j;
       t.varint[m][v++] = static_cast<uint8_t>(2 * j);
-      if (on) t.varint[m][v++] = static_cast<uint8_t>(2 * j + 1);
+      if ((m >> j & 1) != 0) t.varint[m][v++] = static_cast<uint8_t>(2 * j + 1);
     }
     for (; v < 16; ++v) t.varint[m][v] = 0x80;  // pshufb: a zero byte
   }
@@ -314,7 +311,7 @@ constexpr PackTables kPack = make_pack_tables();
 // stores into the slack; returns the new fill.
 __attribute__((target("avx2"))) inline uint64_t pack8(uint32_t* index, uint32_t* vals, uint32_t* base, uint64_t fill,
                                                       unsigned m, __m256i rel, __m256i x, __m256i y) {
-  const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPack.lanes[m]));
+  const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLaneTables.kept[m]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(vals + fill), _mm256_permutevar8x32_epi32(x, lanes));
   if (base != nullptr) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + fill), _mm256_permutevar8x32_epi32(y, lanes));

@@ -42,6 +42,38 @@ def encode_seeded(isa: native.Isa = native.Isa.AUTO) -> list[list[object]]:
     return out
 
 
+def scatter_seeded() -> list[list[object]]:
+    """The checked scatter (scatter(), which runs on the default ISA) of seeded bitmask payloads
+    of both element sizes, at densities from 1% to 90% and lengths that leave a tail past the
+    vectors, plus two that a count mismatch refuses (more values declared than bits set, and
+    fewer): per case the refusal and sums of the check pass with the live values read and with
+    the payload alone, and the refusal and a digest of the live tensor after the write pass."""
+    g = torch.Generator().manual_seed(5)
+    out: list[list[object]] = []
+    for es, dtype in ((2, torch.bfloat16), (4, torch.float32)):
+        for n, frac, skew in ((100_003, 0.3, 0), (4_099, 0.9, 0), (77_777, 0.2, 0), (5_003, 0.5, 1),
+                              (6_001, 0.5, -1)):
+            base = torch.randn(n, generator=g).to(dtype)
+            fresh = base.clone()
+            at = torch.randperm(n, generator=g)[: int(n * frac)]
+            fresh[at] = torch.randn(len(at), generator=g).to(dtype)
+            buf = torch.zeros(n * es + 64, dtype=torch.uint8)
+            r = native.encode(fresh.data_ptr(), base.data_ptr(), 0, n, es, buf.data_ptr(), buf.numel(),
+                              native.Isa.SCALAR)
+            assert r.kind == native.Kind.BITMASK, (n, frac)
+            payload = buf[: r.payload_bytes].clone()
+            live = base.clone()
+            check = native.scatter(live.data_ptr(), n, es, payload.data_ptr(), payload.numel(), int(r.kind),
+                                   r.changed + skew, r.pos_bytes, False)
+            alone = native.scatter(0, n, es, payload.data_ptr(), payload.numel(), int(r.kind), r.changed + skew,
+                                   r.pos_bytes, False)  # the payload alone: its new values' sums
+            wrote = native.scatter(live.data_ptr(), n, es, payload.data_ptr(), payload.numel(), int(r.kind),
+                                   r.changed + skew, r.pos_bytes, True)
+            out.append([list(map(int, check)), list(map(int, alone)), int(wrote[0]),
+                        hashlib.sha256(live.view(torch.uint8).numpy().tobytes()).hexdigest()])
+    return out
+
+
 def child(value: str, code: str) -> subprocess.CompletedProcess[str]:
     env = python_env()
     env["TRANSPORT_DELTA_ISA"] = value
@@ -81,6 +113,27 @@ def test_a_forced_isa_runs_every_default_call_with_the_same_encodings():
     assert isa == "avx2"
     assert [case[0] for case in encoded[:2]] == [int(native.Kind.VARINT), int(native.Kind.BITMASK)]
     assert encoded == encode_seeded()  # in this process, on the default path
+
+
+SCATTER = """
+import json
+from tests.weights.test_delta_isa import scatter_seeded
+print(json.dumps(scatter_seeded()))
+"""
+
+
+def test_the_checked_scatter_of_a_bitmask_is_the_same_on_every_isa():
+    # scatter() always runs on the default ISA: AVX2 and AVX-512 have their own vector walks of a
+    # bitmask, the scalar path walks it a bit at a time.
+    got = {}
+    for isa in (i for i in (native.Isa.SCALAR, native.Isa.AVX2, native.Isa.AVX512) if native.supports(i)):
+        r = child(NAMES[isa], SCATTER)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[isa] = json.loads(r.stdout)
+    cases = got[native.Isa.SCALAR]
+    assert [case[2] == int(native.Refusal.OK) for case in cases] == [True, True, True, False, False] * 2
+    for isa, found in got.items():
+        assert found == cases, NAMES[isa]
 
 
 @pytest.mark.parametrize("value", ["bogus", "avx-512"])
