@@ -413,16 +413,13 @@ __attribute__((target("avx2"))) ApplyResult apply_mask_avx2(uint8_t* l, uint64_t
 inline int next_gap(const uint8_t* pos, uint64_t pos_bytes, uint64_t* at, uint64_t* gap) {
   uint64_t a = *at;
   if (a + 10 <= pos_bytes) {
-    const uint8_t b0 = pos[a];
-    if (b0 < 0x80) {
-      *gap = b0;
-      *at = a + 1;
-      return kOk;
-    }
-    const uint8_t b1 = pos[a + 1];
-    if (b1 < 0x80) {
-      *gap = (b0 & 0x7fu) | static_cast<uint64_t>(b1) << 7;
-      *at = a + 2;
+    // One or two bytes without a branch on which: at 1-2% changed a quarter to a tenth of the
+    // gaps take two, at random, and a branch on it mispredicted that often.
+    const uint64_t b0 = pos[a], b1 = pos[a + 1];
+    const uint64_t two = b0 >> 7;  // b0 continues
+    if ((two & (b1 >> 7)) == 0) {
+      *gap = (b0 & 0x7fu) | ((b1 << 7) & (0 - two));
+      *at = a + 1 + two;
       return kOk;
     }
   }
