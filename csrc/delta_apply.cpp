@@ -55,6 +55,42 @@ inline void apply_at(uint8_t* l, uint64_t p, const uint8_t* vals, uint64_t k, ui
   r->sum_new += mix(now, p);
 }
 
+// The elements [from, n) of a bitmask scatter one by one, after a vector walk that took k of the
+// count values and summed their new terms into sum: the rest summed (and with write stored),
+// then the count checked; *sum_new set on success. Returns the refusal.
+template <int ES>
+int scatter_mask_rest(uint8_t* l, uint64_t n, const uint8_t* vals, uint64_t count, const uint8_t* mask, bool write,
+                      uint64_t from, uint64_t k, uint64_t sum, uint64_t* sum_new) {
+  for (uint64_t i = from; i < n; ++i) {
+    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
+    if (k >= count) return kCountMismatch;
+    sum += mix(load_elem(vals + k * ES, ES), i);
+    if (write) std::memcpy(l + i * ES, vals + k * ES, ES);
+    ++k;
+  }
+  if (k != count) return kCountMismatch;
+  *sum_new = sum;
+  return kOk;
+}
+
+// The elements [from, n) of a one-pass bitmask apply one by one (none once r is refused), after a
+// vector walk that stored k of the count values; then the count checked and r->stored set.
+template <int ES>
+void apply_mask_rest(uint8_t* l, uint64_t n, const uint8_t* vals, uint64_t count, const uint8_t* mask,
+                     uint8_t* undo, uint64_t from, uint64_t k, ApplyResult* r) {
+  for (uint64_t i = r->refusal == kOk ? from : n; i < n; ++i) {
+    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
+    if (k >= count) {
+      r->refusal = kCountMismatch;
+      break;
+    }
+    apply_at<ES>(l, i, vals, k, undo, r);
+    ++k;
+  }
+  if (r->refusal == kOk && k != count) r->refusal = kCountMismatch;
+  r->stored = k;
+}
+
 #ifdef TRANSPORT_DELTA_X86
 TRANSPORT_AVX512_BEGIN
 
@@ -127,17 +163,8 @@ __attribute__((target(TRANSPORT_AVX512))) int scatter_mask_avx512(uint8_t* l, ui
     }
     k += pc;
   }
-  uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
-  for (uint64_t i = body; i < n; ++i) {
-    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
-    if (k >= count) return kCountMismatch;
-    sum += mix(load_elem(vals + k * ES, ES), i);
-    if (write) std::memcpy(l + i * ES, vals + k * ES, ES);
-    ++k;
-  }
-  if (k != count) return kCountMismatch;
-  *sum_new = sum;
-  return kOk;
+  return scatter_mask_rest<ES>(l, n, vals, count, mask, write, body, k,
+                               static_cast<uint64_t>(_mm512_reduce_add_epi64(acc)), sum_new);
 }
 
 // The one-pass apply of a bitmask payload (see apply()), a vector of elements at a time: the
@@ -193,17 +220,7 @@ __attribute__((target(TRANSPORT_AVX512))) ApplyResult apply_mask_avx512(uint8_t*
   }
   r.sum_new = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc_new));
   r.sum_old = static_cast<uint64_t>(_mm512_reduce_add_epi64(acc_old));
-  for (i = r.refusal == kOk ? body : n; i < n; ++i) {
-    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
-    if (k >= count) {
-      r.refusal = kCountMismatch;
-      break;
-    }
-    apply_at<ES>(l, i, vals, k, undo, &r);
-    ++k;
-  }
-  if (r.refusal == kOk && k != count) r.refusal = kCountMismatch;
-  r.stored = k;
+  apply_mask_rest<ES>(l, n, vals, count, mask, undo, body, k, &r);
   return r;
 }
 
@@ -238,15 +255,17 @@ __attribute__((target("avx2"))) inline __m256i lanes_of(unsigned m, __m256i bit)
   return _mm256_cmpeq_epi32(_mm256_and_si256(b, bit), bit);
 }
 
-// The new values of a bitmask step with bits m: the packed ones at src spread to their lanes
-// (ES == 2: in the low 128 bits), lanes off zero.
+// v's 8 values moved by one mask's table operands (kLaneTables): lanes for 4-byte values
+// (vpermd), bytes for 2-byte ones, in the low 128 bits (pshufb; the lanes it leaves, zero). With
+// spread[m] the packed new values of a bitmask step go to their lanes; with kept[m] the values
+// of the set lanes are packed first.
 template <int ES>
-__attribute__((target("avx2"))) inline __m256i spread_avx2(__m256i src, unsigned m) {
+__attribute__((target("avx2"))) inline __m256i permute8_avx2(__m256i v, const uint32_t* lanes, const uint8_t* bytes) {
   if constexpr (ES == 2) {
-    return _mm256_castsi128_si256(_mm_shuffle_epi8(
-        _mm256_castsi256_si128(src), _mm_load_si128(reinterpret_cast<const __m128i*>(kLaneTables.spread16[m]))));
+    return _mm256_castsi128_si256(
+        _mm_shuffle_epi8(_mm256_castsi256_si128(v), _mm_load_si128(reinterpret_cast<const __m128i*>(bytes))));
   }
-  return _mm256_permutevar8x32_epi32(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(kLaneTables.spread[m])));
+  return _mm256_permutevar8x32_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes)));
 }
 
 // Stores v over the live vector at dst in the lanes on (32-bit lanes, all ones where on), the
@@ -267,6 +286,23 @@ template <int ES>
 __attribute__((target("avx2"))) inline __m256i widen_avx2(__m256i v) {
   if constexpr (ES == 2) return _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v));
   return v;
+}
+
+// The first pc of the packed values at dst: the whole vector of 8 (whole: dst has room for it),
+// else the pc of them alone.
+template <int ES>
+__attribute__((target("avx2"))) inline void put8_avx2(uint8_t* dst, __m256i packed, uint64_t pc, bool whole) {
+  if (whole) {
+    if constexpr (ES == 2) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+    }
+    return;
+  }
+  alignas(32) uint8_t tmp[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
+  std::memcpy(dst, tmp, pc * ES);
 }
 
 // The live vector of 8 elements at p (ES == 2: in the low 128 bits).
@@ -317,28 +353,20 @@ __attribute__((target("avx2"))) int scatter_mask_avx2(uint8_t* l, uint64_t n, co
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256i acc = _mm256_setzero_si256();
   uint64_t k = 0;
-  const uint64_t body = walk_mask_avx2(n, mask, [&](uint64_t i, unsigned m, __m256i keys) __attribute__((target("avx2"))) {
+  const uint64_t body = walk_mask_avx2(n, mask, [&](uint64_t i, unsigned m,
+                                                            __m256i keys) __attribute__((target("avx2"))) {
     const uint64_t pc = static_cast<uint64_t>(__builtin_popcount(m));
     if (k + pc > count) return false;
     const __m256i on = lanes_of(m, bit);
-    const __m256i v = spread_avx2<ES>(load8_avx2<ES>(vals + k * ES, vals_end, pc), m);
+    const __m256i v = permute8_avx2<ES>(load8_avx2<ES>(vals + k * ES, vals_end, pc), kLaneTables.spread[m],
+                                          kLaneTables.spread16[m]);
     if (write) store8_avx2<ES>(l + i * ES, load_live8_avx2<ES>(l + i * ES), v, on);
     acc = add8_avx2(acc, _mm256_and_si256(mix8_avx2(widen_avx2<ES>(v), keys), on));
     k += pc;
     return true;
   });
   if (body == UINT64_MAX) return kCountMismatch;
-  uint64_t sum = hsum_avx2(acc);
-  for (uint64_t i = body; i < n; ++i) {
-    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
-    if (k >= count) return kCountMismatch;
-    sum += mix(load_elem(vals + k * ES, ES), i);
-    if (write) std::memcpy(l + i * ES, vals + k * ES, ES);
-    ++k;
-  }
-  if (k != count) return kCountMismatch;
-  *sum_new = sum;
-  return kOk;
+  return scatter_mask_rest<ES>(l, n, vals, count, mask, write, body, k, hsum_avx2(acc), sum_new);
 }
 
 // apply_mask_avx512's form for AVX2: the live values at the set bits saved to undo in position
@@ -353,37 +381,20 @@ __attribute__((target("avx2"))) ApplyResult apply_mask_avx2(uint8_t* l, uint64_t
   __m256i acc_old = _mm256_setzero_si256();
   ApplyResult r{kOk, 0, 0, 0};
   uint64_t k = 0;
-  const uint64_t body = walk_mask_avx2(n, mask, [&](uint64_t i, unsigned m, __m256i keys) __attribute__((target("avx2"))) {
+  const uint64_t body = walk_mask_avx2(n, mask, [&](uint64_t i, unsigned m,
+                                                            __m256i keys) __attribute__((target("avx2"))) {
     const uint64_t pc = static_cast<uint64_t>(__builtin_popcount(m));
     if (k + pc > count) return false;
     uint8_t* dst = l + i * ES;
     __builtin_prefetch(dst + kPrefetch, 1);
     const __m256i on = lanes_of(m, bit);
     const __m256i old = load_live8_avx2<ES>(dst);
-    const __m256i v = spread_avx2<ES>(load8_avx2<ES>(vals + k * ES, vals_end, pc), m);
+    const __m256i v = permute8_avx2<ES>(load8_avx2<ES>(vals + k * ES, vals_end, pc), kLaneTables.spread[m],
+                                          kLaneTables.spread16[m]);
     // The saved values, packed: a whole vector's store where the undo area has room for it (its
     // lanes past pc are overwritten by the next step's), else the pc of them.
-    if constexpr (ES == 2) {
-      const __m128i saved = _mm_shuffle_epi8(_mm256_castsi256_si128(old),
-                                             _mm_load_si128(reinterpret_cast<const __m128i*>(kLaneTables.kept16[m])));
-      if (k + 8 <= count) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(undo + k * 2), saved);
-      } else {
-        alignas(16) uint8_t tmp[16];
-        _mm_store_si128(reinterpret_cast<__m128i*>(tmp), saved);
-        std::memcpy(undo + k * 2, tmp, pc * 2);
-      }
-    } else {
-      const __m256i saved = _mm256_permutevar8x32_epi32(
-          old, _mm256_load_si256(reinterpret_cast<const __m256i*>(kLaneTables.kept[m])));
-      if (k + 8 <= count) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(undo + k * 4), saved);
-      } else {
-        alignas(32) uint8_t tmp[32];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), saved);
-        std::memcpy(undo + k * 4, tmp, pc * 4);
-      }
-    }
+    const __m256i saved = permute8_avx2<ES>(old, kLaneTables.kept[m], kLaneTables.kept16[m]);
+    put8_avx2<ES>(undo + k * ES, saved, pc, k + 8 <= count);
     store8_avx2<ES>(dst, old, v, on);
     acc_new = add8_avx2(acc_new, _mm256_and_si256(mix8_avx2(widen_avx2<ES>(v), keys), on));
     acc_old = add8_avx2(acc_old, _mm256_and_si256(mix8_avx2(widen_avx2<ES>(old), keys), on));
@@ -393,17 +404,7 @@ __attribute__((target("avx2"))) ApplyResult apply_mask_avx2(uint8_t* l, uint64_t
   r.sum_new = hsum_avx2(acc_new);
   r.sum_old = hsum_avx2(acc_old);
   if (body == UINT64_MAX) r.refusal = kCountMismatch;
-  for (uint64_t i = r.refusal == kOk ? body : n; i < n; ++i) {
-    if (!((mask[i / 8] >> (i % 8)) & 1)) continue;
-    if (k >= count) {
-      r.refusal = kCountMismatch;
-      break;
-    }
-    apply_at<ES>(l, i, vals, k, undo, &r);
-    ++k;
-  }
-  if (r.refusal == kOk && k != count) r.refusal = kCountMismatch;
-  r.stored = k;
+  apply_mask_rest<ES>(l, n, vals, count, mask, undo, body, k, &r);
   return r;
 }
 #endif  // TRANSPORT_DELTA_X86

@@ -114,26 +114,28 @@ __attribute__((target("avx2"))) inline uint64_t hsum_avx2(__m256i acc) {
 }
 
 // AVX2 has no compress or expand: its passes look them up by an 8-bit mask of lanes. kept: the
-// set lanes' indices first (vpermd's operand for a compress of 32-bit lanes); spread: lane j's
-// rank among the set lanes (vpermd's for an expand); kept16 and spread16: the same for 16-bit
-// lanes as pshufb operands, the lanes they leave zero.
+// set lanes' indices first (vpermd's operand for a compress of 32-bit lanes; with the lanes'
+// first index added, the kept indices themselves); spread: lane j's rank among the set lanes
+// (vpermd's for an expand); kept16 and spread16: the same for 16-bit lanes as pshufb operands,
+// the lanes they leave zero; varint: the pshufb operand that packs the varints of 8 gaps under
+// 2**14 held as two bytes each (bit j: lane j takes both bytes, else its low one).
 struct LaneTables {
   alignas(32) uint32_t kept[256][8];
   alignas(32) uint32_t spread[256][8];
   alignas(16) uint8_t kept16[256][16];
   alignas(16) uint8_t spread16[256][16];
+  alignas(16) uint8_t varint[256][16];
 };
 
 constexpr LaneTables make_lane_tables() {
   LaneTables t{};
   for (unsigned m = 0; m < 256; ++m) {
-    unsigned k = 0;
+    for (unsigned b = 0; b < 16; ++b) t.kept16[m][b] = t.spread16[m][b] = t.varint[m][b] = 0x80;  // pshufb: zero
+    unsigned k = 0, v = 0;
     for (unsigned j = 0; j < 8; ++j) {
-      t.spread16[m][2 * j] = t.spread16[m][2 * j + 1] = 0x80;  // pshufb: a zero byte
-      t.kept16[m][2 * j] = t.kept16[m][2 * j + 1] = 0x80;
-    }
-    for (unsigned j = 0; j < 8; ++j) {
+      t.varint[m][v++] = static_cast<uint8_t>(2 * j);
       if ((m >> j & 1) == 0) continue;
+      t.varint[m][v++] = static_cast<uint8_t>(2 * j + 1);
       t.kept[m][k] = j;
       t.spread[m][j] = k;
       t.kept16[m][2 * k] = static_cast<uint8_t>(2 * j);

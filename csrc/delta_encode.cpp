@@ -283,27 +283,7 @@ inline void flush_when_due(Batch& batch, uint64_t& fill, uint64_t& start, uint64
 }
 
 // AVX2 has no compress: its packs look up, by an 8-bit mask of lanes, the kept lanes' indices
-// first (kLaneTables.kept, vpermd's operand; with the lanes' first index added, the kept indices
-// themselves), and the pshufb operand that packs the varints of 8 gaps under 2**14 held as two
-// bytes each (bit j: lane j takes both bytes, else its low one).
-struct PackTables {
-  alignas(16) uint8_t varint[256][16];
-};
-
-constexpr PackTables make_pack_tables() {
-  PackTables t{};
-  for (unsigned m = 0; m < 256; ++m) {
-    unsigned v = 0;
-    for (unsigned j = 0; j < 8; ++j) {
-      t.varint[m][v++] = static_cast<uint8_t>(2 * j);
-      if ((m >> j & 1) != 0) t.varint[m][v++] = static_cast<uint8_t>(2 * j + 1);
-    }
-    for (; v < 16; ++v) t.varint[m][v] = 0x80;  // pshufb: a zero byte
-  }
-  return t;
-}
-
-constexpr PackTables kPack = make_pack_tables();
+// (kLaneTables.kept) and the pshufb operand that packs the varints of 8 gaps (kLaneTables.varint).
 
 // Packs the changed lanes among 8 (bits m) into the batch at fill: 32-bit values x (fresh, or
 // for 16-bit elements fresh | base << 16) at vals, base values y at base (unless null) and the
@@ -365,10 +345,10 @@ __attribute__((target("avx2"))) inline void varints16_avx2(Emitter* em, const ui
   const unsigned n1 = (lanes > 8 ? lanes - 8 : 0) + static_cast<unsigned>(__builtin_popcount(t1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
                    _mm_shuffle_epi8(_mm_packus_epi32(_mm256_castsi256_si128(w0), _mm256_extracti128_si256(w0, 1)),
-                                    _mm_load_si128(reinterpret_cast<const __m128i*>(kPack.varint[t0]))));
+                                    _mm_load_si128(reinterpret_cast<const __m128i*>(kLaneTables.varint[t0]))));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + n0),
                    _mm_shuffle_epi8(_mm_packus_epi32(_mm256_castsi256_si128(w1), _mm256_extracti128_si256(w1, 1)),
-                                    _mm_load_si128(reinterpret_cast<const __m128i*>(kPack.varint[t1]))));
+                                    _mm_load_si128(reinterpret_cast<const __m128i*>(kLaneTables.varint[t1]))));
   em->varlen += n0 + n1;
   em->last = start + p[lanes - 1] + 1;
 }
