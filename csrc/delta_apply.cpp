@@ -3,9 +3,8 @@
 // Every byte of a payload is a peer's: each position is checked against n before its store, and
 // each value is read once, so what is stored is what is summed. A bitmask payload goes a vector
 // of elements at a time on AVX-512 and AVX2; varints, and bitmasks on the scalar path, one
-// position at a time. The
-// steps form (kVarstep) is read the same way: each step once, each escape once, an escape past
-// the count the payload declared refused before it is stored.
+// position at a time. The steps form (kVarstep) is read the same way: each step once, each
+// escape once, an escape past the count the payload declared refused before it is stored.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -315,9 +314,9 @@ __attribute__((target("avx2"))) inline __m256i load_live8_avx2(const uint8_t* p)
 // The walk of a bitmask by both AVX2 paths: a 32-bit word of it (32 elements) at a time, words
 // with no bit set skipped, and each of a word's bytes (8 elements) a step taken by step(i, m,
 // keys) without a branch on whether any of its bits is set (at the densities a bitmask is
-// chosen for, a third of the bytes are zero at random: a branch on them mispredicted so often
-// that the walk took 1.4x as long at 13% changed as at 30%); a byte with none stores its
-// vector unchanged and adds nothing. Returns the first element past the walk (the tail from
+// chosen for, a third of the bytes are zero at random: with a branch on them the walk took
+// about 1.3x as long at 13% changed as at 30%); a byte with none stores its vector unchanged
+// and adds nothing. Returns the first element past the walk (the tail from
 // there goes one by one), or UINT64_MAX when step refused (returned false).
 template <class Step>
 __attribute__((target("avx2"))) inline uint64_t walk_mask_avx2(uint64_t n, const uint8_t* mask, Step&& step) {
