@@ -45,8 +45,9 @@ def encode_seeded(isa: native.Isa = native.Isa.AUTO) -> list[list[object]]:
 def scatter_seeded() -> list[list[object]]:
     """The checked scatter (scatter(), which runs on the default ISA) of seeded bitmask payloads
     of both element sizes, at densities from 1% to 90% and lengths that leave a tail past the
-    vectors, plus two whose declared count is one off (refused before any store): per case the refusal and sums of the check pass with the live values read and with
-    the payload alone, and the refusal and a digest of the live tensor after the write pass."""
+    vectors, plus two whose declared count is one off (refused before any store): per case the
+    refusal and sums of the check pass with the live values read and with the payload alone, and
+    the refusal and a digest of the live tensor after the write pass."""
     g = torch.Generator().manual_seed(5)
     out: list[list[object]] = []
     for es, dtype in ((2, torch.bfloat16), (4, torch.float32)):
