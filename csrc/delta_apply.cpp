@@ -235,21 +235,26 @@ TRANSPORT_AVX512_END
 // before vals_end (each value a step uses is read by that step's one load), else copied out
 // first; the running count is checked before every load.
 
+// The vector of 8 elements at p (ES == 2: in the low 128 bits).
+template <int ES>
+__attribute__((target("avx2"))) inline __m256i load8_avx2(const uint8_t* p) {
+  if constexpr (ES == 2) return _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
 // The 8 values from vals (at most vals_end): a vector load while one fits, else the pc there.
 template <int ES>
 __attribute__((target("avx2"))) inline __m256i load8_avx2(const uint8_t* vals, const uint8_t* vals_end,
                                                           uint64_t pc) {
-  if (vals + 8 * ES <= vals_end) {
-    if constexpr (ES == 2) return _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vals)));
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vals));
-  }
+  if (vals + 8 * ES <= vals_end) return load8_avx2<ES>(vals);
   alignas(32) uint8_t tmp[32] = {};
   std::memcpy(tmp, vals, pc * ES);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
 }
 
-// The 32-bit lanes of the set bits of m (all ones), from the lanes' bits (bit).
-__attribute__((target("avx2"))) inline __m256i lanes_of(unsigned m, __m256i bit) {
+// The 32-bit lanes of the set bits of m (all ones).
+__attribute__((target("avx2"))) inline __m256i lanes_of(unsigned m) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i b = _mm256_set1_epi32(static_cast<int>(m));
   return _mm256_cmpeq_epi32(_mm256_and_si256(b, bit), bit);
 }
@@ -304,13 +309,6 @@ __attribute__((target("avx2"))) inline void put8_avx2(uint8_t* dst, __m256i pack
   std::memcpy(dst, tmp, pc * ES);
 }
 
-// The live vector of 8 elements at p (ES == 2: in the low 128 bits).
-template <int ES>
-__attribute__((target("avx2"))) inline __m256i load_live8_avx2(const uint8_t* p) {
-  if constexpr (ES == 2) return _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
 // The walk of a bitmask by both AVX2 paths: a 32-bit word of it (32 elements) at a time, words
 // with no bit set skipped, and each of a word's bytes (8 elements) a step taken by step(i, m,
 // keys) without a branch on whether any of its bits is set (at the densities a bitmask is
@@ -349,17 +347,16 @@ template <int ES>
 __attribute__((target("avx2"))) int scatter_mask_avx2(uint8_t* l, uint64_t n, const uint8_t* vals,
                                                       const uint8_t* vals_end, uint64_t count, const uint8_t* mask,
                                                       bool write, uint64_t* sum_new) {
-  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256i acc = _mm256_setzero_si256();
   uint64_t k = 0;
   const uint64_t body = walk_mask_avx2(n, mask, [&](uint64_t i, unsigned m,
                                                             __m256i keys) __attribute__((target("avx2"))) {
     const uint64_t pc = static_cast<uint64_t>(__builtin_popcount(m));
     if (k + pc > count) return false;
-    const __m256i on = lanes_of(m, bit);
+    const __m256i on = lanes_of(m);
     const __m256i v = permute8_avx2<ES>(load8_avx2<ES>(vals + k * ES, vals_end, pc), kLaneTables.spread[m],
                                           kLaneTables.spread16[m]);
-    if (write) store8_avx2<ES>(l + i * ES, load_live8_avx2<ES>(l + i * ES), v, on);
+    if (write) store8_avx2<ES>(l + i * ES, load8_avx2<ES>(l + i * ES), v, on);
     acc = add8_avx2(acc, _mm256_and_si256(mix8_avx2(widen_avx2<ES>(v), keys), on));
     k += pc;
     return true;
@@ -375,7 +372,6 @@ template <int ES>
 __attribute__((target("avx2"))) ApplyResult apply_mask_avx2(uint8_t* l, uint64_t n, const uint8_t* vals,
                                                             const uint8_t* vals_end, uint64_t count,
                                                             const uint8_t* mask, uint8_t* undo) {
-  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256i acc_new = _mm256_setzero_si256();
   __m256i acc_old = _mm256_setzero_si256();
   ApplyResult r{kOk, 0, 0, 0};
@@ -386,8 +382,8 @@ __attribute__((target("avx2"))) ApplyResult apply_mask_avx2(uint8_t* l, uint64_t
     if (k + pc > count) return false;
     uint8_t* dst = l + i * ES;
     __builtin_prefetch(dst + kPrefetch, 1);
-    const __m256i on = lanes_of(m, bit);
-    const __m256i old = load_live8_avx2<ES>(dst);
+    const __m256i on = lanes_of(m);
+    const __m256i old = load8_avx2<ES>(dst);
     const __m256i v = permute8_avx2<ES>(load8_avx2<ES>(vals + k * ES, vals_end, pc), kLaneTables.spread[m],
                                           kLaneTables.spread16[m]);
     // The saved values, packed: a whole vector's store where the undo area has room for it (its
