@@ -30,6 +30,10 @@ across the copy threads as the diff is) at the start, and on all cores again jus
 reported version's publishes (its diff's baseline: the VM's bandwidth drifts over a run; see
 memcpy_now), and forced-dense publishing.
 
+Last, per backend, whether the run meets the delta stream's targets (``targets``), e.g. ``[tcp]
+targets met: every step <= 1.05x dense (0.979), lr 1e-06 <= 0.2x dense (0.197), diff >= 0.5x the
+same-run memcpy (0.549)``; over ipc only the first line counts (nothing is diffed there).
+
     python -m benchmarks.delta_sync                      # the recorded run (tcp and ipc)
     python -m benchmarks.delta_sync --short --json out   # the smoke test's tiny run
     python -m benchmarks.delta_sync --join               # step 0 follows the first, dense, version
@@ -178,6 +182,12 @@ def memcpy_gbps(nbytes: int) -> dict[str, float]:
 
 _step_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # nbytes -> (src, dst), kept for the run
 IDLE_S = 0.2  # the idle before each of a version's single baseline copies
+# A delta stream's targets (``targets``): at every step at most NEVER_SLOWER of the dense stream's
+# live time (a delta stream is never slower than dense: where no delta pays it sends dense); over
+# a network at most NETWORK_TARGET of it at the smallest learning rate (lr 1e-6 by default); and
+# the diff at least DIFF_TARGET of the same-run memcpy at every step it ran.
+NEVER_SLOWER, NETWORK_TARGET, DIFF_TARGET = 1.05, 0.2, 0.5
+MEMORY_BACKENDS = ("ipc",)  # same-host links, as fast as memory: no network target there
 
 
 def memcpy_now(nbytes: int) -> tuple[float, float]:
@@ -502,6 +512,7 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
                          "diff_over_memcpy_min": diff_over("memcpy_gbps"),
                          "diff_over_warm_memcpy_min": diff_over("memcpy_warm_gbps"),
                          "refused_deltas": run.get("refused", 0)}
+    out["targets"] = targets(run, out)
     out["windows"] = [{"lr": r["lr"], "steps": r["steps"], "changed": r["changed_fraction"],
                        "as_delta": r["delta"]["as_delta"], "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"]}
                       for r in run.get("windows", [])]
@@ -510,6 +521,38 @@ def summarize(run: dict[str, Any], memcpy: float) -> dict[str, Any]:
                      "live_ratio": r["delta"]["live_s"] / r["dense"]["live_s"],
                      "apply_s": r["delta"]["apply_s"], "dense_apply_s": r["dense"]["apply_s"]} for r in run["sweep"]]
     return out
+
+
+def targets(run: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """Whether one backend's run meets the delta stream's targets (see ``NEVER_SLOWER``), line by
+    line: each line's figure from ``summary`` (:func:`summarize`'s) and whether it is met, then
+    ``met`` for all of them. Over a same-host link (``MEMORY_BACKENDS``) only the first applies:
+    there no delta pays and none is diffed. A line with no figure (no step, no diff) is not met."""
+    every = summary["every step"]
+    lines: dict[str, Any] = {"every_step_max": every["live_ratio_max"],
+                             "every_step_met": every["live_ratio_max"] <= NEVER_SLOWER}
+    lrs = sorted(r["lr"] for r in run["steps"] if r["lr"] is not None)
+    if run["backend"] not in MEMORY_BACKENDS:
+        smallest = summary.get(f"lr={lrs[0]:g}", {}).get("live_ratio_max", float("nan")) if lrs else float("nan")
+        lines.update({"network_lr": lrs[0] if lrs else None, "network_max": smallest,
+                      "network_met": smallest <= NETWORK_TARGET,
+                      "diff_min": every["diff_over_memcpy_min"],
+                      "diff_met": every["diff_over_memcpy_min"] >= DIFF_TARGET})
+    lines["met"] = all(v for k, v in lines.items() if k.endswith("_met"))
+    return lines
+
+
+def targets_line(t: dict[str, Any]) -> str:
+    """``targets`` in words, e.g. ``met: every step <= 1.05x dense (1.021), ...``."""
+
+    def line(words: str, figure: str, met: str) -> str:
+        return f"{words} ({t[figure]:.3f}{'' if t[met] else ': missed'})"
+
+    parts = [line(f"every step <= {NEVER_SLOWER:g}x dense", "every_step_max", "every_step_met")]
+    if "network_met" in t:
+        parts += [line(f"lr {t['network_lr']:g} <= {NETWORK_TARGET:g}x dense", "network_max", "network_met"),
+                  line(f"diff >= {DIFF_TARGET:g}x the same-run memcpy", "diff_min", "diff_met")]
+    return ("met: " if t["met"] else "not met: ") + ", ".join(parts)
 
 
 def floor_cell(refs: dict[str, Any] | None, r: dict[str, Any]) -> str:
@@ -641,8 +684,10 @@ def markdown(result: dict[str, Any]) -> str:
         s = result["summary"][b]
         out += ["", f"Summary ({b}):", ""]
         for key, v in s.items():
-            if key not in ("sweep", "windows"):
+            if key not in ("sweep", "windows", "targets"):
                 out.append(f"- {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()))
+        if "targets" in s:
+            out.append(f"- targets {targets_line(s['targets'])}")
         out.append("")
     return "\n".join(out)
 
@@ -703,8 +748,9 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict[str, dict[str, Any]] = result["summary"]
     for b, s in summary.items():
         for key, v in s.items():
-            if key not in ("sweep", "windows"):
+            if key not in ("sweep", "windows", "targets"):
                 print(f"[{b}] {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()), flush=True)
+        print(f"[{b}] targets {targets_line(s['targets'])}", flush=True)
         for r in s["windows"]:
             print(f"[{b}] {r['steps']} steps at lr={r['lr']:g} as one version: changed {r['changed']:.4%}, as delta "
                   f"{r['as_delta']}, live x{r['live_ratio']:.3f}", flush=True)

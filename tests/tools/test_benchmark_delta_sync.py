@@ -92,3 +92,46 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
         hot = run["sweep"][1]  # 90%: dense without a full diff
         assert hot["changed_fraction"] > 0.8 and hot["delta"]["as_delta"] == [False, False]
         assert hot["delta"]["wire_bytes"] == dense
+        # The targets' verdict, from this run's rows (no figure is asserted: only that it is judged
+        # from them), and printed for each backend.
+        t = doc["summary"][run["backend"]]["targets"]
+        ratios = {r["version"]: r["delta"]["live_s"] / r["dense"]["live_s"] for r in run["steps"][1:]}
+        assert t["every_step_max"] == max(ratios.values()) and t["every_step_met"] == (max(ratios.values()) <= 1.05)
+        if run["backend"] == "ipc":
+            assert not any(k.startswith(("network", "diff")) for k in t)
+        else:
+            assert t["network_lr"] == 1e-6 and t["diff_min"] == every["diff_over_memcpy_min"]
+            assert t["network_max"] == max(ratios[r["version"]] for r in run["steps"][1:] if r["lr"] == 1e-6)
+        assert t["met"] == all(v for k, v in t.items() if k.endswith("_met"))
+        assert f"[{run['backend']}] targets {'met' if t['met'] else 'not met'}: every step <= 1.05x" in proc.stdout
+
+
+def test_targets_judge_every_line_from_the_rows() -> None:
+    """``targets`` on rows made up for it: one line missed is enough, over a network all three
+    lines count, over ipc only the first, and a line without a figure (no diff ran) is missed."""
+    from benchmarks.delta_sync._run import summarize, targets_line
+
+    def row(lr: float | None, ratio: float, diff_over_memcpy: float | None) -> dict[str, object]:
+        side = {"live_s": 1.0, "wire_bytes": 100, "as_delta": [False, False], "apply_s": [0.1, 0.1]}
+        return {"lr": lr, "version": 0, "changed_fraction": 0.02, "delta": {**side, "live_s": ratio},
+                "dense": side, "again": side, "memcpy_gbps": 10.0, "memcpy_warm_gbps": 10.0,
+                "diff_gbps": None if diff_over_memcpy is None else 10.0 * diff_over_memcpy}
+
+    def verdict(backend: str, rows: list[dict[str, object]]) -> dict[str, object]:
+        run = {"backend": backend, "steps": [row(None, 1.0, None), *rows], "sweep": []}
+        t = summarize(run, 10.0)["targets"]
+        assert targets_line(t).startswith("met: " if t["met"] else "not met: ")
+        return t
+
+    fast = [row(1e-6, 0.15, 0.6), row(1e-6, 0.19, 0.7), row(1e-5, 0.5, 0.55), row(1e-5, 1.0, None)]
+    assert verdict("tcp", fast)["met"]
+    slow_step = verdict("tcp", [*fast[:-1], row(1e-5, 1.06, None)])
+    assert not slow_step["met"] and not slow_step["every_step_met"] and slow_step["network_met"]
+    assert not verdict("tcp", [row(1e-6, 0.21, 0.6), *fast[1:]])["network_met"]  # lr 1e-6 above 0.2x
+    slow_diff = verdict("tcp", [*fast[:2], row(1e-5, 0.5, 0.45), fast[3]])
+    assert not slow_diff["met"] and not slow_diff["diff_met"] and slow_diff["network_met"]
+    assert not verdict("tcp", [row(1e-6, 0.15, None)])["diff_met"]  # no diff: no figure, not met
+    # Over a same-host link only "never slower than dense" counts (no delta is diffed there).
+    ipc = verdict("ipc", [row(1e-6, 1.04, None), row(1e-5, 0.98, None)])
+    assert ipc["met"] and set(ipc) == {"every_step_max", "every_step_met", "met"}
+    assert not verdict("ipc", [row(1e-6, 1.051, None)])["met"]
