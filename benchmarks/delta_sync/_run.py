@@ -531,11 +531,10 @@ def targets(run: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     every = summary["every step"]
     lines: dict[str, Any] = {"every_step_max": every["live_ratio_max"],
                              "every_step_met": every["live_ratio_max"] <= NEVER_SLOWER}
-    lrs = sorted(r["lr"] for r in run["steps"] if r["lr"] is not None)
     if run["backend"] not in MEMORY_BACKENDS:
-        smallest = summary.get(f"lr={lrs[0]:g}", {}).get("live_ratio_max", float("nan")) if lrs else float("nan")
-        lines.update({"network_lr": lrs[0] if lrs else None, "network_max": smallest,
-                      "network_met": smallest <= NETWORK_TARGET,
+        lr = min((r["lr"] for r in run["steps"] if r["lr"] is not None), default=None)
+        smallest = float("nan") if lr is None else summary[f"lr={lr:g}"]["live_ratio_max"]
+        lines.update({"network_lr": lr, "network_max": smallest, "network_met": smallest <= NETWORK_TARGET,
                       "diff_min": every["diff_over_memcpy_min"],
                       "diff_met": every["diff_over_memcpy_min"] >= DIFF_TARGET})
     lines["met"] = all(v for k, v in lines.items() if k.endswith("_met"))
@@ -553,6 +552,14 @@ def targets_line(t: dict[str, Any]) -> str:
         parts += [line(f"lr {t['network_lr']:g} <= {NETWORK_TARGET:g}x dense", "network_max", "network_met"),
                   line(f"diff >= {DIFF_TARGET:g}x the same-run memcpy", "diff_min", "diff_met")]
     return ("met: " if t["met"] else "not met: ") + ", ".join(parts)
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """One backend's summary (:func:`summarize`'s) as lines, its targets' verdict last (the
+    markdown's list and the printout; the windows and the sweep have lines of their own)."""
+    out = [f"{key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items())
+           for key, v in s.items() if key not in ("sweep", "windows", "targets")]
+    return out + ([f"targets {targets_line(s['targets'])}"] if "targets" in s else [])
 
 
 def floor_cell(refs: dict[str, Any] | None, r: dict[str, Any]) -> str:
@@ -683,11 +690,7 @@ def markdown(result: dict[str, Any]) -> str:
                            f"{d['live_s'] * 1e3:.0f} / {n['live_s'] * 1e3:.0f} | {d['live_s'] / n['live_s']:.2f} |")
         s = result["summary"][b]
         out += ["", f"Summary ({b}):", ""]
-        for key, v in s.items():
-            if key not in ("sweep", "windows", "targets"):
-                out.append(f"- {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()))
-        if "targets" in s:
-            out.append(f"- targets {targets_line(s['targets'])}")
+        out += [f"- {line}" for line in summary_lines(s)]
         out.append("")
     return "\n".join(out)
 
@@ -747,10 +750,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     summary: dict[str, dict[str, Any]] = result["summary"]
     for b, s in summary.items():
-        for key, v in s.items():
-            if key not in ("sweep", "windows", "targets"):
-                print(f"[{b}] {key}: " + ", ".join(f"{k} {x:.4g}" for k, x in v.items()), flush=True)
-        print(f"[{b}] targets {targets_line(s['targets'])}", flush=True)
+        for line in summary_lines(s):
+            print(f"[{b}] {line}", flush=True)
         for r in s["windows"]:
             print(f"[{b}] {r['steps']} steps at lr={r['lr']:g} as one version: changed {r['changed']:.4%}, as delta "
                   f"{r['as_delta']}, live x{r['live_ratio']:.3f}", flush=True)
